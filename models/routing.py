@@ -1,0 +1,351 @@
+"""Routing instrumentation: record which experts every token used, replay a recorded routing, measure drift.
+
+Everything hooks the router module of each MoE block (transformers 5.x `*TopKRouter`, returning
+`(router_logits, top_k_weights, top_k_indices)`), so it is independent of the experts backend.
+
+Trace layout. A `RoutingTrace` holds `experts: [L, B, S, K]` (MoE layer, batch row, token position, top-k slot),
+laid out exactly like the token ids of the batch it was recorded on (left padding included). Positions without a
+recorded route carry the sentinel `NO_ROUTE = -1`, never a valid expert id: padding (attention mask 0), and in a
+trace recorded across `generate` the last sampled token, which is never fed back through the model.
+
+Replay (GSPO paper §5.3, "Routing Replay"; R3 paper arXiv 2510.11370). Only the expert *indices* are replayed;
+the gate weights are gathered from the *current* router's full softmax at the replayed experts and renormalised as
+the model family does, so the router still receives gradient. Positions marked `NO_ROUTE` keep the router's own
+choice: they are padding (masked out of attention) or the last token of a sequence, whose hidden state feeds no
+scored log-probability. The router's own top-k is still computed during a replayed forward and exposed as
+`Replay.router_choice`, so drift against the replayed routing costs no extra forward. Replay data is keyed by
+router module, not by call count, so it holds when activation checkpointing re-runs a layer in backward — as long
+as backward runs inside the `replay_routing` context.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from models.policy import find_routers
+
+NO_ROUTE = -1
+_TRACE_DTYPE = torch.int16  # expert ids < 32768; a quarter of int64's memory for long rollouts
+
+
+@dataclass
+class RoutingTrace:
+    """Selected experts of every MoE layer for every token: `experts [L, B, S, K]`, `NO_ROUTE` where none."""
+
+    experts: torch.Tensor
+    layer_names: tuple[str, ...]
+    num_experts: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(self.experts.shape)
+
+    def rows(self, index: torch.Tensor | slice) -> "RoutingTrace":
+        """The trace of a subset of batch rows (a minibatch), in the given order."""
+        return RoutingTrace(self.experts[:, index], self.layer_names, self.num_experts)
+
+    def columns(self, start: int, stop: int | None = None) -> "RoutingTrace":
+        """The trace of a range of token positions (for example the response part of a batch)."""
+        return RoutingTrace(self.experts[:, :, start:stop], self.layer_names, self.num_experts)
+
+    def to(self, device: torch.device | str) -> "RoutingTrace":
+        return RoutingTrace(self.experts.to(device), self.layer_names, self.num_experts)
+
+    def recorded(self) -> torch.Tensor:
+        """`[L, B, S]` bool: positions that carry a route."""
+        return self.experts[..., 0] != NO_ROUTE
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hooks: one object installed on every router, shared by record and replay.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _CallShape:
+    """The `[B, S]` shape and attention mask of the current forward call.
+
+    Routers see tokens flattened to `[B*S, H]`; a pre-hook on the top-level model captures the shape (from
+    `input_ids` or `inputs_embeds`) and the attention mask, so the router hooks can lay routes out like tokens.
+    """
+
+    def __init__(self) -> None:
+        self.batch = 0
+        self.seq = 0
+        self.valid: torch.Tensor | None = None  # [B, S] bool, True where the token is attended
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        shape = ids.shape if ids is not None else embeds.shape[:2]
+        self.batch, self.seq = int(shape[0]), int(shape[1])
+        mask = kwargs.get("attention_mask")
+        self.valid = mask[:, -self.seq :].bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
+def _layout(flat: torch.Tensor, call: _CallShape) -> torch.Tensor:
+    """`[B*S, K]` router indices -> `[B, S, K]` int16 with `NO_ROUTE` at unattended positions."""
+    routes = flat.detach().reshape(call.batch, call.seq, -1).to(_TRACE_DTYPE)
+    if call.valid is not None:
+        routes = routes.masked_fill(~call.valid.to(routes.device).unsqueeze(-1), NO_ROUTE)
+    return routes
+
+
+def replayed_gate_weights(
+    router: torch.nn.Module, router_logits: torch.Tensor, indices: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
+    """Gate weights of `indices [T, K]` from the current router logits `[T, E]`, as the model family computes them.
+
+    Softmax over *all* experts first (never over the post-top-k, zero-filled scores: a drifted index would read an
+    exact zero and its gradient would silently die), gather the replayed experts, then renormalise when the family
+    does (Qwen2/3-MoE and OLMoE when `norm_topk_prob`; Mixtral always). Cast like the router's own weights.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights = probs.gather(-1, indices)
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(like.dtype)
+
+
+class _RouterHook:
+    """Forward hook on one router: records its own choice, and when replay data is set, swaps in recorded experts."""
+
+    def __init__(self, name: str, call: _CallShape) -> None:
+        self.name = name
+        self.call = call
+        self.recording: list[torch.Tensor] | None = None  # one [B, S, K] block per forward call
+        self.replay: torch.Tensor | None = None  # [B, S, K] int16 for the replayed forward
+
+    def __call__(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
+        logits, weights, indices = output
+        if self.recording is not None:
+            self.recording.append(_layout(indices, self.call))
+        if self.replay is None:
+            return None
+        forced = self.replay.reshape(-1, self.replay.shape[-1]).to(indices.device)
+        keep_own = (forced[:, :1] == NO_ROUTE).expand_as(indices)
+        forced = torch.where(keep_own, indices, forced.long())
+        return logits, replayed_gate_weights(router, logits, forced, weights), forced
+
+
+@contextmanager
+def _hooks(model: torch.nn.Module) -> Iterator[list[_RouterHook]]:
+    routers = find_routers(model)
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no MoE router modules: nothing to record or replay")
+    call = _CallShape()
+    handles = [model.register_forward_pre_hook(call, with_kwargs=True)]
+    hooks = []
+    for name, router in routers.items():
+        hook = _RouterHook(name, call)
+        handles.append(router.register_forward_hook(hook))
+        hooks.append(hook)
+    try:
+        yield hooks
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _num_experts(model: torch.nn.Module) -> int:
+    router = next(iter(find_routers(model).values()))
+    return int(router.num_experts)
+
+
+def _assemble(hooks: list[_RouterHook], num_experts: int) -> RoutingTrace:
+    """Concatenate each layer's per-call blocks along positions (prefill, then one block per decode step)."""
+    if not hooks[0].recording:
+        raise RuntimeError("no forward pass ran inside record_routing/replay_routing: the trace is empty")
+    layers = [torch.cat(hook.recording, dim=1) for hook in hooks]
+    return RoutingTrace(torch.stack(layers), tuple(hook.name for hook in hooks), num_experts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Recording:
+    """Handle yielded by `record_routing`; `.trace` is available once the forward (or `generate`) has run."""
+
+    def __init__(self, hooks: list[_RouterHook], num_experts: int, generated: bool) -> None:
+        self._hooks = hooks
+        self._num_experts = num_experts
+        self._generated = generated
+        self._trace: RoutingTrace | None = None
+
+    @property
+    def trace(self) -> RoutingTrace:
+        if self._trace is None:
+            trace = _assemble(self._hooks, self._num_experts)
+            if self._generated:
+                # The last sampled token was never fed back: give it a NO_ROUTE column so the trace has exactly
+                # the width of the returned sequences.
+                L, B, _, K = trace.shape
+                tail = torch.full((L, B, 1, K), NO_ROUTE, dtype=_TRACE_DTYPE, device=trace.experts.device)
+                trace = RoutingTrace(torch.cat([trace.experts, tail], dim=2), trace.layer_names, trace.num_experts)
+            self._trace = trace
+        return self._trace
+
+
+@contextmanager
+def record_routing(model: torch.nn.Module, generate: bool = False) -> Iterator[Recording]:
+    """Record every MoE layer's selected experts for the forward passes run inside the context.
+
+    For a plain forward the trace has the shape of the input ids. With `generate=True` the prefill and every
+    decode step are assembled into one trace with the width of the returned sequences (prompt + new tokens); the
+    last column is `NO_ROUTE` because the last sampled token never goes through the model. Run one forward (or one
+    `generate`) per context.
+    """
+    with _hooks(model) as hooks:
+        for hook in hooks:
+            hook.recording = []
+        yield Recording(hooks, _num_experts(model), generate)
+
+
+class Replay:
+    """Handle yielded by `replay_routing`; `.router_choice` is the router's own top-k during the replayed forward."""
+
+    def __init__(self, hooks: list[_RouterHook], num_experts: int) -> None:
+        self._hooks = hooks
+        self._num_experts = num_experts
+
+    @property
+    def router_choice(self) -> RoutingTrace:
+        """The experts the current router would have chosen (own top-k), laid out like the replayed trace.
+
+        Only the first forward in the context is reported: activation checkpointing re-runs the routers in
+        backward, and those repeats carry no new information.
+        """
+        if not self._hooks[0].recording:
+            raise RuntimeError("no forward pass ran inside replay_routing: there is no router choice to report")
+        experts = torch.stack([hook.recording[0] for hook in self._hooks])
+        return RoutingTrace(experts, tuple(hook.name for hook in self._hooks), self._num_experts)
+
+
+def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tuple[int, int]) -> None:
+    """Refuse a trace that does not fit the model and batch, saying what differs.
+
+    Checks: one layer per MoE router (same names), `[B, S]` equal to the batch's, top-k width equal to the
+    model's, ids in `[0, E)` or the `NO_ROUTE` sentinel for whole rows, and no expert twice in one token's top-k.
+    """
+    routers = find_routers(model)
+    L, B, S, K = trace.shape
+    if L != len(routers):
+        raise ValueError(f"routing trace has {L} MoE layers but the model has {len(routers)}")
+    if tuple(trace.layer_names) != tuple(routers):
+        raise ValueError(f"routing trace layers {trace.layer_names[:2]}... do not match the model's {tuple(routers)[:2]}...")
+    if (B, S) != tuple(input_shape):
+        raise ValueError(f"routing trace covers batch x positions {(B, S)} but the batch is {tuple(input_shape)}")
+    top_k = next(iter(routers.values())).top_k
+    if K != top_k:
+        raise ValueError(f"routing trace has top-k {K} but the model routes each token to {top_k} experts")
+    num_experts = _num_experts(model)
+    experts = trace.experts
+    sentinel = experts == NO_ROUTE
+    partial = sentinel.any(-1) & ~sentinel.all(-1)
+    if partial.any():
+        raise ValueError("routing trace mixes NO_ROUTE and expert ids within one token's top-k")
+    out_of_range = ~sentinel & ((experts < 0) | (experts >= num_experts))
+    if out_of_range.any():
+        bad = int(experts[out_of_range][0])
+        raise ValueError(f"routing trace has expert id {bad}, outside [0, {num_experts}) and not NO_ROUTE ({NO_ROUTE})")
+    if K > 1:
+        ordered = experts.sort(dim=-1).values
+        duplicated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != NO_ROUTE)
+        if duplicated.any():
+            raise ValueError("routing trace selects the same expert twice in one token's top-k")
+
+
+@contextmanager
+def replay_routing(model: torch.nn.Module, trace: RoutingTrace) -> Iterator[Replay]:
+    """Force the forward passes inside the context (and their backward) to use the experts of `trace`.
+
+    The trace must match the batch fed to the model: `[L, B, S, K]` with `[B, S]` the input ids' shape; a
+    mismatch raises `ValueError` at the first forward. Keep backward inside the context when activation
+    checkpointing is on, so that recomputed layers replay too.
+    """
+    with _hooks(model) as hooks:
+        if len(hooks) != trace.shape[0]:
+            raise ValueError(f"routing trace has {trace.shape[0]} MoE layers but the model has {len(hooks)}")
+        checked = {"done": False}
+
+        def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not checked["done"]:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
+                validate_trace(trace, model, tuple(shape))
+                checked["done"] = True
+
+        handle = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
+        for layer, hook in enumerate(hooks):
+            hook.replay = trace.experts[layer]
+            hook.recording = []
+        try:
+            yield Replay(hooks, trace.num_experts)
+        finally:
+            handle.remove()
+            for hook in hooks:
+                hook.replay = None
+
+
+@dataclass
+class RoutingDrift:
+    """Share of activated experts that changed between two routings of the same tokens.
+
+    `per_layer [L]`: for each MoE layer, the share of activated (token, slot) experts in `new` that are not in
+    `old`'s top-k set for that token (the GSPO paper's "~10% of activated experts differ"). `expert_change_frac`:
+    its mean over layers. `token_any_change_frac`: share of tokens whose expert set changed in at least one layer.
+    Only positions inside `mask` that carry a route in both traces count.
+    """
+
+    per_layer: torch.Tensor
+    expert_change_frac: float
+    token_any_change_frac: float
+    tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def routing_drift(old: RoutingTrace, new: RoutingTrace, mask: torch.Tensor) -> RoutingDrift:
+    """Compare two traces of the same tokens (`[L, B, S, K]` each) on the positions in `mask [B, S]`."""
+    if old.shape != new.shape:
+        raise ValueError(f"cannot compare routing traces of shapes {old.shape} and {new.shape}")
+    L, B, S, K = new.shape
+    if tuple(mask.shape) != (B, S):
+        raise ValueError(f"drift mask has shape {tuple(mask.shape)}, the traces cover {(B, S)}")
+    valid = mask.to(new.experts.device).bool().unsqueeze(0) & old.recorded() & new.recorded()  # [L, B, S]
+    valid = valid.all(dim=0)  # [B, S]: a token counts when every layer has both routes
+    tokens = int(valid.sum())
+    if tokens == 0:
+        per_layer = torch.zeros(L)
+        any_change = 0.0
+    else:
+        # [L, B, S, K]: slot k of `new` is an expert that `old` also activated for this token and layer
+        kept = (new.experts.unsqueeze(-1) == old.experts.unsqueeze(-2)).any(-1)
+        changed = (~kept).float() * valid.unsqueeze(0).unsqueeze(-1)
+        per_layer = changed.sum(dim=(1, 2, 3)) / (tokens * K)
+        any_change = float((changed.sum(dim=(0, 3)) > 0).sum()) / tokens
+    metrics = {"routing/expert_change_frac": float(per_layer.mean()), "routing/token_any_change_frac": any_change}
+    for layer, value in enumerate(per_layer.tolist()):
+        metrics[f"routing/expert_change_frac/layer_{layer}"] = value
+    return RoutingDrift(per_layer, float(per_layer.mean()), any_change, tokens, metrics)
+
+
+def expert_load(trace: RoutingTrace, mask: torch.Tensor) -> torch.Tensor:
+    """`[L, E]` share of (token, slot) assignments each expert received on the positions in `mask [B, S]`."""
+    L, B, S, K = trace.shape
+    valid = (mask.to(trace.experts.device).bool().unsqueeze(0) & trace.recorded()).unsqueeze(-1).expand(L, B, S, K)
+    ids = trace.experts.long().clamp_min(0)
+    counts = torch.zeros(L, trace.num_experts, device=ids.device)
+    counts.scatter_add_(1, ids.reshape(L, -1), valid.reshape(L, -1).float())
+    return counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+
+
+def load_max_violation(trace: RoutingTrace, mask: torch.Tensor) -> float:
+    """MaxVio (DeepSeek's loss-free balancing): mean over layers of max_e load_e / mean load − 1 (0 = balanced)."""
+    load = expert_load(trace, mask)
+    return float((load.max(dim=1).values * trace.num_experts - 1.0).mean())
