@@ -1,0 +1,32 @@
+"""DAPO's policy loss (Yu et al., ByteDance Seed / Tsinghua, arXiv 2503.14476).
+
+    J = E[ (1 / Σ_i |y_i|) Σ_i Σ_t min( r_{i,t} Â_i, clip(r_{i,t}, 1 − ε_low, 1 + ε_high) Â_i ) ]
+
+Token-level ratios with "clip-higher" (ε_low 0.2, ε_high 0.28: room for low-probability tokens to grow) and
+"token-level loss": aggregation `token-mean` by default, every token of the minibatch weighing the same.
+DAPO's other two ingredients are not part of the loss: dynamic sampling (drop groups whose rewards are all
+equal, refill the batch) belongs to the training loop, and overlong filtering / soft overlong punishment
+belong to the reward and the data.
+"""
+
+from dataclasses import dataclass
+
+from algos.common import PolicyBatch, PolicyLoss, token_clip_policy_loss
+from algos.objective import Objective
+from algos.registry import register_objective
+
+
+@register_objective("dapo")
+@dataclass(frozen=True)
+class DAPO(Objective):
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_agg: str = "token-mean"
+
+    def validate(self) -> None:
+        self._check_ratio_lower_clip("clip_low")
+        self._check_non_negative("clip_high")
+        self._check_loss_agg()
+
+    def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
+        return token_clip_policy_loss(batch, self.clip_low, self.clip_high, self.loss_agg)

@@ -1,0 +1,32 @@
+"""GRPO as the GSPO paper's tuned baseline (Zheng et al., arXiv 2507.18071, eq. 2; Shao et al., arXiv 2402.03300).
+
+    J = E[ (1/G) Σ_i (1/|y_i|) Σ_t min( r_{i,t} Â_i, clip(r_{i,t}, 1 − ε_low, 1 + ε_high) Â_i ) ],
+    r_{i,t} = π_θ(y_{i,t} | x, y_{i,<t}) / π_old(y_{i,t} | x, y_{i,<t})
+
+Token-level ratios and clipping. Aggregation: `seq-mean-token-mean` by default (a token mean inside each
+response, then a mean over responses, as eq. 2), selectable with `loss_agg`. The clip range 0.2 / 0.27 is the
+one the GSPO paper tuned for its GRPO baseline (§5.1). Gradient of an unclipped token:
+−Â_i · r_{i,t} / |y_i| · ∇log π_θ(y_{i,t}), over the number of responses; a binding clip removes it.
+"""
+
+from dataclasses import dataclass
+
+from algos.common import PolicyBatch, PolicyLoss, token_clip_policy_loss
+from algos.objective import Objective
+from algos.registry import register_objective
+
+
+@register_objective("grpo")
+@dataclass(frozen=True)
+class GRPO(Objective):
+    clip_low: float = 0.2
+    clip_high: float = 0.27
+    loss_agg: str = "seq-mean-token-mean"
+
+    def validate(self) -> None:
+        self._check_ratio_lower_clip("clip_low")
+        self._check_non_negative("clip_high")
+        self._check_loss_agg()
+
+    def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
+        return token_clip_policy_loss(batch, self.clip_low, self.clip_high, self.loss_agg)

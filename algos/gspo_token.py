@@ -1,0 +1,40 @@
+"""GSPO-token (Zheng et al., Qwen, arXiv 2507.18071, §4.3, eqs. 13-14).
+
+    J = E[ (1/G) Σ_i (1/|y_i|) Σ_t min( s_{i,t} Â_{i,t}, clip(s_{i,t}, 1 − ε_low, 1 + ε_high) Â_{i,t} ) ],
+    s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})],  i.e.  log s_{i,t} = sg[log s_i] + log π_θ − sg[log π_θ]
+
+Every token carries the value of its response's GSPO ratio s_i but its own gradient path, which is what lets
+GSPO take per-token advantages (multi-turn credit). Aggregation is fixed to `seq-mean-token-mean` (eq. 13; no
+`loss_agg`). With one advantage per response, which is what this API takes, the loss, the clipping and the
+gradient equal `gspo`'s (the paper: "numerically identical"). The one exception is a response whose mean
+log-ratio passes the ±10 clamp: `gspo` then has no gradient, this form keeps −Â_i·s_i/|y_i| per token.
+Clip defaults 3e-4 / 4e-4 as `gspo`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from algos.common import PolicyBatch, PolicyLoss, clipped_surrogate
+from algos.objective import Objective
+from algos.registry import register_objective
+
+
+@register_objective("gspo_token")
+@dataclass(frozen=True)
+class GSPOToken(Objective):
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+
+    def validate(self) -> None:
+        self._check_ratio_lower_clip("clip_low")
+        self._check_non_negative("clip_high")
+
+    def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
+        # batch.logp is zero at padding, so the token term is exactly 0 there and its gradient too.
+        log_ratio = batch.seq_log_ratio.detach()[:, None] + (batch.logp - batch.logp.detach())
+        loss, binding = clipped_surrogate(
+            torch.exp(log_ratio), batch.advantages[:, None], self.clip_low, self.clip_high
+        )
+        token_clipped = binding & batch.mask
+        return PolicyLoss(loss, token_clipped, token_clipped.any(dim=1), "seq-mean-token-mean")
