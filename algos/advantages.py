@@ -38,7 +38,9 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
         shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
         raise ValueError(f"rewards must be a non-empty 1-D tensor [N], got {shape}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"group_size must be an int >= 2 (a group-relative baseline needs 2 samples), got {group_size!r}")
+        raise ValueError(
+            f"group_size must be an int >= 2 (a group-relative baseline needs 2 samples), got {group_size!r}"
+        )
     if rewards.numel() % group_size:
         raise ValueError(
             f"the number of rewards N = {rewards.numel()} is not divisible by group_size = {group_size}"

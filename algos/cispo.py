@@ -2,9 +2,9 @@
 
     J = E[ (1 / Σ_i |y_i|) Σ_i Σ_t sg( clip(r_{i,t}, 1 − ε_low, 1 + ε_high) ) · Â_i · log π_θ(y_{i,t}) ]
 
-REINFORCE with a clipped, stop-gradient importance weight: the clip bounds the weight instead of dropping the
-token, so every token keeps the gradient clip(r)·Â·∇log π_θ. Per-token loss −sg(clip(r))·Â·log π_θ (its value
-depends on log π_θ itself, not only on the ratio; only its gradient is meaningful). Aggregation is fixed to
+REINFORCE with a clipped, stop-gradient importance weight: the clip bounds the weight instead of dropping
+the token, so every token keeps the gradient clip(r)·Â·∇log π_θ. Per-token loss −sg(clip(r))·Â·log π_θ (its
+value depends on log π_θ itself, not only on the ratio; only its gradient is meaningful). Aggregation is fixed to
 `token-mean` (eq. 4; no `loss_agg`). `clip_low = None` (default) means no lower bound, as MiniMax-M1 ("we did
 not impose a lower bound"); `clip_high` 0.2 is verl's example, the paper does not disclose its value.
 Clip metrics count the tokens whose weight was changed, r ≠ clip(r), whatever the advantage's sign.

@@ -1,6 +1,7 @@
 """Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective", arXiv 2503.20783).
 
-    J = E[ (1/G) Σ_i Σ_t min( r_{i,t} Â_i, clip(r_{i,t}, 1 − ε, 1 + ε) Â_i ) ] / T_norm,   Â_i = R_i − mean_j R_j
+    J = E[ (1/G) Σ_i Σ_t min( r_{i,t} Â_i, clip(r_{i,t}, 1 − ε, 1 + ε) Â_i ) ] / T_norm,
+    Â_i = R_i − mean_j R_j
 
 GRPO without its two biases: no 1/|y_i| (a long wrong answer is no longer penalised less per token) and no
 division of the advantage by the group std (set `advantage_std: false` in the config; `group_advantages(...,

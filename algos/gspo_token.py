@@ -1,7 +1,8 @@
 """GSPO-token (Zheng et al., Qwen, arXiv 2507.18071, §4.3, eqs. 13-14).
 
     J = E[ (1/G) Σ_i (1/|y_i|) Σ_t min( s_{i,t} Â_{i,t}, clip(s_{i,t}, 1 − ε_low, 1 + ε_high) Â_{i,t} ) ],
-    s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})],  i.e.  log s_{i,t} = sg[log s_i] + log π_θ − sg[log π_θ]
+    s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})],
+    i.e. log s_{i,t} = sg[log s_i] + log π_θ(y_{i,t}) − sg[log π_θ(y_{i,t})]
 
 Every token carries the value of its response's GSPO ratio s_i but its own gradient path, which is what lets
 GSPO take per-token advantages (multi-turn credit). Aggregation is fixed to `seq-mean-token-mean` (eq. 13; no

@@ -9,8 +9,8 @@ they accept (`validate`); the base does the rest the same way for all of them:
    (DeepSeekMath eq. 4), to the per-token policy loss, and aggregate the sum with the objective's mode;
 3. compute the shared metrics (`algos.metrics`).
 
-Every objective has the hyperparameter `kl_coef` (β, default 0: none of the compared papers uses a KL term);
-`ref_logp` is required when it is positive.
+Every objective has the hyperparameter `kl_coef` (β; default 0, as in the GSPO paper's comparison and in DAPO,
+Dr. GRPO, CISPO; DeepSeekMath's GRPO used 0.04); `ref_logp` is required when it is positive.
 """
 
 import math

@@ -27,21 +27,21 @@ def register_objective(name: str) -> Callable[[type[Objective]], type[Objective]
     return register
 
 
-def hyperparameters(name: str) -> tuple[str, ...]:
+def hyperparameter_names(name: str) -> tuple[str, ...]:
     """The hyperparameter (field) names of the objective registered as `name`."""
     return tuple(f.name for f in fields(_lookup(name)))
 
 
-def build_objective(name: str, **hyperparameters_: object) -> Objective:
+def build_objective(name: str, **hyperparameters: object) -> Objective:
     """The objective registered as `name` with the given hyperparameters (the others keep their defaults)."""
     cls = _lookup(name)
-    allowed = hyperparameters(name)
-    unknown = sorted(set(hyperparameters_) - set(allowed))
+    allowed = hyperparameter_names(name)
+    unknown = sorted(set(hyperparameters) - set(allowed))
     if unknown:
         raise ValueError(
             f"{name}: unknown hyperparameter(s) {', '.join(unknown)}; {name} takes {', '.join(allowed)}"
         )
-    return cls(**hyperparameters_)
+    return cls(**hyperparameters)
 
 
 def _lookup(name: str) -> type[Objective]:

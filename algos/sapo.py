@@ -4,7 +4,8 @@
     τ = τ_pos if Â_i > 0 else τ_neg
 
 A smooth trust region instead of a hard clip: ∂f/∂r = sech²(τ(r − 1)/2), so a token's gradient
-−Â · sech²(τ(r − 1)/2) · r · ∇log π_θ has weight 1 on-policy (r = 1), like GRPO's, and fades as r leaves 1.
+−Â · sech²(τ(r − 1)/2) · r · ∇log π_θ has weight 1 on-policy (r = 1), like GRPO's, and fades as r moves
+away from 1.
 τ_neg > τ_pos (defaults 1.05 / 1.0) because negative-advantage updates spread probability over the whole
 vocabulary and are the less stable ones. Per-token loss −f(r)·Â; aggregation fixed to `seq-mean-token-mean`
 (no `loss_agg`). Nothing is clipped, so the clip metrics are 0; `sapo/gate_weight_mean` is the mean over valid

@@ -1,0 +1,383 @@
+"""Objectives against hand-derived losses and gradients, their shared metrics, aggregation, numerics and errors.
+
+Convention of the hand-built batches: old_logp = -2 on valid tokens and logp = old_logp + log r, so each test
+reads as a list of token ratios r; gradients are d loss / d logp.
+"""
+
+import math
+from dataclasses import FrozenInstanceError, fields
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from algos import OBJECTIVES, ObjectiveOutput, build_objective
+from algos.common import LOSS_AGG_MODES, aggregate
+
+CONF_ALGO = Path(__file__).resolve().parents[1] / "conf" / "algo"
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def batch_from_ratios(ratios: list[list[float]], advantages: list[float], width: int) -> dict[str, torch.Tensor]:
+    """Padded [B, width] inputs whose valid token ratios are `ratios` (padding: logp = old_logp = 0)."""
+    batch = len(ratios)
+    old_logp = torch.zeros(batch, width)
+    logp = torch.zeros(batch, width)
+    mask = torch.zeros(batch, width, dtype=torch.bool)
+    for i, row in enumerate(ratios):
+        n = len(row)
+        old_logp[i, :n] = -2.0
+        logp[i, :n] = -2.0 + torch.log(torch.tensor(row, dtype=torch.float64)).float()
+        mask[i, :n] = True
+    return dict(logp=logp, old_logp=old_logp, advantages=torch.tensor(advantages), mask=mask)
+
+
+def loss_and_grad(objective, inputs: dict[str, torch.Tensor]) -> tuple[ObjectiveOutput, torch.Tensor]:
+    logp = inputs["logp"].clone().requires_grad_(True)
+    out = objective(**{**inputs, "logp": logp})
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    return out, grad
+
+
+# Two responses: Â = +1 with ratios (1.1, 1.5); Â = -2 with ratios (0.9, 0.5, 1.3).
+TOKEN_CASE = batch_from_ratios([[1.1, 1.5], [0.9, 0.5, 1.3]], [1.0, -2.0], width=3)
+
+
+def test_grpo_matches_hand_derived_loss_and_gradient():
+    # clip (0.8, 1.27): 1.5 binds (Â > 0), 0.5 binds (Â < 0), 1.3 does not (Â < 0 keeps the larger loss).
+    out, grad = loss_and_grad(build_objective("grpo"), TOKEN_CASE)
+    seq0 = (-1.1 - 1.27) / 2
+    seq1 = (2 * 0.9 + 2 * 0.8 + 2 * 1.3) / 3
+    assert out.loss.item() == pytest.approx((seq0 + seq1) / 2, rel=1e-6)
+    # Unclipped token: -Â·r / (|y_i|·B); clipped tokens and padding: 0.
+    expected = torch.tensor([[-1.1 / 4, 0.0, 0.0], [2 * 0.9 / 6, 0.0, 2 * 1.3 / 6]])
+    torch.testing.assert_close(grad, expected, **TOL)
+    assert out.metrics["clip/token_frac"] == pytest.approx(2 / 5)
+    assert out.metrics["clip/seq_frac"] == pytest.approx(1.0)
+    assert out.metrics["ratio/token_mean"] == pytest.approx(5.3 / 5, rel=1e-6)
+    assert out.metrics["ratio/token_max"] == pytest.approx(1.5, rel=1e-6)
+    token_ratios = torch.tensor([1.1, 1.5, 0.9, 0.5, 1.3])
+    assert out.metrics["ratio/token_var"] == pytest.approx(token_ratios.var(unbiased=False).item(), rel=1e-5)
+    seq_ratios = [math.sqrt(1.1 * 1.5), (0.9 * 0.5 * 1.3) ** (1 / 3)]
+    assert out.metrics["ratio/seq_mean"] == pytest.approx(sum(seq_ratios) / 2, rel=1e-6)
+    assert out.metrics["kl/old_k3"] == pytest.approx(sum(r - 1 - math.log(r) for r in token_ratios.tolist()) / 5)
+    assert out.metrics["loss/policy"] == pytest.approx(out.loss.item())
+    assert "kl/ref_k3" not in out.metrics
+
+
+def test_dapo_is_a_token_mean_with_clip_higher():
+    # clip (0.8, 1.28); the same tokens bind as for GRPO, now every token weighs 1/5.
+    out, grad = loss_and_grad(build_objective("dapo"), TOKEN_CASE)
+    assert out.loss.item() == pytest.approx((-1.1 - 1.28 + 1.8 + 1.6 + 2.6) / 5, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-1.1 / 5, 0, 0], [2 * 0.9 / 5, 0, 2 * 1.3 / 5]]), **TOL)
+
+
+def test_dr_grpo_divides_the_token_sum_by_a_constant():
+    # clip (0.8, 1.2); sum of per-token losses = -1.1 - 1.2 + 1.8 + 1.6 + 2.6 = 3.7.
+    out, grad = loss_and_grad(build_objective("dr_grpo"), TOKEN_CASE)
+    assert out.loss.item() == pytest.approx(3.7 / (2 * 3), rel=1e-6)  # B · T with T the padded length
+    torch.testing.assert_close(grad, torch.tensor([[-1.1 / 6, 0, 0], [2 * 0.9 / 6, 0, 2 * 1.3 / 6]]), **TOL)
+    out, grad = loss_and_grad(build_objective("dr_grpo", norm_tokens=10), TOKEN_CASE)
+    assert out.loss.item() == pytest.approx(3.7 / (2 * 10), rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-1.1 / 20, 0, 0], [2 * 0.9 / 20, 0, 2 * 1.3 / 20]]), **TOL)
+
+
+def test_cispo_clips_the_weight_and_keeps_every_token_gradient():
+    inputs = TOKEN_CASE
+    out, grad = loss_and_grad(build_objective("cispo"), inputs)
+    # No lower bound, cap 1.2: weights (1.1, 1.2 | 0.9, 0.5, 1.2). Gradient -w·Â / (number of tokens).
+    weights = torch.tensor([[1.1, 1.2, 0.0], [0.9, 0.5, 1.2]])
+    advantages = torch.tensor([[1.0], [-2.0]])
+    torch.testing.assert_close(grad, -weights * advantages / 5, **TOL)
+    logp = torch.where(inputs["mask"], inputs["logp"], 0.0)
+    assert out.loss.item() == pytest.approx((-weights * advantages * logp).sum().item() / 5, rel=1e-5)
+    assert out.metrics["clip/token_frac"] == pytest.approx(2 / 5)  # 1.5 and 1.3 were capped, whatever Â's sign
+    assert out.metrics["clip/seq_frac"] == pytest.approx(1.0)
+
+    out, grad = loss_and_grad(build_objective("cispo", clip_low=0.2), inputs)
+    weights[1, 1] = 0.8
+    torch.testing.assert_close(grad, -weights * advantages / 5, **TOL)
+    assert out.metrics["clip/token_frac"] == pytest.approx(3 / 5)
+
+
+def test_gspo_matches_hand_derived_loss_and_gradient():
+    # Sequence log-ratios: mean(3e-4, 1e-4) = 2e-4 (Â = +1, inside 1 + 4e-4: unclipped);
+    # -1e-3 (Â = -2, below 1 - 3e-4: binds); 2e-3 (Â = -1, above the range but Â < 0: unclipped).
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    log_ratio = torch.tensor([[3e-4, 1e-4, 0.0], [-1e-3, -1e-3, -1e-3], [2e-3, 0.0, 0.0]])
+    inputs = dict(logp=log_ratio, old_logp=torch.zeros(3, 3), advantages=torch.tensor([1.0, -2.0, -1.0]), mask=mask)
+    out, grad = loss_and_grad(build_objective("gspo"), inputs)
+    s0, s2 = math.exp(2e-4), math.exp(2e-3)
+    assert out.loss.item() == pytest.approx((-s0 + 2 * (1 - 3e-4) + s2) / 3, rel=1e-6)
+    # Eq. 10: -Â_i·s_i / (|y_i|·B) on every token of an unclipped response.
+    expected = torch.tensor([[-s0 / 6, -s0 / 6, 0.0], [0.0, 0.0, 0.0], [s2 / 3, 0.0, 0.0]])
+    torch.testing.assert_close(grad, expected, **TOL)
+    assert out.metrics["clip/seq_frac"] == pytest.approx(1 / 3)
+    assert out.metrics["clip/token_frac"] == pytest.approx(3 / 6)  # token-weighted: the clipped response has 3
+    assert out.metrics["ratio/seq_mean"] == pytest.approx((s0 + math.exp(-1e-3) + s2) / 3, rel=1e-6)
+
+
+def test_gspo_token_equals_gspo_in_value_gradient_and_metrics():
+    torch.manual_seed(0)
+    batch, width = 6, 7
+    lengths = torch.tensor([7, 5, 1, 3, 6, 2])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    old_logp = -torch.rand(batch, width) * 3
+    logp = old_logp + torch.randn(batch, width) * 1e-3  # some responses clip at 3e-4 / 4e-4, some do not
+    inputs = dict(logp=logp, old_logp=old_logp, advantages=torch.randn(batch), mask=mask)
+    gspo, gspo_grad = loss_and_grad(build_objective("gspo"), inputs)
+    token, token_grad = loss_and_grad(build_objective("gspo_token"), inputs)
+    assert 0 < gspo.metrics["clip/seq_frac"] < 1
+    assert torch.allclose(gspo.loss, token.loss, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(gspo_grad, token_grad, rtol=1e-6, atol=1e-8)
+    assert gspo.metrics == pytest.approx(token.metrics)
+
+
+def test_gmpo_clips_log_ratios_sign_aware_inside_the_geometric_mean():
+    # Â = +1, log-ratios (0.2, 0.6): 0.6 binds at 0.4 -> mean 0.3.
+    # Â = -2, log-ratios (-0.1, -0.7, 0.5): -0.7 binds at -0.4, 0.5 does not (Â < 0) -> mean 0.
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    log_ratio = torch.tensor([[0.2, 0.6, 0.0], [-0.1, -0.7, 0.5]])
+    old_logp = torch.full((2, 3), -1.0)
+    inputs = dict(logp=old_logp + log_ratio, old_logp=old_logp, advantages=torch.tensor([1.0, -2.0]), mask=mask)
+    out, grad = loss_and_grad(build_objective("gmpo"), inputs)
+    assert out.loss.item() == pytest.approx((-math.exp(0.3) + 2.0) / 2, rel=1e-6)
+    # d/d logp_t of -Â·exp(mean) = -Â·ratio_i / |y_i| for unclipped tokens, over B.
+    expected = torch.tensor([[-math.exp(0.3) / 4, 0.0, 0.0], [1 / 3, 0.0, 1 / 3]])
+    torch.testing.assert_close(grad, expected, **TOL)
+    assert out.metrics["clip/token_frac"] == pytest.approx(2 / 5)
+    assert out.metrics["clip/seq_frac"] == pytest.approx(1.0)
+
+
+def sech2(x: float) -> float:
+    return 1 / math.cosh(x) ** 2
+
+
+def test_sapo_soft_gate_loss_gradient_and_gate_metric():
+    # Â = +1 (τ = 1): ratios (1, 1.5). Â = -2 (τ = 1.05): ratio 0.5.
+    inputs = batch_from_ratios([[1.0, 1.5], [0.5]], [1.0, -2.0], width=2)
+    out, grad = loss_and_grad(build_objective("sapo"), inputs)
+
+    def f(r: float, tau: float) -> float:
+        return 4 / tau / (1 + math.exp(-tau * (r - 1)))
+
+    seq0 = (-f(1.0, 1.0) - f(1.5, 1.0)) / 2
+    seq1 = 2 * f(0.5, 1.05)
+    assert out.loss.item() == pytest.approx((seq0 + seq1) / 2, rel=1e-6)
+    # Per token: -Â·sech²(τ(r-1)/2)·r / (|y_i|·B).
+    expected = torch.tensor(
+        [[-1.0 / 4, -sech2(0.25) * 1.5 / 4], [2 * sech2(1.05 * -0.5 / 2) * 0.5 / 2, 0.0]]
+    )
+    torch.testing.assert_close(grad, expected, **TOL)
+    assert out.metrics["clip/token_frac"] == 0.0 and out.metrics["clip/seq_frac"] == 0.0
+    gate = (1 + sech2(0.25) + sech2(1.05 * -0.5 / 2)) / 3
+    assert out.metrics["sapo/gate_weight_mean"] == pytest.approx(gate, rel=1e-6)
+
+
+def ragged_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([4, 1, 6, 3])
+    mask = torch.arange(6)[None, :] < lengths[:, None]
+    logp = -torch.rand(4, 6, generator=generator) * 3
+    return dict(logp=logp, old_logp=logp.clone(), advantages=torch.tensor([1.5, -0.5, 0.7, -1.2]), mask=mask)
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_on_policy_ratios_are_exactly_one_and_nothing_clips(name):
+    out, grad = loss_and_grad(build_objective(name), ragged_batch())
+    m = out.metrics
+    assert (m["ratio/token_mean"], m["ratio/token_max"], m["ratio/seq_mean"]) == (1.0, 1.0, 1.0)
+    assert (m["ratio/token_var"], m["ratio/seq_var"], m["kl/old_k3"]) == (0.0, 0.0, 0.0)
+    assert (m["clip/token_frac"], m["clip/seq_frac"]) == (0.0, 0.0)
+    assert torch.isfinite(grad).all()
+
+
+def test_on_policy_grpo_gspo_gspo_token_sapo_share_one_gradient():
+    inputs = ragged_batch()
+    lengths = inputs["mask"].sum(dim=1, keepdim=True)
+    expected = torch.where(inputs["mask"], -inputs["advantages"][:, None] / (lengths * 4), 0.0)
+    for name in ("grpo", "gspo", "gspo_token", "sapo"):
+        _, grad = loss_and_grad(build_objective(name), inputs)
+        torch.testing.assert_close(grad, expected, **TOL, msg=name)
+
+
+def test_aggregation_modes_on_a_hand_built_loss_with_padding():
+    nan = float("nan")
+    loss = torch.tensor([[1.0, 2.0, 3.0, nan], [4.0, 5.0, nan, float("inf")], [nan, nan, nan, nan]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(15 / 5)
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2.0 + 4.5) / 2)  # empty seq left out
+    assert aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6.0 + 9.0) / 2)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(15 / (3 * 4))
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", norm_tokens=10).item() == pytest.approx(15 / 30)
+    empty = torch.zeros_like(mask)
+    for mode in LOSS_AGG_MODES:
+        assert aggregate(loss, empty, mode).item() == 0.0
+    with pytest.raises(ValueError, match=", ".join(LOSS_AGG_MODES)):
+        aggregate(loss, mask, "sum")
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_nan_and_inf_in_padding_change_nothing(name):
+    objective = build_objective(name, kl_coef=0.1)
+    torch.manual_seed(1)
+    clean = ragged_batch()
+    clean["logp"] = clean["logp"] + torch.randn(4, 6) * 0.05
+    clean["ref_logp"] = clean["old_logp"] + torch.randn(4, 6) * 0.05
+    poisoned = {key: value.clone() for key, value in clean.items()}
+    padding = ~clean["mask"]
+    poisoned["logp"][padding] = float("nan")
+    poisoned["old_logp"][padding] = float("inf")
+    poisoned["ref_logp"][padding] = float("-inf")
+    clean_out, clean_grad = loss_and_grad(objective, clean)
+    out, grad = loss_and_grad(objective, poisoned)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    assert torch.equal(out.loss, clean_out.loss) and torch.equal(grad, clean_grad)
+    assert out.metrics == clean_out.metrics
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_huge_log_ratios_are_clamped_to_finite_loss_and_gradient(name):
+    inputs = ragged_batch()
+    inputs["logp"][0, 0] += 100.0  # Â > 0
+    inputs["logp"][3, 1] += 100.0  # Â < 0: the unclipped branch of PPO keeps r itself
+    inputs["logp"][2, 2] -= 100.0
+    inputs["logp"][1, 0] += 100.0  # a one-token response: its sequence log-ratio hits the ±10 bound too
+    out, grad = loss_and_grad(build_objective(name), inputs)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    assert all(math.isfinite(value) for value in out.metrics.values())
+
+
+def test_kl_penalty_is_k3_added_per_token_and_aggregated_like_the_loss():
+    # On-policy, Â = 1: policy loss -1 per token. ref - logp = (ln 2, 0): k3 = (1 - ln 2, 0).
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref_logp = logp + torch.tensor([[math.log(2.0), 0.0]])
+    inputs = dict(
+        logp=logp, old_logp=logp.clone(), advantages=torch.tensor([1.0]), mask=torch.ones(1, 2), ref_logp=ref_logp
+    )
+    out, grad = loss_and_grad(build_objective("grpo", kl_coef=0.1), inputs)
+    assert out.loss.item() == pytest.approx((-2 + 0.1 * (1 - math.log(2))) / 2, rel=1e-6)
+    # d k3 / d logp = 1 - exp(ref - logp) = -1 on the first token.
+    torch.testing.assert_close(grad, torch.tensor([[(-1 - 0.1) / 2, -1 / 2]]), **TOL)
+    assert out.metrics["loss/policy"] == pytest.approx(-1.0)
+    assert out.metrics["kl/ref_k3"] == pytest.approx((1 - math.log(2)) / 2, rel=1e-6)
+
+    out = build_objective("dr_grpo", kl_coef=0.1)(**inputs)  # same terms over B · T = 2
+    assert out.loss.item() == pytest.approx((-2 + 0.1 * (1 - math.log(2))) / 2, rel=1e-6)
+    out = build_objective("grpo")(**inputs)  # β = 0: the KL is reported, not added
+    assert out.loss.item() == pytest.approx(-1.0) and out.metrics["kl/ref_k3"] > 0
+
+
+def test_low_precision_and_integer_masks_are_accepted():
+    inputs = ragged_batch()
+    reference = build_objective("grpo")(**inputs)
+    as_int = build_objective("grpo")(**{**inputs, "mask": inputs["mask"].long()})
+    assert torch.equal(reference.loss, as_int.loss)
+    bf16 = {**inputs, "logp": inputs["logp"].bfloat16(), "old_logp": inputs["old_logp"].bfloat16()}
+    out = build_objective("gspo")(**bf16)
+    assert out.loss.dtype == torch.float32
+    assert out.metrics["ratio/seq_mean"] == 1.0 and out.metrics["ratio/token_var"] == 0.0
+
+
+def test_hyperparameters_are_dataclass_fields_with_the_documented_defaults():
+    defaults = {
+        "grpo": dict(clip_low=0.2, clip_high=0.27, loss_agg="seq-mean-token-mean", kl_coef=0.0),
+        "gspo": dict(clip_low=3e-4, clip_high=4e-4, kl_coef=0.0),
+        "gspo_token": dict(clip_low=3e-4, clip_high=4e-4, kl_coef=0.0),
+        "dr_grpo": dict(clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-sum-norm", norm_tokens=None, kl_coef=0.0),
+        "dapo": dict(clip_low=0.2, clip_high=0.28, loss_agg="token-mean", kl_coef=0.0),
+        "cispo": dict(clip_low=None, clip_high=0.2, kl_coef=0.0),
+        "gmpo": dict(clip_low=0.4, clip_high=0.4, kl_coef=0.0),
+        "sapo": dict(tau_pos=1.0, tau_neg=1.05, kl_coef=0.0),
+    }
+    assert sorted(OBJECTIVES) == sorted(defaults)
+    for name, expected in defaults.items():
+        objective = build_objective(name)
+        assert {f.name: getattr(objective, f.name) for f in fields(objective)} == expected, name
+    with pytest.raises(FrozenInstanceError):
+        build_objective("grpo").clip_low = 0.1
+    integer_clip = build_objective("grpo", clip_low=0).clip_low
+    assert integer_clip == 0.0 and isinstance(integer_clip, float)
+
+
+def test_unknown_objective_lists_the_valid_names():
+    with pytest.raises(ValueError, match="cispo, dapo, dr_grpo, gmpo, grpo, gspo, gspo_token, sapo") as info:
+        build_objective("ppo")
+    assert "'ppo'" in str(info.value)
+
+
+def test_unknown_hyperparameter_is_named_with_the_allowed_ones():
+    with pytest.raises(ValueError, match="epsilon") as info:
+        build_objective("gspo", epsilon=3e-4)
+    assert "kl_coef, clip_low, clip_high" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name, hyperparameters, message",
+    [
+        ("grpo", dict(clip_low=-0.1), "clip_low must be >= 0, got -0.1"),
+        ("dapo", dict(clip_high=-0.2), "clip_high must be >= 0, got -0.2"),
+        ("gmpo", dict(clip_high=-0.4), "clip_high must be >= 0"),
+        ("grpo", dict(clip_low=1.0), "clip_low must be < 1"),
+        ("dr_grpo", dict(clip_low=1.5), "clip_low must be < 1"),
+        ("gspo", dict(clip_low=1.0), "clip_low must be < 1"),
+        ("gspo_token", dict(clip_low=2.0), "clip_low must be < 1"),
+        ("cispo", dict(clip_low=1.0), "clip_low must be < 1"),
+        ("grpo", dict(loss_agg="sum"), ", ".join(LOSS_AGG_MODES) + "; got 'sum'"),
+        ("sapo", dict(kl_coef=-0.01), "kl_coef must be >= 0, got -0.01"),
+        ("sapo", dict(tau_pos=0.0), "tau_pos must be > 0, got 0.0"),
+        ("sapo", dict(tau_neg=-1.0), "tau_neg must be > 0"),
+        ("dr_grpo", dict(norm_tokens=0), "norm_tokens must be > 0"),
+        ("dr_grpo", dict(norm_tokens=512, loss_agg="token-mean"), "norm_tokens = 512 is only used by"),
+        ("grpo", dict(clip_low="0.2"), "clip_low must be of type"),
+        ("dr_grpo", dict(norm_tokens=1.5), "norm_tokens must be of type"),
+        ("gspo", dict(clip_high=float("nan")), "clip_high must be finite"),
+        ("gspo", dict(clip_high=None), "clip_high must not be None"),
+    ],
+)
+def test_bad_hyperparameter_values_are_rejected(name, hyperparameters, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        build_objective(name, **hyperparameters)
+
+
+def test_a_log_space_clip_may_exceed_one():
+    assert build_objective("gmpo", clip_low=1.5).clip_low == 1.5
+
+
+def test_kl_coef_without_ref_logp_is_rejected():
+    with pytest.raises(ValueError, match="kl_coef = 0.1 > 0 needs ref_logp"):
+        build_objective("grpo", kl_coef=0.1)(**ragged_batch())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(old_logp=torch.zeros(4, 5)), r"old_logp must have the shape of logp \(4, 6\), got \(4, 5\)"),
+        (dict(mask=torch.ones(3, 6, dtype=torch.bool)), "mask must have the shape of logp"),
+        (dict(ref_logp=torch.zeros(4, 7)), "ref_logp must have the shape of logp"),
+        (dict(advantages=torch.zeros(4, 1)), r"advantages must have shape \[B\] = \(4,\)"),
+        (dict(logp=torch.zeros(24)), r"logp must have shape \[B, T\]"),
+        (dict(mask=torch.full((4, 6), 2.0)), "mask must be bool or hold only 0 and 1"),
+        (dict(logp=torch.zeros(4, 6, dtype=torch.long)), "logp must be a floating-point tensor"),
+        (dict(advantages=[1.0, 2.0, 3.0, 4.0]), "advantages must be a torch.Tensor"),
+    ],
+)
+def test_bad_inputs_are_rejected_with_the_offender_named(change, message):
+    with pytest.raises(ValueError, match=message):
+        build_objective("grpo")(**{**ragged_batch(), **change})
+
+
+def test_every_yaml_lists_exactly_its_objective_fields_and_defaults():
+    paths = sorted(CONF_ALGO.glob("*.yaml"))
+    assert sorted(path.stem for path in paths) == sorted(OBJECTIVES)
+    for path in paths:
+        config = OmegaConf.to_container(OmegaConf.load(path))
+        name = config.pop("name")
+        assert name == path.stem
+        assert config.pop("defaults") == [f"{name}_schema", "_self_"]
+        assert config.pop("advantage_std") is (name != "dr_grpo")
+        defaults = {f.name: f.default for f in fields(OBJECTIVES[name])}
+        assert config == defaults, path.name
+        # The dataclass must also work as an OmegaConf structured schema (what experiments/config.py builds).
+        assert OmegaConf.to_container(OmegaConf.structured(OBJECTIVES[name])) == defaults
