@@ -1,6 +1,6 @@
 """Pieces every objective shares: the validated batch, log-ratios, loss aggregation, the clipped surrogate.
 
-Numerics (research/algorithms.md §1.3, notes/pitfalls.md "Objectives"):
+Numerics (where other frameworks broke: bf16 ratio noise, prime-rl #568; NaN padding; inf from exp, OpenRLHF #1293):
 - log-ratios are taken in fp32 (`logp.float() - old_logp.float()`), because ratios of bf16 log-probs are noisy;
 - padded positions are replaced with `torch.where(mask, x, 0)` before any reduction, never multiplied by the
   mask: `NaN * 0` is NaN, and the padding of a batch may hold anything (NaN, inf);
@@ -9,8 +9,8 @@ Numerics (research/algorithms.md §1.3, notes/pitfalls.md "Objectives"):
   no backward pass meets `0 * inf`. The clamp also zeroes the gradient of a token beyond the bound; both bounds
   are far outside any clip range used here, so only pathological tokens are affected.
 
-Loss aggregation (verl's `agg_loss`, research/algorithms.md §4), for a per-token loss L and mask m of shape
-[B, T]:
+Loss aggregation (verl's `agg_loss`, verl/trainer/ppo/core_algos.py), for a per-token loss L and mask m of
+shape [B, T]:
 - `token-mean`:              Σ_{i,t} L·m / Σ_{i,t} m                (every token weighs the same; DAPO)
 - `seq-mean-token-mean`:     mean over non-empty sequences of Σ_t L·m / Σ_t m   (GRPO eq. 3, GSPO eq. 5)
 - `seq-mean-token-sum`:      mean over non-empty sequences of Σ_t L·m          (long responses weigh more)

@@ -1,6 +1,7 @@
 """The statistics every objective reports, computed in one place so that all objectives are comparable.
 
-Definitions (research/algorithms.md §5.1-5.3), with lr = clamped token log-ratio log π_θ − log π_old:
+Definitions follow verl's and TRL's where they exist (the GSPO paper's Fig. 2 for GSPO's token share), with
+lr = clamped token log-ratio log π_θ − log π_old:
 - `ratio/token_mean`, `ratio/token_var`, `ratio/token_max`: of the token ratios exp(lr) over valid tokens
   (population variance);
 - `ratio/seq_mean`, `ratio/seq_var`: of the sequence ratios exp(masked mean of lr) (GSPO's s_i) over
