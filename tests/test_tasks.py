@@ -204,6 +204,7 @@ def test_gsm8k_reward(tmp_path: Path, completion: str, reward: float) -> None:
         ("#### 007", "7"),
         ("she had 3 then 4, so 7.", "7"),
         ("12 and 15,000", "15000"),
+        ("the numbers 1,2,3", "3"),  # commas that do not group thousands separate numbers
         ("no number here", None),
         ("#### 42 apples\n", "42"),
         ("#### none", None),  # a mark without a number: no answer, even if numbers come before it

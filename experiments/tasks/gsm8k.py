@@ -15,8 +15,9 @@ from experiments.tasks.base import Example, Task, check_split
 from experiments.tasks.registry import register_task
 
 FINAL_ANSWER_MARK = "####"
-# A number as written in solutions: optional sign and dollar sign, digits with thousands commas, decimals.
-NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+# A number as written in solutions: optional sign and dollar sign, digits (commas only between groups of three,
+# so a list "1,2,3" reads as three numbers), optional decimals.
+NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 
 def normalize_number(text: str) -> str:
