@@ -22,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from models.moe_backend import apply_moe_backend, describe_experts_backend
 from models.tokenizer import build_char_tokenizer
 
 # model_type -> what its router is called; every family here routes with softmax -> top-k -> optional renorm,
@@ -130,10 +131,7 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
             path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
     model.set_experts_implementation(cfg.experts_implementation)
-    if cfg.moe_backend != "hf":
-        from models.moe_backend import apply_moe_backend
-
-        apply_moe_backend(model, cfg.moe_backend)
+    apply_moe_backend(model, cfg.moe_backend)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -161,14 +159,6 @@ def describe_policy(model: PreTrainedModel) -> dict[str, object]:
     """What a run should record about its policy: family, size, experts implementation and backend."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
-    experts = getattr(config, "_experts_implementation", None)
-    backend = "hf"
-    try:
-        from models.moe_backend import describe_experts_backend
-
-        backend = describe_experts_backend(model)
-    except ImportError:
-        backend = f"hf:{experts}"
     return {
         "model_type": config.model_type,
         "num_hidden_layers": config.num_hidden_layers,
@@ -176,6 +166,6 @@ def describe_policy(model: PreTrainedModel) -> dict[str, object]:
         "num_experts": getattr(config, "num_experts", getattr(config, "num_local_experts", None)),
         "num_experts_per_tok": config.num_experts_per_tok,
         "parameters": total,
-        "experts_backend": backend,
+        "experts_backend": describe_experts_backend(model),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }

@@ -1,0 +1,34 @@
+"""Held-out evaluation: mean pass@1 over k samples per prompt, and greedy accuracy.
+
+The same fixed prefix of the test split is used at every evaluation and in every run, so curves of different
+algorithms and seeds are comparable point by point.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from experiments.rollout import generate_rollout
+from experiments.tasks import Example, Task
+
+
+@torch.no_grad()
+def evaluate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: list[Example],
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+) -> dict[str, float]:
+    """`eval/accuracy`: mean over prompts of the share of `samples` sampled completions that are correct
+    (the unbiased pass@1 estimate); `eval/greedy_accuracy`: share of prompts answered correctly by greedy decoding."""
+    metrics = {}
+    if samples > 0:
+        sampled = generate_rollout(model, tokenizer, task, examples, samples, max_new_tokens, temperature)
+        metrics["eval/accuracy"] = float(sampled.correct.float().mean())
+    greedy = generate_rollout(model, tokenizer, task, examples, 1, max_new_tokens, temperature, greedy=True)
+    metrics["eval/greedy_accuracy"] = float(greedy.correct.float().mean())
+    return metrics

@@ -1,0 +1,112 @@
+"""Run logging: `metrics.jsonl` (the source of truth for `analysis/`) and the same numbers to W&B.
+
+`metrics.jsonl` gets one JSON object per RL step, flushed at once, so a crashed run keeps every finished step.
+Per-minibatch values sit under the key `minibatches` (a list, index = updates since θ_old); W&B receives them
+flattened as `minibatch/<j>/<name>`. W&B is offline by default (no network needed); if it cannot start, the run
+warns and keeps the local log: losing the dashboard must never lose the experiment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def _finite_or_none(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null so every line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _clean(record: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, list):
+            out[key] = [_clean(item) if isinstance(item, dict) else _finite_or_none(item) for item in value]
+        else:
+            out[key] = _finite_or_none(value)
+    return out
+
+
+def flatten_for_wandb(record: dict[str, Any]) -> dict[str, Any]:
+    """Flat keys for W&B: per-minibatch entries become `minibatch/<j>/<name>`."""
+    flat = {key: value for key, value in record.items() if key != "minibatches"}
+    for entry in record.get("minibatches", []):
+        index = entry["minibatch"]
+        for key, value in entry.items():
+            if key != "minibatch":
+                flat[f"minibatch/{index}/{key}"] = value
+    return flat
+
+
+class RunLogger:
+    """Writes `metrics.jsonl`, `summary.json` and (unless disabled) a W&B run into `run_dir`."""
+
+    def __init__(self, run_dir: str | Path, cfg: DictConfig, name: str, tags: list[str], group: str | None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._wandb = self._start_wandb(cfg, name, tags, group)
+
+    def _start_wandb(self, cfg: DictConfig, name: str, tags: list[str], group: str | None):
+        wandb_cfg = cfg.logger.wandb
+        if wandb_cfg.mode == "disabled":
+            return None
+        try:
+            import wandb
+
+            return wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                group=wandb_cfg.group or group,
+                job_type=wandb_cfg.job_type,
+                name=name,
+                tags=sorted(set(list(wandb_cfg.tags) + tags)),
+                mode=wandb_cfg.mode,
+                dir=str(self.run_dir),
+                config=OmegaConf.to_container(cfg, resolve=True),
+                reinit="finish_previous",
+            )
+        except Exception as error:  # a dashboard failure must not end the experiment
+            warnings.warn(f"W&B did not start ({type(error).__name__}: {error}); logging to metrics.jsonl only")
+            return None
+
+    @property
+    def wandb_active(self) -> bool:
+        return self._wandb is not None
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = _clean(record)
+        self._metrics.write(json.dumps(clean) + "\n")
+        self._metrics.flush()
+        if self._wandb is not None:
+            try:
+                self._wandb.log(flatten_for_wandb(clean), step=int(record["train/step"]))
+            except Exception as error:
+                warnings.warn(f"W&B log failed ({error}); continuing with metrics.jsonl only")
+                self._wandb = None
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        (self.run_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=2) + "\n")
+        self._metrics.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.summary.update(_clean(summary))
+                self._wandb.finish()
+            except Exception as error:
+                warnings.warn(f"W&B finish failed ({error}); the local summary.json is complete")
+
+    def abort(self) -> None:
+        """Close files after a failure; the run stays marked incomplete (no summary.json)."""
+        self._metrics.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.finish(exit_code=1)
+            except Exception as error:
+                warnings.warn(f"W&B finish failed ({error}) while closing a failed run")

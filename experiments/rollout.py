@@ -1,0 +1,166 @@
+"""Rollouts and scoring: sample G completions per prompt with a KV cache, then per-token log-probs in fp32.
+
+Layout of a rollout batch (what every later stage indexes into):
+    input_ids      [N, P + T]  left-padded prompt (width P), then the response, right-padded after eos
+    attention_mask [N, P + T]  1 on prompt tokens and on response tokens up to and including eos
+    response_mask  [N, T]      1 on response tokens (eos included): the tokens the objective scores
+N = prompts x group size, rows of one prompt contiguous (prompt j owns rows j*G .. j*G+G-1).
+
+Log-probs are taken from `logits / temperature`, the distribution the tokens were sampled from, in fp32.
+Position ids follow the attention mask (left padding does not shift positions), exactly as `generate` builds
+them, so scoring a rollout reproduces the rollout's own computation up to the KV-cache path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from experiments.tasks import Example, Task
+from models.routing import RoutingTrace, record_routing
+
+
+@dataclass
+class Rollout:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_width: int
+    examples: list[Example]
+    completions: list[str]
+    rewards: torch.Tensor  # [N] float
+    correct: torch.Tensor  # [N] bool
+    truncated: torch.Tensor  # [N] bool: no eos within the generation budget
+    trace: RoutingTrace | None = None  # routing recorded during generation (R3)
+    rollout_logp: torch.Tensor | None = None  # [N, T] log-probs the sampler used (R3 mismatch metrics)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as `generate` computes them: cumsum of the mask minus one."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pad_id: int):
+    """Cut each response after its first eos; return (input_ids, response_mask [N, T], truncated [N])."""
+    response = sequences[:, prompt_width:]
+    is_eos = response == eos_id
+    seen_eos_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    response_mask = ~seen_eos_before
+    truncated = ~is_eos.any(-1)
+    response = response.masked_fill(~response_mask, pad_id)
+    return torch.cat([sequences[:, :prompt_width], response], dim=1), response_mask, truncated
+
+
+@torch.no_grad()
+def generate_rollout(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: list[Example],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    greedy: bool = False,
+    fixed_length: bool = False,
+    record: bool = False,
+) -> Rollout:
+    """Sample `group_size` completions for each example (one batched `generate` call), decode and score them."""
+    device = next(model.parameters()).device
+    prompts = [example.prompt for example in examples for _ in range(group_size)]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    prompt_width = encoded["input_ids"].shape[1]
+    options = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        return_dict_in_generate=True,
+        output_logits=record,
+    )
+    if not greedy:
+        options.update(temperature=temperature, top_k=0, top_p=1.0)
+    if fixed_length:
+        options["min_new_tokens"] = max_new_tokens
+    if record:
+        with record_routing(model, generate=True) as recording:
+            generated = model.generate(**encoded, **options)
+        trace = recording.trace
+    else:
+        generated = model.generate(**encoded, **options)
+        trace = None
+    sequences = generated.sequences
+    input_ids, response_mask, truncated = _response_layout(
+        sequences, prompt_width, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    attention_mask = torch.cat([encoded["attention_mask"], response_mask.long()], dim=1)
+    completions = tokenizer.batch_decode(input_ids[:, prompt_width:], skip_special_tokens=True)
+    rows = [example for example in examples for _ in range(group_size)]
+    rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(completions, rows)], dtype=torch.float32)
+    correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(completions, rows)])
+    rollout_logp = None
+    if record:
+        logits = torch.stack(generated.logits, dim=1).float() / temperature  # [N, T_generated, V]
+        taken = sequences[:, prompt_width:]
+        rollout_logp = torch.log_softmax(logits, dim=-1).gather(-1, taken.unsqueeze(-1)).squeeze(-1)
+        rollout_logp = rollout_logp.masked_fill(~response_mask, 0.0)
+    return Rollout(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        prompt_width=prompt_width,
+        examples=rows,
+        completions=completions,
+        rewards=rewards,
+        correct=correct,
+        truncated=truncated,
+        trace=trace,
+        rollout_logp=rollout_logp,
+    )
+
+
+@dataclass
+class Scores:
+    logp: torch.Tensor  # [N, T] fp32 log-probs of the response tokens (0 at padding)
+    entropy: torch.Tensor  # [N, T] fp32 entropy of the policy at each response position (no grad)
+    aux_loss: torch.Tensor | None  # scalar load-balancing loss of this forward, when requested
+
+
+def score_responses(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    temperature: float,
+    aux_loss: bool = False,
+) -> Scores:
+    """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
+
+    The logits at position t predict token t+1, so the response tokens `[P, P+T)` are scored by the logits at
+    `[P-1, P+T-1)`; the logits of the last position predict nothing and are never computed into a loss.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        output_router_logits=aux_loss,
+        use_cache=False,
+        logits_to_keep=input_ids.shape[1] - prompt_width + 1,
+    )
+    logits = out.logits[:, :-1].float() / temperature  # [N, T, V], positions P-1 .. P+T-2
+    targets = input_ids[:, prompt_width:]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return Scores(logp=logp, entropy=entropy, aux_loss=getattr(out, "aux_loss", None) if aux_loss else None)
