@@ -24,7 +24,10 @@ import torch
 def hf_to_megablocks(
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """transformers' fused experts (`gate_up_proj [E, 2F, H]`, `down_proj [E, H, F]`) -> dMoE `(w1, v1, w2)`, each `[E*F, H]`."""
+    """transformers' fused experts (`gate_up_proj [E, 2F, H]`, `down_proj [E, H, F]`) -> dMoE `(w1, v1, w2)`.
+
+    Each of w1, v1, w2 is `[E*F, H]`.
+    """
     if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
         raise ValueError(
             f"expected gate_up_proj [E, 2F, H] and down_proj [E, H, F], got shapes "

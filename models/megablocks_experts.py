@@ -17,19 +17,22 @@ expert width that is a multiple of its 128 blocking, and `Arguments` refuses it 
   - hidden size and expert width multiples of 8: the CUTLASS grouped kernel (A100 builds) loads operands
     in 16-byte vectors of 8 bfloat16 values;
   - CUDA tensors, and a host copy of the per-expert counts (one device sync per MoE layer, as in MegaBlocks).
-`megablocks_kernel_problem` and `load_megablocks_kernels` check all of these so that a refusal is one line at start-up.
+`megablocks_kernel_problem` and `load_megablocks_kernels` check these, so that a refusal is one line at start-up.
 
 Install (CUDA machine). megablocks 0.10.0 pins `torch>=2.7.0,<2.7.1`, builds against torch 2.7.0 in an
-isolated build, and ships only an sdist; stanford-stk 0.7.1 and grouped_gemm 0.3.0 are sdists too. Building
-all three against the torch already installed, without letting pip touch torch:
+isolated build, and ships only an sdist; stanford-stk 0.7.1 and grouped_gemm 0.3.0 are sdists too. Build all
+three against the CUDA torch already installed (it brings triton), without letting pip touch torch; this needs
+a CUDA toolkit whose nvcc matches `torch.version.cuda`:
 
     pip install ninja packaging numpy wheel "setuptools<79"
-    export TORCH_CUDA_ARCH_LIST="9.0"        # H100/H200; "8.0" for A100 (nvcc must match torch.version.cuda)
+    export TORCH_CUDA_ARCH_LIST="9.0"        # H100/H200; "8.0" for A100
     pip install --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1 grouped_gemm==0.3.0
 
-`pip install -e '.[megablocks]'` alone resolves megablocks' pins and replaces torch with 2.7.0. This path is
-written and CPU-tested (the refusals, and the computation it must match in `models.dmoe_reference`) but has
-not yet been run on a GPU.
+`pip install -e '.[megablocks]'` alone resolves megablocks' pins and replaces torch with 2.7.0.
+
+Status: written and CPU-tested, not yet run on a GPU. The CPU tests cover the refusals and run `grouped_glu`
+on CPU stand-ins of MegaBlocks' ops that follow their contracts as read in the v0.10 source, against
+`models.dmoe_reference`; `tests/test_megablocks_gpu.py` and `benchmarks/gpu_checks.py` hold the GPU checks.
 """
 
 import functools
@@ -42,7 +45,8 @@ import torch
 
 INSTALL_HINT = (
     "on a CUDA machine run `pip install --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1 "
-    "grouped_gemm==0.3.0` (README 'MegaBlocks (CUDA)': plain `pip install -e '.[megablocks]'` downgrades torch to 2.7.0)"
+    "grouped_gemm==0.3.0` (README 'MegaBlocks (CUDA)'; plain `pip install -e '.[megablocks]'` "
+    "downgrades torch to 2.7.0)"
 )
 # The CUTLASS grouped GEMM reads bfloat16 operands in 16-byte vectors.
 ALIGNMENT = 8
@@ -87,7 +91,8 @@ def load_megablocks_kernels() -> MegaBlocksKernels:
         import megablocks.ops
     except Exception as error:  # an ImportError, or a broken CUDA/Triton build failing at import time
         cause = f"{type(error).__name__}: {error}".replace("\n", " ")
-        raise RuntimeError(f"moe_backend=megablocks cannot import MegaBlocks' kernels ({cause}); {INSTALL_HINT}") from error
+        message = f"moe_backend=megablocks cannot import MegaBlocks' kernels ({cause}); {INSTALL_HINT}"
+        raise RuntimeError(message) from error
     return MegaBlocksKernels(ops=megablocks.ops, gmm=grouped_gemm.ops.gmm)
 
 
@@ -120,6 +125,21 @@ def megablocks_glu_forward(
             "moe_backend=megablocks runs on CUDA bfloat16 tensors, got hidden states "
             f"{hidden_states.dtype} on {hidden_states.device} and experts {w1.dtype} on {w1.device}"
         )
+    return grouped_glu(kernels, hidden_states, top_k_index, top_k_weights, w1, v1, w2, num_experts, act_fn)
+
+
+def grouped_glu(
+    kernels: MegaBlocksKernels,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    w1: torch.Tensor,
+    v1: torch.Tensor,
+    w2: torch.Tensor,
+    num_experts: int,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The grouped dMoE GLU written against MegaBlocks' op interface, whatever implements it (no checks)."""
     ops = kernels.ops
     num_tokens, top_k = top_k_index.shape
     hidden = hidden_states.shape[-1]

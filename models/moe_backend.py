@@ -83,12 +83,12 @@ class DroplessGLUExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k] -> [T, H], as transformers' experts."""
+        routing = (hidden_states, top_k_index, top_k_weights)
         weights = (self.w1, self.v1, self.w2)
         if self.backend == "megablocks":
-            return megablocks_glu_forward(
-                load_megablocks_kernels(), hidden_states, top_k_index, top_k_weights, *weights, self.num_experts, self.act_fn
-            )
-        return dmoe_glu_reference(hidden_states, top_k_index, top_k_weights, *weights, self.num_experts, self.act_fn)
+            kernels = load_megablocks_kernels()
+            return megablocks_glu_forward(kernels, *routing, *weights, self.num_experts, self.act_fn)
+        return dmoe_glu_reference(*routing, *weights, self.num_experts, self.act_fn)
 
     def to_hf(self) -> nn.Module:
         """A transformers experts module of the original class holding these weights (converted back)."""
@@ -195,10 +195,10 @@ def apply_moe_backend(model: nn.Module, backend: str) -> None:
     if backend == "megablocks":
         for experts in experts_by_name.values():
             if isinstance(experts, DroplessGLUExperts):
-                hidden, width, dtype = experts.hidden_size, experts.expert_width, experts.w1.dtype
+                require_megablocks(experts.hidden_size, experts.expert_width, experts.w1.dtype)
             else:
-                hidden, width, dtype = experts.gate_up_proj.shape[2], experts.gate_up_proj.shape[1] // 2, experts.gate_up_proj.dtype
-            require_megablocks(hidden, width, dtype)
+                _, two_width, hidden = experts.gate_up_proj.shape
+                require_megablocks(hidden, two_width // 2, experts.gate_up_proj.dtype)
 
     for name, experts in experts_by_name.items():
         parent_name, _, attribute = name.rpartition(".")
@@ -213,7 +213,10 @@ def apply_moe_backend(model: nn.Module, backend: str) -> None:
 
 
 def describe_experts_backend(model: nn.Module) -> str:
-    """Which experts implementation `model` runs: "hf:<experts_implementation>", "torch_dmoe" or "megablocks:grouped"."""
+    """Which experts implementation `model` runs: "hf:<experts_implementation>", "torch_dmoe", "megablocks:grouped".
+
+    Several labels, joined by "+", would mean the MoE blocks disagree.
+    """
     experts_by_name = find_moe_experts(model)
     if not experts_by_name:
         raise ValueError(f"{type(model).__name__} has no MoE experts module; expected {SUPPORTED_LAYOUT}")

@@ -26,6 +26,7 @@ from transformers import (
 
 import models.megablocks_experts as megablocks_experts
 import models.moe_backend as moe_backend
+from models.dmoe_reference import dmoe_glu_reference
 from models.moe_backend import (
     MOE_BACKENDS,
     DroplessGLUExperts,
@@ -193,6 +194,65 @@ def test_reference_weights_each_slot_and_sums_the_top_k_by_hand():
 
     out = dmoe(x, torch.tensor([[5, 2]]), torch.tensor([[0.75, 0.25]]))
     torch.testing.assert_close(out, 0.75 * expert(5) + 0.25 * expert(2), atol=ATOL, rtol=0)
+
+
+class FakeMegaBlocksOps:
+    """MegaBlocks' op contracts (megablocks/ops/*.py over backend/kernels.py, v0.10) in PyTorch, for CPU.
+
+    sort -> (sorted expert ids, slot permutation), both int32; gather copies token `slot // k` to each sorted
+    row; scatter writes row i, times the weight of its slot, to slot `indices[i]` and sums each token's k slots.
+    """
+
+    @staticmethod
+    def sort(x, end_bit):
+        assert x.dtype == torch.int32 and int(x.max()) < 2**end_bit
+        values, order = torch.sort(x, stable=True)
+        return values, order.int()
+
+    @staticmethod
+    def histogram(x, num_bins):
+        return torch.bincount(x, minlength=num_bins).int()
+
+    @staticmethod
+    def inclusive_cumsum(x, dim):
+        return torch.cumsum(x, dim).int().squeeze()
+
+    @staticmethod
+    def gather(x, indices, bin_ids, bins, top_k):
+        return x[indices.long() // top_k]
+
+    @staticmethod
+    def scatter(x, indices, bin_ids, weights, bins, top_k):
+        slots = indices.long()
+        per_slot = torch.zeros_like(x).index_copy(0, slots, x * weights[slots, None])
+        return per_slot.view(-1, top_k, x.shape[1]).sum(1)
+
+
+def fake_gmm(a, b, batch_sizes, trans_b=False):
+    """grouped_gemm's `gmm`: expert e multiplies its contiguous rows of `a` by b[e] (or b[e].T); sizes on the host."""
+    assert batch_sizes.device.type == "cpu" and batch_sizes.dtype == torch.long
+    return torch.cat([rows @ (b[e].T if trans_b else b[e]) for e, rows in enumerate(a.split(batch_sizes.tolist()))])
+
+
+def test_megablocks_glue_matches_the_reference_when_the_ops_follow_megablocks_contracts():
+    """The GPU path's own code (sort, gather, three grouped GEMMs, weighted scatter) on CPU stand-ins of the ops."""
+    dmoe = DroplessGLUExperts(experts_of(qwen3_moe())[0], "torch_dmoe")
+    top_k_index, top_k_weights = routing(num_tokens=17, num_experts=8, top_k=2, used_experts=7, seed=4)
+    hidden_states = torch.randn(17, 32, generator=torch.Generator().manual_seed(5))
+    kernels = megablocks_experts.MegaBlocksKernels(ops=FakeMegaBlocksOps, gmm=fake_gmm)
+
+    def run(forward):
+        x = hidden_states.clone().requires_grad_(True)
+        w = top_k_weights.clone().requires_grad_(True)
+        dmoe.zero_grad()
+        out = forward(x, top_k_index, w, dmoe.w1, dmoe.v1, dmoe.w2, 8, dmoe.act_fn)
+        out.square().sum().backward()
+        return [out, x.grad, w.grad] + [p.grad.clone() for p in (dmoe.w1, dmoe.v1, dmoe.w2)]
+
+    glue = run(lambda *args: megablocks_experts.grouped_glu(kernels, *args))
+    reference = run(dmoe_glu_reference)
+    for got, expected in zip(glue, reference):
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------- whole models
