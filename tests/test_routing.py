@@ -1,0 +1,230 @@
+"""Routing record / replay / drift on a real (micro) Qwen3-MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.rollout import position_ids
+from models.moe_backend import apply_moe_backend
+from models.policy import find_routers
+from models.routing import NO_ROUTE, RoutingTrace, record_routing, replay_routing, routing_drift
+
+
+def _batch(tokenizer, texts=("12+34=5", "7+8=15", "99+1=100")):
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _forward(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
+
+
+class ExpertsSpy:
+    """Captures the `top_k_index` every experts module actually received (what the layer computed with)."""
+
+    def __init__(self, model):
+        self.calls: dict[str, list[torch.Tensor]] = {}
+        self.handles = []
+        for name in find_routers(model):
+            block = model.get_submodule(name.rsplit(".", 1)[0])
+            self.handles.append(block.experts.register_forward_pre_hook(self._hook(name)))
+
+    def _hook(self, name):
+        def hook(module, args):
+            self.calls.setdefault(name, []).append(args[1].detach().clone())
+
+        return hook
+
+    def used(self, call: int = 0) -> torch.Tensor:
+        return torch.stack([calls[call] for calls in self.calls.values()])  # [L, B*S, K]
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _perturb_routers(model, scale=5.0, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for router in find_routers(model).values():
+            router.weight.add_(torch.randn(router.weight.shape, generator=generator) * scale)
+
+
+def _flat_recorded(trace: RoutingTrace, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    L, B, S, K = trace.shape
+    return trace.experts.reshape(L, B * S, K).long(), mask.reshape(-1).bool()
+
+
+def test_record_marks_padding_with_sentinel(micro_policy):
+    model, tokenizer = micro_policy
+    ids, mask = _batch(tokenizer)
+    with record_routing(model) as recording:
+        _forward(model, ids, mask)
+    trace = recording.trace
+    assert trace.shape == (2, ids.shape[0], ids.shape[1], 2)
+    padded = mask == 0
+    assert padded.any()
+    assert (trace.experts[:, padded] == NO_ROUTE).all()
+    assert ((trace.experts[:, ~padded] >= 0) & (trace.experts[:, ~padded] < 8)).all()
+
+
+def test_replay_reproduces_recorded_experts_after_large_router_change(micro_policy):
+    model, tokenizer = micro_policy
+    ids, mask = _batch(tokenizer)
+    with record_routing(model) as recording:
+        _forward(model, ids, mask)
+    old = recording.trace
+    _perturb_routers(model)
+
+    # Without replay the perturbed routers choose different experts.
+    with record_routing(model) as free:
+        _forward(model, ids, mask)
+    assert routing_drift(old, free.trace, mask).expert_change_frac > 0.3
+
+    spy = ExpertsSpy(model)
+    model.zero_grad()
+    with replay_routing(model, old) as replay:
+        out = _forward(model, ids, mask)
+        out.logits[mask.bool()].logsumexp(-1).sum().backward()
+    spy.remove()
+    recorded, valid = _flat_recorded(old, mask)
+    used = spy.used()
+    assert torch.equal(used[:, valid], recorded[:, valid])
+    # The router's own (free) choice stays measurable during the replayed forward, without an extra pass.
+    assert torch.equal(replay.router_choice.experts, free.trace.experts)
+    # Gate weights come from the current router probabilities: the routers still learn.
+    for router in find_routers(model).values():
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_replayed_gates_follow_current_router_probabilities(micro_policy):
+    """Replaying a trace of the model's own choice changes nothing: same experts, same renormalised gates."""
+    model, tokenizer = micro_policy
+    ids, mask = _batch(tokenizer)
+    with record_routing(model) as recording:
+        free = _forward(model, ids, mask).logits
+    with replay_routing(model, recording.trace):
+        replayed = _forward(model, ids, mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(replayed[valid], free[valid], rtol=0, atol=1e-5)
+
+
+def test_replay_holds_under_activation_checkpointing(micro_policy):
+    model, tokenizer = micro_policy
+    ids, mask = _batch(tokenizer)
+    with record_routing(model) as recording:
+        _forward(model, ids, mask)
+    old = recording.trace
+    _perturb_routers(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    spy = ExpertsSpy(model)
+    with replay_routing(model, old):
+        out = _forward(model, ids, mask)
+        out.logits[mask.bool()].logsumexp(-1).sum().backward()
+    spy.remove()
+    recorded, valid = _flat_recorded(old, mask)
+    calls = len(next(iter(spy.calls.values())))
+    assert calls == 2, "activation checkpointing should re-run each MoE layer once in backward"
+    for call in range(calls):
+        assert torch.equal(spy.used(call)[:, valid], recorded[:, valid])
+
+
+def test_replay_works_with_the_reference_dmoe_backend(micro_policy):
+    model, tokenizer = micro_policy
+    ids, mask = _batch(tokenizer)
+    with record_routing(model) as recording:
+        _forward(model, ids, mask)
+    old = recording.trace
+    apply_moe_backend(model, "torch_dmoe")
+    _perturb_routers(model)
+    spy = ExpertsSpy(model)
+    with replay_routing(model, old):
+        _forward(model, ids, mask)
+    spy.remove()
+    recorded, valid = _flat_recorded(old, mask)
+    assert torch.equal(spy.used()[:, valid], recorded[:, valid])
+
+
+def test_generate_trace_lines_up_with_tokens(micro_policy):
+    model, tokenizer = micro_policy
+    ids, mask = _batch(tokenizer, ("12+34=", "7+8=", "5+5="))
+    torch.manual_seed(0)
+    with record_routing(model, generate=True) as recording:
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=True,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+    trace = recording.trace
+    assert trace.shape[1:3] == tuple(out.shape)
+    # The last sampled token was never fed back through the model.
+    assert (trace.experts[:, :, -1] == NO_ROUTE).all()
+    full_mask = torch.cat([mask, torch.ones(out.shape[0], 6, dtype=mask.dtype)], dim=1)
+    with record_routing(model) as scored:
+        _forward(model, out, full_mask)
+    # Every token the model saw during generation (prefill + decode steps) was routed as in one full forward.
+    seen = full_mask.bool().clone()
+    seen[:, -1] = False
+    drift = routing_drift(trace, scored.trace, seen)
+    assert drift.tokens == int(seen.sum())
+    assert drift.expert_change_frac == 0.0
+
+
+def _trace(experts: list) -> RoutingTrace:
+    tensor = torch.tensor(experts, dtype=torch.int16)
+    return RoutingTrace(tensor, tuple(f"layer{i}" for i in range(tensor.shape[0])), num_experts=4)
+
+
+def test_drift_on_hand_built_traces():
+    # 2 layers, 1 row, 3 positions, top-2. Position 2 is masked out.
+    old = _trace([[[[0, 1], [2, 3], [0, 1]]], [[[0, 1], [0, 2], [3, 2]]]])
+    new = _trace([[[[1, 0], [2, 0], [3, 2]]], [[[0, 1], [1, 3], [0, 1]]]])
+    mask = torch.tensor([[True, True, False]])
+    drift = routing_drift(old, new, mask)
+    # layer 0: token 0 keeps {0,1} (order is irrelevant), token 1 loses one of two slots -> 1/4
+    # layer 1: token 0 keeps, token 1 changes both slots -> 2/4
+    assert drift.per_layer.tolist() == [0.25, 0.5]
+    assert drift.expert_change_frac == pytest.approx(0.375)
+    assert drift.token_any_change_frac == pytest.approx(0.5)
+    assert drift.tokens == 2
+    assert drift.metrics["routing/expert_change_frac/layer_1"] == 0.5
+
+
+def test_drift_ignores_unrecorded_positions():
+    old = _trace([[[[NO_ROUTE, NO_ROUTE], [2, 3]]]])
+    new = _trace([[[[0, 1], [2, 1]]]])
+    drift = routing_drift(old, new, torch.ones(1, 2, dtype=torch.bool))
+    assert drift.tokens == 1
+    assert drift.expert_change_frac == pytest.approx(0.5)
+
+
+def test_drift_refuses_mismatched_shapes():
+    old = _trace([[[[0, 1], [2, 3]]]])
+    with pytest.raises(ValueError, match="shapes"):
+        routing_drift(old, _trace([[[[0, 1]]]]), torch.ones(1, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask"):
+        routing_drift(old, old, torch.ones(1, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda t: RoutingTrace(t.experts[:1], t.layer_names[:1], t.num_experts), "MoE layers"),
+        (lambda t: t.rows(slice(0, 2)), "batch x positions"),
+        (lambda t: RoutingTrace(t.experts[..., :1], t.layer_names, t.num_experts), "top-k"),
+        (lambda t: RoutingTrace(t.experts.clone().fill_(9), t.layer_names, t.num_experts), "expert id 9"),
+        (lambda t: RoutingTrace(t.experts.clone().fill_(3), t.layer_names, t.num_experts), "same expert twice"),
+        (lambda t: RoutingTrace(torch.where(torch.arange(2) == 0, t.experts, NO_ROUTE).to(t.experts.dtype),
+                                t.layer_names, t.num_experts), "mixes NO_ROUTE"),
+    ],
+)
+def test_mismatched_trace_is_refused(micro_policy, mutate, message):
+    model, tokenizer = micro_policy
+    ids, mask = _batch(tokenizer)
+    with record_routing(model) as recording:
+        _forward(model, ids, mask)
+    bad = mutate(recording.trace)
+    with pytest.raises(ValueError, match=message):
+        with replay_routing(model, bad):
+            _forward(model, ids, mask)
