@@ -1,0 +1,459 @@
+"""The GSPO paper's figures (research/algorithms.md §1.7) and the lab's mechanism figures, one function each.
+
+Every function takes a RunSet and an output folder, writes `<name>.png` and `<name>.pdf`, and returns a
+`FigureOutput` with a one-sentence caption for report.md and notes on panels it had to leave out (a metric no run
+logged, say). When nothing at all can be drawn it writes no file and says why in `notes`; it never raises on
+missing data. Figures are built on `matplotlib.figure.Figure` directly (no pyplot state; PNGs render with Agg).
+
+1. reward (and held-out accuracy) against training compute, steps and tokens   — paper Fig. 1
+2. mean fraction of clipped tokens per series, log scale                       — paper Fig. 2
+3. GRPO with vs without Routing Replay, reward against compute                  — paper Fig. 3
+4. routing drift: layer × minibatch index, layer × step, drift against depth    — paper §5.3 statistic
+5. importance-ratio variance, token level vs sequence level, against step       — algorithms.md §5.2
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from analysis import aggregate as agg
+from analysis.load import RunSet
+from analysis.style import (
+    COLUMN_WIDTH_IN, RC_PARAMS, TEXT_WIDTH_IN, algo_color, replay_hatch, replay_linestyle, shade,
+)
+
+EVAL_METRICS = {
+    "eval/accuracy": "held-out pass@1 (fraction)",
+    "eval/greedy_accuracy": "held-out greedy acc. (fraction)",
+}
+# Paper Fig. 2 read-offs (research/algorithms.md §1.7; from a figure description, not checked against the PDF).
+PAPER_CLIP_FRACTION = {"gspo": 0.15, "grpo": 0.0013}
+# GSPO paper §5.3: ~10% of activated experts change after one update, 48-layer Qwen3-30B-A3B.
+PAPER_DRIFT = 0.10
+PAPER_LAYERS = 48
+CLIP_FLOOR = 1e-5
+VARIANCE_FLOOR = 1e-10
+STEP_LABEL = "RL step"
+TOKENS_LABEL = "completion tokens (cumulative)"
+DRIFT_LABEL = "experts changed (fraction)"
+
+
+@dataclass
+class FigureOutput:
+    """One figure as the report needs it: file stem, title, caption sentence, files written, notes."""
+
+    number: str
+    name: str
+    title: str
+    caption: str
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SeriesStyle:
+    color: str
+    linestyle: str
+    hatch: str
+
+
+def series_styles(runset: RunSet) -> dict[str, SeriesStyle]:
+    """Colour by algorithm, line style (bars: hatch) by replay mode, a shade per further split of the same pair."""
+    rows = runset.runs.drop_duplicates("label").set_index("label")
+    seen: dict[tuple[str, str], int] = {}
+    styles = {}
+    for label in runset.labels:
+        algo, replay = rows.loc[label, "algo"], rows.loc[label, "replay"]
+        rank = seen.get((algo, replay), 0)
+        seen[(algo, replay)] = rank + 1
+        styles[label] = SeriesStyle(shade(algo_color(algo), rank), replay_linestyle(replay), replay_hatch(replay))
+    return styles
+
+
+def _figure(width: float, height: float) -> Figure:
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _save(fig: Figure, out_dir: Path, name: str, dpi: int) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
+    fig.savefig(files[0], dpi=dpi)
+    fig.savefig(files[1])
+    return files
+
+
+def _legend_rows_in(entries: int, width: float) -> float:
+    """Height in inches that a legend of `entries` takes below the axes (see `_legend` for the columns)."""
+    per_row = 3 if width > COLUMN_WIDTH_IN + 0.1 else 2
+    return 0.14 * math.ceil(entries / per_row)
+
+
+def _legend(fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], extra: Sequence = ()) -> None:
+    handles = [Line2D([], [], color=styles[lab].color, linestyle=styles[lab].linestyle) for lab in labels]
+    names = list(labels)
+    for handle, name in extra:
+        handles.append(handle)
+        names.append(name)
+    if handles:
+        # Two columns fit a paper column, three the text width.
+        per_row = 3 if fig.get_figwidth() > COLUMN_WIDTH_IN + 0.1 else 2
+        fig.legend(handles, names, loc="outside lower center", ncols=min(len(handles), per_row), frameon=False)
+
+
+def _plot_band(ax: Axes, table: pd.DataFrame, style: SeriesStyle, floor: float | None = None,
+               marker: str | None = None) -> None:
+    """Mean line with a ±1 std band (band drawn where at least two seeds cover the point)."""
+    table = table.sort_values("x")
+    x, mean, std = table["x"].to_numpy(float), table["mean"].to_numpy(float), table["std"].to_numpy(float)
+    lower, upper = mean - std, mean + std
+    if floor is not None:
+        mean, lower, upper = (np.maximum(v, floor) for v in (mean, lower, upper))
+    ax.plot(x, mean, color=style.color, linestyle=style.linestyle, marker=marker, markersize=2)
+    has_band = ~np.isnan(std)
+    if has_band.any():
+        ax.fill_between(x, lower, upper, where=has_band, color=style.color, alpha=0.18, linewidth=0)
+
+
+def _smoothing_text(alpha: float) -> str:
+    return f"per-seed EMA with α = {alpha:g}" if alpha < 1 else "no smoothing"
+
+
+def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str], alpha: float,
+                    styles: dict[str, SeriesStyle]) -> tuple[Figure, list[str]]:
+    """Rows = metrics, columns = x axes (steps, and tokens when logged); shared by Figures 1 and 3."""
+    notes = []
+    axes_x = ["step"]
+    if runset.has(agg.TOKENS):
+        axes_x.append("tokens")
+    else:
+        notes.append(f"`{agg.TOKENS}` was not logged, so the token axis is left out.")
+    width = TEXT_WIDTH_IN if len(axes_x) == 2 else COLUMN_WIDTH_IN
+    fig = _figure(width, 1.6 * len(metrics) + 0.2 + _legend_rows_in(len(labels), width))
+    grid = fig.subplots(len(metrics), len(axes_x), squeeze=False)
+    for row, metric in enumerate(metrics):
+        is_eval = metric in EVAL_METRICS
+        for col, x in enumerate(axes_x):
+            ax = grid[row][col]
+            table = agg.curve(runset, metric, x=x, alpha=None if is_eval else alpha)
+            for label in labels:
+                part = table[table["label"] == label]
+                if len(part):
+                    _plot_band(ax, part, styles[label], marker="o" if is_eval and x == "step" else None)
+            ax.set_xlabel(STEP_LABEL if x == "step" else TOKENS_LABEL)
+            ax.set_ylabel(EVAL_METRICS.get(metric, "training reward (mean)"))
+        missing = [lab for lab in labels if lab in runset.labels_without(metric)]
+        if missing:
+            notes.append(f"`{metric}` is missing for {', '.join(missing)}.")
+    return fig, notes
+
+
+def fig_reward_vs_compute(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA,
+                          dpi: int = 150) -> FigureOutput:
+    """Paper Fig. 1: training reward, and held-out accuracy when evaluated, against steps and tokens."""
+    out = FigureOutput("1", "fig1_reward_vs_compute", "Reward and held-out accuracy against training compute", "")
+    if not runset.has(agg.REWARD):
+        out.notes.append(f"No run logged `{agg.REWARD}`; figure not drawn.")
+        return out
+    metrics = [agg.REWARD] + [m for m in EVAL_METRICS if runset.has(m)]
+    if len(metrics) == 1:
+        out.notes.append("No run logged `eval/accuracy` or `eval/greedy_accuracy`; only training reward is shown.")
+    styles = series_styles(runset)
+    with matplotlib.rc_context(RC_PARAMS):
+        fig, notes = _compute_panels(runset, runset.labels, metrics, alpha, styles)
+        _legend(fig, runset.labels, styles)
+        out.files = _save(fig, out_dir, out.name, dpi)
+    out.notes += notes
+    ended_early = " (where a seed ended early the mean continues over the others, hence a step)" \
+        if runset.runs["incomplete"].any() else ""
+    out.caption = (
+        "Mean across seeds with a ±1 sample-std band of the training reward (" + _smoothing_text(alpha)
+        + ") and, where evaluated, held-out pass@1 (mean over k samples) and greedy accuracy (unsmoothed) against "
+        "RL steps and cumulative completion tokens, each seed interpolated onto a common token grid inside its "
+        f"own range{ended_early}."
+    )
+    return out
+
+
+def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+    """Paper Fig. 2: average fraction of clipped tokens per series, bars ± std across seeds, log y."""
+    out = FigureOutput("2", "fig2_clip_fraction", "Average fraction of clipped tokens", "")
+    table = agg.clip_fraction_by_label(runset)
+    if table.empty:
+        out.notes.append(f"No run logged `{agg.CLIP}`; figure not drawn.")
+        return out
+    missing = runset.labels_without(agg.CLIP)
+    if missing:
+        out.notes.append(f"`{agg.CLIP}` is missing for {', '.join(missing)} (no bar).")
+    styles = series_styles(runset)
+    algos = runset.runs.drop_duplicates("label").set_index("label")["algo"]
+    means = table["mean"].to_numpy(float)
+    heights = np.maximum(means, CLIP_FLOOR)
+    std = np.nan_to_num(table["std"].to_numpy(float))
+    lower = np.minimum(std, np.maximum(heights - CLIP_FLOOR, 0.0))
+    positions = np.arange(len(table))
+    width = COLUMN_WIDTH_IN if len(table) <= 6 else TEXT_WIDTH_IN
+    with matplotlib.rc_context(RC_PARAMS):
+        fig = _figure(width, 2.4)
+        ax = fig.subplots()
+        for i, label in enumerate(table["label"]):
+            style = styles[label]
+            ax.bar(i, heights[i], width=0.6, color=style.color, hatch=style.hatch, edgecolor="white",
+                   linewidth=0.3)
+        ax.errorbar(positions, heights, yerr=np.vstack([lower, std]), fmt="none", ecolor="black",
+                    elinewidth=0.6, capsize=2)
+        paper = [(i, PAPER_CLIP_FRACTION[algos[lab]]) for i, lab in enumerate(table["label"])
+                 if algos[lab] in PAPER_CLIP_FRACTION]
+        if paper:
+            ax.hlines([p[1] for p in paper], [p[0] - 0.4 for p in paper], [p[0] + 0.4 for p in paper],
+                      colors="black", linestyles=(0, (3, 1.5)), linewidth=0.9, zorder=3)
+            fig.legend([Line2D([], [], color="black", linestyle=(0, (3, 1.5)))], ["paper Fig. 2 (Qwen3-30B-A3B)"],
+                       loc="outside lower center", frameon=False)
+        ax.set_yscale("log")
+        top = max(float(np.max(heights + std)), max((p[1] for p in paper), default=0.0))
+        ax.set_ylim(CLIP_FLOOR / 2, top * 3)
+        # The value goes under the name: above the bar it would collide with the paper's reference.
+        values = ["<" + format(CLIP_FLOOR, "g") if m < CLIP_FLOOR else format(m, ".2g") for m in means]
+        if len(table) > 3:
+            names = [f"{lab} ({v})" for lab, v in zip(table["label"], values)]
+            ax.set_xticks(positions, names, rotation=30, ha="right", rotation_mode="anchor")
+        else:
+            ax.set_xticks(positions, [f"{lab}\n{v}" for lab, v in zip(table["label"], values)])
+        ax.set_ylabel("clipped tokens (fraction, log)")
+        out.files = _save(fig, out_dir, out.name, dpi)
+    floor_note = f"means below {CLIP_FLOOR:g} are drawn at {CLIP_FLOOR:g} and labelled <{CLIP_FLOOR:g}"
+    out.caption = (
+        f"Mean over training of `{agg.CLIP}` (for sequence-level objectives, the tokens of clipped responses; value "
+        f"next to each name), averaged over seeds with ±1 sample-std error bars on a log scale ({floor_note}), with "
+        "the paper's ≈0.15 (GSPO) and ≈0.0013 (GRPO) as dashed segments where those algorithms ran."
+    )
+    return out
+
+
+def fig_replay_grpo(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> FigureOutput:
+    """Paper Fig. 3: GRPO with vs without Routing Replay, training reward against compute."""
+    out = FigureOutput("3", "fig3_grpo_routing_replay", "GRPO with and without Routing Replay", "")
+    rows = runset.runs.drop_duplicates("label").set_index("label")
+    grpo = [lab for lab in runset.labels if rows.loc[lab, "algo"] == "grpo"]
+    replays = {rows.loc[lab, "replay"] for lab in grpo}
+    if "none" not in replays or not replays - {"none"}:
+        found = ", ".join(sorted(replays)) if replays else "no GRPO runs"
+        out.notes.append(f"Needs GRPO runs both without and with Routing Replay (found replay modes: {found}); "
+                         "figure not drawn.")
+        return out
+    if not runset.has(agg.REWARD):
+        out.notes.append(f"No run logged `{agg.REWARD}`; figure not drawn.")
+        return out
+    styles = series_styles(runset)
+    with matplotlib.rc_context(RC_PARAMS):
+        fig, notes = _compute_panels(runset, grpo, [agg.REWARD], alpha, styles)
+        _legend(fig, grpo, styles)
+        out.files = _save(fig, out_dir, out.name, dpi)
+    out.notes += notes
+    out.caption = (
+        "Training reward of GRPO without Routing Replay (solid) and with it (dashed R2, dotted R3) against RL steps "
+        f"and completion tokens, mean ± 1 sample std across seeds, {_smoothing_text(alpha)}."
+    )
+    return out
+
+
+def _edges(values: np.ndarray) -> np.ndarray:
+    """Cell edges around sorted centres, for pcolormesh."""
+    values = np.asarray(values, dtype=float)
+    if len(values) == 1:
+        return np.array([values[0] - 0.5, values[0] + 0.5])
+    mids = (values[1:] + values[:-1]) / 2
+    return np.concatenate([[values[0] - (mids[0] - values[0])], mids, [values[-1] + (values[-1] - mids[-1])]])
+
+
+def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name: str, dpi: int,
+              integer_x: bool = False) -> list[Path]:
+    labels = list(tables)
+    ncols = min(len(labels), 3)
+    nrows = math.ceil(len(labels) / ncols)
+    vmax = max(float(np.nanmax(t.to_numpy(float))) for t in tables.values())
+    vmax = vmax if vmax > 0 else 1.0
+    width = COLUMN_WIDTH_IN if ncols == 1 else TEXT_WIDTH_IN
+    fig = _figure(width, 1.7 * nrows + 0.3)
+    grid = fig.subplots(nrows, ncols, squeeze=False)
+    mesh = None
+    for k, ax in enumerate(grid.flat):
+        if k >= len(labels):
+            ax.set_visible(False)
+            continue
+        table = tables[labels[k]]
+        xs = table.columns.to_numpy(float)
+        layers = table.index.to_numpy(float)
+        mesh = ax.pcolormesh(_edges(xs), _edges(layers), table.to_numpy(float), vmin=0.0, vmax=vmax,
+                             cmap="viridis", shading="flat")
+        ax.set_title(labels[k])
+        ax.set_xlabel(xlabel)
+        if integer_x:
+            ax.set_xticks(xs)
+        if k % ncols == 0:
+            ax.set_ylabel("layer (0 = first)")
+        ax.grid(False)
+        if len(layers) <= 12:
+            ax.set_yticks(layers)
+    fig.colorbar(mesh, ax=grid.ravel().tolist(), label=DRIFT_LABEL, shrink=0.9)
+    return _save(fig, out_dir, name, dpi)
+
+
+def fig_drift_layer_minibatch(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+    """Routing drift per layer against the number of optimizer updates since θ_old (per-minibatch records)."""
+    out = FigureOutput("4a", "fig4a_drift_layer_minibatch", "Routing drift: layer × updates since θ_old", "")
+    tables = agg.drift_layer_by_minibatch(runset)
+    if not tables:
+        out.notes.append("No per-minibatch `routing/expert_change_frac/layer_<i>` values (dense model, or not "
+                         "logged); figure not drawn.")
+        return out
+    without = [lab for lab in runset.labels if lab not in tables]
+    if without:
+        out.notes.append(f"No per-layer drift for {', '.join(without)}.")
+    with matplotlib.rc_context(RC_PARAMS):
+        out.files = _heatmaps(tables, "optimizer updates since θ_old (minibatch index)", out_dir, out.name, dpi,
+                              integer_x=True)
+    out.caption = (
+        "Share of activated (token, layer, slot) experts under θ that were not activated under θ_old, per layer and "
+        "per number of updates since θ_old, averaged over steps within each seed and then over seeds."
+    )
+    return out
+
+
+def fig_drift_layer_step(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+    """Routing drift per layer over training (step-level values, mean over the step's minibatches)."""
+    out = FigureOutput("4b", "fig4b_drift_layer_step", "Routing drift: layer × step", "")
+    tables = agg.drift_layer_by_step(runset)
+    if not tables:
+        out.notes.append("No step-level `routing/expert_change_frac/layer_<i>` values (dense model, or not "
+                         "logged); figure not drawn.")
+        return out
+    without = [lab for lab in runset.labels if lab not in tables]
+    if without:
+        out.notes.append(f"No per-layer drift for {', '.join(without)}.")
+    with matplotlib.rc_context(RC_PARAMS):
+        out.files = _heatmaps(tables, STEP_LABEL, out_dir, out.name, dpi)
+    out.caption = (
+        "Per-layer share of activated experts that changed since θ_old at each RL step (the mean over the step's "
+        "minibatches), averaged over seeds."
+    )
+    return out
+
+
+def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+    """Routing drift against depth, with the paper's ~10% per update as a reference where it fits the scale."""
+    out = FigureOutput("4c", "fig4c_drift_depth", "Routing drift against depth", "")
+    table, basis = agg.drift_by_depth(runset)
+    if table.empty:
+        out.notes.append("No `routing/expert_change_frac/layer_<i>` values (dense model, or not logged); "
+                         "figure not drawn.")
+        return out
+    styles = series_styles(runset)
+    labels = [lab for lab in runset.labels if lab in set(table["label"])]
+    top = float(np.nanmax(table["mean"] + table["std"].fillna(0)))
+    # The reference only helps when the data are within a factor of 5 of it; otherwise it flattens the curves.
+    show_reference = top >= PAPER_DRIFT / 5
+    with matplotlib.rc_context(RC_PARAMS):
+        fig = _figure(COLUMN_WIDTH_IN, 2.1 + _legend_rows_in(len(labels) + show_reference, COLUMN_WIDTH_IN))
+        ax = fig.subplots()
+        for label in labels:
+            part = table[table["label"] == label].rename(columns={"layer": "x"})
+            _plot_band(ax, part, styles[label], marker="o" if part["x"].nunique() <= 12 else None)
+        extra = []
+        if show_reference:
+            ax.axhline(PAPER_DRIFT, color="black", linestyle=(0, (1, 2)), linewidth=0.8)
+            extra.append((Line2D([], [], color="black", linestyle=(0, (1, 2))),
+                          f"paper: ≈10%/update, {PAPER_LAYERS} layers"))
+        ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("layer (0 = first)")
+        ax.set_ylabel(DRIFT_LABEL)
+        _legend(fig, labels, styles, extra)
+        out.files = _save(fig, out_dir, out.name, dpi)
+    counts = agg.layer_counts(runset)
+    depth = ", ".join(sorted({str(n) for n in counts.values()})) or "unknown"
+    reference = (f"the dotted line is the paper's ≈10% per update on a {PAPER_LAYERS}-layer MoE"
+                 if show_reference else
+                 f"the paper's ≈10% per update on a {PAPER_LAYERS}-layer MoE is off this scale (largest value here "
+                 f"{top:.2g})")
+    out.caption = (f"Share of activated experts that changed per layer, {basis}, mean ± 1 sample std across seeds "
+                   f"on a model with {depth} layers; {reference}.")
+    return out
+
+
+def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> FigureOutput:
+    """Token-level vs sequence-level importance-ratio variance per series against step, log y."""
+    out = FigureOutput("5", "fig5_ratio_variance", "Importance-ratio variance, token vs sequence level", "")
+    panels = [(m, t) for m, t in ((agg.TOKEN_VAR, "token-level ratio r_t"), (agg.SEQ_VAR, "sequence-level ratio s_i"))
+              if runset.has(m)]
+    for metric in (agg.TOKEN_VAR, agg.SEQ_VAR):
+        if not runset.has(metric):
+            out.notes.append(f"No run logged `{metric}`; its panel is left out.")
+    if not panels:
+        out.notes.append("Figure not drawn.")
+        return out
+    styles = series_styles(runset)
+    below_floor = False
+    drawn: set[str] = set()
+    with matplotlib.rc_context(RC_PARAMS):
+        width = TEXT_WIDTH_IN if len(panels) == 2 else COLUMN_WIDTH_IN
+        fig = _figure(width, 2.0 + _legend_rows_in(len(runset.labels), width))
+        axes = fig.subplots(1, len(panels), squeeze=False)[0]
+        for ax, (metric, title) in zip(axes, panels):
+            table = agg.curve(runset, metric, x="step", alpha=alpha)
+            below_floor |= bool((table["mean"] < VARIANCE_FLOOR).any())
+            for label in runset.labels:
+                part = table[table["label"] == label]
+                if len(part):
+                    _plot_band(ax, part, styles[label], floor=VARIANCE_FLOOR)
+                    drawn.add(label)
+            _log_limits(ax, table, VARIANCE_FLOOR)  # before the log scale: constant curves give no data range
+            ax.set_yscale("log")
+            ax.set_title(title)
+            ax.set_xlabel(STEP_LABEL)
+            ax.set_ylabel("variance of the ratio (log)")
+            missing = runset.labels_without(metric)
+            if missing:
+                out.notes.append(f"`{metric}` is missing for {', '.join(missing)}.")
+        _legend(fig, [lab for lab in runset.labels if lab in drawn], styles)
+        out.files = _save(fig, out_dir, out.name, dpi)
+    floor = f"; values below {VARIANCE_FLOOR:g} are drawn at {VARIANCE_FLOOR:g}" if below_floor else ""
+    out.caption = (
+        "Variance of the token-level importance ratio and of the sequence-level ratio against RL step (mean over "
+        f"the step's minibatches), mean ± 1 sample std across seeds, {_smoothing_text(alpha)}, log scale{floor}."
+    )
+    return out
+
+
+def _log_limits(ax: Axes, table: pd.DataFrame, floor: float) -> None:
+    """Y range covering mean ± std (floored), at least one decade, so constant curves stay visible."""
+    std = table["std"].fillna(0).to_numpy(float)
+    mean = table["mean"].to_numpy(float)
+    lo = max(float(np.min(mean - std)), floor)
+    hi = max(float(np.max(mean + std)), floor)
+    lo = min(lo, float(np.min(np.maximum(mean, floor))))
+    ax.set_ylim(lo / 3, max(hi * 3, lo * 10))
+
+
+def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> list[FigureOutput]:
+    """Every figure in report order."""
+    out_dir = Path(out_dir)
+    return [
+        fig_reward_vs_compute(runset, out_dir, alpha=alpha, dpi=dpi),
+        fig_clip_fraction(runset, out_dir, dpi=dpi),
+        fig_replay_grpo(runset, out_dir, alpha=alpha, dpi=dpi),
+        fig_drift_layer_minibatch(runset, out_dir, dpi=dpi),
+        fig_drift_layer_step(runset, out_dir, dpi=dpi),
+        fig_drift_depth(runset, out_dir, dpi=dpi),
+        fig_ratio_variance(runset, out_dir, alpha=alpha, dpi=dpi),
+    ]

@@ -1,0 +1,538 @@
+"""Find runs (local directories or W&B) and read them into long pandas frames.
+
+A local run is the training loop's Hydra output directory (shared/notes/design.md, "Run directory"): it holds
+`.hydra/config.yaml` (the resolved config) and `metrics.jsonl` (one JSON object per RL step, flushed each step),
+plus `summary.json` once the run finished. A Hydra multirun sweep directory holds one such directory per job, so
+runs are found recursively. A W&B run carries the same flat keys in its history, with per-minibatch values
+flattened as `minibatch/<j>/<name>`, and the resolved config as `run.config`.
+
+Both sources end in one `RunSet`:
+- `runs`: one row per run (id, label, algorithm, replay mode, seed, status, ...);
+- `scalars`: long frame `[run, step, metric, value]`, one row per logged step-level scalar;
+- `minibatches`: long frame `[run, step, minibatch, metric, value]` from the per-minibatch records, where
+  `minibatch` is the number of optimizer updates since θ_old.
+
+Series are "grouped by what differs": the label of a run names its algorithm, its replay mode when not `none`,
+and every other config key that separates runs which would otherwise share a label (seeds are not such a key:
+runs that differ only in seed, paths or logging are the seeds of one series). Reading never stops at bad data:
+a malformed line is reported as `file:line` on stderr and skipped; a run without `summary.json` is kept up to its
+last valid line and marked incomplete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from analysis.style import ALGO_ORDER, REPLAY_ORDER
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = Path(".hydra") / "config.yaml"
+SUMMARY_FILE = "summary.json"
+
+SCALAR_COLUMNS = ["run", "step", "metric", "value"]
+MINIBATCH_COLUMNS = ["run", "step", "minibatch", "metric", "value"]
+RUN_COLUMNS = [
+    "run", "label", "algo", "replay", "seed", "model", "num_layers", "status", "incomplete",
+    "last_step", "wall_s", "source", "config",
+]
+INCOMPLETE = "incomplete (crashed or still running)"
+
+# Config keys that never separate series: seeds are aggregated, paths and logging do not change the experiment.
+_IGNORED_PREFIXES = ("hydra.", "logger.", "wandb.")
+_IGNORED_LEAF = re.compile(r"^(seed|.*dir|.*_path|path|paths|.*_file|output.*|run_name|tags|notes)$")
+_WANDB_MINIBATCH_KEY = re.compile(r"^minibatch/(\d+)/(.+)$")
+
+
+@dataclass
+class RunSet:
+    """Everything the report needs, in long frames (see the module docstring for the columns)."""
+
+    runs: pd.DataFrame
+    scalars: pd.DataFrame
+    minibatches: pd.DataFrame
+    source: str
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def labels(self) -> list[str]:
+        """Series labels in display order: catalogue algorithm order, then replay mode, then name."""
+        table = self.runs.drop_duplicates("label")
+        return [row["label"] for _, row in sorted(table.iterrows(), key=lambda item: _label_sort_key(item[1]))]
+
+    def has(self, metric: str) -> bool:
+        return bool((self.scalars["metric"] == metric).any())
+
+    def metric(self, metric: str) -> pd.DataFrame:
+        """Rows of one step-level metric with the run's label: columns `[run, label, step, value]`."""
+        rows = self.scalars.loc[self.scalars["metric"] == metric, ["run", "step", "value"]]
+        return rows.merge(self.runs[["run", "label"]], on="run")[["run", "label", "step", "value"]]
+
+    def labels_without(self, metric: str) -> list[str]:
+        """Labels none of whose runs logged `metric` (used to say which panels are left out and why)."""
+        have = set(self.metric(metric)["label"])
+        return [lab for lab in self.labels if lab not in have]
+
+
+def _label_sort_key(row: pd.Series) -> tuple:
+    algo_rank = ALGO_ORDER.index(row["algo"]) if row["algo"] in ALGO_ORDER else len(ALGO_ORDER)
+    replay_rank = REPLAY_ORDER.index(row["replay"]) if row["replay"] in REPLAY_ORDER else len(REPLAY_ORDER)
+    return (algo_rank, row["algo"], replay_rank, row["label"])
+
+
+def _warn(problems: list[str], message: str) -> None:
+    problems.append(message)
+    print(f"warning: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs and labels
+# ---------------------------------------------------------------------------------------------------------------
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config → `{"a.b.c": value}`. Lists become their JSON text so that values stay comparable."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_config(value, prefix=f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = json.dumps(value, sort_keys=True, default=str)
+        else:
+            flat[name] = value
+    return flat
+
+
+def _ignored(key: str) -> bool:
+    return key.startswith(_IGNORED_PREFIXES) or bool(_IGNORED_LEAF.match(key.rsplit(".", 1)[-1]))
+
+
+def _short_key(key: str, all_keys: Iterable[str]) -> str:
+    """Shortest dotted suffix of `key` that no other key ends with (`trainer.lr` → `lr` unless `optim.lr` exists)."""
+    parts = key.split(".")
+    others = [k for k in all_keys if k != key]
+    for n in range(1, len(parts) + 1):
+        suffix = ".".join(parts[-n:])
+        if not any(k == suffix or k.endswith("." + suffix) for k in others):
+            return suffix
+    return key
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """Readable series label per run from its flattened config.
+
+    The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none`. Then, in sorted key order, every
+    config key that differs between runs (ignoring seeds, paths, output dirs, logger/W&B/Hydra keys) and still
+    splits runs sharing a label so far is appended to all labels as `key=value`, with the shortest unambiguous
+    key suffix. Keys that only restate the algorithm (its clip range, say) therefore never clutter a label.
+    """
+    labels = {run: _base_label(cfg) for run, cfg in configs.items()}
+    all_keys = sorted({k for cfg in configs.values() for k in cfg})
+    candidates = [
+        k for k in all_keys
+        if k not in ("algo.name", "routing.replay") and not _ignored(k)
+        and len({_format_value(cfg.get(k, "—")) for cfg in configs.values()}) > 1
+    ]
+    for key in candidates:
+        groups: dict[str, set[str]] = {}
+        for run, cfg in configs.items():
+            groups.setdefault(labels[run], set()).add(_format_value(cfg.get(key, "—")))
+        if any(len(values) > 1 for values in groups.values()):
+            short = _short_key(key, all_keys)
+            labels = {
+                run: f"{labels[run]}, {short}={_format_value(configs[run].get(key, '—'))}" for run in configs
+            }
+    return labels
+
+
+def _base_label(cfg: Mapping[str, Any]) -> str:
+    algo = str(cfg.get("algo.name", "unknown"))
+    replay = str(cfg.get("routing.replay", "none"))
+    return algo if replay == "none" else f"{algo} + {replay}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Records → long rows (shared by local files and W&B history rows)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _as_float(value: Any) -> float | None:
+    """Numbers and booleans as float; anything else (strings, media, nested objects) is not a metric."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    return None
+
+
+_NUMERIC_TYPES = frozenset((int, float, bool))
+
+
+@dataclass
+class _Rows:
+    """Wide records, one dict per step and per (step, minibatch), turned into long frames once at the end.
+
+    Keeping the identifiers in separate lists means a metric can never collide with the `run`/`step` columns.
+    """
+
+    step_ids: list[tuple[str, int]] = field(default_factory=list)
+    step_values: list[dict[str, Any]] = field(default_factory=list)
+    minibatch_ids: list[tuple[str, int, int]] = field(default_factory=list)
+    minibatch_values: list[dict[str, Any]] = field(default_factory=list)
+    non_finite: int = 0
+
+    def _numbers(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        numeric = {k: v for k, v in values.items() if type(v) in _NUMERIC_TYPES}
+        finite = {k: v for k, v in numeric.items() if math.isfinite(v)}
+        self.non_finite += len(numeric) - len(finite)
+        return finite
+
+    def add_step(self, run: str, step: int, values: Mapping[str, Any]) -> None:
+        self.step_ids.append((run, step))
+        self.step_values.append(self._numbers(values))
+
+    def add_minibatch(self, run: str, step: int, index: int, values: Mapping[str, Any]) -> None:
+        self.minibatch_ids.append((run, step, index))
+        self.minibatch_values.append(self._numbers(values))
+
+
+def _step_of(record: Mapping[str, Any]) -> int | None:
+    step = record.get("train/step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    if float(step) != int(step):
+        return None
+    return int(step)
+
+
+def _add_record(rows: _Rows, run: str, step: int, record: Mapping[str, Any]) -> int:
+    """Add one step's record (local `minibatches` list or W&B `minibatch/<j>/<name>` keys).
+
+    Returns how many per-minibatch entries were unusable (no integer `minibatch` index).
+    """
+    scalars: dict[str, Any] = {}
+    per_minibatch: dict[int, dict[str, Any]] = {}
+    for key, value in record.items():
+        if key.startswith("minibatch/"):
+            match = _WANDB_MINIBATCH_KEY.match(key)
+            if match:
+                per_minibatch.setdefault(int(match.group(1)), {})[match.group(2)] = value
+        elif key not in ("minibatches", "train/step") and not key.startswith("_"):
+            scalars[key] = value
+    entries = record.get("minibatches", [])
+    bad = 0
+    for entry in entries if isinstance(entries, list) else [entries]:
+        index = entry.get("minibatch") if isinstance(entry, Mapping) else None
+        if type(index) is not int:
+            bad += 1
+            continue
+        per_minibatch.setdefault(index, {}).update({k: v for k, v in entry.items() if k != "minibatch"})
+    rows.add_step(run, step, scalars)
+    for index, values in per_minibatch.items():
+        rows.add_minibatch(run, step, index, values)
+    return bad
+
+
+def _long(ids: list[tuple], values: list[dict[str, Any]], id_columns: list[str]) -> pd.DataFrame:
+    """Wide records → long `[*id_columns, metric, value]`; a value logged twice for the same ids keeps the last."""
+    wide = pd.DataFrame.from_records(values, index=range(len(values))).astype("float64")
+    wide = pd.concat([pd.DataFrame(ids, columns=id_columns), wide], axis=1)
+    long = wide.melt(id_vars=id_columns, var_name="metric", value_name="value").dropna(subset=["value"])
+    long = long.drop_duplicates([*id_columns, "metric"], keep="last")
+    long = long.astype({c: "int64" for c in id_columns if c != "run"} | {"run": str, "metric": str})
+    return long.sort_values([*id_columns, "metric"], kind="stable").reset_index(drop=True)
+
+
+def _frames(rows: _Rows) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """Long scalar and minibatch frames, and how many step-level values were logged twice for the same step."""
+    seen = sum(len(v) for v in rows.step_values)
+    scalars = _long(rows.step_ids, rows.step_values, ["run", "step"])
+    minibatches = _long(rows.minibatch_ids, rows.minibatch_values, ["run", "step", "minibatch"])
+    return scalars[SCALAR_COLUMNS], minibatches[MINIBATCH_COLUMNS], seen - len(scalars)
+
+
+def _run_row(run: str, cfg: Mapping[str, Any], finished: bool, wall_s: float, source: str) -> dict[str, Any]:
+    seed = cfg.get("seed")
+    layers = cfg.get("model.num_hidden_layers")
+    return {
+        "run": run,
+        "algo": str(cfg.get("algo.name", "unknown")),
+        "replay": str(cfg.get("routing.replay", "none")),
+        "seed": _format_value(seed) if seed is not None else "",
+        "model": str(cfg.get("model.name", "")),
+        "num_layers": float(layers) if isinstance(layers, (int, float)) and not isinstance(layers, bool) else math.nan,
+        "status": "finished" if finished else INCOMPLETE,
+        "incomplete": not finished,
+        "wall_s": wall_s,
+        "source": source,
+        "config": json.dumps(cfg, sort_keys=True, default=str),
+    }
+
+
+def _finish(run_rows: list[dict], scalars: pd.DataFrame, minibatches: pd.DataFrame, source: str,
+            problems: list[str]) -> RunSet:
+    """Attach labels and last steps, then check that the label splits are honest (same seed twice)."""
+    runs = pd.DataFrame(run_rows)
+    configs = {row["run"]: json.loads(row["config"]) for row in run_rows}
+    labels = label_runs(configs)
+    runs["label"] = runs["run"].map(labels)
+    last = scalars.groupby("run")["step"].max()
+    runs["last_step"] = runs["run"].map(last).fillna(0).astype("int64")
+    runs = runs[RUN_COLUMNS].reset_index(drop=True)
+    for label, group in runs.groupby("label"):
+        seeds = group["seed"][group["seed"] != ""]
+        repeated = sorted(set(seeds[seeds.duplicated()]))
+        if repeated:
+            _warn(problems, f"series '{label}' has several runs with seed {', '.join(repeated)}; "
+                            "they are aggregated as separate replicates")
+    return RunSet(runs=runs, scalars=scalars, minibatches=minibatches, source=source, problems=problems)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Local run directories
+# ---------------------------------------------------------------------------------------------------------------
+
+def _natural_key(path: Path) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / METRICS_FILE).is_file() and (path / CONFIG_FILE).is_file()
+
+
+def find_run_dirs(paths: Sequence[str | Path], problems: list[str] | None = None) -> list[tuple[Path, Path]]:
+    """All run directories under `paths`, as `(input_root, run_dir)` pairs in natural order (0, 1, ..., 10).
+
+    Raises FileNotFoundError for a path that does not exist, ValueError when nothing under `paths` is a run.
+    """
+    problems = [] if problems is None else problems
+    found: list[tuple[Path, Path]] = []
+    seen: set[Path] = set()
+    for given in paths:
+        root = Path(given)
+        if not root.exists():
+            raise FileNotFoundError(f"no such directory: {root}")
+        if not root.is_dir():
+            raise ValueError(f"not a directory: {root} (expected a run directory or a sweep directory)")
+        for current, dirnames, filenames in os.walk(root):
+            here = Path(current)
+            if is_run_dir(here):
+                dirnames[:] = []  # checkpoints and W&B files below a run are not runs
+                if here.resolve() not in seen:
+                    seen.add(here.resolve())
+                    found.append((root, here))
+                continue
+            if METRICS_FILE in filenames:
+                _warn(problems, f"{here / METRICS_FILE} has no {CONFIG_FILE} next to it; skipped")
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    if not found:
+        where = ", ".join(str(p) for p in paths)
+        raise ValueError(f"no runs found under {where} (a run directory holds {METRICS_FILE} and {CONFIG_FILE})")
+    return sorted(found, key=lambda pair: _natural_key(pair[1]))
+
+
+def read_metrics(path: Path, problems: list[str]) -> list[tuple[int, dict[str, Any]]]:
+    """Valid `(step, record)` pairs of one metrics.jsonl; each malformed line is reported as `path:line` and skipped.
+
+    A line is malformed when it is not a JSON object or lacks an integer `train/step` (a run killed mid-write
+    leaves exactly such a truncated last line).
+    """
+    records: list[tuple[int, dict[str, Any]]] = []
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                _warn(problems, f"{path}:{lineno}: malformed line skipped ({err.msg})")
+                continue
+            if not isinstance(record, dict):
+                _warn(problems, f"{path}:{lineno}: malformed line skipped (not a JSON object)")
+                continue
+            step = _step_of(record)
+            if step is None:
+                _warn(problems, f"{path}:{lineno}: malformed line skipped (no integer 'train/step')")
+                continue
+            records.append((step, record))
+    return records
+
+
+def _read_summary(run_dir: Path, problems: list[str]) -> tuple[bool, float]:
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return False, math.nan
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        _warn(problems, f"{path}: unreadable ({err}); run treated as incomplete")
+        return False, math.nan
+    if not isinstance(summary, dict):
+        _warn(problems, f"{path}: not a JSON object; run treated as incomplete")
+        return False, math.nan
+    wall = _as_float(summary.get("wall_s"))
+    return summary.get("status") == "finished", wall if wall is not None else math.nan
+
+
+def _run_id(root: Path, run_dir: Path, taken: set[str]) -> str:
+    rel = run_dir.relative_to(root)
+    name = root.resolve().name if rel == Path(".") else f"{root.resolve().name}/{rel.as_posix()}"
+    candidate, n = name, 2
+    while candidate in taken:
+        candidate, n = f"{name}#{n}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+def load_runs(paths: Sequence[str | Path]) -> RunSet:
+    """Load every run under `paths` (run or sweep directories, searched recursively) into a RunSet."""
+    problems: list[str] = []
+    rows = _Rows()
+    run_rows: list[dict] = []
+    taken: set[str] = set()
+    for root, run_dir in find_run_dirs(paths, problems):
+        try:
+            config = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            _warn(problems, f"{run_dir / CONFIG_FILE}: unreadable config ({err.__class__.__name__}); run skipped")
+            continue
+        if not isinstance(config, dict):
+            _warn(problems, f"{run_dir / CONFIG_FILE}: not a mapping; run skipped")
+            continue
+        records = read_metrics(run_dir / METRICS_FILE, problems)
+        if not records:
+            _warn(problems, f"{run_dir / METRICS_FILE}: no valid metric line; run skipped")
+            continue
+        run = _run_id(root, run_dir, taken)
+        bad = sum(_add_record(rows, run, step, record) for step, record in records)
+        if bad:
+            _warn(problems, f"{run_dir / METRICS_FILE}: {bad} per-minibatch entries without an integer "
+                            "'minibatch' index skipped")
+        finished, wall_s = _read_summary(run_dir, problems)
+        run_rows.append(_run_row(run, flatten_config(config), finished, wall_s, str(run_dir)))
+    if not run_rows:
+        raise ValueError(f"no run under {', '.join(str(p) for p in paths)} has a readable config and a valid "
+                         f"{METRICS_FILE} line")
+    scalars, minibatches, repeated = _frames(rows)
+    _note_dropped(problems, rows.non_finite, repeated)
+    return _finish(run_rows, scalars, minibatches, ", ".join(str(p) for p in paths), problems)
+
+
+def _note_dropped(problems: list[str], non_finite: int, repeated: int) -> None:
+    if non_finite:
+        _warn(problems, f"{non_finite} non-finite metric values (NaN/inf) left out of the figures and tables")
+    if repeated:
+        _warn(problems, f"{repeated} metric values logged twice for the same step; the last one is used")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# W&B
+# ---------------------------------------------------------------------------------------------------------------
+
+def default_wandb_api() -> Any:
+    """The real W&B public API (imported here: `wandb` is slow to import and only this path needs it)."""
+    import wandb
+
+    return wandb.Api()
+
+
+def _cache_key(path: str, groups: Sequence[str]) -> str:
+    raw = path.replace("/", "_") + "_" + ("+".join(sorted(groups)) if groups else "all-groups")
+    slug = re.sub(r"[^A-Za-z0-9._+-]", "_", raw)
+    if len(slug) > 120:
+        slug = slug[:80] + "_" + hashlib.sha1(raw.encode()).hexdigest()[:12]
+    return f"wandb_{slug}"
+
+
+def wandb_cache_dir(cache_root: Path, path: str, groups: Sequence[str]) -> Path:
+    """Where the parquet cache of one (entity/project, groups) query lives."""
+    return Path(cache_root) / _cache_key(path, groups)
+
+
+def _check_project_path(path: str) -> None:
+    parts = path.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"W&B path must be ENTITY/PROJECT, got {path!r}")
+
+
+def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refresh: bool = False,
+               api_factory: Callable[[], Any] = default_wandb_api) -> RunSet:
+    """Load the runs of W&B project `path` (restricted to `groups` when given) into a RunSet.
+
+    The loaded frames are written as parquet under `wandb_cache_dir(cache_root, path, groups)`; a later call with
+    the same arguments reads them back without creating an API object (no network), unless `refresh` is set.
+    `api_factory` returns an object with `runs(path, filters=...)` whose items have `.id`, `.name`, `.group`,
+    `.state`, `.config` (the nested resolved config) and `.scan_history()`.
+    """
+    _check_project_path(path)
+    cache = wandb_cache_dir(cache_root, path, groups)
+    if not refresh and (cache / "runs.parquet").is_file():
+        return _read_cache(cache)
+    api = api_factory()
+    filters = {"group": {"$in": list(groups)}} if groups else None
+    problems: list[str] = []
+    rows = _Rows()
+    run_rows: list[dict] = []
+    for wb_run in api.runs(path, filters=filters):
+        config = {k: v for k, v in dict(wb_run.config).items() if not str(k).startswith("_")}
+        run = str(wb_run.id)
+        history = 0
+        without_step = 0
+        for record in wb_run.scan_history():
+            step = _step_of(record)
+            if step is None:
+                without_step += 1
+                continue
+            history += 1
+            _add_record(rows, run, step, record)
+        if without_step:
+            _warn(problems, f"W&B run {run} ({wb_run.name}): {without_step} history rows without 'train/step' "
+                            "skipped")
+        if not history:
+            _warn(problems, f"W&B run {run} ({wb_run.name}): no history row with 'train/step'; run skipped")
+            continue
+        source = f"wandb:{path}/{run} (group {wb_run.group}, name {wb_run.name})"
+        run_rows.append(_run_row(run, flatten_config(config), wb_run.state == "finished", math.nan, source))
+    if not run_rows:
+        where = f" in groups {', '.join(groups)}" if groups else ""
+        raise ValueError(f"no W&B runs with history found in {path}{where}")
+    scalars, minibatches, repeated = _frames(rows)
+    _note_dropped(problems, rows.non_finite, repeated)
+    source = f"W&B {path}" + (f" (groups: {', '.join(groups)})" if groups else "")
+    runset = _finish(run_rows, scalars, minibatches, source, problems)
+    _write_cache(cache, runset)
+    return runset
+
+
+def _write_cache(cache: Path, runset: RunSet) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    runset.runs.to_parquet(cache / "runs.parquet", index=False)
+    runset.scalars.to_parquet(cache / "scalars.parquet", index=False)
+    runset.minibatches.to_parquet(cache / "minibatches.parquet", index=False)
+    meta = {"source": runset.source, "problems": runset.problems}
+    (cache / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+
+
+def _read_cache(cache: Path) -> RunSet:
+    meta = json.loads((cache / "meta.json").read_text(encoding="utf-8"))
+    return RunSet(
+        runs=pd.read_parquet(cache / "runs.parquet"),
+        scalars=pd.read_parquet(cache / "scalars.parquet"),
+        minibatches=pd.read_parquet(cache / "minibatches.parquet"),
+        source=f"{meta['source']} (cached in {cache})",
+        problems=list(meta["problems"]),
+    )

@@ -1,0 +1,232 @@
+"""`python -m analysis.report`: figures, a stability table and report.md from run directories or W&B.
+
+    python -m analysis.report RUN_OR_SWEEP_DIR... [--out DIR]
+    python -m analysis.report --wandb ENTITY/PROJECT [--group G ...] [--out DIR] [--refresh]
+
+Writes into the output folder one PNG and one PDF per figure (analysis/figures.py), `summary.csv` (the stability
+table, one row per series) and `report.md`, which embeds every PNG with a one-sentence caption, lists incomplete
+runs and loading problems, says which panels were left out and why, and defines every number in the table.
+Bad input (no runs, a missing directory) ends with a one-line `error:` message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from analysis import aggregate as agg
+from analysis.figures import FigureOutput, all_figures
+from analysis.load import INCOMPLETE, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir
+
+REPORT_FILE = "report.md"
+SUMMARY_FILE = "summary.csv"
+# Stability-table columns whose source metric may be absent, with the metric named in the note.
+_TABLE_METRICS = {
+    "clip_frac_mean": agg.CLIP,
+    "expert_change_mean": agg.DRIFT,
+    "ratio_token_var_mean": agg.TOKEN_VAR,
+    "ratio_seq_var_mean": agg.SEQ_VAR,
+    "skipped_steps": agg.SKIPPED,
+}
+
+
+def _num(value: Any, fmt: str = ".3g") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return format(value, fmt)
+
+
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _collapse_cell(row: pd.Series) -> str:
+    if row["collapse_evaluated_seeds"] == 0:
+        return "n/a (too short)"
+    verdict = "yes" if row["collapse"] else "no"
+    return f"{verdict} ({row['collapsed_seeds']}/{row['collapse_evaluated_seeds']})"
+
+
+def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
+    """The stability table as markdown, numbers rounded for reading (summary.csv keeps full precision)."""
+    header = ["series", "seeds", "incomplete", f"final reward (last {last_n})", "best reward", "collapse",
+              "clip frac", "expert change", "ratio var (token)", "ratio var (seq)", "skipped steps", "s / step"]
+    rows = []
+    for _, row in table.iterrows():
+        std = row["final_reward_std"]
+        final = _num(row["final_reward_mean"], ".3f") + ("" if math.isnan(std) else f" ± {std:.3f}")
+        rows.append([
+            row["label"], row["seeds"], row["incomplete_runs"], final, _num(row["best_reward"], ".3f"),
+            _collapse_cell(row), _num(row["clip_frac_mean"]), _num(row["expert_change_mean"]),
+            _num(row["ratio_token_var_mean"]), _num(row["ratio_seq_var_mean"]), _num(row["skipped_steps"], ".0f"),
+            _num(row["step_s_mean"], ".2f"),
+        ])
+    return _markdown_table(header, rows)
+
+
+def _runs_section(runset: RunSet) -> list[str]:
+    runs = runset.runs
+    rows = []
+    for label in runset.labels:
+        group = runs[runs["label"] == label]
+        seeds = ", ".join(s for s in group["seed"] if s) or "–"
+        rows.append([label, len(group), seeds, int(group["incomplete"].sum()), int(group["last_step"].max()),
+                     ", ".join(sorted(set(group["model"]) - {""})) or "–"])
+    lines = ["## Runs", "", _markdown_table(["series", "runs", "seeds", "incomplete", "last step", "model"], rows)]
+    incomplete = runs[runs["incomplete"]]
+    if len(incomplete):
+        lines += ["", f"Runs marked {INCOMPLETE}, included up to their last valid line:", ""]
+        lines += [f"- `{r.run}` ({r.label}): last step {r.last_step}" for r in incomplete.itertuples()]
+    if runset.problems:
+        lines += ["", "Problems found while loading (each also printed to stderr):", ""]
+        lines += [f"- {problem}" for problem in runset.problems]
+    return lines
+
+
+def _figure_section(figures: Sequence[FigureOutput]) -> list[str]:
+    lines = ["## Figures"]
+    for figure in figures:
+        lines += ["", f"### Figure {figure.number}: {figure.title}", ""]
+        pngs = [f for f in figure.files if f.suffix == ".png"]
+        pdfs = [f for f in figure.files if f.suffix == ".pdf"]
+        if pngs:
+            lines += [f"![{figure.title}]({pngs[0].name})", ""]
+            lines.append(figure.caption + (f" ([PDF]({pdfs[0].name}))" if pdfs else ""))
+        else:
+            lines.append("Not drawn.")
+        for note in figure.notes:
+            lines += ["", f"> Note: {note}"]
+    return lines
+
+
+def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: float, alpha: float) -> list[str]:
+    tail = f"K = max({agg.COLLAPSE_MIN_TAIL}, ⌈{agg.COLLAPSE_TAIL_FRACTION:g}·T⌉)"
+    lines = [
+        "## Stability", "", stability_markdown(table, last_n), "",
+        f"Also in `{SUMMARY_FILE}` (full precision, one row per series). Definitions:", "",
+        f"- **final reward**: per seed, the mean of `{agg.REWARD}` over its last {last_n} logged steps; then mean "
+        "± sample std (ddof = 1) across seeds (no ± with one seed).",
+        f"- **best reward**: per seed, the maximum of the EMA-smoothed reward (α = {alpha:g}); mean across seeds.",
+        f"- **collapse**: a seed collapsed when its EMA-smoothed reward (α = {alpha:g}) is more than {drop:g} "
+        f"(absolute, reward units) below its own best at every one of its last {tail} logged steps (T = logged "
+        "steps): it fell and stayed down until the end. Seeds with T < 2K are not evaluated. The cell shows "
+        "collapsed / evaluated seeds.",
+        f"- **clip frac**, **expert change**, **ratio var**: per seed, the mean over all logged steps of "
+        f"`{agg.CLIP}`, `{agg.DRIFT}`, `{agg.TOKEN_VAR}` and `{agg.SEQ_VAR}`; then mean across seeds.",
+        f"- **skipped steps**: last value of the cumulative `{agg.SKIPPED}`, summed over seeds.",
+        f"- **s / step**: mean `{agg.STEP_TIME}` (else the finished run's wall time / steps), mean across seeds.",
+        f"- **incomplete**: runs without a finished `summary.json` ({INCOMPLETE}); their numbers use the steps "
+        "they logged.",
+    ]
+    for column, metric in _TABLE_METRICS.items():
+        missing = runset.labels_without(metric)
+        if missing:
+            lines += ["", f"> Note: `{metric}` was not logged by {', '.join(missing)}; `{column}` is empty there."]
+    return lines
+
+
+def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, drop: float = agg.COLLAPSE_DROP,
+                 alpha: float = agg.EMA_ALPHA, dpi: int = 150, command: str = "") -> Path:
+    """Write every figure, summary.csv and report.md into `out_dir`; returns the path of report.md."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi)
+    table = agg.stability_table(runset, last_n=last_n, drop=drop, alpha=alpha)
+    table.to_csv(out_dir / SUMMARY_FILE, index=False)
+    n_incomplete = int(runset.runs["incomplete"].sum())
+    lines = [
+        "# moe-rl-lab report", "",
+        f"Source: {runset.source}. {len(runset.runs)} runs in {len(runset.labels)} series "
+        f"({n_incomplete} incomplete). Series are labelled by the config keys that differ between them; seeds "
+        "are aggregated.",
+    ]
+    if command:
+        lines += ["", f"Made with `{command}`."]
+    lines += [""] + _runs_section(runset) + [""] + _figure_section(figures) + [""]
+    lines += _stability_section(runset, table, last_n, drop, alpha)
+    report = out_dir / REPORT_FILE
+    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return report
+
+
+def default_out_dir(paths: Sequence[str], wandb_path: str | None, groups: Sequence[str]) -> Path:
+    """`reports/<name>`: the last two components of the first directory, or the W&B project and groups."""
+    if wandb_path:
+        return Path("reports") / wandb_cache_dir(Path("."), wandb_path, groups).name
+    parts = Path(paths[0]).resolve().parts[-2:]
+    return Path("reports") / "_".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis.report",
+        description="Figures (GSPO paper Figs. 1-3, routing drift, ratio variance), a stability table and "
+                    "report.md from run/sweep directories or a W&B project.",
+    )
+    parser.add_argument("paths", nargs="*", metavar="RUN_OR_SWEEP_DIR",
+                        help="run directories or sweep directories, searched recursively")
+    parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs from this W&B project instead")
+    parser.add_argument("--group", nargs="+", action="extend", default=[], metavar="G",
+                        help="with --wandb: only runs in these groups (sweep names)")
+    parser.add_argument("--out", type=Path, help="output folder (default: reports/<name of the input>)")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="with --wandb: where the parquet cache lives (default: OUT/.cache)")
+    parser.add_argument("--refresh", action="store_true", help="with --wandb: ignore the cache and fetch again")
+    parser.add_argument("--last-n", type=int, default=agg.LAST_N,
+                        help="steps averaged for the final reward (default: %(default)s)")
+    parser.add_argument("--collapse-drop", type=float, default=agg.COLLAPSE_DROP,
+                        help="absolute reward drop below the best that counts as collapse (default: %(default)s)")
+    parser.add_argument("--ema-alpha", type=float, default=agg.EMA_ALPHA,
+                        help="EMA smoothing weight of the newest point, 1 = none (default: %(default)s)")
+    parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
+    return parser
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if bool(args.paths) == bool(args.wandb):
+        parser.error("give run/sweep directories or --wandb ENTITY/PROJECT (one of the two)")
+    if args.group and not args.wandb:
+        parser.error("--group only applies with --wandb")
+    if args.last_n < 1:
+        parser.error(f"--last-n must be at least 1, got {args.last_n}")
+    if not 0.0 < args.ema_alpha <= 1.0:
+        parser.error(f"--ema-alpha must be in (0, 1], got {args.ema_alpha}")
+    if args.collapse_drop <= 0:
+        parser.error(f"--collapse-drop must be positive, got {args.collapse_drop}")
+    if args.dpi < 10:
+        parser.error(f"--dpi must be at least 10, got {args.dpi}")
+
+
+def main(argv: Sequence[str] | None = None, *, wandb_api_factory: Callable[[], Any] = default_wandb_api) -> None:
+    """CLI entry point; prints where the report is. Exits with code 2 and one `error:` line on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    out = args.out or default_out_dir(args.paths, args.wandb, args.group)
+    try:
+        if args.wandb:
+            runset = load_wandb(args.wandb, args.group, cache_root=args.cache_dir or out / ".cache",
+                                refresh=args.refresh, api_factory=wandb_api_factory)
+        else:
+            runset = load_runs(args.paths)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    command = "python -m analysis.report " + " ".join(shlex.quote(a) for a in argv)
+    report = write_report(runset, out, last_n=args.last_n, drop=args.collapse_drop, alpha=args.ema_alpha,
+                          dpi=args.dpi, command=command)
+    print(f"report: {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Synthetic run directories with known curves, laid out exactly as the training loop writes them.
+
+`make_sweep` builds a Hydra-multirun-like folder: two algorithms (grpo, gspo) × three seeds, 20 steps each, where
+every metric is a simple closed form of (algorithm, seed, step, layer, minibatch) so tests can check aggregates by
+hand. Planted defects: the gspo seed-2 run crashed after step 12 (no summary.json), and line 5 of the grpo seed-1
+metrics.jsonl is not JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+STEPS = 20
+LAYERS = 2
+MINIBATCHES = 3
+TOKENS_PER_STEP = 100
+EVAL_EVERY = 5
+SLOPE = {"grpo": 0.02, "gspo": 0.03}
+CLIP = {"grpo": 0.001, "gspo": 0.15}
+
+
+def reward(algo: str, seed: int, step: int) -> float:
+    """Known training reward: a line per algorithm, shifted by 0.1 per seed."""
+    return SLOPE[algo] * step + 0.1 * seed
+
+
+def layer_drift(layer: int, minibatch: int) -> float:
+    """Known drift: grows with depth and with the number of updates since θ_old (0 at minibatch 0)."""
+    return 0.05 * (layer + 1) * minibatch
+
+
+def config(algo: str, seed: int, replay: str = "none", **trainer: object) -> dict:
+    return {
+        "algo": {"name": algo, "clip_low": 0.2 if algo == "grpo" else 3e-4},
+        "routing": {"replay": replay},
+        "model": {"name": "tiny_moe", "num_hidden_layers": LAYERS},
+        "dataset": {"name": "addition"},
+        "seed": seed,
+        "trainer": {"steps": STEPS, "lr": 1e-4, "minibatches": MINIBATCHES, **trainer},
+        "logger": {"wandb": False, "output_dir": f"/tmp/out/{algo}/{seed}"},
+    }
+
+
+def step_record(algo: str, seed: int, step: int, value: float, routing: bool = True) -> dict:
+    """One metrics.jsonl line; `value` is the training reward of this step."""
+    drift = [[layer_drift(layer, j) for layer in range(LAYERS)] for j in range(MINIBATCHES)]
+    minibatches = []
+    for j in range(MINIBATCHES):
+        entry = {"minibatch": j, "ratio/token_var": 1e-3 * j, "clip/token_frac": CLIP[algo]}
+        if routing:
+            entry["routing/expert_change_frac"] = sum(drift[j]) / LAYERS
+            entry.update({f"routing/expert_change_frac/layer_{i}": drift[j][i] for i in range(LAYERS)})
+        minibatches.append(entry)
+    record = {
+        "train/step": step,
+        "train/tokens": TOKENS_PER_STEP * step,
+        "reward/mean": value,
+        "clip/token_frac": CLIP[algo],
+        "ratio/token_var": 1e-3,
+        "ratio/seq_var": 1e-5,
+        "optim/skipped_steps": 1 if step > 10 and algo == "gspo" else 0,
+        "perf/step_s": 2.0,
+        "minibatches": minibatches,
+    }
+    if routing:
+        means = [sum(drift[j][i] for j in range(MINIBATCHES)) / MINIBATCHES for i in range(LAYERS)]
+        record["routing/expert_change_frac"] = sum(means) / LAYERS
+        record.update({f"routing/expert_change_frac/layer_{i}": means[i] for i in range(LAYERS)})
+    if step % EVAL_EVERY == 0:
+        record["eval/accuracy"] = value / 2
+    return record
+
+
+def write_run(run_dir: Path, cfg: dict, records: list[dict], finished: bool = True,
+              malformed_line: int | None = None) -> Path:
+    """Write `.hydra/config.yaml`, `metrics.jsonl` (line `malformed_line` replaced by junk) and `summary.json`."""
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    lines = [json.dumps(r) for r in records]
+    if malformed_line is not None:
+        lines[malformed_line - 1] = '{"train/step": 5, "reward/mean": 0.1'
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if finished:
+        summary = {"status": "finished", "steps": len(records), "wall_s": 2.0 * len(records)}
+        (run_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    return run_dir
+
+
+def curve_run(run_dir: Path, algo: str, seed: int, values: list[float] | Callable[[int], float],
+              replay: str = "none", routing: bool = True, finished: bool = True) -> Path:
+    """A run whose reward at step t (1-based) is `values[t-1]` or `values(t)`."""
+    n = len(values) if isinstance(values, list) else STEPS
+    value_at = (lambda t: values[t - 1]) if isinstance(values, list) else values
+    records = [step_record(algo, seed, t, value_at(t), routing=routing) for t in range(1, n + 1)]
+    return write_run(run_dir, config(algo, seed, replay=replay), records, finished=finished)
+
+
+def make_sweep(root: Path) -> Path:
+    """The standard fixture: grpo and gspo × seeds 0, 1, 2 as Hydra multirun jobs 0..5 plus multirun.yaml."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "multirun.yaml").write_text("hydra: {}\n", encoding="utf-8")
+    job = 0
+    for algo in ("grpo", "gspo"):
+        for seed in range(3):
+            crashed = algo == "gspo" and seed == 2
+            steps = 12 if crashed else STEPS
+            records = [step_record(algo, seed, t, reward(algo, seed, t)) for t in range(1, steps + 1)]
+            malformed = 5 if (algo == "grpo" and seed == 1) else None
+            write_run(root / str(job), config(algo, seed), records, finished=not crashed,
+                      malformed_line=malformed)
+            job += 1
+    return root

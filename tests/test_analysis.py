@@ -1,0 +1,363 @@
+"""analysis/: loading runs, aggregation by hand, collapse flag, figures, W&B (fake API + parquet cache), CLI.
+
+Run directories are synthetic (tests/synthetic_runs.py): closed-form curves, so every expected number below is
+derived by hand from those formulas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import synthetic_runs as syn  # noqa: E402
+from analysis import aggregate as agg  # noqa: E402
+from analysis import figures  # noqa: E402
+from analysis.load import (  # noqa: E402
+    INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS, label_runs, load_runs, load_wandb,
+)
+from analysis.report import main  # noqa: E402
+
+DPI = "60"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    return syn.make_sweep(tmp_path_factory.mktemp("runs") / "sweep")
+
+
+@pytest.fixture(scope="module")
+def runset(sweep):
+    return load_runs([sweep])
+
+
+@pytest.fixture(scope="module")
+def report_out(sweep, tmp_path_factory):
+    """One end-to-end CLI run shared by the tests that inspect its output (rendering is the slow part)."""
+    out = tmp_path_factory.mktemp("report")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        main([str(sweep), "--out", str(out), "--dpi", DPI, "--last-n", "5"])
+    assert stdout.getvalue() == f"report: {out / 'report.md'}\n"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_loader_returns_expected_frames(runset):
+    runs = runset.runs
+    assert list(runs.columns) == RUN_COLUMNS
+    assert list(runset.scalars.columns) == SCALAR_COLUMNS
+    assert list(runset.minibatches.columns) == MINIBATCH_COLUMNS
+    assert list(runs["run"]) == [f"sweep/{i}" for i in range(6)]
+    assert list(runs["label"]) == ["grpo"] * 3 + ["gspo"] * 3
+    assert runset.labels == ["grpo", "gspo"]
+    assert list(runs["seed"]) == ["0", "1", "2"] * 2
+    assert list(runs["incomplete"]) == [False] * 5 + [True]
+    assert runs.loc[5, "status"] == INCOMPLETE
+    assert list(runs["last_step"]) == [20] * 5 + [12]
+    # 20 steps × 5 runs, minus the malformed line, plus the 12 steps of the crashed run.
+    assert len(runset.metric("reward/mean")) == 20 * 5 - 1 + 12
+    eval_steps = sorted(set(runset.metric("eval/accuracy")["step"]))
+    assert eval_steps == [5, 10, 15, 20]
+    row = runset.scalars.query("run == 'sweep/0' and step == 7 and metric == 'reward/mean'")
+    assert row["value"].item() == pytest.approx(0.14)
+    mb = runset.minibatches.query(
+        "run == 'sweep/3' and step == 4 and minibatch == 2 and metric == 'routing/expert_change_frac/layer_1'"
+    )
+    assert mb["value"].item() == pytest.approx(0.2)
+    assert set(runset.minibatches["minibatch"]) == {0, 1, 2}
+
+
+def test_malformed_line_is_reported_with_file_and_line_and_skipped(sweep, capsys):
+    rs = load_runs([sweep])
+    expected = f"{sweep / '1' / 'metrics.jsonl'}:5:"
+    assert expected in capsys.readouterr().err
+    assert any(p.startswith(expected) for p in rs.problems)
+    steps = set(rs.metric("reward/mean").query("run == 'sweep/1'")["step"])
+    assert 5 not in steps and {4, 6} <= steps
+
+
+def test_running_run_with_half_written_last_line_is_kept_up_to_its_last_valid_line(tmp_path, capsys):
+    run = syn.curve_run(tmp_path / "live", "grpo", 0, [0.1, 0.2, 0.3], finished=False)
+    with (run / "metrics.jsonl").open("a", encoding="utf-8") as handle:
+        handle.write('{"train/step": 4, "reward/me')
+    rs = load_runs([run])
+    assert f"{run / 'metrics.jsonl'}:4:" in capsys.readouterr().err
+    assert rs.runs["incomplete"].tolist() == [True]
+    assert rs.runs["last_step"].tolist() == [3]
+    assert rs.runs["run"].tolist() == ["live"]
+
+
+def test_labels_name_what_differs_and_drop_seeds_paths_and_algorithm_defaults():
+    def cfg(algo, seed, lr, replay="none", clip=0.2, model="tiny_moe"):
+        return {
+            "algo.name": algo, "algo.clip_low": clip, "routing.replay": replay, "seed": seed,
+            "trainer.lr": lr, "model.name": model, "dataset.name": "addition",
+            "hydra.run.dir": f"/out/{algo}/{seed}", "logger.wandb.name": f"{algo}-{seed}",
+            "trainer.output_dir": f"/out/{seed}",
+        }
+
+    labels = label_runs({
+        "a": cfg("grpo", 0, 1e-3), "b": cfg("grpo", 1, 1e-3), "c": cfg("grpo", 0, 1e-3, replay="r2"),
+        "d": cfg("grpo", 0, 1e-4), "e": cfg("gspo", 0, 1e-3, clip=3e-4),
+    })
+    assert labels == {
+        "a": "grpo, lr=0.001", "b": "grpo, lr=0.001", "c": "grpo + r2, lr=0.001", "d": "grpo, lr=0.0001",
+        "e": "gspo, lr=0.001",
+    }
+    # `name` is ambiguous (algo.name, model.name, dataset.name), so the key keeps its section.
+    labels = label_runs({"a": cfg("grpo", 0, 1e-3), "b": cfg("grpo", 0, 1e-3, model="deep_moe")})
+    assert labels == {"a": "grpo, model.name=tiny_moe", "b": "grpo, model.name=deep_moe"}
+
+
+def test_empty_directory_is_a_one_line_error_with_exit_code_2(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no runs found"):
+        load_runs([tmp_path / "empty"])
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "empty"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no runs found under") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"error: no such directory: {tmp_path / 'missing'}\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_ema_by_hand():
+    assert agg.ema(np.array([0.0, 1.0, 1.0]), 0.5) == pytest.approx([0.0, 0.5, 0.75])
+    assert agg.ema(np.array([3.0, 1.0]), 1.0) == pytest.approx([3.0, 1.0])
+    with pytest.raises(ValueError, match="alpha"):
+        agg.ema(np.array([1.0]), 0.0)
+
+
+def test_curve_means_and_bands_by_hand(runset):
+    table = agg.curve(runset, "reward/mean", x="step", alpha=None).set_index(["label", "x"])
+    # grpo at step 10: 0.2, 0.3, 0.4 → mean 0.3, sample std 0.1.
+    assert table.loc[("grpo", 10.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.3, 0.1, 3])
+    # grpo at step 5: seed 1's line is malformed → seeds 0 and 2: 0.1, 0.3.
+    assert table.loc[("grpo", 5.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.2, math.sqrt(0.02), 2])
+    # gspo at step 15: the crashed seed 2 ended at step 12 → 0.45, 0.55.
+    assert table.loc[("gspo", 15.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.5, math.sqrt(0.005), 2])
+    # Smoothing happens per seed: grpo seed 0 is 0.02·t, EMA(0.5) at t = 2 is 0.5·0.02 + 0.5·0.04.
+    smoothed = agg.per_run_series(runset, "reward/mean", alpha=0.5).query("run == 'sweep/0'")
+    assert smoothed["y"].iloc[1] == pytest.approx(0.03)
+
+
+def test_token_axis_interpolates_each_seed_inside_its_own_range(runset):
+    series = agg.per_run_series(runset, "reward/mean", x="tokens")
+    table = agg.aggregate_curves(series, grid=np.array([250.0, 1000.0, 2000.0])).set_index(["label", "x"])
+    # 100 tokens per step: 250 tokens is step 2.5, where grpo seed s has 0.05 + 0.1·s.
+    assert table.loc[("grpo", 250.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.15, 0.1, 3])
+    assert table.loc[("grpo", 1000.0), "mean"] == pytest.approx(0.3)
+    # The crashed gspo seed stopped at 1200 tokens and is not extrapolated to 2000.
+    assert table.loc[("gspo", 2000.0), ["mean", "n"]].tolist() == pytest.approx([0.65, 2])
+
+
+def test_stability_table_by_hand(runset):
+    table = agg.stability_table(runset, last_n=5).set_index("label")
+    grpo, gspo = table.loc["grpo"], table.loc["gspo"]
+    # grpo: last 5 steps (16..20) average 0.02·18 + 0.1·s → 0.36, 0.46, 0.56.
+    assert grpo["final_reward_mean"] == pytest.approx(0.46)
+    assert grpo["final_reward_std"] == pytest.approx(0.1)
+    # gspo: seeds 0, 1 → 0.54, 0.64; the crashed seed's last 5 steps (8..12) → 0.03·10 + 0.2 = 0.5.
+    assert gspo["final_reward_mean"] == pytest.approx(0.56)
+    assert gspo["final_reward_std"] == pytest.approx(math.sqrt(0.0104 / 2))
+    assert (gspo["seeds"], gspo["incomplete_runs"], gspo["last_step"]) == (3, 1, 20)
+    assert (grpo["clip_frac_mean"], gspo["clip_frac_mean"]) == pytest.approx((0.001, 0.15))
+    # Step-level drift = mean over layers of (mean over minibatches 0..2 of 0.05·(l+1)·j) = mean(0.05, 0.1).
+    assert gspo["expert_change_mean"] == pytest.approx(0.075)
+    assert (gspo["ratio_token_var_mean"], gspo["ratio_seq_var_mean"]) == pytest.approx((1e-3, 1e-5))
+    assert gspo["skipped_steps"] == 3 and grpo["skipped_steps"] == 0
+    assert gspo["step_s_mean"] == pytest.approx(2.0)
+    assert not grpo["collapse"] and (gspo["collapsed_seeds"], gspo["collapse_evaluated_seeds"]) == (0, 3)
+
+
+def test_drift_tables_by_hand(runset):
+    by_minibatch = agg.drift_layer_by_minibatch(runset)
+    assert by_minibatch["grpo"].loc[1, 2] == pytest.approx(0.2)
+    assert by_minibatch["gspo"].loc[0, 0] == pytest.approx(0.0)
+    depth, basis = agg.drift_by_depth(runset)
+    assert "minibatch index 1" in basis
+    # After one update the drift is 0.05·(l+1): 0.05 and 0.1, identical across seeds.
+    grpo = depth[depth["label"] == "grpo"]
+    assert grpo["mean"].tolist() == pytest.approx([0.05, 0.1])
+    assert grpo["std"].tolist() == pytest.approx([0.0, 0.0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Collapse flag
+# ---------------------------------------------------------------------------------------------------------------
+
+RISE = list(np.linspace(0.0, 0.8, 30))
+
+
+@pytest.mark.parametrize("values, expected", [
+    (RISE + [0.1] * 15, True),                      # planted collapse: falls 0.7 and stays down
+    (list(np.linspace(0.0, 0.8, 45)), False),       # healthy rise
+    (RISE + [0.1] * 10 + [0.8] * 12, False),        # falls, then recovers before the end
+    (RISE + [0.7] * 15, False),                     # settles 0.1 below the best: less than the 0.2 drop
+    ([0.5] * 40, False),                            # flat
+    ([0.8, 0.1, 0.1, 0.1, 0.1], None),              # five steps: too short to judge
+])
+def test_collapse_flag(values, expected):
+    assert agg.collapse_flag(np.array(values)) is expected
+
+
+def test_collapse_flag_in_the_stability_table(tmp_path):
+    syn.curve_run(tmp_path / "bad", "gspo", 0, RISE + [0.1] * 15)
+    syn.curve_run(tmp_path / "good", "grpo", 0, list(np.linspace(0.0, 0.8, 45)))
+    table = agg.stability_table(load_runs([tmp_path])).set_index("label")
+    assert table.loc["gspo", "collapse"] and table.loc["gspo", "collapsed_seeds"] == 1
+    assert not table.loc["grpo", "collapse"]
+    assert table.loc["gspo", "final_reward_mean"] == pytest.approx(0.1)
+    assert math.isnan(table.loc["gspo", "final_reward_std"])  # one seed: no spread to report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures and the report
+# ---------------------------------------------------------------------------------------------------------------
+
+EXPECTED_FIGURES = [
+    "fig1_reward_vs_compute", "fig2_clip_fraction", "fig4a_drift_layer_minibatch", "fig4b_drift_layer_step",
+    "fig4c_drift_depth", "fig5_ratio_variance",
+]
+
+
+def test_every_figure_file_is_written_and_non_empty(report_out):
+    for name in EXPECTED_FIGURES:
+        png, pdf = report_out / f"{name}.png", report_out / f"{name}.pdf"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert pdf.read_bytes()[:5] == b"%PDF-", name
+        assert png.stat().st_size > 1000 and pdf.stat().st_size > 1000
+
+
+def test_report_references_each_figure_and_lists_problems(report_out, sweep):
+    text = (report_out / "report.md").read_text(encoding="utf-8")
+    for name in EXPECTED_FIGURES:
+        assert f"]({name}.png)" in text
+    # No GRPO run with Routing Replay in this sweep: Figure 3 is a note, not a failure.
+    assert "Needs GRPO runs both without and with Routing Replay" in text
+    assert "`sweep/5` (gspo): last step 12" in text
+    assert f"{sweep / '1' / 'metrics.jsonl'}:5:" in text
+    assert "| grpo | 3 | 0 | 0.460 ± 0.100 |" in text
+    summary = pd.read_csv(report_out / "summary.csv")
+    assert summary["label"].tolist() == ["grpo", "gspo"]
+    assert list(summary.columns) == agg.STABILITY_COLUMNS
+
+
+def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
+    syn.curve_run(tmp_path / "runs" / "plain", "grpo", 0, syn.STEPS * [0.2])
+    syn.curve_run(tmp_path / "runs" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
+    rs = load_runs([tmp_path / "runs"])
+    assert rs.labels == ["grpo", "grpo + r2"]
+    out = figures.fig_replay_grpo(rs, tmp_path / "out", dpi=int(DPI))
+    assert [f.name for f in out.files] == ["fig3_grpo_routing_replay.png", "fig3_grpo_routing_replay.pdf"]
+    assert all(f.stat().st_size > 1000 for f in out.files)
+    styles = figures.series_styles(rs)
+    assert styles["grpo"].color == styles["grpo + r2"].color
+    assert styles["grpo"].linestyle != styles["grpo + r2"].linestyle
+
+
+def test_missing_routing_metrics_leave_panels_out_with_a_note(tmp_path):
+    syn.curve_run(tmp_path / "dense", "grpo", 0, lambda t: 0.02 * t, routing=False)
+    rs = load_runs([tmp_path / "dense"])
+    for draw in (figures.fig_drift_layer_minibatch, figures.fig_drift_layer_step, figures.fig_drift_depth):
+        out = draw(rs, tmp_path / "out")
+        assert out.files == [] and "dense model" in out.notes[0]
+    assert not (tmp_path / "out").exists()
+    table = agg.stability_table(rs)
+    assert math.isnan(table.loc[0, "expert_change_mean"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# W&B
+# ---------------------------------------------------------------------------------------------------------------
+
+class FakeRun:
+    """Stands in for `wandb.apis.public.Run`: the attributes and method the loader uses."""
+
+    def __init__(self, algo: str, seed: int, state: str, steps: int):
+        self.id, self.name, self.group, self.state = f"{algo}{seed}", f"{algo}-s{seed}", "sweepA", state
+        self.config = {**syn.config(algo, seed), "_wandb": {"cli_version": "0"}}
+        self._rows = []
+        for t in range(1, steps + 1):
+            record = syn.step_record(algo, seed, t, syn.reward(algo, seed, t))
+            for entry in record.pop("minibatches"):
+                j = entry.pop("minibatch")
+                record.update({f"minibatch/{j}/{k}": v for k, v in entry.items()})
+            self._rows.append({**record, "_step": t - 1, "_runtime": 1.5 * t})
+
+    def scan_history(self):
+        return iter(self._rows)
+
+
+class FakeApi:
+    def __init__(self, runs):
+        self._runs, self.calls = runs, []
+
+    def runs(self, path, filters=None):
+        self.calls.append((path, filters))
+        return list(self._runs)
+
+
+def _no_network():
+    raise AssertionError("the W&B API was used although the parquet cache should have served this call")
+
+
+def test_wandb_loader_with_fake_api_and_parquet_cache(tmp_path):
+    api = FakeApi([FakeRun("grpo", 0, "finished", 6), FakeRun("gspo", 0, "running", 4)])
+    rs = load_wandb("ent/proj", ["sweepA"], cache_root=tmp_path, api_factory=lambda: api)
+    assert api.calls == [("ent/proj", {"group": {"$in": ["sweepA"]}})]
+    assert rs.runs["run"].tolist() == ["grpo0", "gspo0"]
+    assert rs.labels == ["grpo", "gspo"]
+    assert rs.runs["incomplete"].tolist() == [False, True]
+    assert len(rs.metric("reward/mean")) == 6 + 4
+    assert not rs.has("_runtime")
+    mb = rs.minibatches.query("run == 'gspo0' and step == 2 and minibatch == 1 and metric == 'ratio/token_var'")
+    assert mb["value"].item() == pytest.approx(1e-3)
+
+    cached = load_wandb("ent/proj", ["sweepA"], cache_root=tmp_path, api_factory=_no_network)
+    for name in ("runs", "scalars", "minibatches"):
+        pd.testing.assert_frame_equal(getattr(cached, name), getattr(rs, name), check_dtype=False)
+    assert "cached" in cached.source
+
+    load_wandb("ent/proj", ["sweepA"], cache_root=tmp_path, refresh=True, api_factory=lambda: api)
+    assert len(api.calls) == 2
+    with pytest.raises(ValueError, match="ENTITY/PROJECT"):
+        load_wandb("just-a-project", cache_root=tmp_path, api_factory=_no_network)
+
+
+def test_cli_wandb_caches_under_the_output_folder(tmp_path, capsys):
+    api = FakeApi([FakeRun("grpo", 0, "finished", 6)])
+    out = tmp_path / "out"
+    main(["--wandb", "ent/proj", "--group", "sweepA", "--out", str(out), "--dpi", DPI],
+         wandb_api_factory=lambda: api)
+    assert (out / "report.md").is_file()
+    assert list((out / ".cache").glob("wandb_ent_proj_sweepA/scalars.parquet"))
+    assert re.search(r"Source: W&B ent/proj \(groups: sweepA\)", (out / "report.md").read_text(encoding="utf-8"))
+    assert capsys.readouterr().out == f"report: {out / 'report.md'}\n"
+
+
+def test_empty_wandb_project_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--wandb", "ent/proj", "--out", str(tmp_path)], wandb_api_factory=lambda: FakeApi([]))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: no W&B runs with history found in ent/proj\n"
