@@ -148,59 +148,74 @@ def experts_parity(
     return record | {"errors": relative_errors(got, truth)}
 
 
-def time_ms(step: Callable[[], None], warmup: int = 3, iters: int = 10) -> float:
-    """Median wall time of `step` in milliseconds, with the GPU synchronised around each call."""
+def time_ms(step: Callable[[], object], device: str, warmup: int, iters: int) -> float:
+    """Median wall time of `step` in milliseconds, the GPU synchronised around each call."""
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     for _ in range(warmup):
         step()
     samples = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        synchronize()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
 
 
-def micro_benchmark(tokens: int = 4096) -> list[dict[str, object]]:
-    """Forward and forward+backward milliseconds of one bfloat16 MoE layer per backend and size (CUDA only)."""
+BENCH_BACKENDS = (
+    ("hf:eager", "hf", "eager"),
+    ("hf:grouped_mm", "hf", "grouped_mm"),
+    ("torch_dmoe", "torch_dmoe", None),
+    ("megablocks:grouped", "megablocks", None),
+)
+
+
+def micro_benchmark(
+    sizes: tuple[dict[str, int], ...] = BENCH_SIZES,
+    tokens: int = 4096,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    warmup: int = 3,
+    iters: int = 10,
+) -> list[dict[str, object]]:
+    """Forward and forward+backward milliseconds of one MoE layer, per size and backend, on the same routing."""
     rows = []
-    for size in BENCH_SIZES:
-        routing = {
-            name: tensor.to("cuda")
-            for name, tensor in make_routing(tokens, size["num_experts"], size["top_k"], size["hidden"], seed=0).items()
-        }
-        hf_experts = make_hf_experts(size["num_experts"], size["top_k"], size["hidden"], size["width"], seed=0)
-        for label, backend, implementation in (
-            ("hf:eager", "hf", "eager"),
-            ("hf:grouped_mm", "hf", "grouped_mm"),
-            ("torch_dmoe", "torch_dmoe", None),
-            ("megablocks:grouped", "megablocks", None),
-        ):
-            row: dict[str, object] = size | {"tokens": tokens, "backend": label}
+    for size in sizes:
+        routing = make_routing(tokens, size["num_experts"], size["top_k"], size["hidden"], seed=0)
+        routing = {name: tensor.to(device) for name, tensor in routing.items()}
+        x = routing["hidden_states"].to(dtype).requires_grad_(True)
+        w = routing["top_k_weights"].to(dtype).requires_grad_(True)
+        for label, backend, implementation in BENCH_BACKENDS:
+            row: dict[str, object] = size | {"tokens": tokens, "dtype": str(dtype).removeprefix("torch.")}
+            row["backend"] = label
             if backend == "megablocks":
+                problem = megablocks_kernel_problem(size["hidden"], size["width"], dtype)
                 try:
                     load_megablocks_kernels()
                 except RuntimeError as refusal:
-                    rows.append(row | {"refused": str(refusal)})
+                    problem = str(refusal)
+                if problem is not None:
+                    rows.append(row | {"refused": problem})
                     continue
+            hf_experts = make_hf_experts(size["num_experts"], size["top_k"], size["hidden"], size["width"], seed=0)
             hf_experts.config._experts_implementation = implementation or "eager"
-            experts = backend_module(hf_experts, backend).to("cuda", torch.bfloat16)
-            x = routing["hidden_states"].to(torch.bfloat16).requires_grad_(True)
-            w = routing["top_k_weights"].to(torch.bfloat16).requires_grad_(True)
+            experts = backend_module(hf_experts, backend).to(device, dtype)
 
             def forward() -> torch.Tensor:
                 return experts(x, routing["top_k_index"], w)
 
-            def forward_backward_step() -> None:
-                forward().sum().backward()
-
             with torch.no_grad():
-                row["forward_ms"] = time_ms(forward)
-            row["forward_backward_ms"] = time_ms(forward_backward_step)
+                row["forward_ms"] = time_ms(forward, device, warmup, iters)
+            row["forward_backward_ms"] = time_ms(lambda: forward().sum().backward(), device, warmup, iters)
             rows.append(row)
-            del experts
-            torch.cuda.empty_cache()
+            del experts, hf_experts
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -233,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in results["parity"]:
         print(json.dumps(row), flush=True)
 
-    results["benchmark"] = micro_benchmark(args.tokens) if cuda else {"skipped": "needs a CUDA GPU"}
+    results["benchmark"] = micro_benchmark(tokens=args.tokens) if cuda else {"skipped": "needs a CUDA GPU"}
     print(json.dumps(results["benchmark"], indent=2), flush=True)
 
     results["gpu_tests"] = {"skipped": "--skip-tests"} if args.skip_tests else run_gpu_tests(args.tests_timeout)

@@ -102,6 +102,7 @@ class DroplessGLUExperts(nn.Module):
         return experts
 
     def describe(self) -> str:
+        """The label `describe_experts_backend` reports for this module."""
         return "megablocks:grouped" if self.backend == "megablocks" else "torch_dmoe"
 
     def extra_repr(self) -> str:
@@ -112,6 +113,7 @@ class DroplessGLUExperts(nn.Module):
 
 
 def _state_dict_in_hf_layout(module: DroplessGLUExperts, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict post-hook: write `gate_up_proj` / `down_proj` in place of `w1, v1, w2` (checkpoints stay HF)."""
     w1, v1, w2 = (state_dict.pop(prefix + name) for name in ("w1", "v1", "w2"))
     with torch.no_grad():
         gate_up_proj, down_proj = megablocks_to_hf(w1, v1, w2, module.num_experts)
@@ -129,6 +131,7 @@ def _load_hf_layout(
     unexpected_keys: list,
     error_msgs: list,
 ) -> None:
+    """load_state_dict pre-hook: accept transformers' layout (converted); a dMoE-layout state dict passes as is."""
     keys = (prefix + "gate_up_proj", prefix + "down_proj")
     if all(key in state_dict for key in keys):
         w1, v1, w2 = hf_to_megablocks(*(state_dict.pop(key) for key in keys))
