@@ -149,13 +149,14 @@ def score_responses(
     The logits at position t predict token t+1, so the response tokens `[P, P+T)` are scored by the logits at
     `[P-1, P+T-1)`; the logits of the last position predict nothing and are never computed into a loss.
     """
+    extra = {"output_router_logits": True} if aux_loss else {}
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids(attention_mask),
-        output_router_logits=aux_loss,
         use_cache=False,
         logits_to_keep=input_ids.shape[1] - prompt_width + 1,
+        **extra,
     )
     logits = out.logits[:, :-1].float() / temperature  # [N, T, V], positions P-1 .. P+T-2
     targets = input_ids[:, prompt_width:]

@@ -144,7 +144,15 @@ class RLTrainer:
         # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
         # same weights route identically and every measured drift comes from an update.
         self.model.eval()
-        self.track_routing = cfg.routing.metrics or self.replay != "none"
+        is_moe = bool(find_routers(self.model))
+        if not is_moe and self.replay != "none":
+            raise ConfigError(
+                f"routing.replay={self.replay!r} needs an MoE model, but model {cfg.model.name!r} has no MoE layers; "
+                "use routing.replay=none"
+            )
+        if not is_moe and t.router_aux_loss_coef > 0:
+            raise ConfigError(f"trainer.router_aux_loss_coef={t.router_aux_loss_coef} needs an MoE model")
+        self.track_routing = is_moe and (cfg.routing.metrics or self.replay != "none")
         self.reference = None
         if self.kl_coef > 0:
             self.reference, _ = build_policy(model_cfg)
@@ -270,13 +278,19 @@ class RLTrainer:
             metrics.update(drift.metrics)
         if finite_loss and math.isfinite(grad_norm):
             self.optimizer.step()
+            self.scheduler.step()  # the schedule counts applied updates
             self.consecutive_skips = 0
         else:
             # A non-finite loss or gradient is never applied: one bad batch must not poison every parameter.
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_updates += 1
             self.consecutive_skips += 1
-        self.scheduler.step()
+            if self.consecutive_skips >= t.max_consecutive_skips:
+                raise RuntimeError(
+                    f"stopping at step {self.step_index}: {self.consecutive_skips} optimizer updates in a row had a "
+                    f"non-finite loss or gradient (trainer.max_consecutive_skips={t.max_consecutive_skips}); "
+                    "lower trainer.lr or check the objective's clip range"
+                )
         clear_moe_bookkeeping(self.model)
         return metrics
 
@@ -322,12 +336,6 @@ class RLTrainer:
         record["perf/train_s"] = train_s
         record["perf/rollout_tokens_per_s"] = rollout.response_tokens / max(rollout_s, 1e-9)
         record["minibatches"] = per_minibatch
-        if self.consecutive_skips >= t.max_consecutive_skips:
-            raise RuntimeError(
-                f"stopping at step {self.step_index}: {self.consecutive_skips} optimizer updates in a row had a "
-                f"non-finite loss or gradient (trainer.max_consecutive_skips={t.max_consecutive_skips}); "
-                "lower trainer.lr or check the objective's clip range"
-            )
         return record
 
     def evaluate(self) -> dict[str, float]:

@@ -20,14 +20,16 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from models.moe_backend import apply_moe_backend, describe_experts_backend
 from models.tokenizer import build_char_tokenizer
 
-# model_type -> what its router is called; every family here routes with softmax -> top-k -> optional renorm,
-# which `models.routing` knows how to replay.
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+# MoE families whose routers `models.routing` can record and replay (softmax -> top-k -> optional renorm), and
+# dense families accepted as controls (no routing: replay is refused, routing metrics are absent).
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+DENSE_FAMILIES = ("qwen3", "qwen2", "llama")
+ARCHITECTURES = ("qwen3_moe", "qwen3")  # what `path: null` can build in code
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,7 +39,8 @@ class ModelConfig:
     """The `model` config group. Size fields apply to models built in code (`path: null`) only."""
 
     name: str = "tiny_moe"
-    path: str | None = None  # local HF checkpoint directory; null builds the Qwen3-MoE below in code
+    path: str | None = None  # local HF checkpoint directory; null builds `architecture` below in code
+    architecture: str = "qwen3_moe"  # qwen3_moe, or qwen3: a dense control of the same width and depth
     hidden_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
@@ -73,6 +76,8 @@ def validate_model_config(cfg: ModelConfig) -> None:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path={cfg.path!r} has no config.json: not a Hugging Face checkpoint")
         return
+    if cfg.architecture not in ARCHITECTURES:
+        raise ValueError(f"model.architecture={cfg.architecture!r} is not one of {list(ARCHITECTURES)}")
     if cfg.num_experts_per_tok < 1 or cfg.num_experts_per_tok > cfg.num_experts:
         raise ValueError(
             f"model.num_experts_per_tok={cfg.num_experts_per_tok} must be between 1 and model.num_experts={cfg.num_experts}"
@@ -81,10 +86,26 @@ def validate_model_config(cfg: ModelConfig) -> None:
         raise ValueError(f"model.router_init_std={cfg.router_init_std} must be > 0")
 
 
-def tiny_qwen3_moe_config(cfg: ModelConfig, vocab_size: int, tokenizer: PreTrainedTokenizerBase) -> Qwen3MoeConfig:
-    """The transformers config of a Qwen3-MoE built in code: every layer is an MoE layer."""
+def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The transformers config of a model built in code: a Qwen3-MoE whose every layer is an MoE layer, or the
+    dense Qwen3 of the same width and depth (its MLP width is `intermediate_size`)."""
+    if cfg.architecture == "qwen3":
+        return Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+        )
     return Qwen3MoeConfig(
-        vocab_size=vocab_size,
+        vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads,
@@ -112,33 +133,35 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     dtype = DTYPES[cfg.dtype]
     if cfg.path is None:
         tokenizer = build_char_tokenizer()
-        config = tiny_qwen3_moe_config(cfg, len(tokenizer), tokenizer)
+        config = config_in_code(cfg, tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            model = Qwen3MoeForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
             for router in find_routers(model).values():
                 torch.nn.init.normal_(router.weight, mean=0.0, std=cfg.router_init_std)
         model = model.to(dtype)
     else:
         path = os.path.expanduser(cfg.path)
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        if config.model_type not in SUPPORTED_FAMILIES:
+        if config.model_type not in MOE_FAMILIES + DENSE_FAMILIES:
             raise ValueError(
-                f"model.path={cfg.path!r} is a {config.model_type!r} model; supported MoE families: {list(SUPPORTED_FAMILIES)}"
+                f"model.path={cfg.path!r} is a {config.model_type!r} model; supported: MoE families "
+                f"{list(MOE_FAMILIES)} and, as dense controls, {list(DENSE_FAMILIES)}"
             )
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
-    model.set_experts_implementation(cfg.experts_implementation)
-    apply_moe_backend(model, cfg.moe_backend)
+    if find_routers(model):
+        model.set_experts_implementation(cfg.experts_implementation)
+        apply_moe_backend(model, cfg.moe_backend)
+    elif cfg.moe_backend != "hf":
+        raise ValueError(f"model.moe_backend={cfg.moe_backend!r} needs an MoE model; {cfg.name!r} is dense")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    if not find_routers(model):
-        raise ValueError(f"model {cfg.name!r} has no MoE router modules: moe-rl-lab needs a Mixture-of-Experts policy")
     return model, tokenizer
 
 
@@ -159,6 +182,9 @@ def describe_policy(model: PreTrainedModel) -> dict[str, object]:
     """What a run should record about its policy: family, size, experts implementation and backend."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
+    if not find_routers(model):
+        return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers, "num_moe_layers": 0,
+                "parameters": total, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     return {
         "model_type": config.model_type,
         "num_hidden_layers": config.num_hidden_layers,

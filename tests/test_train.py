@@ -1,0 +1,215 @@
+"""The RL loop end to end on the micro MoE: every objective x replay mode, determinism, bad input, skipped steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from algos import OBJECTIVES, ObjectiveOutput
+from experiments.config import PROJECT_ROOT
+from experiments.train import RLTrainer, train
+from models.policy import find_routers
+from models.routing import routing_drift
+from tests.conftest import MICRO_RUN
+
+CONF = str(PROJECT_ROOT / "conf")
+
+STEP_METRICS = [
+    "train/step", "train/tokens", "reward/mean", "reward/std", "reward/accuracy", "reward/zero_std_group_frac",
+    "response/length_mean", "response/truncated_frac", "ratio/token_mean", "ratio/token_var", "ratio/token_max",
+    "ratio/seq_mean", "ratio/seq_var", "clip/token_frac", "clip/seq_frac", "kl/old_k3", "loss/policy",
+    "policy/entropy", "optim/grad_norm", "optim/lr", "optim/skipped_steps", "moe/aux_loss", "moe/load_max_violation",
+    "routing/expert_change_frac", "routing/expert_change_frac/layer_0", "routing/expert_change_frac/layer_1",
+    "routing/token_any_change_frac", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/rollout_tokens_per_s",
+]
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("train", overrides=[*MICRO_RUN, *overrides])
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
+@pytest.mark.parametrize("algo", sorted(OBJECTIVES))
+def test_every_objective_and_replay_mode_runs_and_logs(tmp_path, algo, replay):
+    summary = train(compose_train(f"algo={algo}", f"routing.replay={replay}", "trainer.eval_every=3"), tmp_path)
+    lines = read_metrics(tmp_path)
+    assert len(lines) == 3 and [line["train/step"] for line in lines] == [1, 2, 3]
+    for name in STEP_METRICS:
+        assert name in lines[0], name
+    assert "eval/accuracy" in lines[-1] and "eval/greedy_accuracy" in lines[-1]
+    if replay == "r3":
+        assert "rollout/expert_mismatch_frac" in lines[0] and "rollout/kl_k3" in lines[0]
+    first = lines[0]["minibatches"][0]
+    assert [mb["minibatch"] for mb in lines[0]["minibatches"]] == [0, 1]
+    # On-policy first minibatch: θ = θ_old, scored with the same shapes, so ratios are exactly 1, nothing clips
+    # and the routing has not moved.
+    assert first["ratio/token_mean"] == 1.0 and first["ratio/seq_mean"] == 1.0
+    assert first["clip/token_frac"] == 0.0 and first["clip/seq_frac"] == 0.0
+    assert first["routing/expert_change_frac"] == 0.0
+    assert summary["status"] == "finished"
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+
+
+def test_r2_replays_recorded_experts_while_drift_stays_measurable():
+    trainer = RLTrainer(compose_train("algo=grpo", "routing.replay=r2", "trainer.lr=5e-2", "trainer.minibatches=4"))
+    rollout = trainer.rollout()
+    from algos import group_advantages
+
+    minibatches = trainer.score_old(rollout, group_advantages(rollout.rewards, 4))
+    used: list[torch.Tensor] = []
+    handles = [
+        trainer.model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
+            lambda module, args: used.append(args[1].detach().clone())
+        )
+        for name in find_routers(trainer.model)
+    ]
+    drifts = []
+    for j, mb in enumerate(minibatches):
+        used.clear()
+        metrics = trainer.update(mb, j)
+        drifts.append(metrics["routing/expert_change_frac"])
+        L, B, S, K = mb.old_trace.shape
+        recorded = mb.old_trace.experts.reshape(L, B * S, K).long()
+        valid = mb.attention_mask.reshape(-1).bool()
+        assert torch.equal(torch.stack(used)[:, valid], recorded[:, valid])
+    for handle in handles:
+        handle.remove()
+    assert drifts[0] == 0.0
+    assert max(drifts[1:]) > 0.0, "with a large learning rate the router's own choice must drift from θ_old's"
+
+
+def test_same_config_and_seed_give_the_same_metrics(tmp_path):
+    cfg = compose_train("algo=gspo", "routing.replay=r2")
+    train(cfg, tmp_path / "a")
+    train(cfg, tmp_path / "b")
+
+    def strip(lines):
+        return [{k: v for k, v in line.items() if not k.startswith("perf/")} for line in lines]
+
+    assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "b"))
+
+
+def test_dense_control_runs_without_routing_metrics(tmp_path):
+    train(compose_train("model=tiny_dense", "model.hidden_size=32", "model.num_hidden_layers=2",
+                        "model.head_dim=8", "model.intermediate_size=64"), tmp_path)
+    line = read_metrics(tmp_path)[0]
+    assert "reward/mean" in line and "routing/expert_change_frac" not in line
+
+
+def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
+    cfg = compose_train("trainer.max_consecutive_skips=3", "trainer.steps=5")
+
+    class PoisonedTrainer(RLTrainer):
+        """The real loop, with an objective whose loss is NaN."""
+
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            honest = self.objective
+
+            def poisoned(**kwargs):
+                out = honest(**kwargs)
+                return ObjectiveOutput(loss=out.loss * float("nan"), metrics=out.metrics)
+
+            self.objective = poisoned
+            self.initial = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    trainers = []
+    monkeypatch.setattr("experiments.train.RLTrainer", lambda cfg: trainers.append(PoisonedTrainer(cfg)) or trainers[-1])
+    with pytest.raises(RuntimeError, match="3 optimizer updates in a row had a non-finite loss"):
+        train(cfg, tmp_path)
+    lines = read_metrics(tmp_path)
+    assert [line["optim/skipped_steps"] for line in lines] == [2], "step 1's two updates were refused, step 2 stopped"
+    trainer = trainers[0]
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, trainer.initial[name]), f"{name} changed although every update was skipped"
+    assert not (tmp_path / "summary.json").exists(), "a stopped run stays marked incomplete"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["routing.replay=r5"], "routing.replay='r5' is not one of"),
+        (["algo.clip_low=-0.1"], "clip_low"),
+        (["algo.clip_low=1.5"], "clip_low"),
+        (["trainer.minibatches=3"], "trainer.minibatches=3 does not divide"),
+        (["trainer.group_size=1"], "trainer.group_size=1"),
+        (["model.path=/nonexistent/checkpoint"], "model.path='/nonexistent/checkpoint' does not exist"),
+        (["model=tiny_dense", "routing.replay=r2"], "needs an MoE model"),
+        (["algo=dr_grpo", "algo.loss_agg=sum"], "loss_agg"),
+    ],
+)
+def test_bad_input_is_refused_with_one_line(tmp_path, overrides, message):
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(*overrides), tmp_path)
+    text = str(raised.value)
+    assert message in text and "\n" not in text
+
+
+def test_cli_refuses_bad_input_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.train", *MICRO_RUN, "trainer.minibatches=3", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "trainer.minibatches=3 does not divide" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_misspelt_key_fails_at_composition():
+    with pytest.raises(Exception, match="clip_hgh"):
+        compose_train("algo.clip_hgh=0.3")
+
+
+def test_multirun_gives_one_directory_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "-m", "algo=grpo,gspo", "routing.replay=none,r2",
+         *MICRO_RUN, "trainer.steps=2", f"hydra.sweep.dir={sweep}"],
+        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
+    assert len(runs) == 4
+    names = sorted(p.name.split("_", 1)[1] for p in runs)
+    assert names == ["grpo_none_micro_moe_s0", "grpo_r2_micro_moe_s0", "gspo_none_micro_moe_s0", "gspo_r2_micro_moe_s0"]
+    for run in runs:
+        assert len(read_metrics(run)) == 2 and (run / ".hydra" / "config.yaml").exists()
+
+
+def test_wandb_failure_keeps_the_local_log(tmp_path, monkeypatch):
+    import wandb
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no W&B today")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    with pytest.warns(UserWarning, match="W&B did not start"):
+        train(compose_train("logger.wandb.mode=offline", "trainer.steps=1"), tmp_path)
+    assert len(read_metrics(tmp_path)) == 1
+
+
+def test_drift_metric_matches_a_recomputation():
+    """The logged drift of minibatch j equals routing_drift(old trace, the router's own routing) recomputed."""
+    trainer = RLTrainer(compose_train("routing.replay=none", "trainer.lr=5e-2"))
+    rollout = trainer.rollout()
+    from algos import group_advantages
+    from models.routing import record_routing
+
+    minibatches = trainer.score_old(rollout, group_advantages(rollout.rewards, 4))
+    trainer.update(minibatches[0], 0)
+    mb = minibatches[1]
+    with torch.no_grad(), record_routing(trainer.model) as recording:
+        trainer._score(trainer.model, mb)
+    expected = routing_drift(mb.old_trace, recording.trace, mb.token_mask).expert_change_frac
+    assert trainer.update(mb, 1)["routing/expert_change_frac"] == pytest.approx(expected)
