@@ -93,10 +93,14 @@ def _save(fig: Figure, out_dir: Path, name: str, dpi: int) -> list[Path]:
     return files
 
 
+def _legend_columns(width: float) -> int:
+    """Two legend columns fit a paper column, three the text width."""
+    return 3 if width > COLUMN_WIDTH_IN + 0.1 else 2
+
+
 def _legend_rows_in(entries: int, width: float) -> float:
-    """Height in inches that a legend of `entries` takes below the axes (see `_legend` for the columns)."""
-    per_row = 3 if width > COLUMN_WIDTH_IN + 0.1 else 2
-    return 0.14 * math.ceil(entries / per_row)
+    """Height in inches that a legend of `entries` takes below the axes."""
+    return 0.14 * math.ceil(entries / _legend_columns(width))
 
 
 def _legend(fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], extra: Sequence = ()) -> None:
@@ -106,9 +110,8 @@ def _legend(fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], 
         handles.append(handle)
         names.append(name)
     if handles:
-        # Two columns fit a paper column, three the text width.
-        per_row = 3 if fig.get_figwidth() > COLUMN_WIDTH_IN + 0.1 else 2
-        fig.legend(handles, names, loc="outside lower center", ncols=min(len(handles), per_row), frameon=False)
+        columns = min(len(handles), _legend_columns(fig.get_figwidth()))
+        fig.legend(handles, names, loc="outside lower center", ncols=columns, frameon=False)
 
 
 def _plot_band(ax: Axes, table: pd.DataFrame, style: SeriesStyle, floor: float | None = None,
@@ -136,6 +139,9 @@ def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str
     axes_x = ["step"]
     if runset.has(agg.TOKENS):
         axes_x.append("tokens")
+        without = [lab for lab in labels if lab in runset.labels_without(agg.TOKENS)]
+        if without:
+            notes.append(f"`{agg.TOKENS}` is missing for {', '.join(without)}, left out of the token axis.")
     else:
         notes.append(f"`{agg.TOKENS}` was not logged, so the token axis is left out.")
     width = TEXT_WIDTH_IN if len(axes_x) == 2 else COLUMN_WIDTH_IN

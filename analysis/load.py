@@ -520,11 +520,12 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
 
 def _write_cache(cache: Path, runset: RunSet) -> None:
     cache.mkdir(parents=True, exist_ok=True)
-    runset.runs.to_parquet(cache / "runs.parquet", index=False)
     runset.scalars.to_parquet(cache / "scalars.parquet", index=False)
     runset.minibatches.to_parquet(cache / "minibatches.parquet", index=False)
     meta = {"source": runset.source, "problems": runset.problems}
     (cache / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    # Written last: its presence is what marks the cache complete (an interrupted write is fetched again).
+    runset.runs.to_parquet(cache / "runs.parquet", index=False)
 
 
 def _read_cache(cache: Path) -> RunSet:

@@ -294,12 +294,12 @@ def test_missing_routing_metrics_leave_panels_out_with_a_note(tmp_path):
 class FakeRun:
     """Stands in for `wandb.apis.public.Run`: the attributes and method the loader uses."""
 
-    def __init__(self, algo: str, seed: int, state: str, steps: int):
+    def __init__(self, algo: str, seed: int, state: str, steps: int, routing: bool = True):
         self.id, self.name, self.group, self.state = f"{algo}{seed}", f"{algo}-s{seed}", "sweepA", state
         self.config = {**syn.config(algo, seed), "_wandb": {"cli_version": "0"}}
         self._rows = []
         for t in range(1, steps + 1):
-            record = syn.step_record(algo, seed, t, syn.reward(algo, seed, t))
+            record = syn.step_record(algo, seed, t, syn.reward(algo, seed, t), routing=routing)
             for entry in record.pop("minibatches"):
                 j = entry.pop("minibatch")
                 record.update({f"minibatch/{j}/{k}": v for k, v in entry.items()})
@@ -345,14 +345,18 @@ def test_wandb_loader_with_fake_api_and_parquet_cache(tmp_path):
         load_wandb("just-a-project", cache_root=tmp_path, api_factory=_no_network)
 
 
-def test_cli_wandb_caches_under_the_output_folder(tmp_path, capsys):
-    api = FakeApi([FakeRun("grpo", 0, "finished", 6)])
+def test_cli_wandb_on_a_dense_model_caches_and_notes_the_missing_routing_panels(tmp_path, capsys):
+    api = FakeApi([FakeRun("grpo", 0, "finished", 6, routing=False)])
     out = tmp_path / "out"
     main(["--wandb", "ent/proj", "--group", "sweepA", "--out", str(out), "--dpi", DPI],
          wandb_api_factory=lambda: api)
-    assert (out / "report.md").is_file()
-    assert list((out / ".cache").glob("wandb_ent_proj_sweepA/scalars.parquet"))
-    assert re.search(r"Source: W&B ent/proj \(groups: sweepA\)", (out / "report.md").read_text(encoding="utf-8"))
+    assert (out / ".cache" / "wandb_ent_proj_sweepA" / "scalars.parquet").is_file()
+    text = (out / "report.md").read_text(encoding="utf-8")
+    assert re.search(r"Source: W&B ent/proj \(groups: sweepA\)", text)
+    assert "](fig1_reward_vs_compute.png)" in text and "](fig5_ratio_variance.png)" in text
+    assert "> Note: No per-minibatch `routing/expert_change_frac/layer_<i>` values (dense model" in text
+    assert "> Note: `routing/expert_change_frac` was not logged by grpo; `expert_change_mean` is empty there." in text
+    assert not (out / "fig4c_drift_depth.png").exists()
     assert capsys.readouterr().out == f"report: {out / 'report.md'}\n"
 
 
