@@ -1,7 +1,9 @@
 """Sorting a short string of digits: a second small task with a verifiable answer and a length knob.
 
-Chosen over countdown because a few-million-parameter character-level model learns it from demonstrations
-in minutes (each output character depends on digit counts in the prompt, not on a search).
+Chosen over countdown because the tiny MoE learns it from demonstrations in minutes: each output character
+depends on digit counts in the prompt, not on a search. Measured with `model=tiny_moe` (batch 128, AdamW lr 1e-3,
+greedy, 100 held-out prompts): length 5 reached 45% exact after 20 steps and 67% after 60; length 8 reached
+3% after 20 steps and 33% after 40.
 """
 
 import random
