@@ -157,6 +157,8 @@ def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str
                 if len(part):
                     _plot_band(ax, part, styles[label], marker="o" if is_eval and x == "step" else None)
             ax.set_xlabel(STEP_LABEL if x == "step" else TOKENS_LABEL)
+            if x == "step":
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(EVAL_METRICS.get(metric, "training reward (mean)"))
         missing = [lab for lab in labels if lab in runset.labels_without(metric)]
         if missing:
@@ -427,6 +429,7 @@ def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALP
             ax.set_yscale("log")
             ax.set_title(title)
             ax.set_xlabel(STEP_LABEL)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel("variance of the ratio (log)")
             missing = runset.labels_without(metric)
             if missing:

@@ -187,7 +187,11 @@ class _Rows:
     """Wide records, one dict per step and per (step, minibatch), turned into long frames once at the end.
 
     Keeping the identifiers in separate lists means a metric can never collide with the `run`/`step` columns.
+    The training loop writes NaN/inf as JSON null (JSON has neither), so in local files a null counts as a
+    non-finite value; W&B rows may carry nulls for keys not logged at that step, so there it does not.
     """
+
+    nulls_are_non_finite: bool
 
     step_ids: list[tuple[str, int]] = field(default_factory=list)
     step_values: list[dict[str, Any]] = field(default_factory=list)
@@ -199,6 +203,8 @@ class _Rows:
         numeric = {k: v for k, v in values.items() if type(v) in _NUMERIC_TYPES}
         finite = {k: v for k, v in numeric.items() if math.isfinite(v)}
         self.non_finite += len(numeric) - len(finite)
+        if self.nulls_are_non_finite:
+            self.non_finite += sum(v is None for v in values.values())
         return finite
 
     def add_step(self, run: str, step: int, values: Mapping[str, Any]) -> None:
@@ -401,7 +407,7 @@ def _run_id(root: Path, run_dir: Path, taken: set[str]) -> str:
 def load_runs(paths: Sequence[str | Path]) -> RunSet:
     """Load every run under `paths` (run or sweep directories, searched recursively) into a RunSet."""
     problems: list[str] = []
-    rows = _Rows()
+    rows = _Rows(nulls_are_non_finite=True)
     run_rows: list[dict] = []
     taken: set[str] = set()
     for root, run_dir in find_run_dirs(paths, problems):
@@ -434,7 +440,8 @@ def load_runs(paths: Sequence[str | Path]) -> RunSet:
 
 def _note_dropped(problems: list[str], non_finite: int, repeated: int) -> None:
     if non_finite:
-        _warn(problems, f"{non_finite} non-finite metric values (NaN/inf) left out of the figures and tables")
+        _warn(problems, f"{non_finite} non-finite metric values (NaN/inf, or null in metrics.jsonl) left out of the "
+                        "figures and tables")
     if repeated:
         _warn(problems, f"{repeated} metric values logged twice for the same step; the last one is used")
 
@@ -485,7 +492,7 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
     api = api_factory()
     filters = {"group": {"$in": list(groups)}} if groups else None
     problems: list[str] = []
-    rows = _Rows()
+    rows = _Rows(nulls_are_non_finite=False)
     run_rows: list[dict] = []
     for wb_run in api.runs(path, filters=filters):
         config = {k: v for k, v in dict(wb_run.config).items() if not str(k).startswith("_")}

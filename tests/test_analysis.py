@@ -100,6 +100,17 @@ def test_running_run_with_half_written_last_line_is_kept_up_to_its_last_valid_li
     assert rs.runs["run"].tolist() == ["live"]
 
 
+def test_null_and_non_finite_values_are_counted_and_left_out(tmp_path, capsys):
+    records = [syn.step_record("grpo", 0, t, 0.1 * t) for t in (1, 2, 3)]
+    records[1]["reward/mean"] = None  # how the training loop writes a NaN reward
+    records[2]["ratio/token_var"] = float("inf")  # json.dumps writes Infinity, which json.loads reads back
+    run = syn.write_run(tmp_path / "run", syn.config("grpo", 0), records)
+    rs = load_runs([run])
+    assert rs.metric("reward/mean")["step"].tolist() == [1, 3]
+    assert rs.metric("ratio/token_var")["step"].tolist() == [1, 2]
+    assert "2 non-finite metric values" in capsys.readouterr().err
+
+
 def test_labels_name_what_differs_and_drop_seeds_paths_and_algorithm_defaults():
     def cfg(algo, seed, lr, replay="none", clip=0.2, model="tiny_moe"):
         return {
