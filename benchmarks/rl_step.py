@@ -1,0 +1,309 @@
+"""`python -m benchmarks.rl_step`: our RL step on the bench-tiny workload, against TRL and the machine's limit.
+
+    python -m benchmarks.rl_step                        # grpo, gspo, grpo+r2: step time, breakdown, roofline
+    python -m benchmarks.rl_step --vs-trl               # + TRL's GRPOTrainer stepped alternately (bench extra)
+    python -m benchmarks.rl_step --overheads --scaling  # + overhead ratios and the scaling table
+    python -m benchmarks.rl_step --all --json-out bench.json
+
+Every configuration runs in its own worker process (`benchmarks.worker`) and all workers of a section take their
+steps round robin (A B C, then C B A, ...), so that the load of a shared machine hits every configuration alike
+and ratios of neighbouring steps stay meaningful when absolute times do not. Each worker takes `--warmup` steps
+that are not timed, then `--steps` timed ones; tables give medians over the timed steps.
+
+Sections:
+  main         grpo, gspo and grpo+r2 (workload in `benchmarks.workload`): median step seconds (min-max), the
+               trainer's breakdown into rollout / old-policy scoring / training, completion tokens per second,
+               peak RSS, model GFLOP per step (`benchmarks.roofline`) and the share of the machine's fp32 matmul
+               peak (measured in each round, between the steps) that the step achieves.
+  --vs-trl     TRL's GRPOTrainer (`benchmarks.trl_worker`) on the same work next to each variant (grpo+r2 next to
+               TRL's grpo: TRL has no replay): ours / TRL per round, median and min-max.
+  --overheads  ratios of grpo variants stepped alternately: routing metrics on / off, r2 / none, W&B offline /
+               disabled.
+  --scaling    step time against group size, completion length and number of experts; per-token cost relative
+               to the workload shows where cost is not linear in tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.roofline import ModelShape, matmul_gflops, matmul_peak, rl_step_flops
+from benchmarks.worker import Worker
+from benchmarks.workload import BENCH_TINY, VARIANTS, compose_workload
+
+TRL_ALGO = {"grpo": "grpo", "gspo": "gspo", "grpo+r2": "grpo"}
+
+OVERHEADS = {
+    # name: (overrides with the feature, overrides without it); [] is the workload's own setting
+    "routing metrics on / off": ([], ["routing.metrics=false"]),
+    "r2 replay / none": (["routing.replay=r2"], []),
+    "W&B offline / disabled": (["logger.wandb.mode=offline"], []),
+}
+
+SCALING = {
+    "workload (G=8, T=16, E=16)": [],
+    "group size 4": ["trainer.group_size=4"],
+    "group size 16": ["trainer.group_size=16"],
+    "completion length 8": ["trainer.max_new_tokens=8"],
+    "completion length 32": ["trainer.max_new_tokens=32"],
+    "experts 8": ["model.num_experts=8"],
+    "experts 32": ["model.num_experts=32"],
+}
+
+
+@dataclass
+class Series:
+    """The timed step reports of one worker."""
+
+    label: str
+    overrides: list[str]
+    info: dict[str, Any] = field(default_factory=dict)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def median(self, key: str) -> float:
+        return statistics.median(step[key] for step in self.steps)
+
+    @property
+    def seconds(self) -> list[float]:
+        return [step["seconds"] for step in self.steps]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return statistics.median(step["tokens"] / step["seconds"] for step in self.steps)
+
+    @property
+    def peak_rss_mib(self) -> float:
+        return max(step["rss_mib"] for step in self.steps)
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    model = platform.processor() or "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    import transformers
+
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "load_1min": os.getloadavg()[0],
+    }
+
+
+def run_round_robin(
+    specs: dict[str, tuple[str, list[str]]], args: argparse.Namespace, log_dir: Path, peak_size: int
+) -> tuple[dict[str, Series], list[float]]:
+    """Start one worker per spec (label -> (worker module, overrides)), step them round robin; return every
+    worker's timed steps and the matmul GFLOP/s measured after each timed round."""
+    series = {label: Series(label, overrides) for label, (_, overrides) in specs.items()}
+    workers: dict[str, Worker] = {}
+    peaks: list[float] = []
+    try:
+        for index, (label, (module, overrides)) in enumerate(specs.items()):
+            worker_args = ["--overrides", json.dumps([*args.override, *overrides]), "--threads", str(args.threads)]
+            workers[label] = Worker(label, module, worker_args, log_dir / f"{index:02d}_{module}.log")
+            series[label].info = workers[label].info
+        order = list(specs)
+        for round_index in range(args.warmup + args.steps):
+            for label in order if round_index % 2 == 0 else order[::-1]:
+                report = workers[label].step()
+                if round_index >= args.warmup:
+                    series[label].steps.append(report)
+            if round_index >= args.warmup:
+                peaks.append(matmul_gflops(peak_size, seconds=0.2, trials=2))
+            print(f"  round {round_index + 1}/{args.warmup + args.steps} done (load {os.getloadavg()[0]:.1f})",
+                  file=sys.stderr, flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return series, peaks
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def step_flops(overrides: list[str], prompt_width: int) -> dict[str, float]:
+    """Model FLOPs of one RL step of the workload with `overrides` (see `benchmarks.roofline`)."""
+    from models.policy import ModelConfig, config_in_code
+    from models.tokenizer import build_char_tokenizer
+    from omegaconf import OmegaConf
+
+    cfg = compose_workload(overrides)
+    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    if model_cfg.path is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    else:
+        config = config_in_code(model_cfg, build_char_tokenizer())
+    t = cfg.trainer
+    return rl_step_flops(ModelShape.from_config(config), t.prompts_per_step * t.group_size, prompt_width,
+                         t.max_new_tokens)
+
+
+def main_section(args, log_dir, peak_size, results) -> None:
+    specs: dict[str, tuple[str, list[str]]] = {}
+    for variant in args.variants:
+        specs[f"ours {variant}"] = ("benchmarks.lab_worker", VARIANTS[variant])
+        algo = TRL_ALGO[variant]
+        if args.vs_trl and f"TRL {algo}" not in specs:
+            specs[f"TRL {algo}"] = ("benchmarks.trl_worker", VARIANTS[algo])
+    print(f"main: {', '.join(specs)}", file=sys.stderr, flush=True)
+    series, peaks = run_round_robin(specs, args, log_dir, peak_size)
+    peak = statistics.median(peaks)
+    rows = []
+    for label, s in series.items():
+        width = s.steps[0].get("prompt_width") or series[f"ours {args.variants[0]}"].steps[0]["prompt_width"]
+        flops = step_flops([*args.override, *s.overrides], width)
+        achieved = [flops["total"] / step["seconds"] / 1e9 / p for step, p in zip(s.steps, peaks)]
+        rows.append([
+            label, _spread(s.seconds), f"{s.median('rollout_s'):.3f}", f"{s.median('score_s'):.3f}",
+            f"{s.median('train_s'):.3f}", f"{s.tokens_per_s:.0f}", f"{s.peak_rss_mib:.0f}",
+            f"{flops['total'] / 1e9:.1f}", f"{flops['total'] / s.median('seconds') / 1e9:.1f}",
+            f"{statistics.median(achieved):.1%}",
+        ])
+        results["main"][label] = {"overrides": s.overrides, "info": s.info, "steps": s.steps, "flops": flops,
+                                  "peak_fraction": achieved}
+    results["matmul_gflops_per_round"] = peaks
+    print("\n## RL step (median of timed steps; s)\n")
+    print(_table(
+        ["loop", "step s (min-max)", "rollout", "old-policy scoring", "training", "completion tok/s", "peak RSS MiB",
+         "model GFLOP/step", "GFLOP/s", f"of fp32 matmul peak ({peak:.0f} GFLOP/s)"],
+        rows,
+    ))
+    if args.vs_trl:
+        rows = []
+        for variant in args.variants:
+            ours, trl = series[f"ours {variant}"], series[f"TRL {TRL_ALGO[variant]}"]
+            ratios = [a / b for a, b in zip(ours.seconds, trl.seconds)]
+            results["vs_trl"][variant] = ratios
+            rows.append([f"{variant} / TRL {TRL_ALGO[variant]}", f"{statistics.median(ours.seconds):.3f}",
+                         f"{statistics.median(trl.seconds):.3f}", _spread(ratios),
+                         " ".join(f"{r:.2f}" for r in ratios)])
+        print("\n## Ours / TRL GRPOTrainer, same work, stepped alternately\n")
+        print(_table(["pair", "ours s", "TRL s", "ratio median (min-max)", "ratio per round"], rows))
+
+
+def _overhead_label(overrides: list[str]) -> str:
+    return "grpo " + (" ".join(overrides) or "(workload)")
+
+
+def overheads_section(args, log_dir, peak_size, results) -> None:
+    specs: dict[str, tuple[str, list[str]]] = {}
+    base = VARIANTS["grpo"]
+    for sides in OVERHEADS.values():
+        for side in sides:
+            specs.setdefault(_overhead_label(side), ("benchmarks.lab_worker", [*base, *side]))
+    print(f"overheads: {', '.join(specs)}", file=sys.stderr, flush=True)
+    series, _ = run_round_robin(specs, args, log_dir, peak_size)
+    rows = []
+    for name, (numerator, denominator) in OVERHEADS.items():
+        top, bottom = series[_overhead_label(numerator)], series[_overhead_label(denominator)]
+        ratios = [a / b for a, b in zip(top.seconds, bottom.seconds)]
+        results["overheads"][name] = {"ratios": ratios, "numerator": top.steps, "denominator": bottom.steps}
+        rows.append([name, f"{statistics.median(top.seconds):.3f}", f"{statistics.median(bottom.seconds):.3f}",
+                     _spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
+    print("\n## Overheads (grpo; ratio of neighbouring steps)\n")
+    print(_table(["switch", "with s", "without s", "ratio median (min-max)", "cost"], rows))
+
+
+def scaling_section(args, log_dir, peak_size, results) -> None:
+    specs = {name: ("benchmarks.lab_worker", [*VARIANTS["grpo"], *extra]) for name, extra in SCALING.items()}
+    print(f"scaling: {', '.join(specs)}", file=sys.stderr, flush=True)
+    series, _ = run_round_robin(specs, args, log_dir, peak_size)
+    base = series[next(iter(SCALING))]
+    base_cost = base.median("seconds") / statistics.median(step["tokens"] for step in base.steps)
+    rows = []
+    for name, s in series.items():
+        tokens = statistics.median(step["tokens"] for step in s.steps)
+        cost = s.median("seconds") / tokens
+        results["scaling"][name] = {"overrides": s.overrides, "steps": s.steps}
+        rows.append([name, f"{tokens:.0f}", _spread(s.seconds), f"{s.median('rollout_s'):.3f}",
+                     f"{s.median('score_s'):.3f}", f"{s.median('train_s'):.3f}", f"{cost * 1e6:.0f}",
+                     f"{cost / base_cost:.2f}"])
+    print("\n## Scaling (grpo): cost per completion token relative to the workload (1.00 = linear in tokens)\n")
+    print(_table(["configuration", "completion tokens/step", "step s (min-max)", "rollout", "scoring", "training",
+                  "µs / token", "relative per-token cost"], rows))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration before those")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads everywhere (0: default)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--vs-trl", action="store_true", help="step TRL's GRPOTrainer alternately (bench extra)")
+    parser.add_argument("--overheads", action="store_true", help="routing metrics, r2 and W&B overhead ratios")
+    parser.add_argument("--scaling", action="store_true", help="group size, completion length, experts")
+    parser.add_argument("--all", action="store_true", help="every section")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra Hydra override for every configuration (repeatable), e.g. model.num_experts=8")
+    parser.add_argument("--json-out", type=Path, help="write every measured number here")
+    parser.add_argument("--log-dir", type=Path, help="worker logs (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.threads < 0:
+        parser.error(f"--steps={args.steps} must be >= 1, --warmup={args.warmup} and --threads={args.threads} >= 0")
+    if args.all:
+        args.vs_trl = args.overheads = args.scaling = True
+    if args.vs_trl:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            parser.error("--vs-trl needs TRL: pip install -e '.[bench]' (trl, datasets, accelerate)")
+    compose_workload(args.override)  # a bad override fails here, before any worker starts
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = machine()
+    print(f"# benchmarks.rl_step on {info['cpu']} ({info['cores']} cores), torch {info['torch']}, transformers "
+          f"{info['transformers']}, {info['torch_threads']} torch threads, load {info['load_1min']:.1f}")
+    print(f"workload: {' '.join(BENCH_TINY + args.override)}; {args.warmup} warm-up + {args.steps} timed steps each")
+    peak_size, peak, rates = matmul_peak()
+    print(f"fp32 matmul: " + ", ".join(f"{n}: {r:.0f}" for n, r in rates.items()) + f" GFLOP/s (peak at {peak_size})")
+    results: dict[str, Any] = {"machine": info, "matmul_gflops": rates, "argv": sys.argv[1:] if argv is None else argv,
+                               "main": {}, "vs_trl": {}, "overheads": {}, "scaling": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_logs_") as scratch:
+        log_dir = args.log_dir or Path(scratch)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        main_section(args, log_dir, peak_size, results)
+        if args.overheads:
+            overheads_section(args, log_dir, peak_size, results)
+        if args.scaling:
+            scaling_section(args, log_dir, peak_size, results)
+    results["load_1min_end"] = os.getloadavg()[0]
+    print(f"\nload average (1 min) at start {info['load_1min']:.1f}, at end {results['load_1min_end']:.1f} "
+          f"on {info['cores']} cores")
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.json_out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
