@@ -6,9 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
-COLD_START := checkpoints/cold_start
+COLD_START := checkpoints/cold_start/tiny_moe-addition
+SWEEP := multirun/quickstart/$(shell date +%Y-%m-%d_%H-%M-%S)
 
-.PHONY: install test run sft bench report clean
+.PHONY: install test run sft bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +27,10 @@ $(COLD_START)/config.json: | $(STAMP)
 
 sft: $(COLD_START)/config.json
 
+# The main job: cold start (once), the quickstart sweep (GRPO, GRPO + r2, GSPO), then the stability report.
 run: $(STAMP) $(COLD_START)/config.json
-	$(PY) -m experiments.quickstart
+	$(PY) -m experiments.train -m experiment=quickstart hydra.sweep.dir=$(SWEEP)
+	$(PY) -m analysis.report $(SWEEP) --out $(SWEEP)/report
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.rl_step

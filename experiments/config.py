@@ -97,7 +97,7 @@ class SFTSettings:
     lr: float = 1e-3
     weight_decay: float = 0.0
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this (RL needs reward variance)
-    eval_every: int = 100
+    eval_every: int = 20
     eval_prompts: int = 256
     output_dir: str = MISSING  # where save_pretrained writes the checkpoint and tokenizer
     threads: int | None = None

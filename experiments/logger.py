@@ -51,7 +51,7 @@ class RunLogger:
     def __init__(self, run_dir: str | Path, cfg: DictConfig, name: str, tags: list[str], group: str | None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._metrics = open(self.run_dir / "metrics.jsonl", "w", encoding="utf-8")
         self._wandb = self._start_wandb(cfg, name, tags, group)
 
     def _start_wandb(self, cfg: DictConfig, name: str, tags: list[str], group: str | None):
