@@ -213,3 +213,10 @@ def test_drift_metric_matches_a_recomputation():
         trainer._score(trainer.model, mb)
     expected = routing_drift(mb.old_trace, recording.trace, mb.token_mask).expert_change_frac
     assert trainer.update(mb, 1)["routing/expert_change_frac"] == pytest.approx(expected)
+
+
+def test_wandb_offline_run_is_written_next_to_the_local_log(tmp_path):
+    train(compose_train("logger.wandb.mode=offline", "trainer.steps=1"), tmp_path)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb")), "W&B offline run files missing"
+    assert len(read_metrics(tmp_path)) == 1
