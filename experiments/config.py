@@ -91,8 +91,8 @@ class TrainConfig:
 class SFTSettings:
     """Cold start: next-token training on task demonstrations until the held-out accuracy is useful."""
 
-    max_seconds: float = 150.0  # wall-clock budget (the issue asks for under 3 minutes on 2 cores)
-    max_steps: int = 5000
+    max_steps: int = 600  # the budget that decides the checkpoint: the same on a loaded or an idle machine
+    max_seconds: float = 900.0  # safety stop only (an idle 2-core machine reaches the target in about 2 minutes)
     batch_size: int = 128
     lr: float = 1e-3
     weight_decay: float = 0.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.config import register_configs
 from experiments.evaluate import evaluate
@@ -62,8 +63,8 @@ def demonstration_batch(
     return input_ids, attention_mask, labels
 
 
-def cold_start(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Train until the target accuracy or the budget; save the checkpoint; return a summary."""
+def cold_start(cfg: DictConfig, run_dir: str | Path) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """Train until the target accuracy or the budget; save the checkpoint; return the model and a summary."""
     s = cfg.sft
     if s.threads:
         torch.set_num_threads(s.threads)
@@ -135,16 +136,21 @@ def cold_start(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     }
     (output_dir / "cold_start.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.finish(summary)
+    if not summary["reached_target"]:
+        warnings.warn(
+            f"cold start stopped at {accuracy:.1%} held-out accuracy, below sft.target_accuracy={s.target_accuracy}: "
+            "RL from this checkpoint will see little reward variance; raise sft.max_steps"
+        )
     print(
         f"{name}: {step} steps in {summary['wall_s']:.0f} s, loss {loss_value:.3f}, held-out greedy accuracy "
         f"{accuracy:.1%} (target {s.target_accuracy:.0%}). Checkpoint: {output_dir}"
     )
-    return summary
+    return model, summary
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="sft")
 def main(cfg: DictConfig) -> float:
-    return cold_start(cfg, HydraConfig.get().runtime.output_dir)["eval_greedy_accuracy"]
+    return cold_start(cfg, HydraConfig.get().runtime.output_dir)[1]["eval_greedy_accuracy"]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""Every config group composes through Hydra's compose API, and the named experiments say what they promise."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from algos import OBJECTIVES
+from experiments.config import PROJECT_ROOT, algo_hyperparameters, register_configs
+from experiments.tasks import TASKS
+
+CONF = PROJECT_ROOT / "conf"
+register_configs()
+
+
+def _compose(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def _choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_every_group_has_its_options():
+    assert _choices("algo") == sorted(OBJECTIVES)
+    assert _choices("dataset") == sorted(TASKS)
+    assert {"tiny_moe", "deep_moe", "tiny_dense"} <= set(_choices("model"))
+    assert {"quickstart", "paper"} <= set(_choices("experiment"))
+
+
+@pytest.mark.parametrize("group", ["algo", "model", "dataset", "arm", "experiment"])
+def test_every_option_composes_with_typed_schema(group):
+    for choice in _choices(group):
+        cfg = _compose("train", [f"{group}={choice}"])
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        assert resolved["algo"]["name"] in OBJECTIVES
+        assert resolved["dataset"]["name"] in TASKS
+        if group == "algo":
+            name, _, hyperparameters = algo_hyperparameters(cfg.algo)
+            assert name == choice and set(hyperparameters) <= set(OBJECTIVES[choice].__dataclass_fields__)
+
+
+def test_arm_sets_objective_and_replay_together():
+    cfg = _compose("train", ["arm=grpo_r2"])
+    assert (cfg.algo.name, cfg.routing.replay) == ("grpo", "r2")
+    cfg = _compose("train", ["arm=gspo"])
+    assert (cfg.algo.name, cfg.routing.replay, cfg.algo.clip_low) == ("gspo", "none", 3e-4)
+
+
+def test_experiments_start_from_the_cold_start_checkpoint():
+    for experiment in ("quickstart", "paper"):
+        cfg = _compose("train", [f"experiment={experiment}"])
+        assert cfg.model.path == str(PROJECT_ROOT / "checkpoints" / "cold_start" / f"{cfg.model.name}-addition")
+    sft = _compose("sft", ["model=deep_moe"])
+    assert sft.sft.output_dir == str(PROJECT_ROOT / "checkpoints" / "cold_start" / "deep_moe-addition")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("trainer.stpes=3", "stpes"), ("trainer.steps=many", "steps"), ("model.hiden_size=8", "hiden_size"),
+     ("dataset.digitz=3", "digitz"), ("routing.replai=r2", "replai")],
+)
+def test_misspelt_or_mistyped_keys_fail_at_composition(override, key):
+    with pytest.raises(Exception, match=key):
+        _compose("train", [override])

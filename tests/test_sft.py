@@ -1,0 +1,51 @@
+"""Cold start: demonstrations are laid out right, training lowers the loss, the checkpoint reloads exactly."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from experiments.config import PROJECT_ROOT
+from experiments.rollout import position_ids
+from experiments.sft import IGNORE, cold_start, demonstration_batch
+from experiments.tasks import Example
+from models.policy import ModelConfig, build_policy
+from tests.conftest import MICRO_MODEL
+
+
+def test_demonstration_batch_masks_prompts_and_pads_left(micro_policy):
+    _, tokenizer = micro_policy
+    examples = [Example("12+34=", "46", "46"), Example("1+1=", "2", "2")]
+    input_ids, attention_mask, labels = demonstration_batch(tokenizer, examples)
+    assert input_ids.shape == (2, 9)  # "12+34=" + "46" + eos
+    assert tokenizer.decode(input_ids[1][attention_mask[1].bool()]) == "1+1=2<eos>"
+    assert attention_mask[1].tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1]
+    taught = labels[0][labels[0] != IGNORE]
+    assert tokenizer.decode(taught) == "46<eos>"
+
+
+def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_path):
+    overrides = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()] + [
+        "sft.max_steps=6", "sft.batch_size=16", "sft.eval_every=3", "sft.eval_prompts=8", "sft.lr=3e-3",
+        f"sft.output_dir={tmp_path / 'ckpt'}", "dataset.train_size=200", "dataset.test_size=20",
+        "logger.wandb.mode=disabled",
+    ]
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("sft", overrides=overrides)
+    model, summary = cold_start(cfg, tmp_path / "run")
+    losses = [json.loads(line)["sft/loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert summary["checkpoint"] == str(tmp_path / "ckpt")
+
+    reloaded, tokenizer = build_policy(ModelConfig(name="micro_moe", path=str(tmp_path / "ckpt"),
+                                                   experts_implementation=cfg.model.experts_implementation))
+    fresh, _ = build_policy(ModelConfig(**MICRO_MODEL))
+    enc = tokenizer(["12+34=", "7+8="], return_tensors="pt", padding=True, add_special_tokens=False)
+    kwargs = dict(enc, position_ids=position_ids(enc["attention_mask"]))
+    with torch.no_grad():
+        trained_logits = model.eval()(**kwargs).logits
+        assert torch.equal(reloaded.eval()(**kwargs).logits, trained_logits)
+        assert not torch.allclose(fresh.eval()(**kwargs).logits, trained_logits), "the checkpoint holds trained weights"
+    assert tokenizer.padding_side == "left" and tokenizer("12")["input_ids"] == [5, 6]
