@@ -220,3 +220,18 @@ def test_wandb_offline_run_is_written_next_to_the_local_log(tmp_path):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb")), "W&B offline run files missing"
     assert len(read_metrics(tmp_path)) == 1
+
+
+def test_kl_to_a_frozen_reference_is_logged_and_starts_at_zero(tmp_path):
+    train(compose_train("algo=grpo", "algo.kl_coef=0.05", "trainer.steps=2"), tmp_path)
+    lines = read_metrics(tmp_path)
+    first, later = lines[0]["minibatches"][0], lines[-1]["minibatches"][-1]
+    assert first["kl/ref_k3"] == 0.0, "before any update the policy is the reference"
+    assert later["kl/ref_k3"] > 0.0
+
+
+def test_learning_rate_follows_the_schedule(tmp_path):
+    train(compose_train("trainer.lr_schedule=linear", "trainer.warmup_steps=2", "trainer.steps=3"), tmp_path)
+    lrs = [mb["optim/lr"] for line in read_metrics(tmp_path) for mb in line["minibatches"]]
+    # 6 updates: warm-up 1/2, 2/2 of 1e-2, then linear decay over the remaining 4 updates.
+    assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 7.5e-3, 5e-3, 2.5e-3])
