@@ -143,6 +143,6 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="sft_schema", node=SFTConfig)
     for name, cls in OBJECTIVES.items():
-        cs.store(group="algo", name=f"{name}_schema", node=_schema_from(cls, name, [("advantage_std", bool, True)]))
+        cs.store(group="schema/algo", name=name, node=_schema_from(cls, name, [("advantage_std", bool, True)]))
     for name, cls in TASKS.items():
-        cs.store(group="dataset", name=f"{name}_schema", node=_schema_from(cls, name, []))
+        cs.store(group="schema/dataset", name=name, node=_schema_from(cls, name, []))

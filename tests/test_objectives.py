@@ -374,7 +374,7 @@ def test_every_yaml_lists_exactly_its_objective_fields_and_defaults():
         config = OmegaConf.to_container(OmegaConf.load(path))
         name = config.pop("name")
         assert name == path.stem
-        assert config.pop("defaults") == [f"{name}_schema", "_self_"]
+        assert config.pop("defaults") == [f"/schema/algo/{name}@_here_", "_self_"]
         assert config.pop("advantage_std") is (name != "dr_grpo")
         defaults = {f.name: f.default for f in fields(OBJECTIVES[name])}
         assert config == defaults, path.name

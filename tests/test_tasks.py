@@ -307,7 +307,7 @@ def test_every_task_has_a_yaml() -> None:
 @pytest.mark.parametrize("path", sorted(CONF_DATASET.glob("*.yaml")), ids=lambda path: path.stem)
 def test_dataset_yaml_matches_the_dataclass(path: Path) -> None:
     config = OmegaConf.to_container(OmegaConf.load(path))
-    assert config.pop("defaults") == [f"{path.stem}_schema", "_self_"]
+    assert config.pop("defaults") == [f"/schema/dataset/{path.stem}@_here_", "_self_"]
     assert config.pop("name") == path.stem
     cls = TASKS[path.stem]
     assert config == {field.name: field.default for field in dataclasses.fields(cls)}

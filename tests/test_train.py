@@ -235,3 +235,14 @@ def test_learning_rate_follows_the_schedule(tmp_path):
     lrs = [mb["optim/lr"] for line in read_metrics(tmp_path) for mb in line["minibatches"]]
     # 6 updates: warm-up 1/2, 2/2 of 1e-2, then linear decay over the remaining 4 updates.
     assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 7.5e-3, 5e-3, 2.5e-3])
+
+
+def test_cli_lists_the_valid_algorithms_for_an_unknown_one(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "algo=foo", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=120,
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "Could not find 'algo/foo'" in result.stderr
+    listed = result.stderr.split("Available options in 'algo':")[1].split("Config search path")[0].split()
+    assert listed == sorted(OBJECTIVES)
