@@ -305,7 +305,8 @@ def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name:
         mesh = ax.pcolormesh(_edges(xs), _edges(layers), table.to_numpy(float), vmin=0.0, vmax=vmax,
                              cmap="viridis", shading="flat")
         ax.set_title(labels[k])
-        ax.set_xlabel(xlabel)
+        if k // ncols == nrows - 1 and ncols == 1:
+            ax.set_xlabel(xlabel)
         if integer_x:
             ax.set_xticks(xs)
         if k % ncols == 0:
@@ -314,6 +315,8 @@ def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name:
         if len(layers) <= 12:
             ax.set_yticks(layers)
     fig.colorbar(mesh, ax=grid.ravel().tolist(), label=DRIFT_LABEL, shrink=0.9)
+    if ncols > 1:
+        fig.supxlabel(xlabel)  # one label under the row of panels: per-panel labels would overlap
     return _save(fig, out_dir, name, dpi)
 
 
