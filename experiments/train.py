@@ -8,8 +8,9 @@ first is off-policy and the objectives differ):
 2. group advantages Â_i = (r_i − mean_group) / (std_group + eps) (no std division for Dr. GRPO).
 3. shuffle the B·G completions and split them into N minibatches. Old-policy scoring, per minibatch and without
    gradient: per-token log π_θold (r2 records the routing here, r3 replays the rollout's).
-   Scoring minibatch by minibatch uses the same shapes as training, so on the first (on-policy) minibatch the
-   importance ratios are exactly 1 on deterministic CPU kernels.
+   Scoring minibatch by minibatch uses the same shapes as training. The first minibatch is on-policy (θ = θ_old
+   at its update), so it is not scored twice: its update's own forward gives θ_old's log-probs and routing, and
+   its importance ratios are exactly 1 (under r3 it is scored like the others, for the rollout mismatch metrics).
 4. for each minibatch j: forward θ (replaying the old routing under r2/r3), objective(logp, old_logp, Â, mask)
    (+ β·KL to a frozen reference, + the router load-balancing loss when configured), backward, clip, AdamW step.
    The routers still compute their own top-k, so the drift of θ's routing against θ_old's — after j updates —
@@ -117,7 +118,7 @@ class Minibatch:
     response_mask: torch.Tensor
     token_mask: torch.Tensor  # [n, P+T]: the response positions, for routing statistics
     advantages: torch.Tensor
-    old_logp: torch.Tensor
+    old_logp: torch.Tensor | None  # None: on-policy, θ_old's log-probs come from the update's own forward
     ref_logp: torch.Tensor | None = None
     old_trace: RoutingTrace | None = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -209,25 +210,26 @@ class RLTrainer:
                 response_mask=rollout.response_mask[rows].to(self.device),
                 token_mask=token_mask[rows],
                 advantages=advantages[rows].to(self.device),
-                old_logp=torch.empty(0),
+                old_logp=None,
             )
             if self.replay == "r3":
                 rollout_trace = rollout.trace.rows(rows)
                 with replay_routing(self.model, rollout_trace.to(self.device)) as replayed:
-                    scores = self._score(self.model, mb)
+                    mb.old_logp = self._score(self.model, mb).logp
                 mb.old_trace = rollout_trace
                 mismatch = routing_drift(rollout_trace, replayed.router_choice.to("cpu"), mb.token_mask)
-                log_rho = scores.logp - rollout.rollout_logp[rows].to(self.device)
+                log_rho = mb.old_logp - rollout.rollout_logp[rows].to(self.device)
                 mb.metrics["rollout/expert_mismatch_frac"] = mismatch.expert_change_frac
                 mb.metrics["rollout/token_any_mismatch_frac"] = mismatch.token_any_change_frac
                 mb.metrics["rollout/kl_k3"] = masked_mean(log_rho.exp() - 1 - log_rho, mb.response_mask)
+            elif not minibatches:
+                pass  # on-policy: `update` takes θ_old's log-probs and routing from its own forward
             elif self.track_routing:
                 with record_routing(self.model) as recording:
-                    scores = self._score(self.model, mb)
+                    mb.old_logp = self._score(self.model, mb).logp
                 mb.old_trace = recording.trace.to("cpu")
             else:
-                scores = self._score(self.model, mb)
-            mb.old_logp = scores.logp
+                mb.old_logp = self._score(self.model, mb).logp
             if self.reference is not None:
                 mb.ref_logp = self._score(self.reference, mb).logp
             minibatches.append(mb)
@@ -243,7 +245,9 @@ class RLTrainer:
     def update(self, mb: Minibatch, index: int) -> dict[str, float]:
         t = self.cfg.trainer
         aux_coef = t.router_aux_loss_coef
-        if self.replay != "none":
+        on_policy = mb.old_logp is None  # θ = θ_old here: this forward is θ_old's (see `score_old`)
+        replaying = self.replay != "none" and not on_policy
+        if replaying:
             context = replay_routing(self.model, mb.old_trace.to(self.device))
         elif self.track_routing:
             context = record_routing(self.model)
@@ -252,6 +256,8 @@ class RLTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         with context as handle:
             scores = self._score(self.model, mb, aux_loss=aux_coef > 0 or self.track_routing)
+            if on_policy:
+                mb.old_logp = scores.logp.detach()
             result = self.objective(
                 logp=scores.logp,
                 old_logp=mb.old_logp,
@@ -273,7 +279,9 @@ class RLTrainer:
         if scores.aux_loss is not None:
             metrics["moe/aux_loss"] = float(scores.aux_loss.detach())
         if self.track_routing:
-            own = handle.router_choice if self.replay != "none" else handle.trace
+            own = handle.router_choice if replaying else handle.trace
+            if on_policy:
+                mb.old_trace = own.to("cpu")
             drift = routing_drift(mb.old_trace, own.to("cpu"), mb.token_mask)
             metrics.update(drift.metrics)
         if finite_loss and math.isfinite(grad_norm):
