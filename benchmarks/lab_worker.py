@@ -4,6 +4,8 @@
 
 A step is timed as a training run spends it: `RLTrainer.step()` and then `RunLogger.log` (metrics.jsonl, and
 W&B when `logger.wandb.mode` is not `disabled`). The breakdown is the trainer's own `perf/*` metrics.
+`--probe-generate`: after each timed step (outside its time), one plain `model.generate` call on the step's own
+prompts with the rollout's sampling settings, reported as `generate_s`: the reference for rollout throughput.
 """
 
 from __future__ import annotations
@@ -19,15 +21,33 @@ os.environ.setdefault("WANDB_SILENT", "true")
 import torch  # noqa: E402
 
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
+from experiments.rollout import Rollout  # noqa: E402
 from benchmarks.workload import compose_workload  # noqa: E402
 from experiments.logger import RunLogger  # noqa: E402
 from experiments.train import RLTrainer, run_name  # noqa: E402
+
+
+def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
+    """Seconds of one `model.generate` call on the rollout's prompts, sampling as the rollout does."""
+    t = trainer.cfg.trainer
+    tokenizer = trainer.tokenizer
+    prompts = [example.prompt for example in rollout.examples]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(trainer.device)
+    options = dict(max_new_tokens=t.max_new_tokens, do_sample=True, temperature=t.temperature, top_k=0, top_p=1.0,
+                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    if t.fixed_length:
+        options["min_new_tokens"] = t.max_new_tokens
+    start = time.perf_counter()
+    with torch.no_grad():
+        trainer.model.generate(**encoded, **options)
+    return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--overrides", default="[]", help="JSON list of Hydra overrides on top of the workload")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--probe-generate", action="store_true", help="also time model.generate on each batch")
     args = parser.parse_args()
     channel = Channel()
     overrides = json.loads(args.overrides)
@@ -35,13 +55,14 @@ def main() -> None:
         overrides.append(f"trainer.threads={args.threads}")
     cfg = compose_workload(overrides)
     trainer = RLTrainer(cfg)
-    prompt_widths: list[int] = []
+    rollouts: list[Rollout] = []
     sample = trainer.rollout
 
     def rollout():
-        # The prompt width (left-padded) is part of the work: the FLOP count of the roofline needs it.
+        # Kept for the report: the prompt width is part of the work (the roofline's FLOP count needs it), and the
+        # generate probe reuses the prompts.
         batch = sample()
-        prompt_widths.append(batch.prompt_width)
+        rollouts[:] = [batch]
         return batch
 
     trainer.rollout = rollout
@@ -60,6 +81,7 @@ def main() -> None:
             logged = time.perf_counter()
             logger.log(record)
             end = time.perf_counter()
+            probe = {"generate_s": time_plain_generate(trainer, rollouts[0])} if args.probe_generate else {}
             channel.send(
                 "step",
                 seconds=end - start,
@@ -68,9 +90,10 @@ def main() -> None:
                 train_s=record["perf/train_s"],
                 log_s=end - logged,
                 tokens=trainer.tokens_seen - tokens_before,
-                prompt_width=prompt_widths[-1],
+                prompt_width=rollouts[0].prompt_width,
                 reward=record["reward/mean"],
                 rss_mib=peak_rss_mib(),
+                **probe,
             )
         logger.finish({"status": "benchmark"})
 

@@ -110,16 +110,17 @@ def machine() -> dict[str, Any]:
 
 
 def run_round_robin(
-    specs: dict[str, tuple[str, list[str]]], args: argparse.Namespace, log_dir: Path, peak_size: int
+    specs: dict[str, tuple[str, list[str], list[str]]], args: argparse.Namespace, log_dir: Path, peak_size: int
 ) -> tuple[dict[str, Series], list[float]]:
-    """Start one worker per spec (label -> (worker module, overrides)), step them round robin; return every
-    worker's timed steps and the matmul GFLOP/s measured after each timed round."""
-    series = {label: Series(label, overrides) for label, (_, overrides) in specs.items()}
+    """Start one worker per spec (label -> (worker module, overrides, extra worker arguments)), step them round
+    robin; return every worker's timed steps and the matmul GFLOP/s measured after each timed round."""
+    series = {label: Series(label, overrides) for label, (_, overrides, _) in specs.items()}
     workers: dict[str, Worker] = {}
     peaks: list[float] = []
     try:
-        for index, (label, (module, overrides)) in enumerate(specs.items()):
-            worker_args = ["--overrides", json.dumps([*args.override, *overrides]), "--threads", str(args.threads)]
+        for index, (label, (module, overrides, extra)) in enumerate(specs.items()):
+            worker_args = ["--overrides", json.dumps([*args.override, *overrides]), "--threads", str(args.threads),
+                           *extra]
             workers[label] = Worker(label, module, worker_args, log_dir / f"{index:02d}_{module}.log")
             series[label].info = workers[label].info
         order = list(specs)
@@ -168,18 +169,19 @@ def step_flops(overrides: list[str], prompt_width: int) -> dict[str, float]:
 
 
 def main_section(args, log_dir, peak_size, results) -> None:
-    specs: dict[str, tuple[str, list[str]]] = {}
+    specs: dict[str, tuple[str, list[str], list[str]]] = {}
     for variant in args.variants:
-        specs[f"ours {variant}"] = ("benchmarks.lab_worker", VARIANTS[variant])
+        specs[f"ours {variant}"] = ("benchmarks.lab_worker", VARIANTS[variant], [])
         algo = TRL_ALGO[variant]
         if args.vs_trl and f"TRL {algo}" not in specs:
-            specs[f"TRL {algo}"] = ("benchmarks.trl_worker", VARIANTS[algo])
+            specs[f"TRL {algo}"] = ("benchmarks.trl_worker", VARIANTS[algo], [])
     print(f"main: {', '.join(specs)}", file=sys.stderr, flush=True)
     series, peaks = run_round_robin(specs, args, log_dir, peak_size)
     peak = statistics.median(peaks)
     rows = []
     for label, s in series.items():
-        width = s.steps[0].get("prompt_width") or series[f"ours {args.variants[0]}"].steps[0]["prompt_width"]
+        # TRL does not report its prompt width; its prompts come from the same task, so take ours.
+        width = round(series[f"ours {args.variants[0]}"].median("prompt_width"))
         flops = step_flops([*args.override, *s.overrides], width)
         achieved = [flops["total"] / step["seconds"] / 1e9 / p for step, p in zip(s.steps, peaks)]
         rows.append([
@@ -215,11 +217,12 @@ def _overhead_label(overrides: list[str]) -> str:
 
 
 def overheads_section(args, log_dir, peak_size, results) -> None:
-    specs: dict[str, tuple[str, list[str]]] = {}
     base = VARIANTS["grpo"]
+    # The workload's own worker also times a plain `model.generate` on each of its batches (outside its step).
+    specs = {_overhead_label([]): ("benchmarks.lab_worker", base, ["--probe-generate"])}
     for sides in OVERHEADS.values():
         for side in sides:
-            specs.setdefault(_overhead_label(side), ("benchmarks.lab_worker", [*base, *side]))
+            specs.setdefault(_overhead_label(side), ("benchmarks.lab_worker", [*base, *side], []))
     print(f"overheads: {', '.join(specs)}", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     rows = []
@@ -229,12 +232,17 @@ def overheads_section(args, log_dir, peak_size, results) -> None:
         results["overheads"][name] = {"ratios": ratios, "numerator": top.steps, "denominator": bottom.steps}
         rows.append([name, f"{statistics.median(top.seconds):.3f}", f"{statistics.median(bottom.seconds):.3f}",
                      _spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
+    probed = series[_overhead_label([])]
+    ratios = [step["rollout_s"] / step["generate_s"] for step in probed.steps]
+    results["overheads"]["rollout / model.generate"] = {"ratios": ratios, "steps": probed.steps}
+    rows.append(["rollout / plain model.generate, same batch", f"{probed.median('rollout_s'):.3f}",
+                 f"{probed.median('generate_s'):.3f}", _spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
     print("\n## Overheads (grpo; ratio of neighbouring steps)\n")
     print(_table(["switch", "with s", "without s", "ratio median (min-max)", "cost"], rows))
 
 
 def scaling_section(args, log_dir, peak_size, results) -> None:
-    specs = {name: ("benchmarks.lab_worker", [*VARIANTS["grpo"], *extra]) for name, extra in SCALING.items()}
+    specs = {name: ("benchmarks.lab_worker", [*VARIANTS["grpo"], *extra], []) for name, extra in SCALING.items()}
     print(f"scaling: {', '.join(specs)}", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     base = series[next(iter(SCALING))]

@@ -1,0 +1,104 @@
+"""The benchmark harness on a micro model: FLOP counts by hand, the worker protocol, the CLI end to end, and the
+TRL settings that make TRL's generation batch the work of one of our RL steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import rl_step
+from benchmarks.roofline import ModelShape, matmul_gflops, rl_step_flops
+from benchmarks.worker import Worker
+from benchmarks.workload import compose_workload
+from tests.conftest import MICRO_MODEL
+
+MICRO_OVERRIDES = [f"model.{key}={value}" for key, value in MICRO_MODEL.items() if key != "name"] + [
+    "trainer.prompts_per_step=4",
+    "trainer.group_size=4",
+    "trainer.minibatches=2",
+    "trainer.max_new_tokens=4",
+    "dataset.train_size=200",
+    "dataset.test_size=20",
+]
+
+
+def test_rl_step_flops_match_a_count_by_hand():
+    # hidden 2, one layer, one head of width 2 (q, k, v, o: 2x2 each), 2 experts top-1 of width 1, vocab 3.
+    shape = ModelShape(hidden=2, layers=1, heads=1, kv_heads=1, head_dim=2, vocab=3, mlp_width=1, experts=2, top_k=1)
+    # per token: 2 * (projections 4*4 + router 2*2 + expert 3*2*1) = 52; LM head 2*2*3 = 12;
+    # attention 2*2*1*2 = 8 per attended position.
+    assert shape.token_flops == 52 and shape.lm_head_flops == 12 and shape.attention_flops(1) == 8
+    flops = rl_step_flops(shape, completions=1, prompt_width=1, new_tokens=2)
+    # generation: prefill 52 + 8*1 + 12 = 72; one decode step at position 1: 52 + 12 + 8*2 = 80
+    # scoring: 3 tokens * 52 + 8*(1+2+3) + 3 logits * 12 = 240; training: 3 * 240
+    assert flops == {"generation": 152.0, "scoring": 240.0, "training": 720.0, "total": 1112.0}
+
+
+def test_model_shape_of_the_bench_tiny_config():
+    from models.policy import ModelConfig, config_in_code
+    from models.tokenizer import build_char_tokenizer
+
+    shape = ModelShape.from_config(config_in_code(ModelConfig(), build_char_tokenizer()))
+    # per layer: q, o 256x256, k, v 256x128; router 256x16; 2 experts x 3 matrices 256x128; 4 layers
+    assert shape.token_flops == 2 * 4 * (2 * 65536 + 2 * 32768 + 4096 + 2 * 3 * 32768)
+
+
+def test_matmul_gflops_measures_and_refuses_bad_sizes():
+    assert matmul_gflops(64, seconds=0.01, trials=1) > 0
+    with pytest.raises(ValueError, match="size >= 1"):
+        matmul_gflops(0)
+
+
+def test_cli_runs_our_loop_and_reports_the_work(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--variants", "grpo", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
+    for override in MICRO_OVERRIDES:
+        args += ["--override", override]
+    rl_step.main(args)
+    printed = capsys.readouterr().out
+    assert "| ours grpo |" in printed and "of fp32 matmul peak" in printed
+    result = json.loads(out.read_text())
+    steps = result["main"]["ours grpo"]["steps"]
+    assert len(steps) == 2
+    for step in steps:
+        assert step["tokens"] == 4 * 4 * 4, "fixed length: prompts x group x new tokens"
+        assert 4 <= step["prompt_width"] <= 6, "'a+b=' with a, b < 100 is 4 to 6 characters"
+        assert step["rollout_s"] + step["score_s"] + step["train_s"] <= step["seconds"]
+    fractions = result["main"]["ours grpo"]["peak_fraction"]
+    assert len(fractions) == 2 and all(0 < f < 1 for f in fractions)
+
+
+def test_worker_probe_times_plain_generate(tmp_path):
+    args = ["--overrides", json.dumps(MICRO_OVERRIDES), "--threads", "1", "--probe-generate"]
+    with Worker("probe", "benchmarks.lab_worker", args, tmp_path / "probe.log") as worker:
+        assert worker.info["threads"] == 1
+        report = worker.step()
+    assert report["generate_s"] > 0 and report["tokens"] == 64
+
+
+def test_a_worker_that_dies_is_reported_with_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 1.*No module named"):
+        Worker("broken", "benchmarks.no_such_worker", [], tmp_path / "broken.log")
+
+
+def test_cli_refuses_bad_counts():
+    with pytest.raises(SystemExit):
+        rl_step.main(["--steps", "0"])
+
+
+def test_trl_settings_reproduce_our_step():
+    pytest.importorskip("trl")
+    from benchmarks.trl_worker import trl_arguments
+
+    for algo, level, clip in [("grpo", "token", (0.2, 0.27)), ("gspo", "sequence", (3e-4, 4e-4))]:
+        args = trl_arguments(compose_workload([f"algo={algo}"]), "unused")
+        # 32 prompts x 8 completions, 4 updates of 64 completions, 16 tokens each, fp32, no checkpointing
+        assert args.generation_batch_size == 256 and args.per_device_train_batch_size == 64
+        assert args.steps_per_generation == 4 and args.gradient_accumulation_steps == 1
+        assert args.num_iterations == 1 and args.num_generations == 8
+        assert args.generation_kwargs == {"min_new_tokens": 16} and args.max_completion_length == 16
+        assert not args.bf16 and not args.activation_checkpointing and args.beta == 0.0
+        assert args.importance_sampling_level == level and (args.epsilon, args.epsilon_high) == clip
+    with pytest.raises(ValueError, match="algo='dapo'"):
+        trl_arguments(compose_workload(["algo=dapo"]), "unused")
