@@ -91,6 +91,7 @@ def main() -> None:
                 log_s=end - logged,
                 tokens=trainer.tokens_seen - tokens_before,
                 prompt_width=rollouts[0].prompt_width,
+                sequence_tokens=rollouts[0].input_ids.numel(),  # prompt + completion positions, padding included
                 reward=record["reward/mean"],
                 rss_mib=peak_rss_mib(),
                 **probe,

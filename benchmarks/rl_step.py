@@ -246,18 +246,21 @@ def scaling_section(args, log_dir, peak_size, results) -> None:
     print(f"scaling: {', '.join(specs)}", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     base = series[next(iter(SCALING))]
-    base_cost = base.median("seconds") / statistics.median(step["tokens"] for step in base.steps)
+    base_completion = base.median("seconds") / base.median("tokens")
+    base_sequence = base.median("seconds") / base.median("sequence_tokens")
     rows = []
     for name, s in series.items():
-        tokens = statistics.median(step["tokens"] for step in s.steps)
-        cost = s.median("seconds") / tokens
+        completion = s.median("seconds") / s.median("tokens")
+        sequence = s.median("seconds") / s.median("sequence_tokens")
         results["scaling"][name] = {"overrides": s.overrides, "steps": s.steps}
-        rows.append([name, f"{tokens:.0f}", _spread(s.seconds), f"{s.median('rollout_s'):.3f}",
-                     f"{s.median('score_s'):.3f}", f"{s.median('train_s'):.3f}", f"{cost * 1e6:.0f}",
-                     f"{cost / base_cost:.2f}"])
-    print("\n## Scaling (grpo): cost per completion token relative to the workload (1.00 = linear in tokens)\n")
-    print(_table(["configuration", "completion tokens/step", "step s (min-max)", "rollout", "scoring", "training",
-                  "µs / token", "relative per-token cost"], rows))
+        rows.append([name, f"{s.median('tokens'):.0f}", f"{s.median('sequence_tokens'):.0f}", _spread(s.seconds),
+                     f"{s.median('rollout_s'):.3f}", f"{s.median('score_s'):.3f}", f"{s.median('train_s'):.3f}",
+                     f"{completion * 1e6:.0f}", f"{completion / base_completion:.2f}",
+                     f"{sequence / base_sequence:.2f}"])
+    print("\n## Scaling (grpo): cost per token relative to the workload (1.00 = linear in tokens)\n")
+    print(_table(["configuration", "completion tokens/step", "sequence tokens/step (prompt + completion)",
+                  "step s (min-max)", "rollout", "scoring", "training", "µs / completion token",
+                  "relative per completion token", "relative per sequence token"], rows))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

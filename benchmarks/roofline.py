@@ -14,6 +14,8 @@ One RL step, with N = prompts x group size completions, prompt width P (left-pad
                 (the last sampled token is never fed back), each attending to the cache;
     scoring     one forward over N·(P + T) tokens, logits on the last T + 1 positions (`logits_to_keep`);
     training    the same forward plus its backward, over the N completions (in minibatches): 3 x scoring.
+This is the work the RL step defines, the same for every loop. A loop that avoids part of it is credited with the
+work avoided: ours does not score the on-policy minibatch separately (θ = θ_old there), TRL does.
 """
 
 from __future__ import annotations
