@@ -212,7 +212,7 @@ def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOu
     positions = np.arange(len(table))
     width = COLUMN_WIDTH_IN if len(table) <= 6 else TEXT_WIDTH_IN
     with matplotlib.rc_context(RC_PARAMS):
-        fig = _figure(width, 2.4)
+        fig = _figure(width, 2.4 if len(table) <= 3 else 3.4)  # rotated names need room below the axes
         ax = fig.subplots()
         for i, label in enumerate(table["label"]):
             style = styles[label]
@@ -237,7 +237,7 @@ def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOu
             ax.set_xticks(positions, names, rotation=30, ha="right", rotation_mode="anchor")
         else:
             ax.set_xticks(positions, [f"{lab}\n{v}" for lab, v in zip(table["label"], values)])
-        ax.set_ylabel("clipped tokens (fraction, log)")
+        ax.set_ylabel("clipped tokens (fraction)")
         out.files = _save(fig, out_dir, out.name, dpi)
     floor_note = f"means below {CLIP_FLOOR:g} are drawn at {CLIP_FLOOR:g} and labelled <{CLIP_FLOOR:g}"
     out.caption = (
