@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{info['transformers']}, {info['torch_threads']} torch threads, load {info['load_1min']:.1f}")
     print(f"workload: {' '.join(BENCH_TINY + args.override)}; {args.warmup} warm-up + {args.steps} timed steps each")
     peak_size, peak, rates = matmul_peak()
-    print(f"fp32 matmul: " + ", ".join(f"{n}: {r:.0f}" for n, r in rates.items()) + f" GFLOP/s (peak at {peak_size})")
+    print("fp32 matmul: " + ", ".join(f"{n}: {r:.0f}" for n, r in rates.items()) + f" GFLOP/s (peak at {peak_size})")
     results: dict[str, Any] = {"machine": info, "matmul_gflops": rates, "argv": sys.argv[1:] if argv is None else argv,
                                "main": {}, "vs_trl": {}, "overheads": {}, "scaling": {}}
     with tempfile.TemporaryDirectory(prefix="bench_logs_") as scratch:
