@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.tasks import Example, Task
 from models.routing import RoutingTrace, record_routing
@@ -63,59 +63,6 @@ def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pa
 
 
 @torch.no_grad()
-def sample_completions(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    eos_id: int,
-    pad_id: int,
-    greedy: bool = False,
-    min_new_tokens: int = 0,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """KV-cache decoding with exactly `model.generate`'s sampling, without its per-step machinery.
-
-    The same draws as `generate(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0,
-    min_new_tokens=min_new_tokens)`: fp32 logits of the last position, eos forbidden before `min_new_tokens` new
-    tokens, then the argmax when greedy, else one `torch.multinomial` draw per row from softmax(logits / T); rows
-    that emitted eos continue with `pad_id`; decoding stops once every row has emitted eos, or after
-    `max_new_tokens`. The last sampled token is never fed back, as in `generate`, so a routing trace recorded
-    across these calls has `generate`'s layout.
-    input_ids, attention_mask [N, P] (left-padded) -> sequences [N, P + T], and the raw logits of each step
-    (T tensors [N, V], what `generate(output_logits=True)` returns).
-    """
-    cache = DynamicCache(config=model.config)
-    positions = position_ids(attention_mask)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=1)
-    next_position = positions[:, -1:] + 1  # left padding: the last column is every row's last prompt token
-    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    tokens, step_logits = [], []
-    for step in range(max_new_tokens):
-        logits = out.logits[:, -1]
-        step_logits.append(logits)
-        scores = logits.float()
-        if step < min_new_tokens:
-            scores = scores.clone()  # the raw logits are returned unchanged
-            scores[:, eos_id] = -float("inf")
-        if greedy:
-            token = scores.argmax(dim=-1)
-        else:
-            token = torch.multinomial(torch.softmax(scores / temperature, dim=-1), num_samples=1).squeeze(1)
-        token = token.masked_fill(finished, pad_id)
-        tokens.append(token)
-        finished |= token == eos_id
-        if step == max_new_tokens - 1 or bool(finished.all()):
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                    cache=cache, use_cache=True)
-        next_position = next_position + 1
-    return torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1), step_logits
-
-
-@torch.no_grad()
 def generate_rollout(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -128,26 +75,31 @@ def generate_rollout(
     fixed_length: bool = False,
     record: bool = False,
 ) -> Rollout:
-    """Sample `group_size` completions for each example (one batched decode), decode and score them."""
+    """Sample `group_size` completions for each example (one batched `generate` call), decode and score them."""
     device = next(model.parameters()).device
     prompts = [example.prompt for example in examples for _ in range(group_size)]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     prompt_width = encoded["input_ids"].shape[1]
-    sample = dict(
+    options = dict(
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        greedy=greedy,
-        min_new_tokens=max_new_tokens if fixed_length else 0,
+        do_sample=not greedy,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        return_dict_in_generate=True,
+        output_logits=record,
     )
+    if not greedy:
+        options.update(temperature=temperature, top_k=0, top_p=1.0)
+    if fixed_length:
+        options["min_new_tokens"] = max_new_tokens
     if record:
         with record_routing(model, generate=True) as recording:
-            sequences, step_logits = sample_completions(model, encoded["input_ids"], encoded["attention_mask"], **sample)
+            generated = model.generate(**encoded, **options)
         trace = recording.trace
     else:
-        sequences, step_logits = sample_completions(model, encoded["input_ids"], encoded["attention_mask"], **sample)
+        generated = model.generate(**encoded, **options)
         trace = None
+    sequences = generated.sequences
     input_ids, response_mask, truncated = _response_layout(
         sequences, prompt_width, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
@@ -158,7 +110,7 @@ def generate_rollout(
     correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(completions, rows)])
     rollout_logp = None
     if record:
-        logits = torch.stack(step_logits, dim=1).float() / temperature  # [N, T_generated, V]
+        logits = torch.stack(generated.logits, dim=1).float() / temperature  # [N, T_generated, V]
         taken = sequences[:, prompt_width:]
         rollout_logp = torch.log_softmax(logits, dim=-1).gather(-1, taken.unsqueeze(-1)).squeeze(-1)
         rollout_logp = rollout_logp.masked_fill(~response_mask, 0.0)

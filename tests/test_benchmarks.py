@@ -102,27 +102,3 @@ def test_trl_settings_reproduce_our_step():
         assert args.importance_sampling_level == level and (args.epsilon, args.epsilon_high) == clip
     with pytest.raises(ValueError, match="algo='dapo'"):
         trl_arguments(compose_workload(["algo=dapo"]), "unused")
-
-
-@pytest.mark.parametrize("greedy, temperature, min_new_tokens", [(False, 1.0, 0), (False, 0.7, 12), (True, 1.0, 5)])
-def test_rollout_decoding_draws_exactly_what_generate_draws(micro_policy, greedy, temperature, min_new_tokens):
-    """The rollout's own decode loop replaces `model.generate` for speed: same seed, same tokens and logits."""
-    import torch
-
-    from experiments.rollout import sample_completions
-
-    model, tokenizer = micro_policy
-    encoded = tokenizer(["12+34=", "5+7=", "99+1="] * 8, return_tensors="pt", padding=True, add_special_tokens=False)
-    options = dict(max_new_tokens=12, do_sample=not greedy, pad_token_id=tokenizer.pad_token_id,
-                   eos_token_id=tokenizer.eos_token_id, return_dict_in_generate=True, output_logits=True,
-                   min_new_tokens=min_new_tokens)
-    if not greedy:
-        options.update(temperature=temperature, top_k=0, top_p=1.0)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        reference = model.generate(**encoded, **options)
-    torch.manual_seed(1)
-    sequences, logits = sample_completions(model, encoded["input_ids"], encoded["attention_mask"], 12, temperature,
-                                           tokenizer.eos_token_id, tokenizer.pad_token_id, greedy, min_new_tokens)
-    assert torch.equal(sequences, reference.sequences)
-    assert len(logits) == len(reference.logits) and all(torch.equal(a, b) for a, b in zip(logits, reference.logits))
