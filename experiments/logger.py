@@ -72,6 +72,8 @@ class RunLogger:
                 dir=str(self.run_dir),
                 config=OmegaConf.to_container(cfg, resolve=True),
                 reinit="finish_previous",
+                # System-stats sampling runs in W&B's service process and competes for the cores the step needs.
+                settings=wandb.Settings(x_disable_stats=True),
             )
         except Exception as error:  # a dashboard failure must not end the experiment
             warnings.warn(f"W&B did not start ({type(error).__name__}: {error}); logging to metrics.jsonl only")

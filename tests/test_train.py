@@ -176,7 +176,7 @@ def test_multirun_gives_one_directory_per_job(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", "-m", "algo=grpo,gspo", "routing.replay=none,r2",
          *MICRO_RUN, "trainer.steps=2", f"hydra.sweep.dir={sweep}"],
-        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300,
+        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
