@@ -32,8 +32,10 @@ run: $(STAMP) $(COLD_START)/config.json
 	$(PY) -m experiments.train -m experiment=quickstart hydra.sweep.dir=$(SWEEP)
 	$(PY) -m analysis.report $(SWEEP) --out $(SWEEP)/report
 
+# The RL step against TRL's GRPOTrainer and the machine's limit, overheads and scaling (README "Performance").
 bench: $(STAMP)
-	$(PY) -m benchmarks.rl_step
+	$(VENV)/bin/pip install --quiet -e '.[dev,bench]'
+	$(PY) -m benchmarks.rl_step --all --json-out bench.json
 
 clean:
 	rm -rf outputs multirun wandb reports
