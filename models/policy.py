@@ -89,22 +89,7 @@ def validate_model_config(cfg: ModelConfig) -> None:
 def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     """The transformers config of a model built in code: a Qwen3-MoE whose every layer is an MoE layer, or the
     dense Qwen3 of the same width and depth (its MLP width is `intermediate_size`)."""
-    if cfg.architecture == "qwen3":
-        return Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            intermediate_size=cfg.intermediate_size,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=False,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-        )
-    return Qwen3MoeConfig(
+    shared = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -112,18 +97,23 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
         num_key_value_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim,
         intermediate_size=cfg.intermediate_size,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.num_experts_per_tok,
-        moe_intermediate_size=cfg.moe_intermediate_size,
-        norm_topk_prob=cfg.norm_topk_prob,
         max_position_embeddings=cfg.max_position_embeddings,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
+    )
+    if cfg.architecture == "qwen3":
+        return Qwen3Config(**shared)
+    return Qwen3MoeConfig(
+        **shared,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        decoder_sparse_step=1,  # every layer is an MoE layer
+        mlp_only_layers=[],
     )
 
 
