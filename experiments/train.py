@@ -228,14 +228,13 @@ class RLTrainer:
                 mb.metrics["rollout/expert_mismatch_frac"] = mismatch.expert_change_frac
                 mb.metrics["rollout/token_any_mismatch_frac"] = mismatch.token_any_change_frac
                 mb.metrics["rollout/kl_k3"] = masked_mean(log_rho.exp() - 1 - log_rho, mb.response_mask)
-            elif not minibatches:
-                pass  # on-policy: `update` takes θ_old's log-probs and routing from its own forward
-            elif self.track_routing:
-                with record_routing(self.model) as recording:
+            elif minibatches:  # the first, on-policy minibatch is scored by its own update forward (`update`)
+                if self.track_routing:
+                    with record_routing(self.model) as recording:
+                        mb.old_logp = self._score(self.model, mb).logp
+                    mb.old_trace = recording.trace.to("cpu")
+                else:
                     mb.old_logp = self._score(self.model, mb).logp
-                mb.old_trace = recording.trace.to("cpu")
-            else:
-                mb.old_logp = self._score(self.model, mb).logp
             if self.reference is not None:
                 mb.ref_logp = self._score(self.reference, mb).logp
             minibatches.append(mb)
