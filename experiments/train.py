@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from algos import build_objective, group_advantages, zero_std_group_frac
+from algos.common import k3, masked_mean
 from experiments.config import REPLAY_MODES, LR_SCHEDULES, WANDB_MODES, algo_hyperparameters, register_configs
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
@@ -98,11 +99,6 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return factor
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    mask = mask.bool()
-    return float(torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp_min(1))
-
-
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -111,7 +107,6 @@ def _mean(values: list[float]) -> float:
 class Minibatch:
     """One slice of the rollout batch, with everything the update needs from the old policy."""
 
-    rows: torch.Tensor
     prompt_width: int
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -209,7 +204,6 @@ class RLTrainer:
         minibatches = []
         for rows in order.chunk(t.minibatches):
             mb = Minibatch(
-                rows=rows,
                 prompt_width=rollout.prompt_width,
                 input_ids=rollout.input_ids[rows].to(self.device),
                 attention_mask=rollout.attention_mask[rows].to(self.device),
@@ -227,7 +221,7 @@ class RLTrainer:
                 log_rho = mb.old_logp - rollout.rollout_logp[rows].to(self.device)
                 mb.metrics["rollout/expert_mismatch_frac"] = mismatch.expert_change_frac
                 mb.metrics["rollout/token_any_mismatch_frac"] = mismatch.token_any_change_frac
-                mb.metrics["rollout/kl_k3"] = masked_mean(log_rho.exp() - 1 - log_rho, mb.response_mask)
+                mb.metrics["rollout/kl_k3"] = float(masked_mean(k3(log_rho), mb.response_mask))
             elif minibatches:  # the first, on-policy minibatch is scored by its own update forward (`update`)
                 if self.track_routing:
                     with record_routing(self.model) as recording:
@@ -278,7 +272,7 @@ class RLTrainer:
                 loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)) if finite_loss else float("nan")
         metrics = {"minibatch": index, **result.metrics, **mb.metrics}
-        metrics["policy/entropy"] = masked_mean(scores.entropy, mb.response_mask)
+        metrics["policy/entropy"] = float(masked_mean(scores.entropy, mb.response_mask))
         metrics["optim/grad_norm"] = grad_norm
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
         if scores.aux_loss is not None:

@@ -49,10 +49,6 @@ class RoutingTrace:
         """The trace of a subset of batch rows (a minibatch), in the given order."""
         return RoutingTrace(self.experts[:, index], self.layer_names, self.num_experts)
 
-    def columns(self, start: int, stop: int | None = None) -> "RoutingTrace":
-        """The trace of a range of token positions (for example the response part of a batch)."""
-        return RoutingTrace(self.experts[:, :, start:stop], self.layer_names, self.num_experts)
-
     def to(self, device: torch.device | str) -> "RoutingTrace":
         return RoutingTrace(self.experts.to(device), self.layer_names, self.num_experts)
 
