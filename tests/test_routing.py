@@ -51,6 +51,15 @@ def _perturb_routers(model, scale=5.0, seed=1):
             router.weight.add_(torch.randn(router.weight.shape, generator=generator) * scale)
 
 
+def _record_then_perturb(model, tokenizer):
+    """Record the routing of a batch, then move every router far enough that its own choice changes."""
+    ids, mask = _batch(tokenizer)
+    with record_routing(model) as recording:
+        _forward(model, ids, mask)
+    _perturb_routers(model)
+    return ids, mask, recording.trace
+
+
 def _flat_recorded(trace: RoutingTrace, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     L, B, S, K = trace.shape
     return trace.experts.reshape(L, B * S, K).long(), mask.reshape(-1).bool()
@@ -71,11 +80,7 @@ def test_record_marks_padding_with_sentinel(micro_policy):
 
 def test_replay_reproduces_recorded_experts_after_large_router_change(micro_policy):
     model, tokenizer = micro_policy
-    ids, mask = _batch(tokenizer)
-    with record_routing(model) as recording:
-        _forward(model, ids, mask)
-    old = recording.trace
-    _perturb_routers(model)
+    ids, mask, old = _record_then_perturb(model, tokenizer)
 
     # Without replay the perturbed routers choose different experts.
     with record_routing(model) as free:
@@ -112,11 +117,7 @@ def test_replayed_gates_follow_current_router_probabilities(micro_policy):
 
 def test_replay_holds_under_activation_checkpointing(micro_policy):
     model, tokenizer = micro_policy
-    ids, mask = _batch(tokenizer)
-    with record_routing(model) as recording:
-        _forward(model, ids, mask)
-    old = recording.trace
-    _perturb_routers(model)
+    ids, mask, old = _record_then_perturb(model, tokenizer)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     spy = ExpertsSpy(model)
@@ -133,12 +134,8 @@ def test_replay_holds_under_activation_checkpointing(micro_policy):
 
 def test_replay_works_with_the_reference_dmoe_backend(micro_policy):
     model, tokenizer = micro_policy
-    ids, mask = _batch(tokenizer)
-    with record_routing(model) as recording:
-        _forward(model, ids, mask)
-    old = recording.trace
+    ids, mask, old = _record_then_perturb(model, tokenizer)  # recorded with transformers' experts
     apply_moe_backend(model, "torch_dmoe")
-    _perturb_routers(model)
     spy = ExpertsSpy(model)
     with replay_routing(model, old):
         _forward(model, ids, mask)
