@@ -305,8 +305,6 @@ def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name:
         mesh = ax.pcolormesh(_edges(xs), _edges(layers), table.to_numpy(float), vmin=0.0, vmax=vmax,
                              cmap="viridis", shading="flat")
         ax.set_title(labels[k])
-        if k // ncols == nrows - 1 and ncols == 1:
-            ax.set_xlabel(xlabel)
         if integer_x:
             ax.set_xticks(xs)
         if k % ncols == 0:
@@ -315,50 +313,46 @@ def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name:
         if len(layers) <= 12:
             ax.set_yticks(layers)
     fig.colorbar(mesh, ax=grid.ravel().tolist(), label=DRIFT_LABEL, shrink=0.9)
-    if ncols > 1:
-        fig.supxlabel(xlabel)  # one label under the row of panels: per-panel labels would overlap
+    fig.supxlabel(xlabel)  # one label under all panels: per-panel labels would overlap
     return _save(fig, out_dir, name, dpi)
+
+
+def _drift_heatmap_figure(runset: RunSet, out: FigureOutput, tables: dict[str, pd.DataFrame], level: str,
+                          xlabel: str, out_dir: Path, dpi: int, caption: str, integer_x: bool = False) -> FigureOutput:
+    """Draw per-series layer heatmaps of drift, or say why not (no per-layer values at this `level`)."""
+    if not tables:
+        out.notes.append(f"No {level} `routing/expert_change_frac/layer_<i>` values (dense model, or not "
+                         "logged); figure not drawn.")
+        return out
+    without = [lab for lab in runset.labels if lab not in tables]
+    if without:
+        out.notes.append(f"No per-layer drift for {', '.join(without)}.")
+    with matplotlib.rc_context(RC_PARAMS):
+        out.files = _heatmaps(tables, xlabel, out_dir, out.name, dpi, integer_x=integer_x)
+    out.caption = caption
+    return out
 
 
 def fig_drift_layer_minibatch(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
     """Routing drift per layer against the number of optimizer updates since θ_old (per-minibatch records)."""
     out = FigureOutput("4a", "fig4a_drift_layer_minibatch", "Routing drift: layer × updates since θ_old", "")
-    tables = agg.drift_layer_by_minibatch(runset)
-    if not tables:
-        out.notes.append("No per-minibatch `routing/expert_change_frac/layer_<i>` values (dense model, or not "
-                         "logged); figure not drawn.")
-        return out
-    without = [lab for lab in runset.labels if lab not in tables]
-    if without:
-        out.notes.append(f"No per-layer drift for {', '.join(without)}.")
-    with matplotlib.rc_context(RC_PARAMS):
-        out.files = _heatmaps(tables, "optimizer updates since θ_old (minibatch index)", out_dir, out.name, dpi,
-                              integer_x=True)
-    out.caption = (
+    return _drift_heatmap_figure(
+        runset, out, agg.drift_layer_by_minibatch(runset), "per-minibatch",
+        "optimizer updates since θ_old (minibatch index)", out_dir, dpi,
         "Share of activated (token, layer, slot) experts under θ that were not activated under θ_old, per layer and "
-        "per number of updates since θ_old, averaged over steps within each seed and then over seeds."
+        "per number of updates since θ_old, averaged over steps within each seed and then over seeds.",
+        integer_x=True,
     )
-    return out
 
 
 def fig_drift_layer_step(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
     """Routing drift per layer over training (step-level values, mean over the step's minibatches)."""
     out = FigureOutput("4b", "fig4b_drift_layer_step", "Routing drift: layer × step", "")
-    tables = agg.drift_layer_by_step(runset)
-    if not tables:
-        out.notes.append("No step-level `routing/expert_change_frac/layer_<i>` values (dense model, or not "
-                         "logged); figure not drawn.")
-        return out
-    without = [lab for lab in runset.labels if lab not in tables]
-    if without:
-        out.notes.append(f"No per-layer drift for {', '.join(without)}.")
-    with matplotlib.rc_context(RC_PARAMS):
-        out.files = _heatmaps(tables, STEP_LABEL, out_dir, out.name, dpi)
-    out.caption = (
+    return _drift_heatmap_figure(
+        runset, out, agg.drift_layer_by_step(runset), "step-level", STEP_LABEL, out_dir, dpi,
         "Per-layer share of activated experts that changed since θ_old at each RL step (the mean over the step's "
-        "minibatches), averaged over seeds."
+        "minibatches), averaged over seeds.",
     )
-    return out
 
 
 def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
