@@ -21,6 +21,7 @@ from models.policy import ModelConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REPLAY_MODES = ("none", "r2", "r3")
+OLD_LOGPROB_SOURCES = ("auto", "rollout", "recompute")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -44,6 +45,11 @@ class TrainerConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     fixed_length: bool = False  # benchmarks: always generate max_new_tokens tokens (identical work per step)
+    # Where log π_θold comes from for the off-policy minibatches: `rollout` keeps the log-probs the sampler
+    # computed (same weights, same fp32 model: θ_old's own numbers, no extra forward); `recompute` scores the
+    # batch again without gradient. `auto`: rollout, unless Routing Replay needs the recompute pass (r2 records
+    # θ_old's routing in it, r3 replays the rollout's routing in it).
+    old_logprobs: str = "auto"
     lr: float = 3e-4
     lr_schedule: str = "constant"
     warmup_steps: int = 0  # in optimizer updates

@@ -34,7 +34,7 @@ class Rollout:
     correct: torch.Tensor  # [N] bool
     truncated: torch.Tensor  # [N] bool: no eos within the generation budget
     trace: RoutingTrace | None = None  # routing recorded during generation (R3)
-    rollout_logp: torch.Tensor | None = None  # [N, T] log-probs the sampler used (R3 mismatch metrics)
+    rollout_logp: torch.Tensor | None = None  # [N, T] fp32 log-probs of the sampled tokens (0 after eos)
 
     @property
     def size(self) -> int:
@@ -74,8 +74,14 @@ def generate_rollout(
     greedy: bool = False,
     fixed_length: bool = False,
     record: bool = False,
+    logprobs: bool = False,
 ) -> Rollout:
-    """Sample `group_size` completions for each example (one batched `generate` call), decode and score them."""
+    """Sample `group_size` completions for each example (one batched `generate` call), decode and score them.
+
+    `record`: keep the routing of every generated position (`Rollout.trace`). `logprobs`: keep the log-probs of the
+    sampled tokens under `logits / temperature` (`Rollout.rollout_logp`), from the raw logits, before the
+    sampling-time processors (e.g. `fixed_length`'s eos ban), the same distribution that `score_responses` scores.
+    """
     device = next(model.parameters()).device
     prompts = [example.prompt for example in examples for _ in range(group_size)]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -86,7 +92,7 @@ def generate_rollout(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         return_dict_in_generate=True,
-        output_logits=record,
+        output_logits=logprobs,
     )
     if not greedy:
         options.update(temperature=temperature, top_k=0, top_p=1.0)
@@ -109,7 +115,7 @@ def generate_rollout(
     rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(completions, rows)], dtype=torch.float32)
     correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(completions, rows)])
     rollout_logp = None
-    if record:
+    if logprobs:
         logits = torch.stack(generated.logits, dim=1).float() / temperature  # [N, T_generated, V]
         taken = sequences[:, prompt_width:]
         rollout_logp = torch.log_softmax(logits, dim=-1).gather(-1, taken.unsqueeze(-1)).squeeze(-1)

@@ -4,13 +4,18 @@ One RL step (GSPO paper §5.1 setup: each rollout batch is split into minibatche
 first is off-policy and the objectives differ):
 
 1. sample B prompts from the task's train split; generate G completions each with the current policy θ_old
-   (KV cache, temperature; r3 records the routing here); the task scores them.
+   (KV cache, temperature; the sampler's per-token log-probs and routing are kept when a later stage uses them);
+   the task scores them.
 2. group advantages Â_i = (r_i − mean_group) / (std_group + eps) (no std division for Dr. GRPO).
-3. shuffle the B·G completions and split them into N minibatches. Old-policy scoring, per minibatch and without
-   gradient: per-token log π_θold (r2 records the routing here, r3 replays the rollout's).
-   Scoring minibatch by minibatch uses the same shapes as training. The first minibatch is on-policy (θ = θ_old
-   at its update), so it is not scored twice: its update's own forward gives θ_old's log-probs and routing, and
-   its importance ratios are exactly 1 (under r3 it is scored like the others, for the rollout mismatch metrics).
+3. shuffle the B·G completions and split them into N minibatches, each with per-token log π_θold:
+   - `trainer.old_logprobs=rollout` (the default without replay): the sampler's own log-probs. The sampler *is*
+     θ_old — the same weights in the same fp32 model — so a second forward would only recompute them (up to the
+     KV-cache path's rounding, ~1e-6). θ_old's routing for the drift metrics is the rollout's too.
+   - `recompute` (always under replay): score each minibatch again without gradient, with the same shapes as
+     training; r2 records θ_old's routing in this pass, r3 replays the rollout's routing in it.
+   The first minibatch is on-policy (θ = θ_old at its update) and takes θ_old's log-probs and routing from its
+   update's own forward, so its importance ratios are exactly 1 (under r3 it is scored like the others, for the
+   rollout mismatch metrics).
 4. for each minibatch j: forward θ (replaying the old routing under r2/r3), objective(logp, old_logp, Â, mask)
    (+ β·KL to a frozen reference, + the router load-balancing loss when configured), backward, clip, AdamW step.
    The routers still compute their own top-k, so the drift of θ's routing against θ_old's — after j updates —
@@ -37,7 +42,14 @@ from tqdm import tqdm
 
 from algos import build_objective, group_advantages, zero_std_group_frac
 from algos.common import k3, masked_mean
-from experiments.config import REPLAY_MODES, LR_SCHEDULES, WANDB_MODES, algo_hyperparameters, register_configs
+from experiments.config import (
+    LR_SCHEDULES,
+    OLD_LOGPROB_SOURCES,
+    REPLAY_MODES,
+    WANDB_MODES,
+    algo_hyperparameters,
+    register_configs,
+)
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
 from experiments.rollout import Rollout, generate_rollout, score_responses
@@ -81,6 +93,22 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of {list(WANDB_MODES)}")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={cfg.device!r} but this machine has no CUDA device; use device=cpu")
+    old_logprob_source(cfg)
+
+
+def old_logprob_source(cfg: DictConfig) -> str:
+    """`rollout` or `recompute`: where the off-policy minibatches' log π_θold come from (`trainer.old_logprobs`)."""
+    source, replay = cfg.trainer.old_logprobs, cfg.routing.replay
+    if source not in OLD_LOGPROB_SOURCES:
+        raise ConfigError(f"trainer.old_logprobs={source!r} is not one of {list(OLD_LOGPROB_SOURCES)}")
+    if source == "auto":
+        return "rollout" if replay == "none" else "recompute"
+    if source == "rollout" and replay != "none":
+        raise ConfigError(
+            f"trainer.old_logprobs=rollout with routing.replay={replay}: replay's old log-probs come from the "
+            "recompute pass that records (r2) or replays (r3) the routing; use trainer.old_logprobs=auto or recompute"
+        )
+    return source
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -149,6 +177,7 @@ class RLTrainer:
         if not is_moe and t.router_aux_loss_coef > 0:
             raise ConfigError(f"trainer.router_aux_loss_coef={t.router_aux_loss_coef} needs an MoE model")
         self.track_routing = is_moe and (cfg.routing.metrics or self.replay != "none")
+        self.old_logprobs = old_logprob_source(cfg)
         self.reference = None
         if self.kl_coef > 0:
             self.reference, _ = build_policy(model_cfg)
@@ -191,7 +220,10 @@ class RLTrainer:
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
             fixed_length=t.fixed_length,
-            record=self.replay == "r3",
+            # r3 replays the rollout's routing; with rollout log-probs, θ_old's routing for the drift metrics is the
+            # rollout's too (no other θ_old forward happens).
+            record=self.replay == "r3" or (self.old_logprobs == "rollout" and self.track_routing),
+            logprobs=self.replay == "r3" or self.old_logprobs == "rollout",
         )
 
     @torch.no_grad()
@@ -222,6 +254,9 @@ class RLTrainer:
                 mb.metrics["rollout/expert_mismatch_frac"] = mismatch.expert_change_frac
                 mb.metrics["rollout/token_any_mismatch_frac"] = mismatch.token_any_change_frac
                 mb.metrics["rollout/kl_k3"] = float(masked_mean(k3(log_rho), mb.response_mask))
+            elif minibatches and self.old_logprobs == "rollout":
+                mb.old_logp = rollout.rollout_logp[rows].to(self.device)
+                mb.old_trace = rollout.trace.rows(rows) if self.track_routing else None
             elif minibatches:  # the first, on-policy minibatch is scored by its own update forward (`update`)
                 if self.track_routing:
                     with record_routing(self.model) as recording:
@@ -431,6 +466,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "clip_token_frac_mean": _mean([r["clip/token_frac"] for r in history]),
         "ratio_token_var_mean": _mean([r["ratio/token_var"] for r in history]),
         "skipped_steps": trainer.skipped_updates,
+        "old_logprobs": trainer.old_logprobs,
         "policy": policy,
     }
     if trainer.track_routing:

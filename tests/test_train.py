@@ -147,6 +147,8 @@ def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
         (["model.path=/nonexistent/checkpoint"], "model.path='/nonexistent/checkpoint' does not exist"),
         (["model=tiny_dense", "routing.replay=r2"], "needs an MoE model"),
         (["algo=dr_grpo", "algo.loss_agg=sum"], "loss_agg"),
+        (["trainer.old_logprobs=cached"], "trainer.old_logprobs='cached' is not one of"),
+        (["trainer.old_logprobs=rollout", "routing.replay=r2"], "trainer.old_logprobs=rollout with routing.replay=r2"),
     ],
 )
 def test_bad_input_is_refused_with_one_line(tmp_path, overrides, message):
@@ -213,6 +215,32 @@ def test_drift_metric_matches_a_recomputation():
         trainer._score(trainer.model, mb)
     expected = routing_drift(mb.old_trace, recording.trace, mb.token_mask).expert_change_frac
     assert trainer.update(mb, 1)["routing/expert_change_frac"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("replay, source", [("none", "rollout"), ("r2", "recompute"), ("r3", "recompute")])
+def test_auto_old_logprobs_recompute_only_where_replay_needs_it(tmp_path, replay, source):
+    summary = train(compose_train(f"routing.replay={replay}", "trainer.steps=1"), tmp_path)
+    assert summary["old_logprobs"] == source
+
+
+def test_rollout_logprobs_are_theta_olds_own_numbers():
+    """Without replay the off-policy minibatches keep the sampler's log-probs and routing; a recompute with the same
+    weights agrees up to the KV-cache path's rounding, and routes every scored token the same way."""
+    trainer = RLTrainer(compose_train("routing.replay=none"))
+    assert trainer.old_logprobs == "rollout"
+    rollout = trainer.rollout()
+    from algos import group_advantages
+    from models.routing import record_routing
+
+    minibatches = trainer.score_old(rollout, group_advantages(rollout.rewards, 4))
+    assert minibatches[0].old_logp is None, "the on-policy minibatch takes θ_old's log-probs from its own forward"
+    for mb in minibatches[1:]:
+        with torch.no_grad(), record_routing(trainer.model) as recording:
+            recomputed = trainer._score(trainer.model, mb).logp
+        assert torch.allclose(mb.old_logp, recomputed, atol=1e-5)
+        assert mb.old_logp[~mb.response_mask].eq(0).all()
+        drift = routing_drift(mb.old_trace, recording.trace, mb.token_mask)
+        assert drift.tokens > 0 and drift.expert_change_frac == 0.0
 
 
 def test_wandb_offline_run_is_written_next_to_the_local_log(tmp_path):
