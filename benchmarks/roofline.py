@@ -15,7 +15,8 @@ One RL step, with N = prompts x group size completions, prompt width P (left-pad
     scoring     one forward over N·(P + T) tokens, logits on the last T + 1 positions (`logits_to_keep`);
     training    the same forward plus its backward, over the N completions (in minibatches): 3 x scoring.
 This is the work the RL step defines, the same for every loop. A loop that avoids part of it is credited with the
-work avoided: ours does not score the on-policy minibatch separately (θ = θ_old there), TRL does.
+work avoided: without replay ours takes θ_old's log-probs from the rollout and never runs the scoring forward
+(with r2/r3 it scores every minibatch but the on-policy one); TRL scores all of them.
 """
 
 from __future__ import annotations

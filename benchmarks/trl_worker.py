@@ -130,7 +130,8 @@ def main() -> None:
     from trl import GRPOTrainer
 
     transformers.logging.set_verbosity_error()
-    cfg = compose_workload(json.loads(args.overrides))
+    # TRL runs the model as its users get it: transformers' default experts (`grouped_mm`), as in the peer benchmark.
+    cfg = compose_workload([*json.loads(args.overrides), "model.experts_implementation=grouped_mm"])
     model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
     dataset_cfg = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     task = build_task(dataset_cfg.pop("name"), **dataset_cfg)

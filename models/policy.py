@@ -8,8 +8,9 @@ Two sources, one result (`model`, `tokenizer`):
 - `path: /dir`: a local Hugging Face checkpoint of a supported MoE family, with its own tokenizer. The hub is
   never contacted.
 
-The experts implementation is always set explicitly (`grouped_mm` or `eager`, transformers' names) and
-reported by `describe_policy`, since it changes both speed and the exact numbers.
+The experts implementation is always set explicitly (`sorted_mm`, ours: `models.sorted_experts`; or transformers'
+`grouped_mm`, `eager`, `batched_mm`) and reported by `describe_policy`, since it changes speed and, for the
+slow references, the exact numbers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
+from models import sorted_experts
 from models.moe_backend import apply_moe_backend, describe_experts_backend
 from models.tokenizer import build_char_tokenizer
 
@@ -30,7 +32,7 @@ from models.tokenizer import build_char_tokenizer
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 DENSE_FAMILIES = ("qwen3", "qwen2", "llama")
 ARCHITECTURES = ("qwen3_moe", "qwen3")  # what `path: null` can build in code
-EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
+EXPERTS_IMPLEMENTATIONS = (sorted_experts.NAME, "grouped_mm", "eager", "batched_mm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,7 +57,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001  # Qwen3-30B-A3B's load-balancing coefficient
     router_init_std: float = 0.3  # std of the router weights at init: decisive routing from step 0
     init_seed: int = 0  # weights of a model built in code depend on this seed only, not on the run's seed
-    experts_implementation: str = "grouped_mm"
+    experts_implementation: str = "sorted_mm"
     moe_backend: str = "hf"  # hf | torch_dmoe | megablocks (see models.moe_backend)
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
@@ -143,6 +145,7 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
             path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
     if find_routers(model):
+        sorted_experts.register()
         model.set_experts_implementation(cfg.experts_implementation)
         apply_moe_backend(model, cfg.moe_backend)
     elif cfg.moe_backend != "hf":
