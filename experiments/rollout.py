@@ -13,10 +13,11 @@ them, so scoring a rollout reproduces the rollout's own computation up to the KV
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.tasks import Example, Task
 from models.routing import RoutingTrace, record_routing
@@ -62,6 +63,28 @@ def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pa
     return torch.cat([sequences[:, :prompt_width], response], dim=1), response_mask, truncated
 
 
+def _prefill_once_per_prompt(
+    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool
+) -> tuple[Cache, RoutingTrace | None]:
+    """The KV cache of every prompt but its last token, computed once per prompt and copied to its G rows.
+
+    The G completions of a prompt share it, so the prefill over B·G rows would compute each prompt G times.
+    `generate` continues from this cache: its first forward feeds only the last prompt token (and yields the
+    first sampled token's logits), then decodes as usual. With `record`, the prefix's routing comes back laid
+    out like the B·G rows, to be put in front of the routing recorded during `generate`.
+    """
+    device = next(model.parameters()).device
+    ids = unique["input_ids"][:, :-1].to(device)
+    mask = unique["attention_mask"][:, :-1].to(device)
+    with record_routing(model) if record else contextlib.nullcontext() as recording:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1)
+    cache = out.cache
+    cache.batch_repeat_interleave(group_size)
+    if not record:
+        return cache, None
+    return cache, recording.trace.rows(torch.arange(ids.shape[0]).repeat_interleave(group_size))
+
+
 @torch.no_grad()
 def generate_rollout(
     model: PreTrainedModel,
@@ -83,8 +106,8 @@ def generate_rollout(
     sampling-time processors (e.g. `fixed_length`'s eos ban), the same distribution that `score_responses` scores.
     """
     device = next(model.parameters()).device
-    prompts = [example.prompt for example in examples for _ in range(group_size)]
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    unique = tokenizer([ex.prompt for ex in examples], return_tensors="pt", padding=True, add_special_tokens=False)
+    encoded = {key: value.repeat_interleave(group_size, dim=0).to(device) for key, value in unique.items()}
     prompt_width = encoded["input_ids"].shape[1]
     options = dict(
         max_new_tokens=max_new_tokens,
@@ -98,10 +121,15 @@ def generate_rollout(
         options.update(temperature=temperature, top_k=0, top_p=1.0)
     if fixed_length:
         options["min_new_tokens"] = max_new_tokens
+    prefix_trace = None
+    if group_size > 1 and prompt_width > 1:
+        options["cache"], prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record)
     if record:
         with record_routing(model, generate=True) as recording:
             generated = model.generate(**encoded, **options)
         trace = recording.trace
+        if prefix_trace is not None:
+            trace = RoutingTrace(torch.cat([prefix_trace.experts, trace.experts], dim=2), trace.layer_names, trace.num_experts)
     else:
         generated = model.generate(**encoded, **options)
         trace = None

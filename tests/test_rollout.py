@@ -1,0 +1,52 @@
+"""The rollout: one prefill per prompt shared by its G completions, log-probs and routing equal to a full forward."""
+
+from __future__ import annotations
+
+import torch
+
+from experiments.rollout import generate_rollout, score_responses
+from experiments.tasks import build_task
+from models.routing import record_routing, routing_drift
+
+G, NEW = 4, 5
+
+
+def _examples():
+    task = build_task("addition", digits=2, train_size=50, test_size=10)
+    examples = task.examples("train")[:6]
+    widths = {len(example.prompt) for example in examples}
+    assert len(widths) > 1, "the batch must mix prompt lengths, so that left padding is exercised"
+    return task, examples
+
+
+def test_shared_prefill_rollout_matches_a_full_forward(micro_policy):
+    """The sampler's log-probs and routing are those of one forward over the finished sequences."""
+    model, tokenizer = micro_policy
+    task, examples = _examples()
+    torch.manual_seed(0)
+    rollout = generate_rollout(model, tokenizer, task, examples, G, NEW, temperature=0.7, fixed_length=True,
+                               record=True, logprobs=True)
+    assert rollout.trace.shape[1:3] == tuple(rollout.input_ids.shape)
+    with torch.no_grad(), record_routing(model) as scored:
+        full = score_responses(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_width, 0.7)
+    torch.testing.assert_close(rollout.rollout_logp, full.logp.masked_fill(~rollout.response_mask, 0.0),
+                               rtol=0, atol=1e-5)
+    seen = rollout.attention_mask.bool().clone()
+    seen[:, -1] = False  # the last sampled token never went through the model
+    drift = routing_drift(rollout.trace, scored.trace, seen)
+    assert drift.tokens == int(seen.sum()), "prompt tokens (shared prefill) and generated tokens are all recorded"
+    assert drift.expert_change_frac == 0.0
+
+
+def test_shared_prefill_changes_nothing_but_the_cost(micro_policy):
+    """Greedy completions equal those of `generate` over the B·G rows, each prompt prefilled G times."""
+    model, tokenizer = micro_policy
+    task, examples = _examples()
+    rollout = generate_rollout(model, tokenizer, task, examples, G, NEW, temperature=1.0, greedy=True)
+    prompts = [example.prompt for example in examples for _ in range(G)]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    plain = model.generate(**encoded, max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id)
+    expected = tokenizer.batch_decode(plain[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert rollout.completions == expected
+    assert len(set(rollout.completions)) > 1, "a degenerate model would make this comparison vacuous"
