@@ -130,8 +130,9 @@ def main() -> None:
     from trl import GRPOTrainer
 
     transformers.logging.set_verbosity_error()
-    # TRL runs the model as its users get it: transformers' default experts (`grouped_mm`), as in the peer benchmark.
-    cfg = compose_workload([*json.loads(args.overrides), "model.experts_implementation=grouped_mm"])
+    # TRL runs the model as its users get it, as in the peer benchmark: transformers' default experts and attention.
+    transformers_defaults = ["model.experts_implementation=grouped_mm", "model.attn_implementation=sdpa"]
+    cfg = compose_workload([*json.loads(args.overrides), *transformers_defaults])
     model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
     dataset_cfg = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     task = build_task(dataset_cfg.pop("name"), **dataset_cfg)

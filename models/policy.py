@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from models import sorted_experts
 from models.moe_backend import apply_moe_backend, describe_experts_backend
@@ -69,6 +70,9 @@ def validate_model_config(cfg: ModelConfig) -> None:
         raise ValueError(
             f"model.experts_implementation={cfg.experts_implementation!r} is not one of {list(EXPERTS_IMPLEMENTATIONS)}"
         )
+    attention = ("eager", *ALL_ATTENTION_FUNCTIONS.keys())
+    if cfg.attn_implementation not in attention:
+        raise ValueError(f"model.attn_implementation={cfg.attn_implementation!r} is not one of {list(attention)}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"model.dtype={cfg.dtype!r} is not one of {list(DTYPES)}")
     if cfg.path is not None:
@@ -128,7 +132,7 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
         config = config_in_code(cfg, tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
             for router in find_routers(model).values():
                 torch.nn.init.normal_(router.weight, mean=0.0, std=cfg.router_init_std)
         model = model.to(dtype)
@@ -172,12 +176,13 @@ def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def describe_policy(model: PreTrainedModel) -> dict[str, object]:
-    """What a run should record about its policy: family, size, experts implementation and backend."""
+    """What a run should record about its policy: family, size, experts implementation and backend, attention."""
     config = model.config
     total = sum(p.numel() for p in model.parameters())
     if not find_routers(model):
         return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers, "num_moe_layers": 0,
-                "parameters": total, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+                "parameters": total, "attention": config._attn_implementation,
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     return {
         "model_type": config.model_type,
         "num_hidden_layers": config.num_hidden_layers,
@@ -186,5 +191,6 @@ def describe_policy(model: PreTrainedModel) -> dict[str, object]:
         "num_experts_per_tok": config.num_experts_per_tok,
         "parameters": total,
         "experts_backend": describe_experts_backend(model),
+        "attention": config._attn_implementation,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }

@@ -73,6 +73,7 @@ def test_missing_or_empty_checkpoint_path_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "field, value, message",
     [("experts_implementation", "fast", "experts_implementation='fast'"), ("dtype", "fp8", "dtype='fp8'"),
+     ("attn_implementation", "fast", "attn_implementation='fast' is not one of"),
      ("architecture", "llama", "architecture='llama'"), ("num_experts_per_tok", 20, "num_experts_per_tok=20"),
      ("router_init_std", 0.0, "router_init_std=0.0")],
 )
@@ -87,3 +88,11 @@ def test_models_built_in_code_depend_on_init_seed_only():
     b, _ = build_policy(ModelConfig(hidden_size=32, num_hidden_layers=1, head_dim=8, moe_intermediate_size=16))
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_attention_implementation_is_applied_to_models_built_in_code(attention):
+    model, _ = build_policy(ModelConfig(hidden_size=32, num_hidden_layers=1, head_dim=8, num_experts=4,
+                                        moe_intermediate_size=16, attn_implementation=attention))
+    assert model.config._attn_implementation == attention
+    assert describe_policy(model)["attention"] == attention
