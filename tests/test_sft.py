@@ -40,7 +40,8 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
     assert summary["checkpoint"] == str(tmp_path / "ckpt")
 
     reloaded, tokenizer = build_policy(ModelConfig(name="micro_moe", path=str(tmp_path / "ckpt"),
-                                                   experts_implementation=cfg.model.experts_implementation))
+                                                   experts_implementation=cfg.model.experts_implementation,
+                                                   attn_implementation=cfg.model.attn_implementation))
     fresh, _ = build_policy(ModelConfig(**MICRO_MODEL))
     enc = tokenizer(["12+34=", "7+8="], return_tensors="pt", padding=True, add_special_tokens=False)
     kwargs = dict(enc, position_ids=position_ids(enc["attention_mask"]))
