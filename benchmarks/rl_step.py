@@ -17,8 +17,8 @@ Sections:
                peak (measured in each round, between the steps) that the step achieves.
   --vs-trl     TRL's GRPOTrainer (`benchmarks.trl_worker`) on the same work next to each variant (grpo+r2 next to
                TRL's grpo: TRL has no replay): ours / TRL per round, median and min-max.
-  --overheads  ratios of grpo variants stepped alternately: routing metrics on / off, r2 / none, W&B offline /
-               disabled.
+  --overheads  ratios of grpo variants stepped alternately: routing metrics on / off, r2 / none (both recomputing
+               θ_old), θ_old log-probs recomputed / from the rollout, W&B offline / disabled.
   --scaling    step time against group size, completion length and number of experts; per-token cost relative
                to the workload shows where cost is not linear in tokens.
 """
@@ -47,7 +47,10 @@ TRL_ALGO = {"grpo": "grpo", "gspo": "gspo", "grpo+r2": "grpo"}
 OVERHEADS = {
     # name: (overrides with the feature, overrides without it); [] is the workload's own setting
     "routing metrics on / off": ([], ["routing.metrics=false"]),
-    "r2 replay / none": (["routing.replay=r2"], []),
+    # r2's definition needs the recompute pass (it records θ_old's routing there): compare it with a recomputing
+    # `none` for the cost of replay itself; the next line is what the recompute pass costs.
+    "r2 replay / none, both recomputing θ_old": (["routing.replay=r2"], ["trainer.old_logprobs=recompute"]),
+    "θ_old log-probs recomputed / from the rollout": (["trainer.old_logprobs=recompute"], []),
     "W&B offline / disabled": (["logger.wandb.mode=offline"], []),
 }
 
