@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from models import sorted_experts
+from models import grouped_attention, sorted_experts
 from models.moe_backend import apply_moe_backend, describe_experts_backend
 from models.tokenizer import build_char_tokenizer
 
@@ -34,6 +34,7 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 DENSE_FAMILIES = ("qwen3", "qwen2", "llama")
 ARCHITECTURES = ("qwen3_moe", "qwen3")  # what `path: null` can build in code
 EXPERTS_IMPLEMENTATIONS = (sorted_experts.NAME, "grouped_mm", "eager", "batched_mm")
+grouped_attention.register()  # before validation lists transformers' attention implementations
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

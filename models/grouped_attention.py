@@ -1,0 +1,54 @@
+"""`grouped_eager`: transformers' eager attention, without copying keys and values for grouped-query heads.
+
+Eager attention repeats each key/value head for the G query heads that share it (`repeat_kv`), then runs two
+batched matmuls. At the tiny models' sizes those copies of the KV cache cost more than the matmuls (in a decode
+step, 2.9 ms of copying against well under 1 ms of arithmetic per layer). Here the G query heads of one KV head
+are stacked along the query axis instead, so the same two matmuls read keys and values in place:
+
+    q [B, H, S, D] -> [B, KV, G·S, D];  scores = q kᵀ · scale -> [B, KV, G, S, L] (+ eager's float mask)
+    softmax in fp32 over L, then probs [B, KV, G·S, L] v -> [B, H, S, D] -> [B, S, H, D]
+
+Same arithmetic as eager (the output matches it to float rounding); masks are eager's, registered under this name
+in transformers' `AttentionMaskInterface` so that `create_causal_mask` builds them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import eager_mask
+
+NAME = "grouped_eager"
+
+
+def grouped_eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`query [B, H, S, D]`, `key`/`value [B, KV, L, D]`, float mask `[B, 1, S, ≥L]` -> (`[B, S, H, D]`, probs)."""
+    B, H, S, D = query.shape
+    kv_heads, L = key.shape[1], key.shape[2]
+    if H % kv_heads:
+        raise ValueError(f"attention {NAME!r}: {H} query heads do not split into {kv_heads} key/value groups")
+    G = H // kv_heads
+    scores = torch.matmul(query.reshape(B, kv_heads, G * S, D), key.transpose(-1, -2)) * scaling
+    scores = scores.view(B, kv_heads, G, S, L)
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, None, :, :L]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs.view(B, kv_heads, G * S, L), value)  # [B, KV, G·S, D]
+    return out.view(B, H, S, D).transpose(1, 2).contiguous(), probs.view(B, H, S, L)
+
+
+def register() -> None:
+    """Make `grouped_eager` a valid `attn_implementation` (idempotent)."""
+    AttentionInterface.register(NAME, grouped_eager_attention)
+    AttentionMaskInterface.register(NAME, eager_mask)
