@@ -12,7 +12,8 @@ is 2 x forward.
 One RL step, with N = prompts x group size completions, prompt width P (left-padded) and T new tokens:
     generation  prefill of N·P tokens with logits on the last position, then T − 1 decode steps of N tokens
                 (the last sampled token is never fed back), each attending to the cache;
-    scoring     one forward over N·(P + T) tokens, logits on the last T + 1 positions (`logits_to_keep`);
+    scoring     one forward over N·(P + T − 1) tokens (the last token's logits would predict nothing, so it is
+                never fed), logits on the last T positions (`logits_to_keep`);
     training    the same forward plus its backward, over the N completions (in minibatches): 3 x scoring.
 This is the work the RL step defines, the same for every loop. A loop that avoids part of it is credited with the
 work avoided: without replay ours takes θ_old's log-probs from the rollout and never runs the scoring forward
@@ -90,7 +91,7 @@ def rl_step_flops(shape: ModelShape, completions: int, prompt_width: int, new_to
         (T - 1) * (shape.token_flops + shape.lm_head_flops) + shape.attention_flops(_causal_pairs(P, P + T - 2))
     )
     forward = N * (
-        (P + T) * shape.token_flops + shape.attention_flops(_causal_pairs(0, P + T - 1)) + (T + 1) * shape.lm_head_flops
+        (P + T - 1) * shape.token_flops + shape.attention_flops(_causal_pairs(0, P + T - 2)) + T * shape.lm_head_flops
     )
     flops = {"generation": float(prefill + decode), "scoring": float(forward), "training": float(3 * forward)}
     flops["total"] = sum(flops.values())

@@ -163,6 +163,12 @@ def generate_rollout(
     )
 
 
+# The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
+# generation, where the last sampled token never goes through the model). Routing traces of scoring forwards
+# cover these positions; a rollout's trace is cut to them with `trace.positions(FED)`.
+FED = slice(None, -1)
+
+
 @dataclass
 class Scores:
     logp: torch.Tensor  # [N, T] fp32 log-probs of the response tokens (0 at padding)
@@ -181,18 +187,20 @@ def score_responses(
     """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
 
     The logits at position t predict token t+1, so the response tokens `[P, P+T)` are scored by the logits at
-    `[P-1, P+T-1)`; the logits of the last position predict nothing and are never computed into a loss.
+    `[P-1, P+T-1)`. The last position's logits would predict nothing, so the forward covers positions `FED`
+    (all but the last) and keeps the logits of its last T positions only.
     """
     extra = {"output_router_logits": True} if aux_loss else {}
+    fed_mask = attention_mask[:, FED]
     out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
+        input_ids=input_ids[:, FED],
+        attention_mask=fed_mask,
+        position_ids=position_ids(fed_mask),
         use_cache=False,
-        logits_to_keep=input_ids.shape[1] - prompt_width + 1,
+        logits_to_keep=input_ids.shape[1] - prompt_width,
         **extra,
     )
-    logits = out.logits[:, :-1].float() / temperature  # [N, T, V], positions P-1 .. P+T-2
+    logits = out.logits.float() / temperature  # [N, T, V], positions P-1 .. P+T-2
     targets = input_ids[:, prompt_width:]
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

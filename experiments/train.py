@@ -52,7 +52,7 @@ from experiments.config import (
 )
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
-from experiments.rollout import Rollout, generate_rollout, score_responses
+from experiments.rollout import FED, Rollout, generate_rollout, score_responses
 from experiments.tasks import build_task
 from models.moe_backend import clear_moe_bookkeeping
 from models.policy import ModelConfig, build_policy, describe_policy, find_routers
@@ -139,7 +139,7 @@ class Minibatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
-    token_mask: torch.Tensor  # [n, P+T]: the response positions, for routing statistics
+    token_mask: torch.Tensor  # [n, P+T-1]: response positions among those a scoring forward feeds (`FED`)
     advantages: torch.Tensor
     old_logp: torch.Tensor | None  # None: on-policy, θ_old's log-probs come from the update's own forward
     ref_logp: torch.Tensor | None = None
@@ -232,7 +232,10 @@ class RLTrainer:
         t = self.cfg.trainer
         order = torch.randperm(rollout.size, generator=self.generator)
         prompt_pad = torch.zeros(rollout.size, rollout.prompt_width, dtype=torch.bool)
-        token_mask = torch.cat([prompt_pad, rollout.response_mask], dim=1)
+        token_mask = torch.cat([prompt_pad, rollout.response_mask], dim=1)[:, FED]
+        # Routing statistics and replay cover the positions a scoring forward feeds; the rollout's trace has one
+        # more column, the last sampled token's, which never went through the model (NO_ROUTE).
+        rollout_trace = rollout.trace.positions(FED) if rollout.trace is not None else None
         minibatches = []
         for rows in order.chunk(t.minibatches):
             mb = Minibatch(
@@ -245,18 +248,17 @@ class RLTrainer:
                 old_logp=None,
             )
             if self.replay == "r3":
-                rollout_trace = rollout.trace.rows(rows)
-                with replay_routing(self.model, rollout_trace.to(self.device)) as replayed:
+                mb.old_trace = rollout_trace.rows(rows)
+                with replay_routing(self.model, mb.old_trace.to(self.device)) as replayed:
                     mb.old_logp = self._score(self.model, mb).logp
-                mb.old_trace = rollout_trace
-                mismatch = routing_drift(rollout_trace, replayed.router_choice.to("cpu"), mb.token_mask)
+                mismatch = routing_drift(mb.old_trace, replayed.router_choice.to("cpu"), mb.token_mask)
                 log_rho = mb.old_logp - rollout.rollout_logp[rows].to(self.device)
                 mb.metrics["rollout/expert_mismatch_frac"] = mismatch.expert_change_frac
                 mb.metrics["rollout/token_any_mismatch_frac"] = mismatch.token_any_change_frac
                 mb.metrics["rollout/kl_k3"] = float(masked_mean(k3(log_rho), mb.response_mask))
             elif minibatches and self.old_logprobs == "rollout":
                 mb.old_logp = rollout.rollout_logp[rows].to(self.device)
-                mb.old_trace = rollout.trace.rows(rows) if self.track_routing else None
+                mb.old_trace = rollout_trace.rows(rows) if self.track_routing else None
             elif minibatches:  # the first, on-policy minibatch is scored by its own update forward (`update`)
                 if self.track_routing:
                     with record_routing(self.model) as recording:

@@ -49,6 +49,10 @@ class RoutingTrace:
         """The trace of a subset of batch rows (a minibatch), in the given order."""
         return RoutingTrace(self.experts[:, index], self.layer_names, self.num_experts)
 
+    def positions(self, index: slice) -> "RoutingTrace":
+        """The trace of a range of positions (e.g. those a scoring forward feeds the model)."""
+        return RoutingTrace(self.experts[:, :, index], self.layer_names, self.num_experts)
+
     def to(self, device: torch.device | str) -> "RoutingTrace":
         return RoutingTrace(self.experts.to(device), self.layer_names, self.num_experts)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from experiments.rollout import generate_rollout, score_responses
+from experiments.rollout import FED, generate_rollout, score_responses
 from experiments.tasks import build_task
 from models.routing import record_routing, routing_drift
 
@@ -31,9 +31,11 @@ def test_shared_prefill_rollout_matches_a_full_forward(micro_policy):
         full = score_responses(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_width, 0.7)
     torch.testing.assert_close(rollout.rollout_logp, full.logp.masked_fill(~rollout.response_mask, 0.0),
                                rtol=0, atol=1e-5)
-    seen = rollout.attention_mask.bool().clone()
-    seen[:, -1] = False  # the last sampled token never went through the model
-    drift = routing_drift(rollout.trace, scored.trace, seen)
+    # The scoring forward feeds every position but the last (`FED`), whose token never went through the model
+    # during generation either: the rollout's trace is NO_ROUTE there.
+    assert (rollout.trace.experts[:, :, -1] == -1).all()
+    seen = rollout.attention_mask[:, FED].bool()
+    drift = routing_drift(rollout.trace.positions(FED), scored.trace, seen)
     assert drift.tokens == int(seen.sum()), "prompt tokens (shared prefill) and generated tokens are all recorded"
     assert drift.expert_change_frac == 0.0
 

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from algos import OBJECTIVES, ObjectiveOutput
 from experiments.config import PROJECT_ROOT
+from experiments.rollout import FED
 from experiments.train import RLTrainer, train
 from models.policy import find_routers
 from models.routing import routing_drift
@@ -81,7 +82,7 @@ def test_r2_replays_recorded_experts_while_drift_stays_measurable():
         drifts.append(metrics["routing/expert_change_frac"])
         L, B, S, K = mb.old_trace.shape
         recorded = mb.old_trace.experts.reshape(L, B * S, K).long()
-        valid = mb.attention_mask.reshape(-1).bool()
+        valid = mb.attention_mask[:, FED].reshape(-1).bool()  # the positions a scoring forward feeds
         assert torch.equal(torch.stack(used)[:, valid], recorded[:, valid])
     for handle in handles:
         handle.remove()
