@@ -218,10 +218,17 @@ def test_drift_metric_matches_a_recomputation():
     assert trainer.update(mb, 1)["routing/expert_change_frac"] == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("replay, source", [("none", "rollout"), ("r2", "recompute"), ("r3", "recompute")])
-def test_auto_old_logprobs_recompute_only_where_replay_needs_it(tmp_path, replay, source):
-    summary = train(compose_train(f"routing.replay={replay}", "trainer.steps=1"), tmp_path)
+@pytest.mark.parametrize(
+    "replay, setting, source",
+    [("none", "auto", "rollout"), ("r2", "auto", "recompute"), ("r3", "auto", "recompute"),
+     ("none", "recompute", "recompute")],
+)
+def test_old_logprobs_recompute_only_where_replay_needs_it_or_asked(tmp_path, replay, setting, source):
+    summary = train(compose_train(f"routing.replay={replay}", f"trainer.old_logprobs={setting}", "trainer.steps=1"),
+                    tmp_path)
     assert summary["old_logprobs"] == source
+    first = read_metrics(tmp_path)[0]["minibatches"][0]
+    assert first["ratio/token_mean"] == 1.0, "the on-policy minibatch is exact whatever the source"
 
 
 def test_rollout_logprobs_are_theta_olds_own_numbers():
