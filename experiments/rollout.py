@@ -77,7 +77,9 @@ def _prefill_once_per_prompt(
     ids = unique["input_ids"][:, :-1].to(device)
     mask = unique["attention_mask"][:, :-1].to(device)
     with record_routing(model) if record else contextlib.nullcontext() as recording:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1
+        )
     cache = out.cache
     cache.batch_repeat_interleave(group_size)
     if not record:
@@ -129,7 +131,8 @@ def generate_rollout(
             generated = model.generate(**encoded, **options)
         trace = recording.trace
         if prefix_trace is not None:
-            trace = RoutingTrace(torch.cat([prefix_trace.experts, trace.experts], dim=2), trace.layer_names, trace.num_experts)
+            experts = torch.cat([prefix_trace.experts, trace.experts], dim=2)
+            trace = RoutingTrace(experts, trace.layer_names, trace.num_experts)
     else:
         generated = model.generate(**encoded, **options)
         trace = None
