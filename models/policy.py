@@ -33,6 +33,7 @@ from models.tokenizer import build_char_tokenizer
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 DENSE_FAMILIES = ("qwen3", "qwen2", "llama")
 ARCHITECTURES = ("qwen3_moe", "qwen3")  # what `path: null` can build in code
+FROM_CHECKPOINT = "from_checkpoint"  # `model=checkpoint`: the checkpoint at `path` decides; nothing is built in code
 EXPERTS_IMPLEMENTATIONS = (sorted_experts.NAME, "grouped_mm", "eager", "batched_mm")
 grouped_attention.register()  # before validation lists transformers' attention implementations
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,6 +84,8 @@ def validate_model_config(cfg: ModelConfig) -> None:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path={cfg.path!r} has no config.json: not a Hugging Face checkpoint")
         return
+    if cfg.architecture == FROM_CHECKPOINT:
+        raise ValueError(f"model.architecture={FROM_CHECKPOINT!r} (model=checkpoint) needs model.path=/local/checkpoint")
     if cfg.architecture not in ARCHITECTURES:
         raise ValueError(f"model.architecture={cfg.architecture!r} is not one of {list(ARCHITECTURES)}")
     if cfg.num_experts_per_tok < 1 or cfg.num_experts_per_tok > cfg.num_experts:

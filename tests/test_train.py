@@ -149,6 +149,7 @@ def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
         (["model=tiny_dense", "routing.replay=r2"], "needs an MoE model"),
         (["algo=dr_grpo", "algo.loss_agg=sum"], "loss_agg"),
         (["trainer.old_logprobs=cached"], "trainer.old_logprobs='cached' is not one of"),
+        (["model=checkpoint"], "(model=checkpoint) needs model.path=/local/checkpoint"),
         (["trainer.old_logprobs=rollout", "routing.replay=r2"], "trainer.old_logprobs=rollout with routing.replay=r2"),
     ],
 )
@@ -157,6 +158,19 @@ def test_bad_input_is_refused_with_one_line(tmp_path, overrides, message):
         train(compose_train(*overrides), tmp_path)
     text = str(raised.value)
     assert message in text and "\n" not in text
+
+
+def test_checkpoint_model_group_trains_a_local_checkpoint_with_transformers_kernels(tmp_path):
+    from models.policy import ModelConfig, build_policy
+    from tests.conftest import MICRO_MODEL
+
+    model, tokenizer = build_policy(ModelConfig(**MICRO_MODEL))
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    trainer = RLTrainer(compose_train("model=checkpoint", f"model.path={tmp_path / 'ckpt'}"))
+    assert trainer.model.config._attn_implementation == "sdpa"
+    assert trainer.model.config._experts_implementation == "grouped_mm"
+    assert trainer.step()["train/step"] == 1
 
 
 def test_cli_refuses_bad_input_without_a_traceback(tmp_path):
