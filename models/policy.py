@@ -8,9 +8,10 @@ Two sources, one result (`model`, `tokenizer`):
 - `path: /dir`: a local Hugging Face checkpoint of a supported MoE family, with its own tokenizer. The hub is
   never contacted.
 
-The experts implementation is always set explicitly (`sorted_mm`, ours: `models.sorted_experts`; or transformers'
-`grouped_mm`, `eager`, `batched_mm`) and reported by `describe_policy`, since it changes speed and, for the
-slow references, the exact numbers.
+The experts implementation (`sorted_mm`, ours: `models.sorted_experts`; or transformers' `grouped_mm`, `eager`,
+`batched_mm`) and the attention implementation (`grouped_eager`, ours: `models.grouped_attention`; or
+transformers' `sdpa`, `eager`, ...) are always set explicitly and reported by `describe_policy`, since they change
+speed and, at float rounding, the exact numbers.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ DENSE_FAMILIES = ("qwen3", "qwen2", "llama")
 ARCHITECTURES = ("qwen3_moe", "qwen3")  # what `path: null` can build in code
 FROM_CHECKPOINT = "from_checkpoint"  # `model=checkpoint`: the checkpoint at `path` decides; nothing is built in code
 EXPERTS_IMPLEMENTATIONS = (sorted_experts.NAME, "grouped_mm", "eager", "batched_mm")
-grouped_attention.register()  # before validation lists transformers' attention implementations
+# Our kernels join transformers' registries once, at import, so that validation and `from_pretrained` see them.
+sorted_experts.register()
+grouped_attention.register()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,10 +63,10 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001  # Qwen3-30B-A3B's load-balancing coefficient
     router_init_std: float = 0.3  # std of the router weights at init: decisive routing from step 0
     init_seed: int = 0  # weights of a model built in code depend on this seed only, not on the run's seed
-    experts_implementation: str = "sorted_mm"
+    experts_implementation: str = "sorted_mm"  # grouped_mm's arithmetic on any device, cheaper on CPU
     moe_backend: str = "hf"  # hf | torch_dmoe | megablocks (see models.moe_backend)
     dtype: str = "float32"
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "sdpa"  # the tiny models' yaml picks grouped_eager (short sequences on CPU)
 
 
 def validate_model_config(cfg: ModelConfig) -> None:
@@ -153,7 +156,6 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
             path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
     if find_routers(model):
-        sorted_experts.register()
         model.set_experts_implementation(cfg.experts_implementation)
         apply_moe_backend(model, cfg.moe_backend)
     elif cfg.moe_backend != "hf":
