@@ -6,7 +6,7 @@ import torch
 
 from experiments.rollout import FED, generate_rollout, score_responses
 from experiments.tasks import build_task
-from models.routing import record_routing, routing_drift
+from models.routing import NO_ROUTE, record_routing, routing_drift
 
 G, NEW = 4, 5
 
@@ -33,7 +33,7 @@ def test_shared_prefill_rollout_matches_a_full_forward(micro_policy):
                                rtol=0, atol=1e-5)
     # The scoring forward feeds every position but the last (`FED`), whose token never went through the model
     # during generation either: the rollout's trace is NO_ROUTE there.
-    assert (rollout.trace.experts[:, :, -1] == -1).all()
+    assert (rollout.trace.experts[:, :, -1] == NO_ROUTE).all()
     seen = rollout.attention_mask[:, FED].bool()
     drift = routing_drift(rollout.trace.positions(FED), scored.trace, seen)
     assert drift.tokens == int(seen.sum()), "prompt tokens (shared prefill) and generated tokens are all recorded"
