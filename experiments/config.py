@@ -22,6 +22,7 @@ from models.policy import ModelConfig
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REPLAY_MODES = ("none", "r2", "r3")
 OLD_LOGPROB_SOURCES = ("auto", "rollout", "recompute")
+MINIBATCH_LAYOUTS = ("auto", "groups", "rows")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -50,6 +51,12 @@ class TrainerConfig:
     # batch again without gradient. `auto`: rollout, unless Routing Replay needs the recompute pass (r2 records
     # θ_old's routing in it, r3 replays the rollout's routing in it).
     old_logprobs: str = "auto"
+    # How the batch splits into minibatches and how they are fed. `groups`: each minibatch holds whole groups (the
+    # prompts are shuffled, as in verl) and each group is fed as one packed sequence, its prompt computed once
+    # (`models.shared_prefix`: same numbers, ~20% less work at the bench's sizes). `rows`: the completions are
+    # shuffled across groups and every row is fed in full (TRL's layout). `auto`: groups when the prompts split
+    # evenly into the minibatches and the model's attention follows packed layouts (grouped_eager), else rows.
+    minibatch_layout: str = "auto"
     lr: float = 3e-4
     lr_schedule: str = "constant"
     warmup_steps: int = 0  # in optimizer updates

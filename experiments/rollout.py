@@ -105,7 +105,7 @@ def generate_rollout(
 
     `record`: keep the routing of every generated position (`Rollout.trace`). `logprobs`: keep the log-probs of the
     sampled tokens under `logits / temperature` (`Rollout.rollout_logp`), from the raw logits, before the
-    sampling-time processors (e.g. `fixed_length`'s eos ban), the same distribution that `score_responses` scores.
+    sampling-time processors (e.g. `fixed_length`'s eos ban), the same distribution that `experiments.scoring` scores.
     """
     device = next(model.parameters()).device
     unique = tokenizer([ex.prompt for ex in examples], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -164,49 +164,3 @@ def generate_rollout(
         trace=trace,
         rollout_logp=rollout_logp,
     )
-
-
-# The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
-# generation, where the last sampled token never goes through the model). Routing traces of scoring forwards
-# cover these positions; a rollout's trace is cut to them with `trace.positions(FED)`.
-FED = slice(None, -1)
-
-
-@dataclass
-class Scores:
-    logp: torch.Tensor  # [N, T] fp32 log-probs of the response tokens (0 at padding)
-    entropy: torch.Tensor  # [N, T] fp32 entropy of the policy at each response position (no grad)
-    aux_loss: torch.Tensor | None  # scalar load-balancing loss of this forward, when requested
-
-
-def score_responses(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_width: int,
-    temperature: float,
-    aux_loss: bool = False,
-) -> Scores:
-    """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
-
-    The logits at position t predict token t+1, so the response tokens `[P, P+T)` are scored by the logits at
-    `[P-1, P+T-1)`. The last position's logits would predict nothing, so the forward covers positions `FED`
-    (all but the last) and keeps the logits of its last T positions only.
-    """
-    extra = {"output_router_logits": True} if aux_loss else {}
-    fed_mask = attention_mask[:, FED]
-    out = model(
-        input_ids=input_ids[:, FED],
-        attention_mask=fed_mask,
-        position_ids=position_ids(fed_mask),
-        use_cache=False,
-        logits_to_keep=input_ids.shape[1] - prompt_width,
-        **extra,
-    )
-    logits = out.logits.float() / temperature  # [N, T, V], positions P-1 .. P+T-2
-    targets = input_ids[:, prompt_width:]
-    log_probs = torch.log_softmax(logits, dim=-1)
-    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return Scores(logp=logp, entropy=entropy, aux_loss=getattr(out, "aux_loss", None) if aux_loss else None)

@@ -7,7 +7,9 @@ first is off-policy and the objectives differ):
    (KV cache, temperature; the sampler's per-token log-probs and routing are kept when a later stage uses them);
    the task scores them.
 2. group advantages Â_i = (r_i − mean_group) / (std_group + eps) (no std division for Dr. GRPO).
-3. shuffle the B·G completions and split them into N minibatches, each with per-token log π_θold:
+3. split the batch into N minibatches (`trainer.minibatch_layout`: whole groups, shuffled by prompt, each group
+   fed as one packed sequence that computes its prompt once; or completions shuffled across groups, fed row by
+   row), each with per-token log π_θold:
    - `trainer.old_logprobs=rollout` (the default without replay): the sampler's own log-probs. The sampler *is*
      θ_old — the same weights in the same fp32 model — so a second forward would only recompute them (up to the
      KV-cache path's rounding, ~1e-6). θ_old's routing for the drift metrics is the rollout's too.
@@ -27,7 +29,6 @@ Run: `python -m experiments.train algo=gspo routing.replay=none model.path=check
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from algos import build_objective, group_advantages, zero_std_group_frac
 from algos.common import k3, masked_mean
 from experiments.config import (
     LR_SCHEDULES,
+    MINIBATCH_LAYOUTS,
     OLD_LOGPROB_SOURCES,
     REPLAY_MODES,
     WANDB_MODES,
@@ -52,11 +54,12 @@ from experiments.config import (
 )
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
-from experiments.rollout import FED, Rollout, generate_rollout, score_responses
+from experiments.rollout import Rollout, generate_rollout
+from experiments.scoring import FED, PACKED_ATTENTION, Scores, can_pack, score_responses
 from experiments.tasks import build_task
 from models.moe_backend import clear_moe_bookkeeping
 from models.policy import ModelConfig, build_policy, describe_policy, find_routers
-from models.routing import RoutingTrace, load_max_violation, record_routing, replay_routing, routing_drift
+from models.routing import RoutingTrace, load_max_violation, routing_drift
 
 register_configs()
 
@@ -94,6 +97,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={cfg.device!r} but this machine has no CUDA device; use device=cpu")
     old_logprob_source(cfg)
+    minibatch_layout(cfg, packable=True)  # the model's attention is checked once it is built
 
 
 def old_logprob_source(cfg: DictConfig) -> str:
@@ -109,6 +113,28 @@ def old_logprob_source(cfg: DictConfig) -> str:
             "recompute pass that records (r2) or replays (r3) the routing; use trainer.old_logprobs=auto or recompute"
         )
     return source
+
+
+def minibatch_layout(cfg: DictConfig, packable: bool) -> str:
+    """`groups` or `rows` (`trainer.minibatch_layout`); `packable`: the model's attention follows packed layouts."""
+    t = cfg.trainer
+    layout = t.minibatch_layout
+    if layout not in MINIBATCH_LAYOUTS:
+        raise ConfigError(f"trainer.minibatch_layout={layout!r} is not one of {list(MINIBATCH_LAYOUTS)}")
+    divides = t.prompts_per_step % t.minibatches == 0
+    if layout == "auto":
+        return "groups" if divides and packable else "rows"
+    if layout == "groups" and not divides:
+        raise ConfigError(
+            f"trainer.minibatch_layout=groups puts whole groups in each minibatch, but trainer.minibatches="
+            f"{t.minibatches} does not divide trainer.prompts_per_step={t.prompts_per_step}; use rows or auto"
+        )
+    if layout == "groups" and not packable:
+        raise ConfigError(
+            f"trainer.minibatch_layout=groups feeds packed groups, which needs model.attn_implementation="
+            f"{PACKED_ATTENTION} (this model uses {cfg.model.attn_implementation!r}); use rows or auto"
+        )
+    return layout
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -178,6 +204,8 @@ class RLTrainer:
             raise ConfigError(f"trainer.router_aux_loss_coef={t.router_aux_loss_coef} needs an MoE model")
         self.track_routing = is_moe and (cfg.routing.metrics or self.replay != "none")
         self.old_logprobs = old_logprob_source(cfg)
+        self.minibatch_layout = minibatch_layout(cfg, packable=can_pack(self.model))
+        self.packed_group = t.group_size if self.minibatch_layout == "groups" else 1
         self.reference = None
         if self.kl_coef > 0:
             self.reference, _ = build_policy(model_cfg)
@@ -230,7 +258,11 @@ class RLTrainer:
     def score_old(self, rollout: Rollout, advantages: torch.Tensor) -> list[Minibatch]:
         """Split the shuffled batch into minibatches and score each with θ_old (no gradient)."""
         t = self.cfg.trainer
-        order = torch.randperm(rollout.size, generator=self.generator)
+        if self.minibatch_layout == "groups":
+            prompts = torch.randperm(rollout.size // t.group_size, generator=self.generator)
+            order = (prompts[:, None] * t.group_size + torch.arange(t.group_size)).reshape(-1)
+        else:
+            order = torch.randperm(rollout.size, generator=self.generator)
         prompt_pad = torch.zeros(rollout.size, rollout.prompt_width, dtype=torch.bool)
         token_mask = torch.cat([prompt_pad, rollout.response_mask], dim=1)[:, FED]
         # Routing statistics and replay cover the positions a scoring forward feeds; the rollout's trace has one
@@ -249,9 +281,9 @@ class RLTrainer:
             )
             if self.replay == "r3":
                 mb.old_trace = rollout_trace.rows(rows)
-                with replay_routing(self.model, mb.old_trace.to(self.device)) as replayed:
-                    mb.old_logp = self._score(self.model, mb).logp
-                mismatch = routing_drift(mb.old_trace, replayed.router_choice.to("cpu"), mb.token_mask)
+                replayed = self._score(self.model, mb, replay=mb.old_trace.to(self.device))
+                mb.old_logp = replayed.logp
+                mismatch = routing_drift(mb.old_trace, replayed.routes.to("cpu"), mb.token_mask)
                 log_rho = mb.old_logp - rollout.rollout_logp[rows].to(self.device)
                 mb.metrics["rollout/expert_mismatch_frac"] = mismatch.expert_change_frac
                 mb.metrics["rollout/token_any_mismatch_frac"] = mismatch.token_any_change_frac
@@ -260,20 +292,28 @@ class RLTrainer:
                 mb.old_logp = rollout.rollout_logp[rows].to(self.device)
                 mb.old_trace = rollout_trace.rows(rows) if self.track_routing else None
             elif minibatches:  # the first, on-policy minibatch is scored by its own update forward (`update`)
-                if self.track_routing:
-                    with record_routing(self.model) as recording:
-                        mb.old_logp = self._score(self.model, mb).logp
-                    mb.old_trace = recording.trace.to("cpu")
-                else:
-                    mb.old_logp = self._score(self.model, mb).logp
+                scored = self._score(self.model, mb, record=self.track_routing)
+                mb.old_logp = scored.logp
+                mb.old_trace = scored.routes.to("cpu") if self.track_routing else None
             if self.reference is not None:
                 mb.ref_logp = self._score(self.reference, mb).logp
             minibatches.append(mb)
         return minibatches
 
-    def _score(self, model: torch.nn.Module, mb: Minibatch, aux_loss: bool = False):
+    def _score(
+        self, model: torch.nn.Module, mb: Minibatch, aux_loss: bool = False, record: bool = False,
+        replay: RoutingTrace | None = None,
+    ) -> Scores:
         return score_responses(
-            model, mb.input_ids, mb.attention_mask, mb.prompt_width, self.cfg.trainer.temperature, aux_loss
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.prompt_width,
+            self.cfg.trainer.temperature,
+            aux_loss=aux_loss,
+            group_size=self.packed_group,
+            record=record,
+            replay=replay,
         )
 
     # -- 4: one optimizer update per minibatch -------------------------------------------------------------------
@@ -283,30 +323,29 @@ class RLTrainer:
         aux_coef = t.router_aux_loss_coef
         on_policy = mb.old_logp is None  # θ = θ_old here: this forward is θ_old's (see `score_old`)
         replaying = self.replay != "none" and not on_policy
-        if replaying:
-            context = replay_routing(self.model, mb.old_trace.to(self.device))
-        elif self.track_routing:
-            context = record_routing(self.model)
-        else:
-            context = contextlib.nullcontext()
         self.optimizer.zero_grad(set_to_none=True)
-        with context as handle:
-            scores = self._score(self.model, mb, aux_loss=aux_coef > 0 or self.track_routing)
-            if on_policy:
-                mb.old_logp = scores.logp.detach()
-            result = self.objective(
-                logp=scores.logp,
-                old_logp=mb.old_logp,
-                advantages=mb.advantages,
-                mask=mb.response_mask,
-                ref_logp=mb.ref_logp,
-            )
-            loss = result.loss
-            if aux_coef > 0:
-                loss = loss + aux_coef * scores.aux_loss
-            finite_loss = bool(torch.isfinite(loss))
-            if finite_loss:
-                loss.backward()
+        scores = self._score(
+            self.model,
+            mb,
+            aux_loss=aux_coef > 0 or self.track_routing,
+            record=self.track_routing and not replaying,
+            replay=mb.old_trace.to(self.device) if replaying else None,
+        )
+        if on_policy:
+            mb.old_logp = scores.logp.detach()
+        result = self.objective(
+            logp=scores.logp,
+            old_logp=mb.old_logp,
+            advantages=mb.advantages,
+            mask=mb.response_mask,
+            ref_logp=mb.ref_logp,
+        )
+        loss = result.loss
+        if aux_coef > 0:
+            loss = loss + aux_coef * scores.aux_loss
+        finite_loss = bool(torch.isfinite(loss))
+        if finite_loss:
+            loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)) if finite_loss else float("nan")
         metrics = {"minibatch": index, **result.metrics, **mb.metrics}
         metrics["policy/entropy"] = float(masked_mean(scores.entropy, mb.response_mask))
@@ -315,10 +354,10 @@ class RLTrainer:
         if scores.aux_loss is not None:
             metrics["moe/aux_loss"] = float(scores.aux_loss.detach())
         if self.track_routing:
-            own = handle.router_choice if replaying else handle.trace
+            own = scores.routes.to("cpu")  # under replay: the router's own top-k, beside the replayed experts
             if on_policy:
-                mb.old_trace = own.to("cpu")
-            drift = routing_drift(mb.old_trace, own.to("cpu"), mb.token_mask)
+                mb.old_trace = own
+            drift = routing_drift(mb.old_trace, own, mb.token_mask)
             metrics.update(drift.metrics)
         if finite_loss and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -469,6 +508,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "ratio_token_var_mean": _mean([r["ratio/token_var"] for r in history]),
         "skipped_steps": trainer.skipped_updates,
         "old_logprobs": trainer.old_logprobs,
+        "minibatch_layout": trainer.minibatch_layout,
         "policy": policy,
     }
     if trainer.track_routing:

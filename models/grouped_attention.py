@@ -10,6 +10,10 @@ are stacked along the query axis instead, so the same two matmuls read keys and 
 
 Same arithmetic as eager (the output matches it to float rounding); masks are eager's, registered under this name
 in transformers' `AttentionMaskInterface` so that `create_causal_mask` builds them.
+
+A forward given `shared_prefix=layout` (`models.shared_prefix.SharedPrefix`) is a packed one, one sequence per
+group of completions: attention then follows the layout's structure and masks, and the causal mask transformers
+built for the packed sequence is not used.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import eager_mask
+
+from models.shared_prefix import SharedPrefix
 
 NAME = "grouped_eager"
 
@@ -30,22 +36,48 @@ def grouped_eager_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
+    shared_prefix: SharedPrefix | None = None,
     **kwargs: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`query [B, H, S, D]`, `key`/`value [B, KV, L, D]`, float mask `[B, 1, S, ≥L]` -> (`[B, S, H, D]`, probs)."""
-    B, H, S, D = query.shape
-    kv_heads, L = key.shape[1], key.shape[2]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`query [B, H, S, D]`, `key`/`value [B, KV, L, D]`, float mask `[B, 1, S, ≥L]` -> (`[B, S, H, D]`, probs).
+
+    Packed (`shared_prefix` given): `[g, S0+G·T]` sequences, masks from the layout; no probabilities returned.
+    """
+    H, kv_heads = query.shape[1], key.shape[1]
     if H % kv_heads:
         raise ValueError(f"attention {NAME!r}: {H} query heads do not split into {kv_heads} key/value groups")
+    dropout = dropout if module.training else 0.0
+    if shared_prefix is not None:
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return _attend(q, k, v, mask, scaling, dropout)[0]
+
+        return shared_prefix.attention(query, key, value, attend).contiguous(), None
+    out, probs = _attend(query, key, value, attention_mask, scaling, dropout)
+    return out.contiguous(), probs
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two matmuls with grouped heads stacked on the query axis -> (`[B, S, H, D]` non-contiguous, probs)."""
+    B, H, S, D = query.shape
+    kv_heads, L = key.shape[1], key.shape[2]
     G = H // kv_heads
     scores = torch.matmul(query.reshape(B, kv_heads, G * S, D), key.transpose(-1, -2)) * scaling
     scores = scores.view(B, kv_heads, G, S, L)
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, None, :, :L]
+    if mask is not None:
+        scores = scores + mask[:, :, None, :, :L]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = F.dropout(probs, p=dropout, training=module.training)
+    if dropout:
+        probs = F.dropout(probs, p=dropout)
     out = torch.matmul(probs.view(B, kv_heads, G * S, L), value)  # [B, KV, G·S, D]
-    return out.view(B, H, S, D).transpose(1, 2).contiguous(), probs.view(B, H, S, L)
+    return out.view(B, H, S, D).transpose(1, 2), probs.view(B, H, S, L)
 
 
 def register() -> None:

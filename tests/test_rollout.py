@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from experiments.rollout import FED, generate_rollout, score_responses
+from experiments.rollout import generate_rollout
+from experiments.scoring import FED, score_responses
 from experiments.tasks import build_task
 from models.routing import NO_ROUTE, record_routing, routing_drift
 

@@ -13,10 +13,11 @@ from hydra import compose, initialize_config_dir
 
 from algos import OBJECTIVES, ObjectiveOutput
 from experiments.config import PROJECT_ROOT
-from experiments.rollout import FED
+from experiments.scoring import FED
 from experiments.train import RLTrainer, train
 from models.policy import find_routers
 from models.routing import routing_drift
+from models.shared_prefix import SharedPrefix
 from tests.conftest import MICRO_RUN
 
 CONF = str(PROJECT_ROOT / "conf")
@@ -62,8 +63,11 @@ def test_every_objective_and_replay_mode_runs_and_logs(tmp_path, algo, replay):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
 
 
-def test_r2_replays_recorded_experts_while_drift_stays_measurable():
-    trainer = RLTrainer(compose_train("algo=grpo", "routing.replay=r2", "trainer.lr=5e-2", "trainer.minibatches=4"))
+@pytest.mark.parametrize("layout", ["groups", "rows"])
+def test_r2_replays_recorded_experts_while_drift_stays_measurable(layout):
+    trainer = RLTrainer(compose_train("algo=grpo", "routing.replay=r2", "trainer.lr=5e-2", "trainer.minibatches=4",
+                                      f"trainer.minibatch_layout={layout}"))
+    assert trainer.minibatch_layout == layout
     rollout = trainer.rollout()
     from algos import group_advantages
 
@@ -82,8 +86,13 @@ def test_r2_replays_recorded_experts_while_drift_stays_measurable():
         drifts.append(metrics["routing/expert_change_frac"])
         L, B, S, K = mb.old_trace.shape
         recorded = mb.old_trace.experts.reshape(L, B * S, K).long()
-        valid = mb.attention_mask[:, FED].reshape(-1).bool()  # the positions a scoring forward feeds
-        assert torch.equal(torch.stack(used)[:, valid], recorded[:, valid])
+        fed = mb.attention_mask[:, FED]  # the positions a scoring forward feeds
+        routed = torch.stack(used)
+        if layout == "groups":  # the experts saw each group as one packed sequence: lay it out as rows again
+            packing = SharedPrefix.from_rows(fed, mb.prompt_width - 1, trainer.cfg.trainer.group_size, torch.float32)
+            routed = packing.unpack(routed.reshape(L, packing.groups, packing.length, K), dim=1)
+        valid = fed.reshape(-1).bool()
+        assert torch.equal(routed.reshape(L, B * S, K)[:, valid], recorded[:, valid])
     for handle in handles:
         handle.remove()
     assert drifts[0] == 0.0
@@ -151,6 +160,11 @@ def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
         (["trainer.old_logprobs=cached"], "trainer.old_logprobs='cached' is not one of"),
         (["model=checkpoint"], "(model=checkpoint) needs model.path=/local/checkpoint"),
         (["trainer.old_logprobs=rollout", "routing.replay=r2"], "trainer.old_logprobs=rollout with routing.replay=r2"),
+        (["trainer.minibatch_layout=prompts"], "trainer.minibatch_layout='prompts' is not one of"),
+        (["trainer.minibatch_layout=groups", "trainer.minibatches=8"],
+         "trainer.minibatches=8 does not divide trainer.prompts_per_step=4"),
+        (["trainer.minibatch_layout=groups", "model.attn_implementation=sdpa"],
+         "needs model.attn_implementation=grouped_eager (this model uses 'sdpa')"),
     ],
 )
 def test_bad_input_is_refused_with_one_line(tmp_path, overrides, message):
@@ -158,6 +172,30 @@ def test_bad_input_is_refused_with_one_line(tmp_path, overrides, message):
         train(compose_train(*overrides), tmp_path)
     text = str(raised.value)
     assert message in text and "\n" not in text
+
+
+@pytest.mark.parametrize(
+    "overrides, layout",
+    [([], "groups"), (["model.attn_implementation=sdpa"], "rows"), (["trainer.minibatches=8"], "rows"),
+     (["trainer.minibatch_layout=rows"], "rows")],
+)
+def test_minibatch_layout_auto_packs_groups_where_it_can(tmp_path, overrides, layout):
+    assert train(compose_train("trainer.steps=1", *overrides), tmp_path)["minibatch_layout"] == layout
+
+
+@pytest.mark.parametrize("layout", ["groups", "rows"])
+def test_group_minibatches_hold_whole_groups(layout):
+    from algos import group_advantages
+
+    trainer = RLTrainer(compose_train(f"trainer.minibatch_layout={layout}"))
+    rollout = trainer.rollout()
+    G = trainer.cfg.trainer.group_size
+    advantages = group_advantages(rollout.rewards, G)
+    minibatches = trainer.score_old(rollout, advantages)
+    prompts = torch.cat([mb.input_ids[:, : mb.prompt_width] for mb in minibatches]).view(-1, G, rollout.prompt_width)
+    whole = bool((prompts == prompts[:, :1]).all())
+    assert whole == (layout == "groups"), "rows are shuffled across groups; groups stay together"
+    assert sorted(torch.cat([mb.advantages for mb in minibatches]).tolist()) == sorted(advantages.tolist())
 
 
 def test_checkpoint_model_group_trains_a_local_checkpoint_with_transformers_kernels(tmp_path):
@@ -221,14 +259,13 @@ def test_drift_metric_matches_a_recomputation():
     trainer = RLTrainer(compose_train("routing.replay=none", "trainer.lr=5e-2"))
     rollout = trainer.rollout()
     from algos import group_advantages
-    from models.routing import record_routing
 
     minibatches = trainer.score_old(rollout, group_advantages(rollout.rewards, 4))
     trainer.update(minibatches[0], 0)
     mb = minibatches[1]
-    with torch.no_grad(), record_routing(trainer.model) as recording:
-        trainer._score(trainer.model, mb)
-    expected = routing_drift(mb.old_trace, recording.trace, mb.token_mask).expert_change_frac
+    with torch.no_grad():
+        routes = trainer._score(trainer.model, mb, record=True).routes
+    expected = routing_drift(mb.old_trace, routes, mb.token_mask).expert_change_frac
     assert trainer.update(mb, 1)["routing/expert_change_frac"] == pytest.approx(expected)
 
 
@@ -252,16 +289,15 @@ def test_rollout_logprobs_are_theta_olds_own_numbers():
     assert trainer.old_logprobs == "rollout"
     rollout = trainer.rollout()
     from algos import group_advantages
-    from models.routing import record_routing
 
     minibatches = trainer.score_old(rollout, group_advantages(rollout.rewards, 4))
     assert minibatches[0].old_logp is None, "the on-policy minibatch takes θ_old's log-probs from its own forward"
     for mb in minibatches[1:]:
-        with torch.no_grad(), record_routing(trainer.model) as recording:
-            recomputed = trainer._score(trainer.model, mb).logp
-        assert torch.allclose(mb.old_logp, recomputed, atol=1e-5)
+        with torch.no_grad():
+            recomputed = trainer._score(trainer.model, mb, record=True)
+        assert torch.allclose(mb.old_logp, recomputed.logp, atol=1e-5)
         assert mb.old_logp[~mb.response_mask].eq(0).all()
-        drift = routing_drift(mb.old_trace, recording.trace, mb.token_mask)
+        drift = routing_drift(mb.old_trace, recomputed.routes, mb.token_mask)
         assert drift.tokens > 0 and drift.expert_change_frac == 0.0
 
 

@@ -1,0 +1,143 @@
+"""Scoring: per-token log-probs of the responses of a rollout batch in fp32, with their routing, row by row or packed.
+
+A scoring forward feeds positions `FED` of each row (all but the last: its logits would predict nothing) and keeps
+the logits of the last T, which score the T response tokens. Routing can be recorded, or replayed from a trace
+laid out like the fed positions (`RoutingTrace [L, n, P+T-1, K]`); either way `Scores.routes` comes back in that
+layout.
+
+With `group_size = G > 1` the rows come in groups of G completions of one prompt, and each group is fed as one
+packed sequence (`models.shared_prefix`): the prompt but its last token once, then the G tails. Same numbers as the
+row-by-row forward to float rounding (log-probs, entropy, the load-balancing loss, gradients, routing) for about
+`G·(P+T-1) / (P-1+G·T)` less token work; it needs the `grouped_eager` attention, which follows the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from experiments.rollout import position_ids
+from models.routing import RoutingTrace, record_routing, replay_routing
+from models.shared_prefix import SharedPrefix
+
+# The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
+# generation, where the last sampled token never goes through the model). Routing traces of scoring forwards
+# cover these positions; a rollout's trace is cut to them with `trace.positions(FED)`.
+FED = slice(None, -1)
+
+PACKED_ATTENTION = "grouped_eager"
+
+
+@dataclass
+class Scores:
+    logp: torch.Tensor  # [N, T] fp32 log-probs of the response tokens (0 at padding)
+    entropy: torch.Tensor  # [N, T] fp32 entropy of the policy at each response position (no grad)
+    aux_loss: torch.Tensor | None  # scalar load-balancing loss of this forward, when requested
+    routes: RoutingTrace | None = None  # recorded routing; under replay, the router's own top-k (`[L, N, P+T-1, K]`)
+
+
+def can_pack(model: PreTrainedModel) -> bool:
+    """Whether `model`'s attention follows a shared-prefix layout (packed scoring is exact only then)."""
+    return model.config._attn_implementation == PACKED_ATTENTION
+
+
+def score_responses(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    temperature: float,
+    aux_loss: bool = False,
+    group_size: int = 1,
+    record: bool = False,
+    replay: RoutingTrace | None = None,
+) -> Scores:
+    """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
+
+    `input_ids`/`attention_mask [N, P+T]` (left-padded prompts of width P, responses). The response tokens
+    `[P, P+T)` are scored by the logits at `[P-1, P+T-1)`. `group_size > 1`: rows `j·G .. j·G+G-1` share their
+    prompt and are fed packed (see the module docstring). `record`: return the routing of the fed positions;
+    `replay`: force that routing (`[L, N, P+T-1, K]`) and return the router's own choice.
+    """
+    fed_mask = attention_mask[:, FED]
+    positions = position_ids(fed_mask)
+    ids = input_ids[:, FED]
+    tail = input_ids.shape[1] - prompt_width
+    layout = None
+    if group_size > 1 and prompt_width > 1:
+        if not can_pack(model):
+            raise ValueError(
+                f"packed scoring (group_size={group_size}) needs attn_implementation={PACKED_ATTENTION!r}; this "
+                f"model uses {model.config._attn_implementation!r}"
+            )
+        layout = SharedPrefix.from_rows(fed_mask, prompt_width - 1, group_size, model.dtype)
+        if not layout.prefix_agrees(ids):
+            raise ValueError(f"packed scoring: rows of one group of {group_size} do not share their prompt")
+    if replay is not None:
+        if layout is not None:
+            if replay.shape[1:3] != tuple(ids.shape):
+                raise ValueError(
+                    f"routing trace covers batch x positions {replay.shape[1:3]} but the batch is {tuple(ids.shape)}"
+                )
+            if not layout.prefix_agrees(replay.experts, dim=1):
+                raise ValueError(
+                    "packed scoring cannot replay this trace: rows of one group route their shared prompt "
+                    "differently; score it with group_size=1"
+                )
+            replay = RoutingTrace(layout.pack(replay.experts, dim=1), replay.layer_names, replay.num_experts)
+        routing = replay_routing(model, replay)
+    elif record:
+        routing = record_routing(model)
+    else:
+        routing = contextlib.nullcontext()
+    extra = {"output_router_logits": True} if aux_loss else {}
+    with routing as handle:
+        if layout is None:
+            out = model(
+                input_ids=ids,
+                attention_mask=fed_mask,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=tail,
+                **extra,
+            )
+            logits = out.logits
+        else:
+            keep = torch.arange(layout.prefix, layout.length, device=ids.device)
+            out = model(
+                input_ids=layout.pack(ids),
+                attention_mask=layout.pack(fed_mask),
+                position_ids=layout.pack(positions),
+                use_cache=False,
+                logits_to_keep=keep,
+                shared_prefix=layout,
+                **extra,
+            )
+            logits = layout.tails(out.logits)
+    logits = logits.float() / temperature  # [N, T, V], positions P-1 .. P+T-2
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, input_ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    balance = None
+    if aux_loss:
+        balance = out.aux_loss if layout is None else _packed_aux_loss(model, out.router_logits, layout)
+    routes = None
+    if replay is not None or record:
+        routes = handle.router_choice if replay is not None else handle.trace
+        if layout is not None:
+            routes = RoutingTrace(layout.unpack(routes.experts, dim=1), routes.layer_names, routes.num_experts)
+    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes)
+
+
+def _packed_aux_loss(model: PreTrainedModel, router_logits: tuple[torch.Tensor, ...], layout: SharedPrefix):
+    """The family's load-balancing loss of the row-by-row batch: packed tokens weighted by the rows they stand for."""
+    family = importlib.import_module(type(model).__module__)
+    balance = getattr(family, "load_balancing_loss_func", None)
+    if balance is None:
+        raise ValueError(f"{type(model).__name__}: no load_balancing_loss_func in {family.__name__} for packed scoring")
+    return balance(router_logits, model.num_experts, model.num_experts_per_tok, layout.token_weights)
