@@ -17,7 +17,8 @@ One RL step, with N = prompts x group size completions, prompt width P (left-pad
     training    the same forward plus its backward, over the N completions (in minibatches): 3 x scoring.
 This is the work the RL step defines, the same for every loop. A loop that avoids part of it is credited with the
 work avoided: without replay ours takes θ_old's log-probs from the rollout and never runs the scoring forward
-(with r2/r3 it scores every minibatch but the on-policy one); TRL scores all of them.
+(with r2/r3 it scores every minibatch but the on-policy one), and it computes each prompt once per group, in the
+prefill and in packed training forwards; TRL scores all minibatches and feeds every row in full.
 """
 
 from __future__ import annotations
