@@ -56,7 +56,10 @@ def test_sorted_mm_matches_grouped_mm_in_output_and_gradients(tmp_path, config):
     assert grads.keys() == ref_grads.keys()
     assert any("experts" in name for name in grads) and any("gate.weight" in name for name in grads)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+        # sorted_mm scales the activations by the gate weight before the down projection, grouped_mm its output:
+        # the same product, rounded in another order, so the tolerance scales with the gradient's size.
+        scale = float(ref_grads[name].abs().max())
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6 * max(1.0, scale), msg=name)
 
 
 def test_sorted_mm_refuses_an_experts_layout_it_does_not_implement():
