@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel
 
 from experiments.rollout import position_ids
+from models.policy import find_routers
 from models.routing import RoutingTrace, record_routing, replay_routing
 from models.shared_prefix import SharedPrefix
 
@@ -55,13 +57,15 @@ def score_responses(
     group_size: int = 1,
     record: bool = False,
     replay: RoutingTrace | None = None,
+    aux_loss_grad: bool = True,
 ) -> Scores:
     """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
 
     `input_ids`/`attention_mask [N, P+T]` (left-padded prompts of width P, responses). The response tokens
     `[P, P+T)` are scored by the logits at `[P-1, P+T-1)`. `group_size > 1`: rows `j·G .. j·G+G-1` share their
     prompt and are fed packed (see the module docstring). `record`: return the routing of the fed positions;
-    `replay`: force that routing (`[L, N, P+T-1, K]`) and return the router's own choice.
+    `replay`: force that routing (`[L, N, P+T-1, K]`) and return the router's own choice. `aux_loss`: the
+    family's load-balancing loss over the fed tokens, differentiable unless `aux_loss_grad=False` (a metric only).
     """
     fed_mask = attention_mask[:, FED]
     positions = position_ids(fed_mask)
@@ -94,8 +98,7 @@ def score_responses(
         routing = record_routing(model)
     else:
         routing = contextlib.nullcontext()
-    extra = {"output_router_logits": True} if aux_loss else {}
-    with routing as handle:
+    with routing as handle, _router_logits(model, aux_loss) as router_logits:
         if layout is None:
             out = model(
                 input_ids=ids,
@@ -103,7 +106,6 @@ def score_responses(
                 position_ids=positions,
                 use_cache=False,
                 logits_to_keep=tail,
-                **extra,
             )
             logits = out.logits
         else:
@@ -115,7 +117,6 @@ def score_responses(
                 use_cache=False,
                 logits_to_keep=keep,
                 shared_prefix=layout,
-                **extra,
             )
             logits = layout.tails(out.logits)
     logits = logits.float() / temperature  # [N, T, V], positions P-1 .. P+T-2
@@ -125,7 +126,9 @@ def score_responses(
         entropy = -(log_probs.exp() * log_probs).sum(-1)
     balance = None
     if aux_loss:
-        balance = out.aux_loss if layout is None else _packed_aux_loss(model, out.router_logits, layout)
+        weights = fed_mask if layout is None else layout.token_weights
+        with torch.enable_grad() if aux_loss_grad else torch.no_grad():
+            balance = _load_balancing_loss(model, router_logits, weights)
     routes = None
     if replay is not None or record:
         routes = handle.router_choice if replay is not None else handle.trace
@@ -134,10 +137,24 @@ def score_responses(
     return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes)
 
 
-def _packed_aux_loss(model: PreTrainedModel, router_logits: tuple[torch.Tensor, ...], layout: SharedPrefix):
-    """The family's load-balancing loss of the row-by-row batch: packed tokens weighted by the rows they stand for."""
+@contextlib.contextmanager
+def _router_logits(model: PreTrainedModel, capture: bool) -> Iterator[list[torch.Tensor]]:
+    """The router logits `[tokens, E]` of every MoE layer, in layer order, for the forward run in the context."""
+    logits: list[torch.Tensor] = []
+    routers = find_routers(model).values() if capture else ()
+    handles = [router.register_forward_hook(lambda module, args, out: logits.append(out[0])) for router in routers]
+    try:
+        yield logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _load_balancing_loss(model: PreTrainedModel, router_logits: list[torch.Tensor], weights: torch.Tensor):
+    """The family's load-balancing loss, tokens weighted by `weights` (the rows a packed token stands for, 0 on
+    padding): the loss of the row-by-row batch whatever the layout."""
     family = importlib.import_module(type(model).__module__)
     balance = getattr(family, "load_balancing_loss_func", None)
     if balance is None:
-        raise ValueError(f"{type(model).__name__}: no load_balancing_loss_func in {family.__name__} for packed scoring")
-    return balance(router_logits, model.num_experts, model.num_experts_per_tok, layout.token_weights)
+        raise ValueError(f"{type(model).__name__} has no load_balancing_loss_func in {family.__name__}: no aux loss")
+    return balance(tuple(router_logits), model.num_experts, model.num_experts_per_tok, weights)

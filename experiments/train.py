@@ -302,7 +302,7 @@ class RLTrainer:
 
     def _score(
         self, model: torch.nn.Module, mb: Minibatch, aux_loss: bool = False, record: bool = False,
-        replay: RoutingTrace | None = None,
+        replay: RoutingTrace | None = None, aux_loss_grad: bool = True,
     ) -> Scores:
         return score_responses(
             model,
@@ -314,6 +314,7 @@ class RLTrainer:
             group_size=self.packed_group,
             record=record,
             replay=replay,
+            aux_loss_grad=aux_loss_grad,
         )
 
     # -- 4: one optimizer update per minibatch -------------------------------------------------------------------
@@ -328,6 +329,7 @@ class RLTrainer:
             self.model,
             mb,
             aux_loss=aux_coef > 0 or self.track_routing,
+            aux_loss_grad=aux_coef > 0,  # otherwise only logged
             record=self.track_routing and not replaying,
             replay=mb.old_trace.to(self.device) if replaying else None,
         )

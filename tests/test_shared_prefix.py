@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig
 
+from experiments.rollout import position_ids
 from experiments.scoring import FED, score_responses
 from models.policy import ModelConfig, build_policy
 from models.routing import RoutingTrace
@@ -71,6 +72,14 @@ def test_packed_scoring_equals_row_scoring(tmp_path, config):
     torch.testing.assert_close(packed.logp[response_mask], rows.logp[response_mask], rtol=0, atol=2e-6)
     torch.testing.assert_close(packed.entropy[response_mask], rows.entropy[response_mask], rtol=0, atol=2e-6)
     torch.testing.assert_close(packed.aux_loss, rows.aux_loss, rtol=1e-6, atol=1e-7)
+    input_ids, attention_mask = batch[0][:, FED], batch[1][:, FED]
+    with torch.no_grad():  # the family's own loss, as its forward computes it
+        own = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                    output_router_logits=True).aux_loss
+    torch.testing.assert_close(rows.aux_loss.detach(), own, rtol=1e-6, atol=1e-7)
+    metric = score_responses(model, *batch[:3], 0.7, aux_loss=True, group_size=G, aux_loss_grad=False).aux_loss
+    assert not metric.requires_grad, "logged only: no graph behind it"
+    torch.testing.assert_close(metric, own, rtol=1e-6, atol=1e-7)
     assert packed_grads.keys() == row_grads.keys()
     assert any("experts" in name for name in packed_grads) and any("gate.weight" in name for name in packed_grads)
     for name, grad in packed_grads.items():
