@@ -300,21 +300,13 @@ class RLTrainer:
             minibatches.append(mb)
         return minibatches
 
-    def _score(
-        self, model: torch.nn.Module, mb: Minibatch, aux_loss: bool = False, record: bool = False,
-        replay: RoutingTrace | None = None, aux_loss_grad: bool = True,
-    ) -> Scores:
+    def _score(self, model: torch.nn.Module, mb: Minibatch, **options: Any) -> Scores:
+        """`score_responses` of the minibatch, packed by group under `minibatch_layout=groups` (`options`: its
+        aux_loss / record / replay / aux_loss_grad)."""
+        t = self.cfg.trainer
         return score_responses(
-            model,
-            mb.input_ids,
-            mb.attention_mask,
-            mb.prompt_width,
-            self.cfg.trainer.temperature,
-            aux_loss=aux_loss,
-            group_size=self.packed_group,
-            record=record,
-            replay=replay,
-            aux_loss_grad=aux_loss_grad,
+            model, mb.input_ids, mb.attention_mask, mb.prompt_width, t.temperature, group_size=self.packed_group,
+            **options,
         )
 
     # -- 4: one optimizer update per minibatch -------------------------------------------------------------------
