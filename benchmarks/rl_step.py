@@ -18,7 +18,7 @@ Sections:
   --vs-trl     TRL's GRPOTrainer (`benchmarks.trl_worker`) on the same work next to each variant (grpo+r2 next to
                TRL's grpo: TRL has no replay): ours / TRL per round, median and min-max.
   --overheads  ratios of grpo variants stepped alternately: routing metrics on / off, r2 / none (both recomputing
-               θ_old), θ_old log-probs recomputed / from the rollout, W&B offline / disabled.
+               θ_old), θ_old log-probs recomputed / from the rollout, W&B offline / disabled, packed groups / rows.
   --scaling    step time against group size, completion length and number of experts; per-token cost relative
                to the workload shows where cost is not linear in tokens.
 """
@@ -52,6 +52,7 @@ OVERHEADS = {
     "r2 replay / none, both recomputing θ_old": (["routing.replay=r2"], ["trainer.old_logprobs=recompute"]),
     "θ_old log-probs recomputed / from the rollout": (["trainer.old_logprobs=recompute"], []),
     "W&B offline / disabled": (["logger.wandb.mode=offline"], []),
+    "packed groups / rows fed in full": ([], ["trainer.minibatch_layout=rows"]),
 }
 
 SCALING = {

@@ -81,6 +81,43 @@ def score_responses(
         layout = SharedPrefix.from_rows(fed_mask, prompt_width - 1, group_size, model.dtype)
         if not layout.prefix_agrees(ids):
             raise ValueError(f"packed scoring: rows of one group of {group_size} do not share their prompt")
+    with _routing(model, layout, ids, record, replay) as handle, _router_logits(model, aux_loss) as router_logits:
+        if layout is None:
+            logits = model(
+                input_ids=ids, attention_mask=fed_mask, position_ids=positions, use_cache=False, logits_to_keep=tail
+            ).logits
+        else:
+            out = model(
+                input_ids=layout.pack(ids),
+                attention_mask=layout.pack(fed_mask),
+                position_ids=layout.pack(positions),
+                use_cache=False,
+                logits_to_keep=torch.arange(layout.prefix, layout.length, device=ids.device),  # the tails
+                shared_prefix=layout,
+            )
+            logits = layout.tails(out.logits)
+    logits = logits.float() / temperature  # [N, T, V], positions P-1 .. P+T-2
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, input_ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    balance = None
+    if aux_loss:
+        weights = fed_mask if layout is None else layout.token_weights
+        with contextlib.nullcontext() if aux_loss_grad else torch.no_grad():
+            balance = _load_balancing_loss(model, router_logits, weights)
+    routes = None
+    if replay is not None or record:
+        routes = handle.router_choice if replay is not None else handle.trace
+        if layout is not None:
+            routes = RoutingTrace(layout.unpack(routes.experts, dim=1), routes.layer_names, routes.num_experts)
+    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes)
+
+
+def _routing(
+    model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Tensor, record: bool, replay: RoutingTrace | None
+) -> contextlib.AbstractContextManager:
+    """The record or replay context of the forward; a replayed trace is packed like the batch when it is."""
     if replay is not None:
         if layout is not None:
             if replay.shape[1:3] != tuple(ids.shape):
@@ -93,48 +130,8 @@ def score_responses(
                     "differently; score it with group_size=1"
                 )
             replay = RoutingTrace(layout.pack(replay.experts, dim=1), replay.layer_names, replay.num_experts)
-        routing = replay_routing(model, replay)
-    elif record:
-        routing = record_routing(model)
-    else:
-        routing = contextlib.nullcontext()
-    with routing as handle, _router_logits(model, aux_loss) as router_logits:
-        if layout is None:
-            out = model(
-                input_ids=ids,
-                attention_mask=fed_mask,
-                position_ids=positions,
-                use_cache=False,
-                logits_to_keep=tail,
-            )
-            logits = out.logits
-        else:
-            keep = torch.arange(layout.prefix, layout.length, device=ids.device)
-            out = model(
-                input_ids=layout.pack(ids),
-                attention_mask=layout.pack(fed_mask),
-                position_ids=layout.pack(positions),
-                use_cache=False,
-                logits_to_keep=keep,
-                shared_prefix=layout,
-            )
-            logits = layout.tails(out.logits)
-    logits = logits.float() / temperature  # [N, T, V], positions P-1 .. P+T-2
-    log_probs = torch.log_softmax(logits, dim=-1)
-    logp = log_probs.gather(-1, input_ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    balance = None
-    if aux_loss:
-        weights = fed_mask if layout is None else layout.token_weights
-        with torch.enable_grad() if aux_loss_grad else torch.no_grad():
-            balance = _load_balancing_loss(model, router_logits, weights)
-    routes = None
-    if replay is not None or record:
-        routes = handle.router_choice if replay is not None else handle.trace
-        if layout is not None:
-            routes = RoutingTrace(layout.unpack(routes.experts, dim=1), routes.layer_names, routes.num_experts)
-    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes)
+        return replay_routing(model, replay)
+    return record_routing(model) if record else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

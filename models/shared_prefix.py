@@ -10,7 +10,7 @@ one sequence per group carries them once, followed by each completion's T positi
 Only attention sees the structure: prefix positions attend causally among themselves, and each tail attends the
 prefix and causally its own positions, never another tail, exactly the attention of its own row. `SharedPrefix`
 holds that layout (and its masks); the `grouped_eager` attention follows it when the forward is given
-`shared_prefix=layout`. Positions ids are the rows' own, so rotary embeddings are those of the row layout, and
+`shared_prefix=layout`. Position ids are the rows' own, so rotary embeddings are those of the row layout, and
 outputs equal the row-by-row forward to float rounding (logits, gradients, routing). Gradients reaching the prefix
 from the G tails are summed by autograd, as the G copies' would be.
 """
