@@ -28,15 +28,19 @@ def _save(tmp_path, config):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        Qwen2MoeConfig(**SMALL, num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16),
-        OlmoeConfig(**SMALL, num_experts=8, norm_topk_prob=False),
-        MixtralConfig(**SMALL, num_local_experts=8),
-    ],
-    ids=["qwen2_moe", "olmoe", "mixtral"],
+# The MoE families besides the Qwen3-MoE built in code, each as a small config to save as a local checkpoint.
+OTHER_FAMILIES = {
+    "qwen2_moe": Qwen2MoeConfig(**SMALL, num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    "olmoe": OlmoeConfig(**SMALL, num_experts=8, norm_topk_prob=False),
+    "mixtral": MixtralConfig(**SMALL, num_local_experts=8),
+}
+# Every family: `config=None` stands for the Qwen3-MoE built in code.
+every_family = pytest.mark.parametrize(
+    "config", [None, *OTHER_FAMILIES.values()], ids=["qwen3_moe", *OTHER_FAMILIES]
 )
+
+
+@pytest.mark.parametrize("config", list(OTHER_FAMILIES.values()), ids=list(OTHER_FAMILIES))
 def test_local_checkpoints_of_other_moe_families_load_and_replay(tmp_path, config):
     model, tokenizer = build_policy(ModelConfig(name="ckpt", path=_save(tmp_path, config),
                                                 experts_implementation="eager"))

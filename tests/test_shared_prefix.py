@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig
 
 from experiments.rollout import position_ids
 from experiments.scoring import FED, score_responses
@@ -12,7 +11,7 @@ from models.policy import ModelConfig, build_policy
 from models.routing import RoutingTrace
 from models.shared_prefix import SharedPrefix
 from tests.conftest import MICRO_MODEL
-from tests.test_policy import SMALL, _save
+from tests.test_policy import _save, every_family
 
 G, T = 3, 5
 
@@ -52,16 +51,7 @@ def _score(model, batch, group_size, **options):
     return scores, grads
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        None,  # the Qwen3-MoE built in code
-        Qwen2MoeConfig(**SMALL, num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16),
-        OlmoeConfig(**SMALL, num_experts=8, norm_topk_prob=False),
-        MixtralConfig(**SMALL, num_local_experts=8),
-    ],
-    ids=["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"],
-)
+@every_family
 def test_packed_scoring_equals_row_scoring(tmp_path, config):
     """Log-probs, entropy, load-balancing loss, every gradient and the recorded routing, with both kinds of padding."""
     model, tokenizer = _policy(tmp_path, config)

@@ -6,13 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig
 
 from experiments.rollout import position_ids
 from models.policy import ModelConfig, build_policy
 from models.sorted_experts import sorted_mm_experts_forward
 from tests.conftest import MICRO_MODEL
-from tests.test_policy import SMALL, _save
+from tests.test_policy import _save, every_family
 
 
 def _forward_backward(model, tokenizer):
@@ -39,16 +38,7 @@ def _policies(path_or_micro):
     return built
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        None,  # the Qwen3-MoE built in code
-        Qwen2MoeConfig(**SMALL, num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16),
-        OlmoeConfig(**SMALL, num_experts=8, norm_topk_prob=False),
-        MixtralConfig(**SMALL, num_local_experts=8),
-    ],
-    ids=["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"],
-)
+@every_family
 def test_sorted_mm_matches_grouped_mm_in_output_and_gradients(tmp_path, config):
     built = _policies(None if config is None else _save(tmp_path, config))
     (ref_logits, ref_grads), (logits, grads) = (_forward_backward(*built[impl]) for impl in ("grouped_mm", "sorted_mm"))
