@@ -184,6 +184,17 @@ def test_minibatch_layout_auto_packs_groups_where_it_can(tmp_path, overrides, la
 
 
 @pytest.mark.parametrize("layout", ["groups", "rows"])
+def test_reference_kl_and_router_aux_loss_enter_the_update(tmp_path, layout):
+    cfg = compose_train("algo.kl_coef=0.05", "trainer.router_aux_loss_coef=0.01", f"trainer.minibatch_layout={layout}",
+                        "trainer.steps=2")
+    assert train(cfg, tmp_path)["minibatch_layout"] == layout
+    lines = read_metrics(tmp_path)
+    assert lines[0]["minibatches"][0]["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7), "θ = reference before any update"
+    assert lines[-1]["kl/ref_k3"] > 0.0
+    assert all(0.0 < line["moe/aux_loss"] < float("inf") for line in lines)
+
+
+@pytest.mark.parametrize("layout", ["groups", "rows"])
 def test_group_minibatches_hold_whole_groups(layout):
     from algos import group_advantages
 
