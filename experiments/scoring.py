@@ -7,8 +7,8 @@ layout.
 
 With `group_size = G > 1` the rows come in groups of G completions of one prompt, and each group is fed as one
 packed sequence (`models.shared_prefix`): the prompt but its last token once, then the G tails. Same numbers as the
-row-by-row forward to float rounding (log-probs, entropy, the load-balancing loss, gradients, routing) for about
-`G·(P+T-1) / (P-1+G·T)` less token work; it needs the `grouped_eager` attention, which follows the layout.
+row-by-row forward to float rounding (log-probs, entropy, the load-balancing loss, gradients, routing), feeding
+P-1+G·T tokens per group instead of G·(P+T-1); it needs the `grouped_eager` attention, which follows the layout.
 """
 
 from __future__ import annotations
