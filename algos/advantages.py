@@ -10,7 +10,6 @@ gets zero advantages either way: it carries no learning signal (DAPO's dynamic s
 `zero_std_group_frac` measures how many there are).
 """
 
-import torch
 from torch import Tensor
 
 

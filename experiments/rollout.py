@@ -14,7 +14,7 @@ them, so scoring a rollout reproduces the rollout's own computation up to the KV
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
@@ -131,8 +131,7 @@ def generate_rollout(
             generated = model.generate(**encoded, **options)
         trace = recording.trace
         if prefix_trace is not None:
-            experts = torch.cat([prefix_trace.experts, trace.experts], dim=2)
-            trace = RoutingTrace(experts, trace.layer_names, trace.num_experts)
+            trace = replace(trace, experts=torch.cat([prefix_trace.experts, trace.experts], dim=2))
     else:
         generated = model.generate(**encoded, **options)
         trace = None

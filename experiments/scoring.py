@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -110,7 +110,7 @@ def score_responses(
     if replay is not None or record:
         routes = handle.router_choice if replay is not None else handle.trace
         if layout is not None:
-            routes = RoutingTrace(layout.unpack(routes.experts, dim=1), routes.layer_names, routes.num_experts)
+            routes = replace(routes, experts=layout.unpack(routes.experts, dim=1))
     return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes)
 
 
@@ -129,7 +129,7 @@ def _routing(
                     "packed scoring cannot replay this trace: rows of one group route their shared prompt "
                     "differently; score it with group_size=1"
                 )
-            replay = RoutingTrace(layout.pack(replay.experts, dim=1), replay.layer_names, replay.num_experts)
+            replay = replace(replay, experts=layout.pack(replay.experts, dim=1))
         return replay_routing(model, replay)
     return record_routing(model) if record else contextlib.nullcontext()
 

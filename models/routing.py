@@ -21,11 +21,10 @@ as backward runs inside the `replay_routing` context.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from models.policy import find_routers
 
@@ -47,14 +46,14 @@ class RoutingTrace:
 
     def rows(self, index: torch.Tensor | slice) -> "RoutingTrace":
         """The trace of a subset of batch rows (a minibatch), in the given order."""
-        return RoutingTrace(self.experts[:, index], self.layer_names, self.num_experts)
+        return replace(self, experts=self.experts[:, index])
 
     def positions(self, index: slice) -> "RoutingTrace":
         """The trace of a range of positions (e.g. those a scoring forward feeds the model)."""
-        return RoutingTrace(self.experts[:, :, index], self.layer_names, self.num_experts)
+        return replace(self, experts=self.experts[:, :, index])
 
     def to(self, device: torch.device | str) -> "RoutingTrace":
-        return RoutingTrace(self.experts.to(device), self.layer_names, self.num_experts)
+        return replace(self, experts=self.experts.to(device))
 
     def recorded(self) -> torch.Tensor:
         """`[L, B, S]` bool: positions that carry a route."""
@@ -187,7 +186,7 @@ class Recording:
                 # the width of the returned sequences.
                 L, B, _, K = trace.shape
                 tail = torch.full((L, B, 1, K), NO_ROUTE, dtype=_TRACE_DTYPE, device=trace.experts.device)
-                trace = RoutingTrace(torch.cat([trace.experts, tail], dim=2), trace.layer_names, trace.num_experts)
+                trace = replace(trace, experts=torch.cat([trace.experts, tail], dim=2))
             self._trace = trace
         return self._trace
 
