@@ -3,8 +3,7 @@
     python -m benchmarks.lab_worker --overrides '["algo=gspo"]' [--threads N]
 
 A step is timed as a training run spends it: `RLTrainer.step()` and then `RunLogger.log` (metrics.jsonl, and
-W&B when `logger.wandb.mode` is not `disabled`). The breakdown is the trainer's own `perf/*` metrics. Peak RSS is
-this process's plus that of each rollout worker it spawned (weights in shared memory are counted in each).
+W&B when `logger.wandb.mode` is not `disabled`). The breakdown is the trainer's own `perf/*` metrics.
 `--probe-generate`: after each timed step (outside its time), one plain `model.generate` call on the step's own
 prompts with the rollout's sampling settings, reported as `generate_s`: the reference for rollout throughput.
 """
@@ -67,8 +66,6 @@ def main() -> None:
         return batch
 
     trainer.rollout = rollout
-    # Rollout workers' helper processes (trainer.rollout_workers > 1) count towards the loop's memory.
-    helpers = trainer.workers.processes if trainer.workers is not None else []
     with tempfile.TemporaryDirectory(prefix="bench_lab_") as run_dir:
         logger = RunLogger(run_dir, cfg, run_name(cfg), [], None)
         channel.send(
@@ -96,11 +93,10 @@ def main() -> None:
                 prompt_width=rollouts[0].prompt_width,
                 sequence_tokens=rollouts[0].input_ids.numel(),  # prompt + completion positions, padding included
                 reward=record["reward/mean"],
-                rss_mib=peak_rss_mib() + sum(peak_rss_mib(process.pid) for process in helpers),
+                rss_mib=peak_rss_mib(),
                 **probe,
             )
         logger.finish({"status": "benchmark"})
-    trainer.close()
 
 
 if __name__ == "__main__":

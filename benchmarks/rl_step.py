@@ -18,8 +18,7 @@ Sections:
   --vs-trl     TRL's GRPOTrainer (`benchmarks.trl_worker`) on the same work next to each variant (grpo+r2 next to
                TRL's grpo: TRL has no replay): ours / TRL per round, median and min-max.
   --overheads  ratios of grpo variants stepped alternately: routing metrics on / off, r2 / none (both recomputing
-               θ_old), θ_old log-probs recomputed / from the rollout, W&B offline / disabled, packed groups / rows,
-               2 rollout workers / 1.
+               θ_old), θ_old log-probs recomputed / from the rollout, W&B offline / disabled, packed groups / rows.
   --scaling    step time against group size, completion length and number of experts; per-token cost relative
                to the workload shows where cost is not linear in tokens.
 """
@@ -54,7 +53,6 @@ OVERHEADS = {
     "θ_old log-probs recomputed / from the rollout": (["trainer.old_logprobs=recompute"], []),
     "W&B offline / disabled": (["logger.wandb.mode=offline"], []),
     "packed groups / rows fed in full": ([], ["trainer.minibatch_layout=rows"]),
-    "2 rollout workers of 1 thread / 1 of 2 threads": ([], ["trainer.rollout_workers=1"]),
 }
 
 SCALING = {
@@ -293,8 +291,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             import trl  # noqa: F401
         except ImportError:
             parser.error("--vs-trl needs TRL: pip install -e '.[bench]' (trl, datasets, accelerate)")
-    if args.threads == 1:
-        args.override.append("trainer.rollout_workers=1")  # the workload's 2 rollout workers need a thread each
     compose_workload(args.override)  # a bad override fails here, before any worker starts
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,12 +27,9 @@ from typing import Any
 PREFIX = "@@bench "
 
 
-def peak_rss_mib(pid: int | None = None) -> float:
-    """Peak resident set size so far of this process, or of the live process `pid` (Linux reports KiB)."""
-    if pid is None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024.0
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 class Channel:

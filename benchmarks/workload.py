@@ -3,7 +3,7 @@
 One RL step: 32 addition prompts x 8 completions = 256 completions of exactly 16 new tokens (`fixed_length`,
 so every loop and every step does identical work), split into 4 minibatches of 64, one AdamW update each, on
 the 7.1 M-parameter random Qwen3-MoE of `conf/model/tiny_moe.yaml` (hidden 256, 4 MoE layers, 16 experts,
-top-2, expert width 128). Our loop samples with 2 rollout workers, which share the threads (one each on 2). The TRL worker builds its run from the same composed config, so both loops see the
+top-2, expert width 128). The TRL worker builds its run from the same composed config, so both loops see the
 same model, tokenizer, prompts, batch geometry, learning rate and clip range.
 """
 
@@ -26,9 +26,6 @@ BENCH_TINY = [
     "trainer.lr=1e-5",
     "trainer.eval_every=0",
     "logger.wandb.mode=disabled",
-    # Our loop's setting for a 2-core CPU: two processes sample half of the prompts each (the rollout is bound by
-    # per-operator cost, which a second intra-op thread hardly shortens); `--overheads` measures it against one.
-    "trainer.rollout_workers=2",
 ]
 
 # The loops the issue asks for, as overrides on top of the workload.

@@ -95,12 +95,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.lr_schedule={t.lr_schedule!r} is not one of {list(LR_SCHEDULES)}")
     if cfg.logger.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of {list(WANDB_MODES)}")
-    threads = t.threads or torch.get_num_threads()
-    if not 1 <= t.rollout_workers <= threads:
-        raise ConfigError(
-            f"trainer.rollout_workers={t.rollout_workers} must be between 1 and the {threads} threads they share "
-            "(trainer.threads, or torch's default): each worker samples on at least one"
-        )
+    if t.rollout_workers < 1:
+        raise ConfigError(f"trainer.rollout_workers={t.rollout_workers} must be >= 1")
     if t.rollout_workers > 1 and cfg.device != "cpu":
         raise ConfigError(
             f"trainer.rollout_workers={t.rollout_workers} shares the weights in CPU memory; on device={cfg.device!r} "

@@ -71,21 +71,11 @@ def test_cli_runs_our_loop_and_reports_the_work(tmp_path, capsys):
 
 
 def test_worker_probe_times_plain_generate(tmp_path):
-    # The workload's own 2 rollout workers, one thread each.
-    args = ["--overrides", json.dumps(MICRO_OVERRIDES), "--threads", "2", "--probe-generate"]
+    args = ["--overrides", json.dumps(MICRO_OVERRIDES), "--threads", "1", "--probe-generate"]
     with Worker("probe", "benchmarks.lab_worker", args, tmp_path / "probe.log") as worker:
-        assert worker.info["threads"] == 2
+        assert worker.info["threads"] == 1
         report = worker.step()
     assert report["generate_s"] > 0 and report["tokens"] == 64
-
-
-def test_peak_rss_of_a_process_by_pid_agrees_with_getrusage():
-    """A rollout worker's peak RSS is read from /proc by pid; for this process both readings must agree."""
-    import os
-
-    from benchmarks.worker import peak_rss_mib
-
-    assert peak_rss_mib(os.getpid()) == pytest.approx(peak_rss_mib(), rel=0.05)
 
 
 def test_a_worker_that_dies_is_reported_with_its_log(tmp_path):

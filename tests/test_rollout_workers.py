@@ -105,7 +105,7 @@ def test_workers_need_two_processes_and_cpu_weights(pooled):
 
 def test_runs_with_workers_are_reproducible_and_stop_their_helpers(tmp_path):
     helpers_before = _helpers()
-    cfg = compose_train("trainer.rollout_workers=2", "trainer.threads=2", "trainer.steps=2", "trainer.eval_every=1")
+    cfg = compose_train("trainer.rollout_workers=2", "trainer.steps=2", "trainer.eval_every=1")
     train(cfg, tmp_path / "a")
     train(cfg, tmp_path / "b")
 
