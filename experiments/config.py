@@ -71,10 +71,6 @@ class TrainerConfig:
     eval_samples: int = 4  # k for mean pass@1
     save_checkpoint: bool = False
     threads: int | None = None  # torch CPU threads; null keeps torch's default
-    # Processes that sample a rollout, each taking a share of the prompts with threads / rollout_workers threads
-    # (experiments/rollout_workers.py). On a CPU, decoding a small model is bound by per-operator cost, not
-    # arithmetic: 2 workers of 1 thread sample the bench-tiny rollout ~25% faster than 1 worker of 2 threads.
-    rollout_workers: int = 1
 
 
 @dataclass

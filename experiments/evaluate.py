@@ -10,7 +10,6 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.rollout import generate_rollout
-from experiments.rollout_workers import RolloutWorkers
 from experiments.tasks import Example, Task
 
 
@@ -23,18 +22,13 @@ def evaluate(
     samples: int,
     max_new_tokens: int,
     temperature: float,
-    workers: RolloutWorkers | None = None,
 ) -> dict[str, float]:
     """`eval/accuracy`: mean over prompts of the share of `samples` sampled completions that are correct
     (the unbiased pass@1 estimate); `eval/greedy_accuracy`: share of prompts answered correctly by greedy decoding."""
     metrics = {}
     if samples > 0:
-        sampled = generate_rollout(
-            model, tokenizer, task, examples, samples, max_new_tokens, temperature, workers=workers
-        )
+        sampled = generate_rollout(model, tokenizer, task, examples, samples, max_new_tokens, temperature)
         metrics["eval/accuracy"] = float(sampled.correct.float().mean())
-    greedy = generate_rollout(
-        model, tokenizer, task, examples, 1, max_new_tokens, temperature, greedy=True, workers=workers
-    )
+    greedy = generate_rollout(model, tokenizer, task, examples, 1, max_new_tokens, temperature, greedy=True)
     metrics["eval/greedy_accuracy"] = float(greedy.correct.float().mean())
     return metrics

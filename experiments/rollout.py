@@ -15,17 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.tasks import Example, Task
-from models.routing import NO_ROUTE, RoutingTrace, record_routing
-
-if TYPE_CHECKING:
-    from experiments.rollout_workers import RolloutWorkers
+from models.routing import RoutingTrace, record_routing
 
 
 @dataclass
@@ -92,108 +87,6 @@ def _prefill_once_per_prompt(
     return cache, recording.trace.rows(torch.arange(ids.shape[0]).repeat_interleave(group_size))
 
 
-@dataclass
-class Samples:
-    """What generation produces for rows in whole groups: the part of a rollout that needs the model."""
-
-    sequences: torch.Tensor  # [n, P + T'] the prompts, then the sampled tokens (pad after a row's eos)
-    logp: torch.Tensor | None  # [n, T'] fp32 log-probs of the sampled tokens under logits / temperature
-    trace: RoutingTrace | None  # [L, n, P + T', K] routing of every position (`NO_ROUTE` on the last token)
-
-
-def generation_options(
-    tokenizer: PreTrainedTokenizerBase,
-    max_new_tokens: int,
-    temperature: float,
-    greedy: bool,
-    fixed_length: bool,
-    logprobs: bool,
-) -> dict:
-    """The keyword arguments of the rollout's `generate` call (plain values: they travel to rollout workers)."""
-    options = dict(
-        max_new_tokens=max_new_tokens,
-        do_sample=not greedy,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        return_dict_in_generate=True,
-        output_logits=logprobs,
-    )
-    if not greedy:
-        options.update(temperature=temperature, top_k=0, top_p=1.0)
-    if fixed_length:
-        options["min_new_tokens"] = max_new_tokens
-    return options
-
-
-@torch.no_grad()
-def sample_groups(
-    model: PreTrainedModel,
-    prompts: dict[str, torch.Tensor],
-    group_size: int,
-    options: dict,
-    temperature: float,
-    record: bool,
-) -> Samples:
-    """Sample `group_size` completions of each left-padded prompt (`input_ids`/`attention_mask [B, P]`).
-
-    One batched `generate` call over the B·G rows, continuing from a prefill computed once per prompt. `record`:
-    keep the routing of every position. With `options["output_logits"]`, also the log-probs of the sampled tokens
-    under `logits / temperature`, from the raw logits, before the sampling-time processors (e.g. `fixed_length`'s
-    eos ban): the distribution that `experiments.scoring` scores.
-    """
-    device = next(model.parameters()).device
-    encoded = {key: value.repeat_interleave(group_size, dim=0).to(device) for key, value in prompts.items()}
-    prompt_width = encoded["input_ids"].shape[1]
-    options = dict(options)
-    prefix_trace = None
-    if group_size > 1 and prompt_width > 1:
-        options["cache"], prefix_trace = _prefill_once_per_prompt(model, prompts, group_size, record)
-    with record_routing(model, generate=True) if record else contextlib.nullcontext() as recording:
-        generated = model.generate(**encoded, **options)
-    trace = None
-    if record:
-        trace = recording.trace
-        if prefix_trace is not None:
-            trace = replace(trace, experts=torch.cat([prefix_trace.experts, trace.experts], dim=2))
-    sequences = generated.sequences
-    logp = None
-    if options["output_logits"]:
-        logits = torch.stack(generated.logits, dim=1).float() / temperature  # [n, T', V]
-        taken = sequences[:, prompt_width:]
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, taken.unsqueeze(-1)).squeeze(-1)
-    return Samples(sequences=sequences, logp=logp, trace=trace)
-
-
-def concat_samples(parts: list[Samples], pad_id: int) -> Samples:
-    """Stack the samples of consecutive prompt chunks; a chunk whose rows all stopped early is padded as
-    `generate` pads finished rows (pad tokens, log-prob 0, no route)."""
-    if len(parts) == 1:
-        return parts[0]
-    width = max(part.sequences.shape[1] for part in parts)
-    sequences, logps, traces = [], [], []
-    for part in parts:
-        missing = width - part.sequences.shape[1]
-        sequences.append(_pad_end(part.sequences, 1, missing, pad_id))
-        if part.logp is not None:
-            logps.append(_pad_end(part.logp, 1, missing, 0.0))
-        if part.trace is not None:
-            traces.append(_pad_end(part.trace.experts, 2, missing, NO_ROUTE))
-    return Samples(
-        sequences=torch.cat(sequences),
-        logp=torch.cat(logps) if logps else None,
-        trace=replace(parts[0].trace, experts=torch.cat(traces, dim=1)) if traces else None,
-    )
-
-
-def _pad_end(tensor: torch.Tensor, dim: int, missing: int, value: float) -> torch.Tensor:
-    """`tensor` with `missing` entries of `value` appended along `dim`."""
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_full(shape, value)], dim=dim)
-
-
 @torch.no_grad()
 def generate_rollout(
     model: PreTrainedModel,
@@ -207,32 +100,56 @@ def generate_rollout(
     fixed_length: bool = False,
     record: bool = False,
     logprobs: bool = False,
-    workers: "RolloutWorkers | None" = None,
 ) -> Rollout:
-    """Sample `group_size` completions for each example, decode and score them.
+    """Sample `group_size` completions for each example (one batched `generate` call), decode and score them.
 
     `record`: keep the routing of every generated position (`Rollout.trace`). `logprobs`: keep the log-probs of the
-    sampled tokens (`Rollout.rollout_logp`, see `sample_groups`). `workers`: share the prompts out among rollout
-    workers (`experiments.rollout_workers`); otherwise one batched `generate` call here.
+    sampled tokens under `logits / temperature` (`Rollout.rollout_logp`), from the raw logits, before the
+    sampling-time processors (e.g. `fixed_length`'s eos ban), the same distribution that `experiments.scoring` scores.
     """
-    prompts = dict(
-        tokenizer([ex.prompt for ex in examples], return_tensors="pt", padding=True, add_special_tokens=False)
+    device = next(model.parameters()).device
+    unique = tokenizer([ex.prompt for ex in examples], return_tensors="pt", padding=True, add_special_tokens=False)
+    encoded = {key: value.repeat_interleave(group_size, dim=0).to(device) for key, value in unique.items()}
+    prompt_width = encoded["input_ids"].shape[1]
+    options = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        return_dict_in_generate=True,
+        output_logits=logprobs,
     )
-    prompt_width = prompts["input_ids"].shape[1]
-    options = generation_options(tokenizer, max_new_tokens, temperature, greedy, fixed_length, logprobs)
-    sampler = workers.sample if workers is not None else partial(sample_groups, model)
-    samples = sampler(prompts, group_size, options, temperature, record)
-    sequences = samples.sequences.cpu()
+    if not greedy:
+        options.update(temperature=temperature, top_k=0, top_p=1.0)
+    if fixed_length:
+        options["min_new_tokens"] = max_new_tokens
+    prefix_trace = None
+    if group_size > 1 and prompt_width > 1:
+        options["cache"], prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record)
+    if record:
+        with record_routing(model, generate=True) as recording:
+            generated = model.generate(**encoded, **options)
+        trace = recording.trace
+        if prefix_trace is not None:
+            trace = replace(trace, experts=torch.cat([prefix_trace.experts, trace.experts], dim=2))
+    else:
+        generated = model.generate(**encoded, **options)
+        trace = None
+    sequences = generated.sequences
     input_ids, response_mask, truncated = _response_layout(
         sequences, prompt_width, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
-    prompt_mask = prompts["attention_mask"].repeat_interleave(group_size, dim=0)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    attention_mask = torch.cat([encoded["attention_mask"], response_mask.long()], dim=1)
     completions = tokenizer.batch_decode(input_ids[:, prompt_width:], skip_special_tokens=True)
     rows = [example for example in examples for _ in range(group_size)]
     rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(completions, rows)], dtype=torch.float32)
     correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(completions, rows)])
-    rollout_logp = samples.logp.cpu().masked_fill(~response_mask, 0.0) if logprobs else None
+    rollout_logp = None
+    if logprobs:
+        logits = torch.stack(generated.logits, dim=1).float() / temperature  # [N, T_generated, V]
+        taken = sequences[:, prompt_width:]
+        rollout_logp = torch.log_softmax(logits, dim=-1).gather(-1, taken.unsqueeze(-1)).squeeze(-1)
+        rollout_logp = rollout_logp.masked_fill(~response_mask, 0.0)
     return Rollout(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -243,6 +160,6 @@ def generate_rollout(
         rewards=rewards,
         correct=correct,
         truncated=truncated,
-        trace=samples.trace,
+        trace=trace,
         rollout_logp=rollout_logp,
     )

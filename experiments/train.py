@@ -55,7 +55,6 @@ from experiments.config import (
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
 from experiments.rollout import Rollout, generate_rollout
-from experiments.rollout_workers import RolloutWorkers
 from experiments.scoring import FED, PACKED_ATTENTION, Scores, can_pack, score_responses
 from experiments.tasks import build_task
 from models.moe_backend import clear_moe_bookkeeping
@@ -95,13 +94,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.lr_schedule={t.lr_schedule!r} is not one of {list(LR_SCHEDULES)}")
     if cfg.logger.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of {list(WANDB_MODES)}")
-    if t.rollout_workers < 1:
-        raise ConfigError(f"trainer.rollout_workers={t.rollout_workers} must be >= 1")
-    if t.rollout_workers > 1 and cfg.device != "cpu":
-        raise ConfigError(
-            f"trainer.rollout_workers={t.rollout_workers} shares the weights in CPU memory; on device={cfg.device!r} "
-            "use trainer.rollout_workers=1"
-        )
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={cfg.device!r} but this machine has no CUDA device; use device=cpu")
     old_logprob_source(cfg)
@@ -236,10 +228,6 @@ class RLTrainer:
             self.optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, total_updates)
         )
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.workers = None
-        if t.rollout_workers > 1:
-            threads = t.threads or torch.get_num_threads()
-            self.workers = RolloutWorkers(self.model, model_cfg, t.rollout_workers, threads, cfg.seed)
         self.step_index = 0
         self.tokens_seen = 0
         self.skipped_updates = 0
@@ -264,7 +252,6 @@ class RLTrainer:
             # rollout's too (no other θ_old forward happens).
             record=self.replay == "r3" or (self.old_logprobs == "rollout" and self.track_routing),
             logprobs=self.replay == "r3" or self.old_logprobs == "rollout",
-            workers=self.workers,
         )
 
     @torch.no_grad()
@@ -438,13 +425,7 @@ class RLTrainer:
             samples=t.eval_samples,
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
-            workers=self.workers,
         )
-
-    def close(self) -> None:
-        """Stop the rollout workers, if any (they also stop when the trainer is collected)."""
-        if self.workers is not None:
-            self.workers.close()
 
 
 def run_name(cfg: DictConfig) -> str:
@@ -503,8 +484,6 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     except BaseException:
         logger.abort()
         raise
-    finally:
-        trainer.close()
     rewards = [r["reward/mean"] for r in history]
     final = history[-1]
     summary = {
