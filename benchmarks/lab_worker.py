@@ -6,6 +6,8 @@ A step is timed as a training run spends it: `RLTrainer.step()` and then `RunLog
 W&B when `logger.wandb.mode` is not `disabled`). The breakdown is the trainer's own `perf/*` metrics.
 `--probe-generate`: after each timed step (outside its time), one plain `model.generate` call on the step's own
 prompts with the rollout's sampling settings, reported as `generate_s`: the reference for rollout throughput.
+`--profile`: each step also reports the self time of each part of the model's forwards, and of backward, gradient
+clipping and the optimizer step, in the rollout and in scoring + training (`benchmarks.module_time`), as `profile`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import torch  # noqa: E402
 
+from benchmarks.module_time import ModuleTimer  # noqa: E402
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
 from experiments.rollout import Rollout  # noqa: E402
 from benchmarks.workload import compose_workload  # noqa: E402
@@ -48,6 +51,7 @@ def main() -> None:
     parser.add_argument("--overrides", default="[]", help="JSON list of Hydra overrides on top of the workload")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--probe-generate", action="store_true", help="also time model.generate on each batch")
+    parser.add_argument("--profile", action="store_true", help="also report self time per part of the model")
     args = parser.parse_args()
     channel = Channel()
     overrides = json.loads(args.overrides)
@@ -58,10 +62,21 @@ def main() -> None:
     rollouts: list[Rollout] = []
     sample = trainer.rollout
 
+    timer = ModuleTimer(trainer.model) if args.profile else None
+    if timer is not None:
+        # This process only runs the benchmark: patching these is how their time reaches the timer.
+        torch.Tensor.backward = timer.around(torch.Tensor.backward, "backward")
+        torch.nn.utils.clip_grad_norm_ = timer.around(torch.nn.utils.clip_grad_norm_, "gradient clipping")
+        trainer.optimizer.step = timer.around(trainer.optimizer.step, "optimizer step")
+
     def rollout():
         # Kept for the report: the prompt width is part of the work (the roofline's FLOP count needs it), and the
         # generate probe reuses the prompts.
+        if timer is not None:
+            timer.phase = "rollout"
         batch = sample()
+        if timer is not None:
+            timer.phase = "scoring + training"
         rollouts[:] = [batch]
         return batch
 
@@ -76,12 +91,16 @@ def main() -> None:
         )
         while channel.wait():
             tokens_before = trainer.tokens_seen
+            if timer is not None:
+                timer.take()  # nothing before this step (the previous step's generate probe) counts
             start = time.perf_counter()
             record = trainer.step()
             logged = time.perf_counter()
             logger.log(record)
             end = time.perf_counter()
-            probe = {"generate_s": time_plain_generate(trainer, rollouts[0])} if args.probe_generate else {}
+            extra = {"profile": timer.take()} if timer is not None else {}
+            if args.probe_generate:
+                extra["generate_s"] = time_plain_generate(trainer, rollouts[0])
             channel.send(
                 "step",
                 seconds=end - start,
@@ -94,7 +113,7 @@ def main() -> None:
                 sequence_tokens=rollouts[0].input_ids.numel(),  # prompt + completion positions, padding included
                 reward=record["reward/mean"],
                 rss_mib=peak_rss_mib(),
-                **probe,
+                **extra,
             )
         logger.finish({"status": "benchmark"})
 

@@ -3,6 +3,7 @@
     python -m benchmarks.rl_step                        # grpo, gspo, grpo+r2: step time, breakdown, roofline
     python -m benchmarks.rl_step --vs-trl               # + TRL's GRPOTrainer stepped alternately (bench extra)
     python -m benchmarks.rl_step --overheads --scaling  # + overhead ratios and the scaling table
+    python -m benchmarks.rl_step --profile              # + where grpo's step time goes inside the model
     python -m benchmarks.rl_step --all --json-out bench.json
 
 Every configuration runs in its own worker process (`benchmarks.worker`) and all workers of a section take their
@@ -21,6 +22,9 @@ Sections:
                θ_old), θ_old log-probs recomputed / from the rollout, W&B offline / disabled, packed groups / rows.
   --scaling    step time against group size, completion length and number of experts; per-token cost relative
                to the workload shows where cost is not linear in tokens.
+  --profile    grpo's step with module timers (`benchmarks.module_time`): self time of the experts, router,
+               attention, norms, LM head, embeddings and the rest of the model's forwards, of backward, gradient
+               clipping and the optimizer step, and everything else, in the rollout and in scoring + training.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.module_time import PARTS
 from benchmarks.roofline import ModelShape, matmul_gflops, matmul_peak, rl_step_flops
 from benchmarks.worker import Worker
 from benchmarks.workload import BENCH_TINY, VARIANTS, compose_workload
@@ -267,6 +272,31 @@ def scaling_section(args, log_dir, peak_size, results) -> None:
                   "relative per completion token", "relative per sequence token"], rows))
 
 
+def profile_section(args, log_dir, peak_size, results) -> None:
+    specs = {"grpo, module timers": ("benchmarks.lab_worker", VARIANTS["grpo"], ["--profile"])}
+    print("profile: grpo with module timers", file=sys.stderr, flush=True)
+    series, _ = run_round_robin(specs, args, log_dir, peak_size)
+    steps = series["grpo, module timers"].steps
+    phases = {"rollout": ["rollout_s"], "scoring + training": ["score_s", "train_s"]}
+    columns = {}
+    for phase, keys in phases.items():
+        phase_s = [sum(step[key] for key in keys) for step in steps]
+        parts = {part: [step["profile"].get(phase, {}).get(part, 0.0) for step in steps] for part in PARTS}
+        parts["everything else"] = [total - sum(step_parts) for total, step_parts in zip(phase_s, zip(*parts.values()))]
+        columns[phase] = (statistics.median(phase_s), {part: statistics.median(v) for part, v in parts.items()})
+    results["profile"] = {"steps": steps, "medians": {phase: parts for phase, (_, parts) in columns.items()}}
+    rows = []
+    for part in [*PARTS, "everything else"]:
+        row = [part]
+        for phase_s, parts in columns.values():
+            row += [f"{parts[part]:.3f}", f"{parts[part] / phase_s:.0%}"]
+        rows.append(row)
+    print("\n## Where grpo's step goes (self time per part, median of timed steps; s)\n")
+    print(_table(["part", "rollout", "share", "scoring + training", "share"], rows))
+    print("\nEverything else: generate's loop and sampling in the rollout; the objective, metrics and minibatch "
+          "assembly in scoring + training.")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
@@ -276,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vs-trl", action="store_true", help="step TRL's GRPOTrainer alternately (bench extra)")
     parser.add_argument("--overheads", action="store_true", help="routing metrics, r2 and W&B overhead ratios")
     parser.add_argument("--scaling", action="store_true", help="group size, completion length, experts")
+    parser.add_argument("--profile", action="store_true", help="self time per part of the model, grpo")
     parser.add_argument("--all", action="store_true", help="every section")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra Hydra override for every configuration (repeatable), e.g. model.num_experts=8")
@@ -285,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.steps < 1 or args.warmup < 0 or args.threads < 0:
         parser.error(f"--steps={args.steps} must be >= 1, --warmup={args.warmup} and --threads={args.threads} >= 0")
     if args.all:
-        args.vs_trl = args.overheads = args.scaling = True
+        args.vs_trl = args.overheads = args.scaling = args.profile = True
     if args.vs_trl:
         try:
             import trl  # noqa: F401
@@ -301,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peak_size, peak, rates = matmul_peak()
     print("fp32 matmul: " + ", ".join(f"{n}: {r:.0f}" for n, r in rates.items()) + f" GFLOP/s (peak at {peak_size})")
     results: dict[str, Any] = {"machine": info, "matmul_gflops": rates, "argv": sys.argv[1:] if argv is None else argv,
-                               "main": {}, "vs_trl": {}, "overheads": {}, "scaling": {}}
+                               "main": {}, "vs_trl": {}, "overheads": {}, "scaling": {}, "profile": {}}
     with tempfile.TemporaryDirectory(prefix="bench_logs_") as scratch:
         log_dir = args.log_dir or Path(scratch)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -310,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             overheads_section(args, log_dir, peak_size, results)
         if args.scaling:
             scaling_section(args, log_dir, peak_size, results)
+        if args.profile:
+            profile_section(args, log_dir, peak_size, results)
     results["load_1min_end"] = os.getloadavg()[0]
     print(f"\nload average (1 min) at start {info['load_1min']:.1f}, at end {results['load_1min_end']:.1f} "
           f"on {info['cores']} cores")

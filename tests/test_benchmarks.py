@@ -3,11 +3,14 @@ TRL settings that make TRL's generation batch the work of one of our RL steps.""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
+import torch
 
 from benchmarks import rl_step
+from benchmarks.module_time import ModuleTimer
 from benchmarks.roofline import ModelShape, matmul_gflops, rl_step_flops
 from benchmarks.worker import Worker
 from benchmarks.workload import compose_workload
@@ -68,6 +71,48 @@ def test_cli_runs_our_loop_and_reports_the_work(tmp_path, capsys):
         assert step["rollout_s"] + step["score_s"] + step["train_s"] <= step["seconds"]
     fractions = result["main"]["ours grpo"]["peak_fraction"]
     assert len(fractions) == 2 and all(0 < f < 1 for f in fractions)
+
+
+def test_profile_section_splits_the_step_into_the_models_parts(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--variants", "grpo", "--steps", "1", "--warmup", "0", "--threads", "1", "--profile", "--json-out", str(out)]
+    for override in MICRO_OVERRIDES:
+        args += ["--override", override]
+    rl_step.main(args)
+    assert "## Where grpo's step goes" in capsys.readouterr().out
+    profile = json.loads(out.read_text())["profile"]
+    rollout, training = profile["medians"]["rollout"], profile["medians"]["scoring + training"]
+    for part in ("experts", "router", "attention", "norms", "lm head"):
+        assert rollout[part] > 0 and training[part] > 0, part
+    assert rollout["backward"] == rollout["optimizer step"] == 0.0, "no backward or update while sampling"
+    assert training["backward"] > 0 and training["gradient clipping"] > 0 and training["optimizer step"] > 0
+    step = profile["steps"][0]
+    timed = sum(step["profile"]["scoring + training"].values())
+    assert timed <= step["score_s"] + step["train_s"], "self times never exceed the phase they are part of"
+
+
+def test_module_timer_charges_each_part_its_self_time(micro_policy):
+    """With a clock that ticks once per reading, self times are exact: they partition the outermost call."""
+    model, tokenizer = micro_policy
+    ticks = itertools.count()
+    timer = ModuleTimer(model, clock=lambda: float(next(ticks)))
+    ids = tokenizer(["12+34="], return_tensors="pt", add_special_tokens=False).input_ids
+
+    def two_forwards():
+        with torch.no_grad():
+            model(input_ids=ids)
+            model(input_ids=ids)
+
+    timer.around(two_forwards, "backward")()
+    readings = next(ticks)  # every enter and leave read the clock once: readings 0 .. readings - 1
+    parts = timer.take()["unattributed"]
+    assert sum(parts.values()) == readings - 1, "self times add up to the outermost call's time"
+    assert parts["backward"] == 3, "the wrapper's own time is the three gaps around its two forwards"
+    assert all(parts[part] > 0 for part in ("experts", "router", "attention", "norms", "lm head", "embeddings"))
+    assert timer.take() == {}, "take() starts a new tally"
+    timer.remove()
+    model(input_ids=ids)
+    assert timer.take() == {}, "removed hooks time nothing"
 
 
 def test_worker_probe_times_plain_generate(tmp_path):
