@@ -75,7 +75,8 @@ def test_cli_runs_our_loop_and_reports_the_work(tmp_path, capsys):
 
 def test_profile_section_splits_the_step_into_the_models_parts(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["--variants", "grpo", "--steps", "1", "--warmup", "0", "--threads", "1", "--profile", "--json-out", str(out)]
+    args = ["--variants", "grpo", "--steps", "1", "--warmup", "0", "--threads", "1", "--profile",
+            "--json-out", str(out)]
     for override in MICRO_OVERRIDES:
         args += ["--override", override]
     rl_step.main(args)
