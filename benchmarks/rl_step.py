@@ -4,6 +4,7 @@
     python -m benchmarks.rl_step --vs-trl               # + TRL's GRPOTrainer stepped alternately (bench extra)
     python -m benchmarks.rl_step --overheads --scaling  # + overhead ratios and the scaling table
     python -m benchmarks.rl_step --profile              # + where grpo's step time goes inside the model
+    python -m benchmarks.rl_step --compare algo=gspo "" # only: gspo / grpo, stepped alternately
     python -m benchmarks.rl_step --all --json-out bench.json
 
 Every configuration runs in its own worker process (`benchmarks.worker`) and all workers of a section take their
@@ -22,6 +23,10 @@ Sections:
                θ_old), θ_old log-probs recomputed / from the rollout, W&B offline / disabled, packed groups / rows.
   --scaling    step time against group size, completion length and number of experts; per-token cost relative
                to the workload shows where cost is not linear in tokens.
+  --compare    two sets of Hydra overrides A and B on top of grpo on the workload (your objective, another expert
+               backend, ...), stepped alternately: A / B per round for the step, the rollout and scoring +
+               training. The same set twice shows how far the machine's noise alone moves the ratio. Given
+               alone (no --variants, --vs-trl or --all), it is the only section.
   --profile    grpo's step with module timers (`benchmarks.module_time`): self time of the experts, router,
                attention, norms, LM head, embeddings and the rest of the model's forwards, of backward, gradient
                clipping and the optimizer step, and everything else, in the rollout and in scoring + training.
@@ -41,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from benchmarks.module_time import PARTS
 from benchmarks.roofline import ModelShape, matmul_gflops, matmul_peak, rl_step_flops
@@ -178,6 +185,8 @@ def step_flops(overrides: list[str], prompt_width: int) -> dict[str, float]:
 
 
 def main_section(args, log_dir, peak_size, results) -> None:
+    if not args.variants:
+        return
     specs: dict[str, tuple[str, list[str], list[str]]] = {}
     for variant in args.variants:
         specs[f"ours {variant}"] = ("benchmarks.lab_worker", VARIANTS[variant], [])
@@ -250,6 +259,31 @@ def overheads_section(args, log_dir, peak_size, results) -> None:
     print(_table(["switch", "with s", "without s", "ratio median (min-max)", "cost"], rows))
 
 
+def compare_sides(args: argparse.Namespace) -> dict[str, list[str]]:
+    """`--compare A B` as override lists on top of grpo, labelled so that two equal sides stay two workers."""
+    return {f"{name}: {' '.join(side.split()) or 'grpo (workload)'}": [*VARIANTS["grpo"], *side.split()]
+            for name, side in zip("AB", args.compare)}
+
+
+def compare_section(args, log_dir, peak_size, results) -> None:
+    sides = compare_sides(args)
+    specs = {label: ("benchmarks.lab_worker", overrides, []) for label, overrides in sides.items()}
+    print(f"compare: {' against '.join(specs)}", file=sys.stderr, flush=True)
+    series, _ = run_round_robin(specs, args, log_dir, peak_size)
+    a, b = series.values()
+    phases = {"step": ["seconds"], "rollout": ["rollout_s"], "scoring + training": ["score_s", "train_s"]}
+    rows, ratios = [], {}
+    for phase, keys in phases.items():
+        a_s, b_s = ([sum(step[key] for key in keys) for step in s.steps] for s in (a, b))
+        ratios[phase] = [x / y for x, y in zip(a_s, b_s)]
+        rows.append([phase, f"{statistics.median(a_s):.3f}", f"{statistics.median(b_s):.3f}", _spread(ratios[phase])])
+    results["compare"] = {"A": {"label": a.label, "overrides": a.overrides, "steps": a.steps},
+                          "B": {"label": b.label, "overrides": b.overrides, "steps": b.steps}, "ratios": ratios}
+    print(f"\n## A / B, stepped alternately (A = {a.label.removeprefix('A: ')}; B = {b.label.removeprefix('B: ')})\n")
+    print(_table(["phase", "A s", "B s", "A / B median (min-max)"], rows))
+    print("\nstep ratio per round: " + " ".join(f"{r:.2f}" for r in ratios["step"]))
+
+
 def scaling_section(args, log_dir, peak_size, results) -> None:
     specs = {name: ("benchmarks.lab_worker", [*VARIANTS["grpo"], *extra], []) for name, extra in SCALING.items()}
     print(f"scaling: {', '.join(specs)}", file=sys.stderr, flush=True)
@@ -302,11 +336,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration before those")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads everywhere (0: default)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                        help="loops of the main section (default: all; none when --compare is given alone)")
     parser.add_argument("--vs-trl", action="store_true", help="step TRL's GRPOTrainer alternately (bench extra)")
     parser.add_argument("--overheads", action="store_true", help="routing metrics, r2 and W&B overhead ratios")
     parser.add_argument("--scaling", action="store_true", help="group size, completion length, experts")
     parser.add_argument("--profile", action="store_true", help="self time per part of the model, grpo")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                        help='A / B: two sets of space-separated overrides on top of grpo ("" = grpo itself)')
     parser.add_argument("--all", action="store_true", help="every section")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra Hydra override for every configuration (repeatable), e.g. model.num_experts=8")
@@ -317,12 +354,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--steps={args.steps} must be >= 1, --warmup={args.warmup} and --threads={args.threads} >= 0")
     if args.all:
         args.vs_trl = args.overheads = args.scaling = args.profile = True
+    if args.variants is None:
+        args.variants = [] if args.compare and not args.vs_trl else list(VARIANTS)
     if args.vs_trl:
         try:
             import trl  # noqa: F401
         except ImportError:
             parser.error("--vs-trl needs TRL: pip install -e '.[bench]' (trl, datasets, accelerate)")
-    compose_workload(args.override)  # a bad override fails here, before any worker starts
+    # A bad override fails here, before any worker starts.
+    for overrides in [[], *(compare_sides(args).values() if args.compare else [])]:
+        try:
+            compose_workload([*args.override, *overrides])
+        except (HydraException, OmegaConfBaseException) as error:
+            parser.error(f"bad override in {' '.join([*args.override, *overrides])!r}: {error}")
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine()
@@ -332,11 +376,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peak_size, peak, rates = matmul_peak()
     print("fp32 matmul: " + ", ".join(f"{n}: {r:.0f}" for n, r in rates.items()) + f" GFLOP/s (peak at {peak_size})")
     results: dict[str, Any] = {"machine": info, "matmul_gflops": rates, "argv": sys.argv[1:] if argv is None else argv,
-                               "main": {}, "vs_trl": {}, "overheads": {}, "scaling": {}, "profile": {}}
+                               "main": {}, "vs_trl": {}, "overheads": {}, "scaling": {}, "profile": {}, "compare": {}}
     with tempfile.TemporaryDirectory(prefix="bench_logs_") as scratch:
         log_dir = args.log_dir or Path(scratch)
         log_dir.mkdir(parents=True, exist_ok=True)
         main_section(args, log_dir, peak_size, results)
+        if args.compare:
+            compare_section(args, log_dir, peak_size, results)
         if args.overheads:
             overheads_section(args, log_dir, peak_size, results)
         if args.scaling:

@@ -92,6 +92,38 @@ def test_profile_section_splits_the_step_into_the_models_parts(tmp_path, capsys)
     assert timed <= step["score_s"] + step["train_s"], "self times never exceed the phase they are part of"
 
 
+def test_compare_steps_two_override_sets_alternately_and_alone(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--compare", "algo=gspo", "", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
+    for override in MICRO_OVERRIDES:
+        args += ["--override", override]
+    rl_step.main(args)
+    assert "## A / B, stepped alternately (A = algo=gspo; B = grpo (workload))" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["main"] == {}, "--compare alone runs only the comparison"
+    compare = result["compare"]
+    assert compare["A"]["overrides"] == ["algo=grpo", "algo=gspo"] and compare["B"]["overrides"] == ["algo=grpo"]
+    a, b = compare["A"]["steps"], compare["B"]["steps"]
+    assert len(a) == len(b) == 2
+    assert compare["ratios"]["step"] == [x["seconds"] / y["seconds"] for x, y in zip(a, b)]
+    training = [(x["score_s"] + x["train_s"]) / (y["score_s"] + y["train_s"]) for x, y in zip(a, b)]
+    assert compare["ratios"]["scoring + training"] == pytest.approx(training)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--compare", "algo=nope", ""], "Could not find 'algo/nope'"),
+        (["--compare", "", "trainer.nokey=1"], "Could not override 'trainer.nokey'"),
+        (["--override", "trainer.lr=abc"], "trainer.lr=abc"),
+    ],
+)
+def test_cli_names_a_bad_override_before_starting_workers(args, message, capsys):
+    with pytest.raises(SystemExit):
+        rl_step.main(args)
+    assert message in capsys.readouterr().err
+
+
 def test_module_timer_charges_each_part_its_self_time(micro_policy):
     """With a clock that ticks once per reading, self times are exact: they partition the outermost call."""
     model, tokenizer = micro_policy
