@@ -77,6 +77,10 @@ SCALING = {
     "experts 32": ["model.num_experts=32"],
 }
 
+# A step and the parts of the trainer's breakdown that the A / B and profile tables show, as sums of a worker's
+# per-step fields.
+PHASES = {"step": ["seconds"], "rollout": ["rollout_s"], "scoring + training": ["score_s", "train_s"]}
+
 
 @dataclass
 class Series:
@@ -259,6 +263,11 @@ def overheads_section(args, log_dir, peak_size, results) -> None:
     print(_table(["switch", "with s", "without s", "ratio median (min-max)", "cost"], rows))
 
 
+def phase_seconds(steps: list[dict[str, Any]], phase: str) -> list[float]:
+    """Seconds of `phase` (a key of `PHASES`) in each of a worker's steps."""
+    return [sum(step[key] for key in PHASES[phase]) for step in steps]
+
+
 def compare_sides(args: argparse.Namespace) -> dict[str, list[str]]:
     """`--compare A B` as override lists on top of grpo, labelled so that two equal sides stay two workers."""
     return {f"{name}: {' '.join(side.split()) or 'grpo (workload)'}": [*VARIANTS["grpo"], *side.split()]
@@ -271,10 +280,9 @@ def compare_section(args, log_dir, peak_size, results) -> None:
     print(f"compare: {' against '.join(specs)}", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     a, b = series.values()
-    phases = {"step": ["seconds"], "rollout": ["rollout_s"], "scoring + training": ["score_s", "train_s"]}
     rows, ratios = [], {}
-    for phase, keys in phases.items():
-        a_s, b_s = ([sum(step[key] for key in keys) for step in s.steps] for s in (a, b))
+    for phase in PHASES:
+        a_s, b_s = (phase_seconds(s.steps, phase) for s in (a, b))
         ratios[phase] = [x / y for x, y in zip(a_s, b_s)]
         rows.append([phase, f"{statistics.median(a_s):.3f}", f"{statistics.median(b_s):.3f}", _spread(ratios[phase])])
     results["compare"] = {"A": {"label": a.label, "overrides": a.overrides, "steps": a.steps},
@@ -311,10 +319,9 @@ def profile_section(args, log_dir, peak_size, results) -> None:
     print("profile: grpo with module timers", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     steps = series["grpo, module timers"].steps
-    phases = {"rollout": ["rollout_s"], "scoring + training": ["score_s", "train_s"]}
     columns = {}
-    for phase, keys in phases.items():
-        phase_s = [sum(step[key] for key in keys) for step in steps]
+    for phase in ("rollout", "scoring + training"):
+        phase_s = phase_seconds(steps, phase)
         parts = {part: [step["profile"].get(phase, {}).get(part, 0.0) for step in steps] for part in PARTS}
         parts["everything else"] = [total - sum(step_parts) for total, step_parts in zip(phase_s, zip(*parts.values()))]
         columns[phase] = (statistics.median(phase_s), {part: statistics.median(v) for part, v in parts.items()})
