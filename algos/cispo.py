@@ -16,14 +16,14 @@ import torch
 
 from algos.common import PolicyBatch, PolicyLoss
 from algos.objective import Objective
-from algos.registry import register_objective
+from algos.registry import OBJECTIVES
 
 
-@register_objective("cispo")
+@OBJECTIVES.register("cispo")
 @dataclass(frozen=True)
 class CISPO(Objective):
-    clip_low: float | None = None
-    clip_high: float = 0.2
+    clip_low: float | None = None  # None: no lower bound on the weight, as MiniMax-M1
+    clip_high: float = 0.2  # weight cap 1 + clip_high (verl's example; the paper does not disclose its value)
 
     def validate(self) -> None:
         self._check_ratio_lower_clip("clip_low")

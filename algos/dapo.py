@@ -11,22 +11,21 @@ belong to the reward and the data.
 
 from dataclasses import dataclass
 
-from algos.common import PolicyBatch, PolicyLoss, token_clip_policy_loss
+from algos.common import LossAgg, PolicyBatch, PolicyLoss, token_clip_policy_loss
 from algos.objective import Objective
-from algos.registry import register_objective
+from algos.registry import OBJECTIVES
 
 
-@register_objective("dapo")
+@OBJECTIVES.register("dapo")
 @dataclass(frozen=True)
 class DAPO(Objective):
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    loss_agg: str = "token-mean"
+    clip_low: float = 0.2  # ε_low
+    clip_high: float = 0.28  # ε_high, "clip-higher": room for low-probability tokens to grow
+    loss_agg: LossAgg = LossAgg["token-mean"]  # DAPO's token-level loss: every token of the minibatch weighs the same
 
     def validate(self) -> None:
         self._check_ratio_lower_clip("clip_low")
         self._check_non_negative("clip_high")
-        self._check_loss_agg()
 
     def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
         return token_clip_policy_loss(batch, self.clip_low, self.clip_high, self.loss_agg)

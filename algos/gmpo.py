@@ -18,14 +18,14 @@ import torch
 
 from algos.common import SEQ_LOG_RATIO_BOUND, PolicyBatch, PolicyLoss
 from algos.objective import Objective
-from algos.registry import register_objective
+from algos.registry import OBJECTIVES
 
 
-@register_objective("gmpo")
+@OBJECTIVES.register("gmpo")
 @dataclass(frozen=True)
 class GMPO(Objective):
-    clip_low: float = 0.4
-    clip_high: float = 0.4
+    clip_low: float = 0.4  # log space: a token's log-ratio is kept above −clip_low (ratio ≥ e^-0.4 ≈ 0.67)
+    clip_high: float = 0.4  # and below clip_high (ratio ≤ e^0.4 ≈ 1.49)
 
     def validate(self) -> None:
         # Log-space bounds: any non-negative width keeps the ratio bound e^-clip_low positive.

@@ -11,22 +11,21 @@ one the GSPO paper tuned for its GRPO baseline (§5.1). Gradient of an unclipped
 
 from dataclasses import dataclass
 
-from algos.common import PolicyBatch, PolicyLoss, token_clip_policy_loss
+from algos.common import LossAgg, PolicyBatch, PolicyLoss, token_clip_policy_loss
 from algos.objective import Objective
-from algos.registry import register_objective
+from algos.registry import OBJECTIVES
 
 
-@register_objective("grpo")
+@OBJECTIVES.register("grpo")
 @dataclass(frozen=True)
 class GRPO(Objective):
-    clip_low: float = 0.2
-    clip_high: float = 0.27
-    loss_agg: str = "seq-mean-token-mean"
+    clip_low: float = 0.2  # ε_low: the ratio's lower bound is 1 − ε_low
+    clip_high: float = 0.27  # ε_high: the upper bound 1 + ε_high (the GSPO paper's tuned GRPO baseline)
+    loss_agg: LossAgg = LossAgg["seq-mean-token-mean"]  # how per-token losses reduce (algos.common)
 
     def validate(self) -> None:
         self._check_ratio_lower_clip("clip_low")
         self._check_non_negative("clip_high")
-        self._check_loss_agg()
 
     def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
         return token_clip_policy_loss(batch, self.clip_low, self.clip_high, self.loss_agg)

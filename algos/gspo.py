@@ -18,14 +18,14 @@ import torch
 
 from algos.common import PolicyBatch, PolicyLoss, clipped_surrogate
 from algos.objective import Objective
-from algos.registry import register_objective
+from algos.registry import OBJECTIVES
 
 
-@register_objective("gspo")
+@OBJECTIVES.register("gspo")
 @dataclass(frozen=True)
 class GSPO(Objective):
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
+    clip_low: float = 3e-4  # ε_low on the sequence ratio s_i: a geometric mean, so ~1e-4 rather than 0.2 (§5.1)
+    clip_high: float = 4e-4  # ε_high
 
     def validate(self) -> None:
         self._check_ratio_lower_clip("clip_low")

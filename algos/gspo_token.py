@@ -18,14 +18,14 @@ import torch
 
 from algos.common import PolicyBatch, PolicyLoss, clipped_surrogate
 from algos.objective import Objective
-from algos.registry import register_objective
+from algos.registry import OBJECTIVES
 
 
-@register_objective("gspo_token")
+@OBJECTIVES.register("gspo_token")
 @dataclass(frozen=True)
 class GSPOToken(Objective):
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
+    clip_low: float = 3e-4  # ε_low on s_{i,t}, whose value is the sequence ratio s_i (as gspo)
+    clip_high: float = 4e-4  # ε_high
 
     def validate(self) -> None:
         self._check_ratio_lower_clip("clip_low")

@@ -7,23 +7,37 @@ they accept (`validate`); the base does the rest the same way for all of them:
 1. validate the inputs and build the fp32, padding-safe quantities (`algos.common.PolicyBatch`);
 2. add the KL penalty to the reference policy, β·k3 per token with k3 = exp(ref − logp) − (ref − logp) − 1
    (DeepSeekMath eq. 4), to the per-token policy loss, and aggregate the sum with the objective's mode;
-3. compute the shared metrics (`algos.metrics`).
+3. compute the shared metrics (`policy_metrics`, below), the same way for every objective so that all compare.
 
 Every objective has the hyperparameter `kl_coef` (β; default 0, as in the GSPO paper's comparison and in DAPO,
-Dr. GRPO, CISPO; DeepSeekMath's GRPO used 0.04); `ref_logp` is required when it is positive.
+Dr. GRPO, CISPO; DeepSeekMath's GRPO used 0.04); `ref_logp` is required when it is positive. Hyperparameter types
+(floats, enums such as `loss_agg`) are checked by `experiments.registry.check_fields`; value ranges by `validate`.
+
+Shared metrics. Definitions follow verl's and TRL's where they exist (the GSPO paper's Fig. 2 for GSPO's token
+share), with lr = clamped token log-ratio log π_θ − log π_old:
+- `ratio/token_mean`, `ratio/token_var`, `ratio/token_max`: of the token ratios exp(lr) over valid tokens
+  (population variance);
+- `ratio/seq_mean`, `ratio/seq_var`: of the sequence ratios exp(masked mean of lr) (GSPO's s_i) over
+  sequences with at least one valid token;
+- `clip/token_frac`: share of valid tokens whose clip binds; `clip/seq_frac`: share of non-empty sequences
+  whose clip binds (sequence-level objectives) or that hold a binding-clipped token (token-level ones). For
+  GSPO a clipped sequence clips all its tokens, so `clip/token_frac` is the token-weighted share
+  Σ|y_i|·1[clipped_i] / Σ|y_i| of the GSPO paper's Fig. 2;
+- `kl/old_k3`: mean over valid tokens of r − 1 − log r (k3 estimate of KL(π_old ‖ π_θ), ≥ 0 per token);
+- `kl/ref_k3`: mean over valid tokens of the k3 KL to the reference policy (only when ref_logp is given);
+- `loss/policy`: the aggregated policy loss without the KL term.
+Every statistic over an empty set is 0.
 """
 
-import math
-import typing
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
-from types import NoneType
+from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
-from algos.common import LOSS_AGG_MODES, PolicyBatch, PolicyLoss, aggregate, k3
-from algos.metrics import policy_metrics
+from algos.common import PolicyBatch, PolicyLoss, aggregate, k3, masked, masked_mean, masked_var, sequence_mean
+from experiments.registry import ConfigError, check_fields
 
 
 @dataclass(frozen=True)
@@ -45,12 +59,15 @@ class Objective(ABC):
     ref_logp  [B, T] log π_ref, needed when kl_coef > 0
     """
 
-    registry_name: ClassVar[str] = "objective"  # set by algos.registry.register_objective
+    name: ClassVar[str] = "objective"  # the registry key, set by `OBJECTIVES.register`
+    # Group advantages divided by their std (GRPO) or only centred (Dr. GRPO): the default of the config key
+    # `algo.advantage_std`, which sits beside the objective's hyperparameters.
+    advantage_std: ClassVar[bool] = True
 
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # β of the k3 KL to the frozen reference policy (needs ref_logp when > 0)
 
     def __post_init__(self) -> None:
-        self._check_field_types()
+        check_fields(self, self.name)
         self._check_non_negative("kl_coef")
         self.validate()
 
@@ -66,7 +83,7 @@ class Objective(ABC):
         self, *, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None = None
     ) -> ObjectiveOutput:
         if self.kl_coef > 0 and ref_logp is None:
-            raise ValueError(f"{self.registry_name}: kl_coef = {self.kl_coef} > 0 needs ref_logp (log π_ref, [B, T])")
+            raise ValueError(f"{self.name}: kl_coef = {self.kl_coef} > 0 needs ref_logp (log π_ref, [B, T])")
         batch = PolicyBatch.from_inputs(
             logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
         )
@@ -80,8 +97,8 @@ class Objective(ABC):
 
     # Validation helpers: every message names the objective, the hyperparameter, the value and what is allowed.
 
-    def _fail(self, message: str) -> typing.NoReturn:
-        raise ValueError(f"{self.registry_name}: {message}")
+    def _fail(self, message: str) -> None:
+        raise ConfigError(f"{self.name}: {message}")
 
     def _check_non_negative(self, *names: str) -> None:
         for name in names:
@@ -102,27 +119,26 @@ class Objective(ABC):
         if value is not None and value >= 1:
             self._fail(f"{name} must be < 1 so that the lower ratio bound 1 - {name} stays positive, got {value}")
 
-    def _check_loss_agg(self, name: str = "loss_agg") -> None:
-        value = getattr(self, name)
-        if value not in LOSS_AGG_MODES:
-            self._fail(f"{name} must be one of {', '.join(LOSS_AGG_MODES)}; got {value!r}")
 
-    def _check_field_types(self) -> None:
-        """Fields are float, int, str, bool or `X | None`; ints are accepted (and stored) as floats."""
-        hints = typing.get_type_hints(type(self))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            expected = hints[f.name]
-            options = typing.get_args(expected) or (expected,)
-            if value is None:
-                if NoneType not in options:
-                    self._fail(f"{f.name} must not be None")
-                continue
-            kind = next(option for option in options if option is not NoneType)
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-                object.__setattr__(self, f.name, value)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                self._fail(f"{f.name} must be of type {expected}, got {value!r} ({type(value).__name__})")
-            if kind is float and not math.isfinite(value):
-                self._fail(f"{f.name} must be finite, got {value}")
+@torch.no_grad()
+def policy_metrics(batch: PolicyBatch, policy: PolicyLoss, policy_loss: Tensor) -> dict[str, float]:
+    """The shared statistics of one objective call, as Python floats (one device sync for all of them)."""
+    token_ratio = torch.exp(batch.log_ratio)
+    seq_ratio = torch.exp(batch.seq_log_ratio)
+    values: dict[str, Tensor] = {
+        "ratio/token_mean": masked_mean(token_ratio, batch.mask),
+        "ratio/token_var": masked_var(token_ratio, batch.mask),
+        # Ratios are positive, so zero at padding never wins the max over a non-empty mask.
+        "ratio/token_max": masked(token_ratio, batch.mask).max() if batch.mask.numel() else token_ratio.new_zeros(()),
+        "ratio/seq_mean": masked_mean(seq_ratio, batch.nonempty),
+        "ratio/seq_var": masked_var(seq_ratio, batch.nonempty),
+        "clip/token_frac": masked_mean(policy.token_clipped.float(), batch.mask),
+        "clip/seq_frac": sequence_mean(policy.seq_clipped.float(), batch.nonempty),
+        "kl/old_k3": masked_mean(k3(batch.log_ratio), batch.mask),
+        "loss/policy": policy_loss.detach().float(),
+    }
+    if batch.ref_log_ratio is not None:
+        values["kl/ref_k3"] = masked_mean(k3(batch.ref_log_ratio), batch.mask)
+    values.update({name: value.detach().float() for name, value in policy.extra_metrics.items()})
+    floats = torch.stack(list(values.values())).tolist()
+    return dict(zip(values, floats))

@@ -18,14 +18,14 @@ import torch
 
 from algos.common import PolicyBatch, PolicyLoss, masked_mean
 from algos.objective import Objective
-from algos.registry import register_objective
+from algos.registry import OBJECTIVES
 
 
-@register_objective("sapo")
+@OBJECTIVES.register("sapo")
 @dataclass(frozen=True)
 class SAPO(Objective):
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
+    tau_pos: float = 1.0  # gate temperature for positive advantages
+    tau_neg: float = 1.05  # for negative ones: sharper, since those updates are the less stable
 
     def validate(self) -> None:
         self._check_positive("tau_pos", "tau_neg")

@@ -30,7 +30,7 @@ TOKEN_GRID_POINTS = 100
 REWARD = "reward/mean"
 TOKENS = "train/tokens"
 CLIP = "clip/token_frac"
-DRIFT = "routing/expert_change_frac"
+DRIFT = "routing/expert_change_frac"  # per minibatch: drift since θ_old after `minibatch` updates
 TOKEN_VAR = "ratio/token_var"
 SEQ_VAR = "ratio/seq_var"
 SKIPPED = "optim/skipped_steps"
@@ -40,7 +40,8 @@ _LAYER_METRIC = re.compile(r"^routing/expert_change_frac/layer_(\d+)$")
 STABILITY_COLUMNS = [
     "label", "algo", "replay", "seeds", "incomplete_runs", "last_step",
     "final_reward_mean", "final_reward_std", "best_reward", "collapsed_seeds", "collapse_evaluated_seeds",
-    "collapse", "clip_frac_mean", "expert_change_mean", "ratio_token_var_mean", "ratio_seq_var_mean",
+    "collapse", "clip_frac_mean", "expert_change_per_update_mean", "expert_change_over_minibatches_mean",
+    "ratio_token_var_mean", "ratio_seq_var_mean",
     "skipped_steps", "step_s_mean",
 ]
 
@@ -156,8 +157,10 @@ def run_stats(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
     """Per-run numbers behind the stability table, one row per run (NaN where a metric was not logged).
 
     final_reward: mean raw reward over the run's last `last_n` logged steps; best_reward: maximum of the smoothed
-    reward; collapsed: `collapse_flag`; means over all logged steps of clip fraction, expert change and ratio
-    variances; skipped_steps: last value of the cumulative counter; step_s: mean `perf/step_s`, else the summary's
+    reward; collapsed: `collapse_flag`; means over all logged steps of clip fraction and ratio variances;
+    expert_change_per_update: mean over steps of the drift after one update (the per-minibatch record with index 1,
+    the GSPO paper's "experts changed per update"), expert_change_over_minibatches: mean over every minibatch
+    record, whose index 0 is 0 by construction; skipped_steps: last value of the cumulative counter; step_s: mean `perf/step_s`, else the summary's
     wall time divided by the last step.
     """
     if last_n < 1:
@@ -179,7 +182,9 @@ def run_stats(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
     stats["collapsed"] = pd.Series(collapsed, dtype=object).reindex(stats.index)
     scalars = runset.scalars
     stats["clip_frac"] = _mean_of(scalars, CLIP)
-    stats["expert_change"] = _mean_of(scalars, DRIFT)
+    drift = runset.minibatches[runset.minibatches["metric"] == DRIFT]
+    stats["expert_change_per_update"] = drift[drift["minibatch"] == 1].groupby("run")["value"].mean()
+    stats["expert_change_over_minibatches"] = drift.groupby("run")["value"].mean()
     stats["ratio_token_var"] = _mean_of(scalars, TOKEN_VAR)
     stats["ratio_seq_var"] = _mean_of(scalars, SEQ_VAR)
     skipped = scalars[scalars["metric"] == SKIPPED].sort_values("step").groupby("run")["value"].last()
@@ -195,7 +200,7 @@ def stability_table(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE
     """One row per series (label), in display order; columns `STABILITY_COLUMNS`.
 
     final_reward_mean/std: mean and sample std across seeds of each seed's last-`last_n`-step mean reward;
-    best_reward, clip_frac_mean, expert_change_mean, ratio_*_var_mean, step_s_mean: means across seeds of the
+    best_reward, clip_frac_mean, expert_change_*_mean, ratio_*_var_mean, step_s_mean: means across seeds of the
     per-run values (`run_stats`); skipped_steps: total over seeds; collapse: True when any evaluated seed collapsed.
     """
     stats = run_stats(runset, last_n=last_n, drop=drop, alpha=alpha)
@@ -219,7 +224,8 @@ def stability_table(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE
             "collapse_evaluated_seeds": len(evaluated),
             "collapse": bool(any(bool(v) for v in evaluated)),
             "clip_frac_mean": group["clip_frac"].mean(),
-            "expert_change_mean": group["expert_change"].mean(),
+            "expert_change_per_update_mean": group["expert_change_per_update"].mean(),
+            "expert_change_over_minibatches_mean": group["expert_change_over_minibatches"].mean(),
             "ratio_token_var_mean": group["ratio_token_var"].mean(),
             "ratio_seq_var_mean": group["ratio_seq_var"].mean(),
             "skipped_steps": skipped.sum() if len(skipped) else math.nan,
@@ -268,8 +274,9 @@ def drift_layer_by_minibatch(runset: RunSet) -> dict[str, pd.DataFrame]:
 
 
 def drift_layer_by_step(runset: RunSet) -> dict[str, pd.DataFrame]:
-    """Per label a `[layers × step]` table of step-level drift, mean over runs."""
-    rows = _layer_rows(runset.scalars)
+    """Per label a `[layers × step]` table of the drift after one update (minibatch index 1), mean over runs."""
+    rows = _layer_rows(runset.minibatches)
+    rows = rows[rows["minibatch"] == 1]
     if rows.empty:
         return {}
     rows = rows.merge(runset.runs[["run", "label"]], on="run")
@@ -284,23 +291,15 @@ def drift_layer_by_step(runset: RunSet) -> dict[str, pd.DataFrame]:
 def drift_by_depth(runset: RunSet) -> tuple[pd.DataFrame, str]:
     """Drift per layer and label, mean ± sample std across seeds, and the basis it was measured on.
 
-    The GSPO paper's number is the change after one gradient update, which is the per-minibatch record with
-    index 1. That basis is used when every label with per-layer data has it; otherwise the step-level value
-    (mean over the step's minibatches) is used for all. Returns (`[label, layer, mean, std, n]`, basis text).
+    The GSPO paper's number is the change after one gradient update: the per-minibatch record with index 1 (runs
+    with one minibatch per step have none and are left out). Returns (`[label, layer, mean, std, n]`, basis text).
     """
     columns = ["label", "layer", "mean", "std", "n"]
     mb = _layer_rows(runset.minibatches)
-    steps = _layer_rows(runset.scalars)
-    run_label = runset.runs.set_index("run")["label"]
-    labels_with_layers = {run_label[run] for run in set(mb["run"]) | set(steps["run"])}
-    if not labels_with_layers:
+    rows = mb[mb["minibatch"] == 1].merge(runset.runs[["run", "label"]], on="run")
+    if rows.empty:
         return pd.DataFrame(columns=columns), ""
-    after_one = mb[mb["minibatch"] == 1].merge(runset.runs[["run", "label"]], on="run")
-    if set(after_one["label"]) == labels_with_layers:
-        rows, basis = after_one, "after one optimizer update (minibatch index 1)"
-    else:
-        rows = steps.merge(runset.runs[["run", "label"]], on="run")
-        basis = "step-level value (mean over the step's minibatches)"
+    basis = "after one optimizer update (minibatch index 1)"
     per_run = rows.groupby(["label", "run", "layer"])["value"].mean().reset_index()
     table = per_run.groupby(["label", "layer"])["value"].agg(mean="mean", std="std", n="count").reset_index()
     table["order"] = table["label"].map({lab: i for i, lab in enumerate(runset.labels)})

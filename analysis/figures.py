@@ -346,12 +346,12 @@ def fig_drift_layer_minibatch(runset: RunSet, out_dir: Path, dpi: int = 150) -> 
 
 
 def fig_drift_layer_step(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
-    """Routing drift per layer over training (step-level values, mean over the step's minibatches)."""
+    """Routing drift per layer over training (after one update: the per-minibatch record with index 1)."""
     out = FigureOutput("4b", "fig4b_drift_layer_step", "Routing drift: layer × step", "")
     return _drift_heatmap_figure(
-        runset, out, agg.drift_layer_by_step(runset), "step-level", STEP_LABEL, out_dir, dpi,
-        "Per-layer share of activated experts that changed since θ_old at each RL step (the mean over the step's "
-        "minibatches), averaged over seeds.",
+        runset, out, agg.drift_layer_by_step(runset), "after-one-update (minibatch 1)", STEP_LABEL, out_dir, dpi,
+        "Per-layer share of activated experts that changed after one optimizer update since θ_old (minibatch index "
+        "1) at each RL step, averaged over seeds.",
     )
 
 

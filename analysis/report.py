@@ -30,7 +30,6 @@ SUMMARY_FILE = "summary.csv"
 # Stability-table columns whose source metric may be absent, with the metric named in the note.
 _TABLE_METRICS = {
     "clip_frac_mean": agg.CLIP,
-    "expert_change_mean": agg.DRIFT,
     "ratio_token_var_mean": agg.TOKEN_VAR,
     "ratio_seq_var_mean": agg.SEQ_VAR,
     "skipped_steps": agg.SKIPPED,
@@ -59,14 +58,15 @@ def _collapse_cell(row: pd.Series) -> str:
 def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
     """The stability table as markdown, numbers rounded for reading (summary.csv keeps full precision)."""
     header = ["series", "seeds", "incomplete", f"final reward (last {last_n})", "best reward", "collapse",
-              "clip frac", "expert change", "ratio var (token)", "ratio var (seq)", "skipped steps", "s / step"]
+              "clip frac", "experts changed per update", "… mean over minibatches", "ratio var (token)", "ratio var (seq)", "skipped steps", "s / step"]
     rows = []
     for _, row in table.iterrows():
         std = row["final_reward_std"]
         final = _num(row["final_reward_mean"], ".3f") + ("" if math.isnan(std) else f" ± {std:.3f}")
         rows.append([
             row["label"], row["seeds"], row["incomplete_runs"], final, _num(row["best_reward"], ".3f"),
-            _collapse_cell(row), _num(row["clip_frac_mean"]), _num(row["expert_change_mean"]),
+            _collapse_cell(row), _num(row["clip_frac_mean"]), _num(row["expert_change_per_update_mean"]),
+            _num(row["expert_change_over_minibatches_mean"]),
             _num(row["ratio_token_var_mean"]), _num(row["ratio_seq_var_mean"]), _num(row["skipped_steps"], ".0f"),
             _num(row["step_s_mean"], ".2f"),
         ])
@@ -120,8 +120,12 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
         f"(absolute, reward units) below its own best at every one of its last {tail} logged steps (T = logged "
         "steps): it fell and stayed down until the end. Seeds with T < 2K are not evaluated. The cell shows "
         "collapsed / evaluated seeds.",
-        f"- **clip frac**, **expert change**, **ratio var**: per seed, the mean over all logged steps of "
-        f"`{agg.CLIP}`, `{agg.DRIFT}`, `{agg.TOKEN_VAR}` and `{agg.SEQ_VAR}`; then mean across seeds.",
+        f"- **clip frac**, **ratio var**: per seed, the mean over all logged steps of "
+        f"`{agg.CLIP}`, `{agg.TOKEN_VAR}` and `{agg.SEQ_VAR}`; then mean across seeds.",
+        f"- **experts changed per update**: per seed, the mean over steps of `{agg.DRIFT}` after one optimizer "
+        "update since θ_old (the per-minibatch record with index 1: the GSPO paper's statistic); then mean across "
+        "seeds. **… mean over minibatches**: the same over every minibatch record of a step (index 0, on-policy, "
+        "is 0 by construction; later ones have seen more updates).",
         f"- **skipped steps**: last value of the cumulative `{agg.SKIPPED}`, summed over seeds.",
         f"- **s / step**: mean `{agg.STEP_TIME}` (else the finished run's wall time / steps), mean across seeds.",
         f"- **incomplete**: runs without a finished `summary.json` ({INCOMPLETE}); their numbers use the steps "
@@ -131,6 +135,11 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
         missing = runset.labels_without(metric)
         if missing:
             lines += ["", f"> Note: `{metric}` was not logged by {', '.join(missing)}; `{column}` is empty there."]
+    drifting = set(runset.minibatches.loc[runset.minibatches["metric"] == agg.DRIFT, "run"])
+    missing = [lab for lab in runset.labels if not set(runset.runs.loc[runset.runs["label"] == lab, "run"]) & drifting]
+    if missing:
+        lines += ["", f"> Note: `{agg.DRIFT}` was not logged by {', '.join(missing)}; the experts-changed columns are "
+                      "empty there."]
     return lines
 
 

@@ -24,10 +24,11 @@ import torch  # noqa: E402
 
 from benchmarks.module_time import ModuleTimer  # noqa: E402
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
-from experiments.rollout import Rollout  # noqa: E402
-from benchmarks.workload import compose_workload  # noqa: E402
+from benchmarks.workload import compose_workload, fixed_length  # noqa: E402
+from experiments.engine import Rollout  # noqa: E402
 from experiments.logger import RunLogger  # noqa: E402
-from experiments.train import RLTrainer, run_name  # noqa: E402
+from experiments.train import run_name  # noqa: E402
+from experiments.trainer import RLTrainer  # noqa: E402
 
 
 def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
@@ -36,10 +37,9 @@ def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
     tokenizer = trainer.tokenizer
     prompts = [example.prompt for example in rollout.examples]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(trainer.device)
-    options = dict(max_new_tokens=t.max_new_tokens, do_sample=True, temperature=t.temperature, top_k=0, top_p=1.0,
-                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    if t.fixed_length:
-        options["min_new_tokens"] = t.max_new_tokens
+    options = dict(max_new_tokens=t.max_new_tokens, min_new_tokens=t.max_new_tokens, do_sample=True,
+                   temperature=t.temperature, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
     start = time.perf_counter()
     with torch.no_grad():
         trainer.model.generate(**encoded, **options)
@@ -59,6 +59,7 @@ def main() -> None:
         overrides.append(f"trainer.threads={args.threads}")
     cfg = compose_workload(overrides)
     trainer = RLTrainer(cfg)
+    fixed_length(trainer)
     rollouts: list[Rollout] = []
     sample = trainer.rollout
 

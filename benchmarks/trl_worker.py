@@ -9,7 +9,7 @@ range), with the settings that make TRL do the work of one of our RL steps:
   (`steps_per_generation = minibatches`, `per_device_train_batch_size = batch / minibatches`, no gradient
   accumulation, `num_iterations=1`); since the batch outlives one update, TRL scores it once without gradient for
   the old log-probs, as our loop does;
-- `min_new_tokens = max_new_tokens` when `trainer.fixed_length`, so every completion has the same length;
+- `min_new_tokens = max_new_tokens`, so every completion has the same length (as our engine's in this workload);
 - fp32 on CPU (`use_cpu`, and `bf16=False`, which TRL would otherwise switch on), activation checkpointing off
   (TRL's default is on), `beta=0` (no reference model), constant learning rate, no reports, no checkpoints;
 - `grpo`: token-level ratios with per-sequence token means (`loss_type="grpo"`); `gspo`: sequence-level ratios.
@@ -75,7 +75,7 @@ def trl_arguments(cfg: DictConfig, output_dir: str):
         num_iterations=1,
         num_generations=t.group_size,
         max_completion_length=t.max_new_tokens,
-        generation_kwargs={"min_new_tokens": t.max_new_tokens} if t.fixed_length else None,
+        generation_kwargs={"min_new_tokens": t.max_new_tokens},
         temperature=t.temperature,
         learning_rate=t.lr,
         lr_scheduler_type="constant",

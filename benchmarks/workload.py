@@ -1,7 +1,7 @@
 """The benchmark workload ("bench-tiny"): the TRL peer benchmark's RL step, expressed as our Hydra config.
 
-One RL step: 32 addition prompts x 8 completions = 256 completions of exactly 16 new tokens (`fixed_length`,
-so every loop and every step does identical work), split into 4 minibatches of 64, one AdamW update each, on
+One RL step: 32 addition prompts x 8 completions = 256 completions of exactly 16 new tokens (eos is banned before
+the budget: `fixed_length`, so every loop and every step does identical work), split into 4 minibatches of 64, one AdamW update each, on
 the 7.1 M-parameter random Qwen3-MoE of `conf/model/tiny_moe.yaml` (hidden 256, 4 MoE layers, 16 experts,
 top-2, expert width 128). The TRL worker builds its run from the same composed config, so both loops see the
 same model, tokenizer, prompts, batch geometry, learning rate and clip range.
@@ -22,7 +22,6 @@ BENCH_TINY = [
     "trainer.group_size=8",
     "trainer.max_new_tokens=16",
     "trainer.minibatches=4",
-    "trainer.fixed_length=true",
     "trainer.lr=1e-5",
     "trainer.eval_every=0",
     "logger.wandb.mode=disabled",
@@ -34,6 +33,12 @@ VARIANTS = {
     "gspo": ["algo=gspo"],
     "grpo+r2": ["algo=grpo", "routing.replay=r2"],
 }
+
+
+def fixed_length(trainer) -> None:
+    """Make `trainer`'s engine generate exactly `max_new_tokens` tokens per completion (the benchmark's workload;
+    μ_old is still scored from the raw logits, before the eos ban)."""
+    trainer.engine.min_new_tokens = trainer.cfg.trainer.max_new_tokens
 
 
 def compose_workload(overrides: list[str]) -> DictConfig:

@@ -1,86 +1,128 @@
-"""Typed Hydra configs: every config group has a dataclass schema in Hydra's ConfigStore.
+"""Typed Hydra configs: every config group has a dataclass schema in Hydra's ConfigStore, and every default lives
+in one of these dataclasses (or, for `algo` and `dataset`, in the objective and task dataclasses themselves).
 
-A misspelt key or a value of the wrong type therefore fails at composition, with Hydra naming the key. The
-schemas of the `algo` and `dataset` groups are generated from the objective and task dataclasses themselves
-(`algos.OBJECTIVES`, `experiments.tasks.TASKS`), so a hyperparameter is declared in exactly one place.
+A misspelt key, a value of the wrong type or a value outside an enum fails at composition, with Hydra naming the
+key and the allowed values; the yaml files hold only what differs from the schema. What no single field can check
+(values that must agree with each other or with the model) is checked once, in `plan_step`, before any work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
-from pathlib import Path
-
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from experiments.registry import ConfigError, Registry
+from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.policy import ModelConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-REPLAY_MODES = ("none", "r2", "r3")
-OLD_LOGPROB_SOURCES = ("auto", "rollout", "recompute")
-MINIBATCH_LAYOUTS = ("auto", "groups", "rows")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-WANDB_MODES = ("offline", "online", "disabled")
+
+
+class Replay(StrEnum):
+    """Routing Replay (GSPO paper §5.3; Ma et al., arXiv 2510.11370)."""
+
+    none = "none"
+    r2 = "r2"  # replay θ_old's routing, recorded by the trainer in its π_old pass
+    r3 = "r3"  # replay the rollout engine's routing, recorded while it sampled
+
+
+class PiOld(StrEnum):
+    """Where π_old, the denominator of the importance ratios, comes from (verl's names)."""
+
+    auto = "auto"  # bypass when the engine is the trainer's own model and no replay needs the trainer's pass
+    bypass = "bypass"  # π_old := μ_old, the rollout engine's own log-probs: no extra forward
+    decoupled = "decoupled"  # the trainer recomputes π_old at θ_old, without gradient, in the training shapes
+
+
+class Layout(StrEnum):
+    """How the rollout batch splits into minibatches and how they are fed to the model."""
+
+    auto = "auto"  # groups where possible (prompts divide into the minibatches, packed attention), else rows
+    groups = "groups"  # whole groups per minibatch, each fed as one packed sequence (its prompt once)
+    rows = "rows"  # completions shuffled across groups, every row fed in full (TRL's layout)
+
+
+class LRSchedule(StrEnum):
+    constant = "constant"
+    linear = "linear"  # linear decay to 0 after the warm-up
+    cosine = "cosine"  # cosine decay to 0 after the warm-up
+
+
+class Engine(StrEnum):
+    """The rollout engine that samples (μ_old), behind `experiments.engine.RolloutEngine`."""
+
+    hf = "hf"  # transformers' `generate` on the trainer's own model (prefill once per prompt, KV cache)
+
+
+class WandbMode(StrEnum):
+    offline = "offline"  # the default: run files next to metrics.jsonl, no network
+    online = "online"
+    disabled = "disabled"
 
 
 @dataclass
 class RoutingConfig:
     """Routing Replay, orthogonal to the objective, and routing measurements."""
 
-    replay: str = "none"  # none | r2 (record in the old-policy scoring pass) | r3 (record during generation)
-    metrics: bool = True  # drift of the current routing against the old one, per minibatch
+    replay: Replay = Replay.none
+    metrics: bool = True  # drift of the current routing against θ_old's, per minibatch (no extra forward)
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout engine: what samples the completions and reports their log-probs μ_old (and routing)."""
+
+    engine: Engine = Engine.hf
 
 
 @dataclass
 class TrainerConfig:
     """One RL step: `prompts_per_step` prompts x `group_size` completions, split into `minibatches` updates."""
 
-    steps: int = 40
-    prompts_per_step: int = 32
-    group_size: int = 8
-    minibatches: int = 4  # the GSPO paper's 4: every update after the first is off-policy
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    fixed_length: bool = False  # benchmarks: always generate max_new_tokens tokens (identical work per step)
-    # Where log π_θold comes from for the off-policy minibatches: `rollout` keeps the log-probs the sampler
-    # computed (same weights, same fp32 model: θ_old's own numbers, no extra forward); `recompute` scores the
-    # batch again without gradient. `auto`: rollout, unless Routing Replay needs the recompute pass (r2 records
-    # θ_old's routing in it, r3 replays the rollout's routing in it).
-    old_logprobs: str = "auto"
-    # How the batch splits into minibatches and how they are fed. `groups`: each minibatch holds whole groups (the
-    # prompts are shuffled, as in verl) and each group is fed as one packed sequence, its prompt computed once
-    # (`models.shared_prefix`: same numbers, ~20% less work at the bench's sizes). `rows`: the completions are
-    # shuffled across groups and every row is fed in full (TRL's layout). `auto`: groups when the prompts split
-    # evenly into the minibatches and the model's attention follows packed layouts (grouped_eager), else rows.
-    minibatch_layout: str = "auto"
-    lr: float = 3e-4
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0  # in optimizer updates
+    steps: int = 40  # RL steps (one rollout batch each)
+    prompts_per_step: int = 32  # prompts sampled per step from the task's train split
+    group_size: int = 8  # completions per prompt (G): the group of the group-relative advantage
+    minibatches: int = 4  # optimizer updates per rollout batch: the GSPO paper's 4, all but the first off-policy
+    max_new_tokens: int = 16  # generation budget per completion
+    temperature: float = 1.0  # sampling temperature; log-probs are scored under logits / temperature
+    # Where π_old comes from: bypass (π_old := μ_old, the engine's log-probs), decoupled (the trainer recomputes it,
+    # which r2 needs to record θ_old's routing), or auto (bypass when the engine is the trainer and nothing needs
+    # the recompute). Either way the first minibatch is on-policy when the engine is the trainer's own model.
+    pi_old: PiOld = PiOld.auto
+    minibatch_layout: Layout = Layout.auto
+    lr: float = 3e-4  # AdamW learning rate (peak, after warm-up)
+    lr_schedule: LRSchedule = LRSchedule.constant
+    warmup_steps: int = 0  # linear warm-up, in optimizer updates
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    grad_clip: float = 1.0
-    router_aux_loss_coef: float = 0.0  # load-balancing loss added to the policy loss (0: off, as in R3)
-    max_consecutive_skips: int = 3  # non-finite loss/gradient steps in a row before the run stops
+    grad_clip: float = 1.0  # max global gradient norm
+    router_aux_loss_coef: float = 0.0  # load-balancing loss added to the policy loss (0: only logged, as in R3)
+    max_consecutive_skips: int = 3  # updates in a row with a non-finite loss or gradient before the run stops
     eval_every: int = 10  # RL steps between held-out evaluations (0: only at the end)
-    eval_prompts: int = 128
-    eval_samples: int = 4  # k for mean pass@1
-    save_checkpoint: bool = False
+    eval_prompts: int = 128  # held-out prompts per evaluation (the same prefix of the test split every time)
+    eval_samples: int = 4  # k of mean pass@1 (0: greedy accuracy only)
+    save_checkpoint: bool = False  # save_pretrained + tokenizer into the run directory at the end
     threads: int | None = None  # torch CPU threads; null keeps torch's default
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline (default: no network) | online | disabled
+    mode: WandbMode = WandbMode.offline
     project: str = "moe-rl-lab"
-    entity: str | None = None
-    group: str | None = None  # defaults to the sweep directory's name for multiruns
+    entity: str | None = None  # W&B user or team; null: the key's default
+    group: str | None = None  # null: the sweep directory's name for multiruns
     job_type: str = "train"
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # added to the run's algo / replay / model tags
 
 
 @dataclass
@@ -90,14 +132,15 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    algo: Any = MISSING
+    algo: Any = MISSING  # an objective's schema (`schema/algo/<name>`, generated from its dataclass)
     model: ModelConfig = field(default_factory=ModelConfig)
-    dataset: Any = MISSING
+    dataset: Any = MISSING  # a task's schema (`schema/dataset/<name>`, generated from its dataclass)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    seed: int = 0
-    device: str = "cpu"
+    seed: int = 0  # sampling, shuffling and every other random choice of the run (not the built model's weights)
+    device: str = "cpu"  # cpu, cuda, cuda:1, ...
 
 
 @dataclass
@@ -110,10 +153,10 @@ class SFTSettings:
     lr: float = 1e-3
     weight_decay: float = 0.0
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this (RL needs reward variance)
-    eval_every: int = 20
+    eval_every: int = 20  # SFT steps between held-out evaluations
     eval_prompts: int = 256
     output_dir: str = MISSING  # where save_pretrained writes the checkpoint and tokenizer
-    threads: int | None = None
+    threads: int | None = None  # torch CPU threads; null keeps torch's default
 
 
 @dataclass
@@ -121,9 +164,116 @@ class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: Any = MISSING
     sft: SFTSettings = field(default_factory=SFTSettings)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(WandbConfig(job_type="sft")))
     seed: int = 0
     device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How every RL step of a run gets its numbers, decided once at start-up and recorded in `summary.json`."""
+
+    replay: Replay
+    pi_old: PiOld  # bypass or decoupled (auto resolved)
+    layout: Layout  # groups or rows (auto resolved)
+    track_routing: bool  # measure θ's routing against θ_old's in every update
+    engine_is_trainer: bool  # the engine samples with the trainer's own module: μ_old is π_old's own numbers
+    why: str  # one sentence on where π_old comes from
+
+    @property
+    def first_minibatch_on_policy(self) -> bool:
+        """π_old of the first minibatch is its own update forward: θ = θ_old there, and the same forward is what a
+        recompute would run (or, engine = trainer, what μ_old computed)."""
+        return self.pi_old == PiOld.decoupled or self.engine_is_trainer
+
+    @property
+    def engine_records_routing(self) -> bool:
+        """Ask the engine for its routing: r3 replays it; with bypass it is θ_old's routing for the drift metric."""
+        return self.replay == Replay.r3 or (self.pi_old == PiOld.bypass and self.track_routing)
+
+    def describe(self) -> dict[str, Any]:
+        return {"pi_old": self.pi_old, "pi_old_why": self.why, "minibatch_layout": self.layout,
+                "replay": self.replay, "first_minibatch_on_policy": self.first_minibatch_on_policy}
+
+
+def plan_step(cfg: Any, is_moe: bool, engine_is_trainer: bool = True) -> StepPlan:
+    """Check what single fields cannot (ranges, values that must agree) and decide the step; `ConfigError` naming
+    the values and what is allowed otherwise. Runs before anything is built."""
+    t = cfg.trainer
+    for key in ("prompts_per_step", "steps", "max_new_tokens", "max_consecutive_skips"):
+        if t[key] < 1:
+            raise ConfigError(f"trainer.{key}={t[key]} must be >= 1")
+    for key in ("warmup_steps", "eval_every", "eval_prompts", "eval_samples"):
+        if t[key] < 0:
+            raise ConfigError(f"trainer.{key}={t[key]} must be >= 0")
+    if t.group_size < 2:
+        raise ConfigError(f"trainer.group_size={t.group_size}: group advantages need at least 2 completions per prompt")
+    batch = t.prompts_per_step * t.group_size
+    if t.minibatches < 1 or batch % t.minibatches:
+        raise ConfigError(
+            f"trainer.minibatches={t.minibatches} does not divide the batch of "
+            f"{t.prompts_per_step} prompts x {t.group_size} completions = {batch}"
+        )
+    for key in ("temperature", "lr", "grad_clip"):
+        if not (math.isfinite(t[key]) and t[key] > 0):
+            raise ConfigError(f"trainer.{key}={t[key]} must be a finite number > 0")
+    if not is_moe and cfg.routing.replay != Replay.none:
+        raise ConfigError(
+            f"routing.replay={cfg.routing.replay} needs an MoE model, but model {cfg.model.name!r} has no MoE layers; "
+            "use routing.replay=none"
+        )
+    if not is_moe and t.router_aux_loss_coef > 0:
+        raise ConfigError(f"trainer.router_aux_loss_coef={t.router_aux_loss_coef} needs an MoE model")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device!r} but this machine has no CUDA device; use device=cpu")
+    replay = Replay(cfg.routing.replay)
+    pi_old, why = _pi_old(PiOld(t.pi_old), replay, engine_is_trainer)
+    return StepPlan(
+        replay=replay,
+        pi_old=pi_old,
+        layout=_layout(cfg),
+        track_routing=is_moe and (cfg.routing.metrics or replay != Replay.none),
+        engine_is_trainer=engine_is_trainer,
+        why=why,
+    )
+
+
+def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool) -> tuple[PiOld, str]:
+    if asked == PiOld.bypass and replay == Replay.r2:
+        raise ConfigError(
+            "trainer.pi_old=bypass with routing.replay=r2: R2 replays θ_old's routing, which only the trainer's own "
+            "π_old pass records; use trainer.pi_old=decoupled or auto"
+        )
+    if asked == PiOld.decoupled:
+        return asked, "asked: the trainer recomputes π_old at θ_old"
+    if asked == PiOld.bypass:
+        return asked, "asked: π_old := μ_old, the engine's log-probs"
+    if replay == Replay.r2:
+        return PiOld.decoupled, "r2 records θ_old's routing in the trainer's π_old pass"
+    if replay == Replay.r3:
+        return PiOld.decoupled, "r3 replays the engine's routing in the trainer's π_old pass"
+    if not engine_is_trainer:
+        return PiOld.decoupled, "the engine is not the trainer's model: its numbers are not π_old's"
+    return PiOld.bypass, "the engine is the trainer's own model: μ_old is π_old's own numbers, no recompute"
+
+
+def _layout(cfg: Any) -> Layout:
+    t = cfg.trainer
+    packable = cfg.model.attn_implementation == PACKED_ATTENTION
+    divides = t.prompts_per_step % t.minibatches == 0
+    if t.minibatch_layout == Layout.auto:
+        return Layout.groups if divides and packable else Layout.rows
+    if t.minibatch_layout == Layout.groups and not divides:
+        raise ConfigError(
+            f"trainer.minibatch_layout=groups puts whole groups in each minibatch, but trainer.minibatches="
+            f"{t.minibatches} does not divide trainer.prompts_per_step={t.prompts_per_step}; use rows or auto"
+        )
+    if t.minibatch_layout == Layout.groups and not packable:
+        raise ConfigError(
+            f"trainer.minibatch_layout=groups feeds packed groups, which needs model.attn_implementation="
+            f"{PACKED_ATTENTION} (this model uses {cfg.model.attn_implementation!r}); use rows or auto"
+        )
+    return Layout(t.minibatch_layout)
 
 
 def _schema_from(cls: type, name: str, extra: list[tuple[str, type, Any]]) -> type:
@@ -132,10 +282,8 @@ def _schema_from(cls: type, name: str, extra: list[tuple[str, type, Any]]) -> ty
     fields = [("name", str, field(default=name))]
     fields += [(key, typ, field(default=default)) for key, typ, default in extra]
     for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            fields.append((f.name, hints[f.name], field(default=f.default)))
-        else:
-            fields.append((f.name, hints[f.name], field(default=MISSING)))
+        default = f.default if f.default is not dataclasses.MISSING else MISSING
+        fields.append((f.name, hints[f.name], field(default=default)))
     return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
 
 
@@ -143,6 +291,11 @@ def algo_hyperparameters(algo_cfg: Any) -> tuple[str, bool, dict[str, Any]]:
     """Split an `algo` node into (objective name, divide advantages by std, objective hyperparameters)."""
     params = dict(algo_cfg)
     return params.pop("name"), bool(params.pop("advantage_std")), params
+
+
+def _store_group(cs: ConfigStore, group: str, registry: Registry, extra) -> None:
+    for name, cls in registry.items():
+        cs.store(group=f"schema/{group}", name=name, node=_schema_from(cls, name, extra(cls)))
 
 
 def register_configs() -> None:
@@ -155,7 +308,5 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="sft_schema", node=SFTConfig)
-    for name, cls in OBJECTIVES.items():
-        cs.store(group="schema/algo", name=name, node=_schema_from(cls, name, [("advantage_std", bool, True)]))
-    for name, cls in TASKS.items():
-        cs.store(group="schema/dataset", name=name, node=_schema_from(cls, name, []))
+    _store_group(cs, "algo", OBJECTIVES, lambda cls: [("advantage_std", bool, cls.advantage_std)])
+    _store_group(cs, "dataset", TASKS, lambda cls: [])

@@ -70,7 +70,7 @@ class RunLogger:
                 tags=sorted(set(list(wandb_cfg.tags) + tags)),
                 mode=wandb_cfg.mode,
                 dir=str(self.run_dir),
-                config=OmegaConf.to_container(cfg, resolve=True),
+                config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                 reinit="finish_previous",
                 # System-stats sampling runs in W&B's service process and competes for the cores the step needs.
                 settings=wandb.Settings(x_disable_stats=True),

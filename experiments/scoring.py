@@ -1,5 +1,9 @@
 """Scoring: per-token log-probs of the responses of a rollout batch in fp32, with their routing, row by row or packed.
 
+Log-probs are taken from `logits / temperature`, the distribution the tokens were sampled from, in fp32. Position
+ids follow the attention mask (left padding does not shift positions), exactly as `generate` builds them, so
+scoring a rollout reproduces the rollout's own computation up to the KV-cache path.
+
 A scoring forward feeds positions `FED` of each row (all but the last: its logits would predict nothing) and keeps
 the logits of the last T, which score the T response tokens. Routing can be recorded, or replayed from a trace
 laid out like the fed positions (`RoutingTrace [L, n, P+T-1, K]`); either way `Scores.routes` comes back in that
@@ -21,17 +25,14 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from experiments.rollout import position_ids
-from models.policy import find_routers
-from models.routing import RoutingTrace, record_routing, replay_routing
+from models.grouped_attention import NAME as PACKED_ATTENTION
+from models.routing import RoutingTrace, find_routers, record_routing, replay_routing
 from models.shared_prefix import SharedPrefix
 
 # The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
 # generation, where the last sampled token never goes through the model). Routing traces of scoring forwards
 # cover these positions; a rollout's trace is cut to them with `trace.positions(FED)`.
 FED = slice(None, -1)
-
-PACKED_ATTENTION = "grouped_eager"
 
 
 @dataclass
@@ -40,6 +41,12 @@ class Scores:
     entropy: torch.Tensor  # [N, T] fp32 entropy of the policy at each response position (no grad)
     aux_loss: torch.Tensor | None  # scalar load-balancing loss of this forward, when requested
     routes: RoutingTrace | None = None  # recorded routing; under replay, the router's own top-k (`[L, N, P+T-1, K]`)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as `generate` computes them: cumsum of the mask minus one."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
 
 
 def can_pack(model: PreTrainedModel) -> bool:

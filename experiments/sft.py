@@ -28,9 +28,11 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.config import register_configs
+from experiments.engine import HFEngine
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
-from experiments.rollout import position_ids
+from experiments.registry import ConfigError
+from experiments.scoring import position_ids
 from experiments.tasks import Example, build_task
 from models.policy import ModelConfig, build_policy
 
@@ -73,7 +75,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path) -> tuple[PreTrainedModel, d
         model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
         dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
         task = build_task(dataset.pop("name"), **dataset)
-    except (ValueError, FileNotFoundError) as error:
+    except ConfigError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
     device = torch.device(cfg.device)
     model.to(device)
@@ -107,7 +109,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path) -> tuple[PreTrainedModel, d
             record = {"train/step": step, "sft/loss": loss_value, "perf/elapsed_s": elapsed}
             if step % s.eval_every == 0 or out_of_time or step == s.max_steps:
                 model.eval()
-                metrics = evaluate(model, tokenizer, task, test, samples=0, max_new_tokens=32, temperature=1.0)
+                metrics = evaluate(HFEngine(model, tokenizer), task, test, samples=0, max_new_tokens=32, temperature=1.0)
                 accuracy = metrics["eval/greedy_accuracy"]
                 record.update(metrics)
             logger.log(record)

@@ -161,12 +161,3 @@ def grouped_glu(
     weights = top_k_weights.reshape(-1).to(expert_out.dtype)
     out = ops.scatter(expert_out, slot_order, bin_ids, weights, bins, top_k)
     return out.view(num_tokens, hidden)
-
-
-def clear_megablocks_bookkeeping() -> None:
-    """Empty MegaBlocks' module-global load-balancing and router z-loss lists."""
-    from megablocks.layers.moe import clear_load_balancing_loss
-    from megablocks.layers.router import clear_router_zloss
-
-    clear_load_balancing_loss()
-    clear_router_zloss()

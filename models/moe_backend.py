@@ -20,29 +20,33 @@ Checkpoints stay in transformers' layout whatever the backend: the module's `sta
 other. Apply the switch before building the optimizer: it replaces the experts' parameters.
 """
 
+from enum import StrEnum
+
 import torch
 from torch import nn
 
 from models.dmoe_reference import dmoe_glu_reference, hf_to_megablocks, megablocks_to_hf
-from models.megablocks_experts import (
-    clear_megablocks_bookkeeping,
-    load_megablocks_kernels,
-    megablocks_glu_forward,
-    require_megablocks,
-)
+from models.megablocks_experts import load_megablocks_kernels, megablocks_glu_forward, require_megablocks
 
 __all__ = [
     "MOE_BACKENDS",
     "DroplessGLUExperts",
+    "MoEBackend",
     "apply_moe_backend",
-    "clear_moe_bookkeeping",
     "describe_experts_backend",
     "find_moe_experts",
     "hf_to_megablocks",
     "megablocks_to_hf",
 ]
 
-MOE_BACKENDS = ("hf", "torch_dmoe", "megablocks")
+
+class MoEBackend(StrEnum):
+    hf = "hf"  # transformers' own experts
+    torch_dmoe = "torch_dmoe"  # MegaBlocks' dropless GLU layout and computation in PyTorch, any device
+    megablocks = "megablocks"  # the same layout with MegaBlocks' grouped kernels (CUDA, bfloat16)
+
+
+MOE_BACKENDS = tuple(MoEBackend)
 SUPPORTED_LAYOUT = (
     "fused experts with gate_up_proj [E, 2F, H] (gate rows, then up rows) and down_proj [E, H, F], "
     "no bias (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral)"
@@ -228,16 +232,3 @@ def describe_experts_backend(model: nn.Module) -> str:
         for experts in experts_by_name.values()
     }
     return "+".join(sorted(labels))
-
-
-def clear_moe_bookkeeping(model: nn.Module) -> None:
-    """Empty MegaBlocks' global load-balancing / router z-loss lists when `model` uses MegaBlocks; else nothing.
-
-    MegaBlocks layers append to those lists on every train-mode forward, and nothing else empties them; the
-    training loop calls this once per step. Our experts call MegaBlocks' kernels below the layer that appends,
-    so the call only guards against MegaBlocks layers elsewhere in the process.
-    """
-    if any(
-        isinstance(m, DroplessGLUExperts) and m.backend == "megablocks" for m in find_moe_experts(model).values()
-    ):
-        clear_megablocks_bookkeeping()

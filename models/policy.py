@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -25,78 +26,113 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from experiments.registry import ConfigError, check_fields
 from models import grouped_attention, sorted_experts
-from models.moe_backend import apply_moe_backend, describe_experts_backend
+from models.moe_backend import MoEBackend, apply_moe_backend, describe_experts_backend
+from models.routing import find_routers
 from models.tokenizer import build_char_tokenizer
 
 # MoE families whose routers `models.routing` can record and replay (softmax -> top-k -> optional renorm), and
 # dense families accepted as controls (no routing: replay is refused, routing metrics are absent).
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 DENSE_FAMILIES = ("qwen3", "qwen2", "llama")
-ARCHITECTURES = ("qwen3_moe", "qwen3")  # what `path: null` can build in code
-FROM_CHECKPOINT = "from_checkpoint"  # `model=checkpoint`: the checkpoint at `path` decides; nothing is built in code
-EXPERTS_IMPLEMENTATIONS = (sorted_experts.NAME, "grouped_mm", "eager", "batched_mm")
-# Our kernels join transformers' registries once, at import, so that validation and `from_pretrained` see them.
-sorted_experts.register()
-grouped_attention.register()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Architecture(StrEnum):
+    """What `path: null` builds in code, or `from_checkpoint` (`model=checkpoint`: the checkpoint at `path` decides)."""
+
+    qwen3_moe = "qwen3_moe"
+    qwen3 = "qwen3"  # a dense control of the same width and depth
+    from_checkpoint = "from_checkpoint"
+
+
+class ExpertsImplementation(StrEnum):
+    """How a transformers experts module computes: ours (`models.sorted_experts`) or transformers' own."""
+
+    sorted_mm = sorted_experts.NAME
+    grouped_mm = "grouped_mm"
+    eager = "eager"
+    batched_mm = "batched_mm"
+
+
+DType = StrEnum("DType", [(name, name) for name in DTYPES])
 
 
 @dataclass
 class ModelConfig:
-    """The `model` config group. Size fields apply to models built in code (`path: null`) only."""
+    """The `model` config group. Its defaults are the tiny_moe model ("bench-tiny", 7.1 M parameters: the TRL peer
+    benchmark's sizes); size fields apply to models built in code (`path: null`) only."""
 
-    name: str = "tiny_moe"
+    name: str = "tiny_moe"  # the label of runs and checkpoints
     path: str | None = None  # local HF checkpoint directory; null builds `architecture` below in code
-    architecture: str = "qwen3_moe"  # qwen3_moe, or qwen3: a dense control of the same width and depth
+    architecture: Architecture = Architecture.qwen3_moe
     hidden_size: int = 256
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = 4  # every layer is an MoE layer in the qwen3_moe built here
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
-    intermediate_size: int = 512
+    intermediate_size: int = 512  # MLP width of the dense control (qwen3)
     num_experts: int = 16
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 128
-    norm_topk_prob: bool = True  # Qwen3-30B-A3B renormalises the top-k gate weights
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int = 128  # expert width
+    norm_topk_prob: bool = True  # renormalise the top-k gate weights, as Qwen3-30B-A3B
     max_position_embeddings: int = 256
-    router_aux_loss_coef: float = 0.001  # Qwen3-30B-A3B's load-balancing coefficient
     router_init_std: float = 0.3  # std of the router weights at init: decisive routing from step 0
     init_seed: int = 0  # weights of a model built in code depend on this seed only, not on the run's seed
-    experts_implementation: str = "sorted_mm"  # grouped_mm's arithmetic on any device, cheaper on CPU
-    moe_backend: str = "hf"  # hf | torch_dmoe | megablocks (see models.moe_backend)
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"  # the tiny models' yaml picks grouped_eager (short sequences on CPU)
+    experts_implementation: ExpertsImplementation = ExpertsImplementation.sorted_mm  # grouped_mm's arithmetic, cheaper on CPU
+    moe_backend: MoEBackend = MoEBackend.hf  # hf | torch_dmoe | megablocks (models.moe_backend)
+    dtype: DType = DType.float32
+    # Any attention transformers knows, or ours: grouped_eager (`models.grouped_attention`: eager without per-head
+    # KV copies; beats sdpa at 6-22 tokens on CPU, and it follows the packed-group layout of `models.shared_prefix`).
+    attn_implementation: str = grouped_attention.NAME
+
+    def __post_init__(self) -> None:
+        # Hydra checks these types at composition; Python callers get the same check (and enum members).
+        check_fields(self, "model")
 
 
-def validate_model_config(cfg: ModelConfig) -> None:
-    """Refuse a bad model config at start-up with one line that names the bad value."""
-    if cfg.experts_implementation not in EXPERTS_IMPLEMENTATIONS:
-        raise ValueError(
-            f"model.experts_implementation={cfg.experts_implementation!r} is not one of {list(EXPERTS_IMPLEMENTATIONS)}"
-        )
+def register_kernels() -> None:
+    """Our kernels join transformers' registries (idempotent): before a policy is built or its config checked."""
+    sorted_experts.register()
+    grouped_attention.register()
+
+
+def model_family(cfg: ModelConfig) -> str:
+    """Check the model config and return the `model_type` the run will train (read from a checkpoint's
+    config.json without loading weights); a bad value raises `ConfigError` naming it."""
+    register_kernels()
     attention = ("eager", *ALL_ATTENTION_FUNCTIONS.keys())
     if cfg.attn_implementation not in attention:
-        raise ValueError(f"model.attn_implementation={cfg.attn_implementation!r} is not one of {list(attention)}")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"model.dtype={cfg.dtype!r} is not one of {list(DTYPES)}")
+        raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r} is not one of {list(attention)}")
     if cfg.path is not None:
         path = Path(os.path.expanduser(cfg.path))
         if not path.is_dir():
-            raise FileNotFoundError(f"model.path={cfg.path!r} does not exist or is not a directory")
+            raise ConfigError(f"model.path={cfg.path!r} does not exist or is not a directory")
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path={cfg.path!r} has no config.json: not a Hugging Face checkpoint")
-        return
-    if cfg.architecture == FROM_CHECKPOINT:
-        raise ValueError(f"model.architecture={FROM_CHECKPOINT!r} (model=checkpoint) needs model.path=/local/checkpoint")
-    if cfg.architecture not in ARCHITECTURES:
-        raise ValueError(f"model.architecture={cfg.architecture!r} is not one of {list(ARCHITECTURES)}")
+            raise ConfigError(f"model.path={cfg.path!r} has no config.json: not a Hugging Face checkpoint")
+        model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
+        if model_type not in MOE_FAMILIES + DENSE_FAMILIES:
+            raise ConfigError(
+                f"model.path={cfg.path!r} is a {model_type!r} model; supported: MoE families "
+                f"{list(MOE_FAMILIES)} and, as dense controls, {list(DENSE_FAMILIES)}"
+            )
+        return model_type
+    if cfg.architecture == Architecture.from_checkpoint:
+        raise ConfigError("model.architecture='from_checkpoint' (model=checkpoint) needs model.path=/local/checkpoint")
     if cfg.num_experts_per_tok < 1 or cfg.num_experts_per_tok > cfg.num_experts:
-        raise ValueError(
+        raise ConfigError(
             f"model.num_experts_per_tok={cfg.num_experts_per_tok} must be between 1 and model.num_experts={cfg.num_experts}"
         )
     if cfg.router_init_std <= 0:
-        raise ValueError(f"model.router_init_std={cfg.router_init_std} must be > 0")
+        raise ConfigError(f"model.router_init_std={cfg.router_init_std} must be > 0")
+    if cfg.architecture == Architecture.qwen3 and cfg.moe_backend != MoEBackend.hf:
+        raise ConfigError(f"model.moe_backend={cfg.moe_backend!r} needs an MoE model; {cfg.name!r} is dense")
+    return str(cfg.architecture)
+
+
+def is_moe_family(model_type: str) -> bool:
+    return model_type in MOE_FAMILIES
 
 
 def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
@@ -124,7 +160,6 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
         num_experts_per_tok=cfg.num_experts_per_tok,
         moe_intermediate_size=cfg.moe_intermediate_size,
         norm_topk_prob=cfg.norm_topk_prob,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
         decoder_sparse_step=1,  # every layer is an MoE layer
         mlp_only_layers=[],
     )
@@ -132,7 +167,7 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
 
 def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Build (or load) the policy and its tokenizer on CPU, in `cfg.dtype`; the caller moves it to a device."""
-    validate_model_config(cfg)
+    model_family(cfg)
     dtype = DTYPES[cfg.dtype]
     if cfg.path is None:
         tokenizer = build_char_tokenizer()
@@ -145,12 +180,6 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
         model = model.to(dtype)
     else:
         path = os.path.expanduser(cfg.path)
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        if config.model_type not in MOE_FAMILIES + DENSE_FAMILIES:
-            raise ValueError(
-                f"model.path={cfg.path!r} is a {config.model_type!r} model; supported: MoE families "
-                f"{list(MOE_FAMILIES)} and, as dense controls, {list(DENSE_FAMILIES)}"
-            )
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation
@@ -158,27 +187,14 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     if find_routers(model):
         model.set_experts_implementation(cfg.experts_implementation)
         apply_moe_backend(model, cfg.moe_backend)
-    elif cfg.moe_backend != "hf":
-        raise ValueError(f"model.moe_backend={cfg.moe_backend!r} needs an MoE model; {cfg.name!r} is dense")
+    elif cfg.moe_backend != MoEBackend.hf:
+        raise ConfigError(f"model.moe_backend={cfg.moe_backend!r} needs an MoE model; {cfg.name!r} is dense")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model, tokenizer
-
-
-def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Every MoE router of `model`, keyed by module name, in layer order.
-
-    transformers 5.x gives each MoE block a router module (`*TopKRouter`) that returns
-    `(router_logits, top_k_weights, top_k_indices)`; that is the one place where experts are chosen.
-    """
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if type(module).__name__.endswith(("TopKRouter", "TopkRouter"))
-    }
 
 
 def describe_policy(model: PreTrainedModel) -> dict[str, object]:

@@ -26,8 +26,6 @@ from typing import Iterator
 
 import torch
 
-from models.policy import find_routers
-
 NO_ROUTE = -1
 _TRACE_DTYPE = torch.int16  # expert ids < 32768; a quarter of int64's memory for long rollouts
 
@@ -58,6 +56,19 @@ class RoutingTrace:
     def recorded(self) -> torch.Tensor:
         """`[L, B, S]` bool: positions that carry a route."""
         return self.experts[..., 0] != NO_ROUTE
+
+
+def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every MoE router of `model`, keyed by module name, in layer order.
+
+    transformers 5.x gives each MoE block a router module (`*TopKRouter`) that returns
+    `(router_logits, top_k_weights, top_k_indices)`; that is the one place where experts are chosen.
+    """
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith(("TopKRouter", "TopkRouter"))
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------

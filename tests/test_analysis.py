@@ -76,7 +76,7 @@ def test_loader_returns_expected_frames(runset):
     mb = runset.minibatches.query(
         "run == 'sweep/3' and step == 4 and minibatch == 2 and metric == 'routing/expert_change_frac/layer_1'"
     )
-    assert mb["value"].item() == pytest.approx(0.2)
+    assert mb["value"].item() == pytest.approx(0.4)
     assert set(runset.minibatches["minibatch"]) == {0, 1, 2}
 
 
@@ -193,8 +193,9 @@ def test_stability_table_by_hand(runset):
     assert gspo["final_reward_std"] == pytest.approx(math.sqrt(0.0104 / 2))
     assert (gspo["seeds"], gspo["incomplete_runs"], gspo["last_step"]) == (3, 1, 20)
     assert (grpo["clip_frac_mean"], gspo["clip_frac_mean"]) == pytest.approx((0.001, 0.15))
-    # Step-level drift = mean over layers of (mean over minibatches 0..2 of 0.05·(l+1)·j) = mean(0.05, 0.1).
-    assert gspo["expert_change_mean"] == pytest.approx(0.075)
+    # After one update: mean over layers of 0.05·(l+1) = 0.075; over minibatches 0..2 of 0.05·(l+1)·j²: 0.075·5/3.
+    assert gspo["expert_change_per_update_mean"] == pytest.approx(0.075)
+    assert gspo["expert_change_over_minibatches_mean"] == pytest.approx(0.125)
     assert (gspo["ratio_token_var_mean"], gspo["ratio_seq_var_mean"]) == pytest.approx((1e-3, 1e-5))
     assert gspo["skipped_steps"] == 3 and grpo["skipped_steps"] == 0
     assert gspo["step_s_mean"] == pytest.approx(2.0)
@@ -203,7 +204,7 @@ def test_stability_table_by_hand(runset):
 
 def test_drift_tables_by_hand(runset):
     by_minibatch = agg.drift_layer_by_minibatch(runset)
-    assert by_minibatch["grpo"].loc[1, 2] == pytest.approx(0.2)
+    assert by_minibatch["grpo"].loc[1, 2] == pytest.approx(0.4)
     assert by_minibatch["gspo"].loc[0, 0] == pytest.approx(0.0)
     depth, basis = agg.drift_by_depth(runset)
     assert "minibatch index 1" in basis
@@ -295,7 +296,7 @@ def test_missing_routing_metrics_leave_panels_out_with_a_note(tmp_path):
         assert out.files == [] and "dense model" in out.notes[0]
     assert not (tmp_path / "out").exists()
     table = agg.stability_table(rs)
-    assert math.isnan(table.loc[0, "expert_change_mean"])
+    assert math.isnan(table.loc[0, "expert_change_per_update_mean"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,7 +367,7 @@ def test_cli_wandb_on_a_dense_model_caches_and_notes_the_missing_routing_panels(
     assert re.search(r"Source: W&B ent/proj \(groups: sweepA\)", text)
     assert "](fig1_reward_vs_compute.png)" in text and "](fig5_ratio_variance.png)" in text
     assert "> Note: No per-minibatch `routing/expert_change_frac/layer_<i>` values (dense model" in text
-    assert "> Note: `routing/expert_change_frac` was not logged by grpo; `expert_change_mean` is empty there." in text
+    assert "> Note: `routing/expert_change_frac` was not logged by grpo; the experts-changed columns are empty there." in text
     assert not (out / "fig4c_drift_depth.png").exists()
     assert capsys.readouterr().out == f"report: {out / 'report.md'}\n"
 

@@ -61,7 +61,7 @@ def test_cli_runs_our_loop_and_reports_the_work(tmp_path, capsys):
         args += ["--override", override]
     rl_step.main(args)
     printed = capsys.readouterr().out
-    assert "| ours grpo |" in printed and "of fp32 matmul peak" in printed
+    assert "| ours grpo |" in printed and "of the best matmul measured" in printed
     result = json.loads(out.read_text())
     steps = result["main"]["ours grpo"]["steps"]
     assert len(steps) == 2

@@ -65,3 +65,35 @@ def test_experiments_start_from_the_cold_start_checkpoint():
 def test_misspelt_or_mistyped_keys_fail_at_composition(override, key):
     with pytest.raises(Exception, match=key):
         _compose("train", [override])
+
+
+@pytest.mark.parametrize(
+    "override, allowed",
+    [("routing.replay=r5", "[none, r2, r3]"), ("trainer.pi_old=cached", "[auto, bypass, decoupled]"),
+     ("trainer.minibatch_layout=prompts", "[auto, groups, rows]"), ("model.moe_backend=cuda", "[hf, torch_dmoe"),
+     ("algo.loss_agg=sum", "[token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm]"),
+     ("logger.wandb.mode=on", "[offline, online, disabled]"), ("model.dtype=fp8", "[float32, bfloat16, float16]")],
+)
+def test_a_value_outside_an_enum_is_refused_at_composition_naming_the_allowed_ones(override, allowed):
+    with pytest.raises(Exception) as raised:
+        _compose("train", [override])
+    text = f"{raised.value} {raised.value.__cause__}"
+    assert f"Invalid value '{override.split('=')[1]}', expected one of {allowed}" in text
+
+
+def test_each_yaml_holds_only_what_differs_from_the_schema():
+    """A yaml value equal to the schema default would declare it twice."""
+    from experiments.config import TrainConfig
+    from models.policy import ModelConfig
+
+    schemas = {"model": ModelConfig()}
+    for group, schema in schemas.items():
+        defaults = OmegaConf.structured(schema)
+        for path in sorted((CONF / group).glob("*.yaml")):
+            own = OmegaConf.load(path)
+            restated = [key for key in own if key != "defaults" and key in defaults and own[key] == defaults[key]
+                        and key != "name"]
+            assert not restated, f"{path.name} restates schema defaults {restated}"
+    top = OmegaConf.load(CONF / "train.yaml")
+    schema = OmegaConf.structured(TrainConfig)
+    assert not [key for key in top if key not in ("defaults", "hydra") and top[key] == schema.get(key)]

@@ -19,7 +19,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from benchmarks.gpu_checks import experts_parity
 from models.megablocks_experts import load_megablocks_kernels
-from models.moe_backend import apply_moe_backend, clear_moe_bookkeeping, describe_experts_backend
+from models.moe_backend import apply_moe_backend, describe_experts_backend
 
 FLOAT32_TOL = 1e-5
 BFLOAT16_FACTOR, BFLOAT16_SLACK = 2.0, 5e-3
@@ -79,7 +79,7 @@ def tiny_bf16_policy() -> Qwen3MoeForCausalLM:
 
 
 @needs_megablocks
-def test_megablocks_policy_log_probs_match_hf_and_bookkeeping_clears(tmp_path):
+def test_megablocks_policy_log_probs_match_hf_and_leave_megablocks_lists_empty(tmp_path):
     hf_model = tiny_bf16_policy()
     mb_model = tiny_bf16_policy()
     apply_moe_backend(mb_model, "megablocks")
@@ -100,7 +100,7 @@ def test_megablocks_policy_log_probs_match_hf_and_bookkeeping_clears(tmp_path):
 
     from megablocks.layers.moe import get_load_balancing_loss
 
-    clear_moe_bookkeeping(mb_model)
+    # Our experts call MegaBlocks' kernels below its dMoE layer, which is what appends to this list: nothing to clear.
     assert len(get_load_balancing_loss()) == 0
 
 

@@ -31,7 +31,6 @@ from models.moe_backend import (
     MOE_BACKENDS,
     DroplessGLUExperts,
     apply_moe_backend,
-    clear_moe_bookkeeping,
     describe_experts_backend,
     find_moe_experts,
     hf_to_megablocks,
@@ -477,17 +476,3 @@ def test_megablocks_forward_refuses_tensors_off_cuda():
             None, torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.long),
             torch.ones(2, 2), dmoe.w1, dmoe.v1, dmoe.w2, 8, dmoe.act_fn,
         )
-
-
-def test_clear_moe_bookkeeping_touches_megablocks_only_when_a_model_uses_it(monkeypatch):
-    calls = []
-    monkeypatch.setattr(moe_backend, "clear_megablocks_bookkeeping", lambda: calls.append(1))
-    model = qwen3_moe()
-    clear_moe_bookkeeping(model)
-    apply_moe_backend(model, "torch_dmoe")
-    clear_moe_bookkeeping(model)
-    assert calls == []
-    for experts in experts_of(model):
-        experts.backend = "megablocks"
-    clear_moe_bookkeeping(model)
-    assert calls == [1]

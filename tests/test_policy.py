@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig
 
-from experiments.rollout import position_ids
-from models.policy import ModelConfig, build_policy, describe_policy, find_routers
-from models.routing import record_routing, replay_routing, routing_drift
+from experiments.registry import ConfigError
+from experiments.scoring import position_ids
+from models.policy import ModelConfig, build_policy, describe_policy
+from models.routing import find_routers, record_routing, replay_routing, routing_drift
 from models.tokenizer import build_char_tokenizer
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -68,9 +69,9 @@ def test_unsupported_family_is_refused(tmp_path):
 
 
 def test_missing_or_empty_checkpoint_path_is_refused(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         build_policy(ModelConfig(path=str(tmp_path / "nope")))
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(ConfigError, match="no config.json"):
         build_policy(ModelConfig(path=str(tmp_path)))
 
 
@@ -83,7 +84,7 @@ def test_missing_or_empty_checkpoint_path_is_refused(tmp_path):
 )
 def test_bad_model_settings_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        build_policy(ModelConfig(**{field: value}))
+        build_policy(ModelConfig(**{field: value}))  # raised by ModelConfig itself for enum fields
 
 
 def test_models_built_in_code_depend_on_init_seed_only():

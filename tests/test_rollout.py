@@ -1,10 +1,11 @@
-"""The rollout: one prefill per prompt shared by its G completions, log-probs and routing equal to a full forward."""
+"""The HF rollout engine: one prefill per prompt shared by its G completions, μ_old's log-probs and routing equal to a
+full forward of the trainer's model."""
 
 from __future__ import annotations
 
 import torch
 
-from experiments.rollout import generate_rollout
+from experiments.engine import HFEngine, collect_rollout
 from experiments.scoring import FED, score_responses
 from experiments.tasks import build_task
 from models.routing import NO_ROUTE, record_routing, routing_drift
@@ -25,18 +26,17 @@ def test_shared_prefill_rollout_matches_a_full_forward(micro_policy):
     model, tokenizer = micro_policy
     task, examples = _examples()
     torch.manual_seed(0)
-    rollout = generate_rollout(model, tokenizer, task, examples, G, NEW, temperature=0.7, fixed_length=True,
-                               record=True, logprobs=True)
-    assert rollout.trace.shape[1:3] == tuple(rollout.input_ids.shape)
+    engine = HFEngine(model, tokenizer, min_new_tokens=NEW)
+    rollout = collect_rollout(engine, task, examples, G, NEW, temperature=0.7, record_routing=True)
+    assert rollout.routes.shape[1:3] == tuple(rollout.input_ids.shape)
     with torch.no_grad(), record_routing(model) as scored:
         full = score_responses(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_width, 0.7)
-    torch.testing.assert_close(rollout.rollout_logp, full.logp.masked_fill(~rollout.response_mask, 0.0),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(rollout.logp, full.logp.masked_fill(~rollout.response_mask, 0.0), rtol=0, atol=1e-5)
     # The scoring forward feeds every position but the last (`FED`), whose token never went through the model
     # during generation either: the rollout's trace is NO_ROUTE there.
-    assert (rollout.trace.experts[:, :, -1] == NO_ROUTE).all()
+    assert (rollout.routes.experts[:, :, -1] == NO_ROUTE).all()
     seen = rollout.attention_mask[:, FED].bool()
-    drift = routing_drift(rollout.trace.positions(FED), scored.trace, seen)
+    drift = routing_drift(rollout.routes.positions(FED), scored.trace, seen)
     assert drift.tokens == int(seen.sum()), "prompt tokens (shared prefill) and generated tokens are all recorded"
     assert drift.expert_change_frac == 0.0
 
@@ -45,7 +45,7 @@ def test_shared_prefill_changes_nothing_but_the_cost(micro_policy):
     """Greedy completions equal those of `generate` over the B·G rows, each prompt prefilled G times."""
     model, tokenizer = micro_policy
     task, examples = _examples()
-    rollout = generate_rollout(model, tokenizer, task, examples, G, NEW, temperature=1.0, greedy=True)
+    rollout = collect_rollout(HFEngine(model, tokenizer), task, examples, G, NEW, temperature=1.0, greedy=True)
     prompts = [example.prompt for example in examples for _ in range(G)]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     plain = model.generate(**encoded, max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.rollout import position_ids
+from experiments.scoring import position_ids
 from models.moe_backend import apply_moe_backend
-from models.policy import find_routers
+from models.routing import find_routers
 from models.routing import NO_ROUTE, RoutingTrace, record_routing, replay_routing, routing_drift
 
 

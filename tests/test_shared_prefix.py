@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.rollout import position_ids
+from experiments.scoring import position_ids
 from experiments.scoring import FED, score_responses
 from models.policy import ModelConfig, build_policy
 from models.routing import RoutingTrace

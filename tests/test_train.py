@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -11,12 +12,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from algos import OBJECTIVES, ObjectiveOutput
+from algos import OBJECTIVES, ObjectiveOutput, group_advantages
 from experiments.config import PROJECT_ROOT
-from experiments.scoring import FED
+from experiments.scoring import FED, score_responses
 from experiments.train import RLTrainer, train
-from models.policy import find_routers
-from models.routing import routing_drift
+from experiments.trainer import minibatch_order, split_minibatches
+from models.routing import find_routers, routing_drift
 from models.shared_prefix import SharedPrefix
 from tests.conftest import MICRO_RUN
 
@@ -27,8 +28,9 @@ STEP_METRICS = [
     "response/length_mean", "response/truncated_frac", "ratio/token_mean", "ratio/token_var", "ratio/token_max",
     "ratio/seq_mean", "ratio/seq_var", "clip/token_frac", "clip/seq_frac", "kl/old_k3", "loss/policy",
     "policy/entropy", "optim/grad_norm", "optim/lr", "optim/skipped_steps", "moe/aux_loss", "moe/load_max_violation",
-    "routing/expert_change_frac", "routing/expert_change_frac/layer_0", "routing/expert_change_frac/layer_1",
-    "routing/token_any_change_frac", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/rollout_tokens_per_s",
+    "routing/expert_change_per_update", "routing/expert_change_per_update/layer_0",
+    "routing/expert_change_per_update/layer_1", "routing/token_any_change_per_update",
+    "routing/expert_change_mean_over_minibatches", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/rollout_tokens_per_s",
 ]
 
 
@@ -39,6 +41,16 @@ def compose_train(*overrides: str):
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def first_step_inputs(trainer: RLTrainer):
+    """What `RLTrainer.step` builds before its updates: the rollout, the minibatches and their π_old."""
+    t = trainer.cfg.trainer
+    rollout = trainer.rollout()
+    advantages = group_advantages(rollout.rewards, t.group_size)
+    order = minibatch_order(trainer.plan.layout, rollout.size, t.group_size, trainer.generator)
+    minibatches = split_minibatches(rollout, advantages, order, t.minibatches, trainer.device)
+    return rollout, advantages, minibatches, [trainer.old_policy(mb) for mb in minibatches]
 
 
 @pytest.mark.parametrize("replay", ["none", "r2", "r3"])
@@ -67,11 +79,8 @@ def test_every_objective_and_replay_mode_runs_and_logs(tmp_path, algo, replay):
 def test_r2_replays_recorded_experts_while_drift_stays_measurable(layout):
     trainer = RLTrainer(compose_train("algo=grpo", "routing.replay=r2", "trainer.lr=5e-2", "trainer.minibatches=4",
                                       f"trainer.minibatch_layout={layout}"))
-    assert trainer.minibatch_layout == layout
-    rollout = trainer.rollout()
-    from algos import group_advantages
-
-    minibatches = trainer.score_old(rollout, group_advantages(rollout.rewards, 4))
+    assert trainer.plan.layout == layout
+    _, _, minibatches, old = first_step_inputs(trainer)
     used: list[torch.Tensor] = []
     handles = [
         trainer.model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
@@ -80,12 +89,15 @@ def test_r2_replays_recorded_experts_while_drift_stays_measurable(layout):
         for name in find_routers(trainer.model)
     ]
     drifts = []
-    for j, mb in enumerate(minibatches):
+    assert old[0].on_policy and old[0].replay is None, "the on-policy minibatch routes as θ_old does: nothing to replay"
+    for j, (mb, old_policy) in enumerate(zip(minibatches, old)):
         used.clear()
-        metrics = trainer.update(mb, j)
+        metrics = trainer.update(mb, old_policy)
         drifts.append(metrics["routing/expert_change_frac"])
-        L, B, S, K = mb.old_trace.shape
-        recorded = mb.old_trace.experts.reshape(L, B * S, K).long()
+        if j == 0:
+            continue
+        L, B, S, K = old_policy.replay.shape
+        recorded = old_policy.replay.experts.reshape(L, B * S, K).long()
         fed = mb.attention_mask[:, FED]  # the positions a scoring forward feeds
         routed = torch.stack(used)
         if layout == "groups":  # the experts saw each group as one packed sequence: lay it out as rows again
@@ -149,18 +161,15 @@ def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["routing.replay=r5"], "routing.replay='r5' is not one of"),
         (["algo.clip_low=-0.1"], "clip_low"),
         (["algo.clip_low=1.5"], "clip_low"),
         (["trainer.minibatches=3"], "trainer.minibatches=3 does not divide"),
         (["trainer.group_size=1"], "trainer.group_size=1"),
         (["model.path=/nonexistent/checkpoint"], "model.path='/nonexistent/checkpoint' does not exist"),
         (["model=tiny_dense", "routing.replay=r2"], "needs an MoE model"),
-        (["algo=dr_grpo", "algo.loss_agg=sum"], "loss_agg"),
-        (["trainer.old_logprobs=cached"], "trainer.old_logprobs='cached' is not one of"),
         (["model=checkpoint"], "(model=checkpoint) needs model.path=/local/checkpoint"),
-        (["trainer.old_logprobs=rollout", "routing.replay=r2"], "trainer.old_logprobs=rollout with routing.replay=r2"),
-        (["trainer.minibatch_layout=prompts"], "trainer.minibatch_layout='prompts' is not one of"),
+        (["trainer.pi_old=bypass", "routing.replay=r2"], "trainer.pi_old=bypass with routing.replay=r2"),
+        (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
         (["trainer.minibatch_layout=groups", "trainer.minibatches=8"],
          "trainer.minibatches=8 does not divide trainer.prompts_per_step=4"),
         (["trainer.minibatch_layout=groups", "model.attn_implementation=sdpa"],
@@ -196,13 +205,9 @@ def test_reference_kl_and_router_aux_loss_enter_the_update(tmp_path, layout):
 
 @pytest.mark.parametrize("layout", ["groups", "rows"])
 def test_group_minibatches_hold_whole_groups(layout):
-    from algos import group_advantages
-
     trainer = RLTrainer(compose_train(f"trainer.minibatch_layout={layout}"))
-    rollout = trainer.rollout()
+    rollout, advantages, minibatches, _ = first_step_inputs(trainer)
     G = trainer.cfg.trainer.group_size
-    advantages = group_advantages(rollout.rewards, G)
-    minibatches = trainer.score_old(rollout, advantages)
     prompts = torch.cat([mb.input_ids[:, : mb.prompt_width] for mb in minibatches]).view(-1, G, rollout.prompt_width)
     whole = bool((prompts == prompts[:, :1]).all())
     assert whole == (layout == "groups"), "rows are shuffled across groups; groups stay together"
@@ -268,27 +273,25 @@ def test_wandb_failure_keeps_the_local_log(tmp_path, monkeypatch):
 def test_drift_metric_matches_a_recomputation():
     """The logged drift of minibatch j equals routing_drift(old trace, the router's own routing) recomputed."""
     trainer = RLTrainer(compose_train("routing.replay=none", "trainer.lr=5e-2"))
-    rollout = trainer.rollout()
-    from algos import group_advantages
-
-    minibatches = trainer.score_old(rollout, group_advantages(rollout.rewards, 4))
-    trainer.update(minibatches[0], 0)
+    _, _, minibatches, old = first_step_inputs(trainer)
+    trainer.update(minibatches[0], old[0])
     mb = minibatches[1]
     with torch.no_grad():
         routes = trainer._score(trainer.model, mb, record=True).routes
-    expected = routing_drift(mb.old_trace, routes, mb.token_mask).expert_change_frac
-    assert trainer.update(mb, 1)["routing/expert_change_frac"] == pytest.approx(expected)
+    expected = routing_drift(old[1].routes, routes, mb.token_mask).expert_change_frac
+    assert expected > 0.0, "a large learning rate moves the routing: the comparison must not be 0 == 0"
+    assert trainer.update(mb, old[1])["routing/expert_change_frac"] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
     "replay, setting, source",
-    [("none", "auto", "rollout"), ("r2", "auto", "recompute"), ("r3", "auto", "recompute"),
-     ("none", "recompute", "recompute")],
+    [("none", "auto", "bypass"), ("r2", "auto", "decoupled"), ("r3", "auto", "decoupled"),
+     ("none", "decoupled", "decoupled"), ("r3", "bypass", "bypass")],
 )
-def test_old_logprobs_recompute_only_where_replay_needs_it_or_asked(tmp_path, replay, setting, source):
-    summary = train(compose_train(f"routing.replay={replay}", f"trainer.old_logprobs={setting}", "trainer.steps=1"),
+def test_pi_old_is_recomputed_only_where_replay_needs_it_or_asked(tmp_path, replay, setting, source):
+    summary = train(compose_train(f"routing.replay={replay}", f"trainer.pi_old={setting}", "trainer.steps=1"),
                     tmp_path)
-    assert summary["old_logprobs"] == source
+    assert summary["pi_old"] == source and summary["pi_old_why"]
     first = read_metrics(tmp_path)[0]["minibatches"][0]
     assert first["ratio/token_mean"] == 1.0, "the on-policy minibatch is exact whatever the source"
 
@@ -297,18 +300,15 @@ def test_rollout_logprobs_are_theta_olds_own_numbers():
     """Without replay the off-policy minibatches keep the sampler's log-probs and routing; a recompute with the same
     weights agrees up to the KV-cache path's rounding, and routes every scored token the same way."""
     trainer = RLTrainer(compose_train("routing.replay=none"))
-    assert trainer.old_logprobs == "rollout"
-    rollout = trainer.rollout()
-    from algos import group_advantages
-
-    minibatches = trainer.score_old(rollout, group_advantages(rollout.rewards, 4))
-    assert minibatches[0].old_logp is None, "the on-policy minibatch takes θ_old's log-probs from its own forward"
-    for mb in minibatches[1:]:
+    assert trainer.plan.pi_old == "bypass"
+    _, _, minibatches, old = first_step_inputs(trainer)
+    assert old[0].on_policy, "the on-policy minibatch takes θ_old's log-probs from its own forward"
+    for mb, old_policy in zip(minibatches[1:], old[1:]):
         with torch.no_grad():
             recomputed = trainer._score(trainer.model, mb, record=True)
-        assert torch.allclose(mb.old_logp, recomputed.logp, atol=1e-5)
-        assert mb.old_logp[~mb.response_mask].eq(0).all()
-        drift = routing_drift(mb.old_trace, recomputed.routes, mb.token_mask)
+        assert torch.allclose(old_policy.logp, recomputed.logp, atol=1e-5)
+        assert old_policy.logp[~mb.response_mask].eq(0).all()
+        drift = routing_drift(old_policy.routes, recomputed.routes, mb.token_mask)
         assert drift.tokens > 0 and drift.expert_change_frac == 0.0
 
 
@@ -343,3 +343,41 @@ def test_cli_lists_the_valid_algorithms_for_an_unknown_one(tmp_path):
     assert "Could not find 'algo/foo'" in result.stderr
     listed = result.stderr.split("Available options in 'algo':")[1].split("Config search path")[0].split()
     assert listed == sorted(OBJECTIVES)
+
+
+@pytest.mark.parametrize("layout", ["groups", "rows"])
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
+def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(replay, layout, monkeypatch):
+    """The first update's π_θ equals θ_old scored by a separate forward of a frozen copy (row by row, its own hooks):
+    ratios 1 to float rounding, nothing clipped, the same experts (under r3, replaying the engine's routing)."""
+    trainer = RLTrainer(compose_train(f"routing.replay={replay}", f"trainer.minibatch_layout={layout}",
+                                      "trainer.lr=5e-2"))
+    _, _, minibatches, old = first_step_inputs(trainer)
+    mb = minibatches[0]
+    theta_old = copy.deepcopy(trainer.model)
+    replayed = mb.engine_routes if replay == "r3" else None
+    with torch.no_grad():
+        independent = score_responses(theta_old, mb.input_ids, mb.attention_mask, mb.prompt_width,
+                                      trainer.cfg.trainer.temperature, record=replayed is None, replay=replayed)
+    seen = {}
+    objective, score = trainer.objective, trainer._score
+
+    def spy_objective(**kwargs):
+        seen["objective"] = kwargs
+        return objective(**kwargs)
+
+    def spy_score(model, minibatch, **options):
+        seen["scores"] = score(model, minibatch, **options)
+        return seen["scores"]
+
+    monkeypatch.setattr(trainer, "objective", spy_objective)
+    monkeypatch.setattr(trainer, "_score", spy_score)
+    metrics = trainer.update(mb, old[0])
+    mask = mb.response_mask
+    for name in ("logp", "old_logp"):
+        torch.testing.assert_close(seen["objective"][name].detach()[mask], independent.logp[mask], rtol=0, atol=1e-5)
+    assert metrics["ratio/token_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["clip/token_frac"] == 0.0
+    drift = routing_drift(independent.routes, seen["scores"].routes, mb.token_mask)
+    assert drift.tokens > 0 and drift.expert_change_frac == 0.0
+    later = trainer.update(minibatches[1], old[1])
+    assert later["routing/expert_change_frac"] > 0.0 or later["ratio/token_var"] > 0.0, "the test must see an update"

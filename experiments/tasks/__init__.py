@@ -5,9 +5,9 @@ loop, SFT and evaluation get one. The Hydra `dataset` group (`conf/dataset/<name
 """
 
 from experiments.tasks.base import Example, Task
-from experiments.tasks.registry import TASKS, build_task, register_task
+from experiments.tasks.registry import TASKS, build_task
 
 # Imported for their registration side effect.
 from experiments.tasks import addition, gsm8k, sorting  # noqa: E402,F401  isort: skip
 
-__all__ = ["Example", "Task", "TASKS", "build_task", "register_task"]
+__all__ = ["Example", "Task", "TASKS", "build_task"]

@@ -3,12 +3,13 @@
 import random
 from dataclasses import dataclass
 
+from experiments.registry import ConfigError
 from experiments.tasks.base import Example, Task
-from experiments.tasks.registry import register_task
+from experiments.tasks.registry import TASKS
 from experiments.tasks.synthetic import check_split_sizes, draw_split, in_place_reward
 
 
-@register_task("addition")
+@TASKS.register("addition")
 @dataclass(frozen=True)
 class AdditionTask(Task):
     """Add two non-negative integers.
@@ -23,15 +24,15 @@ class AdditionTask(Task):
     earns 0.5 (trailing text is not an exact answer). `is_correct` means reward 1.0.
     """
 
-    digits: int = 2
-    train_size: int = 20000
-    test_size: int = 500
-    seed: int = 0
+    digits: int = 2  # operand length, the difficulty knob
+    train_size: int = 20000  # distinct problems in the train split
+    test_size: int = 500  # distinct problems in the held-out split (disjoint from train)
+    seed: int = 0  # the splits are a deterministic function of this seed
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.digits < 1:
-            raise ValueError(f"addition.digits={self.digits} must be >= 1")
+            raise ConfigError(f"addition.digits={self.digits} must be >= 1")
         check_split_sizes("addition", 10 ** (2 * self.digits), self.train_size, self.test_size)
 
     def _draw(self, rng: random.Random) -> Example:

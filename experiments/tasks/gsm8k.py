@@ -11,8 +11,9 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.registry import ConfigError
 from experiments.tasks.base import Example, Task, check_split
-from experiments.tasks.registry import register_task
+from experiments.tasks.registry import TASKS
 
 FINAL_ANSWER_MARK = "####"
 # A number as written in solutions: optional sign and dollar sign, digits (commas only between groups of three,
@@ -48,7 +49,7 @@ def extract_final_number(text: str) -> str | None:
     return normalize_number(numbers[-1]) if numbers else None
 
 
-@register_task("gsm8k")
+@TASKS.register("gsm8k")
 @dataclass(frozen=True)
 class GSM8KTask(Task):
     """Grade-school math word problems from GSM8K-format JSONL files (train_path, test_path).
@@ -66,28 +67,28 @@ class GSM8KTask(Task):
     its last number; normalised as above) equals the answer, else 0.0. No partial credit.
     """
 
-    train_path: str | None = None
-    test_path: str | None = None
-    prompt_template: str = "Question: {question}\nAnswer:"
-    max_examples: int | None = None
+    train_path: str | None = None  # GSM8K-format JSONL of the train split (required)
+    test_path: str | None = None  # and of the held-out split (required)
+    prompt_template: str = "Question: {question}\nAnswer:"  # must hold {question} and no other field
+    max_examples: int | None = None  # keep the first N examples of each split; None: all
 
     def __post_init__(self) -> None:
         super().__post_init__()
         fields = {name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None}
         if fields != {"question"}:
-            raise ValueError(
+            raise ConfigError(
                 f"gsm8k.prompt_template={self.prompt_template!r} must contain the field {{question}} and no other "
                 f"fields (found {sorted(fields)}); write literal braces as {{{{ and }}}}"
             )
         if self.max_examples is not None and self.max_examples < 1:
-            raise ValueError(f"gsm8k.max_examples={self.max_examples} must be >= 1 or null (all examples)")
+            raise ConfigError(f"gsm8k.max_examples={self.max_examples} must be >= 1 or null (all examples)")
 
     def examples(self, split: str) -> list[Example]:
         check_split(split)
         key = f"{split}_path"
         path = getattr(self, key)
         if path is None:
-            raise ValueError(f"gsm8k.{key} is not set; point it at a GSM8K-format JSONL file (dataset.{key}=/path)")
+            raise ConfigError(f"gsm8k.{key} is not set; point it at a GSM8K-format JSONL file (dataset.{key}=/path)")
         return [self._example(*record) for record in read_qa_jsonl(Path(path), key)[: self.max_examples]]
 
     def _example(self, question: str, solution: str, answer: str) -> Example:
@@ -115,21 +116,21 @@ def read_qa_jsonl(path: Path, config_key: str) -> list[tuple[str, str, str]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+                raise ConfigError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object with 'question' and 'answer', got {type(record).__name__}")
+                raise ConfigError(f"{where}: expected a JSON object with 'question' and 'answer', got {type(record).__name__}")
             for field in ("question", "answer"):
                 if field not in record:
-                    raise ValueError(f"{where}: missing field {field!r} (fields present: {sorted(record)})")
+                    raise ConfigError(f"{where}: missing field {field!r} (fields present: {sorted(record)})")
                 if not isinstance(record[field], str):
-                    raise ValueError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")
+                    raise ConfigError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")
             solution = record["answer"]
             _, mark, final = solution.partition(FINAL_ANSWER_MARK)
             if not mark:
-                raise ValueError(f"{where}: answer has no '{FINAL_ANSWER_MARK} <final answer>' line")
+                raise ConfigError(f"{where}: answer has no '{FINAL_ANSWER_MARK} <final answer>' line")
             if not NUMBER.fullmatch(final.strip()):
-                raise ValueError(f"{where}: final answer after '{FINAL_ANSWER_MARK}' is not a number: {final.strip()!r}")
+                raise ConfigError(f"{where}: final answer after '{FINAL_ANSWER_MARK}' is not a number: {final.strip()!r}")
             records.append((record["question"], solution, normalize_number(final.strip())))
     if not records:
-        raise ValueError(f"gsm8k: {path} has no examples (empty file)")
+        raise ConfigError(f"gsm8k: {path} has no examples (empty file)")
     return records

@@ -9,12 +9,13 @@ greedy, 100 held-out prompts): length 5 reached 45% exact after 20 steps and 67%
 import random
 from dataclasses import dataclass
 
+from experiments.registry import ConfigError
 from experiments.tasks.base import Example, Task
-from experiments.tasks.registry import register_task
+from experiments.tasks.registry import TASKS
 from experiments.tasks.synthetic import check_split_sizes, draw_split, in_place_reward
 
 
-@register_task("sorting")
+@TASKS.register("sorting")
 @dataclass(frozen=True)
 class SortingTask(Task):
     """Sort digits in ascending order.
@@ -29,15 +30,15 @@ class SortingTask(Task):
     `is_correct` means reward 1.0.
     """
 
-    length: int = 5
-    train_size: int = 20000
-    test_size: int = 500
-    seed: int = 0
+    length: int = 5  # digits to sort, the difficulty knob
+    train_size: int = 20000  # distinct problems in the train split
+    test_size: int = 500  # distinct problems in the held-out split (disjoint from train)
+    seed: int = 0  # the splits are a deterministic function of this seed
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.length < 2:
-            raise ValueError(f"sorting.length={self.length} must be >= 2 (one digit is already sorted)")
+            raise ConfigError(f"sorting.length={self.length} must be >= 2 (one digit is already sorted)")
         check_split_sizes("sorting", 10**self.length, self.train_size, self.test_size)
 
     def _draw(self, rng: random.Random) -> Example:

@@ -13,6 +13,7 @@ nothing; an empty completion earns 0.
 import random
 from collections.abc import Callable
 
+from experiments.registry import ConfigError
 from experiments.tasks.base import Example, check_split
 
 
@@ -22,11 +23,11 @@ def check_split_sizes(task: str, num_distinct: int, train_size: int, test_size: 
     The half keeps most prompts available for training and keeps rejection sampling of both splits cheap.
     """
     if train_size < 1:
-        raise ValueError(f"{task}.train_size={train_size} must be >= 1")
+        raise ConfigError(f"{task}.train_size={train_size} must be >= 1")
     if test_size < 1:
-        raise ValueError(f"{task}.test_size={test_size} must be >= 1")
+        raise ConfigError(f"{task}.test_size={test_size} must be >= 1")
     if test_size > num_distinct // 2:
-        raise ValueError(
+        raise ConfigError(
             f"{task}.test_size={test_size} is more than half of the {num_distinct} distinct prompts at this "
             f"difficulty; use test_size <= {num_distinct // 2} or a harder setting"
         )

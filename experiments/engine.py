@@ -1,0 +1,263 @@
+"""Rollout engines: what samples the completions of an RL step, μ_old, behind one interface.
+
+The loop asks an engine for `Samples` and hands it new weights after the step's updates; it never assumes the
+engine is its own `nn.Module`. Samples carry what the loss needs from the sampler: the tokens and masks, the
+engine's own log-probs of the tokens it sampled (μ_old, fp32, under `logits / temperature`, the distribution the
+tokens were drawn from) and, when asked, the engine's routing per token. `collect_rollout` adds the task's rewards.
+
+Layout of a rollout batch (what every later stage indexes into):
+    input_ids      [N, P + T]  left-padded prompt (width P), then the response, right-padded after eos
+    attention_mask [N, P + T]  1 on prompt tokens and on response tokens up to and including eos
+    response_mask  [N, T]      1 on response tokens (eos included): the tokens the objective scores
+    logp           [N, T]      μ_old's log-probs of the response tokens, 0 after eos
+    routes         [L, N, P + T, K] the engine's experts per token (`models.routing.RoutingTrace`), or None
+N = prompts x group size, rows of one prompt contiguous (prompt j owns rows j*G .. j*G+G-1).
+
+`HFEngine` is transformers' `generate` on the trainer's own model: each prompt is prefilled once and its KV cache
+copied to its G rows, then decoded with the cache. It shares the trainer's weights, so its weight sync is a no-op
+and its numbers are the trainer's own up to the KV-cache path's rounding (~1e-6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
+
+from experiments.scoring import position_ids
+from experiments.tasks import Example, Task
+from models.routing import RoutingTrace, record_routing
+
+
+@dataclass(kw_only=True)
+class Samples:
+    """What an engine returns for a batch of prompts (see the module docstring for the layout)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_width: int
+    completions: list[str]  # decoded responses, without eos and padding
+    truncated: torch.Tensor  # [N] bool: no eos within the generation budget
+    logp: torch.Tensor | None  # [N, T] μ_old, fp32; None only for greedy decoding
+    routes: RoutingTrace | None = None  # when asked: the engine's experts per token, NO_ROUTE where none
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+@dataclass(kw_only=True)
+class Rollout(Samples):
+    """Samples with the task's verdict: one row per completion, `examples[i]` the prompt row i answers."""
+
+    examples: list[Example]
+    rewards: torch.Tensor  # [N] float
+    correct: torch.Tensor  # [N] bool
+
+
+class RolloutEngine(ABC):
+    """The sampler μ_old. `shares_trainer_weights`: it computes with the trainer's own module, so its numbers are
+    π_old's and `sync_weights` has nothing to do."""
+
+    shares_trainer_weights: bool = False
+    name: str = "engine"
+
+    @abstractmethod
+    def sample(
+        self,
+        prompts: list[str],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool = False,
+        record_routing: bool = False,
+    ) -> Samples:
+        """`group_size` completions per prompt; `record_routing`: also the engine's experts per token."""
+
+    @abstractmethod
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Take the trainer's current weights (after the step's optimizer updates, before the next sample)."""
+
+
+def collect_rollout(
+    engine: RolloutEngine,
+    task: Task,
+    examples: list[Example],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    greedy: bool = False,
+    record_routing: bool = False,
+) -> Rollout:
+    """Sample `group_size` completions per example with `engine` and score them with the task."""
+    samples = engine.sample(
+        [example.prompt for example in examples], group_size, max_new_tokens, temperature, greedy, record_routing
+    )
+    rows = [example for example in examples for _ in range(group_size)]
+    rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(samples.completions, rows)], dtype=torch.float32)
+    correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(samples.completions, rows)])
+    return Rollout(**vars(samples), examples=rows, rewards=rewards, correct=correct)
+
+
+class HFEngine(RolloutEngine):
+    """transformers' `generate` on `model` itself, with one prefill per prompt shared by its G completions.
+
+    `min_new_tokens`: ban eos before that many tokens (the benchmark's fixed-length steps); μ_old is still taken
+    from the raw logits, before that sampling-time processor, the same distribution the trainer scores.
+    """
+
+    shares_trainer_weights = True
+    name = "hf"
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.min_new_tokens = min_new_tokens
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        if model is not self.model:
+            raise ValueError("HFEngine samples with the trainer's own module; it cannot take another model's weights")
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: list[str],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool = False,
+        record_routing: bool = False,
+    ) -> Samples:
+        model, tokenizer = self.model, self.tokenizer
+        device = next(model.parameters()).device
+        unique = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        encoded = {key: value.repeat_interleave(group_size, dim=0).to(device) for key, value in unique.items()}
+        prompt_width = encoded["input_ids"].shape[1]
+        options = dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        if not greedy:
+            options.update(temperature=temperature, top_k=0, top_p=1.0)
+        if self.min_new_tokens:
+            options["min_new_tokens"] = min(self.min_new_tokens, max_new_tokens)
+        prefix_trace = None
+        if group_size > 1 and prompt_width > 1:
+            options["cache"], prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing)
+        sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
+        with sampled as logprobs, record_routing_if(model, record_routing) as recording:
+            sequences = model.generate(**encoded, **options)
+        trace = None
+        if recording is not None:
+            trace = recording.trace
+            if prefix_trace is not None:
+                trace = replace(trace, experts=torch.cat([prefix_trace.experts, trace.experts], dim=2))
+        input_ids, response_mask, truncated = _response_layout(
+            sequences, prompt_width, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
+        logp = None
+        if logprobs is not None:
+            logp = logprobs.finish(sequences[:, -1]).masked_fill(~response_mask, 0.0)
+        return Samples(
+            input_ids=input_ids,
+            attention_mask=torch.cat([encoded["attention_mask"], response_mask.long()], dim=1),
+            response_mask=response_mask,
+            prompt_width=prompt_width,
+            completions=tokenizer.batch_decode(input_ids[:, prompt_width:], skip_special_tokens=True),
+            truncated=truncated,
+            logp=logp,
+            routes=trace,
+        )
+
+
+def record_routing_if(model: PreTrainedModel, record: bool) -> contextlib.AbstractContextManager:
+    """`record_routing(model, generate=True)` when `record`, else a context that yields None."""
+    return record_routing(model, generate=True) if record else contextlib.nullcontext()
+
+
+class _SampledLogProbs:
+    """Log-probs of the sampled tokens under `logits / temperature`, gathered one decode step at a time.
+
+    A forward hook keeps the log-softmax of the last position's raw logits (before any sampling-time processor);
+    the next forward's input is the token sampled from them, so a pre-hook gathers its log-prob then. The last
+    sampled token is never fed back: `finish` gathers it from the returned sequences. Memory: one `[N, V]` step,
+    not the `[N, T, V]` that `output_logits` would keep.
+    """
+
+    def __init__(self, model: PreTrainedModel, temperature: float) -> None:
+        self.model = model
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None  # [N, V] fp32 log-probs of the next token
+        self.taken: list[torch.Tensor] = []  # [N] per generated token
+
+    def _after(self, module, args, kwargs, output) -> None:
+        self.pending = torch.log_softmax(output.logits[:, -1].float() / self.temperature, dim=-1)
+
+    def _before(self, module, args, kwargs) -> None:
+        if self.pending is not None:
+            self._take(kwargs["input_ids"][:, -1])
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.taken.append(self.pending.gather(-1, tokens[:, None].to(self.pending.device)).squeeze(-1))
+        self.pending = None
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """`[N, T]`: the log-prob of every generated token, the last one gathered from `last_tokens`."""
+        self._take(last_tokens)
+        return torch.stack(self.taken, dim=1).cpu()
+
+    def __enter__(self) -> "_SampledLogProbs":
+        self._handles = [
+            self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+            self.model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pad_id: int):
+    """Cut each response after its first eos; return (input_ids, response_mask [N, T], truncated [N])."""
+    response = sequences[:, prompt_width:]
+    is_eos = response == eos_id
+    seen_eos_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    response_mask = ~seen_eos_before
+    truncated = ~is_eos.any(-1)
+    response = response.masked_fill(~response_mask, pad_id)
+    return torch.cat([sequences[:, :prompt_width], response], dim=1).cpu(), response_mask.cpu(), truncated.cpu()
+
+
+def _prefill_once_per_prompt(
+    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool
+) -> tuple[Cache, RoutingTrace | None]:
+    """The KV cache of every prompt but its last token, computed once per prompt and copied to its G rows.
+
+    The G completions of a prompt share it, so the prefill over B·G rows would compute each prompt G times.
+    `generate` continues from this cache: its first forward feeds only the last prompt token (and yields the
+    first sampled token's logits), then decodes as usual. With `record`, the prefix's routing comes back laid
+    out like the B·G rows, to be put in front of the routing recorded during `generate`.
+    """
+    device = next(model.parameters()).device
+    ids = unique["input_ids"][:, :-1].to(device)
+    mask = unique["attention_mask"][:, :-1].to(device)
+    with record_routing(model) if record else contextlib.nullcontext() as recording:
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1
+        )
+    cache = out.cache
+    cache.batch_repeat_interleave(group_size)
+    if not record:
+        return cache, None
+    return cache, recording.trace.rows(torch.arange(ids.shape[0]).repeat_interleave(group_size))

@@ -1,0 +1,133 @@
+"""The one pattern for named, configurable parts (objectives, tasks), and the one error for bad settings.
+
+A part is a frozen dataclass whose fields are its parameters, filed under a name:
+
+    OBJECTIVES = Registry("objective", Objective)
+
+    @OBJECTIVES.register("grpo")
+    @dataclass(frozen=True)
+    class GRPO(Objective): ...
+
+    OBJECTIVES.build("grpo", clip_low=0.1)
+
+The dataclass doubles as the typed Hydra schema of its config group (`experiments.config`), so a parameter and its
+default are declared once, in the dataclass. `check_fields` is the shared type check every part runs first.
+
+`ConfigError` is what every start-up refusal raises: a bad setting, named with its value and what is allowed. The
+entry points turn exactly this type into a one-line exit; any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad setting, found before any work starts; its message is one line naming the value and what is allowed."""
+
+
+class Registry(Generic[T]):
+    """Named frozen-dataclass subclasses of `base`; `build(name, **params)` makes one."""
+
+    def __init__(self, kind: str, base: type) -> None:
+        self.kind = kind
+        self.base = base
+        self._classes: dict[str, type[T]] = {}
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        """Class decorator (outermost, above `@dataclass(frozen=True)`): file the class under `name` and set its
+        `name` class attribute."""
+
+        def register(cls: type[T]) -> type[T]:
+            if name in self._classes:
+                raise ValueError(f"{self.kind} {name!r} is already registered (by {self._classes[name].__qualname__})")
+            if not (isinstance(cls, type) and issubclass(cls, self.base)):
+                raise ValueError(f"registering {self.kind} {name!r} needs a subclass of {self.base.__name__}, got {cls!r}")
+            if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+                raise ValueError(f"{self.kind} {cls.__name__} must be a frozen dataclass (its fields are its parameters)")
+            if "name" in {f.name for f in dataclasses.fields(cls)}:
+                raise ValueError(f"{self.kind} {cls.__name__} has a field 'name': the name is the registry key")
+            cls.name = name
+            self._classes[name] = cls
+            return cls
+
+        return register
+
+    def __getitem__(self, name: str) -> type[T]:
+        if name not in self._classes:
+            raise ConfigError(f"unknown {self.kind} {name!r}; valid names: {', '.join(sorted(self._classes))}")
+        return self._classes[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._classes)
+
+    def __len__(self) -> int:
+        return len(self._classes)
+
+    def items(self):
+        return self._classes.items()
+
+    def parameters(self, name: str) -> tuple[str, ...]:
+        """The parameter (field) names of the class registered as `name`."""
+        return tuple(f.name for f in dataclasses.fields(self[name]))
+
+    def build(self, name: str, **params: Any) -> T:
+        """The part registered as `name` with `params` overriding its defaults; unknown names or parameters raise
+        `ConfigError` listing the valid ones."""
+        cls = self[name]
+        allowed = self.parameters(name)
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            raise ConfigError(f"{self.kind} {name!r} has no parameter {', '.join(unknown)}; it takes {', '.join(allowed)}")
+        return cls(**params)
+
+
+def check_fields(part: object, label: str) -> None:
+    """Refuse a parameter of the wrong type, naming `label.field`; convert where the value is unambiguous.
+
+    Fields are `float`, `int`, `str`, `bool`, a `StrEnum` of allowed values, or `X | None`. An int is accepted (and
+    stored) for a float, a bool never for an int, a float must be finite, a string for an enum must be one of its
+    values (and is stored as the member).
+    """
+    hints = typing.get_type_hints(type(part))
+    for f in dataclasses.fields(part):
+        value = getattr(part, f.name)
+        options = _options(hints[f.name])
+        if value is None:
+            if type(None) not in options:
+                raise ConfigError(f"{label}.{f.name} must not be None")
+            continue
+        kind = next(option for option in options if option is not type(None))
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            if not isinstance(value, kind):
+                allowed = [member.value for member in kind]
+                if value not in allowed:
+                    raise ConfigError(f"{label}.{f.name}={value!r} is not one of {allowed}")
+                object.__setattr__(part, f.name, kind(value))
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+            object.__setattr__(part, f.name, value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            names = " | ".join("None" if t is type(None) else t.__name__ for t in options)
+            raise ConfigError(f"{label}.{f.name}={value!r} must be of type {names}")
+        if kind is float and not math.isfinite(value):
+            raise ConfigError(f"{label}.{f.name}={value} must be finite")
+
+
+def _options(annotation: object) -> tuple[type, ...]:
+    """`int` -> (int,), `str | None` -> (str, NoneType)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return tuple(typing.get_args(annotation))
+    return (annotation,)

@@ -1,0 +1,361 @@
+"""One RL step, top to bottom, for every objective; Routing Replay is a switch orthogonal to it.
+
+Three policies are named in the step. μ_old is the rollout engine that sampled (its own log-probs and routing);
+π_old is the trainer at the weights θ_old the step started from; π_θ is the policy being updated. The token ratio
+the objectives clip is π_θ / π_old.
+
+    rollout     = collect_rollout(engine, ...)              μ_old: tokens, log-probs, routing when asked; rewards
+    advantages  = group_advantages(rollout.rewards)          Â_i = (r_i − mean_group) / (std_group + eps)
+    minibatches = split_minibatches(rollout, advantages, order)   pure: whole groups or shuffled rows (GSPO §5.1)
+    old         = [old_policy(mb) for mb in minibatches]      π_old (and the KL reference), before any update
+    for mb, old: update(mb, old)                              π_θ: forward (replaying), objective, backward, AdamW
+    engine.sync_weights(model)
+
+Where π_old comes from is decided once at start-up (`experiments.config.plan_step`, recorded in `summary.json`):
+`bypass` reuses μ_old's log-probs (when the engine is the trainer's own fp32 model they are π_old's own numbers,
+up to the KV-cache path's ~1e-6), `decoupled` recomputes π_old without gradient in the training shapes (r2
+records θ_old's routing in that pass, r3 replays the engine's). When the engine is the trainer, the first
+minibatch is on-policy: θ = θ_old at its update, whose own forward is what a recompute would run, so its π_old is
+that forward's log-probs (ratios exactly 1) and θ_old's routing is that forward's routing.
+
+Routing. Under replay the routers still compute their own top-k (`models.routing`), so the drift of θ's routing
+against θ_old's, after j updates, is measured on the same tokens at no extra forward (`routing/*` per minibatch).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from algos import build_objective, group_advantages, zero_std_group_frac
+from algos.common import k3, masked_mean
+from experiments.config import Layout, LRSchedule, PiOld, Replay, algo_hyperparameters, plan_step
+from experiments.engine import HFEngine, Rollout, collect_rollout
+from experiments.evaluate import evaluate
+from experiments.scoring import FED, Scores, score_responses
+from experiments.tasks import build_task
+from models.policy import ModelConfig, build_policy, is_moe_family, model_family
+from models.routing import RoutingTrace, load_max_violation, routing_drift
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """One slice of the rollout batch: the rows an optimizer update trains on, with μ_old's numbers for them."""
+
+    index: int  # updates since θ_old when this minibatch is trained on
+    prompt_width: int
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor  # [n, T] the tokens the objective scores
+    token_mask: torch.Tensor  # [n, P+T-1] response positions among those a scoring forward feeds (`FED`)
+    advantages: torch.Tensor
+    mu_logp: torch.Tensor | None  # [n, T] the engine's log-probs
+    engine_routes: RoutingTrace | None  # the engine's routing of the fed positions, when it recorded one
+
+
+@dataclass(frozen=True)
+class OldPolicy:
+    """What the update of one minibatch takes from the policies that stay fixed during the step.
+
+    `on_policy`: π_old is the update's own forward (θ = θ_old there), so `logp` and `routes` come from it.
+    Otherwise `logp` is π_old's log-probs (μ_old's under bypass, a recompute under decoupled) and `routes` θ_old's
+    own routing when routing is tracked. `replay`: the experts π_θ's forward is forced through (r2: θ_old's,
+    r3: the engine's). `ref_logp`: the frozen reference's log-probs, for the KL term.
+    """
+
+    on_policy: bool
+    logp: torch.Tensor | None = None
+    routes: RoutingTrace | None = None
+    replay: RoutingTrace | None = None
+    ref_logp: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def minibatch_order(layout: Layout, size: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
+    """The row order the batch is split in: whole groups in a shuffled prompt order, or rows shuffled across groups."""
+    if layout == Layout.groups:
+        prompts = torch.randperm(size // group_size, generator=generator)
+        return (prompts[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    return torch.randperm(size, generator=generator)
+
+
+def split_minibatches(
+    rollout: Rollout, advantages: torch.Tensor, order: torch.Tensor, count: int, device: torch.device
+) -> list[Minibatch]:
+    """`count` minibatches of the rows in `order` (a pure function of its inputs)."""
+    prompt_pad = torch.zeros(rollout.size, rollout.prompt_width, dtype=torch.bool)
+    token_mask = torch.cat([prompt_pad, rollout.response_mask], dim=1)[:, FED]
+    # Routing is compared and replayed on the positions a scoring forward feeds; the engine's trace has one more
+    # column, the last sampled token's, which never went through the model (NO_ROUTE).
+    engine_routes = rollout.routes.positions(FED) if rollout.routes is not None else None
+    return [
+        Minibatch(
+            index=j,
+            prompt_width=rollout.prompt_width,
+            input_ids=rollout.input_ids[rows].to(device),
+            attention_mask=rollout.attention_mask[rows].to(device),
+            response_mask=rollout.response_mask[rows].to(device),
+            token_mask=token_mask[rows],
+            advantages=advantages[rows].to(device),
+            mu_logp=rollout.logp[rows].to(device) if rollout.logp is not None else None,
+            engine_routes=engine_routes.rows(rows) if engine_routes is not None else None,
+        )
+        for j, rows in enumerate(order.chunk(count))
+    ]
+
+
+def lr_lambda(schedule: LRSchedule, warmup: int, total: int):
+    """Multiplier of the base learning rate after `update` optimizer updates (linear warm-up, then decay)."""
+
+    def factor(update: int) -> float:
+        if warmup and update < warmup:
+            return (update + 1) / warmup
+        progress = (update - warmup) / max(1, total - warmup)
+        if schedule == LRSchedule.linear:
+            return max(0.0, 1.0 - progress)
+        if schedule == LRSchedule.cosine:
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+def mean_of(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+class RLTrainer:
+    """Holds the policy, its engine, optimizer, objective and task; `step()` runs one RL step and returns its metrics."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        t = cfg.trainer
+        model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+        self.plan = plan_step(cfg, is_moe=is_moe_family(model_family(model_cfg)))
+        name, self.advantage_std, hyperparameters = algo_hyperparameters(cfg.algo)
+        self.objective = build_objective(name, **hyperparameters)
+        dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+        self.task = build_task(dataset.pop("name"), **dataset)
+        self.train_examples = self.task.examples("train")
+        self.test_examples = self.task.examples("test")
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        torch.manual_seed(cfg.seed)
+        self.device = torch.device(cfg.device)
+        self.model, self.tokenizer = build_policy(model_cfg)
+        # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
+        # same weights route identically and every measured drift comes from an update.
+        self.model.to(self.device).eval()
+        self.engine = HFEngine(self.model, self.tokenizer)
+        self.reference = None
+        if self.objective.kl_coef > 0:
+            self.reference, _ = build_policy(model_cfg)
+            self.reference.to(self.device).eval().requires_grad_(False)
+        # fused: one kernel for all parameters instead of a Python loop over them (4x faster on the tiny MoE's CPU
+        # update); the same AdamW.
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            weight_decay=t.weight_decay,
+            fused=True,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps * t.minibatches)
+        )
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.step_index = 0
+        self.tokens_seen = 0
+        self.skipped_updates = 0
+        self.consecutive_skips = 0
+
+    # -- one RL step -----------------------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, Any]:
+        t = self.cfg.trainer
+        self.step_index += 1
+        start = time.perf_counter()
+        rollout = self.rollout()
+        rollout_s = time.perf_counter() - start
+        advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=self.advantage_std)
+        order = minibatch_order(self.plan.layout, rollout.size, t.group_size, self.generator)
+        minibatches = split_minibatches(rollout, advantages, order, t.minibatches, self.device)
+        score_start = time.perf_counter()
+        old = [self.old_policy(mb) for mb in minibatches]  # all before the first update: θ = θ_old
+        score_s = time.perf_counter() - score_start
+        train_start = time.perf_counter()
+        per_minibatch = [self.update(mb, old_policy) for mb, old_policy in zip(minibatches, old)]
+        train_s = time.perf_counter() - train_start
+        self.engine.sync_weights(self.model)
+        step_s = time.perf_counter() - start
+        self.tokens_seen += rollout.response_tokens
+        record = {
+            "train/step": self.step_index,
+            "train/tokens": self.tokens_seen,
+            "reward/mean": float(rollout.rewards.mean()),
+            "reward/std": float(rollout.rewards.std()),
+            "reward/accuracy": float(rollout.correct.float().mean()),
+            "reward/zero_std_group_frac": zero_std_group_frac(rollout.rewards, t.group_size),
+            "response/length_mean": float(rollout.response_mask.sum(-1).float().mean()),
+            "response/truncated_frac": float(rollout.truncated.float().mean()),
+            **self.step_means(per_minibatch),
+        }
+        record["optim/skipped_steps"] = self.skipped_updates
+        record["perf/step_s"] = step_s
+        record["perf/rollout_s"] = rollout_s
+        record["perf/score_s"] = score_s
+        record["perf/train_s"] = train_s
+        record["perf/rollout_tokens_per_s"] = rollout.response_tokens / max(rollout_s, 1e-9)
+        record["minibatches"] = per_minibatch
+        return record
+
+    def rollout(self) -> Rollout:
+        """μ_old: `prompts_per_step` train prompts, `group_size` completions each, from the engine."""
+        t = self.cfg.trainer
+        picks = torch.randint(len(self.train_examples), (t.prompts_per_step,), generator=self.generator)
+        return collect_rollout(
+            self.engine,
+            self.task,
+            [self.train_examples[i] for i in picks.tolist()],
+            group_size=t.group_size,
+            max_new_tokens=t.max_new_tokens,
+            temperature=t.temperature,
+            record_routing=self.plan.engine_records_routing,
+        )
+
+    @torch.no_grad()
+    def old_policy(self, mb: Minibatch) -> OldPolicy:
+        """π_old of one minibatch (and the KL reference's log-probs), computed before any update of the step."""
+        plan = self.plan
+        replay = mb.engine_routes if plan.replay == Replay.r3 else None
+        ref_logp = self._score(self.reference, mb).logp if self.reference is not None else None
+        if mb.index == 0 and plan.first_minibatch_on_policy:
+            return OldPolicy(on_policy=True, replay=replay, ref_logp=ref_logp)
+        if plan.pi_old == PiOld.bypass:
+            return OldPolicy(on_policy=False, logp=mb.mu_logp, routes=mb.engine_routes if plan.track_routing else None,
+                             replay=replay, ref_logp=ref_logp)
+        scored = self._score(self.model, mb, record=plan.track_routing and replay is None, replay=replay)
+        routes = scored.routes.to("cpu") if scored.routes is not None else None
+        return OldPolicy(
+            on_policy=False,
+            logp=scored.logp,
+            routes=routes,
+            replay=routes if plan.replay == Replay.r2 else replay,
+            ref_logp=ref_logp,
+            metrics=self.engine_mismatch(mb, scored),
+        )
+
+    def engine_mismatch(self, mb: Minibatch, trainer: Scores) -> dict[str, float]:
+        """Under r3: how far the trainer's routing and log-probs at θ_old are from the engine's on the same tokens."""
+        if self.plan.replay != Replay.r3:
+            return {}
+        mismatch = routing_drift(mb.engine_routes, trainer.routes.to("cpu"), mb.token_mask)
+        log_rho = trainer.logp.detach() - mb.mu_logp
+        return {
+            "rollout/expert_mismatch_frac": mismatch.expert_change_frac,
+            "rollout/token_any_mismatch_frac": mismatch.token_any_change_frac,
+            "rollout/kl_k3": float(masked_mean(k3(log_rho), mb.response_mask)),
+        }
+
+    def _score(self, model: torch.nn.Module, mb: Minibatch, **options: Any) -> Scores:
+        """`score_responses` of the minibatch, packed by group under the `groups` layout (`options`: its aux_loss /
+        record / replay / aux_loss_grad)."""
+        t = self.cfg.trainer
+        return score_responses(
+            model, mb.input_ids, mb.attention_mask, mb.prompt_width, t.temperature,
+            group_size=t.group_size if self.plan.layout == Layout.groups else 1, **options,
+        )
+
+    def update(self, mb: Minibatch, old: OldPolicy) -> dict[str, float]:
+        """One optimizer update of π_θ on the minibatch; its metrics (ratios and drift after `mb.index` updates)."""
+        t = self.cfg.trainer
+        aux_coef = t.router_aux_loss_coef
+        track = self.plan.track_routing
+        self.optimizer.zero_grad(set_to_none=True)
+        scores = self._score(
+            self.model,
+            mb,
+            aux_loss=aux_coef > 0 or track,
+            aux_loss_grad=aux_coef > 0,  # otherwise only logged
+            record=track and old.replay is None,
+            replay=old.replay.to(self.device) if old.replay is not None else None,
+        )
+        pi_old_logp = scores.logp.detach() if old.on_policy else old.logp
+        result = self.objective(
+            logp=scores.logp,
+            old_logp=pi_old_logp,
+            advantages=mb.advantages,
+            mask=mb.response_mask,
+            ref_logp=old.ref_logp,
+        )
+        loss = result.loss + aux_coef * scores.aux_loss if aux_coef > 0 else result.loss
+        finite_loss = bool(torch.isfinite(loss))
+        if finite_loss:
+            loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)) if finite_loss else float("nan")
+        metrics = {"minibatch": mb.index, **result.metrics, **old.metrics}
+        if old.on_policy:
+            metrics.update(self.engine_mismatch(mb, scores))
+        metrics["policy/entropy"] = float(masked_mean(scores.entropy, mb.response_mask))
+        metrics["optim/grad_norm"] = grad_norm
+        metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
+        if scores.aux_loss is not None:
+            metrics["moe/aux_loss"] = float(scores.aux_loss.detach())
+        if track:
+            own = scores.routes.to("cpu")  # under replay: the router's own top-k, beside the replayed experts
+            theta_old = own if old.on_policy else old.routes
+            metrics.update(routing_drift(theta_old, own, mb.token_mask).metrics)
+            metrics["moe/load_max_violation"] = load_max_violation(theta_old, mb.token_mask)
+        self._apply(finite_loss and math.isfinite(grad_norm))
+        return metrics
+
+    def _apply(self, finite: bool) -> None:
+        """Take the optimizer step, or refuse a non-finite one: one bad batch must not poison every parameter."""
+        t = self.cfg.trainer
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()  # the schedule counts applied updates
+            self.consecutive_skips = 0
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_updates += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= t.max_consecutive_skips:
+            raise RuntimeError(
+                f"stopping at step {self.step_index}: {self.consecutive_skips} optimizer updates in a row had a "
+                f"non-finite loss or gradient (trainer.max_consecutive_skips={t.max_consecutive_skips}); "
+                "lower trainer.lr or check the objective's clip range"
+            )
+
+    def step_means(self, per_minibatch: list[dict[str, float]]) -> dict[str, float]:
+        """Step-level values: the mean over the step's minibatches, except routing drift, whose minibatch 0 is 0 by
+        construction: `routing/expert_change_per_update` is the drift after one update (minibatch 1), and the mean
+        over minibatches is logged under a name that says so."""
+        means = {}
+        keys = dict.fromkeys(key for m in per_minibatch for key in m if key != "minibatch")
+        for key in keys:
+            values = [m[key] for m in per_minibatch if m.get(key) is not None]
+            if key.startswith("routing/"):
+                if key == "routing/expert_change_frac":
+                    means["routing/expert_change_mean_over_minibatches"] = mean_of(values)
+                if len(per_minibatch) > 1 and key in per_minibatch[1]:
+                    means[key.replace("_frac", "_per_update", 1)] = per_minibatch[1][key]
+                continue
+            means[key] = mean_of(values)
+        return means
+
+    def evaluate(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        return evaluate(
+            HFEngine(self.model, self.tokenizer),
+            self.task,
+            self.test_examples[: t.eval_prompts],
+            samples=t.eval_samples,
+            max_new_tokens=t.max_new_tokens,
+            temperature=t.temperature,
+        )
