@@ -49,9 +49,12 @@ RUN_COLUMNS = [
 ]
 INCOMPLETE = "incomplete (crashed or still running)"
 
-# Config keys that never separate series: seeds are aggregated, paths and logging do not change the experiment.
+# Config keys that never separate series: seeds are aggregated; logging, threads and checkpointing do not change what
+# a run computes. Everything else does (a checkpoint path, a data file), so runs that differ there are never merged.
 _IGNORED_PREFIXES = ("hydra.", "logger.", "wandb.")
-_IGNORED_LEAF = re.compile(r"^(seed|.*dir|.*_path|path|paths|.*_file|output.*|run_name|tags|notes)$")
+_IGNORED_KEYS = frozenset({"seed", "trainer.threads", "trainer.save_checkpoint", "trainer.checkpoint_every",
+                           "trainer.keep_checkpoints", "resume"})
+_OUTPUT_LEAF = re.compile(r"^(.*_dir|dir|output.*)$")  # where results go, never what they are computed from
 _WANDB_MINIBATCH_KEY = re.compile(r"^minibatch/(\d+)/(.+)$")
 
 
@@ -115,7 +118,7 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 
 
 def _ignored(key: str) -> bool:
-    return key.startswith(_IGNORED_PREFIXES) or bool(_IGNORED_LEAF.match(key.rsplit(".", 1)[-1]))
+    return key.startswith(_IGNORED_PREFIXES) or key in _IGNORED_KEYS or bool(_OUTPUT_LEAF.match(key.rsplit(".", 1)[-1]))
 
 
 def _short_key(key: str, all_keys: Iterable[str]) -> str:
@@ -139,7 +142,8 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Readable series label per run from its flattened config.
 
     The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none`. Then, in sorted key order, every
-    config key that differs between runs (ignoring seeds, paths, output dirs, logger/W&B/Hydra keys) and still
+    config key that differs between runs (ignoring seeds, threads, checkpointing, output dirs, logger/W&B/Hydra
+    keys; a checkpoint or data path does count) and still
     splits runs sharing a label so far is appended to all labels as `key=value`, with the shortest unambiguous
     key suffix. Keys that only restate the algorithm (its clip range, say) therefore never clutter a label.
     """
@@ -291,21 +295,37 @@ def _run_row(run: str, cfg: Mapping[str, Any], finished: bool, wall_s: float, so
 
 def _finish(run_rows: list[dict], scalars: pd.DataFrame, minibatches: pd.DataFrame, source: str,
             problems: list[str]) -> RunSet:
-    """Attach labels and last steps, then check that the label splits are honest (same seed twice)."""
+    """Attach labels and last steps; runs of one experiment and seed (a crashed run and its rerun) count once."""
     runs = pd.DataFrame(run_rows)
-    configs = {row["run"]: json.loads(row["config"]) for row in run_rows}
-    labels = label_runs(configs)
-    runs["label"] = runs["run"].map(labels)
     last = scalars.groupby("run")["step"].max()
     runs["last_step"] = runs["run"].map(last).fillna(0).astype("int64")
+    kept = _without_repeats(runs, problems)
+    runs = runs[runs["run"].isin(kept)].reset_index(drop=True)
+    scalars = scalars[scalars["run"].isin(kept)].reset_index(drop=True)
+    minibatches = minibatches[minibatches["run"].isin(kept)].reset_index(drop=True)
+    configs = {row.run: json.loads(row.config) for row in runs.itertuples()}
+    runs["label"] = runs["run"].map(label_runs(configs))
     runs = runs[RUN_COLUMNS].reset_index(drop=True)
-    for label, group in runs.groupby("label"):
-        seeds = group["seed"][group["seed"] != ""]
-        repeated = sorted(set(seeds[seeds.duplicated()]))
-        if repeated:
-            _warn(problems, f"series '{label}' has several runs with seed {', '.join(repeated)}; "
-                            "they are aggregated as separate replicates")
     return RunSet(runs=runs, scalars=scalars, minibatches=minibatches, source=source, problems=problems)
+
+
+def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
+    """The runs to count: of runs with the same experiment and seed, the finished one with the most steps (else the
+    one with the most steps); each left out is reported, never averaged in as another replicate."""
+    def experiment(config: str) -> str:
+        flat = {k: v for k, v in json.loads(config).items() if not _ignored(k) or k == "seed"}
+        return json.dumps(flat, sort_keys=True, default=str)
+
+    kept = set()
+    for _, group in runs.groupby(runs["config"].map(experiment), sort=False):
+        ranked = group.sort_values(["incomplete", "last_step"], ascending=[True, False], kind="stable")
+        best = ranked.iloc[0]
+        kept.add(best["run"])
+        for other in ranked.iloc[1:].itertuples():
+            _warn(problems, f"run {other.run} repeats run {best['run']} (same config and seed "
+                            f"{best['seed'] or '?'}); only {best['run']} ({best['status']}, {best['last_step']} steps) "
+                            f"is counted, not {other.run} ({other.status}, {other.last_step} steps)")
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -489,7 +509,11 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
     cache = wandb_cache_dir(cache_root, path, groups)
     if not refresh and (cache / "runs.parquet").is_file():
         return _read_cache(cache)
-    api = api_factory()
+    try:
+        api = api_factory()
+    except Exception as error:  # only W&B's client runs here: no key, no network, a bad host
+        raise ValueError(f"W&B did not start ({type(error).__name__}: {error}); --wandb needs an API key "
+                         "(`wandb login` or WANDB_API_KEY) and a connection, or a cache from an earlier run") from None
     filters = {"group": {"$in": list(groups)}} if groups else None
     problems: list[str] = []
     rows = _Rows(nulls_are_non_finite=False)

@@ -24,6 +24,7 @@ import pandas as pd
 from analysis import aggregate as agg
 from analysis.figures import FigureOutput, all_figures
 from analysis.load import INCOMPLETE, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir
+from experiments.rundir import make_writable_dir
 
 REPORT_FILE = "report.md"
 SUMMARY_FILE = "summary.csv"
@@ -222,6 +223,11 @@ def main(argv: Sequence[str] | None = None, *, wandb_api_factory: Callable[[], A
     args = parser.parse_args(argv)
     _check_args(parser, args)
     out = args.out or default_out_dir(args.paths, args.wandb, args.group)
+    try:
+        make_writable_dir(out)
+    except OSError as err:
+        print(f"error: --out {out} cannot be written: {err.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         if args.wandb:
             runset = load_wandb(args.wandb, args.group, cache_root=args.cache_dir or out / ".cache",

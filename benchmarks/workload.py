@@ -24,6 +24,7 @@ BENCH_TINY = [
     "trainer.minibatches=4",
     "trainer.lr=1e-5",
     "trainer.eval_every=0",
+    "trainer.eval_prompts=0",  # the benchmark times RL steps only
     "logger.wandb.mode=disabled",
 ]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from experiments.registry import ConfigError, Registry
 from models.grouped_attention import NAME as PACKED_ATTENTION
@@ -196,9 +196,31 @@ class StepPlan:
                 "replay": self.replay, "first_minibatch_on_policy": self.first_minibatch_on_policy}
 
 
+def unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Keys of `node` that its schema does not declare: Hydra lets `+key=value` add them, and nothing would read them."""
+    schema = OmegaConf.get_type(node)
+    declared = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    found = []
+    for key in node.keys():
+        if key == "hydra" and not prefix:
+            continue  # Hydra's own node, which a composed job config carries
+        if declared is not None and key not in declared:
+            found.append(f"{prefix}{key}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            found += unknown_keys(child, f"{prefix}{key}.")
+    return found
+
+
 def plan_step(cfg: Any, is_moe: bool, engine_is_trainer: bool = True) -> StepPlan:
     """Check what single fields cannot (ranges, values that must agree) and decide the step; `ConfigError` naming
     the values and what is allowed otherwise. Runs before anything is built."""
+    unknown = unknown_keys(cfg) if isinstance(cfg, DictConfig) else []
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(unknown)}: no schema declares them, so nothing would read them "
+            "(`+key=value` adds keys; misspelt? `python -m experiments.train --cfg job` prints every key)"
+        )
     t = cfg.trainer
     for key in ("prompts_per_step", "steps", "max_new_tokens", "max_consecutive_skips"):
         if t[key] < 1:
@@ -206,6 +228,14 @@ def plan_step(cfg: Any, is_moe: bool, engine_is_trainer: bool = True) -> StepPla
     for key in ("warmup_steps", "eval_every", "eval_prompts", "eval_samples"):
         if t[key] < 0:
             raise ConfigError(f"trainer.{key}={t[key]} must be >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= t[key] < 1.0:
+            raise ConfigError(f"trainer.{key}={t[key]} must be in [0, 1)")
+    for key in ("weight_decay", "router_aux_loss_coef"):
+        if not (math.isfinite(t[key]) and t[key] >= 0):
+            raise ConfigError(f"trainer.{key}={t[key]} must be a finite number >= 0")
+    if t.threads is not None and t.threads < 1:
+        raise ConfigError(f"trainer.threads={t.threads} must be >= 1, or null for torch's default")
     if t.group_size < 2:
         raise ConfigError(f"trainer.group_size={t.group_size}: group advantages need at least 2 completions per prompt")
     batch = t.prompts_per_step * t.group_size

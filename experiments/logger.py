@@ -1,6 +1,8 @@
 """Run logging: `metrics.jsonl` (the source of truth for `analysis/`) and the same numbers to W&B.
 
-`metrics.jsonl` gets one JSON object per RL step, flushed at once, so a crashed run keeps every finished step.
+`metrics.jsonl` gets one JSON object per RL step, flushed at once, so a crashed run keeps every finished step; the
+file is only ever appended to (a run directory is claimed by one run, `experiments.rundir`). A write that fails (a
+full disk) raises `StorageError` naming the file and the last step it holds; closing after a failure never raises.
 Per-minibatch values sit under the key `minibatches` (a list, index = updates since θ_old); W&B receives them
 flattened as `minibatch/<j>/<name>`. W&B is offline by default (no network needed); if it cannot start, the run
 warns and keeps the local log: losing the dashboard must never lose the experiment.
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from experiments.rundir import METRICS_FILE, SUMMARY_FILE, StorageError
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -50,8 +54,11 @@ class RunLogger:
 
     def __init__(self, run_dir: str | Path, cfg: DictConfig, name: str, tags: list[str], group: str | None) -> None:
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.run_dir / "metrics.jsonl", "w", encoding="utf-8")
+        self.last_step: int | None = None
+        try:
+            self._metrics = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        except OSError as error:
+            raise StorageError(f"cannot open {self.run_dir / METRICS_FILE}: {error.strerror}") from None
         self._wandb = self._start_wandb(cfg, name, tags, group)
 
     def _start_wandb(self, cfg: DictConfig, name: str, tags: list[str], group: str | None):
@@ -83,10 +90,18 @@ class RunLogger:
     def wandb_active(self) -> bool:
         return self._wandb is not None
 
+    def _failed(self, error: OSError, what: str) -> StorageError:
+        held = f"it holds steps up to {self.last_step}" if self.last_step is not None else "it holds no step"
+        return StorageError(f"cannot write {what} in {self.run_dir}: {error.strerror}; {held}")
+
     def log(self, record: dict[str, Any]) -> None:
         clean = _clean(record)
-        self._metrics.write(json.dumps(clean) + "\n")
-        self._metrics.flush()
+        try:
+            self._metrics.write(json.dumps(clean) + "\n")
+            self._metrics.flush()
+        except OSError as error:
+            raise self._failed(error, METRICS_FILE) from None
+        self.last_step = int(record["train/step"])
         if self._wandb is not None:
             try:
                 self._wandb.log(flatten_for_wandb(clean), step=int(record["train/step"]))
@@ -94,19 +109,28 @@ class RunLogger:
                 warnings.warn(f"W&B log failed ({error}); continuing with metrics.jsonl only")
                 self._wandb = None
 
-    def finish(self, summary: dict[str, Any]) -> None:
-        (self.run_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=2) + "\n")
-        self._metrics.close()
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        """Write `summary.json` (its status says how the run ended), close the log, finish W&B with `exit_code`."""
+        try:
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(_clean(summary), indent=2) + "\n")
+            self._metrics.close()
+        except OSError as error:
+            self.abort()
+            raise self._failed(error, SUMMARY_FILE) from None
         if self._wandb is not None:
             try:
                 self._wandb.summary.update(_clean(summary))
-                self._wandb.finish()
+                self._wandb.finish(exit_code=exit_code)
             except Exception as error:
                 warnings.warn(f"W&B finish failed ({error}); the local summary.json is complete")
 
     def abort(self) -> None:
-        """Close files after a failure; the run stays marked incomplete (no summary.json)."""
-        self._metrics.close()
+        """Close files after a failure; the run stays marked incomplete (no summary.json). Never raises: it runs
+        while another error is on its way out."""
+        try:
+            self._metrics.close()
+        except OSError:
+            pass  # the write that failed has been reported; closing cannot lose more than that
         if self._wandb is not None:
             try:
                 self._wandb.finish(exit_code=1)

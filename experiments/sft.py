@@ -15,6 +15,7 @@ Run: `python -m experiments.sft` (tiny MoE, addition) or `python -m experiments.
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from pathlib import Path
@@ -27,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from experiments.config import register_configs
+from experiments import rundir
+from experiments.config import register_configs, unknown_keys
 from experiments.engine import HFEngine
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
@@ -65,25 +67,54 @@ def demonstration_batch(
     return input_ids, attention_mask, labels
 
 
-def cold_start(cfg: DictConfig, run_dir: str | Path) -> tuple[PreTrainedModel, dict[str, Any]]:
+def check_settings(cfg: DictConfig) -> None:
+    """The cold start's start-up checks, as training's: unknown keys, ranges, an output directory it can write."""
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join(unknown)}: no schema declares them")
+    s = cfg.sft
+    for key in ("max_steps", "batch_size", "eval_every", "eval_prompts"):
+        if s[key] < 1:
+            raise ConfigError(f"sft.{key}={s[key]} must be >= 1")
+    for key in ("lr", "max_seconds"):
+        if not (math.isfinite(s[key]) and s[key] > 0):
+            raise ConfigError(f"sft.{key}={s[key]} must be a finite number > 0")
+    if not (math.isfinite(s.weight_decay) and s.weight_decay >= 0):
+        raise ConfigError(f"sft.weight_decay={s.weight_decay} must be a finite number >= 0")
+    if not 0 < s.target_accuracy <= 1:
+        raise ConfigError(f"sft.target_accuracy={s.target_accuracy} must be in (0, 1]")
+    if s.threads is not None and s.threads < 1:
+        raise ConfigError(f"sft.threads={s.threads} must be >= 1, or null for torch's default")
+    try:
+        rundir.make_writable_dir(s.output_dir)
+    except OSError as error:
+        raise ConfigError(f"sft.output_dir={s.output_dir!r} cannot be written: {error.strerror}") from None
+
+
+def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> tuple[PreTrainedModel, dict[str, Any]]:
     """Train until the target accuracy or the budget; save the checkpoint; return the model and a summary."""
     s = cfg.sft
-    if s.threads:
-        torch.set_num_threads(s.threads)
-    torch.manual_seed(cfg.seed)
     try:
+        check_settings(cfg)
+        claimed = rundir.claim(Path(run_dir), cfg, hydra_cfg)
         model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
         dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
         task = build_task(dataset.pop("name"), **dataset)
+        if s.eval_prompts > len(task.examples("test")):
+            raise ConfigError(f"sft.eval_prompts={s.eval_prompts} is more than the {len(task.examples('test'))} "
+                              f"held-out examples of dataset {task.name!r}")
     except ConfigError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     model.to(device)
     train, test = task.examples("train"), task.examples("test")[: s.eval_prompts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
     name = f"sft-{cfg.model.name}-{cfg.dataset.name}"
-    logger = RunLogger(run_dir, cfg, name, ["sft", f"model:{cfg.model.name}"], None)
+    logger = RunLogger(claimed.path, cfg, name, ["sft", f"model:{cfg.model.name}"], None)
     start = time.perf_counter()
     accuracy, step, loss_value = 0.0, 0, float("nan")
     bar = tqdm(total=s.max_steps, desc=name, unit="step", dynamic_ncols=True)
@@ -152,7 +183,8 @@ def cold_start(cfg: DictConfig, run_dir: str | Path) -> tuple[PreTrainedModel, d
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="sft")
 def main(cfg: DictConfig) -> float:
-    return cold_start(cfg, HydraConfig.get().runtime.output_dir)[1]["eval_greedy_accuracy"]
+    hydra_cfg = HydraConfig.get()
+    return cold_start(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)[1]["eval_greedy_accuracy"]
 
 
 if __name__ == "__main__":

@@ -1,25 +1,38 @@
 """`python -m experiments.train`: one RL run (or, with `-m`, a Hydra sweep of runs), logged to its run directory.
 
-The step itself is `experiments.trainer.RLTrainer.step`; this module runs the steps, evaluates on held-out prompts,
-logs every step to `metrics.jsonl` and W&B, and ends with `summary.json` and a one-paragraph summary.
+The step itself is `experiments.trainer.RLTrainer.step`; this module claims the run directory, runs the steps,
+evaluates on held-out prompts, logs every step to `metrics.jsonl` and W&B, and ends with `summary.json` and a
+one-paragraph summary, however the run ends:
+
+- bad settings are refused before any work, in one line (`ConfigError`); any other exception is a bug and keeps its
+  traceback (the run directory keeps every finished step and no `summary.json`);
+- SIGTERM or Ctrl-C: the steps finished so far stay logged, W&B is finished, `summary.json` says
+  `status: interrupted`, and one line says so (exit code 143 or 130);
+- a full disk or a vanished run directory: one line naming the file and the last step it holds (exit code 1).
+
+In a sweep (`-m`), every job is checked before the first one starts, and a refused or failed job is reported while
+the others run; the sweep exits non-zero when any job failed, listing them.
 
     python -m experiments.train algo=gspo routing.replay=none model.path=checkpoints/cold_start/tiny_moe-addition
-
-Bad settings are refused before any work, in one line (`ConfigError`); any other exception is a bug and keeps its
-traceback.
 """
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from experiments import rundir, sweep
 from experiments.config import register_configs
 from experiments.logger import RunLogger
 from experiments.registry import ConfigError
@@ -29,20 +42,99 @@ from models.policy import describe_policy
 register_configs()
 
 
+class Interrupted(BaseException):
+    """The run was asked to stop (SIGTERM, or SIGINT / Ctrl-C). A BaseException, as KeyboardInterrupt: the
+    `except Exception` of a library the signal lands in (W&B's logging, say) must not swallow it."""
+
+    def __init__(self, signal_name: str, exit_code: int) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.exit_code = exit_code
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGINT into `Interrupted` for the run inside; the previous handlers come back after."""
+
+    def stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        raise Interrupted(name, 128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT while a step is committed (its log line written, then counted), so that an
+    interruption lands before or after the step, never between its line and the summary's count."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+
+
 def run_name(cfg: DictConfig) -> str:
     replay = "" if cfg.routing.replay == "none" else f"+{cfg.routing.replay}"
     return f"{cfg.algo.name}{replay}-{cfg.model.name}-s{cfg.seed}"
 
 
-def _sweep_group() -> str | None:
-    """Runs of one Hydra multirun share a W&B group: the sweep directory's name."""
+def _hydra() -> Any:
     try:
-        hydra_cfg = HydraConfig.get()
+        return HydraConfig.get()
     except ValueError:
         return None
-    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
+
+
+def _sweep_group(hydra_cfg: Any) -> str | None:
+    """Runs of one Hydra multirun share a W&B group: the sweep directory's name."""
+    if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
         return Path(hydra_cfg.sweep.dir).name
     return None
+
+
+def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, run: str, run_dir: Path,
+              wall_s: float) -> dict[str, Any]:
+    """`summary.json`: how the run ended and its headline numbers (None where no step finished)."""
+    rewards = [r["reward/mean"] for r in history]
+    final = history[-1] if history else {}
+
+    def over_steps(key: str) -> float | None:
+        values = [r[key] for r in history if r.get(key) is not None]
+        return mean_of(values) if values else None
+
+    summary = {
+        "status": status,
+        "run": run,
+        "run_dir": str(run_dir),
+        "steps": len(history),
+        "steps_planned": trainer.cfg.trainer.steps,
+        "wall_s": wall_s,
+        "step_s_mean": over_steps("perf/step_s"),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "reward_best": max(rewards) if rewards else None,
+        "eval_accuracy": final.get("eval/accuracy"),
+        "eval_greedy_accuracy": final.get("eval/greedy_accuracy"),
+        "clip_token_frac_mean": over_steps("clip/token_frac"),
+        "ratio_token_var_mean": over_steps("ratio/token_var"),
+        "skipped_steps": trainer.skipped_updates,
+        "engine": trainer.engine.name,
+        **trainer.plan.describe(),
+        "policy": describe_policy(trainer.model),
+    }
+    if trainer.plan.track_routing:
+        # The GSPO paper's "experts changed per update" is the drift after one update (minibatch index 1); the mean
+        # over a step's minibatches counts minibatch 0, whose drift is 0 by construction.
+        summary["expert_change_per_update"] = over_steps("routing/expert_change_per_update")
+        summary["expert_change_mean_over_minibatches"] = over_steps("routing/expert_change_mean_over_minibatches")
+    return summary
 
 
 def summary_paragraph(summary: dict[str, Any]) -> str:
@@ -52,25 +144,46 @@ def summary_paragraph(summary: dict[str, Any]) -> str:
 
     return (
         f"{summary['run']}: {summary['steps']} steps in {summary['wall_s']:.0f} s "
-        f"({summary['step_s_mean']:.2f} s/step). Reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} "
-        f"(best {summary['reward_best']:.3f}); held-out pass@1 {number('eval_accuracy', '.3f')}, "
-        f"greedy {number('eval_greedy_accuracy', '.3f')}. Mean clipped-token fraction "
-        f"{summary['clip_token_frac_mean']:.2e}, token-ratio variance {summary['ratio_token_var_mean']:.2e}, "
+        f"({number('step_s_mean', '.2f')} s/step). Reward {number('reward_first', '.3f')} -> "
+        f"{number('reward_last', '.3f')} (best {number('reward_best', '.3f')}); held-out pass@1 "
+        f"{number('eval_accuracy', '.3f')}, greedy {number('eval_greedy_accuracy', '.3f')}. Mean clipped-token "
+        f"fraction {number('clip_token_frac_mean', '.2e')}, token-ratio variance {number('ratio_token_var_mean', '.2e')}, "
         f"experts changed after one update {number('expert_change_per_update', '.2%')}; "
         f"{summary['skipped_steps']} skipped updates. Logs: {summary['run_dir']}"
     )
 
 
-def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[str, Any]:
     """Run the configured RL job in `run_dir`; return its summary (also written to `summary.json`)."""
-    try:
-        trainer = RLTrainer(cfg)
-    except ConfigError as error:
-        raise SystemExit(f"moe-rl-lab: {error}") from None
+    with stop_signals():
+        try:
+            claimed = rundir.claim(Path(run_dir), cfg, hydra_cfg)
+        except ConfigError as error:
+            raise SystemExit(f"moe-rl-lab: {error}") from None
+        try:
+            trainer = RLTrainer(cfg)
+        except BaseException as error:
+            claimed.release()
+            if isinstance(error, ConfigError):
+                raise SystemExit(f"moe-rl-lab: {error}") from None
+            if isinstance(error, Interrupted):
+                print(f"moe-rl-lab: interrupted by {error.signal_name} before the first step", file=sys.stderr)
+                raise SystemExit(error.exit_code) from None
+            raise
+        try:
+            return _run(trainer, cfg, claimed, hydra_cfg)
+        finally:
+            claimed.release()
+
+
+def _run(trainer: RLTrainer, cfg: DictConfig, claimed: rundir.RunDirectory, hydra_cfg: Any) -> dict[str, Any]:
     t = cfg.trainer
     name = run_name(cfg)
     tags = [f"algo:{cfg.algo.name}", f"replay:{cfg.routing.replay}", f"model:{cfg.model.name}"]
-    logger = RunLogger(run_dir, cfg, name, tags, _sweep_group())
+    try:
+        logger = RunLogger(claimed.path, cfg, name, tags, _sweep_group(hydra_cfg))
+    except rundir.StorageError as error:
+        raise SystemExit(f"moe-rl-lab: {error}") from None
     history: list[dict[str, Any]] = []
     start = time.perf_counter()
     try:
@@ -78,59 +191,61 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         for _ in bar:
             record = trainer.step()
             last = trainer.step_index == t.steps
-            if last or (t.eval_every and trainer.step_index % t.eval_every == 0):
+            if t.eval_prompts and (last or (t.eval_every and trainer.step_index % t.eval_every == 0)):
                 record.update(trainer.evaluate())
             record["perf/elapsed_s"] = time.perf_counter() - start
-            logger.log(record)
-            history.append(record)
+            with signals_held():
+                logger.log(record)
+                history.append(record)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", clip=f"{record['clip/token_frac']:.1e}")
+        bar.close()
+    except Interrupted as stop:
+        summary = summarize(trainer, history, "interrupted", name, claimed.path, time.perf_counter() - start)
+        try:
+            logger.finish(summary, exit_code=stop.exit_code)
+        except rundir.StorageError as error:
+            raise SystemExit(f"moe-rl-lab: interrupted by {stop.signal_name}, and {error}") from None
+        print(f"\nmoe-rl-lab: interrupted by {stop.signal_name} after {len(history)} of {t.steps} steps; "
+              f"{claimed.metrics} holds them and {claimed.summary} says status 'interrupted'", file=sys.stderr)
+        raise SystemExit(stop.exit_code) from None
+    except rundir.StorageError as error:
+        logger.abort()
+        raise SystemExit(f"moe-rl-lab: {error}") from None
     except BaseException:
         logger.abort()
         raise
-    rewards = [r["reward/mean"] for r in history]
-    final = history[-1]
-    summary = {
-        "status": "finished",
-        "run": name,
-        "run_dir": str(run_dir),
-        "steps": len(history),
-        "wall_s": time.perf_counter() - start,
-        "step_s_mean": mean_of([r["perf/step_s"] for r in history]),
-        "reward_first": rewards[0],
-        "reward_last": rewards[-1],
-        "reward_best": max(rewards),
-        "eval_accuracy": final.get("eval/accuracy"),
-        "eval_greedy_accuracy": final.get("eval/greedy_accuracy"),
-        "clip_token_frac_mean": mean_of([r["clip/token_frac"] for r in history]),
-        "ratio_token_var_mean": mean_of([r["ratio/token_var"] for r in history]),
-        "skipped_steps": trainer.skipped_updates,
-        "engine": trainer.engine.name,
-        **trainer.plan.describe(),
-        "policy": describe_policy(trainer.model),
-    }
-    if trainer.plan.track_routing:
-        # The GSPO paper's "experts changed per update" is the drift after one update (minibatch index 1); the mean
-        # over a step's minibatches counts minibatch 0, whose drift is 0 by construction.
-        per_update = [r["routing/expert_change_per_update"] for r in history if "routing/expert_change_per_update" in r]
-        summary["expert_change_per_update"] = mean_of(per_update) if per_update else None
-        summary["expert_change_mean_over_minibatches"] = mean_of(
-            [r["routing/expert_change_mean_over_minibatches"] for r in history]
-        )
+    summary = summarize(trainer, history, "finished", name, claimed.path, time.perf_counter() - start)
     if t.save_checkpoint:
-        checkpoint = Path(run_dir) / "checkpoint"
+        checkpoint = claimed.path / "checkpoint"
         trainer.model.save_pretrained(checkpoint)
         trainer.tokenizer.save_pretrained(checkpoint)
         summary["checkpoint"] = str(checkpoint)
-    logger.finish(summary)
+    try:
+        logger.finish(summary)
+    except rundir.StorageError as error:
+        raise SystemExit(f"moe-rl-lab: {error}") from None
     print(summary_paragraph(summary))
     return summary
 
 
+# -- sweeps: every job checked first, a failed job reported while the others run ------------------------------------
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
-def main(cfg: DictConfig) -> float:
-    run_dir = HydraConfig.get().runtime.output_dir
-    summary = train(cfg, run_dir)
-    return summary["reward_last"]
+def main(cfg: DictConfig) -> float | None:
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
+    try:
+        return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
+    except SystemExit as exit:
+        if isinstance(exit.code, int):  # interrupted: the sweep stops too
+            raise
+        print(exit.code, file=sys.stderr)
+        sweep.job_failed(hydra_cfg, str(exit.code))
+    except Exception as error:  # a bug: its traceback, then the next job
+        traceback.print_exc()
+        sweep.job_failed(hydra_cfg, f"{type(error).__name__}: {error}")
+    return None
 
 
 if __name__ == "__main__":

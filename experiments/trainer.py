@@ -31,16 +31,21 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
 
 from algos import build_objective, group_advantages, zero_std_group_frac
 from algos.common import k3, masked_mean
-from experiments.config import Layout, LRSchedule, PiOld, Replay, algo_hyperparameters, plan_step
+from algos.objective import Objective
+from experiments.config import Layout, LRSchedule, PiOld, Replay, StepPlan, algo_hyperparameters, plan_step
 from experiments.engine import HFEngine, Rollout, collect_rollout
 from experiments.evaluate import evaluate
+from experiments.memory import GIB, available_bytes, step_memory
+from experiments.registry import ConfigError
 from experiments.scoring import FED, Scores, score_responses
-from experiments.tasks import build_task
-from models.policy import ModelConfig, build_policy, is_moe_family, model_family
+from experiments.tasks import Example, Task, build_task
+from models.policy import DTYPES, ModelConfig, build_policy, is_moe, model_config
 from models.routing import RoutingTrace, load_max_violation, routing_drift
+from models.tokenizer import build_char_tokenizer
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,57 @@ def split_minibatches(
     ]
 
 
+@dataclass(frozen=True)
+class RunParts:
+    """Everything a run is made of that is cheap to build: what `check_run` builds, and RLTrainer starts from."""
+
+    plan: StepPlan
+    model_cfg: ModelConfig
+    objective: Objective
+    advantage_std: bool
+    task: Task
+    train_examples: list[Example]
+    test_examples: list[Example]
+
+
+def check_run(cfg: DictConfig) -> RunParts:
+    """Every start-up check of an RL run, without building the model: settings, the model's files and sizes, the
+    objective, the task and its splits, and whether one step fits in memory. `ConfigError` names what is wrong."""
+    t = cfg.trainer
+    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    hf_config = model_config(model_cfg)
+    plan = plan_step(cfg, is_moe=is_moe(hf_config))
+    name, advantage_std, hyperparameters = algo_hyperparameters(cfg.algo)
+    objective = build_objective(name, **hyperparameters)
+    dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+    task = build_task(dataset.pop("name"), **dataset)
+    train_examples, test_examples = task.examples("train"), task.examples("test")
+    if t.eval_prompts > len(test_examples):
+        raise ConfigError(
+            f"trainer.eval_prompts={t.eval_prompts} is more than the {len(test_examples)} held-out examples of "
+            f"dataset {task.name!r}"
+        )
+    memory = step_memory(hf_config, cfg, _longest_prompt(model_cfg, train_examples + test_examples),
+                         DTYPES[model_cfg.dtype].itemsize)
+    available = available_bytes(cfg.device)
+    if memory.peak > available:
+        raise ConfigError(
+            f"one RL step of trainer.prompts_per_step={t.prompts_per_step} x trainer.group_size={t.group_size} "
+            f"(trainer.minibatches={t.minibatches}) needs about {memory.peak / GIB:.1f} GiB ({memory.describe()}), "
+            f"and {cfg.device} has {available / GIB:.1f} GiB available: lower the batch or raise trainer.minibatches"
+        )
+    return RunParts(plan, model_cfg, objective, advantage_std, task, train_examples, test_examples)
+
+
+def _longest_prompt(model_cfg: ModelConfig, examples: list[Example]) -> int:
+    """Tokens of the longest prompt (measured on the 32 longest in characters, with the run's tokenizer)."""
+    tokenizer = build_char_tokenizer() if model_cfg.path is None else AutoTokenizer.from_pretrained(
+        model_cfg.path, local_files_only=True
+    )
+    longest = sorted({example.prompt for example in examples}, key=len)[-32:]
+    return max(len(ids) for ids in tokenizer(longest, add_special_tokens=False)["input_ids"])
+
+
 def lr_lambda(schedule: LRSchedule, warmup: int, total: int):
     """Multiplier of the base learning rate after `update` optimizer updates (linear warm-up, then decay)."""
 
@@ -135,14 +191,10 @@ class RLTrainer:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         t = cfg.trainer
-        model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
-        self.plan = plan_step(cfg, is_moe=is_moe_family(model_family(model_cfg)))
-        name, self.advantage_std, hyperparameters = algo_hyperparameters(cfg.algo)
-        self.objective = build_objective(name, **hyperparameters)
-        dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
-        self.task = build_task(dataset.pop("name"), **dataset)
-        self.train_examples = self.task.examples("train")
-        self.test_examples = self.task.examples("test")
+        parts = check_run(cfg)
+        self.plan, self.objective, self.advantage_std = parts.plan, parts.objective, parts.advantage_std
+        self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
+        model_cfg = parts.model_cfg
         if t.threads:
             torch.set_num_threads(t.threads)
         torch.manual_seed(cfg.seed)

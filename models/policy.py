@@ -16,12 +16,14 @@ speed and, at float rounding, the exact numbers.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -98,26 +100,19 @@ def register_kernels() -> None:
     grouped_attention.register()
 
 
-def model_family(cfg: ModelConfig) -> str:
-    """Check the model config and return the `model_type` the run will train (read from a checkpoint's
-    config.json without loading weights); a bad value raises `ConfigError` naming it."""
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def model_config(cfg: ModelConfig) -> PretrainedConfig:
+    """Check the model settings and return the transformers config the run will train: read from a checkpoint's
+    files (no weights loaded) or built in code. A bad value raises `ConfigError` naming it."""
     register_kernels()
     attention = ("eager", *ALL_ATTENTION_FUNCTIONS.keys())
     if cfg.attn_implementation not in attention:
         raise ConfigError(f"model.attn_implementation={cfg.attn_implementation!r} is not one of {list(attention)}")
     if cfg.path is not None:
-        path = Path(os.path.expanduser(cfg.path))
-        if not path.is_dir():
-            raise ConfigError(f"model.path={cfg.path!r} does not exist or is not a directory")
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path={cfg.path!r} has no config.json: not a Hugging Face checkpoint")
-        model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
-        if model_type not in MOE_FAMILIES + DENSE_FAMILIES:
-            raise ConfigError(
-                f"model.path={cfg.path!r} is a {model_type!r} model; supported: MoE families "
-                f"{list(MOE_FAMILIES)} and, as dense controls, {list(DENSE_FAMILIES)}"
-            )
-        return model_type
+        return _checkpoint_config(cfg.path)
     if cfg.architecture == Architecture.from_checkpoint:
         raise ConfigError("model.architecture='from_checkpoint' (model=checkpoint) needs model.path=/local/checkpoint")
     if cfg.num_experts_per_tok < 1 or cfg.num_experts_per_tok > cfg.num_experts:
@@ -126,13 +121,49 @@ def model_family(cfg: ModelConfig) -> str:
         )
     if cfg.router_init_std <= 0:
         raise ConfigError(f"model.router_init_std={cfg.router_init_std} must be > 0")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "num_experts", "moe_intermediate_size", "max_position_embeddings"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(
+            f"model.num_key_value_heads={cfg.num_key_value_heads} must divide model.num_attention_heads="
+            f"{cfg.num_attention_heads}"
+        )
     if cfg.architecture == Architecture.qwen3 and cfg.moe_backend != MoEBackend.hf:
         raise ConfigError(f"model.moe_backend={cfg.moe_backend!r} needs an MoE model; {cfg.name!r} is dense")
-    return str(cfg.architecture)
+    return config_in_code(cfg, build_char_tokenizer())
 
 
-def is_moe_family(model_type: str) -> bool:
-    return model_type in MOE_FAMILIES
+def _checkpoint_config(given: str) -> PretrainedConfig:
+    """The config of the checkpoint at `given`, after checking that its files are there and readable."""
+    path = Path(os.path.expanduser(given))
+    if not path.is_dir():
+        raise ConfigError(f"model.path={given!r} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.path={given!r} has no config.json: not a Hugging Face checkpoint")
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, UnicodeDecodeError, AttributeError) as error:
+        raise ConfigError(f"model.path={given!r}: config.json is not a JSON object ({error})") from None
+    if model_type not in MOE_FAMILIES + DENSE_FAMILIES:
+        raise ConfigError(
+            f"model.path={given!r} is a {model_type!r} model; supported: MoE families {list(MOE_FAMILIES)} and, "
+            f"as dense controls, {list(DENSE_FAMILIES)}"
+        )
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise ConfigError(f"model.path={given!r} holds no weights (none of {', '.join(WEIGHT_FILES)})")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.path={given!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ConfigError(f"model.path={given!r}: config.json does not describe a {model_type} model ({error})") from None
+
+
+def is_moe(config: PretrainedConfig) -> bool:
+    return config.model_type in MOE_FAMILIES
 
 
 def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
@@ -167,7 +198,7 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
 
 def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Build (or load) the policy and its tokenizer on CPU, in `cfg.dtype`; the caller moves it to a device."""
-    model_family(cfg)
+    model_config(cfg)
     dtype = DTYPES[cfg.dtype]
     if cfg.path is None:
         tokenizer = build_char_tokenizer()
@@ -179,11 +210,7 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
                 torch.nn.init.normal_(router.weight, mean=0.0, std=cfg.router_init_std)
         model = model.to(dtype)
     else:
-        path = os.path.expanduser(cfg.path)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation
-        )
+        model, tokenizer = _load_checkpoint(cfg, dtype)
     if find_routers(model):
         model.set_experts_implementation(cfg.experts_implementation)
         apply_moe_backend(model, cfg.moe_backend)
@@ -195,6 +222,30 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model, tokenizer
+
+
+def _load_checkpoint(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The checkpoint's model and tokenizer; files that do not load (truncated weights, tensors of another shape, a
+    broken tokenizer) raise `ConfigError` with the loader's own first line."""
+    path = os.path.expanduser(cfg.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise ConfigError(f"model.path={cfg.path!r}: the tokenizer does not load ({_first_line(error)})") from None
+    if len(tokenizer) < 2:
+        raise ConfigError(f"model.path={cfg.path!r}: the tokenizer has {len(tokenizer)} token(s); its files are incomplete")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+        raise ConfigError(f"model.path={cfg.path!r}: the weights do not load ({_first_line(error)})") from None
+    return model, tokenizer
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def describe_policy(model: PreTrainedModel) -> dict[str, object]:

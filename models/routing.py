@@ -276,7 +276,7 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace) -> Iterator[Repl
     """Force the forward passes inside the context (and their backward) to use the experts of `trace`.
 
     The trace must match the batch fed to the model: `[L, B, S, K]` with `[B, S]` the input ids' shape; a
-    mismatch raises `ValueError` at the first forward. Keep backward inside the context when activation
+    mismatch raises `ValueError` at the forward that does not fit. Keep backward inside the context when activation
     checkpointing is on, so that recomputed layers replay too.
     """
     with _hooks(model) as hooks:
@@ -285,11 +285,18 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace) -> Iterator[Repl
         checked = {"done": False}
 
         def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            # Every forward in the context must have the trace's layout; the ids are checked once (they do not
+            # change), the shape at every call, so that a second forward of another layout is refused too.
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            shape = tuple(ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2])
             if not checked["done"]:
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
-                validate_trace(trace, model, tuple(shape))
+                validate_trace(trace, model, shape)
                 checked["done"] = True
+            elif shape != tuple(trace.shape[1:3]):
+                raise ValueError(
+                    f"routing trace covers batch x positions {tuple(trace.shape[1:3])} but this forward in the same "
+                    f"replay context feeds {shape}"
+                )
 
         handle = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
         for layer, hook in enumerate(hooks):

@@ -111,7 +111,7 @@ def test_null_and_non_finite_values_are_counted_and_left_out(tmp_path, capsys):
     assert "2 non-finite metric values" in capsys.readouterr().err
 
 
-def test_labels_name_what_differs_and_drop_seeds_paths_and_algorithm_defaults():
+def test_labels_name_what_differs_and_drop_seeds_output_dirs_and_algorithm_defaults():
     def cfg(algo, seed, lr, replay="none", clip=0.2, model="tiny_moe"):
         return {
             "algo.name": algo, "algo.clip_low": clip, "routing.replay": replay, "seed": seed,
@@ -131,6 +131,10 @@ def test_labels_name_what_differs_and_drop_seeds_paths_and_algorithm_defaults():
     # `name` is ambiguous (algo.name, model.name, dataset.name), so the key keeps its section.
     labels = label_runs({"a": cfg("grpo", 0, 1e-3), "b": cfg("grpo", 0, 1e-3, model="deep_moe")})
     assert labels == {"a": "grpo, model.name=tiny_moe", "b": "grpo, model.name=deep_moe"}
+    # A random-init run and a run from a checkpoint are two experiments, not two seeds of one.
+    labels = label_runs({"a": {**cfg("grpo", 0, 1e-3), "model.path": None},
+                         "b": {**cfg("grpo", 1, 1e-3), "model.path": "/ckpt/tiny_moe-addition"}})
+    assert labels["a"] != labels["b"] and "path=" in labels["b"]
 
 
 def test_empty_directory_is_a_one_line_error_with_exit_code_2(tmp_path, capsys):
@@ -377,3 +381,15 @@ def test_empty_wandb_project_is_a_one_line_error(tmp_path, capsys):
         main(["--wandb", "ent/proj", "--out", str(tmp_path)], wandb_api_factory=lambda: FakeApi([]))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: no W&B runs with history found in ent/proj\n"
+
+
+def test_a_crashed_run_and_its_rerun_count_once_and_the_report_says_so(tmp_path, capsys):
+    crashed = syn.curve_run(tmp_path / "a_crashed", "grpo", 0, [0.1, 0.2], finished=False)
+    rerun = syn.curve_run(tmp_path / "b_rerun", "grpo", 0, [0.1, 0.2, 0.3, 0.4])
+    other_seed = syn.curve_run(tmp_path / "c_seed1", "grpo", 1, [0.2, 0.3, 0.4, 0.5])
+    rs = load_runs([crashed, rerun, other_seed])
+    assert len(rs.runs) == 2 and not rs.runs["run"].str.contains("a_crashed").any()
+    assert set(rs.runs["seed"]) == {"0", "1"}
+    assert len(rs.metric("reward/mean")) == 4 + 4, "the crashed run's steps are not averaged in"
+    assert any("repeats run" in problem and "finished" in problem for problem in rs.problems)
+    assert "repeats run" in capsys.readouterr().err

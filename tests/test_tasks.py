@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.config import register_configs
+from experiments.registry import ConfigError
 from experiments.tasks import TASKS, Example, Task, build_task
 from experiments.tasks.gsm8k import extract_final_number, normalize_number
 from models.tokenizer import ALPHABET
@@ -223,7 +224,7 @@ def test_normalize_number_zero_has_no_sign() -> None:
 
 def test_gsm8k_missing_file_names_path_and_key(tmp_path: Path) -> None:
     missing = tmp_path / "nope.jsonl"
-    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl.*dataset\.test_path"):
+    with pytest.raises(ConfigError, match=r"nope\.jsonl.*dataset\.test_path"):
         build_task("gsm8k", test_path=str(missing)).examples("test")
 
 

@@ -106,13 +106,18 @@ def read_qa_jsonl(path: Path, config_key: str) -> list[tuple[str, str, str]]:
     Every problem raises with `path:line` in the message; `config_key` names the setting that chose the file.
     """
     if not path.is_file():
-        raise FileNotFoundError(f"gsm8k: {path} does not exist or is not a file (set dataset.{config_key})")
+        raise ConfigError(f"gsm8k: {path} does not exist or is not a file (set dataset.{config_key})")
     records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ConfigError(f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1}); "
+                                  "GSM8K-format files are UTF-8 JSON lines") from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:

@@ -1,0 +1,292 @@
+"""No run's data is ever lost or mixed up, and bad input is refused before any work: each case as a user meets it,
+through the CLI where that is where it happens, with the one-line message and the data checked afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from experiments.config import PROJECT_ROOT
+from experiments.train import train
+from models.policy import ModelConfig, build_policy
+from models.routing import record_routing, replay_routing
+from tests.conftest import MICRO_MODEL, MICRO_RUN
+from tests.test_train import compose_train, read_metrics
+
+CLI = [sys.executable, "-m", "experiments.train"]
+
+
+def run_cli(*args: str, cwd: Path = PROJECT_ROOT, timeout: int = 300, module: str = "experiments.train"):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def one_line(stderr: str) -> str:
+    """The refusal: the last non-empty line, and no traceback anywhere."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return [line for line in stderr.splitlines() if line.strip()][-1]
+
+
+def start(*args: str, cwd: Path = PROJECT_ROOT) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+
+
+def wait_for_lines(path: Path, count: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before logging {count} steps: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"{path} did not reach {count} lines in {timeout} s")
+
+
+# -- data lost or mixed up ----------------------------------------------------------------------------------------
+
+def test_a_rerun_into_a_run_directory_is_refused_and_the_first_log_stays(tmp_path):
+    first = run_cli(*MICRO_RUN, f"hydra.run.dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    log = (tmp_path / "metrics.jsonl").read_text()
+    config = (tmp_path / ".hydra" / "config.yaml").read_text()
+    again = run_cli(*MICRO_RUN, "trainer.lr=1e-3", f"hydra.run.dir={tmp_path}")
+    assert again.returncode != 0
+    assert "already holds a run (3 logged steps, status 'finished')" in one_line(again.stderr)
+    assert (tmp_path / "metrics.jsonl").read_text() == log
+    assert (tmp_path / ".hydra" / "config.yaml").read_text() == config, "the first run's config was overwritten"
+
+
+def test_two_runs_started_together_get_their_own_directories_and_one_directory_one_run(tmp_path):
+    # Default directories: two runs in the same second that differ only in the learning rate.
+    procs = [start(*MICRO_RUN, f"trainer.lr={lr}", cwd=tmp_path) for lr in ("1e-2", "2e-2")]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    runs = sorted(p.parent for p in tmp_path.glob("outputs/train/*/*/metrics.jsonl"))
+    assert len(runs) == 2
+    assert sorted(str(json.loads((r / "summary.json").read_text())["steps"]) for r in runs) == ["3", "3"]
+    for run in runs:
+        assert all(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+    # One directory given to two runs at once: the second is refused while the first runs, whose log is whole.
+    shared = tmp_path / "shared"
+    owner = start(*MICRO_RUN, "trainer.steps=200", f"hydra.run.dir={shared}")
+    wait_for_lines(shared / "metrics.jsonl", 1, owner)
+    intruder = run_cli(*MICRO_RUN, f"hydra.run.dir={shared}")
+    assert intruder.returncode != 0 and "is in use by another run" in one_line(intruder.stderr)
+    owner.send_signal(signal.SIGTERM)
+    owner.wait(timeout=120)
+    lines = read_metrics(shared)
+    assert [line["train/step"] for line in lines] == list(range(1, len(lines) + 1))
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_and_ctrl_c_end_the_run_cleanly(tmp_path, signum, code):
+    proc = start(*MICRO_RUN, "trainer.steps=500", "logger.wandb.mode=offline", f"hydra.run.dir={tmp_path}")
+    wait_for_lines(tmp_path / "metrics.jsonl", 2, proc)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code
+    assert f"interrupted by {signal.Signals(signum).name} after" in one_line(stderr)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    lines = read_metrics(tmp_path)
+    assert summary["status"] == "interrupted" and summary["steps"] == len(lines) >= 2
+    assert [line["train/step"] for line in lines] == list(range(1, len(lines) + 1)), "no partial step is logged"
+    wandb_run = next((tmp_path / "wandb").glob("offline-run-*"))
+    assert any(wandb_run.glob("*.wandb")), "W&B was closed with the run"
+
+
+def test_one_bad_cell_of_a_sweep_is_reported_before_the_start_and_the_others_run(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "routing.replay=r2,none", "model=tiny_moe,tiny_dense", *MICRO_RUN, "trainer.steps=1",
+                     f"hydra.sweep.dir={sweep}", timeout=600)
+    assert result.returncode != 0
+    head = result.stderr.split("\n")[0]
+    assert head == "moe-rl-lab: 1 of 4 jobs of this sweep will be refused; the other 3 run:", result.stderr[-3000:]
+    assert "routing.replay=r2 model=tiny_dense" in result.stderr and "needs an MoE model" in result.stderr
+    assert "1 job(s) of the sweep failed" in one_line(result.stderr) or "1 job(s) of the sweep failed" in result.stderr
+    assert len(list(sweep.glob("*/summary.json"))) == 3
+
+
+def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """A bug is not a refusal: its traceback is printed, the next job runs, the sweep exits non-zero."""
+    sweep = tmp_path / "sweep"
+    plugin = tmp_path / "crash_plugin.py"
+    plugin.write_text(
+        "import experiments.trainer as trainer\n"
+        "step = trainer.RLTrainer.step\n"
+        "def crashing(self):\n"
+        "    if self.cfg.seed == 0:\n"
+        "        raise ZeroDivisionError('a bug in the step')\n"
+        "    return step(self)\n"
+        "trainer.RLTrainer.step = crashing\n"
+    )
+    code = "import crash_plugin, runpy; runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "-m", "seed=0,1", *MICRO_RUN, "trainer.steps=1", f"hydra.sweep.dir={sweep}"],
+        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=600,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}"},
+    )
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "ZeroDivisionError: a bug in the step" in result.stderr
+    assert len(list(sweep.glob("*/summary.json"))) == 1, "the second job ran"
+
+
+def test_an_unwritable_run_directory_or_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = run_cli(*MICRO_RUN, f"hydra.run.dir={blocker / 'run'}")
+    assert result.returncode != 0 and "cannot be created: Not a directory" in one_line(result.stderr)
+    # A disk that fills during the run: every write of the log fails with ENOSPC.
+    import experiments.logger as logger
+
+    real_open = open
+
+    def full_disk(path, *args, **kwargs):
+        return real_open("/dev/full", "w") if str(path).endswith("metrics.jsonl") else real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(logger, "open", full_disk, raising=False)
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(), tmp_path / "full")
+    message = str(raised.value)
+    assert "cannot write metrics.jsonl" in message and "No space left on device" in message and "\n" not in message
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__, "no chained traceback"
+
+
+# -- crashes late that a start-up check catches -------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
+        (["trainer.lr=nan"], "trainer.lr=nan must be a finite number > 0"),
+        (["trainer.adam_beta1=1.5"], "trainer.adam_beta1=1.5 must be in [0, 1)"),
+        (["trainer.eval_prompts=100"], "trainer.eval_prompts=100 is more than the 20 held-out examples"),
+        (["trainer.prompts_per_step=100000", "trainer.group_size=64"], "GiB available: lower the batch"),
+        (["+trainer.lr_typo=1"], "unknown config key(s) trainer.lr_typo"),
+        (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide model.num_attention_heads=4"),
+    ],
+)
+def test_values_that_would_crash_later_are_refused_at_start_up(tmp_path, overrides, message):
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(*overrides), tmp_path)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_no_evaluation_and_greedy_only_evaluation_finish_with_a_summary(tmp_path, capsys):
+    summary = train(compose_train("trainer.eval_prompts=0"), tmp_path / "none")
+    assert summary["status"] == "finished" and summary["eval_greedy_accuracy"] is None
+    assert not any(key.startswith("eval/") for key in read_metrics(tmp_path / "none")[-1])
+    summary = train(compose_train("trainer.eval_samples=0"), tmp_path / "greedy")
+    assert summary["eval_accuracy"] is None and summary["eval_greedy_accuracy"] is not None
+    assert "held-out pass@1 n/a" in capsys.readouterr().out
+
+
+def test_an_unknown_arm_is_refused(tmp_path):
+    result = run_cli(*MICRO_RUN, "arm=grpo_r9", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0 and "Could not find 'arm/grpo_r9'" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_replay_checks_every_forward_of_its_context(micro_policy):
+    model, _ = micro_policy
+    ids = torch.randint(4, 40, (2, 6))
+    with torch.no_grad(), record_routing(model) as recording:
+        model(input_ids=ids)
+    with torch.no_grad(), replay_routing(model, recording.trace):
+        model(input_ids=ids)
+        with pytest.raises(ValueError, match=r"covers batch x positions \(2, 6\) but this forward .* feeds \(2, 5\)"):
+            model(input_ids=ids[:, :5])
+
+
+# -- corrupted checkpoints and data files ------------------------------------------------------------------------
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    model, tokenizer = build_policy(ModelConfig(**MICRO_MODEL))
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def _break(path: Path, how: str) -> None:
+    config = path / "config.json"
+    weights = path / "model.safetensors"
+    if how == "config":
+        config.write_text("{not json")
+    elif how == "model_type":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "mamba2"}))
+    elif how == "no_weights":
+        weights.unlink()
+    elif how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif how == "shape":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": 48}))
+    elif how == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (path / name).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [("config", "config.json is not a JSON object"), ("model_type", "is a 'mamba2' model; supported: MoE families"),
+     ("no_weights", "holds no weights"), ("truncated", "the weights do not load"),
+     ("shape", "the weights do not load"), ("no_tokenizer", "holds no tokenizer")],
+)
+def test_a_broken_checkpoint_is_refused_in_one_line(tmp_path, checkpoint, how, message):
+    _break(checkpoint, how)
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("model=checkpoint", f"model.path={checkpoint}"), tmp_path / "run")
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_dataset_file_that_is_not_utf8_names_its_line(tmp_path):
+    good = '{"question": "1+1?", "answer": "#### 2"}\n'
+    (tmp_path / "train.jsonl").write_bytes(good.encode() + '{"question": "caf\xe9", "answer": "#### 1"}\n'.encode("latin-1"))
+    (tmp_path / "test.jsonl").write_text(good)
+    overrides = [o for o in MICRO_RUN if not o.startswith("dataset.")] + [
+        "dataset=gsm8k", f"dataset.train_path={tmp_path / 'train.jsonl'}", f"dataset.test_path={tmp_path / 'test.jsonl'}",
+        "trainer.eval_prompts=1",
+    ]
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    with pytest.raises(SystemExit) as raised:
+        train(cfg, tmp_path / "run")
+    assert f"{tmp_path / 'train.jsonl'}:2: not UTF-8 (byte 0xe9" in str(raised.value)
+
+
+# -- the other entry points -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("sft.batch_size=0", "sft.batch_size=0 must be >= 1"), ("sft.target_accuracy=1.5", "must be in (0, 1]"),
+     ("sft.eval_prompts=100000", "sft.eval_prompts=100000 is more than the 500 held-out examples"),
+     ("+sft.epochs=3", "unknown config key(s) sft.epochs")],
+)
+def test_the_cold_start_refuses_bad_settings_in_one_line(tmp_path, override, message):
+    result = run_cli(override, f"sft.output_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}",
+                     "logger.wandb.mode=disabled", module="experiments.sft")
+    assert result.returncode != 0 and message in one_line(result.stderr)
+
+
+def test_the_report_refuses_an_unwritable_out_and_wandb_without_a_key(tmp_path):
+    from tests import synthetic_runs as syn
+
+    run = syn.curve_run(tmp_path / "run", "grpo", 0, lambda t: 0.02 * t)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = run_cli(str(run), "--out", str(blocker / "out"), module="analysis.report")
+    assert result.returncode == 2 and "--out" in one_line(result.stderr) and "Not a directory" in result.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")} | {"HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "analysis.report", "--wandb", "ent/proj", "--out",
+                             str(tmp_path / "wb")], capture_output=True, text=True, cwd=PROJECT_ROOT, env=env,
+                            timeout=300)
+    assert result.returncode == 2 and "--wandb needs an API key" in one_line(result.stderr)
