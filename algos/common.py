@@ -46,6 +46,13 @@ LossAgg = StrEnum(
 LOSS_AGG_MODES = tuple(LossAgg)
 
 
+class KLEstimator(StrEnum):
+    """How the KL to the reference enters the loss, per token (β times it; aggregated as the policy loss)."""
+
+    k3 = "k3"  # Schulman's k3 of the reference against π_θ (DeepSeekMath eq. 4)
+    unbiased_k3 = "unbiased_k3"  # k3 weighted by sg[π_θ / π_old]: tokens are sampled from π_old (DeepSeek-V3.2 eq. 7)
+
+
 def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Advantages `[N]` of rewards `[N]` laid out in contiguous groups of `group_size` (N = prompts · G)."""
     groups = _grouped(rewards, group_size)
@@ -138,6 +145,9 @@ class PolicyBatch:
     mask:          [B, T] bool, valid response tokens.
     lengths:       [B]    valid tokens per sequence.
     ref_log_ratio: [B, T] ref_logp - logp, zero at padding, clamped like log_ratio; None without ref_logp.
+    rollout_log_ratio: [B, T] logp - rollout_logp (π_θ against the engine that sampled, μ_old), zero at padding,
+                   clamped like log_ratio; None without rollout_logp.
+    weight:        [B, T] the rollout correction's per-token weight (no gradient, >= 0), 1 without one, 0 at padding.
     """
 
     logp: Tensor
@@ -147,6 +157,8 @@ class PolicyBatch:
     mask: Tensor
     lengths: Tensor
     ref_log_ratio: Tensor | None
+    rollout_log_ratio: Tensor | None = None
+    weight: Tensor | None = None
 
     @property
     def nonempty(self) -> Tensor:
@@ -155,21 +167,20 @@ class PolicyBatch:
 
     @classmethod
     def from_inputs(
-        cls, *, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None
+        cls, *, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None,
+        rollout_logp: Tensor | None = None, weight: Tensor | None = None,
     ) -> "PolicyBatch":
         """Validate shapes and dtypes (ValueError naming the offender) and build the fp32 quantities."""
         tensors = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}
-        if ref_logp is not None:
-            tensors["ref_logp"] = ref_logp
+        optional = {"ref_logp": ref_logp, "rollout_logp": rollout_logp, "weight": weight}
+        tensors.update({name: value for name, value in optional.items() if value is not None})
         for name, value in tensors.items():
             if not isinstance(value, Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         if logp.dim() != 2:
             raise ValueError(f"logp must have shape [B, T] (response tokens only), got {tuple(logp.shape)}")
         expected = tuple(logp.shape)
-        others = {"old_logp": old_logp, "mask": mask}
-        if ref_logp is not None:
-            others["ref_logp"] = ref_logp
+        others = {name: value for name, value in tensors.items() if name not in ("logp", "advantages")}
         for name, value in others.items():
             if tuple(value.shape) != expected:
                 raise ValueError(f"{name} must have the shape of logp {expected}, got {tuple(value.shape)}")
@@ -186,10 +197,14 @@ class PolicyBatch:
         log_ratio = masked(logp - old_logp.detach().float(), mask).clamp(-TOKEN_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND)
         lengths = mask.sum(dim=1)
         seq_log_ratio = (log_ratio.sum(dim=1) / lengths.clamp(min=1)).clamp(-SEQ_LOG_RATIO_BOUND, SEQ_LOG_RATIO_BOUND)
-        ref_log_ratio = None
-        if ref_logp is not None:
-            ref_log_ratio = masked(ref_logp.detach().float() - logp, mask)
-            ref_log_ratio = ref_log_ratio.clamp(-TOKEN_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND)
+        def against(other: Tensor | None, sign: float) -> Tensor | None:
+            if other is None:
+                return None
+            ratio = masked(sign * (logp - other.detach().float()), mask)
+            return ratio.clamp(-TOKEN_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND)
+
+        if weight is not None and bool((masked(weight.detach().float(), mask) < 0).any()):
+            raise ValueError("weight must be >= 0 on valid tokens (a correction weight or mask)")
         return cls(
             logp=logp,
             log_ratio=log_ratio,
@@ -197,7 +212,9 @@ class PolicyBatch:
             advantages=advantages.detach().float(),
             mask=mask,
             lengths=lengths,
-            ref_log_ratio=ref_log_ratio,
+            ref_log_ratio=against(ref_logp, -1.0),
+            rollout_log_ratio=against(rollout_logp, 1.0),
+            weight=masked(weight.detach().float(), mask) if weight is not None else None,
         )
 
 

@@ -5,8 +5,11 @@ Subclasses say how a batch turns into a per-token policy loss (`policy_loss`) an
 they accept (`validate`); the base does the rest the same way for all of them:
 
 1. validate the inputs and build the fp32, padding-safe quantities (`algos.common.PolicyBatch`);
-2. add the KL penalty to the reference policy, β·k3 per token with k3 = exp(ref − logp) − (ref − logp) − 1
-   (DeepSeekMath eq. 4), to the per-token policy loss, and aggregate the sum with the objective's mode;
+2. weight the per-token policy loss by the rollout correction's weight when one is given (`weight`, no gradient:
+   TIS, MIS, IcePop, OPSM in `algos.corrections`; a zero weight drops a token's term but not its place in the
+   aggregation's denominators), add the KL penalty to the reference policy, β·k3 per token with
+   k3 = exp(ref − logp) − (ref − logp) − 1 (DeepSeekMath eq. 4), or DeepSeek-V3.2's unbiased form
+   sg[π_θ/π_old]·k3 (eq. 7; `kl_estimator`), and aggregate the sum with the objective's mode;
 3. compute the shared metrics (`policy_metrics`, below), the same way for every objective so that all compare.
 
 Every objective has the hyperparameter `kl_coef` (β; default 0, as in the GSPO paper's comparison and in DAPO,
@@ -36,7 +39,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from algos.common import PolicyBatch, PolicyLoss, aggregate, k3, masked, masked_mean, masked_var, sequence_mean
+from algos.common import (
+    KLEstimator, PolicyBatch, PolicyLoss, aggregate, k3, masked, masked_mean, masked_var, sequence_mean,
+)
 from experiments.registry import ConfigError, check_fields
 
 
@@ -57,14 +62,18 @@ class Objective(ABC):
     advantages [B]   one advantage per response
     mask      [B, T] bool or 0/1, valid response tokens; padded positions may hold anything, NaN included
     ref_logp  [B, T] log π_ref, needed when kl_coef > 0
+    rollout_logp [B, T] log μ_old, the engine that sampled: needed by objectives with `needs_rollout_logp` (MiniRL)
+    weight    [B, T] a rollout correction's per-token weight (no gradient, >= 0), or None
     """
 
     name: ClassVar[str] = "objective"  # the registry key, set by `OBJECTIVES.register`
     # Group advantages divided by their std (GRPO) or only centred (Dr. GRPO): the default of the config key
     # `algo.advantage_std`, which sits beside the objective's hyperparameters.
     advantage_std: ClassVar[bool] = True
+    needs_rollout_logp: ClassVar[bool] = False  # the loss itself reads μ_old (MiniRL's IS weight)
 
-    kl_coef: float = 0.0  # β of the k3 KL to the frozen reference policy (needs ref_logp when > 0)
+    kl_coef: float = 0.0  # β of the KL to the frozen reference policy (needs ref_logp when > 0)
+    kl_estimator: KLEstimator = KLEstimator.k3  # k3, or unbiased_k3 (weighted by sg[π_θ/π_old])
 
     def __post_init__(self) -> None:
         check_fields(self, self.name)
@@ -80,19 +89,26 @@ class Objective(ABC):
         """The per-token policy loss of `batch`, where its clip binds, and how to aggregate it."""
 
     def __call__(
-        self, *, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None = None
+        self, *, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None = None,
+        rollout_logp: Tensor | None = None, weight: Tensor | None = None,
     ) -> ObjectiveOutput:
         if self.kl_coef > 0 and ref_logp is None:
             raise ValueError(f"{self.name}: kl_coef = {self.kl_coef} > 0 needs ref_logp (log π_ref, [B, T])")
+        if self.needs_rollout_logp and rollout_logp is None:
+            raise ValueError(f"{self.name}: needs rollout_logp (log μ_old of the engine that sampled, [B, T])")
         batch = PolicyBatch.from_inputs(
-            logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
+            logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
+            rollout_logp=rollout_logp, weight=weight,
         )
         policy = self.policy_loss(batch)
-        policy_only = aggregate(policy.per_token, batch.mask, policy.aggregation, policy.norm_tokens)
+        per_token = policy.per_token if batch.weight is None else policy.per_token * batch.weight
+        policy_only = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens)
         loss = policy_only
         if self.kl_coef > 0:
-            per_token = policy.per_token + self.kl_coef * k3(batch.ref_log_ratio)
-            loss = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens)
+            kl = k3(batch.ref_log_ratio)
+            if self.kl_estimator == KLEstimator.unbiased_k3:
+                kl = torch.exp(batch.log_ratio).detach() * kl
+            loss = aggregate(per_token + self.kl_coef * kl, batch.mask, policy.aggregation, policy.norm_tokens)
         return ObjectiveOutput(loss=loss, metrics=policy_metrics(batch, policy, policy_only))
 
     # Validation helpers: every message names the objective, the hyperparameter, the value and what is allowed.

@@ -20,6 +20,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from experiments.engine import EngineNumerics, Precision, WeightQuant
 from experiments.registry import ConfigError, Registry
 from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.policy import ModelConfig
@@ -75,13 +76,25 @@ class RoutingConfig:
 
     replay: Replay = Replay.none
     metrics: bool = True  # drift of the current routing against θ_old's, per minibatch (no extra forward)
+    margin_threshold: float = 0.05  # a token whose k-th and (k+1)-th expert probabilities differ by less is fragile
+    # Every this many steps, split each off-policy token's log π_θ/π_old into its routing and weights parts with one
+    # extra no-grad forward per off-policy minibatch (0: never).
+    decompose_every: int = 0
 
 
 @dataclass
 class RolloutConfig:
-    """The rollout engine: what samples the completions and reports their log-probs μ_old (and routing)."""
+    """The rollout engine: what samples the completions and reports their log-probs μ_old (and routing). With every
+    numerics setting off it samples with the trainer's own model; any one on gives it its own copy of the weights,
+    synced after every step, that differs from the trainer on purpose (`experiments.engine`)."""
 
     engine: Engine = Engine.hf
+    precision: Precision = Precision.fp32  # the engine copy's dtype
+    weight_quant: WeightQuant = WeightQuant.none  # fake quantization of the copy's linear and expert weights
+    router_noise: float = 0.0  # σ of the Gaussian noise on the copy's router logits, before its top-k
+
+    def numerics(self) -> EngineNumerics:
+        return EngineNumerics(Precision(self.precision), WeightQuant(self.weight_quant), float(self.router_noise))
 
 
 @dataclass
@@ -133,6 +146,7 @@ class LoggerConfig:
 @dataclass
 class TrainConfig:
     algo: Any = MISSING  # an objective's schema (`schema/algo/<name>`, generated from its dataclass)
+    correction: Any = MISSING  # a rollout correction's schema (`schema/correction/<name>`, from its dataclass)
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: Any = MISSING  # a task's schema (`schema/dataset/<name>`, generated from its dataclass)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -188,8 +202,10 @@ class StepPlan:
 
     @property
     def engine_records_routing(self) -> bool:
-        """Ask the engine for its routing: r3 replays it; with bypass it is θ_old's routing for the drift metric."""
-        return self.replay == Replay.r3 or (self.pi_old == PiOld.bypass and self.track_routing)
+        """Ask the engine for its routing: r3 replays it; with bypass it is θ_old's routing for the drift metric; an
+        engine that differs from the trainer has it compared with the trainer's (`mismatch/expert_frac`)."""
+        tracked = self.track_routing and (self.pi_old == PiOld.bypass or not self.engine_is_trainer)
+        return self.replay == Replay.r3 or tracked
 
     def describe(self) -> dict[str, Any]:
         return {"pi_old": self.pi_old, "pi_old_why": self.why, "minibatch_layout": self.layout,
@@ -212,9 +228,10 @@ def unknown_keys(node: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def plan_step(cfg: Any, is_moe: bool, engine_is_trainer: bool = True) -> StepPlan:
+def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None) -> StepPlan:
     """Check what single fields cannot (ranges, values that must agree) and decide the step; `ConfigError` naming
-    the values and what is allowed otherwise. Runs before anything is built."""
+    the values and what is allowed otherwise. Runs before anything is built. `reads_pi_old`: what, besides replay,
+    needs the trainer's own π_old (a rollout correction's name), or None."""
     unknown = unknown_keys(cfg) if isinstance(cfg, DictConfig) else []
     if unknown:
         raise ConfigError(
@@ -254,25 +271,45 @@ def plan_step(cfg: Any, is_moe: bool, engine_is_trainer: bool = True) -> StepPla
         )
     if not is_moe and t.router_aux_loss_coef > 0:
         raise ConfigError(f"trainer.router_aux_loss_coef={t.router_aux_loss_coef} needs an MoE model")
+    sigma = cfg.rollout.router_noise
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise ConfigError(f"rollout.router_noise={sigma} must be a finite number >= 0 (the noise's σ)")
+    if cfg.rollout.weight_quant != WeightQuant.none and cfg.model.moe_backend != "hf":
+        raise ConfigError(
+            f"rollout.weight_quant={cfg.rollout.weight_quant} quantizes transformers' expert layout; "
+            f"model.moe_backend={cfg.model.moe_backend} holds another: use model.moe_backend=hf"
+        )
+    if not (math.isfinite(cfg.routing.margin_threshold) and cfg.routing.margin_threshold >= 0):
+        raise ConfigError(f"routing.margin_threshold={cfg.routing.margin_threshold} must be a finite number >= 0")
+    if cfg.routing.decompose_every < 0:
+        raise ConfigError(f"routing.decompose_every={cfg.routing.decompose_every} must be >= 0 (0: never)")
+    if cfg.routing.decompose_every and not is_moe:
+        raise ConfigError(f"routing.decompose_every={cfg.routing.decompose_every} splits a routing part: needs an MoE model")
+    engine_is_trainer = not RolloutConfig(**cfg.rollout).numerics().differs
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={cfg.device!r} but this machine has no CUDA device; use device=cpu")
     replay = Replay(cfg.routing.replay)
-    pi_old, why = _pi_old(PiOld(t.pi_old), replay, engine_is_trainer)
+    pi_old, why = _pi_old(PiOld(t.pi_old), replay, engine_is_trainer, reads_pi_old)
     return StepPlan(
         replay=replay,
         pi_old=pi_old,
         layout=_layout(cfg),
-        track_routing=is_moe and (cfg.routing.metrics or replay != Replay.none),
+        track_routing=is_moe and (cfg.routing.metrics or replay != Replay.none or cfg.routing.decompose_every > 0),
         engine_is_trainer=engine_is_trainer,
         why=why,
     )
 
 
-def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool) -> tuple[PiOld, str]:
+def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, reads_pi_old: str | None) -> tuple[PiOld, str]:
     if asked == PiOld.bypass and replay == Replay.r2:
         raise ConfigError(
             "trainer.pi_old=bypass with routing.replay=r2: R2 replays θ_old's routing, which only the trainer's own "
             "π_old pass records; use trainer.pi_old=decoupled or auto"
+        )
+    if asked == PiOld.bypass and reads_pi_old:
+        raise ConfigError(
+            f"correction={reads_pi_old} weighs tokens by π_old/μ_old, which trainer.pi_old=bypass makes 1 (π_old := "
+            "μ_old): use trainer.pi_old=decoupled or auto, or correction=opsm / none"
         )
     if asked == PiOld.decoupled:
         return asked, "asked: the trainer recomputes π_old at θ_old"
@@ -284,6 +321,8 @@ def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool) -> tuple[PiOl
         return PiOld.decoupled, "r3 replays the engine's routing in the trainer's π_old pass"
     if not engine_is_trainer:
         return PiOld.decoupled, "the engine is not the trainer's model: its numbers are not π_old's"
+    if reads_pi_old:
+        return PiOld.decoupled, f"correction={reads_pi_old} weighs tokens by π_old/μ_old"
     return PiOld.bypass, "the engine is the trainer's own model: μ_old is π_old's own numbers, no recompute"
 
 
@@ -331,6 +370,7 @@ def _store_group(cs: ConfigStore, group: str, registry: Registry, extra) -> None
 def register_configs() -> None:
     """Store every schema; idempotent (Hydra's ConfigStore overwrites entries of the same name)."""
     from algos import OBJECTIVES
+    from algos.corrections import CORRECTIONS
     from experiments.tasks import TASKS
 
     # `${project_root:}` in yaml: checkpoints and reports resolve against the project, not the working directory.
@@ -340,3 +380,4 @@ def register_configs() -> None:
     cs.store(name="sft_schema", node=SFTConfig)
     _store_group(cs, "algo", OBJECTIVES, lambda cls: [("advantage_std", bool, cls.advantage_std)])
     _store_group(cs, "dataset", TASKS, lambda cls: [])
+    _store_group(cs, "correction", CORRECTIONS, lambda cls: [])

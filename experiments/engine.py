@@ -13,23 +13,64 @@ Layout of a rollout batch (what every later stage indexes into):
     routes         [L, N, P + T, K] the engine's experts per token (`models.routing.RoutingTrace`), or None
 N = prompts x group size, rows of one prompt contiguous (prompt j owns rows j*G .. j*G+G-1).
 
-`HFEngine` is transformers' `generate` on the trainer's own model: each prompt is prefilled once and its KV cache
-copied to its G rows, then decoded with the cache. It shares the trainer's weights, so its weight sync is a no-op
-and its numbers are the trainer's own up to the KV-cache path's rounding (~1e-6).
+`HFEngine` is transformers' `generate`: each prompt is prefilled once and its KV cache copied to its G rows, then
+decoded with the cache. By default it runs on the trainer's own model, so its weight sync is a no-op and its numbers
+are the trainer's own up to the KV-cache path's rounding (~1e-6). Given `EngineNumerics` it holds its own copy of the
+weights, as an inference server does, and differs from the trainer on purpose (training–inference mismatch that a
+run can dial):
+    precision     fp32 | bf16 | fp16: the copy's dtype (its log-probs are still taken in fp32 from its logits);
+    weight_quant  none | int8 | fp8: fake quantization of every linear and expert weight of the decoder layers, per
+                  output channel (symmetric, scale = max |w| / 127 for int8, / 448 for FP8 e4m3, quantize then
+                  dequantize), as an FP8 rollout of a bf16-trained model (arXiv 2512.01374's setup) in miniature;
+                  routers, embeddings and the LM head keep their precision, as FP8 inference engines keep them;
+    router_noise  σ: seeded Gaussian noise N(0, σ²) on the copy's router logits before its top-k, so that near-tied
+                  routes flip in the engine and not in the trainer.
+The copy takes the trainer's weights after every step's updates (cast, then re-quantized): the engine never trains.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.scoring import position_ids
 from experiments.tasks import Example, Task
-from models.routing import RoutingTrace, record_routing
+from models.routing import RoutingTrace, find_routers, record_routing, replayed_gate_weights
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class WeightQuant(StrEnum):
+    none = "none"
+    int8 = "int8"
+    fp8 = "fp8"  # e4m3 with a per-channel scale
+
+
+DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+QUANT_RANGE = {WeightQuant.int8: 127.0, WeightQuant.fp8: 448.0}  # largest magnitude each format holds
+
+
+@dataclass(frozen=True)
+class EngineNumerics:
+    """How the engine's numbers differ from the trainer's (module docstring); all off: they do not."""
+
+    precision: Precision = Precision.fp32
+    weight_quant: WeightQuant = WeightQuant.none
+    router_noise: float = 0.0
+
+    @property
+    def differs(self) -> bool:
+        return self != EngineNumerics()
 
 
 @dataclass(kw_only=True)
@@ -65,9 +106,12 @@ class Rollout(Samples):
 
 class RolloutEngine(ABC):
     """The sampler μ_old. `shares_trainer_weights`: it computes with the trainer's own module, so its numbers are
-    π_old's and `sync_weights` has nothing to do."""
+    π_old's and `sync_weights` has nothing to do. `returns_logprobs`: its samples carry μ_old's log-probs (what
+    rollout corrections and MiniRL read); `returns_routing`: it can report its experts per token (what r3 replays)."""
 
     shares_trainer_weights: bool = False
+    returns_logprobs: bool = True
+    returns_routing: bool = True
     name: str = "engine"
 
     @abstractmethod
@@ -108,23 +152,54 @@ def collect_rollout(
 
 
 class HFEngine(RolloutEngine):
-    """transformers' `generate` on `model` itself, with one prefill per prompt shared by its G completions.
+    """transformers' `generate`, with one prefill per prompt shared by its G completions: on `model` itself, or, with
+    `numerics`, on its own copy of the weights that differs from the trainer's as the module docstring says.
 
     `min_new_tokens`: ban eos before that many tokens (the benchmark's fixed-length steps); μ_old is still taken
-    from the raw logits, before that sampling-time processor, the same distribution the trainer scores.
+    from the raw logits, before that sampling-time processor, the same distribution the trainer scores. `seed`:
+    the router noise's generator.
     """
 
-    shares_trainer_weights = True
     name = "hf"
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0) -> None:
-        self.model = model
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0,
+                 numerics: EngineNumerics | None = None, seed: int = 0) -> None:
         self.tokenizer = tokenizer
         self.min_new_tokens = min_new_tokens
+        self.numerics = numerics
+        self.shares_trainer_weights = numerics is None
+        if numerics is None:
+            self.model = model
+            return
+        self.model = copy.deepcopy(model).to(DTYPE[numerics.precision]).eval().requires_grad_(False)
+        self._quantize()
+        if numerics.router_noise > 0:
+            noise = torch.Generator().manual_seed(seed)
+            for router in find_routers(self.model).values():
+                router.register_forward_hook(_RouterNoise(numerics.router_noise, noise))
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        if model is not self.model:
-            raise ValueError("HFEngine samples with the trainer's own module; it cannot take another model's weights")
+        if self.shares_trainer_weights:
+            if model is not self.model:
+                raise ValueError("this HFEngine samples with the trainer's own module; it takes no other weights")
+            return
+        with torch.no_grad():
+            for (name, mine), (their_name, theirs) in zip(self.model.named_parameters(), model.named_parameters()):
+                if name != their_name:
+                    raise ValueError(f"engine copy and trainer differ in structure: {name} vs {their_name}")
+                mine.copy_(theirs)
+        self._quantize()
+
+    @torch.no_grad()
+    def _quantize(self) -> None:
+        """Fake-quantize the copy's decoder-layer linear and expert weights in place (module docstring)."""
+        kind = self.numerics.weight_quant
+        if kind == WeightQuant.none:
+            return
+        routers = {id(router.weight) for router in find_routers(self.model).values()}
+        for name, weight in self.model.named_parameters():
+            if ".layers." in name and weight.dim() >= 2 and id(weight) not in routers:
+                weight.copy_(fake_quantize(weight, kind))
 
     @torch.no_grad()
     def sample(
@@ -178,6 +253,34 @@ class HFEngine(RolloutEngine):
             logp=logp,
             routes=trace,
         )
+
+
+def fake_quantize(weight: torch.Tensor, kind: WeightQuant) -> torch.Tensor:
+    """Quantize then dequantize `weight` (`[out, in]`, or experts' `[E, out, in]`) per output channel: a symmetric
+    scale max |w| / range per row, values rounded to int8 or cast to FP8 e4m3, times the scale again."""
+    w = weight.float()
+    scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / QUANT_RANGE[kind]
+    if kind == WeightQuant.int8:
+        q = torch.round(w / scale).clamp(-127, 127)
+    else:
+        q = (w / scale).to(torch.float8_e4m3fn).float()
+    return (q * scale).to(weight.dtype)
+
+
+class _RouterNoise:
+    """Forward hook on an engine router: add N(0, σ²) to its logits and route by them (the family's top-k and gate
+    weights, as `models.routing.replayed_gate_weights` computes them), before any recording hook sees the choice."""
+
+    def __init__(self, sigma: float, generator: torch.Generator) -> None:
+        self.sigma = sigma
+        self.generator = generator
+
+    def __call__(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+        logits, weights, indices = output
+        noise = torch.randn(logits.shape, generator=self.generator, dtype=torch.float32).to(logits.device)
+        noisy = logits + (self.sigma * noise).to(logits.dtype)
+        chosen = noisy.float().topk(indices.shape[-1], dim=-1).indices
+        return noisy, replayed_gate_weights(router, noisy, chosen, weights), chosen.to(indices.dtype)
 
 
 def record_routing_if(model: PreTrainedModel, record: bool) -> contextlib.AbstractContextManager:

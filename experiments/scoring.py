@@ -41,6 +41,7 @@ class Scores:
     entropy: torch.Tensor  # [N, T] fp32 entropy of the policy at each response position (no grad)
     aux_loss: torch.Tensor | None  # scalar load-balancing loss of this forward, when requested
     routes: RoutingTrace | None = None  # recorded routing; under replay, the router's own top-k (`[L, N, P+T-1, K]`)
+    router_stats: dict[str, float] | None = None  # routing fragility of this forward, when requested
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,7 @@ def score_responses(
     record: bool = False,
     replay: RoutingTrace | None = None,
     aux_loss_grad: bool = True,
+    fragile_margin: float | None = None,
 ) -> Scores:
     """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
 
@@ -73,6 +75,7 @@ def score_responses(
     prompt and are fed packed (see the module docstring). `record`: return the routing of the fed positions;
     `replay`: force that routing (`[L, N, P+T-1, K]`) and return the router's own choice. `aux_loss`: the
     family's load-balancing loss over the fed tokens, differentiable unless `aux_loss_grad=False` (a metric only).
+    `fragile_margin`: also the routing fragility of the fed tokens (`router_fragility`).
     """
     fed_mask = attention_mask[:, FED]
     positions = position_ids(fed_mask)
@@ -88,7 +91,8 @@ def score_responses(
         layout = SharedPrefix.from_rows(fed_mask, prompt_width - 1, group_size, model.dtype)
         if not layout.prefix_agrees(ids):
             raise ValueError(f"packed scoring: rows of one group of {group_size} do not share their prompt")
-    with _routing(model, layout, ids, record, replay) as handle, _router_logits(model, aux_loss) as router_logits:
+    capture = aux_loss or fragile_margin is not None
+    with _routing(model, layout, ids, record, replay) as handle, _router_logits(model, capture) as router_logits:
         if layout is None:
             logits = model(
                 input_ids=ids, attention_mask=fed_mask, position_ids=positions, use_cache=False, logits_to_keep=tail
@@ -109,16 +113,45 @@ def score_responses(
     with torch.no_grad():
         entropy = -(log_probs.exp() * log_probs).sum(-1)
     balance = None
+    weights = fed_mask if layout is None else layout.token_weights
     if aux_loss:
-        weights = fed_mask if layout is None else layout.token_weights
         with contextlib.nullcontext() if aux_loss_grad else torch.no_grad():
             balance = _load_balancing_loss(model, router_logits, weights)
+    stats = router_fragility(router_logits, weights, model.num_experts_per_tok, fragile_margin) if (
+        fragile_margin is not None
+    ) else None
     routes = None
     if replay is not None or record:
         routes = handle.router_choice if replay is not None else handle.trace
         if layout is not None:
             routes = replace(routes, experts=layout.unpack(routes.experts, dim=1))
-    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes)
+    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats)
+
+
+@torch.no_grad()
+def router_fragility(
+    router_logits: list[torch.Tensor], weights: torch.Tensor, top_k: int, margin: float
+) -> dict[str, float]:
+    """How decisive each MoE layer's routing is on the fed tokens (each weighted by `weights`, 0 on padding):
+    `routing/topk_mass` the router's probability mass on its chosen experts (prime-rl's routing confidence),
+    `routing/margin` the gap between the k-th and (k+1)-th expert probability (what a small update must overcome
+    to flip a route), `routing/fragile_frac` the share of tokens whose margin is below `margin`; per layer and their
+    mean over layers."""
+    w = weights.reshape(-1).float()
+    total = w.sum().clamp(min=1e-12)
+    per_layer = {"topk_mass": [], "margin": [], "fragile_frac": []}
+    for logits in router_logits:
+        top = torch.softmax(logits.float(), dim=-1).topk(min(top_k + 1, logits.shape[-1]), dim=-1).values
+        gap = top[:, top_k - 1] - top[:, top_k] if top.shape[-1] > top_k else top[:, top_k - 1]
+        per_layer["topk_mass"].append((top[:, :top_k].sum(-1) * w).sum() / total)
+        per_layer["margin"].append((gap * w).sum() / total)
+        per_layer["fragile_frac"].append(((gap < margin).float() * w).sum() / total)
+    stats = {}
+    for name, values in per_layer.items():
+        values = torch.stack(values).tolist()
+        stats[f"routing/{name}"] = sum(values) / len(values)
+        stats.update({f"routing/{name}/layer_{i}": v for i, v in enumerate(values)})
+    return stats
 
 
 def _routing(

@@ -126,6 +126,8 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         "ratio_token_var_mean": over_steps("ratio/token_var"),
         "skipped_steps": trainer.skipped_updates,
         "engine": trainer.engine.name,
+        "engine_numerics": "the trainer's own model" if trainer.engine.shares_trainer_weights else str(trainer.engine.numerics),
+        "correction": trainer.correction.name,
         **trainer.plan.describe(),
         "policy": describe_policy(trainer.model),
     }

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,10 +34,13 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from algos import build_objective, group_advantages, zero_std_group_frac
-from algos.common import k3, masked_mean
+from algos.common import masked, masked_mean
+from algos.corrections import Correction, CorrectionInputs, build_correction, mismatch_metrics
 from algos.objective import Objective
-from experiments.config import Layout, LRSchedule, PiOld, Replay, StepPlan, algo_hyperparameters, plan_step
-from experiments.engine import HFEngine, Rollout, collect_rollout
+from experiments.config import (
+    Layout, LRSchedule, PiOld, Replay, RolloutConfig, StepPlan, algo_hyperparameters, plan_step,
+)
+from experiments.engine import EngineNumerics, HFEngine, Rollout, RolloutEngine, collect_rollout
 from experiments.evaluate import evaluate
 from experiments.memory import GIB, available_bytes, step_memory
 from experiments.registry import ConfigError
@@ -78,7 +81,38 @@ class OldPolicy:
     routes: RoutingTrace | None = None
     replay: RoutingTrace | None = None
     ref_logp: torch.Tensor | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+
+
+DRIFT_KEYS = ("routing/expert_change_frac", "routing/token_any_change_frac")  # drift since θ_old, per minibatch
+
+
+def routing_mismatch(engine: RoutingTrace, trainer: RoutingTrace, mask: torch.Tensor) -> dict[str, float]:
+    """The engine's experts against the trainer's at θ_old on the same tokens: `mismatch/expert_frac` (per layer
+    too), the share of activated experts the engine chose that the trainer did not, and the share of tokens routed
+    differently in any layer (R3's router disagreement, train against inference)."""
+    drift = routing_drift(trainer, engine, mask)
+    metrics = {"mismatch/expert_frac": drift.expert_change_frac, "mismatch/token_any_expert_frac": drift.token_any_change_frac}
+    metrics.update({f"mismatch/expert_frac/layer_{i}": v for i, v in enumerate(drift.per_layer.tolist())})
+    return metrics
+
+
+@torch.no_grad()
+def decomposition_metrics(routing: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Where a minibatch's log-ratio noise comes from: the variance of each part over valid tokens, of their sum,
+    and the routing part's share of the total's variance, Cov(routing, total) / Var(total) (the weights part's is
+    one minus it: the two shares add up to 1 whatever the parts' covariance)."""
+    mask = mask.bool()
+    total = routing + weights
+    mean = {name: masked_mean(x, mask) for name, x in (("r", routing), ("w", weights), ("t", total))}
+    var_t = masked_mean((total - mean["t"]) ** 2, mask)
+    cov_rt = masked_mean((routing - mean["r"]) * (total - mean["t"]), mask)
+    values = {
+        "decompose/routing_var": masked_mean((routing - mean["r"]) ** 2, mask),
+        "decompose/weights_var": masked_mean((weights - mean["w"]) ** 2, mask),
+        "decompose/total_var": var_t,
+        "decompose/routing_share": cov_rt / var_t.clamp(min=1e-30),
+    }
+    return dict(zip(values, torch.stack(list(values.values())).tolist()))
 
 
 def minibatch_order(layout: Layout, size: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -120,8 +154,10 @@ class RunParts:
 
     plan: StepPlan
     model_cfg: ModelConfig
+    numerics: EngineNumerics
     objective: Objective
     advantage_std: bool
+    correction: Correction
     task: Task
     train_examples: list[Example]
     test_examples: list[Example]
@@ -133,9 +169,12 @@ def check_run(cfg: DictConfig) -> RunParts:
     t = cfg.trainer
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     hf_config = model_config(model_cfg)
-    plan = plan_step(cfg, is_moe=is_moe(hf_config))
     name, advantage_std, hyperparameters = algo_hyperparameters(cfg.algo)
     objective = build_objective(name, **hyperparameters)
+    correction_params = dict(OmegaConf.to_container(cfg.correction, resolve=True))
+    correction = build_correction(correction_params.pop("name"), **correction_params)
+    plan = plan_step(cfg, is_moe=is_moe(hf_config), reads_pi_old=correction.name if correction.needs_decoupled else None)
+    _check_correction(plan, objective, correction, HFEngine)
     dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     task = build_task(dataset.pop("name"), **dataset)
     train_examples, test_examples = task.examples("train"), task.examples("test")
@@ -153,7 +192,27 @@ def check_run(cfg: DictConfig) -> RunParts:
             f"(trainer.minibatches={t.minibatches}) needs about {memory.peak / GIB:.1f} GiB ({memory.describe()}), "
             f"and {cfg.device} has {available / GIB:.1f} GiB available: lower the batch or raise trainer.minibatches"
         )
-    return RunParts(plan, model_cfg, objective, advantage_std, task, train_examples, test_examples)
+    numerics = RolloutConfig(**cfg.rollout).numerics()
+    return RunParts(plan, model_cfg, numerics, objective, advantage_std, correction, task, train_examples,
+                    test_examples)
+
+
+def _check_correction(plan: StepPlan, objective: Objective, correction: Correction, engine: type[RolloutEngine]) -> None:
+    """What the correction, the objective and the engine must agree on."""
+    reads_mu = correction.name != "none" or objective.needs_rollout_logp
+    if reads_mu and not engine.returns_logprobs:
+        raise ConfigError(
+            f"correction={correction.name} / algo={objective.name} read μ_old's log-probs, which rollout.engine="
+            f"{engine.name} does not return"
+        )
+    if plan.replay == Replay.r3 and not engine.returns_routing:
+        raise ConfigError(f"routing.replay=r3 replays the engine's experts, which rollout.engine={engine.name} does not report")
+    if objective.needs_rollout_logp and correction.name in ("tis", "mis", "icepop"):
+        raise ConfigError(
+            f"algo={objective.name} already weighs each token by its truncated π_θ/μ_old; correction={correction.name} "
+            "would weigh the mismatch twice: use correction=none, geo_rs or opsm with it"
+        )
+
 
 
 def _longest_prompt(model_cfg: ModelConfig, examples: list[Example]) -> int:
@@ -193,6 +252,7 @@ class RLTrainer:
         t = cfg.trainer
         parts = check_run(cfg)
         self.plan, self.objective, self.advantage_std = parts.plan, parts.objective, parts.advantage_std
+        self.correction = parts.correction
         self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
         model_cfg = parts.model_cfg
         if t.threads:
@@ -203,7 +263,8 @@ class RLTrainer:
         # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
         # same weights route identically and every measured drift comes from an update.
         self.model.to(self.device).eval()
-        self.engine = HFEngine(self.model, self.tokenizer)
+        numerics = parts.numerics if parts.numerics.differs else None
+        self.engine = HFEngine(self.model, self.tokenizer, numerics=numerics, seed=cfg.seed)
         self.reference = None
         if self.objective.kl_coef > 0:
             self.reference, _ = build_policy(model_cfg)
@@ -299,24 +360,11 @@ class RLTrainer:
             routes=routes,
             replay=routes if plan.replay == Replay.r2 else replay,
             ref_logp=ref_logp,
-            metrics=self.engine_mismatch(mb, scored),
         )
-
-    def engine_mismatch(self, mb: Minibatch, trainer: Scores) -> dict[str, float]:
-        """Under r3: how far the trainer's routing and log-probs at θ_old are from the engine's on the same tokens."""
-        if self.plan.replay != Replay.r3:
-            return {}
-        mismatch = routing_drift(mb.engine_routes, trainer.routes.to("cpu"), mb.token_mask)
-        log_rho = trainer.logp.detach() - mb.mu_logp
-        return {
-            "rollout/expert_mismatch_frac": mismatch.expert_change_frac,
-            "rollout/token_any_mismatch_frac": mismatch.token_any_change_frac,
-            "rollout/kl_k3": float(masked_mean(k3(log_rho), mb.response_mask)),
-        }
 
     def _score(self, model: torch.nn.Module, mb: Minibatch, **options: Any) -> Scores:
         """`score_responses` of the minibatch, packed by group under the `groups` layout (`options`: its aux_loss /
-        record / replay / aux_loss_grad)."""
+        record / replay / aux_loss_grad / fragile_margin)."""
         t = self.cfg.trainer
         return score_responses(
             model, mb.input_ids, mb.attention_mask, mb.prompt_width, t.temperature,
@@ -336,23 +384,39 @@ class RLTrainer:
             aux_loss_grad=aux_coef > 0,  # otherwise only logged
             record=track and old.replay is None,
             replay=old.replay.to(self.device) if old.replay is not None else None,
+            fragile_margin=self.cfg.routing.margin_threshold if track else None,
         )
         pi_old_logp = scores.logp.detach() if old.on_policy else old.logp
+        # The trainer's own numbers at θ_old, where the step has them: the first minibatch's forward (θ = θ_old
+        # there), or the decoupled recompute; under bypass π_old is μ_old itself on later minibatches.
+        trainer_at_old = scores.logp.detach() if mb.index == 0 else (old.logp if self.plan.pi_old == PiOld.decoupled else None)
+        metrics: dict[str, float] = {"minibatch": mb.index}
+        weight = None
+        if self.correction.name != "none":
+            log_rho = trainer_at_old - mb.mu_logp if trainer_at_old is not None else torch.zeros_like(mb.mu_logp)
+            corrected = self.correction(CorrectionInputs(
+                log_rho=masked(log_rho, mb.response_mask), theta_log_ratio=masked(scores.logp.detach() - mb.mu_logp,
+                mb.response_mask), mask=mb.response_mask, advantages=mb.advantages,
+            ))
+            weight = corrected.weight
+            metrics.update({name: float(value) for name, value in corrected.metrics.items()})
         result = self.objective(
             logp=scores.logp,
             old_logp=pi_old_logp,
             advantages=mb.advantages,
             mask=mb.response_mask,
             ref_logp=old.ref_logp,
+            rollout_logp=mb.mu_logp,
+            weight=weight,
         )
         loss = result.loss + aux_coef * scores.aux_loss if aux_coef > 0 else result.loss
         finite_loss = bool(torch.isfinite(loss))
         if finite_loss:
             loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)) if finite_loss else float("nan")
-        metrics = {"minibatch": mb.index, **result.metrics, **old.metrics}
-        if old.on_policy:
-            metrics.update(self.engine_mismatch(mb, scores))
+        metrics.update(result.metrics)
+        if trainer_at_old is not None and mb.mu_logp is not None:
+            metrics.update(mismatch_metrics(trainer_at_old - mb.mu_logp, mb.response_mask))
         metrics["policy/entropy"] = float(masked_mean(scores.entropy, mb.response_mask))
         metrics["optim/grad_norm"] = grad_norm
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
@@ -363,8 +427,28 @@ class RLTrainer:
             theta_old = own if old.on_policy else old.routes
             metrics.update(routing_drift(theta_old, own, mb.token_mask).metrics)
             metrics["moe/load_max_violation"] = load_max_violation(theta_old, mb.token_mask)
+            metrics.update(scores.router_stats)
+            trainer_routes = own if mb.index == 0 else (old.routes if self.plan.pi_old == PiOld.decoupled else None)
+            if mb.engine_routes is not None and trainer_routes is not None:
+                metrics.update(routing_mismatch(mb.engine_routes, trainer_routes, mb.token_mask))
+            every = self.cfg.routing.decompose_every
+            if every and mb.index > 0 and self.step_index % every == 0:
+                metrics.update(self.decompose(mb, old, scores.logp.detach(), pi_old_logp))
         self._apply(finite_loss and math.isfinite(grad_norm))
         return metrics
+
+    @torch.no_grad()
+    def decompose(self, mb: Minibatch, old: OldPolicy, logp: torch.Tensor, pi_old_logp: torch.Tensor) -> dict[str, float]:
+        """Split log π_θ/π_old of an off-policy minibatch into a routing part, log π_θ(y | θ's experts) −
+        log π_θ(y | θ_old's experts), and a weights part, log π_θ(y | θ_old's experts) − log π_old(y), with one extra
+        no-grad forward at θ (before this minibatch's optimizer step): replayed when the update's forward was not,
+        un-replayed when it was. θ_old's experts are the ones π_old was computed with: the replayed trace under
+        r2 / r3, θ_old's recorded routing otherwise."""
+        if old.replay is None:
+            own, replayed = logp, self._score(self.model, mb, replay=old.routes.to(self.device)).logp
+        else:
+            own, replayed = self._score(self.model, mb).logp, logp
+        return decomposition_metrics(own - replayed, replayed - pi_old_logp, mb.response_mask)
 
     def _apply(self, finite: bool) -> None:
         """Take the optimizer step, or refuse a non-finite one: one bad batch must not poison every parameter."""
@@ -392,7 +476,7 @@ class RLTrainer:
         keys = dict.fromkeys(key for m in per_minibatch for key in m if key != "minibatch")
         for key in keys:
             values = [m[key] for m in per_minibatch if m.get(key) is not None]
-            if key.startswith("routing/"):
+            if key.startswith(DRIFT_KEYS):
                 if key == "routing/expert_change_frac":
                     means["routing/expert_change_mean_over_minibatches"] = mean_of(values)
                 if len(per_minibatch) > 1 and key in per_minibatch[1]:

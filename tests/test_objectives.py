@@ -183,7 +183,8 @@ def ragged_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     lengths = torch.tensor([4, 1, 6, 3])
     mask = torch.arange(6)[None, :] < lengths[:, None]
     logp = -torch.rand(4, 6, generator=generator) * 3
-    return dict(logp=logp, old_logp=logp.clone(), advantages=torch.tensor([1.5, -0.5, 0.7, -1.2]), mask=mask)
+    return dict(logp=logp, old_logp=logp.clone(), advantages=torch.tensor([1.5, -0.5, 0.7, -1.2]), mask=mask,
+                rollout_logp=logp.clone())  # on-policy: the engine that sampled is π_θ too (read by MiniRL)
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
@@ -297,6 +298,7 @@ def test_hyperparameters_are_dataclass_fields_with_the_documented_defaults():
     assert set(defaults) <= set(OBJECTIVES)
     for name, expected in defaults.items():
         objective = build_objective(name)
+        expected = {**expected, "kl_estimator": "k3"}
         assert {f.name: getattr(objective, f.name) for f in fields(objective)} == expected, name
     with pytest.raises(FrozenInstanceError):
         build_objective("grpo").clip_low = 0.1
@@ -312,7 +314,7 @@ def test_unknown_objective_lists_the_valid_names():
 def test_unknown_hyperparameter_is_named_with_the_allowed_ones():
     with pytest.raises(ValueError, match="epsilon") as info:
         build_objective("gspo", epsilon=3e-4)
-    assert "kl_coef, clip_low, clip_high" in str(info.value)
+    assert "kl_coef, kl_estimator, clip_low, clip_high" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -380,7 +382,7 @@ def test_every_yaml_only_selects_its_objective_whose_defaults_compose():
         with initialize_config_dir(config_dir=str(CONF_ALGO.parent), version_base="1.3"):
             config = OmegaConf.to_container(compose("train", overrides=[f"algo={name}"]).algo)
         assert config.pop("name") == name
-        assert config.pop("advantage_std") is (name != "dr_grpo")
+        assert config.pop("advantage_std") is OBJECTIVES[name].advantage_std is (name not in ("dr_grpo", "minirl"))
         defaults = {f.name: f.default for f in fields(OBJECTIVES[name])}
         assert config == defaults, path.name
         # The dataclass must also work as an OmegaConf structured schema (what experiments/config.py builds).

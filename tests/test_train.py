@@ -30,7 +30,8 @@ STEP_METRICS = [
     "policy/entropy", "optim/grad_norm", "optim/lr", "optim/skipped_steps", "moe/aux_loss", "moe/load_max_violation",
     "routing/expert_change_per_update", "routing/expert_change_per_update/layer_0",
     "routing/expert_change_per_update/layer_1", "routing/token_any_change_per_update",
-    "routing/expert_change_mean_over_minibatches", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/rollout_tokens_per_s",
+    "routing/expert_change_mean_over_minibatches", "routing/topk_mass", "routing/margin/layer_1",
+    "routing/fragile_frac", "mismatch/kl_k1", "mismatch/ess", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/rollout_tokens_per_s",
 ]
 
 
@@ -62,8 +63,9 @@ def test_every_objective_and_replay_mode_runs_and_logs(tmp_path, algo, replay):
     for name in STEP_METRICS:
         assert name in lines[0], name
     assert "eval/accuracy" in lines[-1] and "eval/greedy_accuracy" in lines[-1]
+    assert "mismatch/kl_k3" in lines[0], "the first minibatch's forward is π_old: the mismatch is measured"
     if replay == "r3":
-        assert "rollout/expert_mismatch_frac" in lines[0] and "rollout/kl_k3" in lines[0]
+        assert "mismatch/expert_frac" in lines[0] and "mismatch/expert_frac/layer_1" in lines[0]
     first = lines[0]["minibatches"][0]
     assert [mb["minibatch"] for mb in lines[0]["minibatches"]] == [0, 1]
     # On-policy first minibatch: θ = θ_old, scored with the same shapes, so ratios are exactly 1, nothing clips

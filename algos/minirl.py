@@ -1,0 +1,60 @@
+"""MiniRL, the baseline of "Stabilizing Reinforcement Learning with LLMs: Formulation and Practices" (Zheng et al.,
+Qwen, arXiv 2512.01374, §4.1-4.2).
+
+    J = E_{x, y ~ μ_old}[ Σ_t M_t · sg[ min(π_θ(y_t) / μ_old(y_t), C) ] · Â · log π_θ(y_t) ],
+    Â = R − mean_group R,
+    M_t = 0 if (Â > 0 ∧ r_t > 1 + ε_high) ∨ (Â < 0 ∧ r_t < 1 − ε_low), else 1,   r_t = π_θ(y_t) / π_old(y_t)
+
+REINFORCE with the token-level IS weight against the engine that sampled (μ_old, so the training–inference
+discrepancy π_old/μ_old is corrected inside the objective), truncated at C (TIS, C = 5, §4.2), and PPO-style
+masking by the staleness ratio r_t decided against π_old, the proximal policy (ε_low 0.2, ε_high 0.27). The group
+advantage is only centred (`advantage_std = False`). Aggregation is fixed to `seq-mean-token-sum`: the token sum of
+each response, then the mean over responses, as the expectation is written (the paper's point: no length
+normalisation, which would invalidate the first-order approximation). Gradient of an unmasked token:
+−w_t · Â · ∇log π_θ(y_t) / B with w_t = min(π_θ/μ_old, C); a masked token contributes none.
+Clip metrics count the masked tokens (M_t = 0); `minirl/is_weight_mean` and `minirl/truncated_frac` describe w_t.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from algos.common import PolicyBatch, PolicyLoss, masked_mean
+from algos.objective import Objective
+from algos.registry import OBJECTIVES
+
+
+@OBJECTIVES.register("minirl")
+@dataclass(frozen=True)
+class MiniRL(Objective):
+    advantage_std: ClassVar[bool] = False  # Â = R − group mean
+    needs_rollout_logp: ClassVar[bool] = True  # the IS weight is against μ_old
+
+    clip_low: float = 0.2  # ε_low of the staleness mask (r_t against π_old)
+    clip_high: float = 0.27  # ε_high
+    is_truncation: float = 5.0  # C: the token IS weight π_θ/μ_old is truncated at C (§4.2)
+
+    def validate(self) -> None:
+        self._check_ratio_lower_clip("clip_low")
+        self._check_non_negative("clip_high")
+        self._check_positive("is_truncation")
+
+    def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
+        advantages = batch.advantages[:, None]
+        ratio = torch.exp(batch.log_ratio).detach()
+        masked_out = ((advantages > 0) & (ratio > 1 + self.clip_high)) | ((advantages < 0) & (ratio < 1 - self.clip_low))
+        raw_weight = torch.exp(batch.rollout_log_ratio).detach()
+        weight = raw_weight.clamp(max=self.is_truncation)
+        per_token = torch.where(masked_out, 0.0, -weight * advantages * batch.logp)
+        token_clipped = masked_out & batch.mask
+        return PolicyLoss(
+            per_token,
+            token_clipped,
+            token_clipped.any(dim=1),
+            "seq-mean-token-sum",
+            extra_metrics={
+                "minirl/is_weight_mean": masked_mean(weight, batch.mask),
+                "minirl/truncated_frac": masked_mean((raw_weight > self.is_truncation).float(), batch.mask),
+            },
+        )
