@@ -15,9 +15,9 @@ from experiments.scoring import FED, score_responses
 from experiments.tasks import build_task
 from experiments.train import train
 from experiments.trainer import RLTrainer, decomposition_metrics
-from models.routing import find_routers, routing_drift
+from models.routing import routing_drift
 from tests.test_objectives import batch_from_ratios, loss_and_grad
-from tests.test_train import compose_train, first_step_inputs, read_metrics
+from tests.test_train import compose_train, experts_used, first_step_inputs, read_metrics
 
 
 def inputs_from(rho: list[list[float]], advantages: list[float], theta: list[list[float]] | None = None):
@@ -200,13 +200,7 @@ def test_a_mismatched_engine_is_measured_corrected_and_recorded(tmp_path):
 def test_r3_under_a_mismatched_engine_replays_the_engines_experts():
     trainer = RLTrainer(compose_train("routing.replay=r3", "rollout.router_noise=1.0", "trainer.lr=5e-2"))
     _, _, minibatches, old = first_step_inputs(trainer)
-    used: list[torch.Tensor] = []
-    handles = [
-        trainer.model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
-            lambda module, args: used.append(args[1].detach().clone())
-        )
-        for name in find_routers(trainer.model)
-    ]
+    used, handles = experts_used(trainer.model)
     from models.shared_prefix import SharedPrefix
 
     noisy_somewhere = False

@@ -44,6 +44,19 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def experts_used(model) -> tuple[list[torch.Tensor], list]:
+    """The top-k expert ids every experts module is called with, one `[tokens, K]` entry per layer and forward (the
+    ids actually computed with, replayed or not); and the hook handles to remove."""
+    used: list[torch.Tensor] = []
+    handles = [
+        model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
+            lambda module, args: used.append(args[1].detach().clone())
+        )
+        for name in find_routers(model)
+    ]
+    return used, handles
+
+
 def first_step_inputs(trainer: RLTrainer):
     """What `RLTrainer.step` builds before its updates: the rollout, the minibatches and their π_old."""
     t = trainer.cfg.trainer
@@ -83,13 +96,7 @@ def test_r2_replays_recorded_experts_while_drift_stays_measurable(layout):
                                       f"trainer.minibatch_layout={layout}"))
     assert trainer.plan.layout == layout
     _, _, minibatches, old = first_step_inputs(trainer)
-    used: list[torch.Tensor] = []
-    handles = [
-        trainer.model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
-            lambda module, args: used.append(args[1].detach().clone())
-        )
-        for name in find_routers(trainer.model)
-    ]
+    used, handles = experts_used(trainer.model)
     drifts = []
     assert old[0].on_policy and old[0].replay is None, "the on-policy minibatch routes as θ_old does: nothing to replay"
     for j, (mb, old_policy) in enumerate(zip(minibatches, old)):
