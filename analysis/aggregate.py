@@ -41,9 +41,12 @@ STABILITY_COLUMNS = [
     "label", "algo", "replay", "seeds", "incomplete_runs", "last_step",
     "final_reward_mean", "final_reward_std", "best_reward", "collapsed_seeds", "collapse_evaluated_seeds",
     "collapse", "clip_frac_mean", "expert_change_per_update_mean", "expert_change_over_minibatches_mean",
-    "ratio_token_var_mean", "ratio_seq_var_mean",
+    "ratio_token_var_mean", "ratio_seq_var_mean", "mismatch_kl_k3_mean", "fragile_frac_mean", "routing_share_mean",
     "skipped_steps", "step_s_mean",
 ]
+MISMATCH_KL = "mismatch/kl_k3"
+FRAGILE = "routing/fragile_frac"
+ROUTING_SHARE = "decompose/routing_share"  # per off-policy minibatch
 
 
 def ema(values: np.ndarray, alpha: float) -> np.ndarray:
@@ -187,6 +190,9 @@ def run_stats(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
     stats["expert_change_over_minibatches"] = drift.groupby("run")["value"].mean()
     stats["ratio_token_var"] = _mean_of(scalars, TOKEN_VAR)
     stats["ratio_seq_var"] = _mean_of(scalars, SEQ_VAR)
+    stats["mismatch_kl_k3"] = _mean_of(scalars, MISMATCH_KL)
+    stats["fragile_frac"] = _mean_of(scalars, FRAGILE)
+    stats["routing_share"] = _mean_of(runset.minibatches, ROUTING_SHARE)
     skipped = scalars[scalars["metric"] == SKIPPED].sort_values("step").groupby("run")["value"].last()
     stats["skipped_steps"] = skipped
     step_s = _mean_of(scalars, STEP_TIME)
@@ -228,6 +234,9 @@ def stability_table(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE
             "expert_change_over_minibatches_mean": group["expert_change_over_minibatches"].mean(),
             "ratio_token_var_mean": group["ratio_token_var"].mean(),
             "ratio_seq_var_mean": group["ratio_seq_var"].mean(),
+            "mismatch_kl_k3_mean": group["mismatch_kl_k3"].mean(),
+            "fragile_frac_mean": group["fragile_frac"].mean(),
+            "routing_share_mean": group["routing_share"].mean(),
             "skipped_steps": skipped.sum() if len(skipped) else math.nan,
             "step_s_mean": group["step_s"].mean(),
         })
@@ -311,3 +320,56 @@ def layer_counts(runset: RunSet) -> dict[str, int]:
     """Number of MoE layers per label as configured (`model.num_hidden_layers`), where known."""
     known = runset.runs.dropna(subset=["num_layers"])
     return {label: int(group["num_layers"].max()) for label, group in known.groupby("label")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Early warning: what moves before the reward falls
+# ---------------------------------------------------------------------------------------------------------------
+
+WARNING_SIGNALS = ("policy/entropy", "mismatch/kl_k3", "optim/grad_norm")
+WARNING_SUSTAIN = 3  # a signal has moved when it stays outside its early band for this many logged steps
+
+
+def _collapse_step(steps: np.ndarray, smoothed: np.ndarray, drop: float) -> float:
+    """The first step of the final stretch where the smoothed reward stays more than `drop` below its best."""
+    above = np.nonzero(smoothed >= smoothed.max() - drop)[0]
+    last_above = above[-1]
+    return float(steps[last_above + 1]) if last_above + 1 < len(steps) else math.nan
+
+
+def _moved_step(steps: np.ndarray, smoothed: np.ndarray) -> float:
+    """The first step after the early window (the first fifth of the run, at least 3 steps) from which the smoothed
+    signal stays for `WARNING_SUSTAIN` steps outside the early band: mean ± max(3 std, 20% of |mean|)."""
+    window = max(3, len(steps) // 5)
+    if len(steps) < window + WARNING_SUSTAIN:
+        return math.nan
+    early = smoothed[:window]
+    mean = float(np.mean(early))
+    half_width = max(3 * float(np.std(early)), 0.2 * abs(mean), 1e-12)
+    outside = np.abs(smoothed - mean) > half_width
+    for i in range(window, len(steps) - WARNING_SUSTAIN + 1):
+        if outside[i : i + WARNING_SUSTAIN].all():
+            return float(steps[i])
+    return math.nan
+
+
+def early_warning(runset: RunSet, drop: float = COLLAPSE_DROP, alpha: float = EMA_ALPHA) -> pd.DataFrame:
+    """Per run: whether it collapsed (`collapse_flag`), the step its reward fell for good, and for each signal of
+    `WARNING_SIGNALS` it logged the step it first moved (`<metric>_moved_step`) and, in a collapsed run, by how many
+    steps that came before the fall (`<metric>_lead`, positive: the signal moved first)."""
+    rows = []
+    for run, group in runset.metric(REWARD).sort_values(["run", "step"]).groupby("run", sort=False):
+        steps, reward = group["step"].to_numpy(float), group["value"].to_numpy(float)
+        collapsed = bool(collapse_flag(reward, drop=drop, alpha=alpha))
+        row = {"run": run, "label": group["label"].iloc[0], "collapsed": collapsed,
+               "collapse_step": _collapse_step(steps, ema(reward, alpha), drop) if collapsed else math.nan}
+        for metric in WARNING_SIGNALS:
+            signal = runset.metric(metric)
+            signal = signal[signal["run"] == run].sort_values("step")
+            if signal.empty:
+                continue
+            moved = _moved_step(signal["step"].to_numpy(float), ema(signal["value"].to_numpy(float), alpha))
+            row[f"{metric}_moved_step"] = moved
+            row[f"{metric}_lead"] = row["collapse_step"] - moved if collapsed else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows, columns=None if rows else ["run", "label", "collapsed", "collapse_step"])

@@ -10,6 +10,9 @@ missing data. Figures are built on `matplotlib.figure.Figure` directly (no pyplo
 3. GRPO with vs without Routing Replay, reward against compute                  — paper Fig. 3
 4. routing drift: layer × minibatch index, layer × step, drift against depth    — paper §5.3 statistic
 5. importance-ratio variance, token level vs sequence level, against step       — algorithms.md §5.2
+6. training–inference mismatch: k3 KL(μ_old‖π_old), χ² and ESS against step    — arXiv 2512.01374's diagnostic
+7. early warning, per run: reward, entropy, mismatch KL and grad norm on one step axis, collapses marked
+8. where the ratio noise comes from: the routing part's share of the log-ratio variance against updates since θ_old
 """
 
 from __future__ import annotations
@@ -116,14 +119,20 @@ def _legend(fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], 
 
 def _plot_band(ax: Axes, table: pd.DataFrame, style: SeriesStyle, floor: float | None = None,
                marker: str | None = None) -> None:
-    """Mean line with a ±1 std band (band drawn where at least two seeds cover the point)."""
+    """Mean line with a ±1 std band (band drawn where at least two seeds cover the point). Where fewer of the
+    series' seeds cover a point than cover its best-covered one (a seed that crashed or ran fewer tokens), the mean
+    of the others would read as a change of the series: that part is a thin dotted line, without a band."""
     table = table.sort_values("x")
     x, mean, std = table["x"].to_numpy(float), table["mean"].to_numpy(float), table["std"].to_numpy(float)
+    n = table["n"].to_numpy(float) if "n" in table else np.ones_like(x)
     lower, upper = mean - std, mean + std
     if floor is not None:
         mean, lower, upper = (np.maximum(v, floor) for v in (mean, lower, upper))
-    ax.plot(x, mean, color=style.color, linestyle=style.linestyle, marker=marker, markersize=2)
-    has_band = ~np.isnan(std)
+    full = n == n.max()
+    ax.plot(x, np.where(full, mean, np.nan), color=style.color, linestyle=style.linestyle, marker=marker, markersize=2)
+    if not full.all():
+        ax.plot(x, mean, color=style.color, linestyle=":", linewidth=0.6)
+    has_band = ~np.isnan(std) & full
     if has_band.any():
         ax.fill_between(x, lower, upper, where=has_band, color=style.color, alpha=0.18, linewidth=0)
 
@@ -182,13 +191,12 @@ def fig_reward_vs_compute(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_
         _legend(fig, runset.labels, styles)
         out.files = _save(fig, out_dir, out.name, dpi)
     out.notes += notes
-    ended_early = " (where a seed ended early the mean continues over the others, hence a step)" \
-        if runset.runs["incomplete"].any() else ""
     out.caption = (
         "Mean across seeds with a ±1 sample-std band of the training reward (" + _smoothing_text(alpha)
         + ") and, where evaluated, held-out pass@1 (mean over k samples) and greedy accuracy (unsmoothed) against "
         "RL steps and cumulative completion tokens, each seed interpolated onto a common token grid inside its "
-        f"own range{ended_early}."
+        "own range; where not every seed of a series covers a point (one ended early or ran fewer tokens) the "
+        "mean of the others is a thin dotted line."
     )
     return out
 
@@ -451,6 +459,135 @@ def _log_limits(ax: Axes, table: pd.DataFrame, floor: float) -> None:
     ax.set_ylim(lo / 3, max(hi * 3, lo * 10))
 
 
+MISMATCH_PANELS = [
+    ("mismatch/kl_k3", "k3 KL(μ_old ‖ π_old)", True),
+    ("mismatch/chi2_token", "χ² (token)", True),
+    ("mismatch/ess", "effective sample size (share)", False),
+]
+
+
+def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> FigureOutput:
+    """Training–inference mismatch against step: k3 KL, χ² (token) and the IS weights' effective sample size."""
+    out = FigureOutput("6", "fig6_mismatch", "Training–inference mismatch", "")
+    panels = [panel for panel in MISMATCH_PANELS if runset.has(panel[0])]
+    if not panels:
+        out.notes.append("No run logged `mismatch/*` (runs from before the mismatch metrics); figure not drawn.")
+        return out
+    styles = series_styles(runset)
+    with matplotlib.rc_context(RC_PARAMS):
+        fig = _figure(TEXT_WIDTH_IN, 2.0 + _legend_rows_in(len(runset.labels), TEXT_WIDTH_IN))
+        axes = fig.subplots(1, len(panels), squeeze=False)[0]
+        for ax, (metric, title, log) in zip(axes, panels):
+            table = agg.curve(runset, metric, x="step", alpha=alpha)
+            for label in runset.labels:
+                part = table[table["label"] == label]
+                if len(part):
+                    _plot_band(ax, part, styles[label], floor=VARIANCE_FLOOR if log else None)
+            if log:
+                _log_limits(ax, table, VARIANCE_FLOOR)
+                ax.set_yscale("log")
+            ax.set_title(title)
+            ax.set_xlabel(STEP_LABEL)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _legend(fig, runset.labels, styles)
+        out.files = _save(fig, out_dir, out.name, dpi)
+    out.caption = (
+        "How far the rollout engine's log-probs μ_old are from the trainer's π_old at the same weights, per RL step "
+        "(mean over the minibatches where the trainer computed π_old): k3 estimate of KL(μ_old ‖ π_old), "
+        f"χ² = mean ρ² − 1 and ESS = (mean ρ)² / mean ρ² of ρ = π_old/μ_old; mean ± 1 std across seeds, "
+        f"{_smoothing_text(alpha)}, log scale for the first two."
+    )
+    return out
+
+
+EARLY_WARNING_ROWS = [
+    (agg.REWARD, "reward"),
+    ("policy/entropy", "entropy"),
+    ("mismatch/kl_k3", "mismatch k3"),
+    ("optim/grad_norm", "grad norm"),
+]
+EARLY_WARNING_RUNS = 8
+
+
+def fig_early_warning(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
+                      drop: float = agg.COLLAPSE_DROP) -> FigureOutput:
+    """Per run, on one step axis: training reward, policy entropy, mismatch KL and gradient norm; collapsed runs
+    first, with the step their reward fell and the steps their signals moved (`agg.early_warning`)."""
+    out = FigureOutput("7", "fig7_early_warning", "Early warning: what moves before the reward falls", "")
+    rows = [(metric, name) for metric, name in EARLY_WARNING_ROWS if runset.has(metric)]
+    if not runset.has(agg.REWARD) or len(rows) < 2:
+        out.notes.append("Needs the reward and at least one of entropy, mismatch KL, grad norm; figure not drawn.")
+        return out
+    warnings = agg.early_warning(runset, drop=drop, alpha=alpha)
+    order = warnings.sort_values(["collapsed", "run"], ascending=[False, True])["run"].tolist()
+    shown = order[:EARLY_WARNING_RUNS]
+    if len(order) > len(shown):
+        out.notes.append(f"{len(order) - len(shown)} of {len(order)} runs are left out (collapsed runs come first).")
+    labels = runset.runs.set_index("run")["label"]
+    styles = series_styles(runset)
+    with matplotlib.rc_context(RC_PARAMS):
+        fig = _figure(min(TEXT_WIDTH_IN * 1.6, 1.6 * len(shown) + 0.6), 1.2 * len(rows) + 0.4)
+        grid = fig.subplots(len(rows), len(shown), squeeze=False, sharex="col")
+        for col, run in enumerate(shown):
+            info = warnings.set_index("run").loc[run]
+            for row, (metric, name) in enumerate(rows):
+                ax = grid[row][col]
+                series = agg.per_run_series(runset, metric, alpha=alpha)
+                part = series[series["run"] == run]
+                ax.plot(part["x"], part["y"], color=styles[labels[run]].color, linewidth=0.9)
+                if bool(info["collapsed"]) and not math.isnan(info["collapse_step"]):
+                    ax.axvline(info["collapse_step"], color="black", linewidth=0.6, linestyle=(0, (1, 2)))
+                moved = info.get(f"{metric}_moved_step", math.nan)
+                if isinstance(moved, float) and not math.isnan(moved):
+                    ax.axvline(moved, color=styles[labels[run]].color, linewidth=0.6, linestyle="--")
+                if col == 0:
+                    ax.set_ylabel(name)
+                if row == 0:
+                    ax.set_title(f"{labels[run]}\n{Path(run).name}", fontsize="small")
+            grid[-1][col].set_xlabel(STEP_LABEL)
+        out.files = _save(fig, out_dir, out.name, dpi)
+    out.caption = (
+        f"Per run ({_smoothing_text(alpha)}), reward, policy entropy, k3 KL(μ_old ‖ π_old) and the gradient norm "
+        "against RL step. In a collapsed run the dotted line marks where the smoothed reward fell for good and a "
+        "dashed line where each signal first moved beyond its early range (definitions in the report's early-warning "
+        "table)."
+    )
+    return out
+
+
+def fig_decomposition(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+    """The routing part's share of the variance of log π_θ/π_old against updates since θ_old, per series."""
+    out = FigureOutput("8", "fig8_decomposition", "Where the ratio noise comes from: routing against weights", "")
+    rows = runset.minibatches[runset.minibatches["metric"] == "decompose/routing_share"]
+    if rows.empty:
+        out.notes.append("No run logged `decompose/routing_share` (routing.decompose_every=0); figure not drawn.")
+        return out
+    per_run = rows.groupby(["run", "minibatch"])["value"].mean().reset_index().merge(
+        runset.runs[["run", "label"]], on="run")
+    table = per_run.groupby(["label", "minibatch"])["value"].agg(mean="mean", std="std", n="count").reset_index()
+    styles = series_styles(runset)
+    labels = [lab for lab in runset.labels if lab in set(table["label"])]
+    with matplotlib.rc_context(RC_PARAMS):
+        fig = _figure(COLUMN_WIDTH_IN, 2.1 + _legend_rows_in(len(labels), COLUMN_WIDTH_IN))
+        ax = fig.subplots()
+        for label in labels:
+            part = table[table["label"] == label].rename(columns={"minibatch": "x"})
+            _plot_band(ax, part, styles[label], marker="o")
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xlabel("optimizer updates since θ_old (minibatch index)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("routing share of log-ratio variance")
+        _legend(fig, labels, styles)
+        out.files = _save(fig, out_dir, out.name, dpi)
+    out.caption = (
+        "Each off-policy token's log π_θ/π_old split into a routing part, log π_θ(y | θ's experts) − log π_θ(y | "
+        "θ_old's experts), and a weights part, log π_θ(y | θ_old's experts) − log π_old(y); the routing part's share "
+        "Cov(routing, total) / Var(total) of the variance (the weights part has the rest), against the number of "
+        "updates since θ_old, mean over the steps it was measured within each seed, ± 1 std across seeds."
+    )
+    return out
+
+
 def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> list[FigureOutput]:
     """Every figure in report order."""
     out_dir = Path(out_dir)
@@ -462,4 +599,7 @@ def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi
         fig_drift_layer_step(runset, out_dir, dpi=dpi),
         fig_drift_depth(runset, out_dir, dpi=dpi),
         fig_ratio_variance(runset, out_dir, alpha=alpha, dpi=dpi),
+        fig_mismatch(runset, out_dir, alpha=alpha, dpi=dpi),
+        fig_early_warning(runset, out_dir, alpha=alpha, dpi=dpi),
+        fig_decomposition(runset, out_dir, dpi=dpi),
     ]

@@ -59,7 +59,8 @@ def _collapse_cell(row: pd.Series) -> str:
 def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
     """The stability table as markdown, numbers rounded for reading (summary.csv keeps full precision)."""
     header = ["series", "seeds", "incomplete", f"final reward (last {last_n})", "best reward", "collapse",
-              "clip frac", "experts changed per update", "… mean over minibatches", "ratio var (token)", "ratio var (seq)", "skipped steps", "s / step"]
+              "clip frac", "experts changed per update", "… mean over minibatches", "ratio var (token)", "ratio var (seq)",
+              "mismatch k3", "fragile tokens", "routing share", "skipped steps", "s / step"]
     rows = []
     for _, row in table.iterrows():
         std = row["final_reward_std"]
@@ -68,7 +69,8 @@ def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
             row["label"], row["seeds"], row["incomplete_runs"], final, _num(row["best_reward"], ".3f"),
             _collapse_cell(row), _num(row["clip_frac_mean"]), _num(row["expert_change_per_update_mean"]),
             _num(row["expert_change_over_minibatches_mean"]),
-            _num(row["ratio_token_var_mean"]), _num(row["ratio_seq_var_mean"]), _num(row["skipped_steps"], ".0f"),
+            _num(row["ratio_token_var_mean"]), _num(row["ratio_seq_var_mean"]), _num(row["mismatch_kl_k3_mean"]),
+            _num(row["fragile_frac_mean"]), _num(row["routing_share_mean"]), _num(row["skipped_steps"], ".0f"),
             _num(row["step_s_mean"], ".2f"),
         ])
     return _markdown_table(header, rows)
@@ -127,6 +129,11 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
         "update since θ_old (the per-minibatch record with index 1: the GSPO paper's statistic); then mean across "
         "seeds. **… mean over minibatches**: the same over every minibatch record of a step (index 0, on-policy, "
         "is 0 by construction; later ones have seen more updates).",
+        f"- **mismatch k3**, **fragile tokens**: per seed, the mean over logged steps of `{agg.MISMATCH_KL}` (k3 of "
+        f"KL(μ_old ‖ π_old)) and `{agg.FRAGILE}` (share of tokens whose k-th and (k+1)-th expert probabilities are "
+        "within `routing.margin_threshold`); then mean across seeds.",
+        f"- **routing share**: per seed, the mean over off-policy minibatch records of `{agg.ROUTING_SHARE}`, the "
+        "routing part's share of the variance of log π_θ/π_old (runs with `routing.decompose_every` > 0).",
         f"- **skipped steps**: last value of the cumulative `{agg.SKIPPED}`, summed over seeds.",
         f"- **s / step**: mean `{agg.STEP_TIME}` (else the finished run's wall time / steps), mean across seeds.",
         f"- **incomplete**: runs without a finished `summary.json` ({INCOMPLETE}); their numbers use the steps "
@@ -142,6 +149,32 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
         lines += ["", f"> Note: `{agg.DRIFT}` was not logged by {', '.join(missing)}; the experts-changed columns are "
                       "empty there."]
     return lines
+
+
+def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[str]:
+    """The runs that collapsed, with the step each signal first moved and its lead over the reward's fall."""
+    table = agg.early_warning(runset, drop=drop, alpha=alpha)
+    if table.empty or not table["collapsed"].any():
+        return ["## Early warning", "", "No run collapsed, so there is no fall for a signal to precede."]
+    signals = [m for m in agg.WARNING_SIGNALS if f"{m}_moved_step" in table]
+    rows = []
+    for _, row in table[table["collapsed"]].iterrows():
+        cells = [f"{row['label']} (`{row['run']}`)", _num(row["collapse_step"], ".0f")]
+        for metric in signals:
+            moved, lead = row.get(f"{metric}_moved_step"), row.get(f"{metric}_lead")
+            cells.append("–" if moved is None or math.isnan(moved) else f"{moved:.0f} ({lead:+.0f})")
+        rows.append(cells)
+    alarms = {m: int(table.loc[~table["collapsed"], f"{m}_moved_step"].notna().sum()) for m in signals}
+    header = ["collapsed run", "reward fell at step", *[f"`{m}` moved at (lead)" for m in signals]]
+    return [
+        "## Early warning", "", _markdown_table(header, rows), "",
+        "The reward fell at the first step of the final stretch where its EMA stayed more than the collapse drop below "
+        "its best. A signal moved at the first step, after the first fifth of the run, from which its EMA stayed "
+        f"for {agg.WARNING_SUSTAIN} logged steps outside its early band (the first fifth's mean ± max(3 std, 20% of "
+        "|mean|)); the lead is the fall's step minus that step (positive: the signal moved first). In the runs that "
+        "did not collapse the same test fired (false alarms) for "
+        + ", ".join(f"`{m}` in {n} of {int((~table['collapsed']).sum())}" for m, n in alarms.items()) + ".",
+    ]
 
 
 def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, drop: float = agg.COLLAPSE_DROP,
@@ -163,6 +196,7 @@ def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, dro
         lines += ["", f"Made with `{command}`."]
     lines += [""] + _runs_section(runset) + [""] + _figure_section(figures) + [""]
     lines += _stability_section(runset, table, last_n, drop, alpha)
+    lines += [""] + _early_warning_section(runset, drop, alpha)
     report = out_dir / REPORT_FILE
     report.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return report

@@ -25,7 +25,7 @@ from analysis import figures  # noqa: E402
 from analysis.load import (  # noqa: E402
     INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS, label_runs, load_runs, load_wandb,
 )
-from analysis.report import main  # noqa: E402
+from analysis.report import main, write_report  # noqa: E402
 
 DPI = "60"
 
@@ -393,3 +393,65 @@ def test_a_crashed_run_and_its_rerun_count_once_and_the_report_says_so(tmp_path,
     assert len(rs.metric("reward/mean")) == 4 + 4, "the crashed run's steps are not averaged in"
     assert any("repeats run" in problem and "finished" in problem for problem in rs.problems)
     assert "repeats run" in capsys.readouterr().err
+
+
+def _mismatch_run(run_dir, seed, collapse_at=None, kl_rises_at=None, steps=30, decompose=True):
+    """A run whose reward climbs, then (from `collapse_at`) falls by 0.5 for good, and whose mismatch KL jumps ten-fold
+    at `kl_rises_at`; entropy and grad norm stay flat."""
+    records = []
+    for t in range(1, steps + 1):
+        reward = 0.02 * t if collapse_at is None or t < collapse_at else 0.02 * collapse_at - 0.5
+        record = syn.step_record("grpo", seed, t, reward)
+        record["mismatch/kl_k3"] = 1e-3 if kl_rises_at is None or t < kl_rises_at else 1e-2
+        record["mismatch/chi2_token"] = 2 * record["mismatch/kl_k3"]
+        record["mismatch/ess"] = 0.99
+        record["policy/entropy"], record["optim/grad_norm"] = 1.0, 0.5
+        if decompose:
+            for entry in record["minibatches"]:
+                if entry["minibatch"] > 0:
+                    entry["decompose/routing_share"] = 0.1 * entry["minibatch"]
+        records.append(record)
+    return syn.write_run(run_dir, syn.config("grpo", seed), records)
+
+
+def test_early_warning_finds_the_fall_and_the_lead_of_a_signal(tmp_path):
+    runs = [_mismatch_run(tmp_path / "collapsing", 0, collapse_at=20, kl_rises_at=12),
+            _mismatch_run(tmp_path / "healthy", 1)]
+    rs = load_runs(runs)
+    table = agg.early_warning(rs, alpha=1.0).set_index("run")
+    collapsing = table.loc[[r for r in table.index if "collapsing" in r][0]]
+    assert collapsing["collapsed"] and collapsing["collapse_step"] == 20
+    assert collapsing["mismatch/kl_k3_moved_step"] == 12 and collapsing["mismatch/kl_k3_lead"] == 8
+    assert math.isnan(collapsing["policy/entropy_moved_step"]), "a flat signal never moves"
+    healthy = table.loc[[r for r in table.index if "healthy" in r][0]]
+    assert not healthy["collapsed"] and math.isnan(healthy["mismatch/kl_k3_moved_step"])
+
+
+def test_mismatch_early_warning_and_decomposition_figures_and_table(tmp_path):
+    runs = [_mismatch_run(tmp_path / "a", 0, collapse_at=20, kl_rises_at=12), _mismatch_run(tmp_path / "b", 1)]
+    rs = load_runs(runs)
+    out = tmp_path / "out"
+    for draw in (figures.fig_mismatch, figures.fig_early_warning, figures.fig_decomposition):
+        result = draw(rs, out)
+        assert [p.suffix for p in result.files] == [".png", ".pdf"] and result.caption, result.notes
+    row = agg.stability_table(rs).iloc[0]
+    assert row["mismatch_kl_k3_mean"] > 1e-3 and row["routing_share_mean"] == pytest.approx(0.15)
+    report = write_report(rs, out / "report")
+    text = report.read_text(encoding="utf-8")
+    assert "## Early warning" in text and re.search(r"\| \d+ \| – \| \d+ \(\+\d+\) \| – \|", text), "a positive lead for k3"
+    assert "`mismatch/kl_k3` in 0 of 1" in text
+
+
+def test_a_series_is_dotted_where_not_all_its_seeds_have_data(tmp_path):
+    short = syn.curve_run(tmp_path / "short", "grpo", 0, [0.1] * 5)
+    long = syn.curve_run(tmp_path / "long", "grpo", 1, [0.3] * 10)
+    rs = load_runs([short, long])
+    table = agg.curve(rs, "reward/mean", alpha=1.0)
+    style = figures.series_styles(rs)["grpo"]
+    fig = figures._figure(3, 2)
+    ax = fig.subplots()
+    figures._plot_band(ax, table.rename(columns={}), style)
+    solid, dotted = ax.get_lines()
+    solid_y = np.asarray(solid.get_ydata(), dtype=float)
+    assert np.isfinite(solid_y[:5]).all() and np.isnan(solid_y[5:]).all(), "the one-seed tail is not drawn solid"
+    assert dotted.get_linestyle() == ":"
