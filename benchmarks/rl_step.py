@@ -21,7 +21,9 @@ Sections:
   --vs-trl     TRL's GRPOTrainer (`benchmarks.trl_worker`) on the same work next to each variant (grpo+r2 next to
                TRL's grpo: TRL has no replay): ours / TRL per round, median and min-max.
   --overheads  ratios of grpo variants stepped alternately: routing metrics on / off, r2 / none (both recomputing
-               θ_old), π_old recomputed / μ_old reused, W&B offline / disabled, packed groups / rows.
+               θ_old), π_old recomputed / μ_old reused, each engine precision, weight quantization and router
+               noise against the trainer's own engine, the ratio decomposition, W&B offline / disabled, packed
+               groups / rows.
   --scaling    step time against group size, completion length and number of experts; per-token cost relative
                to the workload shows where cost is not linear in tokens.
   --compare    two sets of Hydra overrides A and B on top of grpo on the workload (your objective, another expert
@@ -64,6 +66,14 @@ OVERHEADS = {
     # `none` for the cost of replay itself; the next line is what the recompute pass costs.
     "r2 replay / none, both recomputing θ_old": (["routing.replay=r2"], ["trainer.pi_old=decoupled"]),
     "π_old recomputed (decoupled) / μ_old reused (bypass)": (["trainer.pi_old=decoupled"], []),
+    # An engine with its own numbers needs π_old recomputed: compare with the trainer's own engine, decoupled too,
+    # for the cost of the engine alone (its copy's kernels, the weight sync, the quantization).
+    "engine bf16 / the trainer's fp32, both decoupled": (["rollout.precision=bf16"], ["trainer.pi_old=decoupled"]),
+    "engine fp16 / the trainer's fp32, both decoupled": (["rollout.precision=fp16"], ["trainer.pi_old=decoupled"]),
+    "engine int8 weights / the trainer's, both decoupled": (["rollout.weight_quant=int8"], ["trainer.pi_old=decoupled"]),
+    "engine fp8 weights / the trainer's, both decoupled": (["rollout.weight_quant=fp8"], ["trainer.pi_old=decoupled"]),
+    "engine router noise / the trainer's, both decoupled": (["rollout.router_noise=0.1"], ["trainer.pi_old=decoupled"]),
+    "ratio decomposition every step / never": (["routing.decompose_every=1"], []),
     "W&B offline / disabled": (["logger.wandb.mode=offline"], []),
     "packed groups / rows fed in full": ([], ["trainer.minibatch_layout=rows"]),
 }
