@@ -108,25 +108,49 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((x - mean) ** 2, mask)
 
 
-def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str, norm_tokens: int | None = None) -> Tensor:
+@dataclass(frozen=True)
+class Totals:
+    """The denominators of an aggregation over the whole minibatch when each of `ranks` data-parallel ranks holds a
+    share: valid tokens, sequences and non-empty sequences summed over ranks, and the padded length T maximised.
+    A rank's loss is its own numerator over these, times `ranks`, because the data-parallel reduction averages the
+    ranks' gradients: the average is then the gradient of the whole minibatch (verl's `agg_loss`, `dp_size`)."""
+
+    tokens: float
+    sequences: float
+    nonempty: float
+    width: int
+    ranks: int
+
+    @classmethod
+    def local(cls, mask: Tensor) -> "Totals":
+        """The totals of `mask [B, T]` alone (one rank)."""
+        lengths = mask.sum(dim=1)
+        return cls(float(mask.sum()), float(mask.shape[0]), float((lengths > 0).sum()), int(mask.shape[1]), 1)
+
+
+def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str, norm_tokens: int | None = None,
+              totals: Totals | None = None) -> Tensor:
     """Reduce a per-token loss `[B, T]` to a scalar with one of `LOSS_AGG_MODES` (see the module docstring).
 
-    `mask` is `[B, T]` bool. `norm_tokens` is T_norm of `seq-mean-token-sum-norm` (default: T).
+    `mask` is `[B, T]` bool. `norm_tokens` is T_norm of `seq-mean-token-sum-norm` (default: T). `totals`: this
+    batch is one rank's share of a data-parallel minibatch, and the denominators are the whole one's (`Totals`).
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {mode!r}")
     if norm_tokens is not None and mode != "seq-mean-token-sum-norm":
         raise ValueError(f"norm_tokens is only used by loss_agg 'seq-mean-token-sum-norm'; got mode {mode!r}")
+    totals = totals or Totals.local(mask)
     loss = masked(per_token_loss, mask)
     if mode == "token-mean":
-        return loss.sum() / mask.sum().clamp(min=1)
+        return loss.sum() / max(totals.tokens, 1.0) * totals.ranks
     if mode == "seq-mean-token-sum-norm":
-        return loss.sum() / (mask.shape[0] * (norm_tokens if norm_tokens is not None else mask.shape[1]))
+        width = norm_tokens if norm_tokens is not None else totals.width
+        return loss.sum() / (totals.sequences * width) * totals.ranks
     lengths = mask.sum(dim=1)
     per_sequence = loss.sum(dim=1)
     if mode == "seq-mean-token-mean":
         per_sequence = per_sequence / lengths.clamp(min=1)
-    return sequence_mean(per_sequence, lengths > 0)
+    return masked(per_sequence, lengths > 0).sum() / max(totals.nonempty, 1.0) * totals.ranks
 
 
 def sequence_mean(per_sequence: Tensor, nonempty: Tensor) -> Tensor:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from algos.common import (
-    KLEstimator, PolicyBatch, PolicyLoss, aggregate, k3, masked, masked_mean, masked_var, sequence_mean,
+    KLEstimator, PolicyBatch, PolicyLoss, Totals, aggregate, k3, masked, masked_mean, masked_var, sequence_mean,
 )
 from experiments.registry import ConfigError, check_fields
 
@@ -64,6 +64,7 @@ class Objective(ABC):
     ref_logp  [B, T] log π_ref, needed when kl_coef > 0
     rollout_logp [B, T] log μ_old, the engine that sampled: needed by objectives with `needs_rollout_logp` (MiniRL)
     weight    [B, T] a rollout correction's per-token weight (no gradient, >= 0), or None
+    totals    the whole minibatch's aggregation denominators when this is one data-parallel rank's share (`Totals`)
     """
 
     name: ClassVar[str] = "objective"  # the registry key, set by `OBJECTIVES.register`
@@ -90,7 +91,7 @@ class Objective(ABC):
 
     def __call__(
         self, *, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None = None,
-        rollout_logp: Tensor | None = None, weight: Tensor | None = None,
+        rollout_logp: Tensor | None = None, weight: Tensor | None = None, totals: Totals | None = None,
     ) -> ObjectiveOutput:
         if self.kl_coef > 0 and ref_logp is None:
             raise ValueError(f"{self.name}: kl_coef = {self.kl_coef} > 0 needs ref_logp (log π_ref, [B, T])")
@@ -102,13 +103,13 @@ class Objective(ABC):
         )
         policy = self.policy_loss(batch)
         per_token = policy.per_token if batch.weight is None else policy.per_token * batch.weight
-        policy_only = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens)
+        policy_only = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens, totals)
         loss = policy_only
         if self.kl_coef > 0:
             kl = k3(batch.ref_log_ratio)
             if self.kl_estimator == KLEstimator.unbiased_k3:
                 kl = torch.exp(batch.log_ratio).detach() * kl
-            loss = aggregate(per_token + self.kl_coef * kl, batch.mask, policy.aggregation, policy.norm_tokens)
+            loss = aggregate(per_token + self.kl_coef * kl, batch.mask, policy.aggregation, policy.norm_tokens, totals)
         return ObjectiveOutput(loss=loss, metrics=policy_metrics(batch, policy, policy_only))
 
     # Validation helpers: every message names the objective, the hyperparameter, the value and what is allowed.

@@ -125,6 +125,8 @@ class TrainerConfig:
     eval_prompts: int = 128  # held-out prompts per evaluation (the same prefix of the test split every time)
     eval_samples: int = 4  # k of mean pass@1 (0: greedy accuracy only)
     save_checkpoint: bool = False  # save_pretrained + tokenizer into the run directory at the end
+    checkpoint_every: int = 0  # steps between resumable checkpoints (experiments.checkpoint; 0: none)
+    keep_checkpoints: int = 2  # the newest this many checkpoints stay on disk
     threads: int | None = None  # torch CPU threads; null keeps torch's default
 
 
@@ -155,6 +157,9 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0  # sampling, shuffling and every other random choice of the run (not the built model's weights)
     device: str = "cpu"  # cpu, cuda, cuda:1, ...
+    # Continue a run from a checkpoint: `auto`, the newest one in the run directory (a fresh start when there is
+    # none), or the path of one (`<run dir>/checkpoints/step_<k>`); null: a new run in a new directory.
+    resume: str | None = None
 
 
 @dataclass
@@ -228,10 +233,11 @@ def unknown_keys(node: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None) -> StepPlan:
+def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: int = 1) -> StepPlan:
     """Check what single fields cannot (ranges, values that must agree) and decide the step; `ConfigError` naming
     the values and what is allowed otherwise. Runs before anything is built. `reads_pi_old`: what, besides replay,
-    needs the trainer's own π_old (a rollout correction's name), or None."""
+    needs the trainer's own π_old (a rollout correction's name), or None. `world`: the data-parallel ranks the
+    step's prompts are split over."""
     unknown = unknown_keys(cfg) if isinstance(cfg, DictConfig) else []
     if unknown:
         raise ConfigError(
@@ -242,7 +248,7 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None) -> StepPl
     for key in ("prompts_per_step", "steps", "max_new_tokens", "max_consecutive_skips"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}={t[key]} must be >= 1")
-    for key in ("warmup_steps", "eval_every", "eval_prompts", "eval_samples"):
+    for key in ("warmup_steps", "eval_every", "eval_prompts", "eval_samples", "checkpoint_every"):
         if t[key] < 0:
             raise ConfigError(f"trainer.{key}={t[key]} must be >= 0")
     for key in ("adam_beta1", "adam_beta2"):
@@ -251,15 +257,25 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None) -> StepPl
     for key in ("weight_decay", "router_aux_loss_coef"):
         if not (math.isfinite(t[key]) and t[key] >= 0):
             raise ConfigError(f"trainer.{key}={t[key]} must be a finite number >= 0")
+    if t.keep_checkpoints < 1:
+        raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1 (the newest is what resume reads)")
+    if 0 < t.eval_prompts < world:
+        raise ConfigError(f"trainer.eval_prompts={t.eval_prompts} gives some of the {world} ranks no held-out prompt")
     if t.threads is not None and t.threads < 1:
         raise ConfigError(f"trainer.threads={t.threads} must be >= 1, or null for torch's default")
     if t.group_size < 2:
         raise ConfigError(f"trainer.group_size={t.group_size}: group advantages need at least 2 completions per prompt")
-    batch = t.prompts_per_step * t.group_size
+    if t.prompts_per_step % world:
+        raise ConfigError(
+            f"trainer.prompts_per_step={t.prompts_per_step} does not split over the {world} ranks: each rank samples "
+            "whole groups of an equal share of the prompts"
+        )
+    batch = t.prompts_per_step * t.group_size // world
     if t.minibatches < 1 or batch % t.minibatches:
         raise ConfigError(
             f"trainer.minibatches={t.minibatches} does not divide the batch of "
-            f"{t.prompts_per_step} prompts x {t.group_size} completions = {batch}"
+            f"{t.prompts_per_step // world} prompts x {t.group_size} completions = {batch}"
+            + (f" that each of the {world} ranks holds" if world > 1 else "")
         )
     for key in ("temperature", "lr", "grad_clip"):
         if not (math.isfinite(t[key]) and t[key] > 0):
@@ -293,7 +309,7 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None) -> StepPl
     return StepPlan(
         replay=replay,
         pi_old=pi_old,
-        layout=_layout(cfg),
+        layout=_layout(cfg, world),
         track_routing=is_moe and (cfg.routing.metrics or replay != Replay.none or cfg.routing.decompose_every > 0),
         engine_is_trainer=engine_is_trainer,
         why=why,
@@ -326,16 +342,18 @@ def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, reads_pi_old:
     return PiOld.bypass, "the engine is the trainer's own model: μ_old is π_old's own numbers, no recompute"
 
 
-def _layout(cfg: Any) -> Layout:
+def _layout(cfg: Any, world: int) -> Layout:
     t = cfg.trainer
     packable = cfg.model.attn_implementation == PACKED_ATTENTION
-    divides = t.prompts_per_step % t.minibatches == 0
+    prompts = t.prompts_per_step // world
+    divides = prompts % t.minibatches == 0
     if t.minibatch_layout == Layout.auto:
         return Layout.groups if divides and packable else Layout.rows
     if t.minibatch_layout == Layout.groups and not divides:
         raise ConfigError(
             f"trainer.minibatch_layout=groups puts whole groups in each minibatch, but trainer.minibatches="
-            f"{t.minibatches} does not divide trainer.prompts_per_step={t.prompts_per_step}; use rows or auto"
+            f"{t.minibatches} does not divide trainer.prompts_per_step={t.prompts_per_step}"
+            + (f" / {world} ranks" if world > 1 else "") + "; use rows or auto"
         )
     if t.minibatch_layout == Layout.groups and not packable:
         raise ConfigError(

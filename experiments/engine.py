@@ -41,7 +41,7 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.scoring import position_ids
 from experiments.tasks import Example, Task
-from models.routing import RoutingTrace, find_routers, record_routing, replayed_gate_weights
+from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, replayed_gate_weights
 
 
 class Precision(StrEnum):
@@ -157,37 +157,43 @@ class HFEngine(RolloutEngine):
 
     `min_new_tokens`: ban eos before that many tokens (the benchmark's fixed-length steps); μ_old is still taken
     from the raw logits, before that sampling-time processor, the same distribution the trainer scores. `seed`:
-    the router noise's generator.
+    the router noise's generator (`reseed` sets it again, per step). `synced`: the model is sharded over ranks
+    (FSDP2), so every rank runs as many decode steps as the longest rank's (`generate`'s `synced_gpus`): a rank whose
+    rows are done must still take part in the others' all-gathers.
     """
 
     name = "hf"
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0,
-                 numerics: EngineNumerics | None = None, seed: int = 0) -> None:
+                 numerics: EngineNumerics | None = None, seed: int = 0, synced: bool = False) -> None:
         self.tokenizer = tokenizer
         self.min_new_tokens = min_new_tokens
         self.numerics = numerics
+        self.synced = synced
         self.shares_trainer_weights = numerics is None
+        self.noise = torch.Generator().manual_seed(seed)
         if numerics is None:
             self.model = model
             return
         self.model = copy.deepcopy(model).to(DTYPE[numerics.precision]).eval().requires_grad_(False)
         self._quantize()
         if numerics.router_noise > 0:
-            noise = torch.Generator().manual_seed(seed)
             for router in find_routers(self.model).values():
-                router.register_forward_hook(_RouterNoise(numerics.router_noise, noise))
+                router.register_forward_hook(_RouterNoise(numerics.router_noise, self.noise))
+
+    def reseed(self, seed: int) -> None:
+        """Set the router noise's generator (the loop does, every step, from (seed, step, rank))."""
+        self.noise.manual_seed(seed)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         if self.shares_trainer_weights:
             if model is not self.model:
                 raise ValueError("this HFEngine samples with the trainer's own module; it takes no other weights")
             return
-        with torch.no_grad():
-            for (name, mine), (their_name, theirs) in zip(self.model.named_parameters(), model.named_parameters()):
-                if name != their_name:
-                    raise ValueError(f"engine copy and trainer differ in structure: {name} vs {their_name}")
-                mine.copy_(theirs)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # The full weights, gathered when the trainer's model is sharded over ranks (every rank holds a whole copy).
+        self.model.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
         self._quantize()
 
     @torch.no_grad()
@@ -226,6 +232,8 @@ class HFEngine(RolloutEngine):
             options.update(temperature=temperature, top_k=0, top_p=1.0)
         if self.min_new_tokens:
             options["min_new_tokens"] = min(self.min_new_tokens, max_new_tokens)
+        if self.synced:
+            options["synced_gpus"] = True
         prefix_trace = None
         if group_size > 1 and prompt_width > 1:
             options["cache"], prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing)
@@ -237,12 +245,16 @@ class HFEngine(RolloutEngine):
             trace = recording.trace
             if prefix_trace is not None:
                 trace = replace(trace, experts=torch.cat([prefix_trace.experts, trace.experts], dim=2))
+            if self.synced:  # a rank that finished early kept feeding its last token: cut those calls off
+                experts = trace.experts[:, :, : sequences.shape[1]].clone()
+                experts[:, :, -1] = NO_ROUTE
+                trace = replace(trace, experts=experts)
         input_ids, response_mask, truncated = _response_layout(
             sequences, prompt_width, tokenizer.eos_token_id, tokenizer.pad_token_id
         )
         logp = None
         if logprobs is not None:
-            logp = logprobs.finish(sequences[:, -1]).masked_fill(~response_mask, 0.0)
+            logp = logprobs.finish(sequences[:, -1], sequences.shape[1] - prompt_width).masked_fill(~response_mask, 0.0)
         return Samples(
             input_ids=input_ids,
             attention_mask=torch.cat([encoded["attention_mask"], response_mask.long()], dim=1),
@@ -314,10 +326,13 @@ class _SampledLogProbs:
         self.taken.append(self.pending.gather(-1, tokens[:, None].to(self.pending.device)).squeeze(-1))
         self.pending = None
 
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """`[N, T]`: the log-prob of every generated token, the last one gathered from `last_tokens`."""
-        self._take(last_tokens)
-        return torch.stack(self.taken, dim=1).cpu()
+    def finish(self, last_tokens: torch.Tensor, generated: int) -> torch.Tensor:
+        """`[N, T]` (T = `generated`): the log-prob of every generated token, the last one gathered from
+        `last_tokens` unless a later forward already did (synced ranks keep feeding it after they are done; what
+        those calls gather is past the end and dropped)."""
+        if len(self.taken) < generated:
+            self._take(last_tokens)
+        return torch.stack(self.taken[:generated], dim=1).cpu()
 
     def __enter__(self) -> "_SampledLogProbs":
         self._handles = [

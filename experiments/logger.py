@@ -20,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.rundir import METRICS_FILE, SUMMARY_FILE, StorageError
 
+WANDB_ID_FILE = ".wandb_id"  # the W&B run of this directory, which a resumed run continues
+
 
 def _finite_or_none(value: Any) -> Any:
     """JSON has no NaN/inf: write them as null so every line stays valid JSON."""
@@ -52,23 +54,29 @@ def flatten_for_wandb(record: dict[str, Any]) -> dict[str, Any]:
 class RunLogger:
     """Writes `metrics.jsonl`, `summary.json` and (unless disabled) a W&B run into `run_dir`."""
 
-    def __init__(self, run_dir: str | Path, cfg: DictConfig, name: str, tags: list[str], group: str | None) -> None:
+    def __init__(self, run_dir: str | Path, cfg: DictConfig, name: str, tags: list[str], group: str | None,
+                 resume: bool = False) -> None:
+        """`resume`: the run continues from a checkpoint; W&B continues the run whose id the directory recorded."""
         self.run_dir = Path(run_dir)
         self.last_step: int | None = None
         try:
             self._metrics = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
         except OSError as error:
             raise StorageError(f"cannot open {self.run_dir / METRICS_FILE}: {error.strerror}") from None
-        self._wandb = self._start_wandb(cfg, name, tags, group)
+        self._wandb = self._start_wandb(cfg, name, tags, group, resume)
 
-    def _start_wandb(self, cfg: DictConfig, name: str, tags: list[str], group: str | None):
+    def _start_wandb(self, cfg: DictConfig, name: str, tags: list[str], group: str | None, resume: bool):
         wandb_cfg = cfg.logger.wandb
         if wandb_cfg.mode == "disabled":
             return None
+        id_file = self.run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if resume and id_file.exists() else None
         try:
             import wandb
 
-            return wandb.init(
+            run = wandb.init(
+                id=run_id,
+                resume="allow" if run_id else None,
                 project=wandb_cfg.project,
                 entity=wandb_cfg.entity,
                 group=wandb_cfg.group or group,
@@ -82,6 +90,8 @@ class RunLogger:
                 # System-stats sampling runs in W&B's service process and competes for the cores the step needs.
                 settings=wandb.Settings(x_disable_stats=True),
             )
+            id_file.write_text(run.id)
+            return run
         except Exception as error:  # a dashboard failure must not end the experiment
             warnings.warn(f"W&B did not start ({type(error).__name__}: {error}); logging to metrics.jsonl only")
             return None

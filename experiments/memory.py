@@ -50,8 +50,10 @@ def parameter_count(config: PretrainedConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def step_memory(config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: int) -> StepMemory:
-    """The estimate (bytes) for the run `cfg` on the model `config` whose longest prompt has `prompt_tokens`."""
+def step_memory(config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: int, world: int = 1) -> StepMemory:
+    """The estimate (bytes) of one rank of `world` for the run `cfg` on the model `config` whose longest prompt has
+    `prompt_tokens` (each rank samples and trains its share of the prompts, and holds the whole model while a layer
+    is gathered: the resident part is not divided)."""
     t = cfg.trainer
     hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     heads = config.num_attention_heads
@@ -70,12 +72,14 @@ def step_memory(config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: 
         prefill_scores = prompts * heads * prompt_tokens**2 * 4
         return kv_cache + step_logprobs + prefill_scores
 
-    rows = t.prompts_per_step * t.group_size
+    prompts = t.prompts_per_step // world
+    rows = prompts * t.group_size
     minibatch = rows // max(t.minibatches, 1)
     per_token = layers * (12 * hidden + 4 * max(top_k, 1) * expert_width + heads * width) * dtype_bytes
     training = minibatch * width * per_token + 3 * minibatch * t.max_new_tokens * vocab * 4
-    evaluation = sampling(t.eval_prompts, t.eval_prompts * max(t.eval_samples, 1)) if t.eval_prompts else 0.0
-    return StepMemory(resident, sampling(t.prompts_per_step, rows), evaluation, training)
+    eval_prompts = -(-t.eval_prompts // world)
+    evaluation = sampling(eval_prompts, eval_prompts * max(t.eval_samples, 1)) if t.eval_prompts else 0.0
+    return StepMemory(resident, sampling(prompts, rows), evaluation, training)
 
 
 def available_bytes(device: str) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from experiments.registry import ConfigError
 
@@ -130,10 +130,25 @@ def _refuse_unwritable(key: str, path: str) -> None:
 
 class DirectoryGuard(Callback):
     """Hydra creates its output directory before the task runs, with a traceback when it cannot: refuse such a
-    directory first, in one line (`hydra.callbacks` in conf/train.yaml and conf/sft.yaml)."""
+    directory first, in one line (`hydra.callbacks` in conf/train.yaml and conf/sft.yaml). Under torchrun every
+    rank composes its own config, and a run directory named by the clock would differ from rank to rank: rank 0's
+    is every rank's."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from experiments import distributed
+
+            try:
+                ranks = distributed.start(config.get("device", "cpu"))
+            except ConfigError as error:
+                raise SystemExit(f"moe-rl-lab: {error}") from None
+            chosen = distributed.broadcast(str(config.hydra.run.dir), ranks)
+            with read_write(config.hydra.run):
+                config.hydra.run.dir = chosen
         _refuse_unwritable("hydra.run.dir", config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SystemExit("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the "
+                             "sweep itself with hydra/launcher=slurm_torchrun, or torchrun one run at a time")
         _refuse_unwritable("hydra.sweep.dir", config.hydra.sweep.dir)

@@ -190,8 +190,10 @@ def _router_logits(model: PreTrainedModel, capture: bool) -> Iterator[list[torch
 def _load_balancing_loss(model: PreTrainedModel, router_logits: list[torch.Tensor], weights: torch.Tensor):
     """The family's load-balancing loss, tokens weighted by `weights` (the rows a packed token stands for, 0 on
     padding): the loss of the row-by-row batch whatever the layout."""
-    family = importlib.import_module(type(model).__module__)
-    balance = getattr(family, "load_balancing_loss_func", None)
+    # The class's own module, or its base's when a wrapper subclassed it (FSDP2's `FSDP<Model>`).
+    families = (importlib.import_module(cls.__module__) for cls in type(model).__mro__)
+    balance = next((family.load_balancing_loss_func for family in families
+                    if hasattr(family, "load_balancing_loss_func")), None)
     if balance is None:
-        raise ValueError(f"{type(model).__name__} has no load_balancing_loss_func in {family.__name__}: no aux loss")
+        raise ValueError(f"{type(model).__name__} has no load_balancing_loss_func in its family's module: no aux loss")
     return balance(tuple(router_logits), model.num_experts, model.num_experts_per_tok, weights)

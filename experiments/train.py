@@ -18,6 +18,7 @@ the others run; the sweep exits non-zero when any job failed, listing them.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -32,7 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments import rundir, sweep
+from experiments import checkpoint, distributed, rundir, sweep
 from experiments.config import register_configs
 from experiments.logger import RunLogger
 from experiments.registry import ConfigError
@@ -111,6 +112,7 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
 
     summary = {
         "status": status,
+        "ranks": trainer.ranks.world,
         "run": run,
         "run_dir": str(run_dir),
         "steps": len(history),
@@ -156,16 +158,29 @@ def summary_paragraph(summary: dict[str, Any]) -> str:
 
 
 def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[str, Any]:
-    """Run the configured RL job in `run_dir`; return its summary (also written to `summary.json`)."""
+    """Run the configured RL job in `run_dir` (on every rank under torchrun); return its summary (rank 0 also
+    writes it to `summary.json`)."""
+    run_dir = Path(run_dir)
     with stop_signals():
         try:
-            claimed = rundir.claim(Path(run_dir), cfg, hydra_cfg)
+            ranks = distributed.start(cfg.device)
         except ConfigError as error:
             raise SystemExit(f"moe-rl-lab: {error}") from None
+        claimed, problem = None, None
+        if ranks.main:
+            try:
+                claimed = rundir.claim(run_dir, cfg, hydra_cfg, resume=cfg.resume is not None)
+            except ConfigError as error:
+                problem = str(error)
+        problem = distributed.broadcast(problem, ranks)  # every rank refuses what rank 0 refused
+        if problem:
+            raise SystemExit(f"moe-rl-lab: {problem}")
         try:
-            trainer = RLTrainer(cfg)
+            trainer = RLTrainer(cfg, ranks)
+            history = restore(trainer, cfg, run_dir)
         except BaseException as error:
-            claimed.release()
+            if claimed is not None:
+                claimed.release()
             if isinstance(error, ConfigError):
                 raise SystemExit(f"moe-rl-lab: {error}") from None
             if isinstance(error, Interrupted):
@@ -173,23 +188,59 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
                 raise SystemExit(error.exit_code) from None
             raise
         try:
-            return _run(trainer, cfg, claimed, hydra_cfg)
+            return _run(trainer, cfg, run_dir, history, hydra_cfg)
         finally:
-            claimed.release()
+            if claimed is not None:
+                claimed.release()
 
 
-def _run(trainer: RLTrainer, cfg: DictConfig, claimed: rundir.RunDirectory, hydra_cfg: Any) -> dict[str, Any]:
+def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """With `resume`, load the checkpoint it names and return the log lines up to its step (the rest of
+    `metrics.jsonl` is cut: those steps run again); a fresh start otherwise, or when `auto` finds no checkpoint."""
+    if cfg.resume is None:
+        return []
+    ranks = trainer.ranks
+    found = distributed.broadcast(checkpoint.find(run_dir, cfg.resume) if ranks.main else None, ranks)
+    step = 0
+    if found is not None:
+        checkpoint.load(trainer, found)
+        step = trainer.step_index
+    if not ranks.main:
+        return []
+    metrics = run_dir / rundir.METRICS_FILE
+    dropped = checkpoint.cut_log(metrics, step)
+    where = f"from {found} (step {step})" if found is not None else "from the start: no checkpoint in the run directory"
+    print(f"moe-rl-lab: resuming {where}; {dropped} later line(s) of {metrics} are logged again", file=sys.stderr)
+    return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()] if metrics.exists() else []
+
+
+class _Silent:
+    """The logger of a rank other than 0: the run directory, W&B and the summary are rank 0's."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[str, Any]],
+         hydra_cfg: Any) -> dict[str, Any]:
     t = cfg.trainer
+    main = trainer.ranks.main
     name = run_name(cfg)
     tags = [f"algo:{cfg.algo.name}", f"replay:{cfg.routing.replay}", f"model:{cfg.model.name}"]
     try:
-        logger = RunLogger(claimed.path, cfg, name, tags, _sweep_group(hydra_cfg))
+        logger = RunLogger(run_dir, cfg, name, tags, _sweep_group(hydra_cfg), resume=bool(history)) if main else _Silent()
     except rundir.StorageError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
-    history: list[dict[str, Any]] = []
     start = time.perf_counter()
     try:
-        bar = tqdm(range(t.steps), desc=name, unit="step", dynamic_ncols=True)
+        bar = tqdm(range(trainer.step_index, t.steps), desc=name, unit="step", dynamic_ncols=True,
+                   initial=trainer.step_index, total=t.steps, disable=not main)
         for _ in bar:
             record = trainer.step()
             last = trainer.step_index == t.steps
@@ -199,16 +250,20 @@ def _run(trainer: RLTrainer, cfg: DictConfig, claimed: rundir.RunDirectory, hydr
             with signals_held():
                 logger.log(record)
                 history.append(record)
+            if t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0:
+                checkpoint.save(trainer, run_dir, t.keep_checkpoints)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", clip=f"{record['clip/token_frac']:.1e}")
         bar.close()
     except Interrupted as stop:
-        summary = summarize(trainer, history, "interrupted", name, claimed.path, time.perf_counter() - start)
+        summary = summarize(trainer, history, "interrupted", name, run_dir, time.perf_counter() - start)
         try:
             logger.finish(summary, exit_code=stop.exit_code)
         except rundir.StorageError as error:
             raise SystemExit(f"moe-rl-lab: interrupted by {stop.signal_name}, and {error}") from None
-        print(f"\nmoe-rl-lab: interrupted by {stop.signal_name} after {len(history)} of {t.steps} steps; "
-              f"{claimed.metrics} holds them and {claimed.summary} says status 'interrupted'", file=sys.stderr)
+        if main:
+            print(f"\nmoe-rl-lab: interrupted by {stop.signal_name} after {len(history)} of {t.steps} steps; "
+                  f"{run_dir / rundir.METRICS_FILE} holds them and {run_dir / rundir.SUMMARY_FILE} says status "
+                  "'interrupted'", file=sys.stderr)
         raise SystemExit(stop.exit_code) from None
     except rundir.StorageError as error:
         logger.abort()
@@ -216,18 +271,28 @@ def _run(trainer: RLTrainer, cfg: DictConfig, claimed: rundir.RunDirectory, hydr
     except BaseException:
         logger.abort()
         raise
-    summary = summarize(trainer, history, "finished", name, claimed.path, time.perf_counter() - start)
+    summary = summarize(trainer, history, "finished", name, run_dir, time.perf_counter() - start)
     if t.save_checkpoint:
-        checkpoint = claimed.path / "checkpoint"
-        trainer.model.save_pretrained(checkpoint)
-        trainer.tokenizer.save_pretrained(checkpoint)
-        summary["checkpoint"] = str(checkpoint)
+        summary["checkpoint"] = str(export(trainer, run_dir / "checkpoint"))
     try:
         logger.finish(summary)
     except rundir.StorageError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
-    print(summary_paragraph(summary))
+    if main:
+        print(summary_paragraph(summary))
     return summary
+
+
+def export(trainer: RLTrainer, directory: Path) -> Path:
+    """`save_pretrained` of the policy and its tokenizer (the full weights, gathered from every rank under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.ranks.main:
+        trainer.model.save_pretrained(directory, state_dict=state)
+        trainer.tokenizer.save_pretrained(directory)
+    distributed.barrier(trainer.ranks)
+    return directory
 
 
 # -- sweeps: every job checked first, a failed job reported while the others run ------------------------------------

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,9 +34,10 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from algos import build_objective, group_advantages, zero_std_group_frac
-from algos.common import masked, masked_mean
+from algos.common import Totals, masked, masked_mean
 from algos.corrections import Correction, CorrectionInputs, build_correction, mismatch_metrics
 from algos.objective import Objective
+from experiments.distributed import Ranks, gather, reduce, shard, step_seed
 from experiments.config import (
     Layout, LRSchedule, PiOld, Replay, RolloutConfig, StepPlan, algo_hyperparameters, plan_step,
 )
@@ -47,7 +48,7 @@ from experiments.registry import ConfigError
 from experiments.scoring import FED, Scores, score_responses
 from experiments.tasks import Example, Task, build_task
 from models.policy import DTYPES, ModelConfig, build_policy, is_moe, model_config
-from models.routing import RoutingTrace, load_max_violation, routing_drift
+from models.routing import NO_ROUTE, RoutingTrace, load_max_violation, routing_drift
 from models.tokenizer import build_char_tokenizer
 
 
@@ -163,9 +164,10 @@ class RunParts:
     test_examples: list[Example]
 
 
-def check_run(cfg: DictConfig) -> RunParts:
-    """Every start-up check of an RL run, without building the model: settings, the model's files and sizes, the
-    objective, the task and its splits, and whether one step fits in memory. `ConfigError` names what is wrong."""
+def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
+    """Every start-up check of an RL run on `world` ranks, without building the model: settings, the model's files
+    and sizes, the objective, the task and its splits, and whether one rank's step fits in memory. `ConfigError`
+    names what is wrong."""
     t = cfg.trainer
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     hf_config = model_config(model_cfg)
@@ -173,7 +175,8 @@ def check_run(cfg: DictConfig) -> RunParts:
     objective = build_objective(name, **hyperparameters)
     correction_params = dict(OmegaConf.to_container(cfg.correction, resolve=True))
     correction = build_correction(correction_params.pop("name"), **correction_params)
-    plan = plan_step(cfg, is_moe=is_moe(hf_config), reads_pi_old=correction.name if correction.needs_decoupled else None)
+    plan = plan_step(cfg, is_moe=is_moe(hf_config), reads_pi_old=correction.name if correction.needs_decoupled else None,
+                     world=world)
     _check_correction(plan, objective, correction, HFEngine)
     dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     task = build_task(dataset.pop("name"), **dataset)
@@ -184,7 +187,7 @@ def check_run(cfg: DictConfig) -> RunParts:
             f"dataset {task.name!r}"
         )
     memory = step_memory(hf_config, cfg, _longest_prompt(model_cfg, train_examples + test_examples),
-                         DTYPES[model_cfg.dtype].itemsize)
+                         DTYPES[model_cfg.dtype].itemsize, world)
     available = available_bytes(cfg.device)
     if memory.peak > available:
         raise ConfigError(
@@ -247,10 +250,11 @@ def mean_of(values: list[float]) -> float:
 class RLTrainer:
     """Holds the policy, its engine, optimizer, objective and task; `step()` runs one RL step and returns its metrics."""
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, ranks: Ranks = Ranks()) -> None:
         self.cfg = cfg
+        self.ranks = ranks
         t = cfg.trainer
-        parts = check_run(cfg)
+        parts = check_run(cfg, ranks.world)
         self.plan, self.objective, self.advantage_std = parts.plan, parts.objective, parts.advantage_std
         self.correction = parts.correction
         self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
@@ -264,7 +268,10 @@ class RLTrainer:
         # same weights route identically and every measured drift comes from an update.
         self.model.to(self.device).eval()
         numerics = parts.numerics if parts.numerics.differs else None
-        self.engine = HFEngine(self.model, self.tokenizer, numerics=numerics, seed=cfg.seed)
+        # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks.
+        self.engine = HFEngine(self.model, self.tokenizer, numerics=numerics, seed=cfg.seed, synced=ranks.active)
+        if ranks.active:
+            shard(self.model)
         self.reference = None
         if self.objective.kl_coef > 0:
             self.reference, _ = build_policy(model_cfg)
@@ -292,6 +299,12 @@ class RLTrainer:
     def step(self) -> dict[str, Any]:
         t = self.cfg.trainer
         self.step_index += 1
+        # Every random choice of the step (prompts, sampling, shuffling, router noise) from (seed, step, rank): a
+        # multi-rank run is deterministic and a resumed run samples exactly what the uninterrupted one sampled.
+        seed = step_seed(self.cfg.seed, self.step_index, self.ranks.rank)
+        torch.manual_seed(seed)
+        self.generator.manual_seed(seed)
+        self.engine.reseed(seed)
         start = time.perf_counter()
         rollout = self.rollout()
         rollout_s = time.perf_counter() - start
@@ -306,16 +319,19 @@ class RLTrainer:
         train_s = time.perf_counter() - train_start
         self.engine.sync_weights(self.model)
         step_s = time.perf_counter() - start
-        self.tokens_seen += rollout.response_tokens
+        # The whole step's rows, every rank's (groups stay whole, so they gather in group order).
+        rewards = gather(rollout.rewards, self.ranks)
+        lengths = gather(rollout.response_mask.sum(-1).float(), self.ranks)
+        self.tokens_seen += int(lengths.sum())
         record = {
             "train/step": self.step_index,
             "train/tokens": self.tokens_seen,
-            "reward/mean": float(rollout.rewards.mean()),
-            "reward/std": float(rollout.rewards.std()),
-            "reward/accuracy": float(rollout.correct.float().mean()),
-            "reward/zero_std_group_frac": zero_std_group_frac(rollout.rewards, t.group_size),
-            "response/length_mean": float(rollout.response_mask.sum(-1).float().mean()),
-            "response/truncated_frac": float(rollout.truncated.float().mean()),
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/accuracy": float(gather(rollout.correct.float(), self.ranks).mean()),
+            "reward/zero_std_group_frac": zero_std_group_frac(rewards, t.group_size),
+            "response/length_mean": float(lengths.mean()),
+            "response/truncated_frac": float(gather(rollout.truncated.float(), self.ranks).mean()),
             **self.step_means(per_minibatch),
         }
         record["optim/skipped_steps"] = self.skipped_updates
@@ -323,14 +339,14 @@ class RLTrainer:
         record["perf/rollout_s"] = rollout_s
         record["perf/score_s"] = score_s
         record["perf/train_s"] = train_s
-        record["perf/rollout_tokens_per_s"] = rollout.response_tokens / max(rollout_s, 1e-9)
+        record["perf/rollout_tokens_per_s"] = float(lengths.sum()) / max(rollout_s, 1e-9)
         record["minibatches"] = per_minibatch
         return record
 
     def rollout(self) -> Rollout:
         """μ_old: `prompts_per_step` train prompts, `group_size` completions each, from the engine."""
         t = self.cfg.trainer
-        picks = torch.randint(len(self.train_examples), (t.prompts_per_step,), generator=self.generator)
+        picks = torch.randint(len(self.train_examples), (t.prompts_per_step // self.ranks.world,), generator=self.generator)
         return collect_rollout(
             self.engine,
             self.task,
@@ -372,7 +388,8 @@ class RLTrainer:
         )
 
     def update(self, mb: Minibatch, old: OldPolicy) -> dict[str, float]:
-        """One optimizer update of π_θ on the minibatch; its metrics (ratios and drift after `mb.index` updates)."""
+        """One optimizer update of π_θ on the minibatch; its metrics (ratios and drift after `mb.index` updates),
+        computed over every rank's share of the minibatch."""
         t = self.cfg.trainer
         aux_coef = t.router_aux_loss_coef
         track = self.plan.track_routing
@@ -390,51 +407,75 @@ class RLTrainer:
         # The trainer's own numbers at θ_old, where the step has them: the first minibatch's forward (θ = θ_old
         # there), or the decoupled recompute; under bypass π_old is μ_old itself on later minibatches.
         trainer_at_old = scores.logp.detach() if mb.index == 0 else (old.logp if self.plan.pi_old == PiOld.decoupled else None)
-        metrics: dict[str, float] = {"minibatch": mb.index}
-        weight = None
+        inputs = dict(old_logp=pi_old_logp, advantages=mb.advantages, mask=mb.response_mask, ref_logp=old.ref_logp,
+                      rollout_logp=mb.mu_logp)
+        correction_inputs = None
         if self.correction.name != "none":
             log_rho = trainer_at_old - mb.mu_logp if trainer_at_old is not None else torch.zeros_like(mb.mu_logp)
-            corrected = self.correction(CorrectionInputs(
-                log_rho=masked(log_rho, mb.response_mask), theta_log_ratio=masked(scores.logp.detach() - mb.mu_logp,
-                mb.response_mask), mask=mb.response_mask, advantages=mb.advantages,
-            ))
-            weight = corrected.weight
-            metrics.update({name: float(value) for name, value in corrected.metrics.items()})
-        result = self.objective(
-            logp=scores.logp,
-            old_logp=pi_old_logp,
-            advantages=mb.advantages,
-            mask=mb.response_mask,
-            ref_logp=old.ref_logp,
-            rollout_logp=mb.mu_logp,
-            weight=weight,
-        )
+            correction_inputs = CorrectionInputs(
+                log_rho=masked(log_rho, mb.response_mask), mask=mb.response_mask, advantages=mb.advantages,
+                theta_log_ratio=masked(scores.logp.detach() - mb.mu_logp, mb.response_mask),
+            )
+            inputs["weight"] = self.correction(correction_inputs).weight
+        result = self.objective(logp=scores.logp, totals=self._totals(mb.response_mask), **inputs)
         loss = result.loss + aux_coef * scores.aux_loss if aux_coef > 0 else result.loss
-        finite_loss = bool(torch.isfinite(loss))
+        finite_loss = reduce(float(torch.isfinite(loss)), self.ranks, op="sum") == self.ranks.world
         if finite_loss:
             loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)) if finite_loss else float("nan")
-        metrics.update(result.metrics)
-        if trainer_at_old is not None and mb.mu_logp is not None:
-            metrics.update(mismatch_metrics(trainer_at_old - mb.mu_logp, mb.response_mask))
-        metrics["policy/entropy"] = float(masked_mean(scores.entropy, mb.response_mask))
+        # Metrics of the whole minibatch: on several ranks, of every rank's rows gathered (one rank: its own).
+        rows = lambda tensor, fill=0: gather(tensor, self.ranks, fill=fill)  # noqa: E731
+        mask = rows(mb.response_mask, False)
+        metrics: dict[str, float] = {"minibatch": mb.index}
+        if self.ranks.active:
+            with torch.no_grad():
+                gathered = {name: rows(value) if value is not None else None for name, value in inputs.items()}
+                metrics.update(self.objective(logp=rows(scores.logp.detach()), **{**gathered, "mask": mask}).metrics)
+        else:
+            metrics.update(result.metrics)
+        if correction_inputs is not None:
+            corrected = self.correction(CorrectionInputs(rows(correction_inputs.log_rho),
+                                                         rows(correction_inputs.theta_log_ratio), mask, rows(mb.advantages)))
+            metrics.update({name: float(value) for name, value in corrected.metrics.items()})
+        if trainer_at_old is not None:
+            metrics.update(mismatch_metrics(rows(trainer_at_old - mb.mu_logp), mask))
+        metrics["policy/entropy"] = float(masked_mean(rows(scores.entropy), mask))
         metrics["optim/grad_norm"] = grad_norm
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
-        if scores.aux_loss is not None:
-            metrics["moe/aux_loss"] = float(scores.aux_loss.detach())
+        if scores.aux_loss is not None:  # each rank's own load-balancing loss, averaged over ranks
+            metrics["moe/aux_loss"] = reduce(float(scores.aux_loss.detach()), self.ranks) / self.ranks.world
         if track:
-            own = scores.routes.to("cpu")  # under replay: the router's own top-k, beside the replayed experts
-            theta_old = own if old.on_policy else old.routes
-            metrics.update(routing_drift(theta_old, own, mb.token_mask).metrics)
-            metrics["moe/load_max_violation"] = load_max_violation(theta_old, mb.token_mask)
-            metrics.update(scores.router_stats)
-            trainer_routes = own if mb.index == 0 else (old.routes if self.plan.pi_old == PiOld.decoupled else None)
-            if mb.engine_routes is not None and trainer_routes is not None:
-                metrics.update(routing_mismatch(mb.engine_routes, trainer_routes, mb.token_mask))
-            every = self.cfg.routing.decompose_every
-            if every and mb.index > 0 and self.step_index % every == 0:
-                metrics.update(self.decompose(mb, old, scores.logp.detach(), pi_old_logp))
+            metrics.update(self._routing_metrics(mb, old, scores, pi_old_logp))
         self._apply(finite_loss and math.isfinite(grad_norm))
+        return metrics
+
+    def _totals(self, mask: torch.Tensor) -> Totals:
+        """The aggregation denominators of the whole minibatch, summed over ranks (`algos.common.Totals`)."""
+        local = Totals.local(mask)
+        if not self.ranks.active:
+            return local
+        return Totals(reduce(local.tokens, self.ranks), reduce(local.sequences, self.ranks),
+                      reduce(local.nonempty, self.ranks), int(reduce(local.width, self.ranks, op="max")),
+                      self.ranks.world)
+
+    def _routing_metrics(self, mb: Minibatch, old: OldPolicy, scores: Scores, pi_old_logp: torch.Tensor) -> dict[str, float]:
+        """Drift since θ_old, load balance, fragility, the engine's routing against the trainer's, and (every
+        `routing.decompose_every` steps) the ratio decomposition, over every rank's share of the minibatch."""
+        traces = lambda trace: replace(trace, experts=gather(trace.experts, self.ranks, dim=1, fill=NO_ROUTE))  # noqa: E731
+        token_mask = gather(mb.token_mask, self.ranks, fill=False)
+        own = traces(scores.routes.to("cpu"))  # under replay: the router's own top-k, beside the replayed experts
+        theta_old = own if old.on_policy else traces(old.routes)
+        metrics = dict(routing_drift(theta_old, own, token_mask).metrics)
+        metrics["moe/load_max_violation"] = load_max_violation(theta_old, token_mask)
+        fed = reduce(float(mb.attention_mask[:, FED].sum()), self.ranks)  # the weight of each rank's fragility means
+        mine = float(mb.attention_mask[:, FED].sum())
+        metrics.update({name: reduce(value * mine, self.ranks) / fed for name, value in scores.router_stats.items()})
+        trainer_routes = own if mb.index == 0 else (traces(old.routes) if self.plan.pi_old == PiOld.decoupled else None)
+        if mb.engine_routes is not None and trainer_routes is not None:
+            metrics.update(routing_mismatch(traces(mb.engine_routes), trainer_routes, token_mask))
+        every = self.cfg.routing.decompose_every
+        if every and mb.index > 0 and self.step_index % every == 0:
+            metrics.update(self.decompose(mb, old, scores.logp.detach(), pi_old_logp))
         return metrics
 
     @torch.no_grad()
@@ -448,7 +489,9 @@ class RLTrainer:
             own, replayed = logp, self._score(self.model, mb, replay=old.routes.to(self.device)).logp
         else:
             own, replayed = self._score(self.model, mb).logp, logp
-        return decomposition_metrics(own - replayed, replayed - pi_old_logp, mb.response_mask)
+        rows = lambda tensor: gather(tensor, self.ranks)  # noqa: E731
+        return decomposition_metrics(rows(own - replayed), rows(replayed - pi_old_logp),
+                                     gather(mb.response_mask, self.ranks, fill=False))
 
     def _apply(self, finite: bool) -> None:
         """Take the optimizer step, or refuse a non-finite one: one bad batch must not poison every parameter."""
@@ -486,12 +529,16 @@ class RLTrainer:
         return means
 
     def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy of the trainer's own policy; on several ranks each takes every world-th prompt and the
+        accuracies combine weighted by the prompts each rank held."""
         t = self.cfg.trainer
-        return evaluate(
-            HFEngine(self.model, self.tokenizer),
+        mine = self.test_examples[: t.eval_prompts][self.ranks.rank :: self.ranks.world]
+        local = evaluate(
+            HFEngine(self.model, self.tokenizer, synced=self.ranks.active),
             self.task,
-            self.test_examples[: t.eval_prompts],
+            mine,
             samples=t.eval_samples,
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
         )
+        return {name: reduce(value * len(mine), self.ranks) / t.eval_prompts for name, value in local.items()}

@@ -144,8 +144,8 @@ def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
     class PoisonedTrainer(RLTrainer):
         """The real loop, with an objective whose loss is NaN."""
 
-        def __init__(self, cfg):
-            super().__init__(cfg)
+        def __init__(self, cfg, ranks):
+            super().__init__(cfg, ranks)
             honest = self.objective
 
             def poisoned(**kwargs):
@@ -156,7 +156,8 @@ def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
             self.initial = {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
     trainers = []
-    monkeypatch.setattr("experiments.train.RLTrainer", lambda cfg: trainers.append(PoisonedTrainer(cfg)) or trainers[-1])
+    monkeypatch.setattr("experiments.train.RLTrainer",
+                        lambda cfg, ranks: trainers.append(PoisonedTrainer(cfg, ranks)) or trainers[-1])
     with pytest.raises(RuntimeError, match="3 optimizer updates in a row had a non-finite loss"):
         train(cfg, tmp_path)
     lines = read_metrics(tmp_path)
