@@ -38,7 +38,7 @@ PREFIX = "step_"
 # logging, evaluation and checkpointing may change.
 EXPERIMENT_KEYS = ("algo", "model", "dataset", "correction", "rollout", "routing.replay", "seed", "trainer.prompts_per_step",
                    "trainer.group_size", "trainer.minibatches", "trainer.max_new_tokens", "trainer.temperature",
-                   "trainer.pi_old", "trainer.minibatch_layout", "trainer.lr", "trainer.lr_schedule",
+                   "trainer.pi_old", "trainer.minibatch_layout", "trainer.lr", "trainer.router_lr_scale", "trainer.lr_schedule",
                    "trainer.warmup_steps", "trainer.weight_decay", "trainer.adam_beta1", "trainer.adam_beta2",
                    "trainer.grad_clip", "trainer.router_aux_loss_coef")
 
@@ -79,7 +79,8 @@ def save(trainer: Any, run_dir: Path, keep: int) -> Path:
         partial.mkdir(parents=True)
     barrier(ranks)
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial / "state"))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial / "state"),
+             no_dist=not ranks.active)
     torch.save(_generators(trainer), partial / f"rng_rank{ranks.rank}.pt")
     (partial / f"python_random_rank{ranks.rank}.json").write_text(json.dumps(random.getstate()))
     if ranks.main:
@@ -139,7 +140,7 @@ def load(trainer: Any, path: Path) -> None:
     saved = broadcast(check(path, trainer.cfg, ranks) if ranks.main else None, ranks)
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(path / "state"))
+    dcp.load(state, checkpoint_id=str(path / "state"), no_dist=not ranks.active)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     trainer.scheduler.load_state_dict(saved["scheduler"])

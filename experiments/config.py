@@ -113,6 +113,9 @@ class TrainerConfig:
     pi_old: PiOld = PiOld.auto
     minibatch_layout: Layout = Layout.auto
     lr: float = 3e-4  # AdamW learning rate (peak, after warm-up)
+    # The routers' learning rate as a multiple of `lr`: a knob that moves routing faster than every other weight
+    # (drift per update grows with it), for studying what routing changes alone do to the ratios.
+    router_lr_scale: float = 1.0
     lr_schedule: LRSchedule = LRSchedule.constant
     warmup_steps: int = 0  # linear warm-up, in optimizer updates
     weight_decay: float = 0.0
@@ -277,7 +280,7 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
             f"{t.prompts_per_step // world} prompts x {t.group_size} completions = {batch}"
             + (f" that each of the {world} ranks holds" if world > 1 else "")
         )
-    for key in ("temperature", "lr", "grad_clip"):
+    for key in ("temperature", "lr", "grad_clip", "router_lr_scale"):
         if not (math.isfinite(t[key]) and t[key] > 0):
             raise ConfigError(f"trainer.{key}={t[key]} must be a finite number > 0")
     if not is_moe and cfg.routing.replay != Replay.none:

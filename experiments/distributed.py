@@ -105,6 +105,15 @@ def reduce(value: float, ranks: Ranks, op: str = "sum") -> float:
     return float(tensor)
 
 
+def summed(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """`tensor` summed over ranks (a copy; no gradient flows through it)."""
+    if not ranks.active:
+        return tensor
+    total = tensor.detach().clone()
+    dist.all_reduce(total)
+    return total
+
+
 def broadcast(obj: Any, ranks: Ranks) -> Any:
     """Rank 0's `obj` on every rank."""
     if not ranks.active:

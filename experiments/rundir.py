@@ -77,6 +77,8 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
     run = RunDirectory(path, lock)
     try:
         metrics = path / METRICS_FILE
+        if resume:
+            _refuse_another_experiment(path, cfg)
         if not resume and (metrics.exists() or (path / SUMMARY_FILE).exists()):
             steps = _logged_steps(metrics) if metrics.exists() else 0
             status = _status(path / SUMMARY_FILE)
@@ -92,6 +94,28 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
         run.release()
         raise
     return run
+
+
+def _refuse_another_experiment(path: Path, cfg: DictConfig) -> None:
+    """A resumed run continues its own log: refuse a directory whose recorded config is another experiment's."""
+    from experiments.checkpoint import experiment
+
+    recorded = path / CONFIG_DIR / "config.yaml"
+    if not recorded.exists():
+        return
+    theirs, ours = experiment(OmegaConf.load(recorded)), experiment(cfg)
+    differs = [f"{key}={theirs.get(key)!r} there, {value!r} here" for key, value in ours.items() if theirs.get(key) != value]
+    if differs:
+        raise ConfigError(f"resume into {str(path)!r}, which holds another experiment: {'; '.join(differs[:4])}")
+
+
+def finished_summary(path: Path) -> dict[str, Any] | None:
+    """The summary of the finished run in `path`, or None (no summary, or one of a run that did not finish)."""
+    try:
+        summary = json.loads((path / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status") == "finished" else None
 
 
 def _status(summary: Path) -> str:

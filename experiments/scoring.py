@@ -18,7 +18,7 @@ P-1+G·T tokens per group instead of G·(P+T-1); it needs the `grouped_eager` at
 from __future__ import annotations
 
 import contextlib
-import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -39,9 +39,12 @@ FED = slice(None, -1)
 class Scores:
     logp: torch.Tensor  # [N, T] fp32 log-probs of the response tokens (0 at padding)
     entropy: torch.Tensor  # [N, T] fp32 entropy of the policy at each response position (no grad)
-    aux_loss: torch.Tensor | None  # scalar load-balancing loss of this forward, when requested
+    # The load-balancing loss of this forward, when requested: `aux_loss` to add to the loss (this rank's share of
+    # the gradient when the counts are summed over ranks), `aux_loss_value` its value over the whole batch.
+    aux_loss: torch.Tensor | None
     routes: RoutingTrace | None = None  # recorded routing; under replay, the router's own top-k (`[L, N, P+T-1, K]`)
     router_stats: dict[str, float] | None = None  # routing fragility of this forward, when requested
+    aux_loss_value: float | None = None
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -67,6 +70,7 @@ def score_responses(
     replay: RoutingTrace | None = None,
     aux_loss_grad: bool = True,
     fragile_margin: float | None = None,
+    over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Scores:
     """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
 
@@ -74,8 +78,9 @@ def score_responses(
     `[P, P+T)` are scored by the logits at `[P-1, P+T-1)`. `group_size > 1`: rows `j·G .. j·G+G-1` share their
     prompt and are fed packed (see the module docstring). `record`: return the routing of the fed positions;
     `replay`: force that routing (`[L, N, P+T-1, K]`) and return the router's own choice. `aux_loss`: the
-    family's load-balancing loss over the fed tokens, differentiable unless `aux_loss_grad=False` (a metric only).
-    `fragile_margin`: also the routing fragility of the fed tokens (`router_fragility`).
+    Switch load-balancing loss over the fed tokens (`load_balancing_loss`), differentiable unless `aux_loss_grad=False`
+    (a metric only); `over_ranks` sums its counts over data-parallel ranks. `fragile_margin`: also the routing
+    fragility of the fed tokens (`router_fragility`).
     """
     fed_mask = attention_mask[:, FED]
     positions = position_ids(fed_mask)
@@ -112,11 +117,12 @@ def score_responses(
     logp = log_probs.gather(-1, input_ids[:, prompt_width:].unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-    balance = None
+    balance = value = None
     weights = fed_mask if layout is None else layout.token_weights
     if aux_loss:
         with contextlib.nullcontext() if aux_loss_grad else torch.no_grad():
-            balance = _load_balancing_loss(model, router_logits, weights)
+            balance, value = load_balancing_loss(router_logits, weights, model.num_experts, model.num_experts_per_tok,
+                                                 over_ranks)
     stats = router_fragility(router_logits, weights, model.num_experts_per_tok, fragile_margin) if (
         fragile_margin is not None
     ) else None
@@ -125,7 +131,7 @@ def score_responses(
         routes = handle.router_choice if replay is not None else handle.trace
         if layout is not None:
             routes = replace(routes, experts=layout.unpack(routes.experts, dim=1))
-    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats)
+    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats, aux_loss_value=value)
 
 
 @torch.no_grad()
@@ -187,13 +193,33 @@ def _router_logits(model: PreTrainedModel, capture: bool) -> Iterator[list[torch
             handle.remove()
 
 
-def _load_balancing_loss(model: PreTrainedModel, router_logits: list[torch.Tensor], weights: torch.Tensor):
-    """The family's load-balancing loss, tokens weighted by `weights` (the rows a packed token stands for, 0 on
-    padding): the loss of the row-by-row batch whatever the layout."""
-    # The class's own module, or its base's when a wrapper subclassed it (FSDP2's `FSDP<Model>`).
-    families = (importlib.import_module(cls.__module__) for cls in type(model).__mro__)
-    balance = next((family.load_balancing_loss_func for family in families
-                    if hasattr(family, "load_balancing_loss_func")), None)
-    if balance is None:
-        raise ValueError(f"{type(model).__name__} has no load_balancing_loss_func in its family's module: no aux loss")
-    return balance(tuple(router_logits), model.num_experts, model.num_experts_per_tok, weights)
+def load_balancing_loss(
+    router_logits: list[torch.Tensor], weights: torch.Tensor, num_experts: int, top_k: int,
+    over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, float]:
+    """The Switch Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6) as transformers' MoE families compute
+    it (Qwen2/3-MoE, OLMoE, Mixtral `load_balancing_loss_func`): E · Σ_e f_e · P_e, with f_e the share of top-k
+    assignments to expert e and P_e its mean router probability, both over every layer's tokens, each token weighted
+    by `weights` (0 on padding; the rows a packed token stands for).
+
+    With `over_ranks` (a sum over data-parallel ranks) the counts and the probability sums are the whole batch's.
+    Returns the loss to add to this rank's (for its share of the whole batch's gradient, times the ranks the
+    data-parallel reduction averages over) and the whole batch's value.
+    """
+    flat = weights.reshape(-1).float()
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    probs = torch.zeros_like(counts)
+    for logits in router_logits:
+        routing = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(routing, top_k, dim=-1).indices
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), flat.repeat_interleave(top_k))
+        probs = probs + (routing * flat.unsqueeze(-1)).sum(dim=0)
+    rows = flat.sum() * len(router_logits)
+    if over_ranks is None:
+        loss = torch.sum((counts / rows) * (probs / rows)) * num_experts
+        return loss, float(loss.detach())
+    with torch.no_grad():
+        all_counts, all_probs, all_rows = over_ranks(counts), over_ranks(probs.detach()), over_ranks(rows)
+        ranks = over_ranks(torch.ones(()))
+    value = float(torch.sum((all_counts / all_rows) * (all_probs / all_rows)) * num_experts)
+    return torch.sum((all_counts / all_rows) * (probs / all_rows)) * num_experts * ranks, value

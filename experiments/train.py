@@ -166,15 +166,22 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
             ranks = distributed.start(cfg.device)
         except ConfigError as error:
             raise SystemExit(f"moe-rl-lab: {error}") from None
-        claimed, problem = None, None
+        claimed, problem, finished = None, None, None
         if ranks.main:
             try:
                 claimed = rundir.claim(run_dir, cfg, hydra_cfg, resume=cfg.resume is not None)
+                finished = rundir.finished_summary(run_dir) if cfg.resume is not None else None
             except ConfigError as error:
                 problem = str(error)
-        problem = distributed.broadcast(problem, ranks)  # every rank refuses what rank 0 refused
+        problem, finished = distributed.broadcast((problem, finished), ranks)  # every rank does what rank 0 found
         if problem:
             raise SystemExit(f"moe-rl-lab: {problem}")
+        if finished is not None:  # a re-launched sweep skips the jobs that are done
+            if claimed is not None:
+                claimed.release()
+                print(f"moe-rl-lab: {run_dir} already holds this run, finished after {finished['steps']} steps; "
+                      "nothing to resume", file=sys.stderr)
+            return finished
         try:
             trainer = RLTrainer(cfg, ranks)
             history = restore(trainer, cfg, run_dir)

@@ -37,7 +37,7 @@ from algos import build_objective, group_advantages, zero_std_group_frac
 from algos.common import Totals, masked, masked_mean
 from algos.corrections import Correction, CorrectionInputs, build_correction, mismatch_metrics
 from algos.objective import Objective
-from experiments.distributed import Ranks, gather, reduce, shard, step_seed
+from experiments.distributed import Ranks, gather, reduce, shard, step_seed, summed
 from experiments.config import (
     Layout, LRSchedule, PiOld, Replay, RolloutConfig, StepPlan, algo_hyperparameters, plan_step,
 )
@@ -48,7 +48,7 @@ from experiments.registry import ConfigError
 from experiments.scoring import FED, Scores, score_responses
 from experiments.tasks import Example, Task, build_task
 from models.policy import DTYPES, ModelConfig, build_policy, is_moe, model_config
-from models.routing import NO_ROUTE, RoutingTrace, load_max_violation, routing_drift
+from models.routing import NO_ROUTE, RoutingTrace, find_routers, load_max_violation, routing_drift
 from models.tokenizer import build_char_tokenizer
 
 
@@ -278,8 +278,11 @@ class RLTrainer:
             self.reference.to(self.device).eval().requires_grad_(False)
         # fused: one kernel for all parameters instead of a Python loop over them (4x faster on the tiny MoE's CPU
         # update); the same AdamW.
+        routers = {id(router.weight) for router in find_routers(self.model).values()}
+        groups = [[p for p in self.model.parameters() if id(p) not in routers],
+                  [p for p in self.model.parameters() if id(p) in routers]]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [{"params": groups[0]}] + ([{"params": groups[1], "lr": t.lr * t.router_lr_scale}] if groups[1] else []),
             lr=t.lr,
             betas=(t.adam_beta1, t.adam_beta2),
             weight_decay=t.weight_decay,
@@ -382,9 +385,10 @@ class RLTrainer:
         """`score_responses` of the minibatch, packed by group under the `groups` layout (`options`: its aux_loss /
         record / replay / aux_loss_grad / fragile_margin)."""
         t = self.cfg.trainer
+        over_ranks = (lambda tensor: summed(tensor, self.ranks)) if self.ranks.active else None
         return score_responses(
             model, mb.input_ids, mb.attention_mask, mb.prompt_width, t.temperature,
-            group_size=t.group_size if self.plan.layout == Layout.groups else 1, **options,
+            group_size=t.group_size if self.plan.layout == Layout.groups else 1, over_ranks=over_ranks, **options,
         )
 
     def update(self, mb: Minibatch, old: OldPolicy) -> dict[str, float]:
@@ -442,8 +446,8 @@ class RLTrainer:
         metrics["policy/entropy"] = float(masked_mean(rows(scores.entropy), mask))
         metrics["optim/grad_norm"] = grad_norm
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
-        if scores.aux_loss is not None:  # each rank's own load-balancing loss, averaged over ranks
-            metrics["moe/aux_loss"] = reduce(float(scores.aux_loss.detach()), self.ranks) / self.ranks.world
+        if scores.aux_loss_value is not None:
+            metrics["moe/aux_loss"] = scores.aux_loss_value
         if track:
             metrics.update(self._routing_metrics(mb, old, scores, pi_old_logp))
         self._apply(finite_loss and math.isfinite(grad_norm))

@@ -1,0 +1,110 @@
+"""Run by tests/test_distributed.py under `torchrun --nproc_per_node=W`: the updates of one RL step on a fixed rollout
+batch, split over the W ranks by whole groups, for several objectives, aggregations and replay modes. Rank 0 saves,
+per case, the global metrics of every update, the gradients of the first update and the parameters after the step.
+
+    torchrun --nproc_per_node=2 tests/dp_step.py OUT.pt
+
+Every rank generates the same full batch from an unsharded copy of the initial weights with the same seed, then
+keeps its share: rank r holds prompts [r·P/W, (r+1)·P/W), and its minibatch j the j-th of its prompts. With one
+rank the minibatches are laid out as the union of the ranks' (`order` below), so both runs make the same updates.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
+
+from algos import group_advantages  # noqa: E402
+from experiments import distributed  # noqa: E402
+from experiments.engine import HFEngine, Rollout, collect_rollout  # noqa: E402
+from experiments.trainer import RLTrainer, split_minibatches  # noqa: E402
+from models.policy import ModelConfig, build_policy  # noqa: E402
+from tests.test_train import compose_train  # noqa: E402
+
+PROMPTS, GROUP, MINIBATCHES = 4, 4, 2
+CASES = {
+    "grpo seq-mean-token-mean": ["algo=grpo"],
+    "grpo token-mean": ["algo=grpo", "algo.loss_agg=token-mean"],
+    "dr_grpo seq-mean-token-sum-norm": ["algo=dr_grpo"],
+    "gspo": ["algo=gspo"],
+    "grpo + r2": ["algo=grpo", "routing.replay=r2"],
+    "gspo + r2": ["algo=gspo", "routing.replay=r2"],
+    "grpo + load-balancing loss": ["algo=grpo", "trainer.router_aux_loss_coef=0.05"],
+}
+
+
+def take_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+    """The rollout of a subset of its rows (tensors and lists indexed alike)."""
+    values = {}
+    for f in fields(rollout):
+        value = getattr(rollout, f.name)
+        if isinstance(value, torch.Tensor):
+            values[f.name] = value[rows]
+        elif isinstance(value, list):
+            values[f.name] = [value[i] for i in rows.tolist()]
+        elif f.name == "routes" and value is not None:
+            values[f.name] = value.rows(rows)
+    return replace(rollout, **values)
+
+
+def run_case(overrides: list[str], ranks: distributed.Ranks) -> dict:
+    cfg = compose_train(*overrides, f"trainer.prompts_per_step={PROMPTS}", f"trainer.group_size={GROUP}",
+                        f"trainer.minibatches={MINIBATCHES}", "trainer.minibatch_layout=groups", "trainer.lr=1e-3",
+                        "trainer.steps=1")
+    trainer = RLTrainer(cfg, ranks)
+    unsharded, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+    torch.manual_seed(123)
+    examples = trainer.train_examples[:PROMPTS]
+    full = collect_rollout(HFEngine(unsharded.eval(), tokenizer), trainer.task, examples, GROUP,
+                           cfg.trainer.max_new_tokens, cfg.trainer.temperature,
+                           record_routing=trainer.plan.engine_records_routing)
+    # A random model earns no reward on addition: fixed made-up rewards give every group an advantage to learn.
+    full = replace(full, rewards=torch.rand(full.size, generator=torch.Generator().manual_seed(7)))
+    share = PROMPTS // ranks.world
+    mine = torch.arange(ranks.rank * share * GROUP, (ranks.rank + 1) * share * GROUP)
+    rollout = take_rows(full, mine)
+    advantages = group_advantages(rollout.rewards, GROUP, scale_by_std=trainer.advantage_std)
+    per_minibatch = share // MINIBATCHES
+    if ranks.world == 1:
+        # The union of what each of 2 ranks would put in minibatch j: prompts j and 2 + j.
+        prompt_order = torch.tensor([0, 2, 1, 3])
+        order = (prompt_order[:, None] * GROUP + torch.arange(GROUP)).reshape(-1)
+    else:
+        order = torch.arange(rollout.size)
+    assert per_minibatch >= 1
+    minibatches = split_minibatches(rollout, advantages, order, MINIBATCHES, trainer.device)
+    old = [trainer.old_policy(mb) for mb in minibatches]
+    grads: dict[str, torch.Tensor] = {}
+    apply = trainer._apply
+
+    def first_grads(finite: bool) -> None:
+        if not grads:
+            for name, param in trainer.model.named_parameters():
+                grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+                grads[name] = grad.detach().clone()
+        apply(finite)
+
+    trainer._apply = first_grads
+    metrics = [trainer.update(mb, old_policy) for mb, old_policy in zip(minibatches, old)]
+    params = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    return {"metrics": metrics, "grads": grads, "params": {k: v.detach().clone() for k, v in params.items()}}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    ranks = distributed.start("cpu")
+    results = {name: run_case(overrides, ranks) for name, overrides in CASES.items()}
+    if ranks.main:
+        torch.save(results, sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Scale out: 2 ranks (gloo, torchrun) against 1 process on the same batch; kill -9 and resume, exactly; refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from experiments.config import PROJECT_ROOT
+from experiments.train import train
+from tests.conftest import MICRO_RUN
+from tests.test_train import compose_train
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]  # a free port of its own
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
+
+
+def torchrun(ranks: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*TORCHRUN, f"--nproc_per_node={ranks}", *args], capture_output=True, text=True,
+                          cwd=PROJECT_ROOT, env=ENV, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    for ranks in (1, 2):
+        done = torchrun(ranks, "tests/dp_step.py", str(out / f"w{ranks}.pt"))
+        assert done.returncode == 0, done.stderr[-3000:]
+    return (torch.load(out / "w1.pt", weights_only=False), torch.load(out / "w2.pt", weights_only=False))
+
+
+@pytest.mark.parametrize("case", ["grpo seq-mean-token-mean", "grpo token-mean", "dr_grpo seq-mean-token-sum-norm",
+                                  "gspo", "grpo + r2", "gspo + r2", "grpo + load-balancing loss"])
+def test_two_ranks_make_the_update_one_process_makes(one_and_two_ranks, case):
+    one, two = (result[case] for result in one_and_two_ranks)
+    assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3, "the batch must carry a gradient"
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, param in one["params"].items():
+        torch.testing.assert_close(two["params"][name], param, rtol=0, atol=1e-5, msg=name)
+    for a, b in zip(one["metrics"], two["metrics"]):
+        assert set(a) == set(b), "the same metrics, whatever the number of ranks"
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    doomed, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        doomed.append(current)
+        todo += children.get(current, [])
+    for victim in doomed:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _without_timings(lines: list[dict]) -> list[dict]:
+    return [{k: v for k, v in line.items() if not k.startswith("perf/")} for line in lines]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+RESUMABLE = [*MICRO_RUN, "trainer.steps=40", "trainer.checkpoint_every=10", "trainer.eval_every=15",
+             "trainer.save_checkpoint=true"]
+
+
+def _command(ranks: int, run_dir: Path, *extra: str) -> list[str]:
+    if ranks == 1:
+        return [sys.executable, "-m", "experiments.train", *RESUMABLE, f"hydra.run.dir={run_dir}", *extra]
+    return [*TORCHRUN, f"--nproc_per_node={ranks}", "-m", "experiments.train", *RESUMABLE, f"hydra.run.dir={run_dir}",
+            *extra]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks):
+    whole = subprocess.run(_command(ranks, tmp_path / "whole"), capture_output=True, text=True, cwd=PROJECT_ROOT,
+                           env=ENV, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_command(ranks, killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=PROJECT_ROOT, env=ENV, start_new_session=True)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step_000020").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.02)
+    kill_tree(proc.pid)
+    proc.wait()
+    time.sleep(0.5)
+    assert not (killed / "summary.json").exists(), "the kill came after the end: nothing was tested"
+    resumed = subprocess.run(_command(ranks, killed, "resume=auto"), capture_output=True, text=True, cwd=PROJECT_ROOT,
+                             env=ENV, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr and "step_000020" in resumed.stderr
+    assert _without_timings(_metrics(killed)) == _without_timings(_metrics(tmp_path / "whole"))
+    a, b = load_file(killed / "checkpoint" / "model.safetensors"), load_file(tmp_path / "whole" / "checkpoint" /
+                                                                              "model.safetensors")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_000030", "step_000040"], "keep=2"
+
+
+def test_a_killed_sweep_relaunched_finishes_what_is_missing(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "experiments.train", "-m", "seed=0,1", *RESUMABLE, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=PROJECT_ROOT, env=ENV,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not list(sweep.glob("1_*/checkpoints/step_000010")):
+        assert proc.poll() is None and time.time() < deadline, "the sweep ended before job 1's first checkpoint"
+        time.sleep(0.02)
+    kill_tree(proc.pid)
+    proc.wait()
+    relaunched = subprocess.run([*command, "resume=auto"], capture_output=True, text=True, cwd=PROJECT_ROOT, env=ENV,
+                                timeout=600)
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    assert "already holds this run, finished after 40 steps" in relaunched.stderr
+    for job in sorted(sweep.glob("[01]_*")):
+        steps = [line["train/step"] for line in _metrics(job)]
+        assert steps == list(range(1, 41)), f"{job.name}: lost or duplicated steps"
+        assert json.loads((job / "summary.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["resume=/nonexistent/step_000010"], "holds no checkpoint"),
+    (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0 must be >= 1"),
+    (["trainer.checkpoint_every=-1"], "trainer.checkpoint_every=-1 must be >= 0"),
+])
+def test_bad_resume_settings_are_refused(tmp_path, overrides, message):
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(*overrides), tmp_path)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_checkpoint_of_another_experiment_is_refused_naming_what_differs(tmp_path):
+    train(compose_train("trainer.steps=2", "trainer.checkpoint_every=2"), tmp_path / "a")
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_000002"
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.steps=4", "algo=gspo", f"resume={checkpoint}"), tmp_path / "b")
+    assert "is of another experiment: algo.name='grpo' there, 'gspo' here" in str(raised.value)
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.steps=4", "trainer.group_size=8", "resume=auto"), tmp_path / "a")
+    assert "holds another experiment: trainer.group_size=4 there, 8 here" in str(raised.value)
+
+
+def test_torchrun_refuses_what_the_ranks_cannot_share(tmp_path):
+    done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "trainer.prompts_per_step=3", f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0 and "trainer.prompts_per_step=3 does not split over the 2 ranks" in done.stderr
+    done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "device=cuda", f"hydra.run.dir={tmp_path / 'c'}")
+    assert done.returncode != 0 and "this machine has none: device=cpu" in done.stderr
+    assert "Traceback" not in done.stderr.split("ChildFailedError")[0] or "moe-rl-lab:" in done.stderr
