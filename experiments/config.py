@@ -134,6 +134,15 @@ class TrainerConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """How the job starts its ranks: with `nproc_per_node` > 1 the job runs itself again under
+    `torchrun --standalone --nproc_per_node=N` (one rank per GPU of its node), as every job of `cluster=slurm` does;
+    1: this process is the only rank (or torchrun already started it)."""
+
+    nproc_per_node: int = 1
+
+
+@dataclass
 class WandbConfig:
     mode: WandbMode = WandbMode.offline
     project: str = "moe-rl-lab"
@@ -158,6 +167,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     seed: int = 0  # sampling, shuffling and every other random choice of the run (not the built model's weights)
     device: str = "cpu"  # cpu, cuda, cuda:1, ...
     # Continue a run from a checkpoint: `auto`, the newest one in the run directory (a fresh start when there is

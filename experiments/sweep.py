@@ -2,13 +2,18 @@
 
 `RunGuard` is the Hydra callback of `conf/train.yaml`. Before the sweep it composes every job the basic sweeper will
 launch and runs the start-up checks of each (`experiments.trainer.check_run`: settings, model files, task, memory),
-so a bad cell of a grid is named at once; the entry point then reports a refused or crashing job and goes on with
-the next (`job_failed`), and the sweep exits non-zero at the end, listing the failed jobs.
+so a bad cell of a grid is named at once, and refuses a parallel launcher whose jobs would share more threads than
+the machine has; the entry point then reports a refused or crashing job and goes on with the next, and the sweep
+exits non-zero at the end, listing the jobs whose directory holds no finished run (whatever launcher ran them, in
+this process or others).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -20,12 +25,35 @@ from experiments import rundir
 from experiments.registry import ConfigError
 from experiments.trainer import check_run
 
-FAILED_JOBS: list[str] = []  # this process's failed jobs, for `RunGuard.on_multirun_end`
+def unfinished_jobs(sweep_dir: Path) -> list[str]:
+    """The job directories of a sweep that hold no finished run, with why (the file system is the record every
+    launcher shares: the basic launcher's jobs run here, joblib's and SLURM's in other processes)."""
+    unfinished = []
+    for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        summary = job / rundir.SUMMARY_FILE
+        if not summary.exists():
+            unfinished.append(f"{job.name} (refused or crashed: no {rundir.SUMMARY_FILE})")
+        elif rundir.finished_summary(job) is None:
+            unfinished.append(f"{job.name} (status {json.loads(summary.read_text()).get('status')!r})")
+    return unfinished
 
 
-def job_failed(hydra_cfg: Any, why: str) -> None:
-    """Record a sweep job that was refused or crashed (its message or traceback is already printed)."""
-    FAILED_JOBS.append(f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {why}")
+def check_threads(config: DictConfig) -> None:
+    """A parallel launcher's jobs x each job's threads must fit the machine's cores (oversubscribed OpenMP threads
+    spin against each other: steps 10-20x slower here)."""
+    launcher = str(config.hydra.launcher.get("_target_", ""))
+    if not launcher.endswith("JoblibLauncher"):
+        return
+    cores = len(os.sched_getaffinity(0))
+    jobs = config.hydra.launcher.n_jobs
+    jobs = cores + 1 + jobs if jobs < 0 else jobs  # joblib's -1: every core, -2: all but one, ...
+    threads = config.trainer.threads
+    if threads is None or jobs * threads > cores:
+        raise SystemExit(
+            f"moe-rl-lab: hydra.launcher.n_jobs={config.hydra.launcher.n_jobs} ({jobs} jobs) x trainer.threads="
+            f"{threads} threads each is more than the {cores} cores of this machine; set both so that n_jobs x "
+            f"threads <= {cores}, e.g. hydra.launcher.n_jobs={cores} trainer.threads=1"
+        )
 
 
 def sweep_jobs(cfg: DictConfig) -> list[list[str]]:
@@ -42,7 +70,7 @@ class RunGuard(rundir.DirectoryGuard):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         super().on_multirun_start(config, **kwargs)
-        FAILED_JOBS.clear()
+        check_threads(config)
         if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
             return  # other sweepers choose their jobs as they go
         loader = GlobalHydra.instance().config_loader()
@@ -58,7 +86,9 @@ class RunGuard(rundir.DirectoryGuard):
                   f"{len(jobs) - len(refused)} run:\n" + "\n".join(refused), file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if FAILED_JOBS:
-            raise SystemExit(f"moe-rl-lab: {len(FAILED_JOBS)} job(s) of the sweep failed:\n  " + "\n  ".join(FAILED_JOBS))
+        unfinished = unfinished_jobs(Path(config.hydra.sweep.dir))
+        if unfinished:
+            raise SystemExit(f"moe-rl-lab: {len(unfinished)} job(s) of the sweep did not finish (each said why above):"
+                             "\n  " + "\n  ".join(unfinished))
 
 

@@ -19,6 +19,7 @@ the others run; the sweep exits non-zero when any job failed, listing them.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -33,7 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments import checkpoint, distributed, rundir, sweep
+from experiments import checkpoint, distributed, rundir
 from experiments.config import register_configs
 from experiments.logger import RunLogger
 from experiments.registry import ConfigError
@@ -304,9 +305,32 @@ def export(trainer: RLTrainer, directory: Path) -> Path:
 
 # -- sweeps: every job checked first, a failed job reported while the others run ------------------------------------
 
+def torchrun_command(cfg: DictConfig, hydra_cfg: Any) -> list[str]:
+    """The command that runs this job again as `launch.nproc_per_node` ranks on this node, into this job's
+    directory (a SLURM job's, under `cluster=slurm`)."""
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith(("launch.", "hydra.run.dir="))]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.launch.nproc_per_node}",
+            "-m", "experiments.train", *overrides, f"hydra.run.dir={hydra_cfg.runtime.output_dir}"]
+
+
+def launch_ranks(cfg: DictConfig, hydra_cfg: Any) -> float | None:
+    """Run the job as `launch.nproc_per_node` ranks under torchrun; its exit code is the job's."""
+    import subprocess
+
+    if cfg.launch.nproc_per_node < 1:
+        raise SystemExit(f"moe-rl-lab: launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
+    done = subprocess.run(torchrun_command(cfg, hydra_cfg))
+    if done.returncode:
+        raise SystemExit(done.returncode)
+    summary = rundir.finished_summary(Path(hydra_cfg.runtime.output_dir))
+    return summary["reward_last"] if summary else None
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
+    if cfg.launch.nproc_per_node != 1 and "WORLD_SIZE" not in os.environ:
+        return launch_ranks(cfg, hydra_cfg)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
     try:
@@ -315,10 +339,8 @@ def main(cfg: DictConfig) -> float | None:
         if isinstance(exit.code, int):  # interrupted: the sweep stops too
             raise
         print(exit.code, file=sys.stderr)
-        sweep.job_failed(hydra_cfg, str(exit.code))
-    except Exception as error:  # a bug: its traceback, then the next job
+    except Exception:  # a bug: its traceback, then the next job
         traceback.print_exc()
-        sweep.job_failed(hydra_cfg, f"{type(error).__name__}: {error}")
     return None
 
 

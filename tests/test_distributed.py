@@ -169,3 +169,37 @@ def test_torchrun_refuses_what_the_ranks_cannot_share(tmp_path):
     done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "device=cuda", f"hydra.run.dir={tmp_path / 'c'}")
     assert done.returncode != 0 and "this machine has none: device=cpu" in done.stderr
     assert "Traceback" not in done.stderr.split("ChildFailedError")[0] or "moe-rl-lab:" in done.stderr
+
+
+def test_the_slurm_cluster_config_composes_and_each_job_starts_torchrun_per_gpu():
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from experiments.train import torchrun_command
+
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["cluster=slurm", "hydra.launcher.gpus_per_node=4", "seed=3"],
+                      return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.tasks_per_node == 1
+    assert cfg.launch.nproc_per_node == 4, "one rank per GPU of the node"
+    job = SimpleNamespace(overrides=SimpleNamespace(task=["cluster=slurm", "seed=3", "launch.nproc_per_node=4"]),
+                          runtime=SimpleNamespace(output_dir="/sweep/3_grpo_none_tiny_moe_s3"))
+    command = torchrun_command(cfg, job)
+    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
+    assert command[6:] == ["experiments.train", "cluster=slurm", "seed=3", "hydra.run.dir=/sweep/3_grpo_none_tiny_moe_s3"]
+
+
+def test_a_parallel_sweep_needs_its_threads_to_fit_and_then_runs_its_jobs_side_by_side(tmp_path):
+    base = [sys.executable, "-m", "experiments.train", "-m", "hydra/launcher=joblib", "seed=0,1", *MICRO_RUN]
+    refused = subprocess.run([*base, "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path / 'a'}"],
+                             capture_output=True, text=True, cwd=PROJECT_ROOT, env=ENV, timeout=300)
+    assert refused.returncode != 0 and "x trainer.threads=None threads each is more than the" in refused.stderr
+    cores = len(os.sched_getaffinity(0))
+    done = subprocess.run([*base, f"hydra.launcher.n_jobs={min(2, cores)}", "trainer.threads=1",
+                           f"hydra.sweep.dir={tmp_path / 'b'}"], capture_output=True, text=True, cwd=PROJECT_ROOT,
+                          env=ENV, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "b").glob("*/summary.json"))) == 2

@@ -111,7 +111,8 @@ def test_one_bad_cell_of_a_sweep_is_reported_before_the_start_and_the_others_run
     head = result.stderr.split("\n")[0]
     assert head == "moe-rl-lab: 1 of 4 jobs of this sweep will be refused; the other 3 run:", result.stderr[-3000:]
     assert "routing.replay=r2 model=tiny_dense" in result.stderr and "needs an MoE model" in result.stderr
-    assert "1 job(s) of the sweep failed" in one_line(result.stderr) or "1 job(s) of the sweep failed" in result.stderr
+    tail = result.stderr.split("moe-rl-lab: 1 job(s) of the sweep did not finish")[1]
+    assert "1_grpo_r2_micro_moe_s0 (refused or crashed: no summary.json)" in tail
     assert len(list(sweep.glob("*/summary.json"))) == 3
 
 
