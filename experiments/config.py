@@ -62,6 +62,7 @@ class Engine(StrEnum):
     """The rollout engine that samples (μ_old), behind `experiments.engine.RolloutEngine`."""
 
     hf = "hf"  # transformers' `generate` on the trainer's own model (prefill once per prompt, KV cache)
+    vllm = "vllm"  # vLLM in this process, on its own copy of the weights, synced in place after every step
 
 
 class WandbMode(StrEnum):
@@ -83,6 +84,15 @@ class RoutingConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """vLLM's own settings (`rollout.engine=vllm`; `experiments.vllm_engine`)."""
+
+    kv_cache_gb: float = 1.0  # KV cache space: VLLM_CPU_KVCACHE_SPACE on CPU; on CUDA the share of the GPU below
+    gpu_memory_utilization: float = 0.5  # CUDA only: the share of the GPU's memory vLLM may take
+    max_model_len: int | None = None  # null: prompt width + generation budget of the task, rounded up
+
+
+@dataclass
 class RolloutConfig:
     """The rollout engine: what samples the completions and reports their log-probs μ_old (and routing). With every
     numerics setting off it samples with the trainer's own model; any one on gives it its own copy of the weights,
@@ -92,9 +102,21 @@ class RolloutConfig:
     precision: Precision = Precision.fp32  # the engine copy's dtype
     weight_quant: WeightQuant = WeightQuant.none  # fake quantization of the copy's linear and expert weights
     router_noise: float = 0.0  # σ of the Gaussian noise on the copy's router logits, before its top-k
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def numerics(self) -> EngineNumerics:
         return EngineNumerics(Precision(self.precision), WeightQuant(self.weight_quant), float(self.router_noise))
+
+    def engine_class(self) -> type:
+        """The engine class this config asks for (vLLM imported only when asked, and refused when missing)."""
+        if self.engine == Engine.vllm:
+            from experiments.vllm_engine import VLLMEngine
+
+            VLLMEngine.require()
+            return VLLMEngine
+        from experiments.engine import HFEngine
+
+        return HFEngine
 
 
 @dataclass
@@ -314,7 +336,7 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
         raise ConfigError(f"routing.decompose_every={cfg.routing.decompose_every} must be >= 0 (0: never)")
     if cfg.routing.decompose_every and not is_moe:
         raise ConfigError(f"routing.decompose_every={cfg.routing.decompose_every} splits a routing part: needs an MoE model")
-    engine_is_trainer = not RolloutConfig(**cfg.rollout).numerics().differs
+    engine_is_trainer = cfg.rollout.engine == Engine.hf and not RolloutConfig(**cfg.rollout).numerics().differs
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={cfg.device!r} but this machine has no CUDA device; use device=cpu")
     replay = Replay(cfg.routing.replay)

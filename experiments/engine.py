@@ -35,6 +35,7 @@ import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
@@ -114,6 +115,17 @@ class RolloutEngine(ABC):
     returns_routing: bool = True
     name: str = "engine"
 
+    @classmethod
+    def check(cls, cfg: Any, world: int) -> None:
+        """Refuse (`ConfigError`) settings this engine cannot run, before anything is built."""
+
+    @classmethod
+    @abstractmethod
+    def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: "EngineNumerics",
+              ranks: Any) -> "RolloutEngine":
+        """The engine of a run: `model` is the trainer's policy (not yet sharded), `numerics` how the engine's
+        numbers should differ from it."""
+
     @abstractmethod
     def sample(
         self,
@@ -163,6 +175,12 @@ class HFEngine(RolloutEngine):
     """
 
     name = "hf"
+
+    @classmethod
+    def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
+              ranks: Any) -> "HFEngine":
+        return cls(model, tokenizer, numerics=numerics if numerics.differs else None, seed=cfg.seed,
+                   synced=ranks.active)
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0,
                  numerics: EngineNumerics | None = None, seed: int = 0, synced: bool = False) -> None:

@@ -156,6 +156,7 @@ class RunParts:
     plan: StepPlan
     model_cfg: ModelConfig
     numerics: EngineNumerics
+    engine: type[RolloutEngine]
     objective: Objective
     advantage_std: bool
     correction: Correction
@@ -177,7 +178,10 @@ def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
     correction = build_correction(correction_params.pop("name"), **correction_params)
     plan = plan_step(cfg, is_moe=is_moe(hf_config), reads_pi_old=correction.name if correction.needs_decoupled else None,
                      world=world)
-    _check_correction(plan, objective, correction, HFEngine)
+    rollout = RolloutConfig(**cfg.rollout)
+    engine = rollout.engine_class()
+    engine.check(cfg, world)
+    _check_correction(plan, objective, correction, engine)
     dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     task = build_task(dataset.pop("name"), **dataset)
     train_examples, test_examples = task.examples("train"), task.examples("test")
@@ -196,7 +200,7 @@ def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
             f"and {cfg.device} has {available / GIB:.1f} GiB available: lower the batch or raise trainer.minibatches"
         )
     numerics = RolloutConfig(**cfg.rollout).numerics()
-    return RunParts(plan, model_cfg, numerics, objective, advantage_std, correction, task, train_examples,
+    return RunParts(plan, model_cfg, numerics, engine, objective, advantage_std, correction, task, train_examples,
                     test_examples)
 
 
@@ -267,9 +271,8 @@ class RLTrainer:
         # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
         # same weights route identically and every measured drift comes from an update.
         self.model.to(self.device).eval()
-        numerics = parts.numerics if parts.numerics.differs else None
         # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks.
-        self.engine = HFEngine(self.model, self.tokenizer, numerics=numerics, seed=cfg.seed, synced=ranks.active)
+        self.engine = parts.engine.build(cfg, self.model, self.tokenizer, parts.numerics, ranks)
         if ranks.active:
             shard(self.model)
         self.reference = None
