@@ -13,6 +13,11 @@ each response, then the mean over responses, as the expectation is written (the 
 normalisation, which would invalidate the first-order approximation). Gradient of an unmasked token:
 −w_t · Â · ∇log π_θ(y_t) / B with w_t = min(π_θ/μ_old, C); a masked token contributes none.
 Clip metrics count the masked tokens (M_t = 0); `minirl/is_weight_mean` and `minirl/truncated_frac` describe w_t.
+
+`train_infer_is = False` is the paper's "w/o train-infer IS" ablation (its Fig. 2): the weight drops the
+training–inference factor π_old/μ_old and keeps the staleness one, w_t = min(π_θ/π_old, C), which is 1 in value
+on-policy, so the gradient follows samples of μ_old as if they were π_old's. `mask_stale = False` is its "w/o
+clipping" ablation: M_t = 1 for every token.
 """
 
 from dataclasses import dataclass
@@ -34,6 +39,8 @@ class MiniRL(Objective):
     clip_low: float = 0.2  # ε_low of the staleness mask (r_t against π_old)
     clip_high: float = 0.27  # ε_high
     is_truncation: float = 5.0  # C: the token IS weight π_θ/μ_old is truncated at C (§4.2)
+    mask_stale: bool = True  # false: no staleness mask, M_t = 1 (the paper's "w/o clipping" ablation)
+    train_infer_is: bool = True  # false: the weight is min(π_θ/π_old, C), without the π_old/μ_old factor (ablation)
 
     def validate(self) -> None:
         self._check_ratio_lower_clip("clip_low")
@@ -44,7 +51,9 @@ class MiniRL(Objective):
         advantages = batch.advantages[:, None]
         ratio = torch.exp(batch.log_ratio).detach()
         masked_out = ((advantages > 0) & (ratio > 1 + self.clip_high)) | ((advantages < 0) & (ratio < 1 - self.clip_low))
-        raw_weight = torch.exp(batch.rollout_log_ratio).detach()
+        masked_out &= self.mask_stale
+        is_log_ratio = batch.rollout_log_ratio if self.train_infer_is else batch.log_ratio
+        raw_weight = torch.exp(is_log_ratio).detach()
         weight = raw_weight.clamp(max=self.is_truncation)
         per_token = torch.where(masked_out, 0.0, -weight * advantages * batch.logp)
         token_clipped = masked_out & batch.mask

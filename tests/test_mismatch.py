@@ -99,6 +99,25 @@ def test_minirl_loss_and_gradient_by_hand():
     assert out.metrics["clip/token_frac"] == 0.5 and out.metrics["minirl/truncated_frac"] == 0.25
 
 
+def test_minirl_without_the_staleness_mask_keeps_every_token():
+    inputs = batch_from_ratios([[1.1, 1.5], [0.7, 1.0]], [1.0, -1.0], width=2)
+    rollout_logp = inputs["logp"] - math.log(2.0)
+    out, grad = loss_and_grad(build_objective("minirl", mask_stale=False), {**inputs, "rollout_logp": rollout_logp})
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, -1.0], [1.0, 1.0]]))  # −w·Â/B with w = 2 everywhere
+    assert out.metrics["clip/token_frac"] == 0.0
+
+
+def test_minirl_without_train_inference_is_weighs_by_staleness_only():
+    """The ablation's weight is min(π_θ/π_old, 5): the engine's numbers leave the gradient."""
+    inputs = batch_from_ratios([[1.1, 1.2], [0.9, 1.0]], [1.0, -1.0], width=2)
+    rollout_logp = inputs["logp"] - math.log(3.0)  # π_θ/μ_old = 3 everywhere
+    _, grad = loss_and_grad(build_objective("minirl", train_infer_is=False), {**inputs, "rollout_logp": rollout_logp})
+    expected = -torch.tensor([[1.1, 1.2], [0.9, 1.0]]) * torch.tensor([[1.0], [-1.0]]) / 2
+    torch.testing.assert_close(grad, expected)
+    _, corrected = loss_and_grad(build_objective("minirl"), {**inputs, "rollout_logp": rollout_logp})
+    torch.testing.assert_close(corrected, expected * 3.0 / torch.tensor([[1.1, 1.2], [0.9, 1.0]]))
+
+
 def test_unbiased_kl_weighs_k3_by_the_stop_gradient_ratio():
     inputs = batch_from_ratios([[1.5, 1.0]], [0.0], width=2)
     ref_logp = inputs["logp"] + 0.3  # log(π_ref/π_θ) = 0.3 on both tokens
