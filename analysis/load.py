@@ -36,10 +36,9 @@ import pandas as pd
 import yaml
 
 from analysis.style import ALGO_ORDER, REPLAY_ORDER
+from experiments.rundir import EVAL_START, METRICS_FILE, SUMMARY_FILE
 
-METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = Path(".hydra") / "config.yaml"
-SUMMARY_FILE = "summary.json"
 
 SCALAR_COLUMNS = ["run", "step", "metric", "value"]
 MINIBATCH_COLUMNS = ["run", "step", "minibatch", "metric", "value"]
@@ -235,12 +234,15 @@ def _add_record(rows: _Rows, run: str, step: int, record: Mapping[str, Any]) -> 
     Returns how many per-minibatch entries were unusable (no integer `minibatch` index).
     """
     scalars: dict[str, Any] = {}
+    start: dict[str, Any] = {}
     per_minibatch: dict[int, dict[str, Any]] = {}
     for key, value in record.items():
         if key.startswith("minibatch/"):
             match = _WANDB_MINIBATCH_KEY.match(key)
             if match:
                 per_minibatch.setdefault(int(match.group(1)), {})[match.group(2)] = value
+        elif key.startswith(EVAL_START):
+            start[key.replace(EVAL_START, "eval/", 1)] = value
         elif key not in ("minibatches", "train/step") and not key.startswith("_"):
             scalars[key] = value
     entries = record.get("minibatches", [])
@@ -252,6 +254,8 @@ def _add_record(rows: _Rows, run: str, step: int, record: Mapping[str, Any]) -> 
             continue
         per_minibatch.setdefault(index, {}).update({k: v for k, v in entry.items() if k != "minibatch"})
     rows.add_step(run, step, scalars)
+    if start:  # the starting policy's evaluation: the eval curves' point at step 0, before any token was trained on
+        rows.add_step(run, 0, {**start, "train/tokens": 0})
     for index, values in per_minibatch.items():
         rows.add_minibatch(run, step, index, values)
     return bad

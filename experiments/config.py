@@ -147,6 +147,7 @@ class TrainerConfig:
     router_aux_loss_coef: float = 0.0  # load-balancing loss added to the policy loss (0: only logged, as in R3)
     max_consecutive_skips: int = 3  # updates in a row with a non-finite loss or gradient before the run stops
     eval_every: int = 10  # RL steps between held-out evaluations (0: only at the end)
+    eval_start: bool = True  # also evaluate the starting policy (logged as eval_start/* in step 1's record)
     eval_prompts: int = 128  # held-out prompts per evaluation (the same prefix of the test split every time)
     eval_samples: int = 4  # k of mean pass@1 (0: greedy accuracy only)
     save_checkpoint: bool = False  # save_pretrained + tokenizer into the run directory at the end

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from experiments import checkpoint, distributed, rundir
 from experiments.config import register_configs
+from experiments.rundir import EVAL_START
 from experiments.logger import RunLogger
 from experiments.registry import ConfigError
 from experiments.trainer import RLTrainer, mean_of
@@ -123,6 +124,7 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
         "reward_best": max(rewards) if rewards else None,
+        "eval_greedy_accuracy_start": history[0].get(f"{EVAL_START}greedy_accuracy") if history else None,
         "eval_accuracy": final.get("eval/accuracy"),
         "eval_greedy_accuracy": final.get("eval/greedy_accuracy"),
         "clip_token_frac_mean": over_steps("clip/token_frac"),
@@ -151,7 +153,8 @@ def summary_paragraph(summary: dict[str, Any]) -> str:
         f"{summary['run']}: {summary['steps']} steps in {summary['wall_s']:.0f} s "
         f"({number('step_s_mean', '.2f')} s/step). Reward {number('reward_first', '.3f')} -> "
         f"{number('reward_last', '.3f')} (best {number('reward_best', '.3f')}); held-out pass@1 "
-        f"{number('eval_accuracy', '.3f')}, greedy {number('eval_greedy_accuracy', '.3f')}. Mean clipped-token "
+        f"{number('eval_accuracy', '.3f')}, greedy {number('eval_greedy_accuracy_start', '.3f')} -> "
+        f"{number('eval_greedy_accuracy', '.3f')}. Mean clipped-token "
         f"fraction {number('clip_token_frac_mean', '.2e')}, token-ratio variance {number('ratio_token_var_mean', '.2e')}, "
         f"experts changed after one update {number('expert_change_per_update', '.2%')}; "
         f"{summary['skipped_steps']} skipped updates. Logs: {summary['run_dir']}"
@@ -249,8 +252,12 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
     try:
         bar = tqdm(range(trainer.step_index, t.steps), desc=name, unit="step", dynamic_ncols=True,
                    initial=trainer.step_index, total=t.steps, disable=not main)
+        # the run's change on held-out prompts is measured against its own start, on the same prompts
+        start_eval = trainer.evaluate() if t.eval_prompts and t.eval_start and trainer.step_index == 0 else {}
         for _ in bar:
             record = trainer.step()
+            record.update({name.replace("eval/", EVAL_START, 1): value for name, value in start_eval.items()})
+            start_eval = {}
             last = trainer.step_index == t.steps
             if t.eval_prompts and (last or (t.eval_every and trainer.step_index % t.eval_every == 0)):
                 record.update(trainer.evaluate())

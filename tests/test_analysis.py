@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import re
 import sys
@@ -98,6 +99,20 @@ def test_running_run_with_half_written_last_line_is_kept_up_to_its_last_valid_li
     assert rs.runs["incomplete"].tolist() == [True]
     assert rs.runs["last_step"].tolist() == [3]
     assert rs.runs["run"].tolist() == ["live"]
+
+
+def test_the_starting_evaluation_is_the_eval_curves_point_at_step_0(tmp_path):
+    run = syn.curve_run(tmp_path / "run", "grpo", 0, [0.1, 0.2, 0.3])
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0]) | {"eval_start/greedy_accuracy": 0.25, "eval/greedy_accuracy": 0.5}
+    (run / "metrics.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    rs = load_runs([run])
+    greedy = rs.metric("eval/greedy_accuracy")
+    assert greedy[["step", "value"]].values.tolist() == [[0, 0.25], [1, 0.5]]
+    tokens = rs.metric("train/tokens")
+    assert tokens[tokens["step"] == 0]["value"].tolist() == [0]
+    assert rs.metric(agg.REWARD)["step"].tolist() == [1, 2, 3], "no training reward at the start"
+    assert rs.runs["last_step"].tolist() == [3]
 
 
 def test_null_and_non_finite_values_are_counted_and_left_out(tmp_path, capsys):

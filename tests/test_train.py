@@ -76,6 +76,7 @@ def test_every_objective_and_replay_mode_runs_and_logs(tmp_path, algo, replay):
     for name in STEP_METRICS:
         assert name in lines[0], name
     assert "eval/accuracy" in lines[-1] and "eval/greedy_accuracy" in lines[-1]
+    assert summary["eval_greedy_accuracy_start"] == lines[0]["eval_start/greedy_accuracy"], "the start's evaluation"
     assert "mismatch/kl_k3" in lines[0], "the first minibatch's forward is π_old: the mismatch is measured"
     if replay == "r3":
         assert "mismatch/expert_frac" in lines[0] and "mismatch/expert_frac/layer_1" in lines[0]
