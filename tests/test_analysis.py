@@ -470,3 +470,28 @@ def test_a_series_is_dotted_where_not_all_its_seeds_have_data(tmp_path):
     solid_y = np.asarray(solid.get_ydata(), dtype=float)
     assert np.isfinite(solid_y[:5]).all() and np.isnan(solid_y[5:]).all(), "the one-seed tail is not drawn solid"
     assert dotted.get_linestyle() == ":"
+
+
+def test_regimes_table_names_each_knob_setting_and_judges_each_arm(tmp_path):
+    from analysis import regimes
+
+    search = tmp_path / "search"
+    for seed in (0, 1):
+        for lr, slope in ((1e-4, 0.01), (1e-3, None)):
+            values = [0.5 + slope * s for s in range(1, 21)] if slope else [0.9] * 10 + [0.1] * 10
+            run = syn.write_run(search / f"lr{lr}_s{seed}", syn.config("grpo", seed, lr=lr),
+                                [syn.step_record("grpo", seed, s, v) for s, v in enumerate(values, 1)])
+            lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            lines[0]["eval_start/greedy_accuracy"] = 0.5
+            lines[-1]["eval/greedy_accuracy"] = 0.6 if slope else 0.0
+            (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    found = regimes.outcomes([search])
+    assert regimes.knobs(found) == ["trainer.lr"], "seeds and output paths are not knobs"
+    table = regimes.regimes_table(found)
+    healthy = next(line for line in table.splitlines() if "lr=0.0001" in line)
+    collapsed = next(line for line in table.splitlines() if "lr=0.001" in line)
+    assert "0,1" in healthy and "0.50→0.60, 0.50→0.60" in healthy and healthy.endswith("| improves |")
+    assert collapsed.endswith("| collapsed 2/2 |")
+    out = tmp_path / "regimes.md"
+    assert regimes.main([str(search), "--out", str(out)]) == 0 and "| search | regime |" in out.read_text()
+    assert regimes.main([str(tmp_path / "nowhere")]) == 2

@@ -1,0 +1,199 @@
+"""`python -m analysis.regimes`: one table of every regime a search tried, so the search itself is evidence.
+
+    python -m analysis.regimes SWEEP_DIR... [--out docs/regimes.md] [--title TEXT]
+
+A regime is the setting of every config key that differs between the runs read (seeds, logging, paths and the arm
+aside); an arm is the objective with its own settings and the Routing Replay mode. Each (search, regime, arm) row
+gives its seeds, the held-out greedy accuracy at the start and the end of each seed, how many seeds collapsed
+(`analysis.aggregate.collapse_flag` on the training reward), the drift after one update and the training–inference
+mismatch (mean over steps), and a verdict: `collapsed k/n` when a seed collapsed, else `improves` / `declines` when
+every seed ends above / below where it started on held-out prompts, else `mixed`.
+
+A run that did not evaluate its start (`trainer.eval_start`, logged since 2026-12) borrows the greedy start of a
+run from the same checkpoint and held-out prompts: greedy decoding of one checkpoint does not depend on the seed.
+Borrowed starts are marked `*`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from analysis import aggregate as agg
+from analysis.load import _ignored, _short_key, flatten_config, load_runs
+from analysis.report import _markdown_table, _num
+
+GREEDY = "eval/greedy_accuracy"
+DRIFT = "routing/expert_change_per_update"
+MISMATCH = "mismatch/kl_k3"
+# what makes an arm (the label's base), never a regime's knob
+_ARM_PREFIXES = ("algo.", "routing.replay")
+# what fixes a greedy evaluation: the checkpoint, the task and its held-out prompts, the generation budget
+_EVAL_KEYS = ("model.path", "model.name", "dataset.name", "trainer.eval_prompts", "trainer.max_new_tokens")
+
+
+@dataclass
+class RunOutcome:
+    search: str
+    arm: str
+    seed: str
+    config: dict
+    start: float | None
+    start_borrowed: bool
+    end: float | None
+    collapsed: bool | None
+    drift: float | None
+    mismatch: float | None
+
+
+def _mean_metric(runset, run: str, metric: str) -> float | None:
+    rows = runset.metric(metric)
+    values = rows.loc[rows["run"] == run, "value"]
+    return float(values.mean()) if len(values) else None
+
+
+def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
+    """One `RunOutcome` per run found under each directory (each directory is one search)."""
+    found: list[RunOutcome] = []
+    for directory in directories:
+        runset = load_runs([directory])
+        defaults = schema_defaults()
+        greedy = runset.metric(GREEDY)
+        reward = runset.metric(agg.REWARD)
+        for row in runset.runs.itertuples():
+            config = defaults | json.loads(row.config)
+            arm = row.algo if row.replay == "none" else f"{row.algo} + {row.replay}"
+            arm_settings = sorted(k for k in config if k.startswith("algo.") and k != "algo.name")
+            evals = greedy[greedy["run"] == row.run].sort_values("step")
+            start = evals.loc[evals["step"] == 0, "value"]
+            trained = evals[evals["step"] > 0]
+            rewards = reward[reward["run"] == row.run].sort_values("step")["value"].to_numpy()
+            found.append(RunOutcome(
+                search=directory.name, arm=arm, seed=row.seed,
+                config=config | {"_arm_settings": json.dumps({k: config[k] for k in arm_settings}, default=str)},
+                start=float(start.iloc[0]) if len(start) else None, start_borrowed=False,
+                end=float(trained["value"].iloc[-1]) if len(trained) else None,
+                collapsed=agg.collapse_flag(rewards) if len(rewards) else None,
+                drift=_mean_metric(runset, row.run, DRIFT), mismatch=_mean_metric(runset, row.run, MISMATCH),
+            ))
+    _borrow_starts(found)
+    return found
+
+
+def _borrow_starts(found: list[RunOutcome]) -> None:
+    known: dict[str, float] = {}
+    for run in found:
+        if run.start is not None:
+            known.setdefault(_eval_key(run), run.start)
+    for run in found:
+        if run.start is None and _eval_key(run) in known:
+            run.start, run.start_borrowed = known[_eval_key(run)], True
+
+
+def _eval_key(run: RunOutcome) -> str:
+    return json.dumps([run.config.get(k) for k in _EVAL_KEYS], default=str)
+
+
+def schema_defaults() -> dict:
+    """Today's default of every key of the typed schema, for configs written before the key existed."""
+    from omegaconf import OmegaConf
+
+    from experiments.config import TrainConfig
+
+    flat = flatten_config(OmegaConf.to_container(OmegaConf.structured(TrainConfig), throw_on_missing=False))
+    return {k: v for k, v in flat.items() if v != "???"}
+
+
+def knobs(found: list[RunOutcome]) -> list[str]:
+    """The config keys that differ between the runs: a regime is their setting."""
+    keys = sorted({k for run in found for k in run.config})
+    return [
+        k for k in keys
+        if not _ignored(k) and not k.startswith(_ARM_PREFIXES) and not k.startswith("_")
+        and len({json.dumps(run.config.get(k), default=str) for run in found}) > 1
+    ]
+
+
+def verdict(runs: list[RunOutcome]) -> str:
+    evaluated = [r.collapsed for r in runs if r.collapsed is not None]
+    if any(evaluated):
+        return f"collapsed {sum(evaluated)}/{len(evaluated)}"
+    if any(r.start is None or r.end is None for r in runs):
+        return "–"
+    if all(r.end > r.start for r in runs):
+        return "improves"
+    if all(r.end < r.start for r in runs):
+        return "declines"
+    return "mixed"
+
+
+def _arm_name(run: RunOutcome, found: list[RunOutcome]) -> str:
+    """The arm, with the objective's settings that differ from other runs of the same objective."""
+    same = [r for r in found if r.arm == run.arm]
+    settings = json.loads(run.config["_arm_settings"])
+    differing = [k for k in settings if len({json.dumps(r.config.get(k), default=str) for r in same}) > 1]
+    return ", ".join([run.arm] + [f"{k.split('.', 1)[1]}={settings[k]}" for k in differing])
+
+
+def regimes_table(found: list[RunOutcome]) -> str:
+    keys = knobs(found)
+    all_keys = sorted({k for run in found for k in run.config})
+    groups: dict[tuple, list[RunOutcome]] = {}
+    for run in found:
+        regime = tuple(f"{_short_key(k, all_keys)}={run.config.get(k, '–')}" for k in keys)
+        groups.setdefault((run.search, regime, _arm_name(run, found)), []).append(run)
+    rows = []
+    for (search, regime, arm), runs in groups.items():
+        runs.sort(key=lambda r: r.seed)
+        per_seed = ", ".join(
+            f"{_num(r.start, '.2f')}{'*' if r.start_borrowed else ''}→{_num(r.end, '.2f')}" for r in runs
+        )
+
+        def mean(field: str, runs=runs) -> float | None:
+            values = [getattr(r, field) for r in runs if getattr(r, field) is not None]
+            return float(np.mean(values)) if values else None
+
+        rows.append([
+            search, ", ".join(regime) or "–", arm, ",".join(r.seed for r in runs), per_seed,
+            _num(mean("drift"), ".2%") if mean("drift") is not None else "–", _num(mean("mismatch"), ".3g"),
+            verdict(runs),
+        ])
+    header = ["search", "regime", "arm", "seeds", "held-out greedy start→end per seed", "drift after one update",
+              "mismatch k3", "verdict"]
+    return _markdown_table(header, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.regimes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("directories", nargs="+", type=Path, help="sweep directories, one search each")
+    parser.add_argument("--out", type=Path, help="write the markdown here (default: print it)")
+    parser.add_argument("--title", default="Regimes tried", help="the heading above the table")
+    args = parser.parse_args(argv)
+    missing = [str(d) for d in args.directories if not d.is_dir()]
+    if missing:
+        print(f"error: not a directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    found = outcomes(args.directories)
+    if not found:
+        print(f"error: no run directories under {', '.join(map(str, args.directories))}", file=sys.stderr)
+        return 2
+    command = "python -m analysis.regimes " + " ".join(str(d) for d in args.directories)
+    text = (f"# {args.title}\n\nMade by `{command}`. Starts marked * are borrowed from a run of the same checkpoint "
+            f"and held-out prompts (greedy decoding does not depend on the seed).\n\n{regimes_table(found)}\n")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+        print(f"regimes: {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
