@@ -13,7 +13,10 @@ step, rank), so a multi-rank run is deterministic, and a resumed run samples wha
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +50,24 @@ def start(device: str) -> Ranks:
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} under torchrun needs CUDA (nccl), and this machine has none: device=cpu")
+    _die_with_the_launcher()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def _die_with_the_launcher() -> None:
+    """A rank whose torchrun agent was killed (kill -9, a lost SLURM step) is killed too (Linux's PR_SET_PDEATHSIG),
+    instead of waiting forever on a store nobody serves: the run ends as if killed itself, and `resume=auto` goes
+    on from its last checkpoint. SIGKILL, not SIGTERM: a rank blocked inside a collective runs no Python handler."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() == 1:  # the launcher died before the call: nobody is left to send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -73,6 +73,41 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_ranks_die_with_their_killed_launcher(tmp_path):
+    """kill -9 of torchrun alone (its workers live in sessions of their own) must not leave ranks behind."""
+    proc = subprocess.Popen(_command(2, tmp_path / "run", "trainer.steps=400"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=PROJECT_ROOT, env=ENV, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "metrics.jsonl").exists():  # both ranks are in the loop
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+                  for pid in ranks):
+            assert time.monotonic() < deadline, "a rank outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        for pid in [proc.pid, *ranks]:  # a rank that outlived its launcher is no longer below it
+            kill_tree(pid)
+
+
 def _without_timings(lines: list[dict]) -> list[dict]:
     return [{k: v for k, v in line.items() if not k.startswith("perf/")} for line in lines]
 
