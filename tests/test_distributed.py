@@ -87,12 +87,12 @@ def _children(pid: int) -> list[int]:
 def test_ranks_die_with_their_killed_launcher(tmp_path):
     """kill -9 of torchrun alone (its workers live in sessions of their own) must not leave ranks behind."""
     proc = subprocess.Popen(_command(2, tmp_path / "run", "trainer.steps=400"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=PROJECT_ROOT, env=ENV, start_new_session=True)
+                            stderr=open(tmp_path / "err.txt", "w"), cwd=PROJECT_ROOT, env=ENV, start_new_session=True)
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "run" / "metrics.jsonl").exists():  # both ranks are in the loop
-            assert proc.poll() is None and time.monotonic() < deadline, "the run never started"
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
             time.sleep(0.2)
         ranks = _children(proc.pid)
         assert len(ranks) == 2, ranks
