@@ -49,7 +49,7 @@ def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--overrides", default="[]", help="JSON list of Hydra overrides on top of the workload")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: the trainer's default, the cores left free)")
     parser.add_argument("--probe-generate", action="store_true", help="also time model.generate on each batch")
     parser.add_argument("--profile", action="store_true", help="also report self time per part of the model")
     args = parser.parse_args()

@@ -153,7 +153,7 @@ class TrainerConfig:
     save_checkpoint: bool = False  # save_pretrained + tokenizer into the run directory at the end
     checkpoint_every: int = 0  # steps between resumable checkpoints (experiments.checkpoint; 0: none)
     keep_checkpoints: int = 2  # the newest this many checkpoints stay on disk
-    threads: int | None = None  # torch CPU threads; null keeps torch's default
+    threads: int | None = None  # torch CPU threads; null: the cores other processes leave free (experiments/threads.py)
 
 
 @dataclass
@@ -211,7 +211,7 @@ class SFTSettings:
     eval_every: int = 20  # SFT steps between held-out evaluations
     eval_prompts: int = 256
     output_dir: str = MISSING  # where save_pretrained writes the checkpoint and tokenizer
-    threads: int | None = None  # torch CPU threads; null keeps torch's default
+    threads: int | None = None  # torch CPU threads; null: the cores other processes leave free (experiments/threads.py)
 
 
 @dataclass
@@ -298,7 +298,7 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
     if 0 < t.eval_prompts < world:
         raise ConfigError(f"trainer.eval_prompts={t.eval_prompts} gives some of the {world} ranks no held-out prompt")
     if t.threads is not None and t.threads < 1:
-        raise ConfigError(f"trainer.threads={t.threads} must be >= 1, or null for torch's default")
+        raise ConfigError(f"trainer.threads={t.threads} must be >= 1, or null to follow the machine's free cores")
     if t.group_size < 2:
         raise ConfigError(f"trainer.group_size={t.group_size}: group advantages need at least 2 completions per prompt")
     if t.prompts_per_step % world:

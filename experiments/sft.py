@@ -36,6 +36,7 @@ from experiments.logger import RunLogger
 from experiments.registry import ConfigError
 from experiments.scoring import position_ids
 from experiments.tasks import Example, build_task
+from experiments.threads import ThreadBudget
 from models.policy import ModelConfig, build_policy
 
 register_configs()
@@ -84,7 +85,7 @@ def check_settings(cfg: DictConfig) -> None:
     if not 0 < s.target_accuracy <= 1:
         raise ConfigError(f"sft.target_accuracy={s.target_accuracy} must be in (0, 1]")
     if s.threads is not None and s.threads < 1:
-        raise ConfigError(f"sft.threads={s.threads} must be >= 1, or null for torch's default")
+        raise ConfigError(f"sft.threads={s.threads} must be >= 1, or null to follow the machine's free cores")
     try:
         rundir.make_writable_dir(s.output_dir)
     except OSError as error:
@@ -105,8 +106,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
                               f"held-out examples of dataset {task.name!r}")
     except ConfigError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
-    if s.threads:
-        torch.set_num_threads(s.threads)
+    threads = ThreadBudget(s.threads)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     model.to(device)
@@ -121,6 +121,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     try:
         while step < s.max_steps:
             step += 1
+            threads.begin()
             model.train()
             picks = torch.randint(len(train), (s.batch_size,), generator=generator).tolist()
             input_ids, attention_mask, labels = demonstration_batch(tokenizer, [train[i] for i in picks])
@@ -135,6 +136,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             out.loss.backward()
             optimizer.step()
             loss_value = float(out.loss.detach())
+            threads.end()
             elapsed = time.perf_counter() - start
             out_of_time = elapsed >= s.max_seconds
             record = {"train/step": step, "sft/loss": loss_value, "perf/elapsed_s": elapsed}

@@ -47,6 +47,7 @@ from experiments.memory import GIB, available_bytes, step_memory
 from experiments.registry import ConfigError
 from experiments.scoring import FED, Scores, score_responses
 from experiments.tasks import Example, Task, build_task
+from experiments.threads import ThreadBudget
 from models.policy import DTYPES, ModelConfig, build_policy, is_moe, model_config
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, load_max_violation, routing_drift
 from models.tokenizer import build_char_tokenizer
@@ -263,8 +264,7 @@ class RLTrainer:
         self.correction = parts.correction
         self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
         model_cfg = parts.model_cfg
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        self.threads = ThreadBudget(t.threads)
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
         self.model, self.tokenizer = build_policy(model_cfg)
@@ -311,6 +311,8 @@ class RLTrainer:
         torch.manual_seed(seed)
         self.generator.manual_seed(seed)
         self.engine.reseed(seed)
+        threads = self.threads.threads
+        self.threads.begin()
         start = time.perf_counter()
         rollout = self.rollout()
         rollout_s = time.perf_counter() - start
@@ -325,6 +327,7 @@ class RLTrainer:
         train_s = time.perf_counter() - train_start
         self.engine.sync_weights(self.model)
         step_s = time.perf_counter() - start
+        self.threads.end()
         # The whole step's rows, every rank's (groups stay whole, so they gather in group order).
         rewards = gather(rollout.rewards, self.ranks)
         lengths = gather(rollout.response_mask.sum(-1).float(), self.ranks)
@@ -342,6 +345,7 @@ class RLTrainer:
         }
         record["optim/skipped_steps"] = self.skipped_updates
         record["perf/step_s"] = step_s
+        record["perf/threads"] = threads
         record["perf/rollout_s"] = rollout_s
         record["perf/score_s"] = score_s
         record["perf/train_s"] = train_s

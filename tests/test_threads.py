@@ -1,0 +1,72 @@
+"""experiments/threads.py: the thread budget follows the cores other processes leave free, measured over a step.
+
+The machine may be busy with other work while the tests run, so load is compared against a baseline measured
+just before, never against zero."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from experiments.threads import ThreadBudget
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the budget reads Linux's /proc/stat")
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@pytest.fixture
+def all_cores():
+    torch.set_num_threads(CORES)  # the ceiling: torch's default on this machine (conftest sets 1 for every test)
+    yield
+
+
+def burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def load_over(budget: ThreadBudget, seconds: float, work=time.sleep) -> float:
+    budget.begin()
+    work(seconds)
+    return budget.other_load()
+
+
+def test_a_busy_core_elsewhere_is_measured_as_one_core(all_cores):
+    budget = ThreadBudget(None)
+    baseline = load_over(budget, 0.8)
+    competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # the competitor is running
+        assert load_over(budget, 0.8) - baseline == pytest.approx(min(1.0, CORES - baseline), abs=0.35)
+    finally:
+        competitor.kill()
+        competitor.wait()
+
+
+def test_its_own_work_is_not_load(all_cores):
+    budget = ThreadBudget(None)
+    baseline = load_over(budget, 0.8)
+    assert load_over(budget, 0.8, burn) - baseline < 0.35
+
+
+@pytest.mark.parametrize("others, expected", [(0.0, CORES), (0.3, CORES), (0.5, CORES - 1), (1.0, CORES - 1),
+                                              (CORES + 3.0, 1)])
+def test_the_next_step_gets_the_cores_left_and_at_least_one(all_cores, monkeypatch, others, expected):
+    budget = ThreadBudget(None)
+    monkeypatch.setattr(budget, "other_load", lambda: others)
+    budget.begin()
+    assert budget.end() == max(1, expected) and torch.get_num_threads() == max(1, expected)
+
+
+def test_a_fixed_count_is_kept_whatever_the_load(all_cores):
+    budget = ThreadBudget(1)
+    assert torch.get_num_threads() == 1
+    budget.begin()
+    burn(0.2)
+    assert budget.end() == 1 and budget.other_load() is None
