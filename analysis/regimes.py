@@ -27,7 +27,7 @@ import numpy as np
 
 from analysis import aggregate as agg
 from analysis.load import _ignored, _short_key, flatten_config, load_runs
-from analysis.report import _markdown_table, _num
+from analysis.report import markdown_table, _num
 
 GREEDY = "eval/greedy_accuracy"
 DRIFT = "routing/expert_change_per_update"
@@ -166,7 +166,7 @@ def regimes_table(found: list[RunOutcome]) -> str:
         ])
     header = ["search", "regime", "arm", "seeds", "held-out greedy start→end per seed", "drift after one update",
               "mismatch k3", "verdict"]
-    return _markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

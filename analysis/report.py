@@ -43,7 +43,7 @@ def _num(value: Any, fmt: str = ".3g") -> str:
     return format(value, fmt)
 
 
-def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -73,7 +73,7 @@ def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
             _num(row["fragile_frac_mean"]), _num(row["routing_share_mean"]), _num(row["skipped_steps"], ".0f"),
             _num(row["step_s_mean"], ".2f"),
         ])
-    return _markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def _runs_section(runset: RunSet) -> list[str]:
@@ -84,7 +84,7 @@ def _runs_section(runset: RunSet) -> list[str]:
         seeds = ", ".join(s for s in group["seed"] if s) or "–"
         rows.append([label, len(group), seeds, int(group["incomplete"].sum()), int(group["last_step"].max()),
                      ", ".join(sorted(set(group["model"]) - {""})) or "–"])
-    lines = ["## Runs", "", _markdown_table(["series", "runs", "seeds", "incomplete", "last step", "model"], rows)]
+    lines = ["## Runs", "", markdown_table(["series", "runs", "seeds", "incomplete", "last step", "model"], rows)]
     incomplete = runs[runs["incomplete"]]
     if len(incomplete):
         lines += ["", f"Runs marked {INCOMPLETE}, included up to their last valid line:", ""]
@@ -167,7 +167,7 @@ def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[st
     alarms = {m: int(table.loc[~table["collapsed"], f"{m}_moved_step"].notna().sum()) for m in signals}
     header = ["collapsed run", "reward fell at step", *[f"`{m}` moved at (lead)" for m in signals]]
     return [
-        "## Early warning", "", _markdown_table(header, rows), "",
+        "## Early warning", "", markdown_table(header, rows), "",
         "The reward fell at the first step of the final stretch where its EMA stayed more than the collapse drop below "
         "its best. A signal moved at the first step, after the first fifth of the run, from which its EMA stayed "
         f"for {agg.WARNING_SUSTAIN} logged steps outside its early band (the first fifth's mean ± max(3 std, 20% of "

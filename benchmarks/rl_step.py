@@ -52,6 +52,7 @@ import torch
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from analysis.report import markdown_table
 from benchmarks.module_time import PARTS
 from benchmarks.roofline import ModelShape, matmul_gflops, matmul_peak, rl_step_flops
 from benchmarks.worker import Worker
@@ -170,14 +171,9 @@ def run_round_robin(
     return series, peaks
 
 
-def _spread(values: list[float]) -> str:
+def spread(values: list[float]) -> str:
+    """Median (min-max) of a list of seconds or ratios."""
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def step_flops(overrides: list[str], prompt_width: int) -> dict[str, float]:
@@ -220,7 +216,7 @@ def main_section(args, log_dir, peak_size, results) -> None:
         flops = step_flops([*args.override, *s.overrides], width)
         achieved = [flops["total"] / step["seconds"] / 1e9 / p for step, p in zip(s.steps, peaks)]
         rows.append([
-            label, _spread(s.seconds), f"{s.median('rollout_s'):.3f}", f"{s.median('score_s'):.3f}",
+            label, spread(s.seconds), f"{s.median('rollout_s'):.3f}", f"{s.median('score_s'):.3f}",
             f"{s.median('train_s'):.3f}", f"{s.tokens_per_s:.0f}", f"{s.peak_rss_mib:.0f}",
             f"{flops['total'] / 1e9:.1f}", f"{flops['total'] / s.median('seconds') / 1e9:.1f}",
             f"{statistics.median(achieved):.1%}", f"{flops['total'] / s.median('seconds') / 1e9 / best:.1%}",
@@ -230,7 +226,7 @@ def main_section(args, log_dir, peak_size, results) -> None:
     results["matmul_gflops_per_round"] = peaks
     results["matmul_gflops_best"] = best
     print("\n## RL step (median of timed steps; s)\n")
-    print(_table(
+    print(markdown_table(
         ["loop", "step s (min-max)", "rollout", "old-policy scoring", "training", "completion tok/s", "peak RSS MiB",
          "model GFLOP/step", "GFLOP/s", f"of each round's matmul (median {peak:.0f} GFLOP/s)",
          f"of the best matmul measured ({best:.0f} GFLOP/s)"],
@@ -243,10 +239,10 @@ def main_section(args, log_dir, peak_size, results) -> None:
             ratios = [a / b for a, b in zip(ours.seconds, trl.seconds)]
             results["vs_trl"][variant] = ratios
             rows.append([f"{variant} / TRL {TRL_ALGO[variant]}", f"{statistics.median(ours.seconds):.3f}",
-                         f"{statistics.median(trl.seconds):.3f}", _spread(ratios),
+                         f"{statistics.median(trl.seconds):.3f}", spread(ratios),
                          " ".join(f"{r:.2f}" for r in ratios)])
         print("\n## Ours / TRL GRPOTrainer, same work, stepped alternately\n")
-        print(_table(["pair", "ours s", "TRL s", "ratio median (min-max)", "ratio per round"], rows))
+        print(markdown_table(["pair", "ours s", "TRL s", "ratio median (min-max)", "ratio per round"], rows))
 
 
 def _overhead_label(overrides: list[str]) -> str:
@@ -268,14 +264,14 @@ def overheads_section(args, log_dir, peak_size, results) -> None:
         ratios = [a / b for a, b in zip(top.seconds, bottom.seconds)]
         results["overheads"][name] = {"ratios": ratios, "numerator": top.steps, "denominator": bottom.steps}
         rows.append([name, f"{statistics.median(top.seconds):.3f}", f"{statistics.median(bottom.seconds):.3f}",
-                     _spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
+                     spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
     probed = series[_overhead_label([])]
     ratios = [step["rollout_s"] / step["generate_s"] for step in probed.steps]
     results["overheads"]["rollout / model.generate"] = {"ratios": ratios, "steps": probed.steps}
     rows.append(["rollout / plain model.generate, same batch", f"{probed.median('rollout_s'):.3f}",
-                 f"{probed.median('generate_s'):.3f}", _spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
+                 f"{probed.median('generate_s'):.3f}", spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
     print("\n## Overheads (grpo; ratio of neighbouring steps)\n")
-    print(_table(["switch", "with s", "without s", "ratio median (min-max)", "cost"], rows))
+    print(markdown_table(["switch", "with s", "without s", "ratio median (min-max)", "cost"], rows))
 
 
 def phase_seconds(steps: list[dict[str, Any]], phase: str) -> list[float]:
@@ -299,11 +295,11 @@ def compare_section(args, log_dir, peak_size, results) -> None:
     for phase in PHASES:
         a_s, b_s = (phase_seconds(s.steps, phase) for s in (a, b))
         ratios[phase] = [x / y for x, y in zip(a_s, b_s)]
-        rows.append([phase, f"{statistics.median(a_s):.3f}", f"{statistics.median(b_s):.3f}", _spread(ratios[phase])])
+        rows.append([phase, f"{statistics.median(a_s):.3f}", f"{statistics.median(b_s):.3f}", spread(ratios[phase])])
     results["compare"] = {"A": {"label": a.label, "overrides": a.overrides, "steps": a.steps},
                           "B": {"label": b.label, "overrides": b.overrides, "steps": b.steps}, "ratios": ratios}
     print(f"\n## A / B, stepped alternately (A = {a.label.removeprefix('A: ')}; B = {b.label.removeprefix('B: ')})\n")
-    print(_table(["phase", "A s", "B s", "A / B median (min-max)"], rows))
+    print(markdown_table(["phase", "A s", "B s", "A / B median (min-max)"], rows))
     print("\nstep ratio per round: " + " ".join(f"{r:.2f}" for r in ratios["step"]))
 
 
@@ -319,12 +315,12 @@ def scaling_section(args, log_dir, peak_size, results) -> None:
         completion = s.median("seconds") / s.median("tokens")
         sequence = s.median("seconds") / s.median("sequence_tokens")
         results["scaling"][name] = {"overrides": s.overrides, "steps": s.steps}
-        rows.append([name, f"{s.median('tokens'):.0f}", f"{s.median('sequence_tokens'):.0f}", _spread(s.seconds),
+        rows.append([name, f"{s.median('tokens'):.0f}", f"{s.median('sequence_tokens'):.0f}", spread(s.seconds),
                      f"{s.median('rollout_s'):.3f}", f"{s.median('score_s'):.3f}", f"{s.median('train_s'):.3f}",
                      f"{completion * 1e6:.0f}", f"{completion / base_completion:.2f}",
                      f"{sequence / base_sequence:.2f}"])
     print("\n## Scaling (grpo): cost per token relative to the workload (1.00 = linear in tokens)\n")
-    print(_table(["configuration", "completion tokens/step", "sequence tokens/step (prompt + completion)",
+    print(markdown_table(["configuration", "completion tokens/step", "sequence tokens/step (prompt + completion)",
                   "step s (min-max)", "rollout", "scoring", "training", "µs / completion token",
                   "relative per completion token", "relative per sequence token"], rows))
 
@@ -348,7 +344,7 @@ def profile_section(args, log_dir, peak_size, results) -> None:
             row += [f"{parts[part]:.3f}", f"{parts[part] / phase_s:.0%}"]
         rows.append(row)
     print("\n## Where grpo's step goes (self time per part, median of timed steps; s)\n")
-    print(_table(["part", "rollout", "share", "scoring + training", "share"], rows))
+    print(markdown_table(["part", "rollout", "share", "scoring + training", "share"], rows))
     print("\nEverything else: generate's loop and sampling in the rollout; the objective, metrics and minibatch "
           "assembly in scoring + training.")
 

@@ -50,7 +50,9 @@ class Channel:
 class Worker:
     """The parent's side: start `python -m <module> <args>` and drive it one step at a time."""
 
-    def __init__(self, label: str, module: str, args: list[str], log_path: Path) -> None:
+    def __init__(self, label: str, module: str, args: list[str], log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
+        """`env`: variables set for this worker only, on top of the parent's (OpenMP's, say)."""
         self.label = label
         self.log_path = log_path
         self._log = open(log_path, "w", encoding="utf-8")
@@ -61,6 +63,7 @@ class Worker:
             stderr=self._log,
             text=True,
             bufsize=1,
+            env={**os.environ, **(env or {})},
         )
         self.info = self._receive("ready")
 
