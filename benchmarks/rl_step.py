@@ -407,14 +407,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             scaling_section(args, log_dir, peak_size, results)
         if args.profile:
             profile_section(args, log_dir, peak_size, results)
+    finish(results, args.json_out)
+    return results
+
+
+def finish(results: dict[str, Any], json_out: Path | None) -> None:
+    """The load at the end beside the one at the start (what the numbers shared the machine with), and the JSON."""
     results["load_1min_end"] = os.getloadavg()[0]
+    info = results["machine"]
     print(f"\nload average (1 min) at start {info['load_1min']:.1f}, at end {results['load_1min_end']:.1f} "
           f"on {info['cores']} cores")
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"wrote {args.json_out}")
-    return results
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {json_out}")
 
 
 if __name__ == "__main__":

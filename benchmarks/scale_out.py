@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.report import markdown_table
-from benchmarks.rl_step import machine, spread
+from benchmarks.rl_step import finish, machine, spread
 from benchmarks.worker import Worker
 from benchmarks.workload import BENCH_TINY, VARIANTS
 from experiments.config import PROJECT_ROOT
@@ -169,11 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sweep_section(args, log_dir, results)
         if args.dp:
             dp_section(args, log_dir, results)
-    print(f"\nload average (1 min) at start {info['load_1min']:.1f}, at end {os.getloadavg()[0]:.1f}")
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"wrote {args.json_out}")
+    finish(results, args.json_out)
     return results
 
 
