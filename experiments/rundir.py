@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +143,9 @@ def make_writable_dir(path: str | Path) -> None:
     """Create `path` if needed and prove a file can be written in it; `OSError` otherwise."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    probe = path / ".write_test"
-    probe.write_text("")
-    probe.unlink()
+    # A name of its own: under torchrun every rank probes the same directory at once.
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test"):
+        pass
 
 
 def _refuse_unwritable(key: str, path: str) -> None:

@@ -81,19 +81,31 @@ def test_a_value_outside_an_enum_is_refused_at_composition_naming_the_allowed_on
     assert f"Invalid value '{override.split('=')[1]}', expected one of {allowed}" in text
 
 
-def test_each_yaml_holds_only_what_differs_from_the_schema():
-    """A yaml value equal to the schema default would declare it twice."""
+def test_each_yaml_holds_only_what_differs_from_what_it_inherits():
+    """A yaml value equal to what its parent (another file of the group, or the schema) already gives would
+    declare it twice; a value that differs from the parent is a delta even when it equals the schema default."""
     from experiments.config import TrainConfig
     from models.policy import ModelConfig
 
     schemas = {"model": ModelConfig()}
     for group, schema in schemas.items():
-        defaults = OmegaConf.structured(schema)
-        for path in sorted((CONF / group).glob("*.yaml")):
+
+        def inherited(path: Path) -> DictConfig:
             own = OmegaConf.load(path)
-            restated = [key for key in own if key != "defaults" and key in defaults and own[key] == defaults[key]
-                        and key != "name"]
-            assert not restated, f"{path.name} restates schema defaults {restated}"
+            parents = [entry for entry in own.get("defaults", []) if entry != "_self_"]
+            base = OmegaConf.structured(schema)
+            for parent in parents:
+                base = OmegaConf.merge(base, resolved(CONF / group / f"{parent}.yaml"))
+            return base
+
+        def resolved(path: Path) -> DictConfig:
+            own = OmegaConf.load(path)
+            return OmegaConf.merge(inherited(path), {k: v for k, v in own.items() if k != "defaults"})
+
+        for path in sorted((CONF / group).glob("*.yaml")):
+            own, base = OmegaConf.load(path), inherited(path)
+            restated = [key for key in own if key not in ("defaults", "name") and key in base and own[key] == base[key]]
+            assert not restated, f"{path.name} restates inherited values {restated}"
     top = OmegaConf.load(CONF / "train.yaml")
     schema = OmegaConf.structured(TrainConfig)
     assert not [key for key in top if key not in ("defaults", "hydra") and top[key] == schema.get(key)]
