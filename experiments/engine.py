@@ -138,6 +138,11 @@ class RolloutEngine(ABC):
     ) -> Samples:
         """`group_size` completions per prompt; `record_routing`: also the engine's experts per token."""
 
+    def describe(self) -> dict[str, Any]:
+        """What `summary.json` records about this engine beyond its name and numerics (`engine_details`): for an
+        external engine its build, the routing path that ran and its costs."""
+        return {}
+
     @abstractmethod
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Take the trainer's current weights (after the step's optimizer updates, before the next sample)."""

@@ -132,6 +132,7 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         "skipped_steps": trainer.skipped_updates,
         "engine": trainer.engine.name,
         "engine_numerics": "the trainer's own model" if trainer.engine.shares_trainer_weights else str(trainer.engine.numerics),
+        "engine_details": trainer.engine.describe(),
         "correction": trainer.correction.name,
         **trainer.plan.describe(),
         "policy": describe_policy(trainer.model),

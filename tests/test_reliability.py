@@ -3,6 +3,7 @@ through the CLI where that is where it happens, with the one-line message and th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -194,6 +195,13 @@ def test_no_evaluation_and_greedy_only_evaluation_finish_with_a_summary(tmp_path
 def test_an_unknown_arm_is_refused(tmp_path):
     result = run_cli(*MICRO_RUN, "arm=grpo_r9", f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0 and "Could not find 'arm/grpo_r9'" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here (tests/test_vllm.py)")
+def test_the_vllm_engine_without_vllm_is_refused_with_the_install_command(tmp_path):
+    done = run_cli(*MICRO_RUN, "rollout.engine=vllm", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1 and "make test-vllm" in one_line(done.stderr)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
