@@ -19,7 +19,7 @@ under T != 1 that is not the distribution the tokens were drawn from. We start v
 `logprobs_mode=processed_logprobs`, the log-softmax of the logits after vLLM's logits processors and after the
 division by T (and top-k/top-p, both off here), and ask for `logprobs=0` (the sampled token's only). That is
 log-softmax(logits / T) of the sampled token, our μ_old, in fp32; tests/test_vllm.py checks it against an fp32
-transformers forward of the same weights on the same tokens (max |diff| ~4e-6 in fp32). With `min_new_tokens`
+transformers forward of the same weights on the same tokens (max |diff| ~1e-6 in fp32). With `min_new_tokens`
 (the benchmark's fixed-length steps) eos is masked before the softmax, so there μ_old is the eos-banned
 distribution, unlike `HFEngine`, which scores the raw logits: a timing-only setting.
 
@@ -44,10 +44,10 @@ names vLLM's loaders take (`checkpoint_weights`: transformers 5 keeps an MoE lay
 per expert and projection), then `model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`,
 vLLM's layerwise in-place reload. On CPU, vLLM 0.32 then leaves the MoE kernel reading unpacked weights: its
 unquantized MoE method skips the CPU expert prepack (`fused_experts.process_weights_after_loading`) when the
-kernel already exists, i.e. on every weight update, and the synced model's log-probs come out wrong by ~1 nat
-(measured). We call that prepack ourselves on every `MoERunner` after the reload (`_CPU_MOE_REPACK_VERSIONS`);
-the synced engine then matches the updated trainer to ~5e-6. A sync of the 7.2 M-parameter tiny_moe costs
-about 0.2-0.3 s (docs/vllm.md); `sync_s` keeps every sync's seconds.
+kernel already exists, i.e. on every weight update, and the synced model's log-probs come out wrong (by up to
+0.39 nats on tiny_moe, measured). We call that prepack ourselves on every `MoERunner` after the reload (`_CPU_MOE_REPACK_VERSIONS`);
+the synced engine then matches the updated trainer to ~1e-6. A sync of the 7.1 M-parameter tiny_moe costs
+about 0.07 s (docs/vllm.md); `sync_s` keeps every sync's seconds.
 
 One live engine per process: vLLM's in-process shutdown (which its finalizer also runs at garbage collection, at
 an unpredictable time) tears down process-wide state, its distributed groups, that every engine in the process
