@@ -111,13 +111,23 @@ def schema_defaults() -> dict:
 
 
 def knobs(found: list[RunOutcome]) -> list[str]:
-    """The config keys that differ between the runs: a regime is their setting."""
+    """The config keys that differ between the runs: a regime is their setting. A key whose value follows from a
+    key already named (`model.path` and `model.num_hidden_layers` from `model.name`) is left out: it says nothing
+    more. Names (`*.name`) are tried first, so they are the ones kept."""
+    value = lambda run, k: json.dumps(run.config.get(k), default=str)  # noqa: E731
     keys = sorted({k for run in found for k in run.config})
-    return [
+    varying = [
         k for k in keys
         if not _ignored(k) and not k.startswith(_ARM_PREFIXES) and not k.startswith("_")
-        and len({json.dumps(run.config.get(k), default=str) for run in found}) > 1
+        and len({value(run, k) for run in found}) > 1
     ]
+    kept: list[str] = []
+    for k in sorted(varying, key=lambda k: (not k.endswith(".name"), varying.index(k))):
+        implied = any(len({(value(run, j), value(run, k)) for run in found}) == len({value(run, j) for run in found})
+                      for j in kept)
+        if not implied:
+            kept.append(k)
+    return [k for k in varying if k in kept]
 
 
 def verdict(runs: list[RunOutcome]) -> str:

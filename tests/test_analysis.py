@@ -485,10 +485,14 @@ def test_regimes_table_names_each_knob_setting_and_judges_each_arm(tmp_path):
             lines[0]["eval_start/greedy_accuracy"] = 0.5
             lines[-1]["eval/greedy_accuracy"] = 0.6 if slope else 0.0
             (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    deeper = syn.config("grpo", 0, lr=1e-4)
+    deeper["model"].update(name="paper_moe_l2", num_hidden_layers=2, path="/checkpoints/paper_moe_l2")
+    syn.write_run(search / "l2_s0", deeper, [syn.step_record("grpo", 0, s, 0.5) for s in range(1, 21)])
     found = regimes.outcomes([search])
-    assert regimes.knobs(found) == ["trainer.lr"], "seeds and output paths are not knobs"
+    assert regimes.knobs(found) == ["model.name", "trainer.lr"], \
+        "seeds and output paths are not knobs, and the layers and path that come with a model name are not named twice"
     table = regimes.regimes_table(found)
-    healthy = next(line for line in table.splitlines() if "lr=0.0001" in line)
+    healthy = next(line for line in table.splitlines() if "model.name=tiny_moe, lr=0.0001" in line)
     collapsed = next(line for line in table.splitlines() if "lr=0.001" in line)
     assert "0,1" in healthy and "0.50→0.60, 0.50→0.60" in healthy and healthy.endswith("| improves |")
     assert collapsed.endswith("| collapsed 2/2 |")
