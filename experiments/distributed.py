@@ -50,7 +50,7 @@ def start(device: str) -> Ranks:
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} under torchrun needs CUDA (nccl), and this machine has none: device=cpu")
-    _die_with_the_launcher()
+    die_with_parent(signal.SIGKILL)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
@@ -58,16 +58,18 @@ def start(device: str) -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
-def _die_with_the_launcher() -> None:
-    """A rank whose torchrun agent was killed (kill -9, a lost SLURM step) is killed too (Linux's PR_SET_PDEATHSIG),
-    instead of waiting forever on a store nobody serves: the run ends as if killed itself, and `resume=auto` goes
-    on from its last checkpoint. SIGKILL, not SIGTERM: a rank blocked inside a collective runs no Python handler."""
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
+    """End this process with `sig` when its parent dies (Linux's PR_SET_PDEATHSIG). A rank whose torchrun agent was
+    killed (kill -9, a lost SLURM step) gets SIGKILL instead of waiting forever on a store nobody serves (SIGKILL: a
+    rank blocked inside a collective runs no Python handler); `resume=auto` goes on from its last checkpoint. A joblib
+    sweep worker whose Hydra process was killed gets SIGTERM, so its job ends as interrupted (summary written)
+    instead of running on, orphaned."""
     if not sys.platform.startswith("linux"):
         return
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() == 1:  # the launcher died before the call: nobody is left to send the signal
-        os.kill(os.getpid(), signal.SIGKILL)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before the call: nobody is left to send the signal
+        os.kill(os.getpid(), sig)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -19,6 +19,7 @@ the others run; the sweep exits non-zero when any job failed, listing them.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -341,6 +342,8 @@ def main(cfg: DictConfig) -> float | None:
         return launch_ranks(cfg, hydra_cfg)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
+    if multiprocessing.current_process().name != "MainProcess":  # a launcher's worker (joblib): not the sweep itself
+        distributed.die_with_parent(signal.SIGTERM)
     try:
         return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
     except SystemExit as exit:

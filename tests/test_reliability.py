@@ -141,6 +141,24 @@ def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monk
     assert len(list(sweep.glob("*/summary.json"))) == 1, "the second job ran"
 
 
+def test_killing_a_joblib_sweep_ends_its_running_jobs_as_interrupted(tmp_path):
+    """SIGKILL of the Hydra process leaves no orphaned worker training on: each running job ends as interrupted."""
+    sweep = tmp_path / "sweep"
+    proc = start("-m", "seed=0,1", *MICRO_RUN, "trainer.steps=500", "trainer.threads=1", "hydra/launcher=joblib",
+                 "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}")
+    deadline = time.time() + 180
+    while len([p for p in sweep.glob("*/metrics.jsonl") if p.read_text().count("\n") >= 2]) < 2:
+        assert proc.poll() is None and time.time() < deadline, "both jobs should be training"
+        time.sleep(0.2)
+    proc.kill()
+    proc.communicate(timeout=30)
+    while len(list(sweep.glob("*/summary.json"))) < 2:
+        assert time.time() < deadline + 60, "a worker kept training after its sweep was killed"
+        time.sleep(0.2)
+    for summary in sweep.glob("*/summary.json"):
+        assert json.loads(summary.read_text())["status"] == "interrupted"
+
+
 def test_an_unwritable_run_directory_or_a_full_disk_is_one_line(tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
