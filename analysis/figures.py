@@ -96,14 +96,23 @@ def _save(fig: Figure, out_dir: Path, name: str, dpi: int) -> list[Path]:
     return files
 
 
-def _legend_columns(width: float) -> int:
-    """Two legend columns fit a paper column, three the text width."""
-    return 3 if width > COLUMN_WIDTH_IN + 0.1 else 2
+LEGEND_CHAR_IN = 0.047  # width of a character at legend.fontsize 6 pt (style.RC_PARAMS)
+LEGEND_HANDLE_IN = 0.3  # the line sample and the padding of one legend entry
 
 
-def _legend_rows_in(entries: int, width: float) -> float:
-    """Height in inches that a legend of `entries` takes below the axes."""
-    return 0.14 * math.ceil(entries / _legend_columns(width))
+def _legend_columns(width: float, names: Sequence[str] = ()) -> int:
+    """Two legend columns fit a paper column, three the text width; fewer when the longest entry would not fit
+    (long labels, such as a sweep's every differing key, are otherwise cut off at the figure's edges)."""
+    columns = 3 if width > COLUMN_WIDTH_IN + 0.1 else 2
+    longest = max((len(name) for name in names), default=0) * LEGEND_CHAR_IN + LEGEND_HANDLE_IN
+    while columns > 1 and columns * longest > width:
+        columns -= 1
+    return columns
+
+
+def _legend_rows_in(names: Sequence[str], width: float) -> float:
+    """Height in inches that a legend of `names` takes below the axes."""
+    return 0.14 * math.ceil(len(names) / _legend_columns(width, names))
 
 
 def _legend(fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], extra: Sequence = ()) -> None:
@@ -113,7 +122,7 @@ def _legend(fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], 
         handles.append(handle)
         names.append(name)
     if handles:
-        columns = min(len(handles), _legend_columns(fig.get_figwidth()))
+        columns = min(len(handles), _legend_columns(fig.get_figwidth(), names))
         fig.legend(handles, names, loc="outside lower center", ncols=columns, frameon=False)
 
 
@@ -154,7 +163,7 @@ def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str
     else:
         notes.append(f"`{agg.TOKENS}` was not logged, so the token axis is left out.")
     width = TEXT_WIDTH_IN if len(axes_x) == 2 else COLUMN_WIDTH_IN
-    fig = _figure(width, 1.6 * len(metrics) + 0.2 + _legend_rows_in(len(labels), width))
+    fig = _figure(width, 1.6 * len(metrics) + 0.2 + _legend_rows_in(labels, width))
     grid = fig.subplots(len(metrics), len(axes_x), squeeze=False)
     for row, metric in enumerate(metrics):
         is_eval = metric in EVAL_METRICS
@@ -377,7 +386,8 @@ def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutp
     # The reference only helps when the data are within a factor of 5 of it; otherwise it flattens the curves.
     show_reference = top >= PAPER_DRIFT / 5
     with matplotlib.rc_context(RC_PARAMS):
-        fig = _figure(COLUMN_WIDTH_IN, 2.1 + _legend_rows_in(len(labels) + show_reference, COLUMN_WIDTH_IN))
+        entries = [*labels, *(["paper reference"] if show_reference else [])]
+        fig = _figure(COLUMN_WIDTH_IN, 2.1 + _legend_rows_in(entries, COLUMN_WIDTH_IN))
         ax = fig.subplots()
         for label in labels:
             part = table[table["label"] == label].rename(columns={"layer": "x"})
@@ -420,7 +430,7 @@ def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALP
     drawn: set[str] = set()
     with matplotlib.rc_context(RC_PARAMS):
         width = TEXT_WIDTH_IN if len(panels) == 2 else COLUMN_WIDTH_IN
-        fig = _figure(width, 2.0 + _legend_rows_in(len(runset.labels), width))
+        fig = _figure(width, 2.0 + _legend_rows_in(runset.labels, width))
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
         for ax, (metric, title) in zip(axes, panels):
             table = agg.curve(runset, metric, x="step", alpha=alpha)
@@ -475,7 +485,7 @@ def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dp
         return out
     styles = series_styles(runset)
     with matplotlib.rc_context(RC_PARAMS):
-        fig = _figure(TEXT_WIDTH_IN, 2.0 + _legend_rows_in(len(runset.labels), TEXT_WIDTH_IN))
+        fig = _figure(TEXT_WIDTH_IN, 2.0 + _legend_rows_in(runset.labels, TEXT_WIDTH_IN))
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
         for ax, (metric, title, log) in zip(axes, panels):
             table = agg.curve(runset, metric, x="step", alpha=alpha)
@@ -568,7 +578,7 @@ def fig_decomposition(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOu
     styles = series_styles(runset)
     labels = [lab for lab in runset.labels if lab in set(table["label"])]
     with matplotlib.rc_context(RC_PARAMS):
-        fig = _figure(COLUMN_WIDTH_IN, 2.1 + _legend_rows_in(len(labels), COLUMN_WIDTH_IN))
+        fig = _figure(COLUMN_WIDTH_IN, 2.1 + _legend_rows_in(labels, COLUMN_WIDTH_IN))
         ax = fig.subplots()
         for label in labels:
             part = table[table["label"] == label].rename(columns={"minibatch": "x"})

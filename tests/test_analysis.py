@@ -499,3 +499,20 @@ def test_regimes_table_names_each_knob_setting_and_judges_each_arm(tmp_path):
     out = tmp_path / "regimes.md"
     assert regimes.main([str(search), "--out", str(out)]) == 0 and "| search | regime |" in out.read_text()
     assert regimes.main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_a_legend_of_long_labels_stays_inside_the_figure():
+    import matplotlib
+
+    from analysis.style import COLUMN_WIDTH_IN, RC_PARAMS
+
+    labels = [f"grpo + r2, model.name=paper_moe_l{depth}, minibatches={n}" for depth in (2, 4) for n in (2, 4, 8)]
+    styles = {label: figures.SeriesStyle(color="C0", linestyle="-", hatch="") for label in labels}
+    with matplotlib.rc_context(RC_PARAMS):
+        fig = figures._figure(COLUMN_WIDTH_IN, 2.1 + figures._legend_rows_in(labels, COLUMN_WIDTH_IN))
+        fig.subplots()
+        figures._legend(fig, labels, styles)
+        fig.canvas.draw()
+    box, legend = fig.bbox, fig.legends[0].get_window_extent()
+    assert box.x0 <= legend.x0 and legend.x1 <= box.x1, "the legend is cut off at the figure's sides"
+    assert box.y0 <= legend.y0, "the legend is cut off at the bottom"
