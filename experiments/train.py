@@ -56,13 +56,23 @@ class Interrupted(BaseException):
         self.exit_code = exit_code
 
 
+class _Commit:
+    """Whether a step is being committed, and the stop that arrived meanwhile (see `signals_held`)."""
+
+    active = False
+    pending: Interrupted | None = None
+
+
 @contextmanager
 def stop_signals() -> Iterator[None]:
     """Turn SIGTERM and SIGINT into `Interrupted` for the run inside; the previous handlers come back after."""
 
     def stop(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        raise Interrupted(name, 128 + signum)
+        interrupted = Interrupted(signal.Signals(signum).name, 128 + signum)
+        if _Commit.active:  # raised when the step is committed (signals_held)
+            _Commit.pending = _Commit.pending or interrupted
+            return
+        raise interrupted
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -74,14 +84,18 @@ def stop_signals() -> Iterator[None]:
 
 @contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGTERM and SIGINT while a step is committed (its log line written, then counted), so that an
-    interruption lands before or after the step, never between its line and the summary's count."""
-    held = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    """A step is committed (its log line written, then counted) whole: a stop that arrives meanwhile is raised
+    after it, never between its line and the summary's count. Blocking the signals on this thread is not enough:
+    the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python then runs
+    the handler on this thread at its next instruction, so the handler itself defers while a commit is active."""
+    _Commit.active, _Commit.pending = True, None
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        _Commit.active = False
+    if _Commit.pending is not None:
+        pending, _Commit.pending = _Commit.pending, None
+        raise pending
 
 
 def run_name(cfg: DictConfig) -> str:

@@ -141,6 +141,25 @@ def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monk
     assert len(list(sweep.glob("*/summary.json"))) == 1, "the second job ran"
 
 
+def test_a_stop_during_a_step_commit_lands_after_it_even_when_another_thread_takes_the_signal():
+    """The kernel may hand SIGTERM to any thread that does not block it; Python then runs the handler on the main
+    thread at once, which must not cut a commit (log line written, step not yet counted) in two."""
+    import threading
+
+    from experiments.train import Interrupted, signals_held, stop_signals
+
+    other = threading.Thread(target=time.sleep, args=(2,), daemon=True)  # a thread that does not block signals
+    other.start()
+    committed = []
+    with pytest.raises(Interrupted), stop_signals():
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10):  # the GIL released and taken back, as a log write does: where a handler would run
+                time.sleep(0.02)
+            committed.append("step")
+    assert committed == ["step"]
+
+
 def test_killing_a_joblib_sweep_ends_its_running_jobs_as_interrupted(tmp_path):
     """SIGKILL of the Hydra process leaves no orphaned worker training on: each running job ends as interrupted."""
     sweep = tmp_path / "sweep"
