@@ -114,7 +114,9 @@ def knobs(found: list[RunOutcome]) -> list[str]:
     """The config keys that differ between the runs: a regime is their setting. A key whose value follows from a
     key already named (`model.path` and `model.num_hidden_layers` from `model.name`) is left out: it says nothing
     more. Names (`*.name`) are tried first, so they are the ones kept."""
-    value = lambda run, k: json.dumps(run.config.get(k), default=str)  # noqa: E731
+    def value(run: RunOutcome, k: str) -> str:
+        return json.dumps(run.config.get(k), default=str)
+
     keys = sorted({k for run in found for k in run.config})
     varying = [
         k for k in keys

@@ -57,7 +57,7 @@ class Interrupted(BaseException):
 
 
 class _Commit:
-    """Whether a step is being committed, and the stop that arrived meanwhile (see `signals_held`)."""
+    """Whether a step is being committed, and the stop that arrived meanwhile (see `step_commit`)."""
 
     active = False
     pending: Interrupted | None = None
@@ -69,7 +69,7 @@ def stop_signals() -> Iterator[None]:
 
     def stop(signum: int, frame: Any) -> None:
         interrupted = Interrupted(signal.Signals(signum).name, 128 + signum)
-        if _Commit.active:  # raised when the step is committed (signals_held)
+        if _Commit.active:  # raised when the step is committed (step_commit)
             _Commit.pending = _Commit.pending or interrupted
             return
         raise interrupted
@@ -83,7 +83,7 @@ def stop_signals() -> Iterator[None]:
 
 
 @contextmanager
-def signals_held() -> Iterator[None]:
+def step_commit() -> Iterator[None]:
     """A step is committed (its log line written, then counted) whole: a stop that arrives meanwhile is raised
     after it, never between its line and the summary's count. Blocking the signals on this thread is not enough:
     the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python then runs
@@ -278,7 +278,7 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
             if t.eval_prompts and (last or (t.eval_every and trainer.step_index % t.eval_every == 0)):
                 record.update(trainer.evaluate())
             record["perf/elapsed_s"] = time.perf_counter() - start
-            with signals_held():
+            with step_commit():
                 logger.log(record)
                 history.append(record)
             if t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0:
