@@ -122,9 +122,10 @@ class RolloutEngine(ABC):
     @classmethod
     @abstractmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: "EngineNumerics",
-              ranks: Any) -> "RolloutEngine":
+              ranks: Any, records_routing: bool) -> "RolloutEngine":
         """The engine of a run: `model` is the trainer's policy (not yet sharded), `numerics` how the engine's
-        numbers should differ from it."""
+        numbers should differ from it, `records_routing` whether the loop will ask for its routing
+        (`StepPlan.engine_records_routing`)."""
 
     @abstractmethod
     def sample(
@@ -183,7 +184,7 @@ class HFEngine(RolloutEngine):
 
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
-              ranks: Any) -> "HFEngine":
+              ranks: Any, records_routing: bool) -> "HFEngine":
         return cls(model, tokenizer, numerics=numerics if numerics.differs else None, seed=cfg.seed,
                    synced=ranks.active)
 

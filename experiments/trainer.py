@@ -272,7 +272,8 @@ class RLTrainer:
         # same weights route identically and every measured drift comes from an update.
         self.model.to(self.device).eval()
         # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks.
-        self.engine = parts.engine.build(cfg, self.model, self.tokenizer, parts.numerics, ranks)
+        self.engine = parts.engine.build(cfg, self.model, self.tokenizer, parts.numerics, ranks,
+                                         parts.plan.engine_records_routing)
         if ranks.active:
             shard(self.model)
         self.reference = None

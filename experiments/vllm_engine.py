@@ -214,16 +214,14 @@ class VLLMEngine(RolloutEngine):
 
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
-              ranks: Any) -> "VLLMEngine":
+              ranks: Any, records_routing: bool) -> "VLLMEngine":
         t = cfg.trainer
         settings = cfg.rollout.vllm
         max_model_len = settings.max_model_len or derived_model_len(cfg, tokenizer, model)
-        # The loop asks a non-trainer engine for its routing whenever it tracks routing (experiments.config.StepPlan)
-        routing = cfg.routing.metrics or cfg.routing.replay != "none" or cfg.routing.decompose_every > 0
         return cls(
             model,
             tokenizer,
-            routing=routing,
+            routing=records_routing,
             precision=numerics.precision,
             path=cfg.model.path,
             seed=cfg.seed,
