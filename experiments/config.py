@@ -81,6 +81,10 @@ class RoutingConfig:
     # Every this many steps, split each off-policy token's log π_θ/π_old into its routing and weights parts with one
     # extra no-grad forward per off-policy minibatch (0: never).
     decompose_every: int = 0
+    # SYNTHETIC drift (models.routing.flip_routing): in π_θ's update forwards only, each activated expert is swapped,
+    # with this probability, for the one its router ranks next. Not in the rollout, π_old or evaluation; replay
+    # (r2, r3) overrides it. 0: off, and the step is exactly the unflipped one.
+    flip_rate: float = 0.0
 
 
 @dataclass
@@ -203,15 +207,20 @@ class SFTSettings:
     """Cold start: next-token training on task demonstrations until the held-out accuracy is useful."""
 
     max_steps: int = 600  # the budget that decides the checkpoint: the same on a loaded or an idle machine
-    max_seconds: float = 900.0  # safety stop only (an idle 2-core machine reaches the target in about 2 minutes)
+    # Safety stop only: a cold start it cuts short is not the documented checkpoint, and its summary says so.
+    max_seconds: float = 900.0
     batch_size: int = 128
-    lr: float = 1e-3
+    lr: float = 1e-3  # AdamW, peak (after the warm-up)
+    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps: deep narrow models diverge without one at lr 1e-3
+    lr_schedule: LRSchedule = LRSchedule.constant  # after the warm-up; linear / cosine decay reach 0 at max_steps
     weight_decay: float = 0.0
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this (RL needs reward variance)
     eval_every: int = 20  # SFT steps between held-out evaluations
     eval_prompts: int = 256
     output_dir: str = MISSING  # where save_pretrained writes the checkpoint and tokenizer
-    threads: int | None = None  # torch CPU threads; null: the cores other processes leave free (experiments/threads.py)
+    # torch CPU threads. Pinned, not following the free cores as RL runs do: reductions split over another number of
+    # threads round differently, and over hundreds of steps that is another checkpoint. null: the free cores.
+    threads: int | None = 1
 
 
 @dataclass
@@ -234,12 +243,14 @@ class StepPlan:
     track_routing: bool  # measure θ's routing against θ_old's in every update
     engine_is_trainer: bool  # the engine samples with the trainer's own module: μ_old is π_old's own numbers
     why: str  # one sentence on where π_old comes from
+    flip_rate: float = 0.0  # synthetic routing drift in the update forwards (routing.flip_rate)
 
     @property
     def first_minibatch_on_policy(self) -> bool:
         """π_old of the first minibatch is its own update forward: θ = θ_old there, and the same forward is what a
-        recompute would run (or, engine = trainer, what μ_old computed)."""
-        return self.pi_old == PiOld.decoupled or self.engine_is_trainer
+        recompute would run (or, engine = trainer, what μ_old computed). Not with synthetic flips: the update's
+        forward is then not θ_old's."""
+        return (self.pi_old == PiOld.decoupled or self.engine_is_trainer) and self.flip_rate == 0
 
     @property
     def engine_records_routing(self) -> bool:
@@ -249,8 +260,11 @@ class StepPlan:
         return self.replay == Replay.r3 or tracked
 
     def describe(self) -> dict[str, Any]:
-        return {"pi_old": self.pi_old, "pi_old_why": self.why, "minibatch_layout": self.layout,
-                "replay": self.replay, "first_minibatch_on_policy": self.first_minibatch_on_policy}
+        described = {"pi_old": self.pi_old, "pi_old_why": self.why, "minibatch_layout": self.layout,
+                     "replay": self.replay, "first_minibatch_on_policy": self.first_minibatch_on_policy}
+        if self.flip_rate:
+            described["synthetic_flip_rate"] = self.flip_rate
+        return described
 
 
 def unknown_keys(node: Any, prefix: str = "") -> list[str]:
@@ -337,6 +351,11 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
         raise ConfigError(f"routing.decompose_every={cfg.routing.decompose_every} must be >= 0 (0: never)")
     if cfg.routing.decompose_every and not is_moe:
         raise ConfigError(f"routing.decompose_every={cfg.routing.decompose_every} splits a routing part: needs an MoE model")
+    flip_rate = cfg.routing.flip_rate
+    if not (math.isfinite(flip_rate) and 0.0 <= flip_rate <= 1.0):
+        raise ConfigError(f"routing.flip_rate={flip_rate} must be a probability in [0, 1] (the share of experts flipped)")
+    if flip_rate and not is_moe:
+        raise ConfigError(f"routing.flip_rate={flip_rate} flips experts: needs an MoE model, and {cfg.model.name!r} is dense")
     engine_is_trainer = cfg.rollout.engine == Engine.hf and not RolloutConfig(**cfg.rollout).numerics().differs
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={cfg.device!r} but this machine has no CUDA device; use device=cpu")
@@ -349,6 +368,7 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
         track_routing=is_moe and (cfg.routing.metrics or replay != Replay.none or cfg.routing.decompose_every > 0),
         engine_is_trainer=engine_is_trainer,
         why=why,
+        flip_rate=float(flip_rate),
     )
 
 

@@ -37,6 +37,7 @@ from experiments.registry import ConfigError
 from experiments.scoring import position_ids
 from experiments.tasks import Example, build_task
 from experiments.threads import ThreadBudget
+from experiments.trainer import lr_lambda
 from models.policy import ModelConfig, build_policy
 
 register_configs()
@@ -77,6 +78,8 @@ def check_settings(cfg: DictConfig) -> None:
     for key in ("max_steps", "batch_size", "eval_every", "eval_prompts"):
         if s[key] < 1:
             raise ConfigError(f"sft.{key}={s[key]} must be >= 1")
+    if not 0 <= s.warmup_steps < s.max_steps:
+        raise ConfigError(f"sft.warmup_steps={s.warmup_steps} must be >= 0 and below sft.max_steps={s.max_steps}")
     for key in ("lr", "max_seconds"):
         if not (math.isfinite(s[key]) and s[key] > 0):
             raise ConfigError(f"sft.{key}={s[key]} must be a finite number > 0")
@@ -112,11 +115,12 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     model.to(device)
     train, test = task.examples("train"), task.examples("test")[: s.eval_prompts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s.lr_schedule, s.warmup_steps, s.max_steps))
     generator = torch.Generator().manual_seed(cfg.seed)
     name = f"sft-{cfg.model.name}-{cfg.dataset.name}"
     logger = RunLogger(claimed.path, cfg, name, ["sft", f"model:{cfg.model.name}"], None)
     start = time.perf_counter()
-    accuracy, step, loss_value = 0.0, 0, float("nan")
+    accuracy, step, loss_value, out_of_time = 0.0, 0, float("nan"), False
     bar = tqdm(total=s.max_steps, desc=name, unit="step", dynamic_ncols=True)
     try:
         while step < s.max_steps:
@@ -135,6 +139,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             optimizer.step()
+            scheduler.step()
             loss_value = float(out.loss.detach())
             threads.end()
             elapsed = time.perf_counter() - start
@@ -167,10 +172,18 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         "eval_greedy_accuracy": accuracy,
         "target_accuracy": s.target_accuracy,
         "reached_target": accuracy >= s.target_accuracy,
+        # what ended it: the target (or max_steps) are the recipe; the time limit is not, and the summary says so
+        "stopped_by": "max_seconds" if out_of_time else "target_accuracy" if accuracy >= s.target_accuracy else "max_steps",
+        "threads": s.threads,
         "checkpoint": str(output_dir),
     }
     (output_dir / "cold_start.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.finish(summary)
+    if out_of_time:
+        warnings.warn(
+            f"cold start stopped by sft.max_seconds={s.max_seconds:g} after {step} steps: this checkpoint depends on "
+            "the machine's speed, not only on the command; raise sft.max_seconds to get the documented one"
+        )
     if not summary["reached_target"]:
         warnings.warn(
             f"cold start stopped at {accuracy:.1%} held-out accuracy, below sft.target_accuracy={s.target_accuracy}: "

@@ -24,6 +24,7 @@ against θ_old's, after j updates, is measured on the same tokens at no extra fo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -49,7 +50,7 @@ from experiments.scoring import FED, Scores, score_responses
 from experiments.tasks import Example, Task, build_task
 from experiments.threads import ThreadBudget
 from models.policy import DTYPES, ModelConfig, build_policy, is_moe, model_config
-from models.routing import NO_ROUTE, RoutingTrace, find_routers, load_max_violation, routing_drift
+from models.routing import NO_ROUTE, RoutingTrace, find_routers, flip_routing, load_max_violation, routing_drift
 from models.tokenizer import build_char_tokenizer
 
 
@@ -85,6 +86,7 @@ class OldPolicy:
     ref_logp: torch.Tensor | None = None
 
 
+FLIP_STREAM = 0x5EED  # offsets the flips' seed from the step's: their draws are not the sampler's draws
 DRIFT_KEYS = ("routing/expert_change_frac", "routing/token_any_change_frac")  # drift since θ_old, per minibatch
 
 
@@ -296,6 +298,7 @@ class RLTrainer:
             self.optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps * t.minibatches)
         )
         self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.flip_generator = torch.Generator()  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
         self.step_index = 0
         self.tokens_seen = 0
         self.skipped_updates = 0
@@ -311,6 +314,7 @@ class RLTrainer:
         seed = step_seed(self.cfg.seed, self.step_index, self.ranks.rank)
         torch.manual_seed(seed)
         self.generator.manual_seed(seed)
+        self.flip_generator.manual_seed(seed + FLIP_STREAM)
         self.engine.reseed(seed)
         threads = self.threads.threads
         self.threads.begin()
@@ -406,19 +410,21 @@ class RLTrainer:
         aux_coef = t.router_aux_loss_coef
         track = self.plan.track_routing
         self.optimizer.zero_grad(set_to_none=True)
-        scores = self._score(
-            self.model,
-            mb,
-            aux_loss=aux_coef > 0 or track,
-            aux_loss_grad=aux_coef > 0,  # otherwise only logged
-            record=track and old.replay is None,
-            replay=old.replay.to(self.device) if old.replay is not None else None,
-            fragile_margin=self.cfg.routing.margin_threshold if track else None,
-        )
+        with self.flips() as flips:
+            scores = self._score(
+                self.model,
+                mb,
+                aux_loss=aux_coef > 0 or track,
+                aux_loss_grad=aux_coef > 0,  # otherwise only logged
+                record=track and old.replay is None,
+                replay=old.replay.to(self.device) if old.replay is not None else None,
+                fragile_margin=self.cfg.routing.margin_threshold if track else None,
+            )
         pi_old_logp = scores.logp.detach() if old.on_policy else old.logp
         # The trainer's own numbers at θ_old, where the step has them: the first minibatch's forward (θ = θ_old
-        # there), or the decoupled recompute; under bypass π_old is μ_old itself on later minibatches.
-        trainer_at_old = scores.logp.detach() if mb.index == 0 else (old.logp if self.plan.pi_old == PiOld.decoupled else None)
+        # there, unless synthetic flips changed it), or the decoupled recompute; under bypass π_old is μ_old itself.
+        first_is_old = mb.index == 0 and not self.plan.flip_rate
+        trainer_at_old = scores.logp.detach() if first_is_old else (old.logp if self.plan.pi_old == PiOld.decoupled else None)
         inputs = dict(old_logp=pi_old_logp, advantages=mb.advantages, mask=mb.response_mask, ref_logp=old.ref_logp,
                       rollout_logp=mb.mu_logp)
         correction_inputs = None
@@ -456,6 +462,8 @@ class RLTrainer:
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
         if scores.aux_loss_value is not None:
             metrics["moe/aux_loss"] = scores.aux_loss_value
+        if flips is not None:
+            metrics["routing/synthetic_flip_frac"] = reduce(flips.share, self.ranks) / self.ranks.world
         if track:
             metrics.update(self._routing_metrics(mb, old, scores, pi_old_logp))
         self._apply(finite_loss and math.isfinite(grad_norm))
@@ -482,7 +490,8 @@ class RLTrainer:
         fed = reduce(float(mb.attention_mask[:, FED].sum()), self.ranks)  # the weight of each rank's fragility means
         mine = float(mb.attention_mask[:, FED].sum())
         metrics.update({name: reduce(value * mine, self.ranks) / fed for name, value in scores.router_stats.items()})
-        trainer_routes = own if mb.index == 0 else (traces(old.routes) if self.plan.pi_old == PiOld.decoupled else None)
+        first_is_old = mb.index == 0 and not self.plan.flip_rate
+        trainer_routes = own if first_is_old else (traces(old.routes) if self.plan.pi_old == PiOld.decoupled else None)
         if mb.engine_routes is not None and trainer_routes is not None:
             metrics.update(routing_mismatch(traces(mb.engine_routes), trainer_routes, token_mask))
         every = self.cfg.routing.decompose_every
@@ -500,10 +509,18 @@ class RLTrainer:
         if old.replay is None:
             own, replayed = logp, self._score(self.model, mb, replay=old.routes.to(self.device)).logp
         else:
-            own, replayed = self._score(self.model, mb).logp, logp
+            with self.flips():  # the counterfactual without replay drifts as the update's own routing would
+                own = self._score(self.model, mb).logp
+            replayed = logp
         rows = lambda tensor: gather(tensor, self.ranks)  # noqa: E731
         return decomposition_metrics(rows(own - replayed), rows(replayed - pi_old_logp),
                                      gather(mb.response_mask, self.ranks, fill=False))
+
+    def flips(self) -> contextlib.AbstractContextManager:
+        """The synthetic flips of π_θ's update forwards (`routing.flip_rate`), yielding their handle; or nothing."""
+        if not self.plan.flip_rate:
+            return contextlib.nullcontext()
+        return flip_routing(self.model, self.plan.flip_rate, self.flip_generator)
 
     def _apply(self, finite: bool) -> None:
         """Take the optimizer step, or refuse a non-finite one: one bad batch must not poison every parameter."""

@@ -17,6 +17,7 @@ speed and, at float rounding, the exact numbers.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from enum import StrEnum
@@ -81,6 +82,10 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k gate weights, as Qwen3-30B-A3B
     max_position_embeddings: int = 256
     router_init_std: float = 0.3  # std of the router weights at init: decisive routing from step 0
+    # Scale the init std of every residual branch's output projection (attention's o_proj, the experts' down_proj,
+    # the dense MLP's down_proj) by 1/sqrt(2 x layers), as GPT-2 (Radford et al. 2019, §2.3): the residual stream's
+    # variance at init then stays flat with depth instead of growing with it, which deep narrow models need to train.
+    depth_scaled_init: bool = False
     init_seed: int = 0  # weights of a model built in code depend on this seed only, not on the run's seed
     experts_implementation: ExpertsImplementation = ExpertsImplementation.sorted_mm  # grouped_mm's arithmetic, cheaper on CPU
     moe_backend: MoEBackend = MoEBackend.hf  # hf | torch_dmoe | megablocks (models.moe_backend)
@@ -196,6 +201,16 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
     )
 
 
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.down_proj.weight")
+
+
+def scale_residual_outputs(model: PreTrainedModel, std: float) -> None:
+    """Re-draw the weights that write into the residual stream (`RESIDUAL_OUTPUTS` of every layer) with `std`."""
+    for name, weight in model.named_parameters():
+        if name.endswith(RESIDUAL_OUTPUTS):
+            torch.nn.init.normal_(weight, mean=0.0, std=std)
+
+
 def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Build (or load) the policy and its tokenizer on CPU, in `cfg.dtype`; the caller moves it to a device."""
     model_config(cfg)
@@ -208,6 +223,8 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
             model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
             for router in find_routers(model).values():
                 torch.nn.init.normal_(router.weight, mean=0.0, std=cfg.router_init_std)
+            if cfg.depth_scaled_init:
+                scale_residual_outputs(model, config.initializer_range / math.sqrt(2 * cfg.num_hidden_layers))
         model = model.to(dtype)
     else:
         model, tokenizer = _load_checkpoint(cfg, dtype)

@@ -16,7 +16,7 @@ from experiments.tasks.gsm8k import extract_final_number, normalize_number
 from models.tokenizer import ALPHABET
 
 CONF_DATASET = Path(__file__).resolve().parents[1] / "conf" / "dataset"
-SYNTHETIC = ["addition", "sorting"]
+SYNTHETIC = ["addition", "sorting", "scratchpad"]
 SMALL = {"train_size": 300, "test_size": 50}
 
 
@@ -69,6 +69,29 @@ def test_addition_answers_are_the_sums() -> None:
         assert a == str(int(a)) and b == str(int(b))  # no leading zeros
 
 
+@pytest.mark.parametrize(
+    "completion, reward",
+    [("21119060", 1.0), ("21119061", 0.5 * 7 / 8), ("2111", 0.25), ("", 0.0), ("211190600", 0.5), ("12111906", 0.125)],
+)
+def test_scratchpad_reward(completion: str, reward: float) -> None:
+    task = build_task("scratchpad", digits=4, **SMALL)
+    assert task.reward(completion, example("21119060")) == pytest.approx(reward)
+    assert task.is_correct(completion, example("21119060")) == (reward == 1.0)
+
+
+def test_scratchpad_answers_add_the_columns_with_their_carries() -> None:
+    for ex in build_task("scratchpad", digits=6, **SMALL).examples("train"):
+        columns = ex.prompt.removesuffix("=")
+        a, b = int(columns[0::2][::-1]), int(columns[1::2][::-1])  # least significant column first
+        digits, carries = ex.answer[0::2], ex.answer[1::2]
+        assert len(ex.answer) == 12 and set(carries) <= {"0", "1"}
+        assert int(carries[-1] + digits[::-1]) == a + b
+        carry_in = [0] + [int(c) for c in carries[:-1]]
+        for i in range(6):
+            total = int(columns[2 * i]) + int(columns[2 * i + 1]) + carry_in[i]
+            assert (int(digits[i]), int(carries[i])) == (total % 10, total // 10)
+
+
 def test_sorting_answers_are_sorted_prompts() -> None:
     for ex in build_task("sorting", length=6, **SMALL).examples("train"):
         digits = ex.prompt.removeprefix("sort ").removesuffix("=")
@@ -115,6 +138,9 @@ def test_difficulty_knobs_change_lengths() -> None:
     for length in (2, 7):
         for ex in build_task("sorting", length=length, **SMALL).examples("test"):
             assert len(ex.answer) == length
+    for digits in (2, 16, 64):
+        for ex in build_task("scratchpad", digits=digits, **SMALL).examples("test"):
+            assert (len(ex.prompt), len(ex.answer)) == (2 * digits + 1, 2 * digits)
 
 
 @pytest.mark.parametrize("name", SYNTHETIC)
@@ -134,6 +160,7 @@ def test_synthetic_text_fits_the_character_tokenizer(name: str) -> None:
         ("addition", {"digits": "2"}, "digits='2' must be of type int"),
         ("addition", {"digits": True}, "digits=True must be of type int"),
         ("sorting", {"length": 1}, "sorting.length=1"),
+        ("scratchpad", {"digits": 1}, "scratchpad.digits=1"),
         ("gsm8k", {"prompt_template": "Q: {q}"}, "prompt_template"),
         ("gsm8k", {"prompt_template": "Q: no field"}, "prompt_template"),
         ("gsm8k", {"max_examples": 0}, "max_examples=0"),
@@ -268,7 +295,7 @@ def test_registry_has_the_tasks() -> None:
 
 
 def test_build_task_unknown_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'additon'; valid names: addition, gsm8k, sorting"):
+    with pytest.raises(ValueError, match=r"unknown task 'additon'; valid names: addition, gsm8k, scratchpad, sorting"):
         build_task("additon")
 
 

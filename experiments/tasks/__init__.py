@@ -8,6 +8,6 @@ from experiments.tasks.base import Example, Task
 from experiments.tasks.registry import TASKS, build_task
 
 # Imported for their registration side effect.
-from experiments.tasks import addition, gsm8k, sorting  # noqa: E402,F401  isort: skip
+from experiments.tasks import addition, gsm8k, scratchpad, sorting  # noqa: E402,F401  isort: skip
 
 __all__ = ["Example", "Task", "TASKS", "build_task"]
