@@ -233,6 +233,24 @@ class SFTConfig:
     device: str = "cpu"
 
 
+@dataclass
+class ProbeSettings:
+    """What the probe varies and how long it runs each setting."""
+
+    lrs: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3])  # one short RL run from a fresh AdamW each
+    warm_steps: int = 4  # RL steps before measuring (x trainer.minibatches updates): Adam's moments settle
+    measure_steps: int = 2  # RL steps whose statistics are averaged
+    # Engine precisions whose routing disagreement with the fp32 trainer is measured at the cold start's weights.
+    precisions: list[Precision] = field(default_factory=lambda: [Precision.bf16])
+
+
+@dataclass
+class ProbeConfig(TrainConfig):
+    """`python -m experiments.probe`: an RL run's settings, and what the probe varies over them."""
+
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """How every RL step of a run gets its numbers, decided once at start-up and recorded in `summary.json`."""
@@ -452,6 +470,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="sft_schema", node=SFTConfig)
+    cs.store(name="probe_schema", node=ProbeConfig)
     _store_group(cs, "algo", OBJECTIVES, lambda cls: [("advantage_std", bool, cls.advantage_std)])
     _store_group(cs, "dataset", TASKS, lambda cls: [])
     _store_group(cs, "correction", CORRECTIONS, lambda cls: [])

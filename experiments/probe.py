@@ -1,0 +1,210 @@
+"""`python -m experiments.probe`: how far one RL update moves a cold start's routing, and what share of the ratio
+noise that is — measured in about a minute, without training to the end.
+
+For the cold start at `model.path` and each learning rate of `probe.lrs`, the probe runs a short RL run from a fresh
+AdamW with the configured objective on the model's own samples (`experiments.trainer.RLTrainer`, the same step as
+every run): `probe.warm_steps` steps first, so that Adam's moments reach their steady state (a fresh optimizer's
+first update moves routing 2-3x more than a warm one's), then `probe.measure_steps` steps whose statistics it
+averages:
+
+- drift after one update, the GSPO paper's statistic: the share of activated experts of minibatch 1's tokens that
+  differ between θ_old and θ after minibatch 0's update (`routing/expert_change_per_update`), per layer, and the
+  share of tokens with a changed expert in any layer;
+- the routing share of Var(log π_θ/π_old) over the off-policy minibatches (`decompose/routing_share`, one extra
+  forward each: the routing part log π_θ(θ's experts) − log π_θ(θ_old's experts) against the whole log-ratio);
+- the routers' margins and fragility (`routing/margin`: gap between the k-th and (k+1)-th expert probability;
+  `routing/fragile_frac`: share of tokens with a gap below `routing.margin_threshold`; `routing/topk_mass`);
+- the token- and sequence-level ratio variance, the clipped share, the response length.
+
+Then, for each engine precision of `probe.precisions`, one step with the rollout engine computing in it: the share
+of activated experts on which that engine and the fp32 trainer disagree at the same weights
+(`mismatch/expert_frac`, training–inference mismatch of routing, which R3 removes and drift is set against).
+
+The run directory gets `metrics.jsonl` (every step, tagged `probe/lr` and `probe/phase`) and `summary.json` (one
+entry per setting: what `analysis.drift_law` fits), and the table is printed.
+
+    python -m experiments.probe model=qwen30b_l16                       # the cold start of qwen30b_l16 on addition
+    python -m experiments.probe -m model=qwen30b_l16,qwen30b_l32 dataset=addition,scratchpad
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from experiments import rundir
+from experiments.config import register_configs
+from experiments.engine import Precision
+from experiments.logger import RunLogger
+from experiments.registry import ConfigError
+from experiments.trainer import RLTrainer
+from models.policy import describe_policy
+
+# What a setting reports: the mean over its measured steps of each of these step-level metrics (and every per-layer
+# drift), where the step logged it.
+REPORTED = (
+    "routing/expert_change_per_update", "routing/token_any_change_per_update", "decompose/routing_share",
+    "decompose/routing_var", "decompose/weights_var", "decompose/total_var", "routing/margin", "routing/fragile_frac",
+    "routing/topk_mass", "ratio/token_var", "ratio/seq_var", "clip/token_frac", "kl/old_k3", "response/length_mean",
+    "reward/mean", "policy/entropy",
+)
+PER_LAYER_DRIFT = "routing/expert_change_per_update/layer_"
+MISMATCH = ("mismatch/expert_frac", "mismatch/token_any_expert_frac", "mismatch/kl_k3")
+
+
+def check_probe(cfg: DictConfig) -> None:
+    p = cfg.probe
+    if not p.lrs or any(not lr > 0 for lr in p.lrs):
+        raise ConfigError(f"probe.lrs={list(p.lrs)} must be a non-empty list of learning rates > 0")
+    if p.warm_steps < 0 or p.measure_steps < 1:
+        raise ConfigError(f"probe.warm_steps={p.warm_steps} must be >= 0 and probe.measure_steps={p.measure_steps} >= 1")
+    if cfg.trainer.minibatches < 2:
+        raise ConfigError(
+            f"trainer.minibatches={cfg.trainer.minibatches}: the drift after one update is measured on minibatch 1, "
+            "so the probe needs at least 2"
+        )
+    if cfg.routing.replay != "none":
+        raise ConfigError(f"routing.replay={cfg.routing.replay}: the probe measures the drift and routing share that "
+                          "replay would remove; run it with routing.replay=none")
+    if cfg.rollout.precision != Precision.fp32:
+        raise ConfigError(f"rollout.precision={cfg.rollout.precision}: the probe's RL runs sample with the fp32 "
+                          "trainer; engine precisions are probe.precisions")
+
+
+def setting_config(cfg: DictConfig, lr: float, steps: int, precision: Precision = Precision.fp32) -> DictConfig:
+    """The configuration of one of the probe's short RL runs."""
+    run = copy.deepcopy(cfg)
+    run.trainer.lr = lr
+    run.trainer.steps = steps
+    run.rollout.precision = precision
+    run.routing.metrics = True
+    run.routing.decompose_every = 1
+    return run
+
+
+def mean_over(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def measure(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reported means of the measured steps; `drift_per_layer` in layer order."""
+    result = {key: mean_over(records, key) for key in REPORTED}
+    layers = sorted((int(k.removeprefix(PER_LAYER_DRIFT)) for k in records[0] if k.startswith(PER_LAYER_DRIFT)))
+    result["drift_per_layer"] = [mean_over(records, f"{PER_LAYER_DRIFT}{i}") for i in layers]
+    return result
+
+
+def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str, Any]:
+    """Every setting of the probe, logged into `run_dir`; returns the summary."""
+    try:
+        check_probe(cfg)
+        claimed = rundir.claim(run_dir, cfg, hydra_cfg)
+    except ConfigError as error:
+        raise SystemExit(f"moe-rl-lab: {error}") from None
+    p = cfg.probe
+    name = f"probe-{cfg.model.name}-{cfg.dataset.name}"
+    logger = RunLogger(run_dir, cfg, name, ["probe", f"model:{cfg.model.name}"], None)
+    start = time.perf_counter()
+    settings, mismatches, policy = [], [], None
+    steps = p.warm_steps + p.measure_steps
+    bar = tqdm(total=len(p.lrs) * steps + len(p.precisions), desc=name, unit="step", dynamic_ncols=True)
+    try:
+        for lr in p.lrs:
+            try:
+                trainer = RLTrainer(setting_config(cfg, lr, steps))
+            except ConfigError as error:
+                raise SystemExit(f"moe-rl-lab: {error}") from None
+            policy = policy or describe_policy(trainer.model)
+            records = []
+            for step in range(steps):
+                record = trainer.step()
+                phase = "warm" if step < p.warm_steps else "measure"
+                logger.log({**record, "probe/lr": lr, "probe/phase": phase})
+                records.append(record)
+                bar.update(1)
+            settings.append({"lr": lr, **measure(records[p.warm_steps:])})
+        for precision in p.precisions:
+            trainer = RLTrainer(setting_config(cfg, p.lrs[0], 1, Precision(precision)))
+            record = trainer.step()
+            logger.log({**record, "probe/lr": p.lrs[0], "probe/phase": f"precision_{precision}"})
+            mismatches.append({"precision": str(precision), **{key: record.get(key) for key in MISMATCH}})
+            bar.update(1)
+    except BaseException:
+        bar.close()
+        logger.abort()
+        claimed.release()
+        raise
+    bar.close()
+    summary = {
+        "status": "finished",
+        "run": name,
+        "run_dir": str(run_dir),
+        "wall_s": time.perf_counter() - start,
+        "model": cfg.model.name,
+        "model_path": cfg.model.path,
+        "cold_start": cold_start_record(cfg.model.path),
+        "dataset": dict(cfg.dataset),
+        "algo": cfg.algo.name,
+        "policy": policy,
+        "warm_steps": p.warm_steps,
+        "measure_steps": p.measure_steps,
+        "minibatches": cfg.trainer.minibatches,
+        "settings": settings,
+        "precision_mismatch": mismatches,
+    }
+    logger.finish(summary)
+    claimed.release()
+    print(table(summary))
+    return summary
+
+
+def cold_start_record(path: str | None) -> dict[str, Any] | None:
+    """What the cold start's own summary says (steps, held-out accuracy), when the checkpoint has one."""
+    record = Path(path) / "cold_start.json" if path else None
+    return json.loads(record.read_text()) if record is not None and record.is_file() else None
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The probe's findings as a few plain lines."""
+    lines = [f"{summary['run']} ({summary['policy']['num_moe_layers']} MoE layers, {summary['policy']['num_experts']} "
+             f"experts, top-{summary['policy']['num_experts_per_tok']}): {summary['wall_s']:.0f} s"]
+    lines.append(f"{'lr':>8}  {'drift/update':>12}  {'routing share':>13}  {'margin':>7}  {'fragile':>7}  "
+                 f"{'token ratio var':>15}  {'length':>6}")
+    for s in summary["settings"]:
+        lines.append(
+            f"{s['lr']:>8.0e}  {_pct(s['routing/expert_change_per_update']):>12}  {_pct(s['decompose/routing_share']):>13}"
+            f"  {_num(s['routing/margin']):>7}  {_pct(s['routing/fragile_frac']):>7}  {_num(s['ratio/token_var']):>15}"
+            f"  {_num(s['response/length_mean']):>6}"
+        )
+    for m in summary["precision_mismatch"]:
+        lines.append(f"engine in {m['precision']}: {_pct(m['mismatch/expert_frac'])} of activated experts differ from "
+                     "the fp32 trainer's at the same weights")
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2%}"
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="probe")
+def main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run_probe(cfg, Path(hydra_cfg.runtime.output_dir), hydra_cfg)
+
+
+register_configs()
+if __name__ == "__main__":
+    main()

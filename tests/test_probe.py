@@ -1,0 +1,60 @@
+"""The drift probe (`python -m experiments.probe`) on the micro MoE: a setting per learning rate with the drift after
+one update per layer, the routing share and the routers' margins; the engine-precision entries; bad settings."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.config import PROJECT_ROOT
+from experiments.probe import run_probe
+from tests.conftest import MICRO_RUN
+
+PROBE_RUN = [o for o in MICRO_RUN if not o.startswith("trainer.steps=")] + ["model.path=null", "probe.warm_steps=1"]
+
+
+def compose_probe(*overrides: str):
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        return compose("probe", overrides=[*PROBE_RUN, *overrides])
+
+
+def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_path):
+    summary = run_probe(compose_probe("probe.lrs=[1e-4,3e-2]", "probe.precisions=[bf16,fp16]"), tmp_path)
+    low, high = summary["settings"]
+    assert [low["lr"], high["lr"]] == [1e-4, 3e-2]
+    for setting in (low, high):
+        assert len(setting["drift_per_layer"]) == 2
+        assert setting["routing/expert_change_per_update"] == pytest.approx(sum(setting["drift_per_layer"]) / 2)
+        assert math.isfinite(setting["decompose/routing_share"]) and setting["routing/margin"] > 0
+    # a step 300x larger moves more experts: the probe's drift follows the update, not the sampling
+    assert high["routing/expert_change_per_update"] > low["routing/expert_change_per_update"]
+    assert [m["precision"] for m in summary["precision_mismatch"]] == ["bf16", "fp16"]
+    assert all(0 <= m["mismatch/expert_frac"] <= 1 for m in summary["precision_mismatch"])
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # warm and measured steps of both rates, then one step per engine precision
+    assert [line["probe/phase"] for line in lines] == ["warm", "measure", "measure"] * 2 + ["precision_bf16", "precision_fp16"]
+    assert json.loads((tmp_path / "summary.json").read_text())["settings"][1]["lr"] == 3e-2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("probe.lrs=[]", "probe.lrs=[] must be a non-empty list of learning rates > 0"),
+        ("probe.measure_steps=0", "probe.measure_steps=0 >= 1"),
+        ("trainer.minibatches=1", "trainer.minibatches=1: the drift after one update is measured on minibatch 1"),
+        ("routing.replay=r2", "routing.replay=r2: the probe measures the drift and routing share that replay"),
+    ],
+)
+def test_bad_probe_settings_are_refused_in_one_line(tmp_path, override, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.probe", *PROBE_RUN, override, f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 1
+    assert message in result.stderr.strip().splitlines()[-1]
+    assert result.stderr.strip().splitlines()[-1].startswith("moe-rl-lab: ")
