@@ -12,13 +12,14 @@ as the share of activated experts that changed since θ_old (§5.7.1, the GSPO p
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import numpy as np
 import pandas as pd
 
-from analysis.load import RunSet
+from analysis.load import RunSet, ignored_key
 
 EMA_ALPHA = 0.3
 LAST_N = 10
@@ -373,3 +374,61 @@ def early_warning(runset: RunSet, drop: float = COLLAPSE_DROP, alpha: float = EM
             row[f"{metric}_lead"] = row["collapse_step"] - moved if collapsed else math.nan
         rows.append(row)
     return pd.DataFrame(rows, columns=None if rows else ["run", "label", "collapsed", "collapse_step"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a sweep varied: held-out accuracy gained from each run's own start, against the swept knobs
+# ---------------------------------------------------------------------------------------------------------------
+
+EVAL_GREEDY = "eval/greedy_accuracy"  # the starting policy's evaluation is its point at step 0 (analysis.load)
+# Config keys that are never a sweep's axis: who the run is (algorithm and replay make the arm; the seed is
+# averaged over) and what an arm implies or a run records about itself.
+_NOT_AXES = ("algo.name", "routing.replay", "rollout.precision", "seed")
+
+
+def arm_of(cfg: dict) -> str:
+    """The arm: objective and replay, and the engine's precision when it is not the trainer's fp32."""
+    arm = str(cfg.get("algo.name", "unknown"))
+    if cfg.get("routing.replay", "none") != "none":
+        arm += f" + {cfg['routing.replay']}"
+    if cfg.get("rollout.precision", "fp32") != "fp32":
+        arm += f" ({cfg['rollout.precision']} engine)"
+    return arm
+
+
+def sweep_axes(runset: RunSet) -> list[str]:
+    """The numeric config keys a sweep varied within at least one arm (an arm's own settings are not axes), in
+    sorted order. Categorical keys (a model's name, a path) are left out: a numeric key varies with them."""
+    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    by_arm: dict[str, list[dict]] = {}
+    for cfg in configs.values():
+        by_arm.setdefault(arm_of(cfg), []).append(cfg)
+    keys = sorted({k for cfg in configs.values() for k in cfg})
+    axes = []
+    for key in keys:
+        if key in _NOT_AXES or ignored_key(key):
+            continue
+        values = [cfg.get(key) for cfg in configs.values()]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            continue
+        if any(len({cfg.get(key) for cfg in arm}) > 1 for arm in by_arm.values()):
+            axes.append(key)
+    return axes
+
+
+def accuracy_gain(runset: RunSet) -> pd.DataFrame:
+    """Per run: its arm, the swept axes' values, held-out greedy accuracy at the start and at its last evaluation,
+    and the gain (end − start). Runs without both evaluations are left out."""
+    evaluations = runset.metric(EVAL_GREEDY).sort_values("step")
+    start = evaluations[evaluations["step"] == 0].groupby("run")["value"].first()
+    end = evaluations[evaluations["step"] > 0].groupby("run")["value"].last()
+    axes = sweep_axes(runset)
+    rows = []
+    for row in runset.runs.itertuples():
+        if row.run not in start.index or row.run not in end.index:
+            continue
+        cfg = json.loads(row.config)
+        rows.append({"run": row.run, "arm": arm_of(cfg), "seed": row.seed, **{key: cfg.get(key) for key in axes},
+                     "start": start[row.run], "end": end[row.run], "gain": end[row.run] - start[row.run],
+                     "incomplete": row.incomplete})
+    return pd.DataFrame(rows, columns=["run", "arm", "seed", *axes, "start", "end", "gain", "incomplete"])

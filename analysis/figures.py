@@ -598,10 +598,107 @@ def fig_decomposition(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOu
     return out
 
 
+def _axis_label(key: str) -> str:
+    return {"trainer.lr": "learning rate", "routing.flip_rate": "synthetic flip rate p (SYNTHETIC)",
+            "model.num_hidden_layers": "MoE layers", "trainer.minibatches": "minibatches N",
+            "dataset.digits": "digits (answer length)", "rollout.router_noise": "engine router noise σ"}.get(key, key)
+
+
+def _arm_color(arm: str) -> tuple[str, str]:
+    algo = arm.split(" ")[0]
+    replay = arm.split(" + ")[1].split(" ")[0] if " + " in arm else "none"
+    return algo_color(algo), replay_linestyle(replay)
+
+
+def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+    """Held-out greedy accuracy gained from each run's start against what the sweep varied: one line per arm for one
+    swept knob, a grid per arm (the phase diagram) for two."""
+    out = FigureOutput("0", "fig0_sweep_response", "Held-out accuracy gained, against what the sweep varied", "")
+    gains = agg.accuracy_gain(runset)
+    axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
+    if gains.empty or not axes:
+        out.notes.append("The runs vary no numeric setting within an arm (or were not evaluated at start and end): "
+                         "there is no sweep axis to draw the gain against; Figure 1 compares the arms.")
+        return out
+    if len(axes) > 2:
+        out.notes.append(f"The sweep varies {len(axes)} settings ({', '.join(axes)}); the first two are drawn, "
+                         "averaging over the others.")
+    arms = list(dict.fromkeys(sorted(gains["arm"], key=lambda a: (a.split(" ")[0] != "grpo", a))))
+    synthetic = "routing.flip_rate" in axes[:2]
+    with matplotlib.rc_context(RC_PARAMS):
+        if len(axes) == 1:
+            _gain_lines(out, gains, axes[0], arms, out_dir, dpi)
+        else:
+            _gain_grids(out, gains, axes[0], axes[1], arms, out_dir, dpi)
+    seeds = ", ".join(sorted(set(gains["seed"]), key=lambda s: (len(s), s)))
+    out.caption += f" Seeds: {seeds}." + (" The flips are a SYNTHETIC intervention (routing.flip_rate): they "
+                                          "imitate routing drift in π_θ's update forwards only." if synthetic else "")
+    return out
+
+
+def _gain_lines(out: FigureOutput, gains: pd.DataFrame, axis: str, arms: list[str], out_dir: Path, dpi: int) -> None:
+    values = sorted(gains[axis].unique())
+    fig = _figure(COLUMN_WIDTH_IN, 2.2 + 0.14 * math.ceil(len(arms) / 2))
+    ax = fig.subplots()
+    handles = []
+    for arm in arms:
+        color, style = _arm_color(arm)
+        part = gains[gains["arm"] == arm]
+        x = [values.index(v) for v in part[axis]]
+        ax.scatter(x, part["gain"], s=6, color=color, alpha=0.5, linewidths=0)
+        mean = part.groupby(axis)["gain"].mean()
+        ax.plot([values.index(v) for v in mean.index], mean.to_numpy(), color=color, linestyle=style, marker="o",
+                markersize=2.5)
+        handles.append((Line2D([], [], color=color, linestyle=style, marker="o", markersize=2.5), arm))
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xticks(range(len(values)), [f"{v:g}" for v in values])
+    ax.set_xlabel(_axis_label(axis))
+    ax.set_ylabel("held-out greedy acc., end − start")
+    fig.legend([h for h, _ in handles], [n for _, n in handles], loc="outside lower center",
+               ncols=min(len(handles), 2), frameon=False)
+    out.files = _save(fig, out_dir, out.name, dpi)
+    out.caption = (f"Each run's held-out greedy accuracy at its last evaluation minus at its start (same prompts), "
+                   f"against {_axis_label(axis)}: one dot per seed, the line through the means.")
+
+
+def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str, arms: list[str], out_dir: Path,
+                dpi: int) -> None:
+    xs, ys = sorted(gains[x_axis].unique()), sorted(gains[y_axis].unique())
+    columns = min(len(arms), 4)
+    rows = math.ceil(len(arms) / columns)
+    fig = _figure(TEXT_WIDTH_IN, 0.4 + 1.9 * rows)
+    grid = fig.subplots(rows, columns, squeeze=False)
+    limit = max(0.05, float(gains["gain"].abs().max()))
+    image = None
+    for index, arm in enumerate(arms):
+        ax = grid[index // columns][index % columns]
+        table = gains[gains["arm"] == arm].groupby([y_axis, x_axis])["gain"].agg(["mean", "count"])
+        values = np.full((len(ys), len(xs)), np.nan)
+        for (y, x), row in table.iterrows():
+            values[ys.index(y), xs.index(x)] = row["mean"]
+            ax.text(xs.index(x), ys.index(y), f"{row['mean']:+.2f}\n({int(row['count'])})", ha="center",
+                    va="center", fontsize=5)
+        image = ax.imshow(values, cmap="RdBu", vmin=-limit, vmax=limit, origin="lower", aspect="auto")
+        ax.set_xticks(range(len(xs)), [f"{v:g}" for v in xs])
+        ax.set_yticks(range(len(ys)), [f"{v:g}" for v in ys])
+        ax.set_xlabel(_axis_label(x_axis))
+        ax.set_ylabel(_axis_label(y_axis))
+        ax.set_title(arm)
+        ax.grid(False)
+    for index in range(len(arms), rows * columns):
+        grid[index // columns][index % columns].set_visible(False)
+    fig.colorbar(image, ax=grid, shrink=0.8, label="held-out greedy accuracy, end − start")
+    out.files = _save(fig, out_dir, out.name, dpi)
+    out.caption = (f"The stability phase diagram: per arm, the mean over seeds (their count in brackets) of each "
+                   f"run's held-out greedy accuracy at its last evaluation minus at its start, over "
+                   f"{_axis_label(x_axis)} × {_axis_label(y_axis)}; blue gained, red lost.")
+
+
 def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> list[FigureOutput]:
     """Every figure in report order."""
     out_dir = Path(out_dir)
     return [
+        fig_sweep_response(runset, out_dir, dpi=dpi),
         fig_reward_vs_compute(runset, out_dir, alpha=alpha, dpi=dpi),
         fig_clip_fraction(runset, out_dir, dpi=dpi),
         fig_replay_grpo(runset, out_dir, alpha=alpha, dpi=dpi),

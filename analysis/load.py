@@ -116,7 +116,8 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return flat
 
 
-def _ignored(key: str) -> bool:
+def ignored_key(key: str) -> bool:
+    """Keys that say where a run writes or how it runs (seeds, threads, logging), never what it computes."""
     return key.startswith(_IGNORED_PREFIXES) or key in _IGNORED_KEYS or bool(_OUTPUT_LEAF.match(key.rsplit(".", 1)[-1]))
 
 
@@ -150,7 +151,7 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     all_keys = sorted({k for cfg in configs.values() for k in cfg})
     candidates = [
         k for k in all_keys
-        if k not in ("algo.name", "routing.replay") and not _ignored(k)
+        if k not in ("algo.name", "routing.replay") and not ignored_key(k)
         and len({_format_value(cfg.get(k, "—")) for cfg in configs.values()}) > 1
     ]
     for key in candidates:
@@ -317,7 +318,7 @@ def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
     """The runs to count: of runs with the same experiment and seed, the finished one with the most steps (else the
     one with the most steps); each left out is reported, never averaged in as another replicate."""
     def experiment(config: str) -> str:
-        flat = {k: v for k, v in json.loads(config).items() if not _ignored(k) or k == "seed"}
+        flat = {k: v for k, v in json.loads(config).items() if not ignored_key(k) or k == "seed"}
         return json.dumps(flat, sort_keys=True, default=str)
 
     kept = set()

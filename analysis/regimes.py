@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis import aggregate as agg
-from analysis.load import _ignored, _short_key, flatten_config, load_runs
+from analysis.load import _short_key, flatten_config, ignored_key, load_runs
 from analysis.report import markdown_table, _num
 
 GREEDY = "eval/greedy_accuracy"
@@ -120,7 +120,7 @@ def knobs(found: list[RunOutcome]) -> list[str]:
     keys = sorted({k for run in found for k in run.config})
     varying = [
         k for k in keys
-        if not _ignored(k) and not k.startswith(_ARM_PREFIXES) and not k.startswith("_")
+        if not ignored_key(k) and not k.startswith(_ARM_PREFIXES) and not k.startswith("_")
         and len({value(run, k) for run in found}) > 1
     ]
     kept: list[str] = []

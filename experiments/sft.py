@@ -37,7 +37,7 @@ from experiments.registry import ConfigError
 from experiments.scoring import position_ids
 from experiments.tasks import Example, build_task
 from experiments.threads import ThreadBudget
-from experiments.trainer import lr_lambda
+from experiments.trainer import longest_tokens, lr_lambda
 from models.policy import ModelConfig, build_policy
 
 register_configs()
@@ -114,6 +114,8 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     device = torch.device(cfg.device)
     model.to(device)
     train, test = task.examples("train"), task.examples("test")[: s.eval_prompts]
+    # Room for the longest held-out demonstration and its eos: a longer completion is wrong whatever it says.
+    eval_tokens = longest_tokens(tokenizer, [example.demonstration for example in test]) + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s.lr_schedule, s.warmup_steps, s.max_steps))
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -147,7 +149,8 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             record = {"train/step": step, "sft/loss": loss_value, "perf/elapsed_s": elapsed}
             if step % s.eval_every == 0 or out_of_time or step == s.max_steps:
                 model.eval()
-                metrics = evaluate(HFEngine(model, tokenizer), task, test, samples=0, max_new_tokens=32, temperature=1.0)
+                metrics = evaluate(HFEngine(model, tokenizer), task, test, samples=0, max_new_tokens=eval_tokens,
+                                   temperature=1.0)
                 accuracy = metrics["eval/greedy_accuracy"]
                 record.update(metrics)
             logger.log(record)

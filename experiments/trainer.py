@@ -193,7 +193,10 @@ def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
             f"trainer.eval_prompts={t.eval_prompts} is more than the {len(test_examples)} held-out examples of "
             f"dataset {task.name!r}"
         )
-    memory = step_memory(hf_config, cfg, _longest_prompt(model_cfg, train_examples + test_examples),
+    tokenizer = _tokenizer(model_cfg)
+    answers = longest_tokens(tokenizer, [example.answer for example in train_examples + test_examples])
+    _check_generation_budget(t.max_new_tokens, answers, "trainer.max_new_tokens", task)
+    memory = step_memory(hf_config, cfg, longest_tokens(tokenizer, [e.prompt for e in train_examples + test_examples]),
                          DTYPES[model_cfg.dtype].itemsize, world)
     available = available_bytes(cfg.device)
     if memory.peak > available:
@@ -225,13 +228,25 @@ def _check_correction(plan: StepPlan, objective: Objective, correction: Correcti
 
 
 
-def _longest_prompt(model_cfg: ModelConfig, examples: list[Example]) -> int:
-    """Tokens of the longest prompt (measured on the 32 longest in characters, with the run's tokenizer)."""
-    tokenizer = build_char_tokenizer() if model_cfg.path is None else AutoTokenizer.from_pretrained(
-        model_cfg.path, local_files_only=True
-    )
-    longest = sorted({example.prompt for example in examples}, key=len)[-32:]
+def _tokenizer(model_cfg: ModelConfig):
+    if model_cfg.path is None:
+        return build_char_tokenizer()
+    return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+
+
+def longest_tokens(tokenizer, texts: list[str]) -> int:
+    """Tokens of the longest text (measured on the 32 longest in characters)."""
+    longest = sorted(set(texts), key=len)[-32:]
     return max(len(ids) for ids in tokenizer(longest, add_special_tokens=False)["input_ids"])
+
+
+def _check_generation_budget(max_new_tokens: int, answer_tokens: int, key: str, task: Task) -> None:
+    """A budget that cannot hold the task's answers and their eos makes every long answer a truncated, wrong one."""
+    if max_new_tokens < answer_tokens + 1:
+        raise ConfigError(
+            f"{key}={max_new_tokens} cannot hold the answers of dataset {task.name!r}: up to {answer_tokens} tokens, "
+            f"plus eos; use {key} >= {answer_tokens + 1}"
+        )
 
 
 def lr_lambda(schedule: LRSchedule, warmup: int, total: int):

@@ -516,3 +516,49 @@ def test_a_legend_of_long_labels_stays_inside_the_figure():
     box, legend = fig.bbox, fig.legends[0].get_window_extent()
     assert box.x0 <= legend.x0 and legend.x1 <= box.x1, "the legend is cut off at the figure's sides"
     assert box.y0 <= legend.y0, "the legend is cut off at the bottom"
+
+
+def _evaluated_run(run_dir, algo, seed, replay, start, end, **settings):
+    """A run evaluated at its start (logged in step 1's record) and at its last step, with `settings` in its config."""
+    records = [syn.step_record(algo, seed, t, 0.5) for t in range(1, 4)]
+    records[0].update({"eval_start/greedy_accuracy": start})
+    records[-1].update({"eval/greedy_accuracy": end})
+    cfg = syn.config(algo, seed, replay=replay)
+    for key, value in settings.items():
+        group, name = key.split(".")
+        cfg.setdefault(group, {})[name] = value
+    return syn.write_run(run_dir, cfg, records)
+
+
+def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(tmp_path):
+    runs = tmp_path / "runs"
+    for i, (algo, replay, flip, seed, end) in enumerate([
+        ("grpo", "none", 0.0, 0, 0.6), ("grpo", "none", 0.0, 1, 0.7), ("grpo", "none", 0.3, 0, 0.1),
+        ("grpo", "r2", 0.0, 0, 0.6), ("grpo", "r2", 0.3, 0, 0.55), ("gspo", "none", 0.3, 0, 0.5),
+    ]):
+        _evaluated_run(runs / str(i), algo, seed, replay, 0.5, end, **{"routing.flip_rate": flip})
+    rs = load_runs([runs])
+    # the flip rate varies within arms; the clip range (an algorithm's own setting) does not, so it is no axis
+    assert agg.sweep_axes(rs) == ["routing.flip_rate"]
+    gains = agg.accuracy_gain(rs)
+    grpo = gains[gains["arm"] == "grpo"].sort_values(["routing.flip_rate", "seed"])
+    assert grpo["gain"].round(6).tolist() == [0.1, 0.2, -0.4]
+    assert set(gains["arm"]) == {"grpo", "grpo + r2", "gspo"}
+    out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI))
+    assert [f.name for f in out.files] == ["fig0_sweep_response.png", "fig0_sweep_response.pdf"]
+    assert "SYNTHETIC" in out.caption and "Seeds: 0, 1." in out.caption
+
+
+def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_path):
+    for i, (lr, layers) in enumerate([(1e-4, 2), (1e-4, 4), (1e-3, 2), (1e-3, 4)]):
+        for algo in ("grpo", "gspo"):
+            _evaluated_run(tmp_path / "grid" / f"{algo}{i}", algo, 0, "none", 0.5, 0.5 - lr * layers * 50,
+                           **{"trainer.lr": lr, "model.num_hidden_layers": layers})
+    rs = load_runs([tmp_path / "grid"])
+    assert agg.sweep_axes(rs) == ["model.num_hidden_layers", "trainer.lr"]
+    out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI))
+    assert out.files and "phase diagram" in out.caption
+    _evaluated_run(tmp_path / "flat" / "a", "grpo", 0, "none", 0.5, 0.6)
+    _evaluated_run(tmp_path / "flat" / "b", "gspo", 0, "none", 0.5, 0.6)
+    flat = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out2", dpi=int(DPI))
+    assert not flat.files and "no sweep axis" in flat.notes[0]

@@ -1,0 +1,281 @@
+"""`python -m analysis.drift_law PROBE_DIR... --out DIR`: the drift scaling law from drift probes.
+
+Reads the `summary.json` of every probe run (`python -m experiments.probe`) under the given directories: one row per
+(cold start, learning rate) with the model's shape (MoE layers L, experts E, top-k k, hidden width), the task and its
+mean response length, and what the probe measured there (drift after one update, its per-layer profile, the routing
+share of Var(log π_θ/π_old), router margins, fragility, ratio variance); one row per (cold start, engine precision)
+with the routing disagreement of that engine with the fp32 trainer.
+
+The law is a power law fitted by least squares on logarithms,
+
+    log drift = c + a_L log L + a_lr log lr + a_E log(E/k) + a_T log T + a_H log H,
+
+over the regressors that vary among the rows (a constant one would make the fit singular; the report names the ones
+used). Each coefficient comes with its standard error (ordinary least squares), the fit with R² and its residual
+spread. The extrapolation evaluates the fit at Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8) at each probed
+learning rate, and solves for the learning rate at which the law reaches the GSPO paper's ~10% there.
+
+Writes `drift_law.csv` (the rows), `fit.json`, `drift_law.png` and `report.md` into --out; exit code 2 and one
+`error:` line on bad input (no probe found, an empty fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
+from experiments.rundir import make_writable_dir
+
+PAPER_DRIFT = 0.10  # GSPO paper §5.3: ~10% of activated experts change per update (Qwen3-30B-A3B, 48 layers)
+PAPER_SHAPE = {"layers": 48, "experts": 128, "top_k": 8}
+DRIFT = "routing/expert_change_per_update"
+# Regressor name -> (column, axis label). Each enters the fit as its logarithm.
+REGRESSORS = {
+    "layers": ("layers", "MoE layers L"),
+    "lr": ("lr", "learning rate"),
+    "experts_per_slot": ("experts_per_slot", "experts per top-k slot E/k"),
+    "length": ("length", "mean response tokens T"),
+    "hidden": ("hidden", "hidden width H"),
+}
+ROW_METRICS = {
+    "drift": DRIFT,
+    "token_any_change": "routing/token_any_change_per_update",
+    "routing_share": "decompose/routing_share",
+    "margin": "routing/margin",
+    "fragile": "routing/fragile_frac",
+    "token_ratio_var": "ratio/token_var",
+    "seq_ratio_var": "ratio/seq_var",
+    "clip": "clip/token_frac",
+    "length": "response/length_mean",
+    "reward": "reward/mean",
+}
+
+
+def find_probes(paths: Sequence[str | Path]) -> list[Path]:
+    """Every probe run directory under `paths` (a `summary.json` with probe settings), in path order."""
+    found = []
+    for root in map(Path, paths):
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} is not a directory")
+        for summary in sorted(root.rglob("summary.json")):
+            data = json.loads(summary.read_text(encoding="utf-8"))
+            if "settings" in data and data.get("status") == "finished":
+                found.append(summary.parent)
+    if not found:
+        raise ValueError(f"no finished probe (summary.json with settings) under {', '.join(map(str, paths))}")
+    return found
+
+
+def load_probes(paths: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(drift rows, precision rows) of every probe under `paths`."""
+    rows, precision = [], []
+    for run_dir in find_probes(paths):
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        policy, dataset = summary["policy"], summary["dataset"]
+        shape = {
+            "probe": str(run_dir),
+            "model": summary["model"],
+            "task": dataset["name"] + "".join(f" {k}={v}" for k, v in dataset.items() if k in ("digits", "length")),
+            "layers": policy["num_moe_layers"],
+            "experts": policy["num_experts"],
+            "top_k": policy["num_experts_per_tok"],
+            "hidden": hidden_width(run_dir),
+            "start_accuracy": (summary.get("cold_start") or {}).get("eval_greedy_accuracy"),
+        }
+        shape["experts_per_slot"] = shape["experts"] / shape["top_k"]
+        for setting in summary["settings"]:
+            row = {**shape, "lr": setting["lr"], **{name: setting.get(key) for name, key in ROW_METRICS.items()}}
+            row["drift_per_layer"] = setting.get("drift_per_layer")
+            rows.append(row)
+        for entry in summary.get("precision_mismatch", []):
+            precision.append({**shape, "precision": entry["precision"], "expert_mismatch": entry["mismatch/expert_frac"],
+                              "token_any_mismatch": entry["mismatch/token_any_expert_frac"],
+                              "kl_k3": entry["mismatch/kl_k3"]})
+    return pd.DataFrame(rows), pd.DataFrame(precision)
+
+
+def hidden_width(run_dir: Path) -> int | None:
+    """The hidden width of the probed model, from the config the probe composed (`.hydra/config.yaml`)."""
+    from omegaconf import OmegaConf
+
+    config = run_dir / ".hydra" / "config.yaml"
+    if not config.is_file():
+        return None
+    cfg = OmegaConf.load(config)
+    path = cfg.model.get("path")
+    if path and (Path(path) / "config.json").is_file():
+        return json.loads((Path(path) / "config.json").read_text())["hidden_size"]
+    return cfg.model.get("hidden_size")
+
+
+@dataclass
+class Fit:
+    regressors: list[str]  # in the order of `coef[1:]`
+    coef: np.ndarray  # [c, a_1, ...]
+    stderr: np.ndarray
+    r2: float
+    residual_std: float  # of log drift
+    n: int
+
+    def predict(self, point: dict[str, float]) -> float:
+        x = np.array([1.0] + [math.log(point[r]) for r in self.regressors])
+        return float(math.exp(x @ self.coef))
+
+    def as_dict(self) -> dict:
+        return {"regressors": self.regressors, "intercept": float(self.coef[0]),
+                "exponents": {r: float(c) for r, c in zip(self.regressors, self.coef[1:])},
+                "stderr": {r: float(s) for r, s in zip(["intercept", *self.regressors], self.stderr)},
+                "r2": self.r2, "residual_std_log": self.residual_std, "n": self.n}
+
+
+def fit_law(rows: pd.DataFrame) -> Fit:
+    """Least squares of log drift on the logs of every regressor that varies (rows with a positive drift only)."""
+    usable = rows[(rows["drift"] > 0) & rows[[c for c, _ in REGRESSORS.values()]].notna().all(axis=1)]
+    names = [name for name, (column, _) in REGRESSORS.items() if usable[column].nunique() > 1]
+    if len(usable) <= len(names) + 1:
+        raise ValueError(f"{len(usable)} probe rows with a positive drift cannot fit {len(names) + 1} coefficients "
+                         f"({', '.join(['constant', *names])}): probe more settings")
+    x = np.column_stack([np.ones(len(usable))] + [np.log(usable[REGRESSORS[n][0]].astype(float)) for n in names])
+    y = np.log(usable["drift"].astype(float).to_numpy())
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = y - x @ coef
+    dof = len(y) - x.shape[1]
+    sigma2 = float(residual @ residual) / dof
+    stderr = np.sqrt(np.diag(sigma2 * np.linalg.pinv(x.T @ x)))
+    r2 = 1.0 - float(residual @ residual) / float(((y - y.mean()) ** 2).sum())
+    return Fit(names, coef, stderr, r2, math.sqrt(sigma2), len(y))
+
+
+def paper_point(fit: Fit, rows: pd.DataFrame, lr: float) -> dict[str, float]:
+    """Qwen3-30B-A3B's routing at `lr`, with the other regressors at the probed rows' median."""
+    point = {name: float(rows[column].median()) for name, (column, _) in REGRESSORS.items()}
+    point.update(layers=PAPER_SHAPE["layers"], lr=lr,
+                 experts_per_slot=PAPER_SHAPE["experts"] / PAPER_SHAPE["top_k"])
+    return point
+
+
+def lr_for_paper_drift(fit: Fit, rows: pd.DataFrame) -> float | None:
+    """The learning rate at which the law gives the paper's drift at its routing (None without an lr exponent)."""
+    if "lr" not in fit.regressors:
+        return None
+    exponent = fit.coef[1 + fit.regressors.index("lr")]
+    if exponent <= 0:
+        return None
+    at_one = fit.predict(paper_point(fit, rows, 1.0))
+    return float((PAPER_DRIFT / at_one) ** (1.0 / exponent))
+
+
+def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
+    """(a) drift against lr per cold start, (b) against depth per lr, (c) per-layer profiles, (d) routing share."""
+    matplotlib.rcParams.update(RC_PARAMS)
+    fig = Figure(figsize=(TEXT_WIDTH_IN, 4.6), layout="constrained")
+    (a, b), (c, d) = fig.subplots(2, 2)
+    models = list(dict.fromkeys(rows.sort_values(["experts_per_slot", "layers"])[["model", "task"]].itertuples(index=False)))
+    lrs = sorted(rows["lr"].unique())
+    for i, (model, task) in enumerate(models):
+        part = rows[(rows["model"] == model) & (rows["task"] == task)].sort_values("lr")
+        a.plot(part["lr"], part["drift"], marker="o", ms=3, color=shade("#1f5fb4", i), label=f"{model}, {task}")
+    a.axhline(PAPER_DRIFT, color="0.4", ls=":", lw=0.8)
+    a.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="experts changed after one update",
+          title="(a) drift against lr")
+    a.legend(fontsize=5, loc="lower right")
+    for j, lr in enumerate(lrs):
+        part = rows[rows["lr"] == lr].sort_values("layers")
+        b.scatter(part["layers"], part["drift"], s=8, color=shade("#d62728", j), label=f"lr {lr:.0e}")
+        grid = np.geomspace(max(1, part["layers"].min()), PAPER_SHAPE["layers"], 20)
+        if "layers" in fit.regressors:
+            point = paper_point(fit, rows, lr)
+            b.plot(grid, [fit.predict({**point, "layers": g}) for g in grid], color=shade("#d62728", j), lw=0.6)
+    b.axhline(PAPER_DRIFT, color="0.4", ls=":", lw=0.8)
+    b.set(xscale="log", yscale="log", xlabel="MoE layers", ylabel="experts changed after one update",
+          title="(b) drift against depth; lines: the law at 128 experts top-8")
+    b.legend(fontsize=5)
+    middle = lrs[len(lrs) // 2]
+    for i, (model, task) in enumerate(models):
+        part = rows[(rows["model"] == model) & (rows["task"] == task) & (rows["lr"] == middle)]
+        for profile in part["drift_per_layer"]:
+            if profile:
+                depth = np.arange(len(profile)) / max(1, len(profile) - 1)
+                c.plot(depth, profile, color=shade("#1f5fb4", i), lw=0.8)
+    c.set(xlabel="layer (0 = first, 1 = last)", ylabel="experts changed after one update",
+          title=f"(c) per layer, lr {middle:.0e}")
+    d.scatter(rows["drift"], rows["routing_share"], s=8, color="#2ca02c")
+    d.set(xscale="log", xlabel="experts changed after one update", ylabel="routing share of Var(log-ratio)",
+          title="(d) routing share against drift")
+    path = out / "drift_law.png"
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, command: str, figure_path: Path) -> Path:
+    def pct(v):
+        return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2%}"
+
+    lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
+             f"![drift law]({figure_path.name})", "", "## Probed settings", "",
+             "| model | task | L | E / k | lr | T | drift after one update | tokens with a change | routing share "
+             "| margin | fragile | token-ratio var |", "|" + "---|" * 12]
+    for r in rows.sort_values(["task", "experts_per_slot", "layers", "lr"]).itertuples():
+        lines.append(f"| {r.model} | {r.task} | {r.layers} | {r.experts}/{r.top_k} | {r.lr:.0e} | {r.length:.1f} | "
+                     f"{pct(r.drift)} | {pct(r.token_any_change)} | {pct(r.routing_share)} | {r.margin:.3f} | "
+                     f"{pct(r.fragile)} | {r.token_ratio_var:.3g} |")
+    lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x over {', '.join(fit.regressors)}; n = {fit.n} rows, "
+              f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
+              f"{math.exp(fit.residual_std):.2f}).", "", "| term | exponent | std. error |", "|---|---|---|"]
+    lines.append(f"| c | {fit.coef[0]:.3f} | {fit.stderr[0]:.3f} |")
+    for name, coef, se in zip(fit.regressors, fit.coef[1:], fit.stderr[1:]):
+        lines.append(f"| {REGRESSORS[name][1]} | {coef:.3f} | {se:.3f} |")
+    lines += ["", "## At Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8)", ""]
+    for lr in sorted(rows["lr"].unique()):
+        lines.append(f"- lr {lr:.0e}: the law gives {pct(fit.predict(paper_point(fit, rows, lr)))} "
+                     f"(paper: ~{PAPER_DRIFT:.0%}).")
+    needed = lr_for_paper_drift(fit, rows)
+    if needed is not None:
+        lines.append(f"- the paper's ~{PAPER_DRIFT:.0%} needs lr ≈ {needed:.1e} there.")
+    if not precision.empty:
+        lines += ["", "## Engine precision against the fp32 trainer, at the cold start's weights", "",
+                  "| model | task | precision | experts that differ | tokens with a difference | k3 |", "|---|---|---|---|---|---|"]
+        for r in precision.itertuples():
+            lines.append(f"| {r.model} | {r.task} | {r.precision} | {pct(r.expert_mismatch)} | "
+                         f"{pct(r.token_any_mismatch)} | {r.kl_k3:.2g} |")
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m analysis.drift_law", description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", metavar="PROBE_DIR", help="probe run or sweep directories, searched recursively")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    args = parser.parse_args(argv)
+    try:
+        rows, precision = load_probes(args.paths)
+        fit = fit_law(rows)
+        make_writable_dir(args.out)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    rows.to_csv(args.out / "drift_law.csv", index=False)
+    precision.to_csv(args.out / "precision.csv", index=False)
+    result = {**fit.as_dict(), "lr_for_paper_drift": lr_for_paper_drift(fit, rows)}
+    (args.out / "fit.json").write_text(json.dumps(result, indent=2) + "\n")
+    command = "python -m analysis.drift_law " + " ".join(shlex.quote(a) for a in argv)
+    path = report(rows, precision, fit, args.out, command, figure(rows, fit, args.out))
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    main()
