@@ -113,7 +113,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
     p = cfg.probe
     name = f"probe-{cfg.model.name}-{cfg.dataset.name}"
     logger = RunLogger(run_dir, cfg, name, ["probe", f"model:{cfg.model.name}"], None)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     settings, mismatches, policy = [], [], None
     steps = p.warm_steps + p.measure_steps
     bar = tqdm(total=len(p.lrs) * steps + len(p.precisions), desc=name, unit="step", dynamic_ncols=True)
@@ -149,6 +149,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
         "run": name,
         "run_dir": str(run_dir),
         "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
         "model": cfg.model.name,
         "model_path": cfg.model.path,
         "cold_start": cold_start_record(cfg.model.path),

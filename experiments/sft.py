@@ -121,7 +121,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     generator = torch.Generator().manual_seed(cfg.seed)
     name = f"sft-{cfg.model.name}-{cfg.dataset.name}"
     logger = RunLogger(claimed.path, cfg, name, ["sft", f"model:{cfg.model.name}"], None)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     accuracy, step, loss_value, out_of_time = 0.0, 0, float("nan"), False
     bar = tqdm(total=s.max_steps, desc=name, unit="step", dynamic_ncols=True)
     try:
@@ -171,6 +171,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         "run": name,
         "steps": step,
         "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
         "final_loss": loss_value,
         "eval_greedy_accuracy": accuracy,
         "target_accuracy": s.target_accuracy,

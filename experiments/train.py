@@ -118,7 +118,7 @@ def _sweep_group(hydra_cfg: Any) -> str | None:
 
 
 def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, run: str, run_dir: Path,
-              wall_s: float) -> dict[str, Any]:
+              wall_s: float, cpu_s: float) -> dict[str, Any]:
     """`summary.json`: how the run ended and its headline numbers (None where no step finished)."""
     rewards = [r["reward/mean"] for r in history]
     final = history[-1] if history else {}
@@ -135,6 +135,7 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         "steps": len(history),
         "steps_planned": trainer.cfg.trainer.steps,
         "wall_s": wall_s,
+        "cpu_s": cpu_s,  # this process's CPU time over the run's steps: what the run cost
         "step_s_mean": over_steps("perf/step_s"),
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
@@ -264,7 +265,7 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
         logger = RunLogger(run_dir, cfg, name, tags, _sweep_group(hydra_cfg), resume=bool(history)) if main else _Silent()
     except rundir.StorageError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     try:
         bar = tqdm(range(trainer.step_index, t.steps), desc=name, unit="step", dynamic_ncols=True,
                    initial=trainer.step_index, total=t.steps, disable=not main)
@@ -286,7 +287,8 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", clip=f"{record['clip/token_frac']:.1e}")
         bar.close()
     except Interrupted as stop:
-        summary = summarize(trainer, history, "interrupted", name, run_dir, time.perf_counter() - start)
+        summary = summarize(trainer, history, "interrupted", name, run_dir, time.perf_counter() - start,
+                            time.process_time() - cpu_start)
         try:
             logger.finish(summary, exit_code=stop.exit_code)
         except rundir.StorageError as error:
@@ -302,7 +304,8 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
     except BaseException:
         logger.abort()
         raise
-    summary = summarize(trainer, history, "finished", name, run_dir, time.perf_counter() - start)
+    summary = summarize(trainer, history, "finished", name, run_dir, time.perf_counter() - start,
+                        time.process_time() - cpu_start)
     if t.save_checkpoint:
         summary["checkpoint"] = str(export(trainer, run_dir / "checkpoint"))
     try:
