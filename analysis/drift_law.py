@@ -54,6 +54,7 @@ ROW_METRICS = {
     "token_any_change": "routing/token_any_change_per_update",
     "routing_share": "decompose/routing_share",
     "margin": "routing/margin",
+    "logit_margin": "routing/logit_margin",
     "fragile": "routing/fragile_frac",
     "token_ratio_var": "ratio/token_var",
     "seq_ratio_var": "ratio/seq_var",
@@ -226,11 +227,11 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
     lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
              f"![drift law]({figure_path.name})", "", "## Probed settings", "",
              "| model | task | L | E / k | lr | T | drift after one update | tokens with a change | routing share "
-             "| margin | fragile | token-ratio var |", "|" + "---|" * 12]
+             "| logit margin | token-ratio var |", "|" + "---|" * 11]
     for r in rows.sort_values(["task", "experts_per_slot", "layers", "lr"]).itertuples():
         lines.append(f"| {r.model} | {r.task} | {r.layers} | {r.experts}/{r.top_k} | {r.lr:.0e} | {r.length:.1f} | "
-                     f"{pct(r.drift)} | {pct(r.token_any_change)} | {pct(r.routing_share)} | {r.margin:.3f} | "
-                     f"{pct(r.fragile)} | {r.token_ratio_var:.3g} |")
+                     f"{pct(r.drift)} | {pct(r.token_any_change)} | {pct(r.routing_share)} | {r.logit_margin:.3f} | "
+                     f"{r.token_ratio_var:.3g} |")
     lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x over {', '.join(fit.regressors)}; n = {fit.n} rows, "
               f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
               f"{math.exp(fit.residual_std):.2f}).", "", "| term | exponent | std. error |", "|---|---|---|"]

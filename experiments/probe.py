@@ -13,7 +13,8 @@ averages:
 - the routing share of Var(log π_θ/π_old) over the off-policy minibatches (`decompose/routing_share`, one extra
   forward each: the routing part log π_θ(θ's experts) − log π_θ(θ_old's experts) against the whole log-ratio);
 - the routers' margins and fragility (`routing/margin`: gap between the k-th and (k+1)-th expert probability;
-  `routing/fragile_frac`: share of tokens with a gap below `routing.margin_threshold`; `routing/topk_mass`);
+  `routing/logit_margin`: between their logits, comparable across expert counts; `routing/fragile_frac`: share of
+  tokens with a probability gap below `routing.margin_threshold`; `routing/topk_mass`);
 - the token- and sequence-level ratio variance, the clipped share, the response length.
 
 Then, for each engine precision of `probe.precisions`, one step with the rollout engine computing in it: the share
@@ -52,7 +53,8 @@ from models.policy import describe_policy
 # drift), where the step logged it.
 REPORTED = (
     "routing/expert_change_per_update", "routing/token_any_change_per_update", "decompose/routing_share",
-    "decompose/routing_var", "decompose/weights_var", "decompose/total_var", "routing/margin", "routing/fragile_frac",
+    "decompose/routing_var", "decompose/weights_var", "decompose/total_var", "routing/margin", "routing/logit_margin",
+    "routing/fragile_frac",
     "routing/topk_mass", "ratio/token_var", "ratio/seq_var", "clip/token_frac", "kl/old_k3", "response/length_mean",
     "reward/mean", "policy/entropy",
 )
@@ -178,12 +180,12 @@ def table(summary: dict[str, Any]) -> str:
     """The probe's findings as a few plain lines."""
     lines = [f"{summary['run']} ({summary['policy']['num_moe_layers']} MoE layers, {summary['policy']['num_experts']} "
              f"experts, top-{summary['policy']['num_experts_per_tok']}): {summary['wall_s']:.0f} s"]
-    lines.append(f"{'lr':>8}  {'drift/update':>12}  {'routing share':>13}  {'margin':>7}  {'fragile':>7}  "
+    lines.append(f"{'lr':>8}  {'drift/update':>12}  {'routing share':>13}  {'logit margin':>12}  "
                  f"{'token ratio var':>15}  {'length':>6}")
     for s in summary["settings"]:
         lines.append(
             f"{s['lr']:>8.0e}  {_pct(s['routing/expert_change_per_update']):>12}  {_pct(s['decompose/routing_share']):>13}"
-            f"  {_num(s['routing/margin']):>7}  {_pct(s['routing/fragile_frac']):>7}  {_num(s['ratio/token_var']):>15}"
+            f"  {_num(s['routing/logit_margin']):>12}  {_num(s['ratio/token_var']):>15}"
             f"  {_num(s['response/length_mean']):>6}"
         )
     for m in summary["precision_mismatch"]:

@@ -141,16 +141,21 @@ def router_fragility(
     """How decisive each MoE layer's routing is on the fed tokens (each weighted by `weights`, 0 on padding):
     `routing/topk_mass` the router's probability mass on its chosen experts (prime-rl's routing confidence),
     `routing/margin` the gap between the k-th and (k+1)-th expert probability (what a small update must overcome
-    to flip a route), `routing/fragile_frac` the share of tokens whose margin is below `margin`; per layer and their
-    mean over layers."""
+    to flip a route), `routing/fragile_frac` the share of tokens whose margin is below `margin`; and
+    `routing/logit_margin`, the gap between the k-th and (k+1)-th router logits, log(p_k / p_(k+1)): what an update
+    must move the two logits' difference by to swap them, comparable across expert counts (a probability gap
+    shrinks with 1/E, this does not); per layer and their mean over layers."""
     w = weights.reshape(-1).float()
     total = w.sum().clamp(min=1e-12)
-    per_layer = {"topk_mass": [], "margin": [], "fragile_frac": []}
+    per_layer = {"topk_mass": [], "margin": [], "fragile_frac": [], "logit_margin": []}
     for logits in router_logits:
-        top = torch.softmax(logits.float(), dim=-1).topk(min(top_k + 1, logits.shape[-1]), dim=-1).values
+        ranked = logits.float().topk(min(top_k + 1, logits.shape[-1]), dim=-1).values
+        top = torch.softmax(logits.float(), dim=-1).topk(ranked.shape[-1], dim=-1).values
         gap = top[:, top_k - 1] - top[:, top_k] if top.shape[-1] > top_k else top[:, top_k - 1]
+        logit_gap = ranked[:, top_k - 1] - ranked[:, top_k] if ranked.shape[-1] > top_k else torch.zeros_like(gap)
         per_layer["topk_mass"].append((top[:, :top_k].sum(-1) * w).sum() / total)
         per_layer["margin"].append((gap * w).sum() / total)
+        per_layer["logit_margin"].append((logit_gap * w).sum() / total)
         per_layer["fragile_frac"].append(((gap < margin).float() * w).sum() / total)
     stats = {}
     for name, values in per_layer.items():

@@ -225,3 +225,20 @@ def test_mismatched_trace_is_refused(micro_policy, mutate, message):
     with pytest.raises(ValueError, match=message):
         with replay_routing(model, bad):
             _forward(model, ids, mask)
+
+
+def test_router_fragility_by_hand():
+    import math
+
+    from experiments.scoring import router_fragility
+
+    # one layer, two tokens, 4 experts, top-2; the second token is padding (weight 0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    stats = router_fragility([logits], torch.tensor([1.0, 0.0]), top_k=2, margin=0.1)
+    p = torch.softmax(logits[0], -1)
+    assert stats["routing/topk_mass"] == pytest.approx(float(p[0] + p[1]))
+    assert stats["routing/margin"] == pytest.approx(float(p[1] - p[2]))
+    assert stats["routing/logit_margin"] == pytest.approx(0.5)  # 1.0 - 0.5: log(p_2 / p_3)
+    assert stats["routing/logit_margin"] == pytest.approx(math.log(float(p[1] / p[2])))
+    assert stats["routing/fragile_frac"] == (1.0 if float(p[1] - p[2]) < 0.1 else 0.0)
+    assert stats["routing/logit_margin/layer_0"] == stats["routing/logit_margin"]
