@@ -29,7 +29,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments import rundir
-from experiments.config import register_configs, unknown_keys
+from experiments.config import check_device, check_training_dtype, register_configs, unknown_keys
 from experiments.engine import HFEngine
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
@@ -89,6 +89,8 @@ def check_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"sft.target_accuracy={s.target_accuracy} must be in (0, 1]")
     if s.threads is not None and s.threads < 1:
         raise ConfigError(f"sft.threads={s.threads} must be >= 1, or null to follow the machine's free cores")
+    check_device(cfg.device)
+    check_training_dtype(cfg.model.dtype, cfg.device)
     try:
         rundir.make_writable_dir(s.output_dir)
     except OSError as error:

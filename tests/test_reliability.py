@@ -204,6 +204,9 @@ def test_an_unwritable_run_directory_or_a_full_disk_is_one_line(tmp_path, monkey
 @pytest.mark.parametrize(
     "overrides, message",
     [
+        (["device=meta"], "device='meta' is not one of cpu, cuda, cuda:<index>"),
+        (["device=mps"], "device='mps' is not one of cpu, cuda, cuda:<index>"),
+        (["device=cuda:x"], "device='cuda:x' is not one of cpu, cuda, cuda:<index>"),
         (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
         (["trainer.lr=nan"], "trainer.lr=nan must be a finite number > 0"),
         (["trainer.adam_beta1=1.5"], "trainer.adam_beta1=1.5 must be in [0, 1)"),
@@ -217,6 +220,15 @@ def test_values_that_would_crash_later_are_refused_at_start_up(tmp_path, overrid
     with pytest.raises(SystemExit) as raised:
         train(compose_train(*overrides), tmp_path)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_float16_weights_are_refused_at_start_up_naming_what_trains(tmp_path):
+    """float16 weights were accepted on CPU, and the run died in a later step with a traceback."""
+    done = run_cli(*MICRO_RUN, "model.dtype=float16", f"hydra.run.dir={tmp_path}")
+    line = one_line(done.stderr)
+    assert done.returncode == 1 and "model.dtype=float16 cannot be trained on cpu: AdamW keeps its moments" in line
+    assert "on cpu train in model.dtype=float32 or bfloat16" in line
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -314,6 +326,7 @@ def test_a_dataset_file_that_is_not_utf8_names_its_line(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [("sft.batch_size=0", "sft.batch_size=0 must be >= 1"), ("sft.target_accuracy=1.5", "must be in (0, 1]"),
+     ("device=foo", "device='foo' is not one of cpu, cuda, cuda:<index>"),
      ("sft.eval_prompts=100000", "sft.eval_prompts=100000 is more than the 500 held-out examples"),
      ("+sft.epochs=3", "unknown config key(s) sft.epochs")],
 )
