@@ -10,6 +10,8 @@ one-paragraph summary, however the run ends:
   `status: interrupted`, and one line says so (exit code 143 or 130);
 - a full disk or a vanished run directory: one line naming the file and the last step it holds (exit code 1).
 
+Under torchrun every rank meets the same refusal, and rank 0 alone prints it.
+
 In a sweep (`-m`), every job is checked before the first one starts, and a refused or failed job is reported while
 the others run; the sweep exits non-zero when any job failed, listing them.
 
@@ -37,10 +39,11 @@ from tqdm import tqdm
 
 from experiments import checkpoint, distributed, rundir
 from experiments.config import register_configs
+from experiments.distributed import exit_once
 from experiments.rundir import EVAL_START
 from experiments.logger import RunLogger
 from experiments.registry import ConfigError
-from experiments.trainer import RLTrainer, mean_of
+from experiments.trainer import RLTrainer, check_run, mean_of
 from models.policy import describe_policy
 
 register_configs()
@@ -186,7 +189,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
         try:
             ranks = distributed.start(cfg.device)
         except ConfigError as error:
-            raise SystemExit(f"moe-rl-lab: {error}") from None
+            exit_once(f"moe-rl-lab: {error}")
         claimed, problem, finished = None, None, None
         if ranks.main:
             try:
@@ -196,7 +199,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
                 problem = str(error)
         problem, finished = distributed.broadcast((problem, finished), ranks)  # every rank does what rank 0 found
         if problem:
-            raise SystemExit(f"moe-rl-lab: {problem}")
+            exit_once(f"moe-rl-lab: {problem}")
         if finished is not None:  # a re-launched sweep skips the jobs that are done
             if claimed is not None:
                 claimed.release()
@@ -210,9 +213,10 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
             if claimed is not None:
                 claimed.release()
             if isinstance(error, ConfigError):
-                raise SystemExit(f"moe-rl-lab: {error}") from None
+                exit_once(f"moe-rl-lab: {error}")
             if isinstance(error, Interrupted):
-                print(f"moe-rl-lab: interrupted by {error.signal_name} before the first step", file=sys.stderr)
+                if ranks.main:
+                    print(f"moe-rl-lab: interrupted by {error.signal_name} before the first step", file=sys.stderr)
                 raise SystemExit(error.exit_code) from None
             raise
         try:
@@ -345,6 +349,12 @@ def launch_ranks(cfg: DictConfig, hydra_cfg: Any) -> float | None:
 
     if cfg.launch.nproc_per_node < 1:
         raise SystemExit(f"moe-rl-lab: launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
+    # What every rank would refuse is refused here, once, before torchrun starts ranks and adds its own traceback to
+    # their exit. Not the memory: measuring a GPU's creates a CUDA context this process would hold while the ranks run.
+    try:
+        check_run(cfg, cfg.launch.nproc_per_node, memory=False)
+    except ConfigError as error:
+        raise SystemExit(f"moe-rl-lab: {error}") from None
     done = subprocess.run(torchrun_command(cfg, hydra_cfg))
     if done.returncode:
         raise SystemExit(done.returncode)

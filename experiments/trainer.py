@@ -168,10 +168,10 @@ class RunParts:
     test_examples: list[Example]
 
 
-def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
+def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     """Every start-up check of an RL run on `world` ranks, without building the model: settings, the model's files
-    and sizes, the objective, the task and its splits, and whether one rank's step fits in memory. `ConfigError`
-    names what is wrong."""
+    and sizes, the objective, the task and its splits, and (`memory`) whether one rank's step fits in the device's
+    free memory. `ConfigError` names what is wrong."""
     t = cfg.trainer
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     hf_config = model_config(model_cfg)
@@ -196,8 +196,18 @@ def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
     tokenizer = _tokenizer(model_cfg)
     answers = longest_tokens(tokenizer, [example.answer for example in train_examples + test_examples])
     _check_generation_budget(t.max_new_tokens, answers, "trainer.max_new_tokens", task)
-    memory = step_memory(hf_config, cfg, longest_tokens(tokenizer, [e.prompt for e in train_examples + test_examples]),
-                         DTYPES[model_cfg.dtype].itemsize, world)
+    if memory:
+        prompt_tokens = longest_tokens(tokenizer, [e.prompt for e in train_examples + test_examples])
+        _check_memory(cfg, hf_config, model_cfg, prompt_tokens, world)
+    numerics = RolloutConfig(**cfg.rollout).numerics()
+    return RunParts(plan, model_cfg, numerics, engine, objective, advantage_std, correction, task, train_examples,
+                    test_examples)
+
+
+def _check_memory(cfg: DictConfig, hf_config: Any, model_cfg: ModelConfig, prompt_tokens: int, world: int) -> None:
+    """Refuse a step that would not fit in the device's free memory, with the estimate's parts."""
+    t = cfg.trainer
+    memory = step_memory(hf_config, cfg, prompt_tokens, DTYPES[model_cfg.dtype].itemsize, world)
     available = available_bytes(cfg.device)
     if memory.peak > available:
         raise ConfigError(
@@ -205,9 +215,6 @@ def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
             f"(trainer.minibatches={t.minibatches}) needs about {memory.peak / GIB:.1f} GiB ({memory.describe()}), "
             f"and {cfg.device} has {available / GIB:.1f} GiB available: lower the batch or raise trainer.minibatches"
         )
-    numerics = RolloutConfig(**cfg.rollout).numerics()
-    return RunParts(plan, model_cfg, numerics, engine, objective, advantage_std, correction, task, train_examples,
-                    test_examples)
 
 
 def _check_correction(plan: StepPlan, objective: Objective, correction: Correction, engine: type[RolloutEngine]) -> None:

@@ -199,6 +199,15 @@ def test_an_unwritable_run_directory_or_a_full_disk_is_one_line(tmp_path, monkey
     assert raised.value.__cause__ is None and raised.value.__suppress_context__, "no chained traceback"
 
 
+# -- launchers: SLURM, torchrun -----------------------------------------------------------------------------------
+
+def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path):
+    done = run_cli(*MICRO_RUN, "launch.nproc_per_node=2", "trainer.prompts_per_step=3", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1
+    assert "trainer.prompts_per_step=3 does not split over the 2 ranks" in one_line(done.stderr)
+    assert done.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in done.stderr
+
+
 # -- crashes late that a start-up check catches -------------------------------------------------------------------
 
 @pytest.mark.parametrize(
