@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments import rundir
 from experiments.config import check_device, check_training_dtype, register_configs, unknown_keys
+from experiments.divergence import Diverged
 from experiments.engine import HFEngine
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
@@ -160,6 +161,11 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             bar.set_postfix(loss=f"{loss_value:.3f}", greedy_acc=f"{accuracy:.2f}")
             if accuracy >= s.target_accuracy or out_of_time:
                 break
+    except Diverged as error:
+        logger.abort()
+        bar.close()
+        raise SystemExit(f"moe-rl-lab: the cold start diverged in step {step}: {error}; no checkpoint was "
+                         "saved") from None
     except BaseException:
         logger.abort()
         raise

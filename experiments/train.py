@@ -8,6 +8,8 @@ one-paragraph summary, however the run ends:
   traceback (the run directory keeps every finished step and no `summary.json`);
 - SIGTERM or Ctrl-C: the steps finished so far stay logged, W&B is finished, `summary.json` says
   `status: interrupted`, and one line says so (exit code 143 or 130);
+- a loss, gradient, weights or logits that turn non-finite for good (`experiments.divergence`): the steps before
+  stay logged, `summary.json` says `status: diverged`, and one line says where and why (exit code 1);
 - a full disk or a vanished run directory: one line naming the file and the last step it holds (exit code 1).
 
 Under torchrun every rank meets the same refusal, and rank 0 alone prints it.
@@ -29,7 +31,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -40,6 +42,7 @@ from tqdm import tqdm
 from experiments import checkpoint, distributed, rundir
 from experiments.config import register_configs
 from experiments.distributed import exit_once
+from experiments.divergence import Diverged
 from experiments.rundir import EVAL_START
 from experiments.logger import RunLogger
 from experiments.registry import ConfigError
@@ -302,6 +305,10 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
                   f"{run_dir / rundir.METRICS_FILE} holds them and {run_dir / rundir.SUMMARY_FILE} says status "
                   "'interrupted'", file=sys.stderr)
         raise SystemExit(stop.exit_code) from None
+    except Diverged as error:
+        summary = summarize(trainer, history, "diverged", name, run_dir, time.perf_counter() - start,
+                            time.process_time() - cpu_start)
+        diverged(summary, f"step {trainer.step_index}: {error}", logger, run_dir)
     except rundir.StorageError as error:
         logger.abort()
         raise SystemExit(f"moe-rl-lab: {error}") from None
@@ -319,6 +326,18 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
     if main:
         print(summary_paragraph(summary))
     return summary
+
+
+def diverged(summary: dict[str, Any], where: str, logger: Any, run_dir: Path) -> NoReturn:
+    """End a run that diverged (every rank raises `Diverged` together) `where` says: `summary.json` with status
+    `diverged` and why, W&B finished as failed, one line from rank 0; exit code 1."""
+    summary["diverged"] = where
+    try:
+        logger.finish(summary, exit_code=1)
+    except rundir.StorageError as storage:
+        raise SystemExit(f"moe-rl-lab: the run diverged in {where}; and {storage}") from None
+    exit_once(f"moe-rl-lab: the run diverged in {where}. {run_dir / rundir.METRICS_FILE} holds the step(s) before "
+              f"it ({summary['steps']}), and {run_dir / rundir.SUMMARY_FILE} says status 'diverged'")
 
 
 def export(trainer: RLTrainer, directory: Path) -> Path:

@@ -208,6 +208,32 @@ def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path)
     assert done.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in done.stderr
 
 
+# -- runs that end early: divergence, signals during a checkpoint -------------------------------------------------
+
+@pytest.mark.parametrize("lr, why", [
+    ("1e39", "update 0 of the step left the weights non-finite"),  # AdamW's first step moves each weight by ~lr
+    ("1e30", "the trainer's model produced logits that are NaN or inf"),  # finite weights, overflowing forward
+])
+def test_a_run_that_diverges_ends_in_one_line_with_its_log_whole_and_status_diverged(tmp_path, lr, why):
+    done = run_cli(*MICRO_RUN, f"trainer.lr={lr}", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1
+    line = one_line(done.stderr)
+    assert "moe-rl-lab: the run diverged in step" in line and why in line and "says status 'diverged'" in line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    lines = read_metrics(tmp_path)
+    assert summary["status"] == "diverged" and why in summary["diverged"]
+    assert summary["steps"] == len(lines) and [row["train/step"] for row in lines] == list(range(1, len(lines) + 1))
+
+
+# -- launchers: SLURM, torchrun -----------------------------------------------------------------------------------
+
+def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path):
+    done = run_cli(*MICRO_RUN, "launch.nproc_per_node=2", "trainer.prompts_per_step=3", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1
+    assert "trainer.prompts_per_step=3 does not split over the 2 ranks" in one_line(done.stderr)
+    assert done.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in done.stderr
+
+
 # -- crashes late that a start-up check catches -------------------------------------------------------------------
 
 @pytest.mark.parametrize(
@@ -343,6 +369,18 @@ def test_the_cold_start_refuses_bad_settings_in_one_line(tmp_path, override, mes
     result = run_cli(override, f"sft.output_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}",
                      "logger.wandb.mode=disabled", module="experiments.sft")
     assert result.returncode != 0 and message in one_line(result.stderr)
+
+
+def test_a_cold_start_that_diverges_ends_in_one_line_and_saves_no_checkpoint(tmp_path):
+    """Evaluating non-finite weights used to score a greedy argmax over NaN logits, and the checkpoint was saved."""
+    micro = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()]
+    done = run_cli(*micro, "sft.lr=1e30", "sft.max_steps=3", "sft.eval_every=1", "sft.eval_prompts=4",
+                   "sft.batch_size=4", f"sft.output_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}",
+                   "logger.wandb.mode=disabled", module="experiments.sft")
+    assert done.returncode == 1
+    line = one_line(done.stderr)
+    assert "the cold start diverged in step" in line and "logits that are NaN or inf" in line
+    assert not list((tmp_path / "ckpt").iterdir()), "no checkpoint of non-finite weights"
 
 
 def test_the_report_refuses_an_unwritable_out_and_wandb_without_a_key(tmp_path):
