@@ -7,7 +7,8 @@ one-paragraph summary, however the run ends:
 - bad settings are refused before any work, in one line (`ConfigError`); any other exception is a bug and keeps its
   traceback (the run directory keeps every finished step and no `summary.json`);
 - SIGTERM or Ctrl-C: the steps finished so far stay logged, W&B is finished, `summary.json` says
-  `status: interrupted`, and one line says so (exit code 143 or 130);
+  `status: interrupted`, and one line says so (exit code 143 or 130), also when the stop arrives while a
+  checkpoint is being written (it lands after the write);
 - a loss, gradient, weights or logits that turn non-finite for good (`experiments.divergence`): the steps before
   stay logged, `summary.json` says `status: diverged`, and one line says where and why (exit code 1);
 - a full disk or a vanished run directory: one line naming the file and the last step it holds (exit code 1).
@@ -62,8 +63,8 @@ class Interrupted(BaseException):
         self.exit_code = exit_code
 
 
-class _Commit:
-    """Whether a step is being committed, and the stop that arrived meanwhile (see `step_commit`)."""
+class _Deferral:
+    """Whether a block a stop must not cut is running (see `stop_deferred`), and the stop that arrived meanwhile."""
 
     active = False
     pending: Interrupted | None = None
@@ -75,8 +76,8 @@ def stop_signals() -> Iterator[None]:
 
     def stop(signum: int, frame: Any) -> None:
         interrupted = Interrupted(signal.Signals(signum).name, 128 + signum)
-        if _Commit.active:  # raised when the step is committed (step_commit)
-            _Commit.pending = _Commit.pending or interrupted
+        if _Deferral.active:  # raised when the block is done (stop_deferred)
+            _Deferral.pending = _Deferral.pending or interrupted
             return
         raise interrupted
 
@@ -89,18 +90,20 @@ def stop_signals() -> Iterator[None]:
 
 
 @contextmanager
-def step_commit() -> Iterator[None]:
-    """A step is committed (its log line written, then counted) whole: a stop that arrives meanwhile is raised
-    after it, never between its line and the summary's count. Blocking the signals on this thread is not enough:
-    the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python then runs
-    the handler on this thread at its next instruction, so the handler itself defers while a commit is active."""
-    _Commit.active, _Commit.pending = True, None
+def stop_deferred() -> Iterator[None]:
+    """Run the block whole: a stop that arrives meanwhile is raised after it. Two blocks need this: a step's commit
+    (its log line written, then counted: never a line the summary does not count) and a checkpoint's write
+    (`torch.distributed.checkpoint` catches whatever is raised inside it, `Interrupted` included, and raises its
+    own `CheckpointException` instead). Blocking the signals on this thread is not enough: the kernel hands a
+    process's signal to any thread that does not block it (W&B's, torch's), and Python then runs the handler on this
+    thread at its next instruction, so the handler itself defers while a block is active."""
+    _Deferral.active, _Deferral.pending = True, None
     try:
         yield
     finally:
-        _Commit.active = False
-    if _Commit.pending is not None:
-        pending, _Commit.pending = _Commit.pending, None
+        _Deferral.active = False
+    if _Deferral.pending is not None:
+        pending, _Deferral.pending = _Deferral.pending, None
         raise pending
 
 
@@ -286,11 +289,12 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
             if t.eval_prompts and (last or (t.eval_every and trainer.step_index % t.eval_every == 0)):
                 record.update(trainer.evaluate())
             record["perf/elapsed_s"] = time.perf_counter() - start
-            with step_commit():
+            with stop_deferred():  # the step's commit
                 logger.log(record)
                 history.append(record)
             if t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0:
-                checkpoint.save(trainer, run_dir, t.keep_checkpoints)
+                with stop_deferred():
+                    checkpoint.save(trainer, run_dir, t.keep_checkpoints)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", clip=f"{record['clip/token_frac']:.1e}")
         bar.close()
     except Interrupted as stop:

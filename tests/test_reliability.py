@@ -148,13 +148,13 @@ def test_a_stop_during_a_step_commit_lands_after_it_even_when_another_thread_tak
     thread at once, which must not cut a commit (log line written, step not yet counted) in two."""
     import threading
 
-    from experiments.train import Interrupted, step_commit, stop_signals
+    from experiments.train import Interrupted, stop_deferred, stop_signals
 
     other = threading.Thread(target=time.sleep, args=(2,), daemon=True)  # a thread that does not block signals
     other.start()
     committed = []
     with pytest.raises(Interrupted), stop_signals():
-        with step_commit():
+        with stop_deferred():
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(10):  # the GIL released and taken back, as a log write does: where a handler would run
                 time.sleep(0.02)
@@ -222,6 +222,31 @@ def test_a_run_that_diverges_ends_in_one_line_with_its_log_whole_and_status_dive
     lines = read_metrics(tmp_path)
     assert summary["status"] == "diverged" and why in summary["diverged"]
     assert summary["steps"] == len(lines) and [row["train/step"] for row in lines] == list(range(1, len(lines) + 1))
+
+
+def test_sigterm_while_a_checkpoint_is_written_lands_after_the_write(tmp_path):
+    """torch's checkpoint writer catches whatever is raised inside it and raises CheckpointException instead: a stop
+    that landed there ended the run with exit code 1, a traceback and no summary."""
+    plugin = tmp_path / "stop_in_checkpoint.py"
+    plugin.write_text(
+        "import os, signal\n"
+        "from torch.distributed.checkpoint import filesystem\n"
+        "write = filesystem._FileSystemWriter.write_data\n"
+        "def write_after_a_stop(self, plan, planner):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # handled at the next instruction: inside the writer\n"
+        "    return write(self, plan, planner)\n"
+        "filesystem._FileSystemWriter.write_data = write_after_a_stop\n"
+    )
+    run_dir = tmp_path / "run"
+    code = ("import stop_in_checkpoint, runpy; "
+            "runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)")
+    done = subprocess.run([sys.executable, "-c", code, *MICRO_RUN, "trainer.checkpoint_every=1",
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}"})
+    assert done.returncode == 143
+    assert "interrupted by SIGTERM after 1 of 3 steps" in one_line(done.stderr)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000001"], "the checkpoint was finished"
 
 
 # -- launchers: SLURM, torchrun -----------------------------------------------------------------------------------
