@@ -238,7 +238,7 @@ def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path) -> list[dict[str
     if cfg.resume is None:
         return []
     ranks = trainer.ranks
-    found = distributed.broadcast(checkpoint.find(run_dir, cfg.resume) if ranks.main else None, ranks)
+    found, passed_over = distributed.broadcast(checkpoint.find(run_dir, cfg.resume) if ranks.main else None, ranks)
     step = 0
     if found is not None:
         checkpoint.load(trainer, found)
@@ -248,6 +248,8 @@ def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path) -> list[dict[str
     metrics = run_dir / rundir.METRICS_FILE
     dropped = checkpoint.cut_log(metrics, step)
     where = f"from {found} (step {step})" if found is not None else "from the start: no checkpoint in the run directory"
+    if passed_over:
+        where += f", the newest intact checkpoint, passing over {len(passed_over)} damaged: {'; '.join(passed_over)}"
     print(f"moe-rl-lab: resuming {where}; {dropped} later line(s) of {metrics} are logged again", file=sys.stderr)
     return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()] if metrics.exists() else []
 

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from experiments.checkpoint import find as find_checkpoint
 from experiments.config import PROJECT_ROOT
+from experiments.registry import ConfigError
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
 from models.routing import record_routing, replay_routing
@@ -363,6 +366,63 @@ def test_a_broken_checkpoint_is_refused_in_one_line(tmp_path, checkpoint, how, m
     with pytest.raises(SystemExit) as raised:
         train(compose_train("model=checkpoint", f"model.path={checkpoint}"), tmp_path / "run")
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+DAMAGEABLE = ["trainer.json", "rng_rank0.pt", "python_random_rank0.json", "state/.metadata", "state/__0_0.distcp"]
+
+
+@pytest.fixture(scope="module")
+def killed_after_three_checkpoints(tmp_path_factory) -> Path:
+    """A run directory as a SIGKILL after step 3 leaves it: checkpoints of steps 1-3, no summary."""
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
+    train(compose_train("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"), run_dir)
+    (run_dir / "summary.json").unlink()
+    return run_dir
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "deleted":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted"])
+@pytest.mark.parametrize("name", DAMAGEABLE)
+def test_a_damaged_checkpoint_is_named_by_its_file_before_anything_loads(killed_after_three_checkpoints, tmp_path,
+                                                                        name, how):
+    """Each damaged file raised its own traceback (zip, EOFError, JSONDecodeError, FileNotFoundError,
+    CheckpointException), some after the model had been loaded from it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    _damage(newest / name, how)
+    with pytest.raises(ConfigError) as raised:
+        find_checkpoint(run_dir, str(newest))
+    assert str(newest / name) in str(raised.value) and "\n" not in str(raised.value)
+    found, passed_over = find_checkpoint(run_dir, "auto")
+    assert found == run_dir / "checkpoints" / "step_000002" and len(passed_over) == 1
+    assert passed_over[0].startswith(str(newest / name))
+
+
+def test_resume_refuses_a_damaged_checkpoint_and_auto_takes_the_newest_intact_one_saying_so(
+        killed_after_three_checkpoints, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    _damage(newest / "state" / "__0_0.distcp", "truncated")
+    settings = [*MICRO_RUN, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=3", f"hydra.run.dir={run_dir}"]
+    explicit = run_cli(*settings, f"resume={newest}")
+    assert explicit.returncode == 1
+    line = one_line(explicit.stderr)
+    assert f"is a damaged checkpoint: {newest / 'state' / '__0_0.distcp'} holds " in line
+    assert "bytes its index needs; resume=auto takes the newest intact one" in line
+    auto = run_cli(*settings, "resume=auto")
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert (f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2), the newest intact checkpoint, passing "
+            f"over 1 damaged: {newest / 'state' / '__0_0.distcp'} holds ") in auto.stderr
+    assert [row["train/step"] for row in read_metrics(run_dir)] == [1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 
 
 def test_a_dataset_file_that_is_not_utf8_names_its_line(tmp_path):
