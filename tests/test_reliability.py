@@ -254,6 +254,21 @@ def test_sigterm_while_a_checkpoint_is_written_lands_after_the_write(tmp_path):
 
 # -- launchers: SLURM, torchrun -----------------------------------------------------------------------------------
 
+def test_cluster_slurm_without_a_sweep_or_without_slurm_is_one_line(tmp_path):
+    single = run_cli(*MICRO_RUN, "cluster=slurm", f"hydra.run.dir={tmp_path / 'run'}")
+    assert single.returncode == 1
+    line = one_line(single.stderr)
+    assert "cluster=slurm submits the jobs of a sweep to SLURM, and without -m this is one run" in line
+    assert not (tmp_path / "run").exists(), "no rank started here"
+    no_slurm_path = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no sbatch, no srun on it
+    sweep = subprocess.run([*CLI, "-m", *MICRO_RUN, "cluster=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                           capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, env=no_slurm_path)
+    assert sweep.returncode == 1
+    line = one_line(sweep.stderr)
+    assert "with sbatch and srun, and this machine has no sbatch or srun: run the sweep on a SLURM login node" in line
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path):
     done = run_cli(*MICRO_RUN, "launch.nproc_per_node=2", "trainer.prompts_per_step=3", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 1
