@@ -342,6 +342,21 @@ def test_replay_checks_every_forward_of_its_context(micro_policy):
             model(input_ids=ids[:, :5])
 
 
+@pytest.mark.parametrize("recorded_on, replayed_on", [(4, 8), (8, 4)])
+def test_a_routing_trace_replays_only_on_a_model_of_its_expert_count(recorded_on, replayed_on):
+    """A trace of 4 experts on a model of 8 replayed silently: all its ids are in range."""
+    ids = torch.randint(4, 40, (2, 6))
+    recorder, _ = build_policy(ModelConfig(**{**MICRO_MODEL, "num_experts": recorded_on}))
+    target, _ = build_policy(ModelConfig(**{**MICRO_MODEL, "num_experts": replayed_on}))
+    with torch.no_grad(), record_routing(recorder) as recording:
+        recorder(input_ids=ids)
+    with torch.no_grad(), replay_routing(target, recording.trace), pytest.raises(ValueError) as raised:
+        target(input_ids=ids)
+    assert str(raised.value) == (f"routing trace was recorded with num_experts={recorded_on}, and this model routes "
+                                 f"over num_experts={replayed_on}: a trace replays only on a model of its own expert "
+                                 "count")
+
+
 # -- corrupted checkpoints and data files ------------------------------------------------------------------------
 
 @pytest.fixture
