@@ -327,7 +327,10 @@ def test_an_unknown_arm_is_refused(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here (tests/test_vllm.py)")
 def test_the_vllm_engine_without_vllm_is_refused_with_the_install_command(tmp_path):
     done = run_cli(*MICRO_RUN, "rollout.engine=vllm", f"hydra.run.dir={tmp_path}")
-    assert done.returncode == 1 and "make test-vllm" in one_line(done.stderr)
+    line = one_line(done.stderr)
+    assert done.returncode == 1 and "`make test-vllm` builds .venv-vllm" in line
+    assert "then run with .venv-vllm/bin/python -m experiments.train" in line
+    assert "pip install" not in line, "pyproject.toml says the vllm extra cannot be installed next to the project"
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
