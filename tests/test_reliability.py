@@ -500,7 +500,7 @@ def test_a_cold_start_that_diverges_ends_in_one_line_and_saves_no_checkpoint(tmp
     assert not list((tmp_path / "ckpt").iterdir()), "no checkpoint of non-finite weights"
 
 
-def test_the_report_refuses_an_unwritable_out_and_wandb_without_a_key(tmp_path):
+def test_the_report_refuses_an_unwritable_out_no_runs_and_wandb_without_a_key_leaving_no_empty_folder(tmp_path):
     from tests import synthetic_runs as syn
 
     run = syn.curve_run(tmp_path / "run", "grpo", 0, lambda t: 0.02 * t)
@@ -508,8 +508,13 @@ def test_the_report_refuses_an_unwritable_out_and_wandb_without_a_key(tmp_path):
     blocker.write_text("")
     result = run_cli(str(run), "--out", str(blocker / "out"), module="analysis.report")
     assert result.returncode == 2 and "--out" in one_line(result.stderr) and "Not a directory" in result.stderr
+    (tmp_path / "no_runs").mkdir()
+    result = run_cli(str(tmp_path / "no_runs"), "--out", str(tmp_path / "reports" / "none"), module="analysis.report")
+    assert result.returncode == 2 and "no runs found" in one_line(result.stderr)
+    assert not (tmp_path / "reports").exists(), "the failed report left the folders it created"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")} | {"HOME": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "analysis.report", "--wandb", "ent/proj", "--out",
                              str(tmp_path / "wb")], capture_output=True, text=True, cwd=PROJECT_ROOT, env=env,
                             timeout=300)
     assert result.returncode == 2 and "--wandb needs an API key" in one_line(result.stderr)
+    assert not (tmp_path / "wb").exists()
