@@ -49,8 +49,9 @@ LOSS_AGG_MODES = tuple(LossAgg)
 class KLEstimator(StrEnum):
     """How the KL to the reference enters the loss, per token (β times it; aggregated as the policy loss)."""
 
+    # Which KL each one's expected gradient follows: algos/objective.py's module docstring, and the test it names.
     k3 = "k3"  # Schulman's k3 of the reference against π_θ (DeepSeekMath eq. 4)
-    unbiased_k3 = "unbiased_k3"  # k3 weighted by sg[π_θ / π_old]: tokens are sampled from π_old (DeepSeek-V3.2 eq. 7)
+    unbiased_k3 = "unbiased_k3"  # k3 weighted by π_θ / π_old, in the graph: tokens are sampled from π_old (DeepSeek-V3.2 eq. 7)
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:

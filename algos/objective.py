@@ -7,13 +7,21 @@ they accept (`validate`); the base does the rest the same way for all of them:
 1. validate the inputs and build the fp32, padding-safe quantities (`algos.common.PolicyBatch`);
 2. weight the per-token policy loss by the rollout correction's weight when one is given (`weight`, no gradient:
    TIS, MIS, IcePop, OPSM in `algos.corrections`; a zero weight drops a token's term but not its place in the
-   aggregation's denominators), add the KL penalty to the reference policy, β·k3 per token with
-   k3 = exp(ref − logp) − (ref − logp) − 1 (DeepSeekMath eq. 4), or DeepSeek-V3.2's unbiased form
-   sg[π_θ/π_old]·k3 (eq. 7; `kl_estimator`), and aggregate the sum with the objective's mode;
+   aggregation's denominators), add the KL penalty to the reference policy (`kl_estimator`, below), and
+   aggregate the sum with the objective's mode;
 3. compute the shared metrics (`policy_metrics`, below), the same way for every objective so that all compare.
 
 Every objective has the hyperparameter `kl_coef` (β; default 0, as in the GSPO paper's comparison and in DAPO,
-Dr. GRPO, CISPO; DeepSeekMath's GRPO used 0.04); `ref_logp` is required when it is positive. Hyperparameter types
+Dr. GRPO, CISPO; DeepSeekMath's GRPO used 0.04); `ref_logp` is required when it is positive. The KL term per token,
+with k3 = π_ref/π_θ − log(π_ref/π_θ) − 1 and tokens sampled from π_old (the policy of `old_logp`):
+- `k3` (DeepSeekMath eq. 4): β·k3. Its value estimates KL(π_θ ‖ π_ref) only on-policy, and its expected gradient
+  is then ∇KL(π_ref ‖ π_θ), the reverse KL's; off-policy it follows neither.
+- `unbiased_k3` (DeepSeek-V3.2 eq. 7; TRL's `use_bias_correction_kl`): β·(π_θ/π_old)·k3 with the ratio in the
+  graph. Over tokens from π_old its expected value is KL(π_θ ‖ π_ref) and its expected gradient ∇KL(π_θ ‖ π_ref),
+  on- and off-policy; per token, d/d log π_θ = β·(π_θ/π_old)·(log π_θ − log π_ref). A ratio without gradient
+  would keep the value and turn the expected gradient into the reverse KL's.
+Both claims are checked by exact expectation over a small categorical in tests/test_objectives.py
+(`test_the_expected_kl_gradient_of_each_estimator`). Hyperparameter types
 (floats, enums such as `loss_agg`) are checked by `experiments.registry.check_fields`; value ranges by `validate`.
 
 Shared metrics. Definitions follow verl's and TRL's where they exist (the GSPO paper's Fig. 2 for GSPO's token
@@ -74,7 +82,7 @@ class Objective(ABC):
     needs_rollout_logp: ClassVar[bool] = False  # the loss itself reads μ_old (MiniRL's IS weight)
 
     kl_coef: float = 0.0  # β of the KL to the frozen reference policy (needs ref_logp when > 0)
-    kl_estimator: KLEstimator = KLEstimator.k3  # k3, or unbiased_k3 (weighted by sg[π_θ/π_old])
+    kl_estimator: KLEstimator = KLEstimator.k3  # k3, or unbiased_k3 (weighted by π_θ/π_old; module docstring)
 
     def __post_init__(self) -> None:
         check_fields(self, self.name)
@@ -108,7 +116,7 @@ class Objective(ABC):
         if self.kl_coef > 0:
             kl = k3(batch.ref_log_ratio)
             if self.kl_estimator == KLEstimator.unbiased_k3:
-                kl = torch.exp(batch.log_ratio).detach() * kl
+                kl = torch.exp(batch.log_ratio) * kl  # the ratio's gradient is what makes eq. 7's gradient unbiased
             loss = aggregate(per_token + self.kl_coef * kl, batch.mask, policy.aggregation, policy.norm_tokens, totals)
         return ObjectiveOutput(loss=loss, metrics=policy_metrics(batch, policy, policy_only))
 

@@ -6,7 +6,8 @@
 Writes into the output folder one PNG and one PDF per figure (analysis/figures.py), `summary.csv` (the stability
 table, one row per series) and `report.md`, which embeds every PNG with a one-sentence caption, lists incomplete
 runs and loading problems, says which panels were left out and why, and defines every number in the table.
-Bad input (no runs, a missing directory) ends with a one-line `error:` message and exit code 2.
+Bad input (no runs, a missing directory) ends with a one-line `error:` message and exit code 2. A report that fails,
+refused or crashed, removes the output folders it created while they are still empty.
 """
 
 from __future__ import annotations
@@ -257,6 +258,22 @@ def main(argv: Sequence[str] | None = None, *, wandb_api_factory: Callable[[], A
     args = parser.parse_args(argv)
     _check_args(parser, args)
     out = args.out or default_out_dir(args.paths, args.wandb, args.group)
+    created = [folder for folder in (out.resolve(), *out.resolve().parents) if not folder.exists()]
+    try:
+        report = _report(args, argv, out, wandb_api_factory)
+    except BaseException:
+        for folder in created:  # deepest first; a folder that holds anything, a file the report wrote, stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    print(f"report: {report}")
+
+
+def _report(args: argparse.Namespace, argv: Sequence[str], out: Path, wandb_api_factory: Callable[[], Any]) -> Path:
+    """Check that `out` can be written, load the runs, write the report; exit code 2 and one `error:` line on bad
+    input."""
     try:
         make_writable_dir(out)
     except OSError as err:
@@ -272,9 +289,8 @@ def main(argv: Sequence[str] | None = None, *, wandb_api_factory: Callable[[], A
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     command = "python -m analysis.report " + " ".join(shlex.quote(a) for a in argv)
-    report = write_report(runset, out, last_n=args.last_n, drop=args.collapse_drop, alpha=args.ema_alpha,
-                          dpi=args.dpi, command=command)
-    print(f"report: {report}")
+    return write_report(runset, out, last_n=args.last_n, drop=args.collapse_drop, alpha=args.ema_alpha,
+                        dpi=args.dpi, command=command)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ directory:
 It is written into `step_<k>.tmp/` and renamed into place once every rank is done, so a crash while writing leaves
 the previous checkpoint whole; `trainer.keep_checkpoints` bounds how many stay.
 
-`resume=auto` continues from the newest checkpoint in the run directory (a fresh start when there is none);
-`resume=/path/to/step_<k>` from that one. A checkpoint of another experiment (model shape, objective, batch, task,
-seed, ...) is refused, naming what differs. The run's `metrics.jsonl` is cut back to the checkpoint's step, so no
-line is logged twice, and W&B continues the same run.
+`resume=auto` continues from the newest intact checkpoint in the run directory (a fresh start when there is none),
+saying which newer ones it passed over and why; `resume=/path/to/step_<k>` from that one. Every file a checkpoint is
+loaded from is checked before any is loaded (`damage`): a deleted or truncated file (a copy cut short, a full disk)
+is refused in one line naming it, and never leaves a trainer half restored. A checkpoint of another experiment
+(model shape, objective, batch, task, seed, ...) is refused, naming what differs. The run's `metrics.jsonl` is cut
+back to the checkpoint's step, so no line is logged twice, and W&B continues the same run.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from experiments.distributed import Ranks, barrier, broadcast
@@ -107,16 +110,101 @@ def _generators(trainer: Any) -> dict[str, torch.Tensor]:
     return {"torch": torch.get_rng_state(), "sampler": trainer.generator.get_state(), "noise": trainer.engine.noise.get_state()}
 
 
-def find(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint `resume` asks for: the newest of the run (`auto`; None when there is none) or a path."""
+TRAINER_KEYS = ("step", "tokens_seen", "skipped_updates", "consecutive_skips", "scheduler", "experiment", "world")
+RANK_GENERATORS = ("torch", "sampler", "noise")
+
+
+def find(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
+    """The checkpoint `resume` asks for, intact (`damage`), and the damage of the newer ones it passed over: with
+    `auto`, the newest intact checkpoint of the run (None when the run has none at all); with a path, that one.
+    `ConfigError` naming the damaged file when there is no intact one to take."""
     if resume == "auto":
-        found = checkpoints(run_dir)
-        return found[-1] if found else None
+        passed_over = []
+        for candidate in reversed(checkpoints(run_dir)):
+            problem = damage(candidate)
+            if problem is None:
+                return candidate, passed_over
+            passed_over.append(problem)
+        if passed_over:
+            raise ConfigError(f"resume=auto finds no intact checkpoint in {run_dir / DIRECTORY}: {len(passed_over)} "
+                              f"damaged, the newest because {passed_over[0]}")
+        return None, []
     path = Path(resume).expanduser()
-    if not (path / "trainer.json").is_file() or not (path / "state").is_dir():
-        raise ConfigError(f"resume={resume!r} holds no checkpoint (a {DIRECTORY}/{PREFIX}<step> directory with "
-                          "trainer.json and state/); use resume=auto or point at one")
-    return path
+    lacking = [part for part in (path / "trainer.json", path / "state") if not part.exists()]
+    if lacking:
+        raise ConfigError(f"resume={resume!r} holds no checkpoint: {lacking[0]} is missing (a "
+                          f"{DIRECTORY}/{PREFIX}<step> directory holds trainer.json and state/); use resume=auto or "
+                          "point at one")
+    problem = damage(path)
+    if problem is not None:
+        raise ConfigError(f"resume={resume!r} is a damaged checkpoint: {problem}; resume=auto takes the newest intact "
+                          "one")
+    return path, []
+
+
+def damage(path: Path) -> str | None:
+    """What makes the checkpoint at `path` unloadable, naming the file, or None when it is intact: every file `load`
+    reads is there and reads, and every tensor file is as long as the state's index needs. Checked before anything is
+    loaded, so that a damaged checkpoint never leaves a trainer half restored."""
+    try:
+        saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"{path / 'trainer.json'} does not read ({_reason(error)})"
+    missing = [key for key in TRAINER_KEYS if key not in saved] if isinstance(saved, dict) else list(TRAINER_KEYS)
+    if missing:
+        return f"{path / 'trainer.json'} lacks {', '.join(missing)}"
+    for rank in range(saved["world"]):
+        problem = _rank_damage(path, rank)
+        if problem is not None:
+            return problem
+    return _state_damage(path / "state")
+
+
+def _rank_damage(path: Path, rank: int) -> str | None:
+    """What is wrong with rank `rank`'s random generator files, or None."""
+    generators = path / f"rng_rank{rank}.pt"
+    try:
+        loaded = torch.load(generators, weights_only=True)
+    except Exception as error:  # a truncated file fails anywhere in torch's zip and unpickling readers, with any type
+        return f"{generators} does not load ({_reason(error)})"
+    if not isinstance(loaded, dict) or set(loaded) != set(RANK_GENERATORS):
+        return f"{generators} does not hold the generators {', '.join(RANK_GENERATORS)}"
+    python_random = path / f"python_random_rank{rank}.json"
+    try:
+        state = json.loads(python_random.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"{python_random} does not read ({_reason(error)})"
+    if not isinstance(state, list) or len(state) != 3:
+        return f"{python_random} is not a state of Python's random module"
+    return None
+
+
+def _state_damage(state: Path) -> str | None:
+    """What is wrong with the model and optimizer state written by `torch.distributed.checkpoint`, or None: its index
+    (`.metadata`) must read, and every file the index points into must be as long as the index needs."""
+    try:
+        index = FileSystemReader(str(state)).read_metadata()
+    except Exception as error:  # a truncated index fails in torch's unpickling with whatever type it meets first
+        return f"{state / '.metadata'} does not read ({_reason(error)})"
+    needed: dict[str, int] = {}
+    for item in index.storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        try:
+            held = (state / name).stat().st_size
+        except OSError as error:
+            return f"{state / name} does not read ({_reason(error)})"
+        if held < size:
+            return f"{state / name} holds {held} of the {size} bytes its index needs"
+    return None
+
+
+def _reason(error: BaseException) -> str:
+    """An error's reason in a few words: the OS's, or the exception's type and first line."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def check(path: Path, cfg: DictConfig, ranks: Ranks) -> dict[str, Any]:

@@ -375,8 +375,8 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
     if flip_rate and not is_moe:
         raise ConfigError(f"routing.flip_rate={flip_rate} flips experts: needs an MoE model, and {cfg.model.name!r} is dense")
     engine_is_trainer = cfg.rollout.engine == Engine.hf and not RolloutConfig(**cfg.rollout).numerics().differs
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={cfg.device!r} but this machine has no CUDA device; use device=cpu")
+    check_device(cfg.device)
+    check_training_dtype(cfg.model.dtype, cfg.device)
     replay = Replay(cfg.routing.replay)
     pi_old, why = _pi_old(PiOld(t.pi_old), replay, engine_is_trainer, reads_pi_old)
     return StepPlan(
@@ -388,6 +388,36 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
         why=why,
         flip_rate=float(flip_rate),
     )
+
+
+# The devices a run trains on, and the weight dtypes it trains in. Not float16: AdamW keeps its moments in the weights'
+# dtype, and in float16 the second moment of a small gradient underflows to 0, so the next update divides by about
+# eps and the weights blow up (the micro MoE's logits were non-finite after its first RL step on CPU).
+TRAIN_DEVICES = ("cpu", "cuda", "cuda:<index>")
+TRAINABLE_DTYPES = ("float32", "bfloat16")
+
+
+def check_device(device: str) -> None:
+    """Refuse, in one line, a `device` that is not cpu or cuda[:index] (torch's own error for a string it does not
+    know lists every backend it was ever built for), or cuda on a machine without it."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not one of {', '.join(TRAIN_DEVICES)}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but this machine has no CUDA device; use device=cpu")
+
+
+def check_training_dtype(dtype: str, device: str) -> None:
+    """Refuse model weights in a dtype AdamW cannot train (`TRAINABLE_DTYPES`), naming the device and what trains."""
+    if dtype not in TRAINABLE_DTYPES:
+        raise ConfigError(
+            f"model.dtype={dtype} cannot be trained on {device}: AdamW keeps its moments in {dtype}, where the second "
+            f"moment of small gradients underflows to 0 and the weights blow up within the first updates; on {device} "
+            f"train in model.dtype={' or '.join(TRAINABLE_DTYPES)}"
+        )
 
 
 def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, reads_pi_old: str | None) -> tuple[PiOld, str]:

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,13 @@ def start(device: str) -> Ranks:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def exit_once(message: str) -> NoReturn:
+    """End this process with `message` as its one line (exit code 1), printed by rank 0 alone: under torchrun every
+    rank meets the same refusal, and N copies of one line would bury it. The other ranks end with the same code,
+    silently (torchrun's `RANK`; a process without torchrun is rank 0)."""
+    raise SystemExit(message if int(os.environ.get("RANK", "0")) == 0 else 1) from None
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:

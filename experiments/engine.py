@@ -38,8 +38,9 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
+from experiments.divergence import Diverged, FiniteLogits
 from experiments.scoring import position_ids
 from experiments.tasks import Example, Task
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, replayed_gate_weights
@@ -246,11 +247,13 @@ class HFEngine(RolloutEngine):
         unique = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         encoded = {key: value.repeat_interleave(group_size, dim=0).to(device) for key, value in unique.items()}
         prompt_width = encoded["input_ids"].shape[1]
+        logits_watch = FiniteLogits()
         options = dict(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            logits_processor=LogitsProcessorList([logits_watch]),
         )
         if not greedy:
             options.update(temperature=temperature, top_k=0, top_p=1.0)
@@ -264,6 +267,12 @@ class HFEngine(RolloutEngine):
         sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
         with sampled as logprobs, record_routing_if(model, record_routing) as recording:
             sequences = model.generate(**encoded, **options)
+        if logits_watch.seen(device, self.synced):
+            numerics = self.numerics
+            sampler = "the trainer's model" if numerics is None else (
+                f"the engine's own copy (rollout.precision={numerics.precision}, rollout.weight_quant="
+                f"{numerics.weight_quant}, rollout.router_noise={numerics.router_noise})")
+            raise Diverged(f"{sampler} produced logits that are NaN or inf, with nothing to sample from")
         trace = None
         if recording is not None:
             trace = recording.trace

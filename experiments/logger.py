@@ -1,8 +1,9 @@
 """Run logging: `metrics.jsonl` (the source of truth for `analysis/`) and the same numbers to W&B.
 
-`metrics.jsonl` gets one JSON object per RL step, flushed at once, so a crashed run keeps every finished step; the
-file is only ever appended to (a run directory is claimed by one run, `experiments.rundir`). A write that fails (a
-full disk) raises `StorageError` naming the file and the last step it holds; closing after a failure never raises.
+`metrics.jsonl` gets one JSON object per RL step, handed to the kernel at once (unbuffered), so a crashed run keeps
+every finished step; the file is only ever appended to (a run directory is claimed by one run, `experiments.rundir`).
+A write that fails (a full disk) cuts the file back to its last whole line, so that no partial line is ever left,
+and raises `StorageError` naming the file, the last step it holds and the cut; closing after a failure never raises.
 Per-minibatch values sit under the key `minibatches` (a list, index = updates since θ_old); W&B receives them
 flattened as `minibatch/<j>/<name>`. W&B is offline by default (no network needed); if it cannot start, the run
 warns and keeps the local log: losing the dashboard must never lose the experiment.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -60,7 +62,8 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self.last_step: int | None = None
         try:
-            self._metrics = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+            self._metrics = os.open(self.run_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._whole_bytes = os.fstat(self._metrics).st_size  # where a failed write is cut back to
         except OSError as error:
             raise StorageError(f"cannot open {self.run_dir / METRICS_FILE}: {error.strerror}") from None
         self._wandb = self._start_wandb(cfg, name, tags, group, resume)
@@ -96,21 +99,37 @@ class RunLogger:
             warnings.warn(f"W&B did not start ({type(error).__name__}: {error}); logging to metrics.jsonl only")
             return None
 
+    def _append(self, data: bytes) -> None:
+        """Write all of `data` at the end of metrics.jsonl (a disk that fills on the way writes part, then fails)."""
+        while data:
+            data = data[os.write(self._metrics, data):]
+
+    def _cut_back(self, step: int) -> str:
+        """After a failed write: cut metrics.jsonl back to its last whole line; say what was cut, if anything."""
+        try:
+            if os.fstat(self._metrics).st_size == self._whole_bytes:
+                return ""
+            os.ftruncate(self._metrics, self._whole_bytes)
+        except OSError as error:
+            return f" and a partial line of step {step} that could not be cut off ({error.strerror})"
+        return f" (the partial line of step {step} was cut off)"
+
     @property
     def wandb_active(self) -> bool:
         return self._wandb is not None
 
-    def _failed(self, error: OSError, what: str) -> StorageError:
+    def _failed(self, error: OSError, what: str, cut: str = "") -> StorageError:
         held = f"it holds steps up to {self.last_step}" if self.last_step is not None else "it holds no step"
-        return StorageError(f"cannot write {what} in {self.run_dir}: {error.strerror}; {held}")
+        return StorageError(f"cannot write {what} in {self.run_dir}: {error.strerror}; {held}{cut}")
 
     def log(self, record: dict[str, Any]) -> None:
         clean = _clean(record)
+        line = (json.dumps(clean) + "\n").encode("utf-8")
         try:
-            self._metrics.write(json.dumps(clean) + "\n")
-            self._metrics.flush()
+            self._append(line)
         except OSError as error:
-            raise self._failed(error, METRICS_FILE) from None
+            raise self._failed(error, METRICS_FILE, self._cut_back(int(record["train/step"]))) from None
+        self._whole_bytes += len(line)
         self.last_step = int(record["train/step"])
         if self._wandb is not None:
             try:
@@ -123,7 +142,7 @@ class RunLogger:
         """Write `summary.json` (its status says how the run ended), close the log, finish W&B with `exit_code`."""
         try:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(_clean(summary), indent=2) + "\n")
-            self._metrics.close()
+            self._close_metrics()
         except OSError as error:
             self.abort()
             raise self._failed(error, SUMMARY_FILE) from None
@@ -134,11 +153,17 @@ class RunLogger:
             except Exception as error:
                 warnings.warn(f"W&B finish failed ({error}); the local summary.json is complete")
 
+    def _close_metrics(self) -> None:
+        """Close metrics.jsonl once: a second close of its number could close a file another thread opened since."""
+        fd, self._metrics = self._metrics, -1
+        if fd >= 0:
+            os.close(fd)
+
     def abort(self) -> None:
         """Close files after a failure; the run stays marked incomplete (no summary.json). Never raises: it runs
         while another error is on its way out."""
         try:
-            self._metrics.close()
+            self._close_metrics()
         except OSError:
             pass  # the write that failed has been reported; closing cannot lose more than that
         if self._wandb is not None:

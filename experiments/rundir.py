@@ -149,10 +149,12 @@ def make_writable_dir(path: str | Path) -> None:
 
 
 def _refuse_unwritable(key: str, path: str) -> None:
+    from experiments.distributed import exit_once
+
     try:
         make_writable_dir(path)
     except OSError as error:
-        raise SystemExit(f"moe-rl-lab: {key}={path!r} cannot be created: {error.strerror}") from None
+        exit_once(f"moe-rl-lab: {key}={path!r} cannot be created: {error.strerror}")
 
 
 class DirectoryGuard(Callback):
@@ -168,7 +170,7 @@ class DirectoryGuard(Callback):
             try:
                 ranks = distributed.start(config.get("device", "cpu"))
             except ConfigError as error:
-                raise SystemExit(f"moe-rl-lab: {error}") from None
+                distributed.exit_once(f"moe-rl-lab: {error}")
             chosen = distributed.broadcast(str(config.hydra.run.dir), ranks)
             with read_write(config.hydra.run):
                 config.hydra.run.dir = chosen
@@ -176,6 +178,8 @@ class DirectoryGuard(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise SystemExit("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the "
-                             "sweep itself with hydra/launcher=slurm_torchrun, or torchrun one run at a time")
+            from experiments.distributed import exit_once
+
+            exit_once("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the sweep "
+                      "itself with cluster=slurm, or torchrun one run at a time")
         _refuse_unwritable("hydra.sweep.dir", config.hydra.sweep.dir)

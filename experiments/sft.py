@@ -29,7 +29,8 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments import rundir
-from experiments.config import register_configs, unknown_keys
+from experiments.config import check_device, check_training_dtype, register_configs, unknown_keys
+from experiments.divergence import Diverged
 from experiments.engine import HFEngine
 from experiments.evaluate import evaluate
 from experiments.logger import RunLogger
@@ -89,6 +90,8 @@ def check_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"sft.target_accuracy={s.target_accuracy} must be in (0, 1]")
     if s.threads is not None and s.threads < 1:
         raise ConfigError(f"sft.threads={s.threads} must be >= 1, or null to follow the machine's free cores")
+    check_device(cfg.device)
+    check_training_dtype(cfg.model.dtype, cfg.device)
     try:
         rundir.make_writable_dir(s.output_dir)
     except OSError as error:
@@ -158,6 +161,11 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             bar.set_postfix(loss=f"{loss_value:.3f}", greedy_acc=f"{accuracy:.2f}")
             if accuracy >= s.target_accuracy or out_of_time:
                 break
+    except Diverged as error:
+        logger.abort()
+        bar.close()
+        raise SystemExit(f"moe-rl-lab: the cold start diverged in step {step}: {error}; no checkpoint was "
+                         "saved") from None
     except BaseException:
         logger.abort()
         raise

@@ -1,17 +1,19 @@
 """Sweeps (`-m`): every job checked before the first starts, a failed job reported while the others run.
 
-`RunGuard` is the Hydra callback of `conf/train.yaml`. Before the sweep it composes every job the basic sweeper will
-launch and runs the start-up checks of each (`experiments.trainer.check_run`: settings, model files, task, memory),
-so a bad cell of a grid is named at once, and refuses a parallel launcher whose jobs would share more threads than
-the machine has; the entry point then reports a refused or crashing job and goes on with the next, and the sweep
-exits non-zero at the end, listing the jobs whose directory holds no finished run (whatever launcher ran them, in
-this process or others).
+`RunGuard` is the Hydra callback of `conf/train.yaml`. Before the sweep it refuses a SLURM launcher (`cluster=slurm`)
+on a machine without SLURM's commands, composes every job the basic sweeper will launch and runs the start-up checks
+of each (`experiments.trainer.check_run`: settings, model files, task, memory), so a bad cell of a grid is named at
+once, and refuses a parallel launcher whose jobs would share more threads than the machine has (before a single run
+it refuses `cluster=slurm`, which only submits a sweep's jobs); the entry point then reports a refused or crashing
+job and goes on with the next, and the sweep exits non-zero at the end, listing the jobs whose directory holds no
+finished run (whatever launcher ran them, in this process or others).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,37 @@ from omegaconf import DictConfig, OmegaConf
 from experiments import rundir
 from experiments.registry import ConfigError
 from experiments.trainer import check_run
+
+SLURM_COMMANDS = ("sbatch", "srun")  # what submitit's SLURM launcher runs to submit and start each job
+
+
+def submits_to_slurm(launcher: DictConfig) -> bool:
+    """Whether Hydra's launcher (`cluster=slurm` sets it) is submitit's SLURM launcher."""
+    return str(launcher.get("_target_", "")).endswith("SlurmLauncher")
+
+
+def check_slurm_sweep(config: DictConfig) -> None:
+    """`cluster=slurm` submits a sweep's jobs with SLURM's commands: refuse, in one line, a machine without them."""
+    missing = [command for command in SLURM_COMMANDS if shutil.which(command) is None]
+    if submits_to_slurm(config.hydra.launcher) and missing:
+        raise SystemExit(
+            f"moe-rl-lab: cluster=slurm submits every job of the sweep with {' and '.join(SLURM_COMMANDS)}, and this "
+            f"machine has no {' or '.join(missing)}: run the sweep on a SLURM login node, or leave cluster=slurm out "
+            "(hydra/launcher=joblib runs the jobs side by side on this machine)"
+        )
+
+
+def check_slurm_single_run(config: DictConfig) -> None:
+    """Without `-m`, Hydra runs the job itself, here: `cluster=slurm` would then start its `launch.nproc_per_node`
+    ranks (one per GPU of a SLURM node) on this machine. Refuse that in one line; the ranks of a SLURM job (torchrun
+    set WORLD_SIZE) are single runs with `cluster=slurm` on purpose."""
+    if submits_to_slurm(config.hydra.launcher) and "WORLD_SIZE" not in os.environ:
+        raise SystemExit(
+            "moe-rl-lab: cluster=slurm submits the jobs of a sweep to SLURM, and without -m this is one run on this "
+            "machine (it would start a SLURM node's ranks, one per GPU, here): add -m to submit it (python -m "
+            "experiments.train -m cluster=slurm ...), or leave cluster=slurm out"
+        )
+
 
 def unfinished_jobs(sweep_dir: Path) -> list[str]:
     """The job directories of a sweep that hold no finished run, with why (the file system is the record every
@@ -68,7 +101,12 @@ class RunGuard(rundir.DirectoryGuard):
     """Hydra's output directory checked before Hydra writes there; in a sweep, every job checked before the first
     starts, and the sweep failed at the end if any job failed."""
 
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_slurm_single_run(config)
+        super().on_run_start(config, **kwargs)
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_slurm_sweep(config)
         super().on_multirun_start(config, **kwargs)
         check_threads(config)
         if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):

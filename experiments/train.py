@@ -7,8 +7,13 @@ one-paragraph summary, however the run ends:
 - bad settings are refused before any work, in one line (`ConfigError`); any other exception is a bug and keeps its
   traceback (the run directory keeps every finished step and no `summary.json`);
 - SIGTERM or Ctrl-C: the steps finished so far stay logged, W&B is finished, `summary.json` says
-  `status: interrupted`, and one line says so (exit code 143 or 130);
+  `status: interrupted`, and one line says so (exit code 143 or 130), also when the stop arrives while a
+  checkpoint is being written (it lands after the write);
+- a loss, gradient, weights or logits that turn non-finite for good (`experiments.divergence`): the steps before
+  stay logged, `summary.json` says `status: diverged`, and one line says where and why (exit code 1);
 - a full disk or a vanished run directory: one line naming the file and the last step it holds (exit code 1).
+
+Under torchrun every rank meets the same refusal, and rank 0 alone prints it.
 
 In a sweep (`-m`), every job is checked before the first one starts, and a refused or failed job is reported while
 the others run; the sweep exits non-zero when any job failed, listing them.
@@ -27,7 +32,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -37,10 +42,12 @@ from tqdm import tqdm
 
 from experiments import checkpoint, distributed, rundir
 from experiments.config import register_configs
+from experiments.distributed import exit_once
+from experiments.divergence import Diverged
 from experiments.rundir import EVAL_START
 from experiments.logger import RunLogger
 from experiments.registry import ConfigError
-from experiments.trainer import RLTrainer, mean_of
+from experiments.trainer import RLTrainer, check_run, mean_of
 from models.policy import describe_policy
 
 register_configs()
@@ -56,8 +63,8 @@ class Interrupted(BaseException):
         self.exit_code = exit_code
 
 
-class _Commit:
-    """Whether a step is being committed, and the stop that arrived meanwhile (see `step_commit`)."""
+class _Deferral:
+    """Whether a block a stop must not cut is running (see `stop_deferred`), and the stop that arrived meanwhile."""
 
     active = False
     pending: Interrupted | None = None
@@ -69,8 +76,8 @@ def stop_signals() -> Iterator[None]:
 
     def stop(signum: int, frame: Any) -> None:
         interrupted = Interrupted(signal.Signals(signum).name, 128 + signum)
-        if _Commit.active:  # raised when the step is committed (step_commit)
-            _Commit.pending = _Commit.pending or interrupted
+        if _Deferral.active:  # raised when the block is done (stop_deferred)
+            _Deferral.pending = _Deferral.pending or interrupted
             return
         raise interrupted
 
@@ -83,18 +90,20 @@ def stop_signals() -> Iterator[None]:
 
 
 @contextmanager
-def step_commit() -> Iterator[None]:
-    """A step is committed (its log line written, then counted) whole: a stop that arrives meanwhile is raised
-    after it, never between its line and the summary's count. Blocking the signals on this thread is not enough:
-    the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python then runs
-    the handler on this thread at its next instruction, so the handler itself defers while a commit is active."""
-    _Commit.active, _Commit.pending = True, None
+def stop_deferred() -> Iterator[None]:
+    """Run the block whole: a stop that arrives meanwhile is raised after it. Two blocks need this: a step's commit
+    (its log line written, then counted: never a line the summary does not count) and a checkpoint's write
+    (`torch.distributed.checkpoint` catches whatever is raised inside it, `Interrupted` included, and raises its
+    own `CheckpointException` instead). Blocking the signals on this thread is not enough: the kernel hands a
+    process's signal to any thread that does not block it (W&B's, torch's), and Python then runs the handler on this
+    thread at its next instruction, so the handler itself defers while a block is active."""
+    _Deferral.active, _Deferral.pending = True, None
     try:
         yield
     finally:
-        _Commit.active = False
-    if _Commit.pending is not None:
-        pending, _Commit.pending = _Commit.pending, None
+        _Deferral.active = False
+    if _Deferral.pending is not None:
+        pending, _Deferral.pending = _Deferral.pending, None
         raise pending
 
 
@@ -186,7 +195,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
         try:
             ranks = distributed.start(cfg.device)
         except ConfigError as error:
-            raise SystemExit(f"moe-rl-lab: {error}") from None
+            exit_once(f"moe-rl-lab: {error}")
         claimed, problem, finished = None, None, None
         if ranks.main:
             try:
@@ -196,7 +205,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
                 problem = str(error)
         problem, finished = distributed.broadcast((problem, finished), ranks)  # every rank does what rank 0 found
         if problem:
-            raise SystemExit(f"moe-rl-lab: {problem}")
+            exit_once(f"moe-rl-lab: {problem}")
         if finished is not None:  # a re-launched sweep skips the jobs that are done
             if claimed is not None:
                 claimed.release()
@@ -210,9 +219,10 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
             if claimed is not None:
                 claimed.release()
             if isinstance(error, ConfigError):
-                raise SystemExit(f"moe-rl-lab: {error}") from None
+                exit_once(f"moe-rl-lab: {error}")
             if isinstance(error, Interrupted):
-                print(f"moe-rl-lab: interrupted by {error.signal_name} before the first step", file=sys.stderr)
+                if ranks.main:
+                    print(f"moe-rl-lab: interrupted by {error.signal_name} before the first step", file=sys.stderr)
                 raise SystemExit(error.exit_code) from None
             raise
         try:
@@ -228,7 +238,7 @@ def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path) -> list[dict[str
     if cfg.resume is None:
         return []
     ranks = trainer.ranks
-    found = distributed.broadcast(checkpoint.find(run_dir, cfg.resume) if ranks.main else None, ranks)
+    found, passed_over = distributed.broadcast(checkpoint.find(run_dir, cfg.resume) if ranks.main else None, ranks)
     step = 0
     if found is not None:
         checkpoint.load(trainer, found)
@@ -238,6 +248,8 @@ def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path) -> list[dict[str
     metrics = run_dir / rundir.METRICS_FILE
     dropped = checkpoint.cut_log(metrics, step)
     where = f"from {found} (step {step})" if found is not None else "from the start: no checkpoint in the run directory"
+    if passed_over:
+        where += f", the newest intact checkpoint, passing over {len(passed_over)} damaged: {'; '.join(passed_over)}"
     print(f"moe-rl-lab: resuming {where}; {dropped} later line(s) of {metrics} are logged again", file=sys.stderr)
     return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()] if metrics.exists() else []
 
@@ -279,11 +291,12 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
             if t.eval_prompts and (last or (t.eval_every and trainer.step_index % t.eval_every == 0)):
                 record.update(trainer.evaluate())
             record["perf/elapsed_s"] = time.perf_counter() - start
-            with step_commit():
+            with stop_deferred():  # the step's commit
                 logger.log(record)
                 history.append(record)
             if t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0:
-                checkpoint.save(trainer, run_dir, t.keep_checkpoints)
+                with stop_deferred():
+                    checkpoint.save(trainer, run_dir, t.keep_checkpoints)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", clip=f"{record['clip/token_frac']:.1e}")
         bar.close()
     except Interrupted as stop:
@@ -298,6 +311,10 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
                   f"{run_dir / rundir.METRICS_FILE} holds them and {run_dir / rundir.SUMMARY_FILE} says status "
                   "'interrupted'", file=sys.stderr)
         raise SystemExit(stop.exit_code) from None
+    except Diverged as error:
+        summary = summarize(trainer, history, "diverged", name, run_dir, time.perf_counter() - start,
+                            time.process_time() - cpu_start)
+        diverged(summary, f"step {trainer.step_index}: {error}", logger, run_dir)
     except rundir.StorageError as error:
         logger.abort()
         raise SystemExit(f"moe-rl-lab: {error}") from None
@@ -315,6 +332,18 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
     if main:
         print(summary_paragraph(summary))
     return summary
+
+
+def diverged(summary: dict[str, Any], where: str, logger: Any, run_dir: Path) -> NoReturn:
+    """End a run that diverged (every rank raises `Diverged` together) `where` says: `summary.json` with status
+    `diverged` and why, W&B finished as failed, one line from rank 0; exit code 1."""
+    summary["diverged"] = where
+    try:
+        logger.finish(summary, exit_code=1)
+    except rundir.StorageError as storage:
+        raise SystemExit(f"moe-rl-lab: the run diverged in {where}; and {storage}") from None
+    exit_once(f"moe-rl-lab: the run diverged in {where}. {run_dir / rundir.METRICS_FILE} holds the step(s) before "
+              f"it ({summary['steps']}), and {run_dir / rundir.SUMMARY_FILE} says status 'diverged'")
 
 
 def export(trainer: RLTrainer, directory: Path) -> Path:
@@ -345,6 +374,12 @@ def launch_ranks(cfg: DictConfig, hydra_cfg: Any) -> float | None:
 
     if cfg.launch.nproc_per_node < 1:
         raise SystemExit(f"moe-rl-lab: launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
+    # What every rank would refuse is refused here, once, before torchrun starts ranks and adds its own traceback to
+    # their exit. Not the memory: measuring a GPU's creates a CUDA context this process would hold while the ranks run.
+    try:
+        check_run(cfg, cfg.launch.nproc_per_node, memory=False)
+    except ConfigError as error:
+        raise SystemExit(f"moe-rl-lab: {error}") from None
     done = subprocess.run(torchrun_command(cfg, hydra_cfg))
     if done.returncode:
         raise SystemExit(done.returncode)

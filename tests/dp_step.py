@@ -85,12 +85,12 @@ def run_case(overrides: list[str], ranks: distributed.Ranks) -> dict:
     grads: dict[str, torch.Tensor] = {}
     apply = trainer._apply
 
-    def first_grads(finite: bool) -> None:
+    def first_grads(finite: bool, update: int) -> None:
         if not grads:
             for name, param in trainer.model.named_parameters():
                 grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
                 grads[name] = grad.detach().clone()
-        apply(finite)
+        apply(finite, update)
 
     trainer._apply = first_grads
     metrics = [trainer.update(mb, old_policy) for mb, old_policy in zip(minibatches, old)]

@@ -199,8 +199,10 @@ def test_a_checkpoint_of_another_experiment_is_refused_naming_what_differs(tmp_p
 
 
 def test_torchrun_refuses_what_the_ranks_cannot_share(tmp_path):
+    """Every rank meets the refusal; rank 0 alone prints it (torchrun's own report of the failed ranks follows)."""
     done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "trainer.prompts_per_step=3", f"hydra.run.dir={tmp_path}")
     assert done.returncode != 0 and "trainer.prompts_per_step=3 does not split over the 2 ranks" in done.stderr
+    assert done.stderr.count("moe-rl-lab:") == 1, done.stderr[-3000:]
     done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "device=cuda", f"hydra.run.dir={tmp_path / 'c'}")
     assert done.returncode != 0 and "this machine has none: device=cpu" in done.stderr
     assert "Traceback" not in done.stderr.split("ChildFailedError")[0] or "moe-rl-lab:" in done.stderr

@@ -273,6 +273,67 @@ def test_kl_penalty_is_k3_added_per_token_and_aggregated_like_the_loss():
     assert out.loss.item() == pytest.approx(-1.0) and out.metrics["kl/ref_k3"] > 0
 
 
+def expected_kl_term(estimator: str, theta: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor):
+    """E_{y ~ π_old}[KL term of the loss] and its gradient in the logits θ of π_θ = softmax(θ), exactly: the
+    objective is called on each outcome y of the categorical alone (one response of one token, Â = 0 so that only
+    the KL term is left) and the results are summed with weights π_old(y)."""
+    theta = theta.detach().requires_grad_(True)
+    logp = torch.log_softmax(theta, dim=0)
+    objective = build_objective("grpo", kl_coef=1.0, kl_estimator=estimator)
+    value = torch.zeros(())
+    for y in range(theta.numel()):
+        out = objective(logp=logp[y].view(1, 1), old_logp=old_logp[y].view(1, 1), advantages=torch.zeros(1),
+                        mask=torch.ones(1, 1), ref_logp=ref_logp[y].view(1, 1))
+        value = value + old_logp[y].exp() * out.loss
+    (grad,) = torch.autograd.grad(value, theta)
+    return value.detach(), grad
+
+
+def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, grad_of: torch.Tensor):
+    """KL(p ‖ q) of two categoricals given by logits, and its gradient in `grad_of` (one of the two, a leaf)."""
+    p, log_p, log_q = p_logits.softmax(0), p_logits.log_softmax(0), q_logits.log_softmax(0)
+    kl = (p * (log_p - log_q)).sum()
+    (grad,) = torch.autograd.grad(kl, grad_of)
+    return kl.detach(), grad
+
+
+@pytest.mark.parametrize("policy", ["on", "off"])
+def test_the_expected_kl_gradient_of_each_estimator(policy):
+    """unbiased_k3 (DeepSeek-V3.2 eq. 7) follows the forward KL's gradient ∇KL(π_θ ‖ π_ref) for tokens sampled from
+    π_old, on- and off-policy; plain k3 follows the reverse KL's, ∇KL(π_ref ‖ π_θ), on-policy, and neither off it.
+    Exact expectations over a 5-outcome categorical, θ ≠ θ_ref, and θ ≠ θ_old off-policy (loss values alone cannot
+    tell these apart: a ratio without gradient gives eq. 7's value with the reverse KL's gradient)."""
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.0, -0.4], requires_grad=True)
+    ref = torch.tensor([-0.5, 0.4, 0.9, -1.0, 0.2])
+    theta_old = theta.detach() if policy == "on" else torch.tensor([1.0, -0.3, -0.6, 0.5, 0.1])
+    old_logp, ref_logp = theta_old.log_softmax(0), ref.log_softmax(0)
+    forward_value, forward_grad = exact_kl(theta, ref, grad_of=theta)
+    _, reverse_grad = exact_kl(ref, theta, grad_of=theta)
+    assert (forward_grad - reverse_grad).abs().max() > 0.05, "the case must tell the two KLs apart"
+
+    value, grad = expected_kl_term("unbiased_k3", theta, old_logp, ref_logp)
+    assert value.item() == pytest.approx(forward_value.item(), rel=1e-5)
+    torch.testing.assert_close(grad, forward_grad, rtol=1e-5, atol=1e-6)
+
+    value, grad = expected_kl_term("k3", theta, old_logp, ref_logp)
+    if policy == "on":
+        assert value.item() == pytest.approx(forward_value.item(), rel=1e-5)
+        torch.testing.assert_close(grad, reverse_grad, rtol=1e-5, atol=1e-6)
+    else:
+        assert (grad - forward_grad).abs().max() > 0.01 and (grad - reverse_grad).abs().max() > 0.01
+
+
+def test_unbiased_kl_gradient_per_token_is_the_ratio_times_the_log_ratio_to_the_reference():
+    """d[(π_θ/π_old)·k3]/d log π_θ = (π_θ/π_old)·(log π_θ − log π_ref): the ratio's own gradient included."""
+    inputs = batch_from_ratios([[1.5, 1.0]], [0.0], width=2)
+    ref_logp = inputs["logp"] + 0.3  # log(π_ref/π_θ) = 0.3 on both tokens
+    out, grad = loss_and_grad(build_objective("grpo", kl_coef=1.0, kl_estimator="unbiased_k3"),
+                              {**inputs, "ref_logp": ref_logp})
+    k3 = math.exp(0.3) - 0.3 - 1
+    assert out.loss.item() == pytest.approx((1.5 * k3 + k3) / 2, rel=1e-5)
+    torch.testing.assert_close(grad, torch.tensor([[1.5, 1.0]]) * -0.3 / 2, **TOL)
+
+
 def test_low_precision_and_integer_masks_are_accepted():
     inputs = ragged_batch()
     reference = build_objective("grpo")(**inputs)

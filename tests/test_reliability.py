@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +19,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from experiments.checkpoint import find as find_checkpoint
 from experiments.config import PROJECT_ROOT
+from experiments.registry import ConfigError
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
 from models.routing import record_routing, replay_routing
@@ -146,13 +151,13 @@ def test_a_stop_during_a_step_commit_lands_after_it_even_when_another_thread_tak
     thread at once, which must not cut a commit (log line written, step not yet counted) in two."""
     import threading
 
-    from experiments.train import Interrupted, step_commit, stop_signals
+    from experiments.train import Interrupted, stop_deferred, stop_signals
 
     other = threading.Thread(target=time.sleep, args=(2,), daemon=True)  # a thread that does not block signals
     other.start()
     committed = []
     with pytest.raises(Interrupted), stop_signals():
-        with step_commit():
+        with stop_deferred():
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(10):  # the GIL released and taken back, as a log write does: where a handler would run
                 time.sleep(0.02)
@@ -178,25 +183,97 @@ def test_killing_a_joblib_sweep_ends_its_running_jobs_as_interrupted(tmp_path):
         assert json.loads(summary.read_text())["status"] == "interrupted"
 
 
-def test_an_unwritable_run_directory_or_a_full_disk_is_one_line(tmp_path, monkeypatch):
+def test_an_unwritable_run_directory_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     result = run_cli(*MICRO_RUN, f"hydra.run.dir={blocker / 'run'}")
     assert result.returncode != 0 and "cannot be created: Not a directory" in one_line(result.stderr)
-    # A disk that fills during the run: every write of the log fails with ENOSPC.
-    import experiments.logger as logger
 
-    real_open = open
 
-    def full_disk(path, *args, **kwargs):
-        return real_open("/dev/full", "w") if str(path).endswith("metrics.jsonl") else real_open(path, *args, **kwargs)
+def test_a_disk_that_fills_in_the_middle_of_a_line_leaves_only_whole_lines(tmp_path):
+    """A file-size limit plays the full disk: the kernel writes a step's line up to it, then refuses the rest (the
+    way a 5.8 kB piece of a line was once left behind). Each line is about 4-5 kB, so the limit falls inside one."""
+    limit = 7000
 
-    monkeypatch.setattr(logger, "open", full_disk, raising=False)
-    with pytest.raises(SystemExit) as raised:
-        train(compose_train(), tmp_path / "full")
-    message = str(raised.value)
-    assert "cannot write metrics.jsonl" in message and "No space left on device" in message and "\n" not in message
-    assert raised.value.__cause__ is None and raised.value.__suppress_context__, "no chained traceback"
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: the write fails instead
+
+    done = subprocess.run([*CLI, *MICRO_RUN, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                          cwd=PROJECT_ROOT, timeout=300, preexec_fn=limited)
+    assert done.returncode == 1
+    line = one_line(done.stderr)
+    assert f"cannot write metrics.jsonl in {tmp_path}: File too large" in line
+    kept = re.search(r"it holds steps up to (\d+) \(the partial line of step (\d+) was cut off\)", line)
+    assert kept and int(kept[2]) == int(kept[1]) + 1, line
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text.endswith("\n"), "a partial line was left"
+    assert [json.loads(row)["train/step"] for row in text.splitlines()] == list(range(1, int(kept[1]) + 1))
+
+
+# -- runs that end early: divergence, signals during a checkpoint -------------------------------------------------
+
+@pytest.mark.parametrize("lr, why", [
+    ("1e39", "update 0 of the step left the weights non-finite"),  # AdamW's first step moves each weight by ~lr
+    ("1e30", "the trainer's model produced logits that are NaN or inf"),  # finite weights, overflowing forward
+])
+def test_a_run_that_diverges_ends_in_one_line_with_its_log_whole_and_status_diverged(tmp_path, lr, why):
+    done = run_cli(*MICRO_RUN, f"trainer.lr={lr}", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1
+    line = one_line(done.stderr)
+    assert "moe-rl-lab: the run diverged in step" in line and why in line and "says status 'diverged'" in line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    lines = read_metrics(tmp_path)
+    assert summary["status"] == "diverged" and why in summary["diverged"]
+    assert summary["steps"] == len(lines) and [row["train/step"] for row in lines] == list(range(1, len(lines) + 1))
+
+
+def test_sigterm_while_a_checkpoint_is_written_lands_after_the_write(tmp_path):
+    """torch's checkpoint writer catches whatever is raised inside it and raises CheckpointException instead: a stop
+    that landed there ended the run with exit code 1, a traceback and no summary."""
+    plugin = tmp_path / "stop_in_checkpoint.py"
+    plugin.write_text(
+        "import os, signal\n"
+        "from torch.distributed.checkpoint import filesystem\n"
+        "write = filesystem._FileSystemWriter.write_data\n"
+        "def write_after_a_stop(self, plan, planner):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # handled at the next instruction: inside the writer\n"
+        "    return write(self, plan, planner)\n"
+        "filesystem._FileSystemWriter.write_data = write_after_a_stop\n"
+    )
+    run_dir = tmp_path / "run"
+    code = ("import stop_in_checkpoint, runpy; "
+            "runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)")
+    done = subprocess.run([sys.executable, "-c", code, *MICRO_RUN, "trainer.checkpoint_every=1",
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}"})
+    assert done.returncode == 143
+    assert "interrupted by SIGTERM after 1 of 3 steps" in one_line(done.stderr)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000001"], "the checkpoint was finished"
+
+
+# -- launchers: SLURM, torchrun -----------------------------------------------------------------------------------
+
+def test_cluster_slurm_without_a_sweep_or_without_slurm_is_one_line(tmp_path):
+    single = run_cli(*MICRO_RUN, "cluster=slurm", f"hydra.run.dir={tmp_path / 'run'}")
+    assert single.returncode == 1
+    line = one_line(single.stderr)
+    assert "cluster=slurm submits the jobs of a sweep to SLURM, and without -m this is one run" in line
+    assert not (tmp_path / "run").exists(), "no rank started here"
+    no_slurm_path = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no sbatch, no srun on it
+    sweep = subprocess.run([*CLI, "-m", *MICRO_RUN, "cluster=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                           capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, env=no_slurm_path)
+    assert sweep.returncode == 1
+    line = one_line(sweep.stderr)
+    assert "with sbatch and srun, and this machine has no sbatch or srun: run the sweep on a SLURM login node" in line
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path):
+    done = run_cli(*MICRO_RUN, "launch.nproc_per_node=2", "trainer.prompts_per_step=3", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1
+    assert "trainer.prompts_per_step=3 does not split over the 2 ranks" in one_line(done.stderr)
+    assert done.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in done.stderr
 
 
 # -- crashes late that a start-up check catches -------------------------------------------------------------------
@@ -204,6 +281,9 @@ def test_an_unwritable_run_directory_or_a_full_disk_is_one_line(tmp_path, monkey
 @pytest.mark.parametrize(
     "overrides, message",
     [
+        (["device=meta"], "device='meta' is not one of cpu, cuda, cuda:<index>"),
+        (["device=mps"], "device='mps' is not one of cpu, cuda, cuda:<index>"),
+        (["device=cuda:x"], "device='cuda:x' is not one of cpu, cuda, cuda:<index>"),
         (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
         (["trainer.lr=nan"], "trainer.lr=nan must be a finite number > 0"),
         (["trainer.adam_beta1=1.5"], "trainer.adam_beta1=1.5 must be in [0, 1)"),
@@ -217,6 +297,15 @@ def test_values_that_would_crash_later_are_refused_at_start_up(tmp_path, overrid
     with pytest.raises(SystemExit) as raised:
         train(compose_train(*overrides), tmp_path)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_float16_weights_are_refused_at_start_up_naming_what_trains(tmp_path):
+    """float16 weights were accepted on CPU, and the run died in a later step with a traceback."""
+    done = run_cli(*MICRO_RUN, "model.dtype=float16", f"hydra.run.dir={tmp_path}")
+    line = one_line(done.stderr)
+    assert done.returncode == 1 and "model.dtype=float16 cannot be trained on cpu: AdamW keeps its moments" in line
+    assert "on cpu train in model.dtype=float32 or bfloat16" in line
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -238,7 +327,10 @@ def test_an_unknown_arm_is_refused(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here (tests/test_vllm.py)")
 def test_the_vllm_engine_without_vllm_is_refused_with_the_install_command(tmp_path):
     done = run_cli(*MICRO_RUN, "rollout.engine=vllm", f"hydra.run.dir={tmp_path}")
-    assert done.returncode == 1 and "make test-vllm" in one_line(done.stderr)
+    line = one_line(done.stderr)
+    assert done.returncode == 1 and "`make test-vllm` builds .venv-vllm" in line
+    assert "then run with .venv-vllm/bin/python -m experiments.train" in line
+    assert "pip install" not in line, "pyproject.toml says the vllm extra cannot be installed next to the project"
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -251,6 +343,21 @@ def test_replay_checks_every_forward_of_its_context(micro_policy):
         model(input_ids=ids)
         with pytest.raises(ValueError, match=r"covers batch x positions \(2, 6\) but this forward .* feeds \(2, 5\)"):
             model(input_ids=ids[:, :5])
+
+
+@pytest.mark.parametrize("recorded_on, replayed_on", [(4, 8), (8, 4)])
+def test_a_routing_trace_replays_only_on_a_model_of_its_expert_count(recorded_on, replayed_on):
+    """A trace of 4 experts on a model of 8 replayed silently: all its ids are in range."""
+    ids = torch.randint(4, 40, (2, 6))
+    recorder, _ = build_policy(ModelConfig(**{**MICRO_MODEL, "num_experts": recorded_on}))
+    target, _ = build_policy(ModelConfig(**{**MICRO_MODEL, "num_experts": replayed_on}))
+    with torch.no_grad(), record_routing(recorder) as recording:
+        recorder(input_ids=ids)
+    with torch.no_grad(), replay_routing(target, recording.trace), pytest.raises(ValueError) as raised:
+        target(input_ids=ids)
+    assert str(raised.value) == (f"routing trace was recorded with num_experts={recorded_on}, and this model routes "
+                                 f"over num_experts={replayed_on}: a trace replays only on a model of its own expert "
+                                 "count")
 
 
 # -- corrupted checkpoints and data files ------------------------------------------------------------------------
@@ -294,6 +401,63 @@ def test_a_broken_checkpoint_is_refused_in_one_line(tmp_path, checkpoint, how, m
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
+DAMAGEABLE = ["trainer.json", "rng_rank0.pt", "python_random_rank0.json", "state/.metadata", "state/__0_0.distcp"]
+
+
+@pytest.fixture(scope="module")
+def killed_after_three_checkpoints(tmp_path_factory) -> Path:
+    """A run directory as a SIGKILL after step 3 leaves it: checkpoints of steps 1-3, no summary."""
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
+    train(compose_train("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"), run_dir)
+    (run_dir / "summary.json").unlink()
+    return run_dir
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "deleted":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted"])
+@pytest.mark.parametrize("name", DAMAGEABLE)
+def test_a_damaged_checkpoint_is_named_by_its_file_before_anything_loads(killed_after_three_checkpoints, tmp_path,
+                                                                        name, how):
+    """Each damaged file raised its own traceback (zip, EOFError, JSONDecodeError, FileNotFoundError,
+    CheckpointException), some after the model had been loaded from it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    _damage(newest / name, how)
+    with pytest.raises(ConfigError) as raised:
+        find_checkpoint(run_dir, str(newest))
+    assert str(newest / name) in str(raised.value) and "\n" not in str(raised.value)
+    found, passed_over = find_checkpoint(run_dir, "auto")
+    assert found == run_dir / "checkpoints" / "step_000002" and len(passed_over) == 1
+    assert passed_over[0].startswith(str(newest / name))
+
+
+def test_resume_refuses_a_damaged_checkpoint_and_auto_takes_the_newest_intact_one_saying_so(
+        killed_after_three_checkpoints, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    _damage(newest / "state" / "__0_0.distcp", "truncated")
+    settings = [*MICRO_RUN, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=3", f"hydra.run.dir={run_dir}"]
+    explicit = run_cli(*settings, f"resume={newest}")
+    assert explicit.returncode == 1
+    line = one_line(explicit.stderr)
+    assert f"is a damaged checkpoint: {newest / 'state' / '__0_0.distcp'} holds " in line
+    assert "bytes its index needs; resume=auto takes the newest intact one" in line
+    auto = run_cli(*settings, "resume=auto")
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert (f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2), the newest intact checkpoint, passing "
+            f"over 1 damaged: {newest / 'state' / '__0_0.distcp'} holds ") in auto.stderr
+    assert [row["train/step"] for row in read_metrics(run_dir)] == [1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
 def test_a_dataset_file_that_is_not_utf8_names_its_line(tmp_path):
     good = '{"question": "1+1?", "answer": "#### 2"}\n'
     (tmp_path / "train.jsonl").write_bytes(good.encode() + '{"question": "caf\xe9", "answer": "#### 1"}\n'.encode("latin-1"))
@@ -314,6 +478,7 @@ def test_a_dataset_file_that_is_not_utf8_names_its_line(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [("sft.batch_size=0", "sft.batch_size=0 must be >= 1"), ("sft.target_accuracy=1.5", "must be in (0, 1]"),
+     ("device=foo", "device='foo' is not one of cpu, cuda, cuda:<index>"),
      ("sft.eval_prompts=100000", "sft.eval_prompts=100000 is more than the 500 held-out examples"),
      ("+sft.epochs=3", "unknown config key(s) sft.epochs")],
 )
@@ -323,7 +488,19 @@ def test_the_cold_start_refuses_bad_settings_in_one_line(tmp_path, override, mes
     assert result.returncode != 0 and message in one_line(result.stderr)
 
 
-def test_the_report_refuses_an_unwritable_out_and_wandb_without_a_key(tmp_path):
+def test_a_cold_start_that_diverges_ends_in_one_line_and_saves_no_checkpoint(tmp_path):
+    """Evaluating non-finite weights used to score a greedy argmax over NaN logits, and the checkpoint was saved."""
+    micro = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()]
+    done = run_cli(*micro, "sft.lr=1e30", "sft.max_steps=3", "sft.eval_every=1", "sft.eval_prompts=4",
+                   "sft.batch_size=4", f"sft.output_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}",
+                   "logger.wandb.mode=disabled", module="experiments.sft")
+    assert done.returncode == 1
+    line = one_line(done.stderr)
+    assert "the cold start diverged in step" in line and "logits that are NaN or inf" in line
+    assert not list((tmp_path / "ckpt").iterdir()), "no checkpoint of non-finite weights"
+
+
+def test_the_report_refuses_an_unwritable_out_no_runs_and_wandb_without_a_key_leaving_no_empty_folder(tmp_path):
     from tests import synthetic_runs as syn
 
     run = syn.curve_run(tmp_path / "run", "grpo", 0, lambda t: 0.02 * t)
@@ -331,8 +508,13 @@ def test_the_report_refuses_an_unwritable_out_and_wandb_without_a_key(tmp_path):
     blocker.write_text("")
     result = run_cli(str(run), "--out", str(blocker / "out"), module="analysis.report")
     assert result.returncode == 2 and "--out" in one_line(result.stderr) and "Not a directory" in result.stderr
+    (tmp_path / "no_runs").mkdir()
+    result = run_cli(str(tmp_path / "no_runs"), "--out", str(tmp_path / "reports" / "none"), module="analysis.report")
+    assert result.returncode == 2 and "no runs found" in one_line(result.stderr)
+    assert not (tmp_path / "reports").exists(), "the failed report left the folders it created"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")} | {"HOME": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "analysis.report", "--wandb", "ent/proj", "--out",
                              str(tmp_path / "wb")], capture_output=True, text=True, cwd=PROJECT_ROOT, env=env,
                             timeout=300)
     assert result.returncode == 2 and "--wandb needs an API key" in one_line(result.stderr)
+    assert not (tmp_path / "wb").exists()

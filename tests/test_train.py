@@ -139,7 +139,7 @@ def test_dense_control_runs_without_routing_metrics(tmp_path):
     assert "reward/mean" in line and "routing/expert_change_frac" not in line
 
 
-def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
+def test_non_finite_losses_are_skipped_then_end_the_run_as_diverged(tmp_path, monkeypatch):
     cfg = compose_train("trainer.max_consecutive_skips=3", "trainer.steps=5")
 
     class PoisonedTrainer(RLTrainer):
@@ -159,14 +159,18 @@ def test_non_finite_loss_is_skipped_then_stops_the_run(tmp_path, monkeypatch):
     trainers = []
     monkeypatch.setattr("experiments.train.RLTrainer",
                         lambda cfg, ranks: trainers.append(PoisonedTrainer(cfg, ranks)) or trainers[-1])
-    with pytest.raises(RuntimeError, match="3 optimizer updates in a row had a non-finite loss"):
+    with pytest.raises(SystemExit) as raised:
         train(cfg, tmp_path)
+    message = str(raised.value)
+    assert "the run diverged in step 2: 3 optimizer updates in a row had a non-finite loss" in message
+    assert "\n" not in message
     lines = read_metrics(tmp_path)
     assert [line["optim/skipped_steps"] for line in lines] == [2], "step 1's two updates were refused, step 2 stopped"
     trainer = trainers[0]
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, trainer.initial[name]), f"{name} changed although every update was skipped"
-    assert not (tmp_path / "summary.json").exists(), "a stopped run stays marked incomplete"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["steps"] == 1 and summary["skipped_steps"] == 3
 
 
 @pytest.mark.parametrize(
