@@ -97,6 +97,9 @@ def load_probes(paths: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame
         }
         shape["experts_per_slot"] = shape["experts"] / shape["top_k"]
         for setting in summary["settings"]:
+            if "diverged" in setting:  # no drift to fit: the update broke the model (listed in the report)
+                rows.append({**shape, "lr": setting["lr"], "diverged": setting["diverged"]})
+                continue
             row = {**shape, "lr": setting["lr"], **{name: setting.get(key) for name, key in ROW_METRICS.items()}}
             row["drift_per_layer"] = setting.get("drift_per_layer")
             rows.append(row)
@@ -144,6 +147,8 @@ class Fit:
 def fit_law(rows: pd.DataFrame) -> Fit:
     """Least squares of log drift on the logs of every regressor that varies (rows with a positive drift only)."""
     usable = rows[(rows["drift"] > 0) & rows[[c for c, _ in REGRESSORS.values()]].notna().all(axis=1)]
+    if "diverged" in usable:
+        usable = usable[usable["diverged"].isna()]
     names = [name for name, (column, _) in REGRESSORS.items() if usable[column].nunique() > 1]
     if len(usable) <= len(names) + 1:
         raise ValueError(f"{len(usable)} probe rows with a positive drift cannot fit {len(names) + 1} coefficients "

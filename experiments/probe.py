@@ -22,7 +22,8 @@ of activated experts on which that engine and the fp32 trainer disagree at the s
 (`mismatch/expert_frac`, training–inference mismatch of routing, which R3 removes and drift is set against).
 
 The run directory gets `metrics.jsonl` (every step, tagged `probe/lr` and `probe/phase`) and `summary.json` (one
-entry per setting: what `analysis.drift_law` fits), and the table is printed.
+entry per setting: what `analysis.drift_law` fits), and the table is printed. A learning rate whose run diverges
+(non-finite loss, weights or logits: `experiments.divergence`) is an entry that says so, and the next one is probed.
 
     python -m experiments.probe model=qwen30b_l16                       # the cold start of qwen30b_l16 on addition
     python -m experiments.probe -m model=qwen30b_l16,qwen30b_l32 dataset=addition,scratchpad
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from tqdm import tqdm
 
 from experiments import rundir
 from experiments.config import register_configs
+from experiments.divergence import Diverged
 from experiments.engine import Precision
 from experiments.logger import RunLogger
 from experiments.registry import ConfigError
@@ -127,12 +130,18 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
                 raise SystemExit(f"moe-rl-lab: {error}") from None
             policy = policy or describe_policy(trainer.model)
             records = []
-            for step in range(steps):
-                record = trainer.step()
-                phase = "warm" if step < p.warm_steps else "measure"
-                logger.log({**record, "probe/lr": lr, "probe/phase": phase})
-                records.append(record)
-                bar.update(1)
+            try:
+                for step in range(steps):
+                    record = trainer.step()
+                    phase = "warm" if step < p.warm_steps else "measure"
+                    logger.log({**record, "probe/lr": lr, "probe/phase": phase})
+                    records.append(record)
+                    bar.update(1)
+            except Diverged as error:  # a learning rate too large for this model: said, and the next one probed
+                print(f"\nmoe-rl-lab: lr {lr:g} diverged at step {len(records) + 1}: {error}", file=sys.stderr)
+                settings.append({"lr": lr, "diverged": str(error)})
+                bar.update(steps - len(records))
+                continue
             settings.append({"lr": lr, **measure(records[p.warm_steps:])})
         for precision in p.precisions:
             trainer = RLTrainer(setting_config(cfg, p.lrs[0], 1, Precision(precision)))
@@ -183,6 +192,9 @@ def table(summary: dict[str, Any]) -> str:
     lines.append(f"{'lr':>8}  {'drift/update':>12}  {'routing share':>13}  {'logit margin':>12}  "
                  f"{'token ratio var':>15}  {'length':>6}")
     for s in summary["settings"]:
+        if "diverged" in s:
+            lines.append(f"{s['lr']:>8.0e}  diverged: {s['diverged']}")
+            continue
         lines.append(
             f"{s['lr']:>8.0e}  {_pct(s['routing/expert_change_per_update']):>12}  {_pct(s['decompose/routing_share']):>13}"
             f"  {_num(s['routing/logit_margin']):>12}  {_num(s['ratio/token_var']):>15}"

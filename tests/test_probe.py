@@ -58,3 +58,11 @@ def test_bad_probe_settings_are_refused_in_one_line(tmp_path, override, message)
     assert result.returncode == 1
     assert message in result.stderr.strip().splitlines()[-1]
     assert result.stderr.strip().splitlines()[-1].startswith("moe-rl-lab: ")
+
+
+def test_a_learning_rate_that_diverges_is_an_entry_that_says_so_and_the_next_is_probed(tmp_path, capsys):
+    summary = run_probe(compose_probe("probe.lrs=[1e30,1e-3]", "probe.precisions=[]"), tmp_path)
+    broken, healthy = summary["settings"]
+    assert broken["lr"] == 1e30 and "NaN or inf" in broken["diverged"]
+    assert healthy["lr"] == 1e-3 and healthy["routing/expert_change_per_update"] >= 0
+    assert "lr 1e+30 diverged at step" in capsys.readouterr().err
