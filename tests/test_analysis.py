@@ -547,6 +547,8 @@ def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(
     out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI))
     assert [f.name for f in out.files] == ["fig0_sweep_response.png", "fig0_sweep_response.pdf"]
     assert "SYNTHETIC" in out.caption and "Seeds: 0, 1." in out.caption
+    text = write_report(rs, tmp_path / "report").read_text(encoding="utf-8")
+    assert "| grpo | 0 | 0.500 | +0.150 ± 0.071 | 2 |" in text and "| grpo | 0.3 | 0.500 | -0.400 | 1 |" in text
 
 
 def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_path):
