@@ -109,11 +109,13 @@ class Rollout(Samples):
 class RolloutEngine(ABC):
     """The sampler μ_old. `shares_trainer_weights`: it computes with the trainer's own module, so its numbers are
     π_old's and `sync_weights` has nothing to do. `returns_logprobs`: its samples carry μ_old's log-probs (what
-    rollout corrections and MiniRL read); `returns_routing`: it can report its experts per token (what r3 replays)."""
+    rollout corrections and MiniRL read); `returns_routing`: it can report its experts per token (what r3 replays);
+    `returns_gate_weights`: and the gate weights it gave them (what r3 with `routing_variant=full_replay` replays)."""
 
     shares_trainer_weights: bool = False
     returns_logprobs: bool = True
     returns_routing: bool = True
+    returns_gate_weights: bool = True
     name: str = "engine"
 
     @classmethod
@@ -137,8 +139,10 @@ class RolloutEngine(ABC):
         temperature: float,
         greedy: bool = False,
         record_routing: bool = False,
+        record_gates: bool = False,
     ) -> Samples:
-        """`group_size` completions per prompt; `record_routing`: also the engine's experts per token."""
+        """`group_size` completions per prompt; `record_routing`: also the engine's experts per token, and with
+        `record_gates` their gate weights and router log-probabilities (`RoutingTrace.weights`, `.logprobs`)."""
 
     def describe(self) -> dict[str, Any]:
         """What `summary.json` records about this engine beyond its name and numerics (`engine_details`): for an
@@ -159,10 +163,12 @@ def collect_rollout(
     temperature: float,
     greedy: bool = False,
     record_routing: bool = False,
+    record_gates: bool = False,
 ) -> Rollout:
     """Sample `group_size` completions per example with `engine` and score them with the task."""
     samples = engine.sample(
-        [example.prompt for example in examples], group_size, max_new_tokens, temperature, greedy, record_routing
+        [example.prompt for example in examples], group_size, max_new_tokens, temperature, greedy, record_routing,
+        record_gates,
     )
     rows = [example for example in examples for _ in range(group_size)]
     rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(samples.completions, rows)], dtype=torch.float32)
@@ -241,6 +247,7 @@ class HFEngine(RolloutEngine):
         temperature: float,
         greedy: bool = False,
         record_routing: bool = False,
+        record_gates: bool = False,
     ) -> Samples:
         model, tokenizer = self.model, self.tokenizer
         device = next(model.parameters()).device
@@ -263,9 +270,10 @@ class HFEngine(RolloutEngine):
             options["synced_gpus"] = True
         prefix_trace = None
         if group_size > 1 and prompt_width > 1:
-            options["cache"], prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing)
+            options["cache"], prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing,
+                                                                      record_gates)
         sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
-        with sampled as logprobs, record_routing_if(model, record_routing) as recording:
+        with sampled as logprobs, record_routing_if(model, record_routing, record_gates) as recording:
             sequences = model.generate(**encoded, **options)
         if logits_watch.seen(device, self.synced):
             numerics = self.numerics
@@ -277,11 +285,9 @@ class HFEngine(RolloutEngine):
         if recording is not None:
             trace = recording.trace
             if prefix_trace is not None:
-                trace = replace(trace, experts=torch.cat([prefix_trace.experts, trace.experts], dim=2))
+                trace = _joined(prefix_trace, trace)
             if self.synced:  # a rank that finished early kept feeding its last token: cut those calls off
-                experts = trace.experts[:, :, : sequences.shape[1]].clone()
-                experts[:, :, -1] = NO_ROUTE
-                trace = replace(trace, experts=experts)
+                trace = trace.map(lambda tensor: _without_last_call(tensor[:, :, : sequences.shape[1]]))
         input_ids, response_mask, truncated = _response_layout(
             sequences, prompt_width, tokenizer.eos_token_id, tokenizer.pad_token_id
         )
@@ -328,9 +334,24 @@ class _RouterNoise:
         return noisy, replayed_gate_weights(router, noisy, chosen, weights), chosen.to(indices.dtype)
 
 
-def record_routing_if(model: PreTrainedModel, record: bool) -> contextlib.AbstractContextManager:
-    """`record_routing(model, generate=True)` when `record`, else a context that yields None."""
-    return record_routing(model, generate=True) if record else contextlib.nullcontext()
+def record_routing_if(model: PreTrainedModel, record: bool, gates: bool = False) -> contextlib.AbstractContextManager:
+    """`record_routing(model, generate=True, gates=gates)` when `record`, else a context that yields None."""
+    return record_routing(model, generate=True, gates=gates) if record else contextlib.nullcontext()
+
+
+def _without_last_call(block: torch.Tensor) -> torch.Tensor:
+    """A trace tensor whose last column is no route (`NO_ROUTE` experts, 0 gates): the last sampled token never
+    went through the model."""
+    block = block.clone()
+    block[:, :, -1] = 0.0 if block.is_floating_point() else NO_ROUTE
+    return block
+
+
+def _joined(head: RoutingTrace, tail: RoutingTrace) -> RoutingTrace:
+    """The trace of `head`'s positions followed by `tail`'s (the prefill's, then `generate`'s), gates included."""
+    parts = ("experts", "weights", "logprobs")
+    return replace(tail, **{part: torch.cat([getattr(head, part), getattr(tail, part)], dim=2)
+                            for part in parts if getattr(tail, part) is not None})
 
 
 class _SampledLogProbs:
@@ -391,19 +412,20 @@ def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pa
 
 
 def _prefill_once_per_prompt(
-    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool
+    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool, gates: bool = False
 ) -> tuple[Cache, RoutingTrace | None]:
     """The KV cache of every prompt but its last token, computed once per prompt and copied to its G rows.
 
     The G completions of a prompt share it, so the prefill over B·G rows would compute each prompt G times.
     `generate` continues from this cache: its first forward feeds only the last prompt token (and yields the
     first sampled token's logits), then decodes as usual. With `record`, the prefix's routing comes back laid
-    out like the B·G rows, to be put in front of the routing recorded during `generate`.
+    out like the B·G rows (with `gates`, its gate weights and log-probabilities too), to be put in front of the
+    routing recorded during `generate`.
     """
     device = next(model.parameters()).device
     ids = unique["input_ids"][:, :-1].to(device)
     mask = unique["attention_mask"][:, :-1].to(device)
-    with record_routing(model) if record else contextlib.nullcontext() as recording:
+    with record_routing(model, gates=gates) if record else contextlib.nullcontext() as recording:
         out = model(
             input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1
         )

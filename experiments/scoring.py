@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel
 
 from models.grouped_attention import NAME as PACKED_ATTENTION
-from models.routing import RoutingTrace, find_routers, record_routing, replay_routing
+from models.routing import ReplayRule, RoutingTrace, find_routers, record_routing, replay_routing
 from models.shared_prefix import SharedPrefix
 
 # The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
@@ -45,6 +45,8 @@ class Scores:
     routes: RoutingTrace | None = None  # recorded routing; under replay, the router's own top-k (`[L, N, P+T-1, K]`)
     router_stats: dict[str, float] | None = None  # routing fragility of this forward, when requested
     aux_loss_value: float | None = None
+    # With `score_replayed`: the current router's log-probability of each replayed expert (`[L, N, P+T-1, K]`).
+    replayed_logprobs: torch.Tensor | None = None
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -71,13 +73,18 @@ def score_responses(
     aux_loss_grad: bool = True,
     fragile_margin: float | None = None,
     over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    record_gates: bool = False,
+    rule: ReplayRule | None = None,
+    score_replayed: bool = False,
 ) -> Scores:
     """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
 
     `input_ids`/`attention_mask [N, P+T]` (left-padded prompts of width P, responses). The response tokens
     `[P, P+T)` are scored by the logits at `[P-1, P+T-1)`. `group_size > 1`: rows `j·G .. j·G+G-1` share their
-    prompt and are fed packed (see the module docstring). `record`: return the routing of the fed positions;
-    `replay`: force that routing (`[L, N, P+T-1, K]`) and return the router's own choice. `aux_loss`: the
+    prompt and are fed packed (see the module docstring). `record`: return the routing of the fed positions (with
+    `record_gates`, its gate weights and log-probabilities too); `replay`: force that routing (`[L, N, P+T-1, K]`) as
+    `rule` decides (default: ID replay) and return the router's own choice, and with `score_replayed` the current
+    router's log-probabilities of the replayed experts (`Scores.replayed_logprobs`). `aux_loss`: the
     Switch load-balancing loss over the fed tokens (`load_balancing_loss`), differentiable unless `aux_loss_grad=False`
     (a metric only); `over_ranks` sums its counts over data-parallel ranks. `fragile_margin`: also the routing
     fragility of the fed tokens (`router_fragility`).
@@ -97,7 +104,8 @@ def score_responses(
         if not layout.prefix_agrees(ids):
             raise ValueError(f"packed scoring: rows of one group of {group_size} do not share their prompt")
     capture = aux_loss or fragile_margin is not None
-    with _routing(model, layout, ids, record, replay) as handle, _router_logits(model, capture) as router_logits:
+    routing = _routing(model, layout, ids, record, replay, record_gates, rule, score_replayed)
+    with routing as handle, _router_logits(model, capture) as router_logits:
         if layout is None:
             logits = model(
                 input_ids=ids, attention_mask=fed_mask, position_ids=positions, use_cache=False, logits_to_keep=tail
@@ -126,12 +134,17 @@ def score_responses(
     stats = router_fragility(router_logits, weights, model.num_experts_per_tok, fragile_margin) if (
         fragile_margin is not None
     ) else None
-    routes = None
+    routes = replayed_logprobs = None
     if replay is not None or record:
         routes = handle.router_choice if replay is not None else handle.trace
         if layout is not None:
-            routes = replace(routes, experts=layout.unpack(routes.experts, dim=1))
-    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats, aux_loss_value=value)
+            routes = routes.map(lambda tensor: layout.unpack(tensor, dim=1))
+    if score_replayed:
+        replayed_logprobs = handle.replayed_logprobs
+        if layout is not None:
+            replayed_logprobs = layout.unpack(replayed_logprobs, dim=1)
+    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats, aux_loss_value=value,
+                  replayed_logprobs=replayed_logprobs)
 
 
 @torch.no_grad()
@@ -166,7 +179,8 @@ def router_fragility(
 
 
 def _routing(
-    model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Tensor, record: bool, replay: RoutingTrace | None
+    model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Tensor, record: bool, replay: RoutingTrace | None,
+    record_gates: bool, rule: ReplayRule | None, score_replayed: bool,
 ) -> contextlib.AbstractContextManager:
     """The record or replay context of the forward; a replayed trace is packed like the batch when it is."""
     if replay is not None:
@@ -180,9 +194,11 @@ def _routing(
                     "packed scoring cannot replay this trace: rows of one group route their shared prompt "
                     "differently; score it with group_size=1"
                 )
-            replay = replace(replay, experts=layout.pack(replay.experts, dim=1))
-        return replay_routing(model, replay)
-    return record_routing(model) if record else contextlib.nullcontext()
+            replay = replay.map(lambda tensor: layout.pack(tensor, dim=1))
+        return replay_routing(model, replay, rule, score_replayed)
+    if score_replayed:
+        raise ValueError("score_replayed scores the experts of a replayed trace: pass replay=")
+    return record_routing(model, gates=record_gates) if record else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -137,6 +137,7 @@ class VLLMEngine(RolloutEngine):
     shares_trainer_weights = False
     returns_logprobs = True
     returns_routing = True
+    returns_gate_weights = False  # vLLM returns the routed experts' ids only
 
     @classmethod
     def require(cls) -> None:
@@ -351,11 +352,14 @@ class VLLMEngine(RolloutEngine):
         temperature: float,
         greedy: bool = False,
         record_routing: bool = False,
+        record_gates: bool = False,
     ) -> Samples:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         tokenizer = self.tokenizer
+        if record_gates:
+            raise ValueError("record_gates=True, but vLLM returns the routed experts' ids only, not their gate weights")
         if record_routing and self.routing_source is None:
             raise ValueError(f"record_routing=True, but this engine reports no routing (a dense {self.family} model, "
                              "or built with routing=False)")

@@ -8,21 +8,28 @@ laid out exactly like the token ids of the batch it was recorded on (left paddin
 recorded route carry the sentinel `NO_ROUTE = -1`, never a valid expert id: padding (attention mask 0), and in a
 trace recorded across `generate` the last sampled token, which is never fed back through the model.
 
-Replay (GSPO paper §5.3, "Routing Replay"; R3 paper arXiv 2510.11370). Only the expert *indices* are replayed;
-the gate weights are gathered from the *current* router's full softmax at the replayed experts and renormalised as
-the model family does, so the router still receives gradient. Positions marked `NO_ROUTE` keep the router's own
-choice: they are padding (masked out of attention) or the last token of a sequence, whose hidden state feeds no
+Gates. `record_routing(..., gates=True)` also records, per chosen expert, the gate weight the router gave it
+(`RoutingTrace.weights`, as the family computes it: renormalised or not, in the router's dtype, stored in fp32) and
+the router's log-probability of it, the log-softmax over all experts (`RoutingTrace.logprobs`).
+
+Replay (GSPO paper §5.3, "Routing Replay"; R3 paper arXiv 2510.11370). By default only the expert *indices* are
+replayed (`ReplayRule`); the gate weights are gathered from the *current* router's full softmax at the replayed
+experts and renormalised as the model family does, so the router still receives gradient. Another `ReplayRule`
+decides otherwise per router call (the routing variants of `algos.routing_variants`: the recorded gate weights too,
+or only the replayed experts the current router still ranks high). Positions marked `NO_ROUTE` keep the router's
+own choice: they are padding (masked out of attention) or the last token of a sequence, whose hidden state feeds no
 scored log-probability. The router's own top-k is still computed during a replayed forward and exposed as
-`Replay.router_choice`, so drift against the replayed routing costs no extra forward. Replay data is keyed by
-router module, not by call count, so it holds when activation checkpointing re-runs a layer in backward — as long
-as backward runs inside the `replay_routing` context.
+`Replay.router_choice`, so drift against the replayed routing costs no extra forward; with `score_replayed=True`
+the current router's log-probabilities of the trace's experts come back too (`Replay.replayed_logprobs`). Replay
+data is keyed by router module, not by call count, so it holds when activation checkpointing re-runs a layer in
+backward — as long as backward runs inside the `replay_routing` context.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -32,26 +39,40 @@ _TRACE_DTYPE = torch.int16  # expert ids < 32768; a quarter of int64's memory fo
 
 @dataclass
 class RoutingTrace:
-    """Selected experts of every MoE layer for every token: `experts [L, B, S, K]`, `NO_ROUTE` where none."""
+    """Selected experts of every MoE layer for every token: `experts [L, B, S, K]`, `NO_ROUTE` where none; when
+    recorded with gates, `weights` and `logprobs [L, B, S, K]` (fp32, 0 where `NO_ROUTE`): the gate weight each chosen
+    expert got and the router's log-probability of it (log-softmax over all experts)."""
 
     experts: torch.Tensor
     layer_names: tuple[str, ...]
     num_experts: int
+    weights: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return tuple(self.experts.shape)
 
+    @property
+    def has_gates(self) -> bool:
+        return self.weights is not None and self.logprobs is not None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "RoutingTrace":
+        """The trace with `fn` applied to its experts and, when recorded, its gates (all laid out alike)."""
+        gates = {name: fn(value) for name, value in (("weights", self.weights), ("logprobs", self.logprobs))
+                 if value is not None}
+        return replace(self, experts=fn(self.experts), **gates)
+
     def rows(self, index: torch.Tensor | slice) -> "RoutingTrace":
         """The trace of a subset of batch rows (a minibatch), in the given order."""
-        return replace(self, experts=self.experts[:, index])
+        return self.map(lambda tensor: tensor[:, index])
 
     def positions(self, index: slice) -> "RoutingTrace":
         """The trace of a range of positions (e.g. those a scoring forward feeds the model)."""
-        return replace(self, experts=self.experts[:, :, index])
+        return self.map(lambda tensor: tensor[:, :, index])
 
     def to(self, device: torch.device | str) -> "RoutingTrace":
-        return replace(self, experts=self.experts.to(device))
+        return self.map(lambda tensor: tensor.to(device))
 
     def recorded(self) -> torch.Tensor:
         """`[L, B, S]` bool: positions that carry a route."""
@@ -97,12 +118,12 @@ class _CallShape:
         self.valid = mask[:, -self.seq :].bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
-def _layout(flat: torch.Tensor, call: _CallShape) -> torch.Tensor:
-    """`[B*S, K]` router indices -> `[B, S, K]` int16 with `NO_ROUTE` at unattended positions."""
-    routes = flat.detach().reshape(call.batch, call.seq, -1).to(_TRACE_DTYPE)
+def _layout(flat: torch.Tensor, call: _CallShape, fill: float = NO_ROUTE, dtype: torch.dtype = _TRACE_DTYPE) -> torch.Tensor:
+    """`[B*S, K]` per-token router outputs -> `[B, S, K]` in `dtype`, with `fill` at unattended positions."""
+    block = flat.detach().reshape(call.batch, call.seq, -1).to(dtype)
     if call.valid is not None:
-        routes = routes.masked_fill(~call.valid.to(routes.device).unsqueeze(-1), NO_ROUTE)
-    return routes
+        block = block.masked_fill(~call.valid.to(block.device).unsqueeze(-1), fill)
+    return block
 
 
 def replayed_gate_weights(
@@ -121,25 +142,78 @@ def replayed_gate_weights(
     return weights.to(like.dtype)
 
 
-class _RouterHook:
-    """Forward hook on one router: records its own choice, and when replay data is set, swaps in recorded experts."""
+@dataclass(frozen=True)
+class ReplayedRoutes:
+    """One router call's share of a replayed trace, flattened like the router's tokens: `experts [T, K]` (long;
+    `NO_ROUTE` rows where the trace has no route) and, when the trace was recorded with them, its gates."""
 
-    def __init__(self, name: str, call: _CallShape) -> None:
+    experts: torch.Tensor
+    weights: torch.Tensor | None
+    logprobs: torch.Tensor | None
+
+    @property
+    def recorded(self) -> torch.Tensor:
+        """`[T]` bool: tokens that carry a route."""
+        return self.experts[:, 0] != NO_ROUTE
+
+
+class ReplayRule:
+    """What a replayed forward computes with at one router call. This base class is ID replay: the trace's experts,
+    gate weights from the current router's softmax (`replayed_gate_weights`), the router's own choice where the trace
+    has no route. Subclasses (the routing variants, `algos.routing_variants`) decide otherwise.
+
+    Called with the MoE `layer` index, the router and its outputs (`logits [T, E]`, its own `weights` and `indices
+    [T, K]`), the trace's `replayed` routes and `first`: whether this is the layer's first call in the context
+    (activation checkpointing re-runs layers in backward; a rule counts statistics on first calls only). Returns the
+    `(weights, indices)` the experts compute with. `needs_gates`: the trace must carry its gates.
+    """
+
+    needs_gates = False
+
+    def __call__(self, layer: int, router: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor,
+                 indices: torch.Tensor, replayed: ReplayedRoutes, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        forced = torch.where(replayed.recorded[:, None], replayed.experts, indices)
+        return replayed_gate_weights(router, logits, forced, weights), forced
+
+
+class _RouterHook:
+    """Forward hook on one router: records its own choice (and gates), and when replay data is set, hands the call to
+    the replay rule."""
+
+    def __init__(self, name: str, layer: int, call: _CallShape) -> None:
         self.name = name
+        self.layer = layer
         self.call = call
         self.recording: list[torch.Tensor] | None = None  # one [B, S, K] block per forward call
-        self.replay: torch.Tensor | None = None  # [B, S, K] int16 for the replayed forward
+        self.gates: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (weights, logprobs) blocks, when asked
+        self.replay: RoutingTrace | None = None  # this layer's [B, S, K] share of the replayed trace
+        self.rule = ReplayRule()
+        self.scored: list[torch.Tensor] | None = None  # current log-probs of the replayed experts, when asked
 
     def __call__(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
         logits, weights, indices = output
+        first = not self.recording
         if self.recording is not None:
             self.recording.append(_layout(indices, self.call))
+        if self.gates is not None:
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, indices)
+            self.gates.append((_layout(weights, self.call, 0.0, torch.float32),
+                               _layout(logprobs, self.call, 0.0, torch.float32)))
         if self.replay is None:
             return None
-        forced = self.replay.reshape(-1, self.replay.shape[-1]).to(indices.device)
-        keep_own = (forced[:, :1] == NO_ROUTE).expand_as(indices)
-        forced = torch.where(keep_own, indices, forced.long())
-        return logits, replayed_gate_weights(router, logits, forced, weights), forced
+        replayed = self._flat(indices.device)
+        if self.scored is not None:
+            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, replayed.experts.clamp_min(0))
+            self.scored.append(_layout(logprobs.masked_fill(~replayed.recorded[:, None], 0.0), self.call, 0.0,
+                                       torch.float32))
+        new_weights, new_indices = self.rule(self.layer, router, logits, weights, indices, replayed, first)
+        return logits, new_weights, new_indices
+
+    def _flat(self, device: torch.device) -> ReplayedRoutes:
+        trace = self.replay.to(device)
+        K = trace.shape[-1]
+        flat = lambda tensor: tensor.reshape(-1, K) if tensor is not None else None  # noqa: E731
+        return ReplayedRoutes(flat(trace.experts).long(), flat(trace.weights), flat(trace.logprobs))
 
 
 @contextmanager
@@ -150,8 +224,8 @@ def _hooks(model: torch.nn.Module) -> Iterator[list[_RouterHook]]:
     call = _CallShape()
     handles = [model.register_forward_pre_hook(call, with_kwargs=True)]
     hooks = []
-    for name, router in routers.items():
-        hook = _RouterHook(name, call)
+    for layer, (name, router) in enumerate(routers.items()):
+        hook = _RouterHook(name, layer, call)
         handles.append(router.register_forward_hook(hook))
         hooks.append(hook)
     try:
@@ -171,7 +245,12 @@ def _assemble(hooks: list[_RouterHook], num_experts: int) -> RoutingTrace:
     if not hooks[0].recording:
         raise RuntimeError("no forward pass ran inside record_routing/replay_routing: the trace is empty")
     layers = [torch.cat(hook.recording, dim=1) for hook in hooks]
-    return RoutingTrace(torch.stack(layers), tuple(hook.name for hook in hooks), num_experts)
+    trace = RoutingTrace(torch.stack(layers), tuple(hook.name for hook in hooks), num_experts)
+    if hooks[0].gates is None:
+        return trace
+    weights, logprobs = (torch.stack([torch.cat([gates[part] for gates in hook.gates], dim=1) for hook in hooks])
+                         for part in (0, 1))
+    return replace(trace, weights=weights, logprobs=logprobs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,25 +274,31 @@ class Recording:
             if self._generated:
                 # The last sampled token was never fed back: give it a NO_ROUTE column so the trace has exactly
                 # the width of the returned sequences.
-                L, B, _, K = trace.shape
-                tail = torch.full((L, B, 1, K), NO_ROUTE, dtype=_TRACE_DTYPE, device=trace.experts.device)
-                trace = replace(trace, experts=torch.cat([trace.experts, tail], dim=2))
+                def with_tail(tensor: torch.Tensor) -> torch.Tensor:
+                    L, B, _, K = tensor.shape
+                    fill = 0.0 if tensor.is_floating_point() else NO_ROUTE
+                    tail = torch.full((L, B, 1, K), fill, dtype=tensor.dtype, device=tensor.device)
+                    return torch.cat([tensor, tail], dim=2)
+
+                trace = trace.map(with_tail)
             self._trace = trace
         return self._trace
 
 
 @contextmanager
-def record_routing(model: torch.nn.Module, generate: bool = False) -> Iterator[Recording]:
+def record_routing(model: torch.nn.Module, generate: bool = False, gates: bool = False) -> Iterator[Recording]:
     """Record every MoE layer's selected experts for the forward passes run inside the context.
 
     For a plain forward the trace has the shape of the input ids. With `generate=True` the prefill and every
     decode step are assembled into one trace with the width of the returned sequences (prompt + new tokens); the
-    last column is `NO_ROUTE` because the last sampled token never goes through the model. Run one forward (or one
-    `generate`) per context.
+    last column is `NO_ROUTE` because the last sampled token never goes through the model. `gates`: also record each
+    chosen expert's gate weight and router log-probability (`RoutingTrace.weights`, `.logprobs`). Run one forward
+    (or one `generate`) per context.
     """
     with _hooks(model) as hooks:
         for hook in hooks:
             hook.recording = []
+            hook.gates = [] if gates else None
         yield Recording(hooks, _num_experts(model), generate)
 
 
@@ -236,14 +321,24 @@ class Replay:
         experts = torch.stack([hook.recording[0] for hook in self._hooks])
         return RoutingTrace(experts, tuple(hook.name for hook in self._hooks), self._num_experts)
 
+    @property
+    def replayed_logprobs(self) -> torch.Tensor:
+        """`[L, B, S, K]` fp32: the current router's log-probability of each of the trace's experts (log-softmax over
+        all experts; 0 where the trace has no route), in the first forward of the context (`score_replayed=True`)."""
+        if self._hooks[0].scored is None:
+            raise RuntimeError("replay_routing(..., score_replayed=False) does not score the replayed experts")
+        if not self._hooks[0].scored:
+            raise RuntimeError("no forward pass ran inside replay_routing: no replayed expert was scored")
+        return torch.stack([hook.scored[0] for hook in self._hooks])
+
 
 def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tuple[int, int]) -> None:
     """Refuse a trace that does not fit the model and batch, saying what differs.
 
     Checks: one layer per MoE router (same names), `[B, S]` equal to the batch's, top-k width equal to the
     model's, the expert count it was recorded with equal to the model's (a trace of fewer experts would replay
-    silently, its ids all in range), ids in `[0, E)` or the `NO_ROUTE` sentinel for whole rows, and no expert
-    twice in one token's top-k.
+    silently, its ids all in range), ids in `[0, E)` or the `NO_ROUTE` sentinel for whole rows, no expert twice in
+    one token's top-k, and gates (when recorded) laid out like the experts.
     """
     routers = find_routers(model)
     L, B, S, K = trace.shape
@@ -256,6 +351,9 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
     top_k = next(iter(routers.values())).top_k
     if K != top_k:
         raise ValueError(f"routing trace has top-k {K} but the model routes each token to {top_k} experts")
+    for name, gates in (("weights", trace.weights), ("logprobs", trace.logprobs)):
+        if gates is not None and tuple(gates.shape) != trace.shape:
+            raise ValueError(f"routing trace {name} have shape {tuple(gates.shape)}, its experts {trace.shape}")
     num_experts = _num_experts(model)
     if trace.num_experts != num_experts:
         raise ValueError(f"routing trace was recorded with num_experts={trace.num_experts}, and this model routes over "
@@ -277,13 +375,21 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
 
 
 @contextmanager
-def replay_routing(model: torch.nn.Module, trace: RoutingTrace) -> Iterator[Replay]:
-    """Force the forward passes inside the context (and their backward) to use the experts of `trace`.
+def replay_routing(
+    model: torch.nn.Module, trace: RoutingTrace, rule: ReplayRule | None = None, score_replayed: bool = False
+) -> Iterator[Replay]:
+    """Force the forward passes inside the context (and their backward) to use the experts of `trace`, as `rule`
+    decides at each router call (default: ID replay, `ReplayRule`); `score_replayed`: also keep the current
+    router's log-probabilities of the trace's experts (`Replay.replayed_logprobs`).
 
     The trace must match the batch fed to the model: `[L, B, S, K]` with `[B, S]` the input ids' shape; a
     mismatch raises `ValueError` at the forward that does not fit. Keep backward inside the context when activation
     checkpointing is on, so that recomputed layers replay too.
     """
+    rule = rule if rule is not None else ReplayRule()
+    if rule.needs_gates and not trace.has_gates:
+        raise ValueError(f"{type(rule).__name__} replays gate weights, and this routing trace was recorded without them "
+                         "(record_routing(..., gates=True))")
     with _hooks(model) as hooks:
         if len(hooks) != trace.shape[0]:
             raise ValueError(f"routing trace has {trace.shape[0]} MoE layers but the model has {len(hooks)}")
@@ -305,8 +411,10 @@ def replay_routing(model: torch.nn.Module, trace: RoutingTrace) -> Iterator[Repl
 
         handle = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
         for layer, hook in enumerate(hooks):
-            hook.replay = trace.experts[layer]
+            hook.replay = trace.map(lambda tensor: tensor[layer])
+            hook.rule = rule
             hook.recording = []
+            hook.scored = [] if score_replayed else None
         try:
             yield Replay(hooks, trace.num_experts)
         finally:
