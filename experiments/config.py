@@ -188,6 +188,7 @@ class LoggerConfig:
 class TrainConfig:
     algo: Any = MISSING  # an objective's schema (`schema/algo/<name>`, generated from its dataclass)
     correction: Any = MISSING  # a rollout correction's schema (`schema/correction/<name>`, from its dataclass)
+    routing_variant: Any = MISSING  # a routing variant's schema (`schema/routing_variant/<name>`, from its dataclass)
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: Any = MISSING  # a task's schema (`schema/dataset/<name>`, generated from its dataclass)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -262,13 +263,18 @@ class StepPlan:
     engine_is_trainer: bool  # the engine samples with the trainer's own module: μ_old is π_old's own numbers
     why: str  # one sentence on where π_old comes from
     flip_rate: float = 0.0  # synthetic routing drift in the update forwards (routing.flip_rate)
+    routing_variant: str = "none"  # `algos.routing_variants`: what replayed forwards or the ratios do beyond ID replay
+    replays_gates: bool = False  # replayed forwards take the recorded gate weights too (full replay)
+    reads_old_router: bool = False  # the variant reads θ_old's router log-probabilities (router shift)
 
     @property
     def first_minibatch_on_policy(self) -> bool:
         """π_old of the first minibatch is its own update forward: θ = θ_old there, and the same forward is what a
         recompute would run (or, engine = trainer, what μ_old computed). Not with synthetic flips: the update's
-        forward is then not θ_old's."""
-        return (self.pi_old == PiOld.decoupled or self.engine_is_trainer) and self.flip_rate == 0
+        forward is then not θ_old's. Nor when r2 replays gate weights: the update's forward must take θ_old's gates
+        as constants, recorded by the π_old pass."""
+        gates_to_record = self.replays_gates and self.replay == Replay.r2
+        return (self.pi_old == PiOld.decoupled or self.engine_is_trainer) and self.flip_rate == 0 and not gates_to_record
 
     @property
     def engine_records_routing(self) -> bool:
@@ -277,9 +283,21 @@ class StepPlan:
         tracked = self.track_routing and (self.pi_old == PiOld.bypass or not self.engine_is_trainer)
         return self.replay == Replay.r3 or tracked
 
+    @property
+    def engine_records_gates(self) -> bool:
+        """Ask the engine for the gates of its routing: r3 replays them (`routing_variant=full_replay`)."""
+        return self.replays_gates and self.replay == Replay.r3
+
+    @property
+    def pi_old_records_gates(self) -> bool:
+        """The trainer's π_old pass records θ_old's routing with its gates: r2 replays them (`full_replay`), or the
+        variant reads them (`router_shift`)."""
+        return (self.replays_gates and self.replay == Replay.r2) or self.reads_old_router
+
     def describe(self) -> dict[str, Any]:
         described = {"pi_old": self.pi_old, "pi_old_why": self.why, "minibatch_layout": self.layout,
-                     "replay": self.replay, "first_minibatch_on_policy": self.first_minibatch_on_policy}
+                     "replay": self.replay, "routing_variant": self.routing_variant,
+                     "first_minibatch_on_policy": self.first_minibatch_on_policy}
         if self.flip_rate:
             described["synthetic_flip_rate"] = self.flip_rate
         return described
@@ -301,11 +319,11 @@ def unknown_keys(node: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: int = 1) -> StepPlan:
+def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: int = 1, variant: Any = None) -> StepPlan:
     """Check what single fields cannot (ranges, values that must agree) and decide the step; `ConfigError` naming
     the values and what is allowed otherwise. Runs before anything is built. `reads_pi_old`: what, besides replay,
     needs the trainer's own π_old (a rollout correction's name), or None. `world`: the data-parallel ranks the
-    step's prompts are split over."""
+    step's prompts are split over. `variant`: the run's routing variant (`algos.routing_variants`), None for none."""
     unknown = unknown_keys(cfg) if isinstance(cfg, DictConfig) else []
     if unknown:
         raise ConfigError(
@@ -378,7 +396,8 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
     check_device(cfg.device)
     check_training_dtype(cfg.model.dtype, cfg.device)
     replay = Replay(cfg.routing.replay)
-    pi_old, why = _pi_old(PiOld(t.pi_old), replay, engine_is_trainer, reads_pi_old)
+    reads_old_router = variant.name if variant is not None and variant.reads_old_router else None
+    pi_old, why = _pi_old(PiOld(t.pi_old), replay, engine_is_trainer, reads_pi_old, reads_old_router)
     return StepPlan(
         replay=replay,
         pi_old=pi_old,
@@ -387,6 +406,9 @@ def plan_step(cfg: Any, is_moe: bool, reads_pi_old: str | None = None, world: in
         engine_is_trainer=engine_is_trainer,
         why=why,
         flip_rate=float(flip_rate),
+        routing_variant=variant.name if variant is not None else "none",
+        replays_gates=variant is not None and variant.replays_gates,
+        reads_old_router=variant is not None and variant.reads_old_router,
     )
 
 
@@ -420,7 +442,8 @@ def check_training_dtype(dtype: str, device: str) -> None:
         )
 
 
-def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, reads_pi_old: str | None) -> tuple[PiOld, str]:
+def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, reads_pi_old: str | None,
+            reads_old_router: str | None = None) -> tuple[PiOld, str]:
     if asked == PiOld.bypass and replay == Replay.r2:
         raise ConfigError(
             "trainer.pi_old=bypass with routing.replay=r2: R2 replays θ_old's routing, which only the trainer's own "
@@ -431,6 +454,11 @@ def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, reads_pi_old:
             f"correction={reads_pi_old} weighs tokens by π_old/μ_old, which trainer.pi_old=bypass makes 1 (π_old := "
             "μ_old): use trainer.pi_old=decoupled or auto, or correction=opsm / none"
         )
+    if asked == PiOld.bypass and reads_old_router:
+        raise ConfigError(
+            f"trainer.pi_old=bypass with routing_variant={reads_old_router}: it compares the router with θ_old's, whose "
+            "log-probabilities only the trainer's own π_old pass records; use trainer.pi_old=decoupled or auto"
+        )
     if asked == PiOld.decoupled:
         return asked, "asked: the trainer recomputes π_old at θ_old"
     if asked == PiOld.bypass:
@@ -439,6 +467,8 @@ def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, reads_pi_old:
         return PiOld.decoupled, "r2 records θ_old's routing in the trainer's π_old pass"
     if replay == Replay.r3:
         return PiOld.decoupled, "r3 replays the engine's routing in the trainer's π_old pass"
+    if reads_old_router:
+        return PiOld.decoupled, f"routing_variant={reads_old_router} reads θ_old's router in the trainer's π_old pass"
     if not engine_is_trainer:
         return PiOld.decoupled, "the engine is not the trainer's model: its numbers are not π_old's"
     if reads_pi_old:
@@ -493,6 +523,7 @@ def register_configs() -> None:
     """Store every schema; idempotent (Hydra's ConfigStore overwrites entries of the same name)."""
     from algos import OBJECTIVES
     from algos.corrections import CORRECTIONS
+    from algos.routing_variants import ROUTING_VARIANTS
     from experiments.tasks import TASKS
 
     # `${project_root:}` in yaml: checkpoints and reports resolve against the project, not the working directory.
@@ -504,3 +535,4 @@ def register_configs() -> None:
     _store_group(cs, "algo", OBJECTIVES, lambda cls: [("advantage_std", bool, cls.advantage_std)])
     _store_group(cs, "dataset", TASKS, lambda cls: [])
     _store_group(cs, "correction", CORRECTIONS, lambda cls: [])
+    _store_group(cs, "routing_variant", ROUTING_VARIANTS, lambda cls: [])

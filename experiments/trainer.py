@@ -20,6 +20,9 @@ that forward's log-probs (ratios exactly 1) and θ_old's routing is that forward
 
 Routing. Under replay the routers still compute their own top-k (`models.routing`), so the drift of θ's routing
 against θ_old's, after j updates, is measured on the same tokens at no extra forward (`routing/*` per minibatch).
+A routing variant (`algos.routing_variants`, `routing_variant=`) decides what the replayed forwards compute with
+(the recorded gate weights too; only the replayed experts the router still ranks high) or reweighs each token's
+ratio by how far the router moved on θ_old's experts (RSPO), reading θ's router in the update's own forward.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from algos import build_objective, group_advantages, zero_std_group_frac
 from algos.common import Totals, masked, masked_mean
 from algos.corrections import Correction, CorrectionInputs, build_correction, mismatch_metrics
 from algos.objective import Objective
+from algos.routing_variants import RoutingVariant, build_routing_variant
+from algos.routing_variants.router_shift import Shift, response_positions
 from experiments.distributed import Ranks, gather, reduce, shard, step_seed, summed
 from experiments.config import (
     Layout, LRSchedule, PiOld, Replay, RolloutConfig, StepPlan, algo_hyperparameters, plan_step,
@@ -76,8 +81,9 @@ class OldPolicy:
 
     `on_policy`: π_old is the update's own forward (θ = θ_old there), so `logp` and `routes` come from it.
     Otherwise `logp` is π_old's log-probs (μ_old's under bypass, a recompute under decoupled) and `routes` θ_old's
-    own routing when routing is tracked. `replay`: the experts π_θ's forward is forced through (r2: θ_old's,
-    r3: the engine's). `ref_logp`: the frozen reference's log-probs, for the KL term.
+    own routing when routing is tracked (with its gates when the routing variant reads or replays them).
+    `replay`: the experts π_θ's forward is forced through (r2: θ_old's, r3: the engine's). `ref_logp`: the frozen
+    reference's log-probs, for the KL term.
     """
 
     on_policy: bool
@@ -164,6 +170,7 @@ class RunParts:
     objective: Objective
     advantage_std: bool
     correction: Correction
+    variant: RoutingVariant
     task: Task
     train_examples: list[Example]
     test_examples: list[Example]
@@ -180,12 +187,15 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     objective = build_objective(name, **hyperparameters)
     correction_params = dict(OmegaConf.to_container(cfg.correction, resolve=True))
     correction = build_correction(correction_params.pop("name"), **correction_params)
+    variant_params = dict(OmegaConf.to_container(cfg.routing_variant, resolve=True))
+    variant = build_routing_variant(variant_params.pop("name"), **variant_params)
     plan = plan_step(cfg, is_moe=is_moe(hf_config), reads_pi_old=correction.name if correction.needs_decoupled else None,
-                     world=world)
+                     world=world, variant=variant)
     rollout = RolloutConfig(**cfg.rollout)
     engine = rollout.engine_class()
     engine.check(cfg, world)
     _check_correction(plan, objective, correction, engine)
+    variant.check(plan.replay, cfg.model.name, is_moe(hf_config), engine.name, engine.returns_gate_weights)
     dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     task = build_task(dataset.pop("name"), **dataset)
     train_examples, test_examples = task.examples("train"), task.examples("test")
@@ -201,8 +211,8 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
         prompt_tokens = longest_tokens(tokenizer, [e.prompt for e in train_examples + test_examples])
         _check_memory(cfg, hf_config, model_cfg, prompt_tokens, world)
     numerics = RolloutConfig(**cfg.rollout).numerics()
-    return RunParts(plan, model_cfg, numerics, engine, objective, advantage_std, correction, task, train_examples,
-                    test_examples)
+    return RunParts(plan, model_cfg, numerics, engine, objective, advantage_std, correction, variant, task,
+                    train_examples, test_examples)
 
 
 def _check_memory(cfg: DictConfig, hf_config: Any, model_cfg: ModelConfig, prompt_tokens: int, world: int) -> None:
@@ -286,7 +296,7 @@ class RLTrainer:
         t = cfg.trainer
         parts = check_run(cfg, ranks.world)
         self.plan, self.objective, self.advantage_std = parts.plan, parts.objective, parts.advantage_std
-        self.correction = parts.correction
+        self.correction, self.variant = parts.correction, parts.variant
         self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
         model_cfg = parts.model_cfg
         self.threads = ThreadBudget(t.threads)
@@ -393,6 +403,7 @@ class RLTrainer:
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
             record_routing=self.plan.engine_records_routing,
+            record_gates=self.plan.engine_records_gates,
         )
 
     @torch.no_grad()
@@ -406,7 +417,9 @@ class RLTrainer:
         if plan.pi_old == PiOld.bypass:
             return OldPolicy(on_policy=False, logp=mb.mu_logp, routes=mb.engine_routes if plan.track_routing else None,
                              replay=replay, ref_logp=ref_logp)
-        scored = self._score(self.model, mb, record=plan.track_routing and replay is None, replay=replay)
+        records = plan.track_routing or plan.pi_old_records_gates
+        scored = self._score(self.model, mb, record=records and replay is None, record_gates=plan.pi_old_records_gates,
+                             replay=replay, rule=self.variant.replay_rule() if replay is not None else None)
         routes = scored.routes.to("cpu") if scored.routes is not None else None
         return OldPolicy(
             on_policy=False,
@@ -418,7 +431,7 @@ class RLTrainer:
 
     def _score(self, model: torch.nn.Module, mb: Minibatch, **options: Any) -> Scores:
         """`score_responses` of the minibatch, packed by group under the `groups` layout (`options`: its aux_loss /
-        record / replay / aux_loss_grad / fragile_margin)."""
+        record / record_gates / replay / rule / score_replayed / aux_loss_grad / fragile_margin)."""
         t = self.cfg.trainer
         over_ranks = (lambda tensor: summed(tensor, self.ranks)) if self.ranks.active else None
         return score_responses(
@@ -432,6 +445,10 @@ class RLTrainer:
         t = self.cfg.trainer
         aux_coef = t.router_aux_loss_coef
         track = self.plan.track_routing
+        variant, rule = self.variant, self.variant.replay_rule()
+        # RSPO reads θ's router on θ_old's experts in this forward, which keeps its own routing (the variant's rule).
+        theta_old_experts = old.routes if variant.reads_old_router and not old.on_policy else None
+        trace = old.replay if old.replay is not None else theta_old_experts
         self.optimizer.zero_grad(set_to_none=True)
         with self.flips() as flips:
             scores = self._score(
@@ -439,17 +456,22 @@ class RLTrainer:
                 mb,
                 aux_loss=aux_coef > 0 or track,
                 aux_loss_grad=aux_coef > 0,  # otherwise only logged
-                record=track and old.replay is None,
-                replay=old.replay.to(self.device) if old.replay is not None else None,
+                record=track and trace is None,
+                replay=trace.to(self.device) if trace is not None else None,
+                rule=rule,
+                score_replayed=theta_old_experts is not None,
                 fragile_margin=self.cfg.routing.margin_threshold if track else None,
             )
         pi_old_logp = scores.logp.detach() if old.on_policy else old.logp
+        shift = self._router_shift(mb, old, scores) if variant.reads_old_router else None
+        # RSPO: the objective sees π_θ/π_old · γ̃, γ̃ a constant: π_old's log-probs less log γ̃ (ratio and gradient).
+        objective_old_logp = pi_old_logp - shift.log_weight if shift is not None else pi_old_logp
         # The trainer's own numbers at θ_old, where the step has them: the first minibatch's forward (θ = θ_old
         # there, unless synthetic flips changed it), or the decoupled recompute; under bypass π_old is μ_old itself.
         first_is_old = mb.index == 0 and not self.plan.flip_rate
         trainer_at_old = scores.logp.detach() if first_is_old else (old.logp if self.plan.pi_old == PiOld.decoupled else None)
-        inputs = dict(old_logp=pi_old_logp, advantages=mb.advantages, mask=mb.response_mask, ref_logp=old.ref_logp,
-                      rollout_logp=mb.mu_logp)
+        inputs = dict(old_logp=objective_old_logp, advantages=mb.advantages, mask=mb.response_mask,
+                      ref_logp=old.ref_logp, rollout_logp=mb.mu_logp)
         correction_inputs = None
         if self.correction.name != "none":
             log_rho = trainer_at_old - mb.mu_logp if trainer_at_old is not None else torch.zeros_like(mb.mu_logp)
@@ -487,10 +509,24 @@ class RLTrainer:
             metrics["moe/aux_loss"] = scores.aux_loss_value
         if flips is not None:
             metrics["routing/synthetic_flip_frac"] = reduce(flips.share, self.ranks) / self.ranks.world
+        metrics.update(variant.rule_metrics(rule, lambda count: summed(count, self.ranks)))
+        if shift is not None:
+            metrics.update(Shift(rows(shift.log_weight), gather(shift.deviation, self.ranks, dim=1),
+                                 rows(shift.floored, False)).metrics(mask))
         if track:
             metrics.update(self._routing_metrics(mb, old, scores, pi_old_logp))
         self._apply(finite_loss and math.isfinite(grad_norm), mb.index)
         return metrics
+
+    def _router_shift(self, mb: Minibatch, old: OldPolicy, scores: Scores) -> Shift:
+        """RSPO's router shift of the minibatch's response tokens: θ's router (this update's forward) against θ_old's
+        (the π_old pass) on θ_old's experts; none on the on-policy minibatch, where θ = θ_old."""
+        if old.on_policy:
+            return Shift.none(mb.response_mask, len(find_routers(self.model)))
+        tokens = mb.response_mask.shape[1]
+        current = response_positions(scores.replayed_logprobs, mb.prompt_width, tokens)
+        theta_old = response_positions(old.routes.logprobs, mb.prompt_width, tokens).to(current.device)
+        return self.variant.shift(current, theta_old, mb.response_mask)
 
     def _totals(self, mask: torch.Tensor) -> Totals:
         """The aggregation denominators of the whole minibatch, summed over ranks (`algos.common.Totals`)."""
@@ -504,7 +540,8 @@ class RLTrainer:
     def _routing_metrics(self, mb: Minibatch, old: OldPolicy, scores: Scores, pi_old_logp: torch.Tensor) -> dict[str, float]:
         """Drift since θ_old, load balance, fragility, the engine's routing against the trainer's, and (every
         `routing.decompose_every` steps) the ratio decomposition, over every rank's share of the minibatch."""
-        traces = lambda trace: replace(trace, experts=gather(trace.experts, self.ranks, dim=1, fill=NO_ROUTE))  # noqa: E731
+        traces = lambda trace: replace(trace, experts=gather(trace.experts, self.ranks, dim=1, fill=NO_ROUTE),  # noqa: E731
+                                       weights=None, logprobs=None)
         token_mask = gather(mb.token_mask, self.ranks, fill=False)
         own = traces(scores.routes.to("cpu"))  # under replay: the router's own top-k, beside the replayed experts
         theta_old = own if old.on_policy else traces(old.routes)
@@ -528,13 +565,15 @@ class RLTrainer:
         log π_θ(y | θ_old's experts), and a weights part, log π_θ(y | θ_old's experts) − log π_old(y), with one extra
         no-grad forward at θ (before this minibatch's optimizer step): replayed when the update's forward was not,
         un-replayed when it was. θ_old's experts are the ones π_old was computed with: the replayed trace under
-        r2 / r3, θ_old's recorded routing otherwise."""
+        r2 / r3, θ_old's recorded routing otherwise; replayed by ID, so a routing variant whose replayed forwards
+        compute otherwise (full or soft replay) costs one more forward here."""
         if old.replay is None:
             own, replayed = logp, self._score(self.model, mb, replay=old.routes.to(self.device)).logp
         else:
             with self.flips():  # the counterfactual without replay drifts as the update's own routing would
                 own = self._score(self.model, mb).logp
-            replayed = logp
+            replayed = self._score(self.model, mb, replay=old.replay.to(self.device)).logp if (
+                self.variant.changes_replay) else logp
         rows = lambda tensor: gather(tensor, self.ranks)  # noqa: E731
         return decomposition_metrics(rows(own - replayed), rows(replayed - pi_old_logp),
                                      gather(mb.response_mask, self.ranks, fill=False))

@@ -1,6 +1,7 @@
 """Run by tests/test_distributed.py under `torchrun --nproc_per_node=W`: the updates of one RL step on a fixed rollout
-batch, split over the W ranks by whole groups, for several objectives, aggregations and replay modes. Rank 0 saves,
-per case, the global metrics of every update, the gradients of the first update and the parameters after the step.
+batch, split over the W ranks by whole groups, for several objectives, aggregations, replay modes and routing
+variants. Rank 0 saves, per case, the global metrics of every update, the gradients of the first update and the
+parameters after the step.
 
     torchrun --nproc_per_node=2 tests/dp_step.py OUT.pt
 
@@ -38,6 +39,10 @@ CASES = {
     "grpo + r2": ["algo=grpo", "routing.replay=r2"],
     "gspo + r2": ["algo=gspo", "routing.replay=r2"],
     "grpo + load-balancing loss": ["algo=grpo", "trainer.router_aux_loss_coef=0.05"],
+    "grpo + r2 full replay": ["algo=grpo", "routing.replay=r2", "routing_variant=full_replay"],
+    "gspo + r2 soft replay": ["algo=gspo", "routing.replay=r2", "routing_variant=soft_replay",
+                              "routing_variant.top_margin=null", "routing_variant.min_prob=0.2"],
+    "grpo + router shift": ["algo=grpo", "routing_variant=router_shift"],
 }
 
 

@@ -7,6 +7,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from algos import OBJECTIVES
+from algos.routing_variants import ROUTING_VARIANTS
 from experiments.config import PROJECT_ROOT, algo_hyperparameters, register_configs
 from experiments.tasks import TASKS
 
@@ -26,11 +27,12 @@ def _choices(group: str) -> list[str]:
 def test_every_group_has_its_options():
     assert _choices("algo") == sorted(OBJECTIVES)
     assert _choices("dataset") == sorted(TASKS)
+    assert _choices("routing_variant") == sorted(ROUTING_VARIANTS)
     assert {"tiny_moe", "deep_moe", "tiny_dense"} <= set(_choices("model"))
     assert {"quickstart", "paper"} <= set(_choices("experiment"))
 
 
-@pytest.mark.parametrize("group", ["algo", "model", "dataset", "arm", "experiment"])
+@pytest.mark.parametrize("group", ["algo", "model", "dataset", "arm", "experiment", "routing_variant"])
 def test_every_option_composes_with_typed_schema(group):
     for choice in _choices(group):
         cfg = _compose("train", [f"{group}={choice}"])

@@ -38,10 +38,13 @@ def one_and_two_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["grpo seq-mean-token-mean", "grpo token-mean", "dr_grpo seq-mean-token-sum-norm",
-                                  "gspo", "grpo + r2", "gspo + r2", "grpo + load-balancing loss"])
+                                  "gspo", "grpo + r2", "gspo + r2", "grpo + load-balancing loss",
+                                  "grpo + r2 full replay", "gspo + r2 soft replay", "grpo + router shift"])
 def test_two_ranks_make_the_update_one_process_makes(one_and_two_ranks, case):
     one, two = (result[case] for result in one_and_two_ranks)
     assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3, "the batch must carry a gradient"
+    if case == "gspo + r2 soft replay":
+        assert 0.0 < one["metrics"][1]["routing/soft_replay_kept_frac"] < 1.0, "the ranks must keep and drop experts"
     for name, grad in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
     for name, param in one["params"].items():

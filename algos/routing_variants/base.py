@@ -1,0 +1,90 @@
+"""Routing variants: what a run does about routing beyond Routing Replay's ID replay (`routing.replay`).
+
+Orthogonal to the objective and to the rollout correction: `routing_variant=<name>` picks one, each one small module
+registered in `ROUTING_VARIANTS` with its formula, source and defaults. A variant acts in one of two places:
+
+- in the replayed forwards (r2 / r3), through the `models.routing.ReplayRule` it hands the router hooks:
+  `full_replay` replays the recorded gate weights too, `soft_replay` keeps only the replayed experts the current
+  router still ranks high;
+- on the ratio the objective clips, without replay: `router_shift` (RSPO) multiplies each token's π_θ/π_old by a
+  stop-gradient factor from how far the router moved on θ_old's experts.
+
+What a variant cannot serve is refused at start-up in one line (`check`): the replay modes it needs, a dense model,
+an engine that cannot report what it replays.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from experiments.registry import ConfigError, Registry, check_fields
+from models.routing import ReplayRule
+
+REPLAY_MODES = ("none", "r2", "r3")
+
+
+@dataclass(frozen=True)
+class RoutingVariant(ABC):
+    """Base of every routing variant: a frozen dataclass whose fields are its parameters. The defaults of the class
+    attributes and methods are ID replay's: the variant `none`."""
+
+    name: ClassVar[str] = "routing variant"  # the registry key
+    # The `routing.replay` modes the variant serves, and why it refuses the others (one clause).
+    replay_modes: ClassVar[tuple[str, ...]] = REPLAY_MODES
+    replay_modes_why: ClassVar[str] = ""
+    # The replayed trace carries gate weights: the trainer records them for r2, the engine must report them for r3.
+    replays_gates: ClassVar[bool] = False
+    # Reads θ_old's router log-probabilities of θ_old's own experts: the trainer's π_old pass records them.
+    reads_old_router: ClassVar[bool] = False
+    # Its replayed forwards compute with other experts or gates than ID replay's (the ratio decomposition then
+    # replays θ_old's experts by ID in a forward of its own).
+    changes_replay: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        check_fields(self, f"routing_variant {self.name}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError for parameter values this variant cannot use."""
+
+    def replay_rule(self) -> ReplayRule:
+        """A fresh rule for one replayed forward (it may count what it did there)."""
+        return ReplayRule()
+
+    def rule_metrics(self, rule: ReplayRule, summed: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """What `rule` did in the forward it served, as `routing/*` metrics; `summed` adds a count over ranks."""
+        return {}
+
+    def check(self, replay: str, model: str, is_moe: bool, engine: str, engine_reports_gates: bool) -> None:
+        """Refuse, in one line, a run this variant cannot serve."""
+        if self.name == "none":
+            return
+        if not is_moe:
+            self._fail(f"changes how MoE routers route or weigh tokens, and model {model!r} has no MoE layers")
+        if replay not in self.replay_modes:
+            self._fail(f"{self.replay_modes_why}: use routing.replay={' or '.join(self.replay_modes)}, not {replay}")
+        if self.replays_gates and replay == "r3" and not engine_reports_gates:
+            self._fail(f"with routing.replay=r3 replays the engine's gate weights, and rollout.engine={engine} reports "
+                       "the experts' ids only: use rollout.engine=hf or routing.replay=r2")
+
+    def _fail(self, message: str) -> None:
+        raise ConfigError(f"routing_variant={self.name} {message}")
+
+
+ROUTING_VARIANTS: Registry[RoutingVariant] = Registry("routing variant", RoutingVariant)
+
+
+@ROUTING_VARIANTS.register("none")
+@dataclass(frozen=True)
+class NoVariant(RoutingVariant):
+    """Routing Replay as `routing.replay` says, with nothing more: ID replay under r2 / r3, the router's own choice
+    without."""
+
+
+def build_routing_variant(name: str, **params: object) -> RoutingVariant:
+    return ROUTING_VARIANTS.build(name, **params)
