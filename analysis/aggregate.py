@@ -383,14 +383,16 @@ def early_warning(runset: RunSet, drop: float = COLLAPSE_DROP, alpha: float = EM
 EVAL_GREEDY = "eval/greedy_accuracy"  # the starting policy's evaluation is its point at step 0 (analysis.load)
 # Config keys that are never a sweep's axis: who the run is (algorithm and replay make the arm; the seed is
 # averaged over) and what an arm implies or a run records about itself.
-_NOT_AXES = ("algo.name", "routing.replay", "rollout.precision", "seed")
+_NOT_AXES = ("algo.name", "routing.replay", "routing_variant.name", "rollout.precision", "seed")
 
 
 def arm_of(cfg: dict) -> str:
-    """The arm: objective and replay, and the engine's precision when it is not the trainer's fp32."""
+    """The arm: objective, replay and routing variant, and the engine's precision when it is not the trainer's fp32."""
     arm = str(cfg.get("algo.name", "unknown"))
     if cfg.get("routing.replay", "none") != "none":
         arm += f" + {cfg['routing.replay']}"
+    if cfg.get("routing_variant.name", "none") != "none":
+        arm += f" + {cfg['routing_variant.name']}"
     if cfg.get("rollout.precision", "fp32") != "fp32":
         arm += f" ({cfg['rollout.precision']} engine)"
     return arm

@@ -141,7 +141,8 @@ def _format_value(value: Any) -> str:
 def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Readable series label per run from its flattened config.
 
-    The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none`. Then, in sorted key order, every
+    The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none` and ` + <routing_variant.name>`
+    when a routing variant is on (a run without the key ran without one). Then, in sorted key order, every
     config key that differs between runs (ignoring seeds, threads, checkpointing, output dirs, logger/W&B/Hydra
     keys; a checkpoint or data path does count) and still
     splits runs sharing a label so far is appended to all labels as `key=value`, with the shortest unambiguous
@@ -151,7 +152,7 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     all_keys = sorted({k for cfg in configs.values() for k in cfg})
     candidates = [
         k for k in all_keys
-        if k not in ("algo.name", "routing.replay") and not ignored_key(k)
+        if k not in ("algo.name", "routing.replay", "routing_variant.name") and not ignored_key(k)
         and len({_format_value(cfg.get(k, "—")) for cfg in configs.values()}) > 1
     ]
     for key in candidates:
@@ -169,7 +170,9 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
 def _base_label(cfg: Mapping[str, Any]) -> str:
     algo = str(cfg.get("algo.name", "unknown"))
     replay = str(cfg.get("routing.replay", "none"))
-    return algo if replay == "none" else f"{algo} + {replay}"
+    variant = str(cfg.get("routing_variant.name", "none"))
+    label = algo if replay == "none" else f"{algo} + {replay}"
+    return label if variant == "none" else f"{label} + {variant}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

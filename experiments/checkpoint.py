@@ -39,11 +39,11 @@ DIRECTORY = "checkpoints"
 PREFIX = "step_"
 # What a resumed run must share with the run that wrote the checkpoint: what the saved state means. Run length,
 # logging, evaluation and checkpointing may change.
-EXPERIMENT_KEYS = ("algo", "model", "dataset", "correction", "rollout", "routing.replay", "seed", "trainer.prompts_per_step",
-                   "trainer.group_size", "trainer.minibatches", "trainer.max_new_tokens", "trainer.temperature",
-                   "trainer.pi_old", "trainer.minibatch_layout", "trainer.lr", "trainer.router_lr_scale", "trainer.lr_schedule",
-                   "trainer.warmup_steps", "trainer.weight_decay", "trainer.adam_beta1", "trainer.adam_beta2",
-                   "trainer.grad_clip", "trainer.router_aux_loss_coef")
+EXPERIMENT_KEYS = ("algo", "model", "dataset", "correction", "rollout", "routing.replay", "routing_variant", "seed",
+                   "trainer.prompts_per_step", "trainer.group_size", "trainer.minibatches", "trainer.max_new_tokens",
+                   "trainer.temperature", "trainer.pi_old", "trainer.minibatch_layout", "trainer.lr",
+                   "trainer.router_lr_scale", "trainer.lr_schedule", "trainer.warmup_steps", "trainer.weight_decay",
+                   "trainer.adam_beta1", "trainer.adam_beta2", "trainer.grad_clip", "trainer.router_aux_loss_coef")
 
 
 def experiment(cfg: DictConfig) -> dict[str, Any]:
@@ -51,6 +51,8 @@ def experiment(cfg: DictConfig) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key in EXPERIMENT_KEYS:
         value = OmegaConf.select(cfg, key)
+        if key == "routing_variant" and (value is None or value.name == "none"):
+            continue  # runs from before routing variants existed ran without one: the same experiment as `none`
         if isinstance(value, DictConfig):
             for sub, item in OmegaConf.to_container(value, resolve=True, enum_to_str=True).items():
                 flat[f"{key}.{sub}"] = item

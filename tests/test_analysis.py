@@ -150,6 +150,11 @@ def test_labels_name_what_differs_and_drop_seeds_output_dirs_and_algorithm_defau
     labels = label_runs({"a": {**cfg("grpo", 0, 1e-3), "model.path": None},
                          "b": {**cfg("grpo", 1, 1e-3), "model.path": "/ckpt/tiny_moe-addition"}})
     assert labels["a"] != labels["b"] and "path=" in labels["b"]
+    # A routing variant is part of the arm; a run from before variants existed ran without one.
+    soft = {**cfg("grpo", 0, 1e-3, replay="r2"), "routing_variant.name": "soft_replay", "routing_variant.top_margin": 2}
+    labels = label_runs({"a": cfg("grpo", 0, 1e-3, replay="r2"), "b": soft,
+                         "c": {**cfg("grpo", 1, 1e-3, replay="r2"), "routing_variant.name": "none"}})
+    assert labels == {"a": "grpo + r2", "b": "grpo + r2 + soft_replay", "c": "grpo + r2"}
 
 
 def test_empty_directory_is_a_one_line_error_with_exit_code_2(tmp_path, capsys):
