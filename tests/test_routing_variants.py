@@ -372,3 +372,13 @@ def test_replay_rules_that_keep_the_routers_choice_change_nothing(micro_policy):
     scored, valid = replay.replayed_logprobs, mask.bool()
     assert scored.shape == old.shape and (scored[:, ~valid] == 0).all()
     assert (scored[:, valid] <= 0).all() and (scored[:, valid] < 0).any()
+
+
+def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_variant():
+    from experiments.checkpoint import experiment
+
+    none = compose_train("routing.replay=r2")
+    before_variants = OmegaConf.create({k: v for k, v in OmegaConf.to_container(none).items() if k != "routing_variant"})
+    soft = compose_train("routing.replay=r2", "routing_variant=soft_replay")
+    assert experiment(before_variants) == experiment(none)
+    assert experiment(soft)["routing_variant.top_margin"] == 2 and experiment(soft) != experiment(none)
