@@ -22,7 +22,8 @@ Sections:
                TRL's grpo: TRL has no replay): ours / TRL per round, median and min-max.
   --overheads  ratios of grpo variants stepped alternately: routing metrics on / off, r2 / none (both recomputing
                θ_old), π_old recomputed / μ_old reused, each engine precision, weight quantization and router
-               noise against the trainer's own engine, the ratio decomposition, W&B offline / disabled, packed
+               noise against the trainer's own engine, the ratio decomposition, the routing variants (full and
+               soft replay against ID replay, router shift against no replay), W&B offline / disabled, packed
                groups / rows.
   --scaling    step time against group size, completion length and number of experts; per-token cost relative
                to the workload shows where cost is not linear in tokens.
@@ -75,6 +76,11 @@ OVERHEADS = {
     "engine fp8 weights / the trainer's, both decoupled": (["rollout.weight_quant=fp8"], ["trainer.pi_old=decoupled"]),
     "engine router noise / the trainer's, both decoupled": (["rollout.router_noise=0.1"], ["trainer.pi_old=decoupled"]),
     "ratio decomposition every step / never": (["routing.decompose_every=1"], []),
+    # Routing variants (algos/routing_variants), each against what it changes: full replay also replays the first
+    # minibatch (one more π_old pass); router shift recomputes θ_old's routing, as `none` does here.
+    "full replay / ID replay (r2)": (["routing.replay=r2", "routing_variant=full_replay"], ["routing.replay=r2"]),
+    "soft replay / ID replay (r2)": (["routing.replay=r2", "routing_variant=soft_replay"], ["routing.replay=r2"]),
+    "router shift / none, both recomputing θ_old": (["routing_variant=router_shift"], ["trainer.pi_old=decoupled"]),
     "W&B offline / disabled": (["logger.wandb.mode=offline"], []),
     "packed groups / rows fed in full": ([], ["trainer.minibatch_layout=rows"]),
 }

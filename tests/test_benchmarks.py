@@ -181,3 +181,30 @@ def test_trl_settings_reproduce_our_step():
         assert args.importance_sampling_level == level and (args.epsilon, args.epsilon_high) == clip
     with pytest.raises(ValueError, match="algo='dapo'"):
         trl_arguments(compose_workload(["algo=dapo"]), "unused")
+
+
+def test_every_overhead_pair_passes_the_start_up_checks():
+    from experiments.trainer import check_run
+    from benchmarks.workload import VARIANTS
+
+    for name, sides in rl_step.OVERHEADS.items():
+        for side in sides:
+            check_run(compose_workload([*MICRO_OVERRIDES, *VARIANTS["grpo"], *side]))
+
+
+def test_replay_gap_full_replay_closes_what_the_engines_router_noise_opens(tmp_path, capsys):
+    """An engine whose only difference is noise on its router logits: replaying its experts and gates leaves the
+    KV cache's rounding, replaying its experts alone leaves the gates' difference, and no replay more."""
+    from benchmarks import replay_gap
+    from tests.conftest import MICRO_RUN
+
+    out = tmp_path / "gap.json"
+    replay_gap.main([*MICRO_RUN, "rollout.router_noise=0.5", "trainer.lr=5e-2", "--warm-steps", "0",
+                     "--json-out", str(out)])
+    r3 = json.loads(out.read_text())["r3"]
+    for minibatch in r3:
+        assert minibatch["ID + gate weights"]["mean_abs"] < 1e-5 < minibatch["ID replay"]["mean_abs"]
+        assert minibatch["expert_change_frac"] > 0
+    (r2,) = json.loads(out.read_text())["r2"]
+    assert r2["updates"] == 1 and all(r2[name]["mean_abs"] > 0 for name in replay_gap.SETTINGS)
+    assert "| R3: to μ_old (router_noise=0.5), at θ_old |" in capsys.readouterr().out
