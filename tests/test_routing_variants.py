@@ -382,3 +382,36 @@ def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_
     soft = compose_train("routing.replay=r2", "routing_variant=soft_replay")
     assert experiment(before_variants) == experiment(none)
     assert experiment(soft)["routing_variant.top_margin"] == 2 and experiment(soft) != experiment(none)
+
+
+def test_the_readme_example_routing_variant_replays_the_first_layers_only(micro_policy):
+    """`Add a routing variant` in the README is code a newcomer copies: it must run as printed."""
+    from algos.routing_variants import build_routing_variant
+    from experiments.registry import ConfigError
+    from tests.test_routing import ExpertsSpy
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Add a routing variant", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    try:
+        # dont_inherit: the README's module has no `from __future__ import annotations`, this one does
+        exec(compile(code, "README.md", "exec", dont_inherit=True), {"__name__": "readme_example"})
+        variant = build_routing_variant("shallow_replay", layers=1)
+        model, tokenizer = micro_policy
+        ids, mask, old = _record_then_perturb(model, tokenizer)
+        spy = ExpertsSpy(model)
+        with torch.no_grad(), replay_routing(model, old, variant.replay_rule()) as replay:
+            _forward(model, ids, mask)
+        spy.remove()
+        L, B, S, K = old.shape
+        valid = mask.reshape(-1).bool()
+        used, own = spy.used()[:, valid], replay.router_choice.experts.reshape(L, B * S, K)[:, valid].long()
+        assert torch.equal(used[0], old.experts[0].reshape(B * S, K)[valid].long()), "layer 0 is replayed"
+        assert torch.equal(used[1], own[1]) and not torch.equal(own[1], old.experts[1].reshape(B * S, K)[valid].long())
+        with pytest.raises(ConfigError, match="routing_variant=shallow_replay replays the first layers of a replayed "
+                                              "routing: use routing.replay=r2 or r3, not none"):
+            variant.check("none", "micro_moe", True, "hf", True)
+        with pytest.raises(ConfigError, match="layers=-1 must be >= 0"):
+            build_routing_variant("shallow_replay", layers=-1)
+    finally:
+        ROUTING_VARIANTS._classes.pop("shallow_replay", None)
