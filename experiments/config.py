@@ -176,7 +176,7 @@ class WandbConfig:
     entity: str | None = None  # W&B user or team; null: the key's default
     group: str | None = None  # null: the sweep directory's name for multiruns
     job_type: str = "train"
-    tags: list[str] = field(default_factory=list)  # added to the run's algo / replay / model tags
+    tags: list[str] = field(default_factory=list)  # added to the run's algo / replay / routing_variant / model tags
 
 
 @dataclass
@@ -274,7 +274,8 @@ class StepPlan:
         forward is then not θ_old's. Nor when r2 replays gate weights: the update's forward must take θ_old's gates
         as constants, recorded by the π_old pass."""
         gates_to_record = self.replays_gates and self.replay == Replay.r2
-        return (self.pi_old == PiOld.decoupled or self.engine_is_trainer) and self.flip_rate == 0 and not gates_to_record
+        own_forward_is_old = self.pi_old == PiOld.decoupled or self.engine_is_trainer
+        return own_forward_is_old and self.flip_rate == 0 and not gates_to_record
 
     @property
     def engine_records_routing(self) -> bool:

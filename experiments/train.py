@@ -109,7 +109,8 @@ def stop_deferred() -> Iterator[None]:
 
 def run_name(cfg: DictConfig) -> str:
     replay = "" if cfg.routing.replay == "none" else f"+{cfg.routing.replay}"
-    return f"{cfg.algo.name}{replay}-{cfg.model.name}-s{cfg.seed}"
+    variant = "" if cfg.routing_variant.name == "none" else f"+{cfg.routing_variant.name}"
+    return f"{cfg.algo.name}{replay}{variant}-{cfg.model.name}-s{cfg.seed}"
 
 
 def _hydra() -> Any:
@@ -272,7 +273,8 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
     t = cfg.trainer
     main = trainer.ranks.main
     name = run_name(cfg)
-    tags = [f"algo:{cfg.algo.name}", f"replay:{cfg.routing.replay}", f"model:{cfg.model.name}"]
+    tags = [f"algo:{cfg.algo.name}", f"replay:{cfg.routing.replay}", f"routing_variant:{cfg.routing_variant.name}",
+            f"model:{cfg.model.name}"]
     try:
         logger = RunLogger(run_dir, cfg, name, tags, _sweep_group(hydra_cfg), resume=bool(history)) if main else _Silent()
     except rundir.StorageError as error:

@@ -118,7 +118,8 @@ class _CallShape:
         self.valid = mask[:, -self.seq :].bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
-def _layout(flat: torch.Tensor, call: _CallShape, fill: float = NO_ROUTE, dtype: torch.dtype = _TRACE_DTYPE) -> torch.Tensor:
+def _layout(flat: torch.Tensor, call: _CallShape, fill: float = NO_ROUTE,
+            dtype: torch.dtype = _TRACE_DTYPE) -> torch.Tensor:
     """`[B*S, K]` per-token router outputs -> `[B, S, K]` in `dtype`, with `fill` at unattended positions."""
     block = flat.detach().reshape(call.batch, call.seq, -1).to(dtype)
     if call.valid is not None:

@@ -59,7 +59,8 @@ def test_soft_replay_keeps_by_rank_or_probability_and_fills_from_the_routers_ran
 
 def test_soft_replay_gates_and_their_gradient_by_hand():
     """One token, E = 4: replayed (2, 3), only expert 2 passes min_prob = 0.1, slot 1 takes the router's best (0).
-    The gates are the softmax over the chosen experts' logits, so d(c·w)/dz_j = w_j (c_j − c·w) on them, 0 elsewhere."""
+    The gates are the softmax over the chosen experts' logits, so d(c·w)/dz_j = w_j (c_j − c·w) on them, 0
+    elsewhere."""
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]], requires_grad=True)
     own = torch.tensor([[0, 1]])
     own_weights = torch.softmax(logits, -1).gather(-1, own)
@@ -92,7 +93,8 @@ def test_gate_replay_takes_the_recorded_gates_and_gives_the_router_no_gradient()
 # -- router shift by hand -----------------------------------------------------------------------------------------
 
 def test_router_shift_by_hand():
-    """L = 2, K = 2, three tokens, the last one padding. d^ℓ = mean_k |Δ log r|, Δ = mean_ℓ d^ℓ, γ̃ = max(e^{−Δ}, 0.8)."""
+    """L = 2, K = 2, three tokens, the last one padding. d^ℓ = mean_k |Δ log r|, Δ = mean_ℓ d^ℓ,
+    γ̃ = max(e^{−Δ}, 0.8)."""
     old = torch.log(torch.tensor([[[[0.5, 0.3], [0.4, 0.4], [0.9, 0.05]]],
                                   [[[0.6, 0.2], [0.4, 0.4], [0.5, 0.5]]]]))  # [L, B, T, K]
     new = torch.log(torch.tensor([[[[0.5, 0.3], [0.2, 0.4], [0.1, 0.9]]],
@@ -378,7 +380,8 @@ def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_
     from experiments.checkpoint import experiment
 
     none = compose_train("routing.replay=r2")
-    before_variants = OmegaConf.create({k: v for k, v in OmegaConf.to_container(none).items() if k != "routing_variant"})
+    container = OmegaConf.to_container(none)
+    before_variants = OmegaConf.create({key: value for key, value in container.items() if key != "routing_variant"})
     soft = compose_train("routing.replay=r2", "routing_variant=soft_replay")
     assert experiment(before_variants) == experiment(none)
     assert experiment(soft)["routing_variant.top_margin"] == 2 and experiment(soft) != experiment(none)

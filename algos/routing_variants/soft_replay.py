@@ -33,7 +33,8 @@ from models.routing import ReplayedRoutes, ReplayRule, replayed_gate_weights
 KEPT = "routing/soft_replay_kept_frac"
 
 
-def kept_experts(probs: torch.Tensor, experts: torch.Tensor, top_margin: int | None, min_prob: float | None) -> torch.Tensor:
+def kept_experts(probs: torch.Tensor, experts: torch.Tensor, top_margin: int | None,
+                 min_prob: float | None) -> torch.Tensor:
     """`[T, K]` bool: the replayed `experts [T, K]` that pass either test under the current router's `probs [T, E]`."""
     keep = torch.zeros_like(experts, dtype=torch.bool)
     if min_prob is not None:
