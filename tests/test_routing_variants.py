@@ -50,11 +50,17 @@ def test_soft_replay_keeps_by_rank_or_probability_and_fills_from_the_routers_ran
     assert keep.tolist() == [[True, False], [True, True], [False, False]]
     assert kept_experts(probs, replayed, top_margin=1, min_prob=None).tolist() == [[False, False], [True, False],
                                                                                   [False, False]]
-    # A rejected slot takes the best-ranked expert not kept: token 0 keeps 3, gets 0; token 2 gets the top 2.
-    assert fill_rejected(probs, replayed, keep).tolist() == [[3, 0], [4, 1], [0, 1]]
-    assert fill_rejected(probs[:1], torch.tensor([[2, 5]]), torch.tensor([[False, True]])).tolist() == [[0, 5]]
-    # A rejected expert the router itself ranks first is its own choice again.
-    assert fill_rejected(probs[:1], torch.tensor([[0, 5]]), torch.tensor([[False, True]])).tolist() == [[0, 5]]
+    # A rejected slot takes the router's own choice, then its ranking, skipping what is chosen: token 0 keeps 3 and
+    # gets 0; token 2 gets the router's own two.
+    own = probs.topk(2, dim=-1).indices
+    assert fill_rejected(probs, own, replayed, keep).tolist() == [[3, 0], [4, 1], [0, 1]]
+    one_kept = torch.tensor([[False, True]])
+    assert fill_rejected(probs[:1], own[:1], torch.tensor([[2, 5]]), one_kept).tolist() == [[0, 5]]
+    # A rejected expert the router itself chose is its choice again; an own choice changed by flips comes first.
+    assert fill_rejected(probs[:1], own[:1], torch.tensor([[0, 5]]), one_kept).tolist() == [[0, 5]]
+    flipped = torch.tensor([[2, 3]])
+    assert fill_rejected(probs[:1], flipped, torch.tensor([[1, 5]]), one_kept).tolist() == [[2, 5]]
+    assert fill_rejected(probs[:1], flipped, torch.tensor([[1, 5]]), torch.tensor([[False, False]])).tolist() == [[2, 3]]
 
 
 def test_soft_replay_gates_and_their_gradient_by_hand():
@@ -152,6 +158,14 @@ def test_soft_replay_at_its_extremes_is_id_replay_and_no_replay_bit_for_bit(micr
     assert torch.equal(logits(SoftReplayRule(top_margin=2, min_prob=0.0)), replayed)
     assert torch.equal(logits(SoftReplayRule(top_margin=None, min_prob=2.0)), free)
     assert torch.equal(logits(SoftReplayRule(top_margin=None, min_prob=None)), free)
+    # With synthetic flips replay still overrides them, and keeping nothing is the flipped forward.
+    def flipped(rule=None, replay=True):
+        with flip_routing(model, 0.5, torch.Generator().manual_seed(0)):
+            return logits(rule, replay)
+
+    assert torch.equal(flipped(SoftReplayRule(top_margin=2, min_prob=0.0)), flipped())
+    assert torch.equal(flipped(SoftReplayRule(top_margin=None, min_prob=None)), flipped(replay=False))
+    assert not torch.equal(flipped(replay=False), free)
     between = SoftReplayRule(top_margin=1, min_prob=None)
     middle = logits(between)
     kept = sum(int(n) for n in between.kept.values()) / sum(int(n) for n in between.replayed.values())

@@ -14,10 +14,12 @@ vLLM and SGLang return expert ids only, so r3 with `rollout.engine=vllm` is refu
 
 The router's gradient: the router's only differentiable output into the policy's log-probabilities is the gate
 weights (the top-k choice is discrete). Replaying them with constants cuts that path, so the policy loss gives
-every router parameter exactly zero gradient, in every replayed forward (π_θ's updates under r2 and r3). The
-router still computes its own top-k (drift is still measured), and it still learns from the load-balancing loss
-when `trainer.router_aux_loss_coef` > 0, which reads the router's logits directly. The experts, attention and
-embeddings learn as under ID replay. A variant with no parameters: the yaml only selects it.
+every router parameter exactly zero gradient in every update; under r2 the first minibatch, whose own forward would
+otherwise serve as its π_old and train the routers alone, is replayed too (`StepPlan.first_minibatch_on_policy`).
+The router still computes its own top-k (drift is still measured), and it still learns from the load-balancing loss
+when `trainer.router_aux_loss_coef` > 0, which reads the router's logits directly: the only thing that trains it.
+The experts, attention and embeddings learn as under ID replay. A variant with no parameters: the yaml only
+selects it.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ and top_n(p) its n best-ranked experts, a replayed expert e is kept when
     e ∈ top_{k+m}(p)      (the router still ranks it within its top-(k + m); m = `top_margin`)
     or  p_e ≥ p_min       (the router still gives it at least `min_prob`)
 
-Each rejected slot takes the router's best-ranked expert not already chosen, in slot order; gate weights come from
-the current router's softmax at the chosen experts, renormalised as the family does (as under ID replay, so the
-router keeps its gradient). A token that keeps every replayed expert computes exactly as under ID replay, one that
+Each rejected slot, in slot order, takes the router's own choice (its top-k in order; with synthetic flips, the
+flipped experts), then its next-ranked experts, skipping those already chosen; gate weights come from the current
+router's softmax at the chosen experts, renormalised as the family does (as under ID replay, so the router keeps its
+gradient). A token that keeps every replayed expert computes exactly as under ID replay, one that
 keeps none exactly as without replay (the router's own experts and weights), so the extremes are the two switches
 it interpolates, bit for bit: `min_prob=0` keeps every expert (ID replay); `top_margin=null` with `min_prob=null`
 (or above 1) keeps none (no replay). `null` switches a test off.
@@ -45,14 +46,16 @@ def kept_experts(probs: torch.Tensor, experts: torch.Tensor, top_margin: int | N
     return keep
 
 
-def fill_rejected(probs: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """`experts [T, K]` with each slot not in `keep` replaced by the router's best-ranked expert that is neither kept
-    nor already given to an earlier slot."""
+def fill_rejected(probs: torch.Tensor, own: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`experts [T, K]` with each slot not in `keep` replaced by the first of the router's `own` choice `[T, K]`,
+    then its ranking by `probs [T, E]`, that is neither kept nor already given to an earlier slot."""
     k = experts.shape[-1]
     # At most k - 1 kept experts can sit among the router's best 2k, so the best 2k hold enough free ones.
-    candidates = probs.topk(min(2 * k, probs.shape[-1]), dim=-1).indices
+    candidates = torch.cat([own, probs.topk(min(2 * k, probs.shape[-1]), dim=-1).indices], dim=-1)
     kept = torch.where(keep, experts, -1)
-    taken = (candidates.unsqueeze(-1) == kept.unsqueeze(-2)).any(-1)
+    earlier = torch.ones(candidates.shape[-1], candidates.shape[-1], dtype=torch.bool, device=own.device).tril(-1)
+    repeated = ((candidates.unsqueeze(-1) == candidates.unsqueeze(-2)) & earlier).any(-1)
+    taken = (candidates.unsqueeze(-1) == kept.unsqueeze(-2)).any(-1) | repeated
     free_first = torch.sort(taken.to(torch.uint8), dim=-1, stable=True).indices  # free candidates first, best first
     ranked_free = candidates.gather(-1, free_first)
     slot = (~keep).long().cumsum(-1) - 1  # the rejected slots, numbered in slot order
@@ -75,7 +78,7 @@ class SoftReplayRule(ReplayRule):
         probs = torch.softmax(logits.detach().float(), dim=-1)
         keep = kept_experts(probs, experts, self.top_margin, self.min_prob) & recorded
         none_kept = ~keep.any(-1, keepdim=True)
-        chosen = torch.where(none_kept, indices, fill_rejected(probs, experts, keep))
+        chosen = torch.where(none_kept, indices, fill_rejected(probs, indices, experts, keep))
         gates = torch.where(none_kept, weights, replayed_gate_weights(router, logits, chosen, weights))
         if first:
             self.kept[layer] = keep.sum()
