@@ -1,8 +1,8 @@
 """Soft replay (prime-rl #2703, where the test is the trainer's score against its weakest top-k score): a replayed
 expert is kept only where the current router still stands behind it; elsewhere the router's own choice.
 
-For each token and MoE layer, with S_old the replayed experts, p the current router's softmax over all E experts
-and top_n(p) its n best-ranked experts, a replayed expert e is kept when
+For each token and MoE layer, with p the current router's softmax over all E experts and top_n(p) its n
+best-ranked experts, a replayed expert e (one of the trace's k for that token) is kept when
 
     e ∈ top_{k+m}(p)      (the router still ranks it within its top-(k + m); m = `top_margin`)
     or  p_e ≥ p_min       (the router still gives it at least `min_prob`)
@@ -10,10 +10,11 @@ and top_n(p) its n best-ranked experts, a replayed expert e is kept when
 Each rejected slot, in slot order, takes the router's own choice (its top-k in order; with synthetic flips, the
 flipped experts), then its next-ranked experts, skipping those already chosen; gate weights come from the current
 router's softmax at the chosen experts, renormalised as the family does (as under ID replay, so the router keeps its
-gradient). A token that keeps every replayed expert computes exactly as under ID replay, one that
-keeps none exactly as without replay (the router's own experts and weights), so the extremes are the two switches
-it interpolates, bit for bit: `min_prob=0` keeps every expert (ID replay); `top_margin=null` with `min_prob=null`
-(or above 1) keeps none (no replay). `null` switches a test off.
+gradient). A token that keeps every replayed expert computes exactly as under ID replay, one that keeps none exactly
+as without replay (the router's own experts and weights), so the extremes are the two switches it interpolates, bit
+for bit: `min_prob=0` keeps every expert (ID replay); `top_margin=null` with `min_prob=null` (or above 1) keeps none
+(no replay). `null` switches a test off; `top_margin=0` alone keeps only the replayed experts the router still
+chooses, so it computes with no replay's experts.
 
 Logged per update: `routing/soft_replay_kept_frac`, the share of replayed (token, slot) experts kept, and per layer
 `routing/soft_replay_kept_frac/layer_<i>`, over the tokens the forward fed (a packed group's prompt once). Defaults
