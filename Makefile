@@ -27,7 +27,8 @@ $(COLD_START)/config.json: | $(STAMP)
 
 sft: $(COLD_START)/config.json
 
-# The main job: cold start (once), the quickstart sweep (GRPO, GRPO + r2, GSPO), then the stability report.
+# The main job: cold start (once), the quickstart sweep (GRPO, GRPO + r2, GSPO at 0, 20, 50% synthetic flips), then
+# its report.
 run: $(STAMP) $(COLD_START)/config.json
 	$(PY) -m experiments.train -m experiment=quickstart hydra.sweep.dir=$(SWEEP)
 	$(PY) -m analysis.report $(SWEEP) --out $(SWEEP)/report

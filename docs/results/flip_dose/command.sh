@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 test -f checkpoints/cold_start/tiny_moe-addition/config.json || python -m experiments.sft
 sweep=multirun/flip_dose/$(date +%Y-%m-%d_%H-%M-%S)
-python -m experiments.train -m experiment=flip_dose hydra.sweep.dir="$sweep" hydra/launcher=joblib hydra.launcher.n_jobs=2
+python -m experiments.train -m experiment=flip_dose hydra.sweep.dir="$sweep"
 python -m analysis.report "$sweep" --out docs/results/flip_dose
