@@ -240,7 +240,7 @@ class ProbeSettings:
 
     lrs: list[float] = field(default_factory=lambda: [1e-5, 1e-4, 1e-3])  # one short RL run from a fresh AdamW each
     warm_steps: int = 4  # RL steps before measuring (x trainer.minibatches updates): Adam's moments settle
-    measure_steps: int = 2  # RL steps whose statistics are averaged
+    measure_steps: int = 4  # RL steps whose statistics are averaged (with their standard errors)
     # Engine precisions whose routing disagreement with the fp32 trainer is measured at the cold start's weights.
     precisions: list[Precision] = field(default_factory=lambda: [Precision.bf16])
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -52,8 +53,8 @@ from experiments.registry import ConfigError
 from experiments.trainer import RLTrainer
 from models.policy import describe_policy
 
-# What a setting reports: the mean over its measured steps of each of these step-level metrics (and every per-layer
-# drift), where the step logged it.
+# What a setting reports: the mean over its measured steps of each of these metrics (and every per-layer drift), with
+# its standard error, where the step logged it.
 REPORTED = (
     "routing/expert_change_per_update", "routing/token_any_change_per_update", "decompose/routing_share",
     "decompose/routing_var", "decompose/weights_var", "decompose/total_var", "routing/margin", "routing/logit_margin",
@@ -62,6 +63,7 @@ REPORTED = (
     "reward/mean", "policy/entropy",
 )
 PER_LAYER_DRIFT = "routing/expert_change_per_update/layer_"
+PER_MINIBATCH = "decompose/"  # logged per off-policy minibatch: pooled over the measured steps' minibatches
 MISMATCH = ("mismatch/expert_frac", "mismatch/token_any_expert_frac", "mismatch/kl_k3")
 
 
@@ -95,16 +97,35 @@ def setting_config(cfg: DictConfig, lr: float, steps: int, precision: Precision 
     return run
 
 
-def mean_over(records: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in records if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
+def samples_of(records: list[dict[str, Any]], key: str) -> list[float]:
+    """The measured values of `key`: one per off-policy minibatch for a minibatch quantity (the decomposition), one
+    per step otherwise (the drift after one update is itself minibatch 1's)."""
+    if key.startswith(PER_MINIBATCH):
+        return [m[key] for r in records for m in r["minibatches"] if m.get(key) is not None]
+    return [r[key] for r in records if r.get(key) is not None]
+
+
+def mean_and_sem(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and its standard error (sample std / sqrt(n); None with fewer than two values)."""
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(variance / len(values))
 
 
 def measure(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The reported means of the measured steps; `drift_per_layer` in layer order."""
-    result = {key: mean_over(records, key) for key in REPORTED}
+    """The reported means over the measured steps, each with its standard error (`<key>_sem`) and sample count
+    (`<key>_n`); `drift_per_layer` in layer order."""
+    result: dict[str, Any] = {}
+    for key in REPORTED:
+        values = samples_of(records, key)
+        result[key], result[f"{key}_sem"] = mean_and_sem(values)
+        result[f"{key}_n"] = len(values)
     layers = sorted((int(k.removeprefix(PER_LAYER_DRIFT)) for k in records[0] if k.startswith(PER_LAYER_DRIFT)))
-    result["drift_per_layer"] = [mean_over(records, f"{PER_LAYER_DRIFT}{i}") for i in layers]
+    result["drift_per_layer"] = [mean_and_sem(samples_of(records, f"{PER_LAYER_DRIFT}{i}"))[0] for i in layers]
     return result
 
 
@@ -189,14 +210,15 @@ def table(summary: dict[str, Any]) -> str:
     """The probe's findings as a few plain lines."""
     lines = [f"{summary['run']} ({summary['policy']['num_moe_layers']} MoE layers, {summary['policy']['num_experts']} "
              f"experts, top-{summary['policy']['num_experts_per_tok']}): {summary['wall_s']:.0f} s"]
-    lines.append(f"{'lr':>8}  {'drift/update':>12}  {'routing share':>13}  {'logit margin':>12}  "
+    lines.append(f"{'lr':>8}  {'drift/update':>12}  {'routing share (± s.e.)':>22}  {'logit margin':>12}  "
                  f"{'token ratio var':>15}  {'length':>6}")
     for s in summary["settings"]:
         if "diverged" in s:
             lines.append(f"{s['lr']:>8.0e}  diverged: {s['diverged']}")
             continue
         lines.append(
-            f"{s['lr']:>8.0e}  {_pct(s['routing/expert_change_per_update']):>12}  {_pct(s['decompose/routing_share']):>13}"
+            f"{s['lr']:>8.0e}  {_pct(s['routing/expert_change_per_update']):>12}"
+            f"  {_pct(s['decompose/routing_share'], s['decompose/routing_share_sem']):>22}"
             f"  {_num(s['routing/logit_margin']):>12}  {_num(s['ratio/token_var']):>15}"
             f"  {_num(s['response/length_mean']):>6}"
         )
@@ -206,8 +228,10 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2%}"
+def _pct(value: float | None, sem: float | None = None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2%}" + ("" if sem is None else f" ± {sem:.2%}")
 
 
 def _num(value: float | None) -> str:

@@ -15,7 +15,8 @@ from experiments.config import PROJECT_ROOT
 from experiments.probe import run_probe
 from tests.conftest import MICRO_RUN
 
-PROBE_RUN = [o for o in MICRO_RUN if not o.startswith("trainer.steps=")] + ["model.path=null", "probe.warm_steps=1"]
+PROBE_RUN = [o for o in MICRO_RUN if not o.startswith("trainer.steps=")]
+PROBE_RUN += ["model.path=null", "probe.warm_steps=1", "probe.measure_steps=2"]
 
 
 def compose_probe(*overrides: str):
@@ -31,6 +32,9 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
         assert len(setting["drift_per_layer"]) == 2
         assert setting["routing/expert_change_per_update"] == pytest.approx(sum(setting["drift_per_layer"]) / 2)
         assert math.isfinite(setting["decompose/routing_share"]) and setting["routing/margin"] > 0
+        # pooled over the measured steps' off-policy minibatches (1 of 2 per step), with its standard error
+        assert setting["decompose/routing_share_n"] == 2 and setting["decompose/routing_share_sem"] >= 0
+        assert setting["routing/expert_change_per_update_n"] == 2
     # a step 300x larger moves more experts: the probe's drift follows the update, not the sampling
     assert high["routing/expert_change_per_update"] > low["routing/expert_change_per_update"]
     assert [m["precision"] for m in summary["precision_mismatch"]] == ["bf16", "fp16"]
