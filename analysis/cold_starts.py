@@ -1,0 +1,131 @@
+"""`python -m analysis.cold_starts SFT_RUN_DIR... --out DIR`: what each cold start cost and reached.
+
+Reads every finished cold start (`python -m experiments.sft`: a run directory whose `summary.json` names an `sft-`
+run) under the given directories, and writes into --out `report.md` (one row per cold start: the model's shape,
+its parameters, the task, the steps, wall and CPU time, the held-out greedy accuracy it stopped at and what stopped
+it) and `cold_starts.png` (held-out greedy accuracy and loss against SFT step, one line per cold start). When a
+model was cold-started more than once, the newest run counts. Exit code 2 and one `error:` line on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+from matplotlib.figure import Figure
+from omegaconf import OmegaConf
+
+from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
+from experiments.rundir import make_writable_dir
+
+
+def find_cold_starts(paths: Sequence[str | Path]) -> list[Path]:
+    """Run directories of finished cold starts under `paths`, the newest per (model, task) last-modified order."""
+    newest: dict[str, Path] = {}
+    for root in map(Path, paths):
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} is not a directory")
+        for summary in sorted(root.rglob("summary.json"), key=lambda p: p.stat().st_mtime):
+            data = json.loads(summary.read_text(encoding="utf-8"))
+            if str(data.get("run", "")).startswith("sft-") and data.get("status") == "finished":
+                newest[data["run"]] = summary.parent
+    if not newest:
+        raise ValueError(f"no finished cold start (summary.json of an sft- run) under {', '.join(map(str, paths))}")
+    return list(newest.values())
+
+
+def describe(run_dir: Path) -> dict:
+    """One cold start: its summary, the shape of its model (from the checkpoint's config) and its curve."""
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    checkpoint = Path(summary["checkpoint"])
+    shape = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").is_file() else {}
+    params = parameter_count(checkpoint) if checkpoint.is_dir() else None
+    curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    task = cfg.dataset.name + "".join(f" {k}={cfg.dataset[k]}" for k in ("digits", "length") if k in cfg.dataset)
+    return {
+        "model": cfg.model.name, "task": task, "layers": shape.get("num_hidden_layers"),
+        "experts": shape.get("num_experts", shape.get("num_local_experts")), "top_k": shape.get("num_experts_per_tok"), "hidden": shape.get("hidden_size"),
+        "params": params, "summary": summary, "batch": cfg.sft.batch_size, "lr": cfg.sft.lr, "curve": curve,
+    }
+
+
+def parameter_count(checkpoint: Path) -> int:
+    """Parameters in the checkpoint's safetensors files, read from their headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as weights:
+            total += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    return total
+
+
+def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
+    matplotlib.rcParams.update(RC_PARAMS)
+    fig = Figure(figsize=(TEXT_WIDTH_IN, 2.4), layout="constrained")
+    accuracy, loss = fig.subplots(1, 2)
+    ranks: dict[str, int] = {}
+    for row in rows:
+        family = row["model"].split("_")[0]  # a hue per model family, a shade per member
+        ranks[family] = ranks.get(family, -1) + 1
+        color = shade({"qwen30b": "#1f5fb4", "granite1b": "#2ca02c"}.get(family, "#d62728"), ranks[family])
+        evaluated = [r for r in row["curve"] if "eval/greedy_accuracy" in r]
+        label = f"{row['model']}, {row['task']}"
+        accuracy.plot([r["train/step"] for r in evaluated], [r["eval/greedy_accuracy"] for r in evaluated],
+                      color=color, marker="o", ms=2, label=label)
+        loss.plot([r["train/step"] for r in row["curve"]], [r["sft/loss"] for r in row["curve"]], color=color, lw=0.7)
+    accuracy.set(xlabel="SFT step", ylabel="held-out greedy accuracy", title="held-out accuracy")
+    loss.set(xlabel="SFT step", ylabel="loss (demonstration tokens)", yscale="log", title="training loss")
+    accuracy.legend(fontsize=5)
+    path = out / "cold_starts.png"
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def report(rows: list[dict], out: Path, command: str) -> Path:
+    lines = ["# Cold starts", "", f"Made with `{command}`.", "", "![cold starts](cold_starts.png)", "",
+             "| model | task | MoE layers | experts / top-k | hidden | parameters | batch, lr | steps | wall | CPU | "
+             "held-out greedy | stopped by |", "|" + "---|" * 12]
+    for row in rows:
+        s = row["summary"]
+        experts = f"{row['experts']} / {row['top_k']}" if row["experts"] else "dense"
+        params = f"{row['params'] / 1e6:.1f} M" if row["params"] else "–"
+        cpu = f"{s['cpu_s'] / 60:.1f} min" if s.get("cpu_s") else "–"
+        lines.append(f"| {row['model']} | {row['task']} | {row['layers']} | {experts} | {row['hidden']} | {params} | "
+                     f"{row['batch']}, {row['lr']:g} | {s['steps']} | {s['wall_s'] / 60:.1f} min | {cpu} | "
+                     f"{s['eval_greedy_accuracy']:.1%} | {s.get('stopped_by', '–')} |")
+    lines += ["", "Wall time depends on what else shared the cores; CPU time is what the cold start cost. Every cold "
+              "start runs on one thread (`sft.threads=1`), so its checkpoint is the same bits on any machine with "
+              "the same torch build and CPU instruction set, however many cores it has or how busy they are."]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m analysis.cold_starts", description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", metavar="SFT_RUN_DIR", help="cold-start run directories, searched recursively")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    args = parser.parse_args(argv)
+    try:
+        rows = [describe(run_dir) for run_dir in find_cold_starts(args.paths)]
+        make_writable_dir(args.out)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    rows.sort(key=lambda r: (r["task"], r["experts"] or 0, r["layers"] or 0, r["model"]))
+    figure(rows, args.out)
+    command = "python -m analysis.cold_starts " + " ".join(shlex.quote(a) for a in argv)
+    print(f"report: {report(rows, args.out, command)}")
+
+
+if __name__ == "__main__":
+    main()
