@@ -143,13 +143,14 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             )
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
+            lr = scheduler.get_last_lr()[0]  # the rate this step's update used
             optimizer.step()
             scheduler.step()
             loss_value = float(out.loss.detach())
             threads.end()
             elapsed = time.perf_counter() - start
             out_of_time = elapsed >= s.max_seconds
-            record = {"train/step": step, "sft/loss": loss_value, "perf/elapsed_s": elapsed}
+            record = {"train/step": step, "sft/loss": loss_value, "optim/lr": lr, "perf/elapsed_s": elapsed}
             if step % s.eval_every == 0 or out_of_time or step == s.max_steps:
                 model.eval()
                 metrics = evaluate(HFEngine(model, tokenizer), task, test, samples=0, max_new_tokens=eval_tokens,

@@ -30,6 +30,7 @@ def test_demonstration_batch_masks_prompts_and_pads_left(micro_policy):
 def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_path):
     overrides = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()] + [
         "sft.max_steps=6", "sft.batch_size=16", "sft.eval_every=3", "sft.eval_prompts=8", "sft.lr=3e-3",
+        "sft.warmup_steps=3", "sft.lr_schedule=linear",
         f"sft.output_dir={tmp_path / 'ckpt'}", "dataset.train_size=200", "dataset.test_size=20",
         "logger.wandb.mode=disabled",
     ]
@@ -37,8 +38,11 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
         cfg = compose("sft", overrides=overrides)
     with pytest.warns(UserWarning, match="below sft.target_accuracy=0.45"):  # 6 steps teach little: it says so
         model, summary = cold_start(cfg, tmp_path / "run")
-    losses = [json.loads(line)["sft/loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [line["sft/loss"] for line in lines]
     assert len(losses) == 6 and losses[-1] < losses[0]
+    # linear warm-up over 3 steps to 3e-3, then linear decay to 0 at sft.max_steps
+    assert [line["optim/lr"] for line in lines] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 2e-3, 1e-3])
     assert summary["checkpoint"] == str(tmp_path / "ckpt")
 
     reloaded, tokenizer = build_policy(ModelConfig(name="micro_moe", path=str(tmp_path / "ckpt"),
@@ -52,3 +56,9 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
         assert torch.equal(reloaded.eval()(**kwargs).logits, trained_logits)
         assert not torch.allclose(fresh.eval()(**kwargs).logits, trained_logits), "the checkpoint holds trained weights"
     assert tokenizer.padding_side == "left" and tokenizer("12")["input_ids"] == [5, 6]
+    # what the cold start cost and reached, as analysis.cold_starts tabulates it
+    from analysis.cold_starts import main as cold_starts
+
+    cold_starts([str(tmp_path / "run"), "--out", str(tmp_path / "report")])
+    row = next(line for line in (tmp_path / "report" / "report.md").read_text().splitlines() if "micro_moe" in line)
+    assert row.startswith("| micro_moe | addition digits=2 | 2 | 8 / 2 | 32 |") and "| 6 |" in row
