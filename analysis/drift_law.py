@@ -2,7 +2,7 @@
 
 Reads the `summary.json` of every probe run (`python -m experiments.probe`) under the given directories: one row per
 (cold start, learning rate) with the model's shape (MoE layers L, experts E, top-k k, hidden width), the task and its
-mean response length, and what the probe measured there (drift after one update, its per-layer profile, the routing
+answer length, and what the probe measured there (drift after one update, its per-layer profile, the routing
 share of Var(log π_θ/π_old), router margins, fragility, ratio variance); one row per (cold start, engine precision)
 with the routing disagreement of that engine with the fp32 trainer.
 
@@ -10,7 +10,8 @@ The law is a power law fitted by least squares on logarithms,
 
     log drift = c + a_L log L + a_lr log lr + a_E log(E/k) + a_T log T + a_H log H,
 
-over the regressors that vary among the rows (a constant one would make the fit singular; the report names the ones
+with T the task's answer length by design (the sampled length is an outcome: a breaking update changes it), over
+the regressors that vary among the rows (a constant one would make the fit singular; the report names the ones
 used). Each coefficient comes with its standard error (ordinary least squares), the fit with R² and its residual
 spread. The extrapolation evaluates the fit at Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8) at each probed
 learning rate, and solves for the learning rate at which the law reaches the GSPO paper's ~10% there.
@@ -46,7 +47,7 @@ REGRESSORS = {
     "layers": ("layers", "MoE layers L"),
     "lr": ("lr", "learning rate"),
     "experts_per_slot": ("experts_per_slot", "experts per top-k slot E/k"),
-    "length": ("length", "mean response tokens T"),
+    "length": ("answer_tokens", "answer tokens T (the task's, by design)"),
     "hidden": ("hidden", "hidden width H"),
 }
 ROW_METRICS = {
@@ -59,7 +60,7 @@ ROW_METRICS = {
     "token_ratio_var": "ratio/token_var",
     "seq_ratio_var": "ratio/seq_var",
     "clip": "clip/token_frac",
-    "length": "response/length_mean",
+    "response_length": "response/length_mean",
     "reward": "reward/mean",
 }
 
@@ -94,6 +95,7 @@ def load_probes(paths: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame
             "top_k": policy["num_experts_per_tok"],
             "hidden": hidden_width(run_dir),
             "start_accuracy": (summary.get("cold_start") or {}).get("eval_greedy_accuracy"),
+            "answer_tokens": summary.get("answer_tokens"),
         }
         shape["experts_per_slot"] = shape["experts"] / shape["top_k"]
         for setting in summary["settings"]:
@@ -231,10 +233,10 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
 
     lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
              f"![drift law]({figure_path.name})", "", "## Probed settings", "",
-             "| model | task | L | E / k | lr | T | drift after one update | tokens with a change | routing share "
+             "| model | task | L | E / k | lr | answer tokens | drift after one update | tokens with a change | routing share "
              "| logit margin | token-ratio var |", "|" + "---|" * 11]
     for r in rows.sort_values(["task", "experts_per_slot", "layers", "lr"]).itertuples():
-        lines.append(f"| {r.model} | {r.task} | {r.layers} | {r.experts}/{r.top_k} | {r.lr:.0e} | {r.length:.1f} | "
+        lines.append(f"| {r.model} | {r.task} | {r.layers} | {r.experts}/{r.top_k} | {r.lr:.0e} | {r.answer_tokens:.1f} | "
                      f"{pct(r.drift)} | {pct(r.token_any_change)} | {pct(r.routing_share)} | {r.logit_margin:.3f} | "
                      f"{r.token_ratio_var:.3g} |")
     lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x over {', '.join(fit.regressors)}; n = {fit.n} rows, "

@@ -140,7 +140,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
     name = f"probe-{cfg.model.name}-{cfg.dataset.name}"
     logger = RunLogger(run_dir, cfg, name, ["probe", f"model:{cfg.model.name}"], None)
     start, cpu_start = time.perf_counter(), time.process_time()
-    settings, mismatches, policy = [], [], None
+    settings, mismatches, policy, answer_tokens = [], [], None, None
     steps = p.warm_steps + p.measure_steps
     bar = tqdm(total=len(p.lrs) * steps + len(p.precisions), desc=name, unit="step", dynamic_ncols=True)
     try:
@@ -150,6 +150,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
             except ConfigError as error:
                 raise SystemExit(f"moe-rl-lab: {error}") from None
             policy = policy or describe_policy(trainer.model)
+            answer_tokens = answer_tokens or reference_answer_tokens(trainer)
             records = []
             try:
                 for step in range(steps):
@@ -186,6 +187,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
         "model_path": cfg.model.path,
         "cold_start": cold_start_record(cfg.model.path),
         "dataset": dict(cfg.dataset),
+        "answer_tokens": answer_tokens,  # the task's designed answer length, eos included: the length axis
         "algo": cfg.algo.name,
         "policy": policy,
         "warm_steps": p.warm_steps,
@@ -198,6 +200,14 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
     claimed.release()
     print(table(summary))
     return summary
+
+
+def reference_answer_tokens(trainer: RLTrainer) -> float:
+    """Mean tokens of the held-out reference answers, plus their eos: how long a correct answer is, by design (the
+    sampled length is an outcome, which a breaking update changes)."""
+    answers = [example.answer for example in trainer.test_examples]
+    lengths = [len(ids) + 1 for ids in trainer.tokenizer(answers, add_special_tokens=False)["input_ids"]]
+    return sum(lengths) / len(lengths)
 
 
 def cold_start_record(path: str | None) -> dict[str, Any] | None:
