@@ -37,6 +37,7 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
         assert setting["routing/expert_change_per_update_n"] == 2
     # a step 300x larger moves more experts: the probe's drift follows the update, not the sampling
     assert high["routing/expert_change_per_update"] > low["routing/expert_change_per_update"]
+    assert 2 <= summary["answer_tokens"] <= 4  # up to 3 digits of a 2-digit sum, and eos
     assert [m["precision"] for m in summary["precision_mismatch"]] == ["bf16", "fp16"]
     assert all(0 <= m["mismatch/expert_frac"] <= 1 for m in summary["precision_mismatch"])
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,68 @@
+"""The drift law (`python -m analysis.drift_law`) on probe summaries whose drift follows a known power law."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from analysis import drift_law
+
+EXPONENTS = {"layers": -0.5, "lr": 1.0, "experts_per_slot": 0.3}
+CONSTANT = 50.0
+
+
+def law(layers: int, lr: float, experts: int, top_k: int) -> float:
+    return CONSTANT * layers ** EXPONENTS["layers"] * lr ** EXPONENTS["lr"] * (experts / top_k) ** EXPONENTS["experts_per_slot"]
+
+
+def write_probe(root, name, layers, experts, top_k, lrs, diverged_lr=None):
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("model:\n  name: m\n  path: null\n  hidden_size: 64\n")
+    settings = [{"lr": lr, "routing/expert_change_per_update": law(layers, lr, experts, top_k),
+                 "drift_per_layer": [law(layers, lr, experts, top_k)] * layers, "decompose/routing_share": 0.1,
+                 "routing/logit_margin": 0.2, "ratio/token_var": 0.01, "response/length_mean": 3.5}
+                for lr in lrs]
+    if diverged_lr:
+        settings.append({"lr": diverged_lr, "diverged": "the trainer's model produced logits that are NaN or inf"})
+    summary = {"status": "finished", "model": name, "dataset": {"name": "addition", "digits": 2}, "answer_tokens": 3.9,
+               "policy": {"num_moe_layers": layers, "num_experts": experts, "num_experts_per_tok": top_k},
+               "settings": settings,
+               "precision_mismatch": [{"precision": "bf16", "mismatch/expert_frac": 0.01,
+                                       "mismatch/token_any_expert_frac": 0.2, "mismatch/kl_k3": 1e-4}]}
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_fit_recovers_a_known_law_and_where_it_reaches_the_papers_drift(tmp_path):
+    lrs = [1e-5, 1e-4, 1e-3]
+    for layers in (8, 16, 48):
+        for experts, top_k in ((32, 8), (128, 8)):
+            write_probe(tmp_path, f"l{layers}_e{experts}", layers, experts, top_k, lrs, diverged_lr=1e-2)
+    rows, precision = drift_law.load_probes([tmp_path])
+    assert len(rows) == 24 and rows["diverged"].notna().sum() == 6 and len(precision) == 6
+    fit = drift_law.fit_law(rows)
+    assert fit.regressors == ["layers", "lr", "experts_per_slot"]  # answer length and width do not vary: not fitted
+    for name, value in EXPONENTS.items():
+        assert fit.coef[1 + fit.regressors.index(name)] == pytest.approx(value, abs=1e-9)
+    assert fit.coef[0] == pytest.approx(math.log(CONSTANT)) and fit.r2 == pytest.approx(1.0)
+    paper = {"layers": 48, "experts_per_slot": 16}
+    needed = drift_law.lr_for_paper_drift(fit, rows)
+    assert law(48, needed, 128, 8) == pytest.approx(drift_law.PAPER_DRIFT)
+    assert fit.predict({**drift_law.paper_point(fit, rows, 1e-4), **paper}) == pytest.approx(law(48, 1e-4, 128, 8))
+
+
+def test_the_cli_writes_its_report_and_refuses_a_folder_without_probes(tmp_path, capsys):
+    for layers in (8, 16):
+        for experts in (32, 64):
+            write_probe(tmp_path / "probes", f"l{layers}_e{experts}", layers, experts, 8, [1e-5, 1e-4])
+    drift_law.main([str(tmp_path / "probes"), "--out", str(tmp_path / "law")])
+    report = (tmp_path / "law" / "report.md").read_text()
+    assert "| l16_e64 | addition digits=2 | 16 | 64/8 | 1e-04 | 3.9 |" in report
+    assert json.loads((tmp_path / "law" / "fit.json").read_text())["n"] == 8
+    assert (tmp_path / "law" / "drift_law.png").stat().st_size > 1000
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        drift_law.main([str(tmp_path / "empty"), "--out", str(tmp_path / "law2")])
+    assert stop.value.code == 2 and "no finished probe" in capsys.readouterr().err
