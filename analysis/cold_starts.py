@@ -4,7 +4,7 @@ Reads every finished cold start (`python -m experiments.sft`: a run directory wh
 run) under the given directories, and writes into --out `report.md` (one row per cold start: the model's shape,
 its parameters, the task, the steps, wall and CPU time, the held-out greedy accuracy it stopped at and what stopped
 it) and `cold_starts.png` (held-out greedy accuracy and loss against SFT step, one line per cold start). When a
-model was cold-started more than once, the newest run counts. Exit code 2 and one `error:` line on bad input.
+checkpoint was written more than once, the newest run counts. Exit code 2 and one `error:` line on bad input.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from experiments.rundir import make_writable_dir
 
 
 def find_cold_starts(paths: Sequence[str | Path]) -> list[Path]:
-    """Run directories of finished cold starts under `paths`, the newest per (model, task) last-modified order."""
+    """Run directories of finished cold starts under `paths`: per checkpoint directory, the newest run that wrote it."""
     newest: dict[str, Path] = {}
     for root in map(Path, paths):
         if not root.is_dir():
@@ -34,7 +34,7 @@ def find_cold_starts(paths: Sequence[str | Path]) -> list[Path]:
         for summary in sorted(root.rglob("summary.json"), key=lambda p: p.stat().st_mtime):
             data = json.loads(summary.read_text(encoding="utf-8"))
             if str(data.get("run", "")).startswith("sft-") and data.get("status") == "finished":
-                newest[data["run"]] = summary.parent
+                newest[data["checkpoint"]] = summary.parent
     if not newest:
         raise ValueError(f"no finished cold start (summary.json of an sft- run) under {', '.join(map(str, paths))}")
     return list(newest.values())
