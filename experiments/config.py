@@ -209,7 +209,7 @@ class SFTSettings:
 
     max_steps: int = 600  # the budget that decides the checkpoint: the same on a loaded or an idle machine
     # Safety stop only: a cold start it cuts short is not the documented checkpoint, and its summary says so.
-    max_seconds: float = 900.0
+    max_seconds: float = 3600.0
     batch_size: int = 128
     lr: float = 1e-3  # AdamW, peak (after the warm-up)
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps: deep narrow models diverge without one at lr 1e-3
