@@ -22,7 +22,7 @@ with k3 = π_ref/π_θ − log(π_ref/π_θ) − 1 and tokens sampled from π_ol
   would keep the value and turn the expected gradient into the reverse KL's.
 Both claims are checked by exact expectation over a small categorical in tests/test_objectives.py
 (`test_the_expected_kl_gradient_of_each_estimator`). Hyperparameter types
-(floats, enums such as `loss_agg`) are checked by `experiments.registry.check_fields`; value ranges by `validate`.
+(floats, enums such as `loss_agg`) are checked by `models.registry.check_fields`; value ranges by `validate`.
 
 Shared metrics. Definitions follow verl's and TRL's where they exist (the GSPO paper's Fig. 2 for GSPO's token
 share), with lr = clamped token log-ratio log π_θ − log π_old:
@@ -50,7 +50,7 @@ from torch import Tensor
 from algos.common import (
     KLEstimator, PolicyBatch, PolicyLoss, Totals, aggregate, k3, masked, masked_mean, masked_var, sequence_mean,
 )
-from experiments.registry import ConfigError, check_fields
+from models.registry import ConfigError, check_fields
 
 
 @dataclass(frozen=True)

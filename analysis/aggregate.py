@@ -1,13 +1,13 @@
 """Seed aggregation, smoothing, routing-drift tables and the stability verdict.
 
-Conventions (research/style.md B.3):
+Conventions:
 - curves: each seed is smoothed first (EMA, `s_1 = x_1`, `s_t = (1-α) s_{t-1} + α x_t`), then the series shows the
   mean across seeds with a band of ±1 sample standard deviation (ddof = 1; no band where one seed covers a point);
 - the token axis differs between seeds, so each seed is linearly interpolated onto a common grid, inside its own
   range only (a crashed seed drops out where its data ends, it is never extrapolated);
 - tables: per seed, average the last N logged steps, then mean ± std across seeds.
-Diagnostics follow research/algorithms.md §5: clip fraction (§5.1), importance-ratio variance (§5.2), routing drift
-as the share of activated experts that changed since θ_old (§5.7.1, the GSPO paper's §5.3 statistic).
+Diagnostics: the clip fraction, the importance-ratio variance, and routing drift as the share of activated experts
+that changed since θ_old (the GSPO paper's §5.3 statistic).
 """
 
 from __future__ import annotations

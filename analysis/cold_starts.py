@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
-from experiments.rundir import make_writable_dir
+from experiments.run.rundir import make_writable_dir
 
 
 def find_cold_starts(paths: Sequence[str | Path]) -> list[Path]:

@@ -37,7 +37,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
-from experiments.rundir import make_writable_dir
+from experiments.run.rundir import make_writable_dir
 
 PAPER_DRIFT = 0.10  # GSPO paper §5.3: ~10% of activated experts change per update (Qwen3-30B-A3B, 48 layers)
 PAPER_SHAPE = {"layers": 48, "experts": 128, "top_k": 8}

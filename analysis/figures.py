@@ -1,4 +1,4 @@
-"""The GSPO paper's figures (research/algorithms.md §1.7) and the lab's mechanism figures, one function each.
+"""The GSPO paper's figures (arXiv 2507.18071, Figs. 1-3 and §5.3) and the lab's mechanism figures, one function each.
 
 Every function takes a RunSet and an output folder, writes `<name>.png` and `<name>.pdf`, and returns a
 `FigureOutput` with a one-sentence caption for report.md and notes on panels it had to leave out (a metric no run
@@ -9,7 +9,7 @@ missing data. Figures are built on `matplotlib.figure.Figure` directly (no pyplo
 2. mean fraction of clipped tokens per series, log scale                       — paper Fig. 2
 3. GRPO with vs without Routing Replay, reward against compute                  — paper Fig. 3
 4. routing drift: layer × minibatch index, layer × step, drift against depth    — paper §5.3 statistic
-5. importance-ratio variance, token level vs sequence level, against step       — algorithms.md §5.2
+5. importance-ratio variance, token level vs sequence level, against step       — GSPO's motivation (§3)
 6. training–inference mismatch: k3 KL(μ_old‖π_old), χ² and ESS against step    — arXiv 2512.01374's diagnostic
 7. early warning, per run: reward, entropy, mismatch KL and grad norm on one step axis, collapses marked
 8. where the ratio noise comes from: the routing part's share of the log-ratio variance against updates since θ_old
@@ -40,7 +40,7 @@ EVAL_METRICS = {
     "eval/accuracy": "held-out pass@1 (fraction)",
     "eval/greedy_accuracy": "held-out greedy acc. (fraction)",
 }
-# Paper Fig. 2 read-offs (research/algorithms.md §1.7; from a figure description, not checked against the PDF).
+# Paper Fig. 2 read-offs (from a description of the figure, not measured on the PDF).
 PAPER_CLIP_FRACTION = {"gspo": 0.15, "grpo": 0.0013}
 # GSPO paper §5.3: ~10% of activated experts change after one update, 48-layer Qwen3-30B-A3B.
 PAPER_DRIFT = 0.10

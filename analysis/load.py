@@ -1,6 +1,6 @@
 """Find runs (local directories or W&B) and read them into long pandas frames.
 
-A local run is the training loop's Hydra output directory (shared/notes/design.md, "Run directory"): it holds
+A local run is the training loop's Hydra output directory (`experiments.run.rundir`): it holds
 `.hydra/config.yaml` (the resolved config) and `metrics.jsonl` (one JSON object per RL step, flushed each step),
 plus `summary.json` once the run finished. A Hydra multirun sweep directory holds one such directory per job, so
 runs are found recursively. A W&B run carries the same flat keys in its history, with per-minibatch values
@@ -36,7 +36,7 @@ import pandas as pd
 import yaml
 
 from analysis.style import ALGO_ORDER, REPLAY_ORDER
-from experiments.rundir import EVAL_START, METRICS_FILE, SUMMARY_FILE
+from experiments.run.rundir import EVAL_START, METRICS_FILE, SUMMARY_FILE
 
 CONFIG_FILE = Path(".hydra") / "config.yaml"
 

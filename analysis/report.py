@@ -25,7 +25,7 @@ import pandas as pd
 from analysis import aggregate as agg
 from analysis.figures import FigureOutput, all_figures
 from analysis.load import INCOMPLETE, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir
-from experiments.rundir import make_writable_dir
+from experiments.run.rundir import make_writable_dir
 
 REPORT_FILE = "report.md"
 SUMMARY_FILE = "summary.csv"

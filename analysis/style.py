@@ -1,6 +1,6 @@
 """One place for the look of every figure: colours per algorithm, line styles per replay mode, sizes, fonts.
 
-Conventions follow research/style.md B.3: a fixed colour per algorithm across all figures (the GSPO paper draws
+Conventions: a fixed colour per algorithm across all figures (the GSPO paper draws
 GSPO red and GRPO blue, kept here), replay variants share their algorithm's hue and differ by line style (bars:
 hatch), figures sized for a paper column (3.3 in) or the full text width (6.8 in), no LaTeX (CI lacks it).
 """

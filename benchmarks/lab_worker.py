@@ -25,10 +25,10 @@ import torch  # noqa: E402
 from benchmarks.module_time import ModuleTimer  # noqa: E402
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
 from benchmarks.workload import compose_workload, fixed_length  # noqa: E402
-from experiments.engine import Rollout  # noqa: E402
-from experiments.logger import RunLogger  # noqa: E402
+from experiments.step.engines.hf import Rollout  # noqa: E402
+from experiments.run.logger import RunLogger  # noqa: E402
 from experiments.train import run_name  # noqa: E402
-from experiments.trainer import RLTrainer  # noqa: E402
+from experiments.step.trainer import RLTrainer  # noqa: E402
 
 
 def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:

@@ -35,10 +35,10 @@ from algos.common import masked, masked_mean
 from algos.routing_variants.full_replay import GateReplay
 from analysis.report import markdown_table
 from experiments.config import PROJECT_ROOT, register_configs
-from experiments.engine import EngineNumerics, collect_rollout
-from experiments.registry import ConfigError
-from experiments.scoring import Scores
-from experiments.trainer import Minibatch, OldPolicy, RLTrainer, minibatch_order, split_minibatches
+from experiments.step.engines.hf import EngineNumerics, collect_rollout
+from models.registry import ConfigError
+from experiments.step.scoring import Scores
+from experiments.step.trainer import Minibatch, OldPolicy, RLTrainer, minibatch_order, split_minibatches
 from models.routing import RoutingTrace, routing_drift
 
 SETTINGS = ("none", "ID replay", "ID + gate weights")

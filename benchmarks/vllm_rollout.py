@@ -77,8 +77,8 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
     from omegaconf import OmegaConf
 
     from benchmarks.workload import compose_workload
-    from experiments.engine import HFEngine
-    from experiments.vllm_engine import VLLMEngine, derived_model_len
+    from experiments.step.engines.hf import HFEngine
+    from experiments.step.engines.vllm import VLLMEngine, derived_model_len
     from models.policy import ModelConfig, build_policy
 
     cfg = compose_workload(overrides)
@@ -108,7 +108,7 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
             for key in (list(pair) if r % 2 == 0 else list(pair)[::-1]):
                 seconds[key].append(timed(pair[key], routing))
 
-    # One vLLM engine per process at a time (experiments.vllm_engine): first the loop's default, routing recorded
+    # One vLLM engine per process at a time (experiments.step.engines.vllm): first the loop's default, routing recorded
     # (the CPU capture, prefix caching off); then vLLM built with routing=False (no capture, prefix caching on)
     # against HF without its routing hooks.
     options = dict(max_model_len=max_model_len, max_num_seqs=t.prompts_per_step * t.group_size,
@@ -173,7 +173,7 @@ def family_config(family: str, tokenizer) -> Any:
 
 def _compare(engine, model, prompts: list[str]) -> tuple[float, float | None]:
     """(max |μ_old − fp32 transformers|, routing agreement or None for a dense model) on one fresh sample."""
-    from experiments.scoring import FED, score_responses
+    from experiments.step.scoring import FED, score_responses
     from models.routing import find_routers, record_routing
 
     moe = bool(find_routers(model))
@@ -192,7 +192,7 @@ def _compare(engine, model, prompts: list[str]) -> tuple[float, float | None]:
 def families_section() -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
-    from experiments.vllm_engine import SUPPORTED_FAMILIES, VLLMEngine
+    from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine
     from models.routing import find_routers
     from models.tokenizer import build_char_tokenizer
 

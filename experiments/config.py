@@ -20,8 +20,8 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from experiments.engine import EngineNumerics, Precision, WeightQuant
-from experiments.registry import ConfigError, Registry
+from experiments.step.engines.hf import EngineNumerics, Precision, WeightQuant
+from models.registry import ConfigError, Registry
 from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.policy import ModelConfig
 
@@ -59,7 +59,7 @@ class LRSchedule(StrEnum):
 
 
 class Engine(StrEnum):
-    """The rollout engine that samples (μ_old), behind `experiments.engine.RolloutEngine`."""
+    """The rollout engine that samples (μ_old), behind `experiments.step.engines.hf.RolloutEngine`."""
 
     hf = "hf"  # transformers' `generate` on the trainer's own model (prefill once per prompt, KV cache)
     vllm = "vllm"  # vLLM in this process, on its own copy of the weights, synced in place after every step
@@ -89,7 +89,7 @@ class RoutingConfig:
 
 @dataclass
 class VLLMConfig:
-    """vLLM's own settings (`rollout.engine=vllm`; `experiments.vllm_engine`)."""
+    """vLLM's own settings (`rollout.engine=vllm`; `experiments.step.engines.vllm`)."""
 
     kv_cache_gb: float = 1.0  # KV cache space: VLLM_CPU_KVCACHE_SPACE on CPU; on CUDA the share of the GPU below
     gpu_memory_utilization: float = 0.5  # CUDA only: the share of the GPU's memory vLLM may take
@@ -100,7 +100,7 @@ class VLLMConfig:
 class RolloutConfig:
     """The rollout engine: what samples the completions and reports their log-probs μ_old (and routing). With every
     numerics setting off it samples with the trainer's own model; any one on gives it its own copy of the weights,
-    synced after every step, that differs from the trainer on purpose (`experiments.engine`)."""
+    synced after every step, that differs from the trainer on purpose (`experiments.step.engines.hf`)."""
 
     engine: Engine = Engine.hf
     precision: Precision = Precision.fp32  # the engine copy's dtype
@@ -114,11 +114,11 @@ class RolloutConfig:
     def engine_class(self) -> type:
         """The engine class this config asks for (vLLM imported only when asked, and refused when missing)."""
         if self.engine == Engine.vllm:
-            from experiments.vllm_engine import VLLMEngine
+            from experiments.step.engines.vllm import VLLMEngine
 
             VLLMEngine.require()
             return VLLMEngine
-        from experiments.engine import HFEngine
+        from experiments.step.engines.hf import HFEngine
 
         return HFEngine
 
@@ -155,7 +155,7 @@ class TrainerConfig:
     eval_prompts: int = 128  # held-out prompts per evaluation (the same prefix of the test split every time)
     eval_samples: int = 4  # k of mean pass@1 (0: greedy accuracy only)
     save_checkpoint: bool = False  # save_pretrained + tokenizer into the run directory at the end
-    checkpoint_every: int = 0  # steps between resumable checkpoints (experiments.checkpoint; 0: none)
+    checkpoint_every: int = 0  # steps between resumable checkpoints (experiments.run.checkpoint; 0: none)
     keep_checkpoints: int = 2  # the newest this many checkpoints stay on disk
     threads: int | None = None  # torch CPU threads; null: the cores other processes leave free (experiments/threads.py)
 

@@ -7,7 +7,7 @@ model), whatever engine sampled the training rollouts.
 
 from __future__ import annotations
 
-from experiments.engine import RolloutEngine, collect_rollout
+from experiments.step.engines.hf import RolloutEngine, collect_rollout
 from experiments.tasks import Example, Task
 
 

@@ -2,7 +2,7 @@
 noise that is — measured in about a minute, without training to the end.
 
 For the cold start at `model.path` and each learning rate of `probe.lrs`, the probe runs a short RL run from a fresh
-AdamW with the configured objective on the model's own samples (`experiments.trainer.RLTrainer`, the same step as
+AdamW with the configured objective on the model's own samples (`experiments.step.trainer.RLTrainer`, the same step as
 every run): `probe.warm_steps` steps first, so that Adam's moments reach their steady state (a fresh optimizer's
 first update moves routing 2-3x more than a warm one's), then `probe.measure_steps` steps whose statistics it
 averages:
@@ -23,7 +23,7 @@ of activated experts on which that engine and the fp32 trainer disagree at the s
 
 The run directory gets `metrics.jsonl` (every step, tagged `probe/lr` and `probe/phase`) and `summary.json` (one
 entry per setting: what `analysis.drift_law` fits), and the table is printed. A learning rate whose run diverges
-(non-finite loss, weights or logits: `experiments.divergence`) is an entry that says so, and the next one is probed.
+(non-finite loss, weights or logits: `models.registry`) is an entry that says so, and the next one is probed.
 
     python -m experiments.probe model=qwen30b_l16                       # the cold start of qwen30b_l16 on addition
     python -m experiments.probe -m model=qwen30b_l16,qwen30b_l32 dataset=addition,scratchpad
@@ -44,13 +44,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments import rundir
+from experiments.run import rundir
 from experiments.config import register_configs
-from experiments.divergence import Diverged
-from experiments.engine import Precision
-from experiments.logger import RunLogger
-from experiments.registry import ConfigError
-from experiments.trainer import RLTrainer
+from models.registry import Diverged
+from experiments.step.engines.hf import Precision
+from experiments.run.logger import RunLogger
+from models.registry import ConfigError
+from experiments.step.trainer import RLTrainer
 from models.policy import describe_policy
 
 # What a setting reports: the mean over its measured steps of each of these metrics (and every per-layer drift), with

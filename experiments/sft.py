@@ -28,17 +28,17 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from experiments import rundir
+from experiments.run import rundir
 from experiments.config import check_device, check_training_dtype, register_configs, unknown_keys
-from experiments.divergence import Diverged
-from experiments.engine import HFEngine
+from models.registry import Diverged
+from experiments.step.engines.hf import HFEngine
 from experiments.evaluate import evaluate
-from experiments.logger import RunLogger
-from experiments.registry import ConfigError
-from experiments.scoring import position_ids
+from experiments.run.logger import RunLogger
+from models.registry import ConfigError
+from experiments.step.scoring import position_ids
 from experiments.tasks import Example, build_task
-from experiments.threads import ThreadBudget
-from experiments.trainer import longest_tokens, lr_lambda
+from experiments.run.threads import ThreadBudget
+from experiments.step.trainer import longest_tokens, lr_lambda
 from models.policy import ModelConfig, build_policy
 
 register_configs()

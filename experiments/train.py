@@ -1,6 +1,6 @@
 """`python -m experiments.train`: one RL run (or, with `-m`, a Hydra sweep of runs), logged to its run directory.
 
-The step itself is `experiments.trainer.RLTrainer.step`; this module claims the run directory, runs the steps,
+The step itself is `experiments.step.trainer.RLTrainer.step`; this module claims the run directory, runs the steps,
 evaluates on held-out prompts, logs every step to `metrics.jsonl` and W&B, and ends with `summary.json` and a
 one-paragraph summary, however the run ends:
 
@@ -9,7 +9,7 @@ one-paragraph summary, however the run ends:
 - SIGTERM or Ctrl-C: the steps finished so far stay logged, W&B is finished, `summary.json` says
   `status: interrupted`, and one line says so (exit code 143 or 130), also when the stop arrives while a
   checkpoint is being written (it lands after the write);
-- a loss, gradient, weights or logits that turn non-finite for good (`experiments.divergence`): the steps before
+- a loss, gradient, weights or logits that turn non-finite for good (`models.registry`): the steps before
   stay logged, `summary.json` says `status: diverged`, and one line says where and why (exit code 1);
 - a full disk or a vanished run directory: one line naming the file and the last step it holds (exit code 1).
 
@@ -40,14 +40,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments import checkpoint, distributed, rundir
+from experiments.run import checkpoint, launch, rundir
 from experiments.config import register_configs
-from experiments.distributed import exit_once
-from experiments.divergence import Diverged
-from experiments.rundir import EVAL_START
-from experiments.logger import RunLogger
-from experiments.registry import ConfigError
-from experiments.trainer import RLTrainer, check_run, mean_of
+from experiments.run.launch import exit_once
+from models.registry import Diverged
+from experiments.run.rundir import EVAL_START
+from experiments.run.logger import RunLogger
+from models.registry import ConfigError
+from experiments.step.trainer import RLTrainer, check_run, mean_of
 from models.policy import describe_policy
 
 register_configs()
@@ -194,7 +194,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
     run_dir = Path(run_dir)
     with stop_signals():
         try:
-            ranks = distributed.start(cfg.device)
+            ranks = launch.start(cfg.device)
         except ConfigError as error:
             exit_once(f"moe-rl-lab: {error}")
         claimed, problem, finished = None, None, None
@@ -204,7 +204,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
                 finished = rundir.finished_summary(run_dir) if cfg.resume is not None else None
             except ConfigError as error:
                 problem = str(error)
-        problem, finished = distributed.broadcast((problem, finished), ranks)  # every rank does what rank 0 found
+        problem, finished = launch.broadcast((problem, finished), ranks)  # every rank does what rank 0 found
         if problem:
             exit_once(f"moe-rl-lab: {problem}")
         if finished is not None:  # a re-launched sweep skips the jobs that are done
@@ -239,7 +239,7 @@ def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path) -> list[dict[str
     if cfg.resume is None:
         return []
     ranks = trainer.ranks
-    found, passed_over = distributed.broadcast(checkpoint.find(run_dir, cfg.resume) if ranks.main else None, ranks)
+    found, passed_over = launch.broadcast(checkpoint.find(run_dir, cfg.resume) if ranks.main else None, ranks)
     step = 0
     if found is not None:
         checkpoint.load(trainer, found)
@@ -356,7 +356,7 @@ def export(trainer: RLTrainer, directory: Path) -> Path:
     if trainer.ranks.main:
         trainer.model.save_pretrained(directory, state_dict=state)
         trainer.tokenizer.save_pretrained(directory)
-    distributed.barrier(trainer.ranks)
+    launch.barrier(trainer.ranks)
     return directory
 
 
@@ -397,7 +397,7 @@ def main(cfg: DictConfig) -> float | None:
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
     if multiprocessing.current_process().name != "MainProcess":  # a launcher's worker (joblib): not the sweep itself
-        distributed.die_with_parent(signal.SIGTERM)
+        launch.die_with_parent(signal.SIGTERM)
     try:
         return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
     except SystemExit as exit:

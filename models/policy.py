@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from experiments.registry import ConfigError, check_fields
+from models.registry import ConfigError, check_fields
 from models import grouped_attention, sorted_experts
 from models.moe_backend import MoEBackend, apply_moe_backend, describe_experts_backend
 from models.routing import find_routers

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 
 from algos import group_advantages  # noqa: E402
-from experiments import distributed  # noqa: E402
-from experiments.engine import HFEngine, Rollout, collect_rollout  # noqa: E402
-from experiments.trainer import RLTrainer, split_minibatches  # noqa: E402
+from experiments.run import launch as distributed  # noqa: E402
+from experiments.step.engines.hf import HFEngine, Rollout, collect_rollout  # noqa: E402
+from experiments.step.trainer import RLTrainer, split_minibatches  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
 from tests.test_train import compose_train  # noqa: E402
 

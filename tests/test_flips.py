@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from experiments.scoring import position_ids
+from experiments.step.scoring import position_ids
 from models.routing import find_routers, flip_routing, next_ranked, record_routing, replay_routing
 from tests.conftest import MICRO_RUN
 from tests.test_routing import ExpertsSpy, _batch, _forward

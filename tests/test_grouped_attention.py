@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.scoring import position_ids
+from experiments.step.scoring import position_ids
 from models.grouped_attention import grouped_eager_attention
 from models.policy import ModelConfig, build_policy
 from tests.conftest import MICRO_MODEL

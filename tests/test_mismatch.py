@@ -10,11 +10,11 @@ import torch
 
 from algos import build_objective
 from algos.corrections import CorrectionInputs, build_correction, mismatch_metrics
-from experiments.engine import EngineNumerics, HFEngine, collect_rollout, fake_quantize
-from experiments.scoring import FED, score_responses
+from experiments.step.engines.hf import EngineNumerics, HFEngine, collect_rollout, fake_quantize
+from experiments.step.scoring import FED, score_responses
 from experiments.tasks import build_task
 from experiments.train import train
-from experiments.trainer import RLTrainer, decomposition_metrics
+from experiments.step.trainer import RLTrainer, decomposition_metrics
 from models.routing import routing_drift
 from tests.test_objectives import batch_from_ratios, loss_and_grad
 from tests.test_train import compose_train, experts_used, first_step_inputs, read_metrics
@@ -274,7 +274,7 @@ def test_unknown_engine_settings_and_corrections_fail_at_composition(override):
 
 
 def test_an_engine_without_log_probs_cannot_feed_a_correction(monkeypatch):
-    from experiments import trainer as trainer_module
+    from experiments.step import trainer as trainer_module
 
     monkeypatch.setattr(trainer_module.HFEngine, "returns_logprobs", False)
     with pytest.raises(Exception, match="read μ_old's log-probs, which rollout.engine=hf does not return"):

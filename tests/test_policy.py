@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig
 
-from experiments.registry import ConfigError
-from experiments.scoring import position_ids
+from models.registry import ConfigError
+from experiments.step.scoring import position_ids
 from models.policy import ModelConfig, build_policy, describe_policy
 from models.routing import find_routers, record_routing, replay_routing, routing_drift
 from models.tokenizer import build_char_tokenizer

@@ -19,9 +19,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from experiments.checkpoint import find as find_checkpoint
+from experiments.run.checkpoint import find as find_checkpoint
 from experiments.config import PROJECT_ROOT
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
 from models.routing import record_routing, replay_routing
@@ -127,7 +127,7 @@ def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monk
     sweep = tmp_path / "sweep"
     plugin = tmp_path / "crash_plugin.py"
     plugin.write_text(
-        "import experiments.trainer as trainer\n"
+        "import experiments.step.trainer as trainer\n"
         "step = trainer.RLTrainer.step\n"
         "def crashing(self):\n"
         "    if self.cfg.seed == 0:\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from experiments.engine import HFEngine, collect_rollout
-from experiments.scoring import FED, score_responses
+from experiments.step.engines.hf import HFEngine, collect_rollout
+from experiments.step.scoring import FED, score_responses
 from experiments.tasks import build_task
 from models.routing import NO_ROUTE, record_routing, routing_drift
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.scoring import position_ids
+from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
 from models.routing import find_routers
 from models.routing import NO_ROUTE, RoutingTrace, record_routing, replay_routing, routing_drift
@@ -230,7 +230,7 @@ def test_mismatched_trace_is_refused(micro_policy, mutate, message):
 def test_router_fragility_by_hand():
     import math
 
-    from experiments.scoring import router_fragility
+    from experiments.step.scoring import router_fragility
 
     # one layer, two tokens, 4 experts, top-2; the second token is padding (weight 0)
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0]])

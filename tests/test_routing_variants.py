@@ -22,8 +22,8 @@ from algos.routing_variants.full_replay import GateReplay
 from algos.routing_variants.router_shift import KeepOwnRouting, router_shift
 from algos.routing_variants.soft_replay import SoftReplayRule, fill_rejected, kept_experts
 from experiments.config import register_configs
-from experiments.engine import HFEngine
-from experiments.scoring import FED, score_responses
+from experiments.step.engines.hf import HFEngine
+from experiments.step.scoring import FED, score_responses
 from experiments.train import RLTrainer, train
 from models.routing import ReplayedRoutes, find_routers, flip_routing, record_routing, replay_routing
 from tests.test_objectives import batch_from_ratios, loss_and_grad
@@ -364,7 +364,7 @@ def test_what_a_variant_cannot_serve_is_refused_in_one_line(tmp_path, overrides,
 
 
 def test_r3_full_replay_needs_an_engine_that_reports_gate_weights(tmp_path, monkeypatch):
-    from experiments.vllm_engine import VLLMEngine
+    from experiments.step.engines.vllm import VLLMEngine
 
     assert not VLLMEngine.returns_gate_weights, "vLLM returns the routed experts' ids only"
     monkeypatch.setattr(HFEngine, "returns_gate_weights", VLLMEngine.returns_gate_weights)  # vLLM, as the check sees it
@@ -391,7 +391,7 @@ def test_replay_rules_that_keep_the_routers_choice_change_nothing(micro_policy):
 
 
 def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_variant():
-    from experiments.checkpoint import experiment
+    from experiments.run.checkpoint import experiment
 
     none = compose_train("routing.replay=r2")
     container = OmegaConf.to_container(none)
@@ -404,7 +404,7 @@ def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_
 def test_the_readme_example_routing_variant_replays_the_first_layers_only(micro_policy):
     """`Add a routing variant` in the README is code a newcomer copies: it must run as printed."""
     from algos.routing_variants import build_routing_variant
-    from experiments.registry import ConfigError
+    from models.registry import ConfigError
     from tests.test_routing import ExpertsSpy
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")

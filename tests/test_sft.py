@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.config import PROJECT_ROOT
-from experiments.scoring import position_ids
+from experiments.step.scoring import position_ids
 from experiments.sft import IGNORE, cold_start, demonstration_batch
 from experiments.tasks import Example
 from models.policy import ModelConfig, build_policy

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.scoring import position_ids
-from experiments.scoring import FED, score_responses
+from experiments.step.scoring import position_ids
+from experiments.step.scoring import FED, score_responses
 from models.policy import ModelConfig, build_policy
 from models.routing import RoutingTrace
 from models.shared_prefix import SharedPrefix

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from experiments.scoring import position_ids
+from experiments.step.scoring import position_ids
 from models.policy import ModelConfig, build_policy
 from models.sorted_experts import sorted_mm_experts_forward
 from tests.conftest import MICRO_MODEL

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.config import register_configs
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 from experiments.tasks import TASKS, Example, Task, build_task
 from experiments.tasks.gsm8k import extract_final_number, normalize_number
 from models.tokenizer import ALPHABET

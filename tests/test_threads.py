@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from experiments.threads import ThreadBudget
+from experiments.run.threads import ThreadBudget
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the budget reads Linux's /proc/stat")
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 
 from algos import OBJECTIVES, ObjectiveOutput, group_advantages
 from experiments.config import PROJECT_ROOT
-from experiments.scoring import FED, score_responses
+from experiments.step.scoring import FED, score_responses
 from experiments.train import RLTrainer, train
-from experiments.trainer import minibatch_order, split_minibatches
+from experiments.step.trainer import minibatch_order, split_minibatches
 from models.routing import find_routers, routing_drift
 from models.shared_prefix import SharedPrefix
 from tests.conftest import MICRO_RUN

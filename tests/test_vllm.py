@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (`experiments.vllm_engine`) against transformers on the same weights and tokens: μ_old and
+"""The vLLM rollout engine (`experiments.step.engines.vllm`) against transformers on the same weights and tokens: μ_old and
 routing, after in-place weight syncs too, an r3 run through the real loop, and the settings it refuses.
 
 Runs only where vLLM is installed (`make test-vllm`); elsewhere the whole module is skipped with the reason. One
@@ -19,13 +19,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.core_model_loading import revert_weight_conversion  # noqa: E402
 
 from benchmarks.vllm_rollout import family_config  # noqa: E402
-from experiments.engine import HFEngine  # noqa: E402
-from experiments.registry import ConfigError  # noqa: E402
-from experiments.scoring import FED, score_responses  # noqa: E402
+from experiments.step.engines.hf import HFEngine  # noqa: E402
+from models.registry import ConfigError  # noqa: E402
+from experiments.step.scoring import FED, score_responses  # noqa: E402
 from experiments.tasks import build_task  # noqa: E402
 from experiments.train import train  # noqa: E402
-from experiments.trainer import RLTrainer, check_run  # noqa: E402
-from experiments.vllm_engine import VLLMEngine, _installed_build, checkpoint_weights  # noqa: E402
+from experiments.step.trainer import RLTrainer, check_run  # noqa: E402
+from experiments.step.engines.vllm import VLLMEngine, _installed_build, checkpoint_weights  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
 from models.routing import NO_ROUTE, record_routing  # noqa: E402
 from models.shared_prefix import SharedPrefix  # noqa: E402
@@ -287,7 +287,7 @@ def test_check_refuses_what_vllm_cannot_run_in_one_line(overrides, world, names)
 
 
 def test_check_refuses_a_family_vllm_does_not_run(monkeypatch):
-    import experiments.vllm_engine as vllm_engine
+    import experiments.step.engines.vllm as vllm_engine
 
     monkeypatch.setattr(vllm_engine, "SUPPORTED_FAMILIES", ("qwen3", "llama"))
     with pytest.raises(ConfigError, match=r"a 'qwen3_moe' model: vLLM 0.32 runs \['qwen3', 'llama'\]"):

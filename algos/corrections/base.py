@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from algos.common import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND, masked, masked_mean, sequence_mean
-from experiments.registry import ConfigError, Registry, check_fields
+from models.registry import ConfigError, Registry, check_fields
 
 
 class Level(StrEnum):

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from experiments.registry import ConfigError, Registry, check_fields
+from models.registry import ConfigError, Registry, check_fields
 from models.routing import ReplayRule
 
 REPLAY_MODES = ("none", "r2", "r3")

@@ -1,9 +1,9 @@
-"""Multi-digit addition, the cold-start and RL task of the tiny MoE (design.md's "a+b=c")."""
+"""Multi-digit addition "a+b=", the cold-start and RL task of the tiny MoE."""
 
 import random
 from dataclasses import dataclass
 
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 from experiments.tasks.base import Example, Task
 from experiments.tasks.registry import TASKS
 from experiments.tasks.synthetic import check_split_sizes, draw_split, in_place_reward

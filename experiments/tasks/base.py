@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from experiments.registry import check_fields
+from models.registry import check_fields
 
 SPLITS = ("train", "test")
 

@@ -11,7 +11,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 from experiments.tasks.base import Example, Task, check_split
 from experiments.tasks.registry import TASKS
 

@@ -1,10 +1,10 @@
 """Task registry: name -> task class, and `build_task`, the one way the loops construct a task.
 
-The pattern and its errors are `experiments.registry.Registry`, shared with the objectives: unknown names and
+The pattern and its errors are `models.registry.Registry`, shared with the objectives: unknown names and
 parameters fail with the list of valid ones, so a typo in a config or a test names itself.
 """
 
-from experiments.registry import Registry
+from models.registry import Registry
 from experiments.tasks.base import Task
 
 TASKS: Registry[Task] = Registry("task", Task)

@@ -21,7 +21,7 @@ rule, `experiments.tasks.synthetic.in_place_reward`), so a scratchpad with one w
 import random
 from dataclasses import dataclass
 
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 from experiments.tasks.base import Example, Task
 from experiments.tasks.registry import TASKS
 from experiments.tasks.synthetic import check_split_sizes, draw_split, in_place_reward

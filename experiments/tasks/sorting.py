@@ -9,7 +9,7 @@ greedy, 100 held-out prompts): length 5 reached 45% exact after 20 steps and 67%
 import random
 from dataclasses import dataclass
 
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 from experiments.tasks.base import Example, Task
 from experiments.tasks.registry import TASKS
 from experiments.tasks.synthetic import check_split_sizes, draw_split, in_place_reward

@@ -13,7 +13,7 @@ nothing; an empty completion earns 0.
 import random
 from collections.abc import Callable
 
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 from experiments.tasks.base import Example, check_split
 
 

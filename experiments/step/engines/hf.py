@@ -38,11 +38,12 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from transformers import Cache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+import torch.distributed as dist
+from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from experiments.divergence import Diverged, FiniteLogits
-from experiments.scoring import position_ids
+from experiments.step.scoring import position_ids
 from experiments.tasks import Example, Task
+from models.registry import Diverged
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, replayed_gate_weights
 
 
@@ -304,6 +305,31 @@ class HFEngine(RolloutEngine):
             logp=logp,
             routes=trace,
         )
+
+
+class FiniteLogits(LogitsProcessor):
+    """A `generate` logits processor that watches every decode step for a row whose logits hold NaN or +inf (or only
+    -inf): there is no distribution to sample from. Such a row is recorded and given uniform logits, so that
+    `generate` finishes on every rank (a rank that stopped inside it would leave the others waiting in its
+    collectives); the caller asks `seen` after `generate` and raises `Diverged`, on every rank at once."""
+
+    def __init__(self) -> None:
+        self.met = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        broken = ~torch.isfinite(scores.amax(dim=-1))  # amax is NaN with a NaN, inf with +inf, -inf when all are
+        if not bool(broken.any()):
+            return scores
+        self.met = True
+        return torch.where(broken[:, None], torch.zeros_like(scores), scores)
+
+    def seen(self, device: torch.device, synced: bool) -> bool:
+        """Whether any decode step met such logits: on this rank, or on any rank when `synced` (FSDP2 ranks)."""
+        if not synced:
+            return self.met
+        met = torch.tensor(float(self.met), device=device)
+        dist.all_reduce(met, op=dist.ReduceOp.MAX)
+        return bool(met)
 
 
 def fake_quantize(weight: torch.Tensor, kind: WeightQuant) -> torch.Tensor:

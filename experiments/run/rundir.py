@@ -19,7 +19,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -101,7 +101,7 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
 
 def _refuse_another_experiment(path: Path, cfg: DictConfig) -> None:
     """A resumed run continues its own log: refuse a directory whose recorded config is another experiment's."""
-    from experiments.checkpoint import experiment
+    from experiments.run.checkpoint import experiment
 
     recorded = path / CONFIG_DIR / "config.yaml"
     if not recorded.exists():
@@ -149,7 +149,7 @@ def make_writable_dir(path: str | Path) -> None:
 
 
 def _refuse_unwritable(key: str, path: str) -> None:
-    from experiments.distributed import exit_once
+    from experiments.run.launch import exit_once
 
     try:
         make_writable_dir(path)
@@ -165,20 +165,20 @@ class DirectoryGuard(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from experiments import distributed
+            from experiments.run import launch
 
             try:
-                ranks = distributed.start(config.get("device", "cpu"))
+                ranks = launch.start(config.get("device", "cpu"))
             except ConfigError as error:
-                distributed.exit_once(f"moe-rl-lab: {error}")
-            chosen = distributed.broadcast(str(config.hydra.run.dir), ranks)
+                launch.exit_once(f"moe-rl-lab: {error}")
+            chosen = launch.broadcast(str(config.hydra.run.dir), ranks)
             with read_write(config.hydra.run):
                 config.hydra.run.dir = chosen
         _refuse_unwritable("hydra.run.dir", config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from experiments.distributed import exit_once
+            from experiments.run.launch import exit_once
 
             exit_once("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the sweep "
                       "itself with cluster=slurm, or torchrun one run at a time")

@@ -43,18 +43,18 @@ from algos.corrections import Correction, CorrectionInputs, build_correction, mi
 from algos.objective import Objective
 from algos.routing_variants import RoutingVariant, build_routing_variant
 from algos.routing_variants.router_shift import Shift, response_positions
-from experiments.distributed import Ranks, gather, reduce, shard, step_seed, summed
+from experiments.run.launch import Ranks, gather, reduce, shard, step_seed, summed
 from experiments.config import (
     Layout, LRSchedule, PiOld, Replay, RolloutConfig, StepPlan, algo_hyperparameters, plan_step,
 )
-from experiments.divergence import Diverged
-from experiments.engine import EngineNumerics, HFEngine, Rollout, RolloutEngine, collect_rollout
+from models.registry import Diverged
+from experiments.step.engines.hf import EngineNumerics, HFEngine, Rollout, RolloutEngine, collect_rollout
 from experiments.evaluate import evaluate
-from experiments.memory import GIB, available_bytes, step_memory
-from experiments.registry import ConfigError
-from experiments.scoring import FED, Scores, score_responses
+from experiments.step.memory import GIB, available_bytes, step_memory
+from models.registry import ConfigError
+from experiments.step.scoring import FED, Scores, score_responses
 from experiments.tasks import Example, Task, build_task
-from experiments.threads import ThreadBudget
+from experiments.run.threads import ThreadBudget
 from models.policy import DTYPES, ModelConfig, build_policy, is_moe, model_config
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, flip_routing, load_max_violation, routing_drift
 from models.tokenizer import build_char_tokenizer

@@ -1,6 +1,8 @@
-"""The one pattern for named, configurable parts (objectives, tasks), and the one error for bad settings.
+"""The one pattern for named, configurable parts, and the two errors a run ends on in one line.
 
-A part is a frozen dataclass whose fields are its parameters, filed under a name:
+It sits in the lowest room (`models/`) so that every room can use it and no import runs back up
+(docs/architecture.md). A part is filed under a name in its kind's registry: objectives, rollout corrections, routing
+variants and tasks are frozen dataclasses whose fields are their parameters,
 
     OBJECTIVES = Registry("objective", Objective)
 
@@ -10,11 +12,15 @@ A part is a frozen dataclass whose fields are its parameters, filed under a name
 
     OBJECTIVES.build("grpo", clip_low=0.1)
 
-The dataclass doubles as the typed Hydra schema of its config group (`experiments.config`), so a parameter and its
-default are declared once, in the dataclass. `check_fields` is the shared type check every part runs first.
+and the dataclass doubles as the typed Hydra schema of its config group (`experiments.config`), so a parameter and
+its default are declared once, in the dataclass. `check_fields` is the shared type check every such part runs
+first. Rollout engines are registered the same way but are not dataclasses: an engine builds itself from the run's
+config (`experiments.step.engines`).
 
-`ConfigError` is what every start-up refusal raises: a bad setting, named with its value and what is allowed. The
-entry points turn exactly this type into a one-line exit; any other exception is a bug and keeps its traceback.
+`ConfigError` is what every start-up refusal raises: a bad setting, named with its value and what is allowed.
+`Diverged` is what a run raises when its numbers turned non-finite for good (the loss or gradient of too many updates
+in a row, the weights, the logits it samples from). The entry points turn exactly these two types into a one-line
+exit; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -34,12 +40,19 @@ class ConfigError(ValueError):
     """A bad setting, found before any work starts; its message is one line naming the value and what is allowed."""
 
 
-class Registry(Generic[T]):
-    """Named frozen-dataclass subclasses of `base`; `build(name, **params)` makes one."""
+class Diverged(ArithmeticError):
+    """The run's numbers are non-finite and will stay so; the message (one line) says which, and where."""
 
-    def __init__(self, kind: str, base: type) -> None:
+
+class Registry(Generic[T]):
+    """Named subclasses of `base`. With `fields_are_parameters` (the default) each is a frozen dataclass whose fields
+    are its parameters, and `build(name, **params)` makes one; without, the classes build themselves (the rollout
+    engines, from the run's config)."""
+
+    def __init__(self, kind: str, base: type, fields_are_parameters: bool = True) -> None:
         self.kind = kind
         self.base = base
+        self.fields_are_parameters = fields_are_parameters
         self._classes: dict[str, type[T]] = {}
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
@@ -51,10 +64,12 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.kind} {name!r} is already registered (by {self._classes[name].__qualname__})")
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 raise ValueError(f"registering {self.kind} {name!r} needs a subclass of {self.base.__name__}, got {cls!r}")
-            if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
-                raise ValueError(f"{self.kind} {cls.__name__} must be a frozen dataclass (its fields are its parameters)")
-            if "name" in {f.name for f in dataclasses.fields(cls)}:
-                raise ValueError(f"{self.kind} {cls.__name__} has a field 'name': the name is the registry key")
+            if self.fields_are_parameters:
+                if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+                    raise ValueError(f"{self.kind} {cls.__name__} must be a frozen dataclass (its fields are its "
+                                     "parameters)")
+                if "name" in {f.name for f in dataclasses.fields(cls)}:
+                    raise ValueError(f"{self.kind} {cls.__name__} has a field 'name': the name is the registry key")
             cls.name = name
             self._classes[name] = cls
             return cls

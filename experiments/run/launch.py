@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from experiments.registry import ConfigError
+from models.registry import ConfigError
 
 
 @dataclass(frozen=True)

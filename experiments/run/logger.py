@@ -1,7 +1,7 @@
 """Run logging: `metrics.jsonl` (the source of truth for `analysis/`) and the same numbers to W&B.
 
 `metrics.jsonl` gets one JSON object per RL step, handed to the kernel at once (unbuffered), so a crashed run keeps
-every finished step; the file is only ever appended to (a run directory is claimed by one run, `experiments.rundir`).
+every finished step; the file is only ever appended to (a run directory is claimed by one run, `experiments.run.rundir`).
 A write that fails (a full disk) cuts the file back to its last whole line, so that no partial line is ever left,
 and raises `StorageError` naming the file, the last step it holds and the cut; closing after a failure never raises.
 Per-minibatch values sit under the key `minibatches` (a list, index = updates since θ_old); W&B receives them
@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.rundir import METRICS_FILE, SUMMARY_FILE, StorageError
+from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE, StorageError
 
 WANDB_ID_FILE = ".wandb_id"  # the W&B run of this directory, which a resumed run continues
 

@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from experiments.distributed import Ranks, barrier, broadcast
-from experiments.registry import ConfigError
+from experiments.run.launch import Ranks, barrier, broadcast
+from models.registry import ConfigError
 
 DIRECTORY = "checkpoints"
 PREFIX = "step_"

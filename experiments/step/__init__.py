@@ -1,0 +1,2 @@
+"""One RL step: the trainer, the scoring of a minibatch, the rollout engines, and what is decided before the first
+step (docs/architecture.md)."""
