@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.common import PolicyBatch, PolicyLoss
-from algos.objective import Objective
-from algos.registry import OBJECTIVES
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss
 
 
 @OBJECTIVES.register("cispo")

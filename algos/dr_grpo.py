@@ -13,9 +13,7 @@ when unset, the padded length T of the batch. Token-level ratios, clip 0.2 / 0.2
 from dataclasses import dataclass
 from typing import ClassVar
 
-from algos.common import LossAgg, PolicyBatch, PolicyLoss, token_clip_policy_loss
-from algos.objective import Objective
-from algos.registry import OBJECTIVES
+from algos.objective import LossAgg, OBJECTIVES, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
 
 
 @OBJECTIVES.register("dr_grpo")

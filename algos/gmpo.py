@@ -6,8 +6,8 @@
 
 The geometric instead of the arithmetic mean of the token-level clipped objective: tokens are clipped in LOG
 space, sign-aware (the min of PPO), before the mean; the sequence ratio is then exp of the mean (clamped to ±10
-before exp), and the loss is −Â_i times it. Defaults (ε_low, ε_high) = (0.4, 0.4), i.e. a ratio range of
-(e^-0.4, e^0.4) ≈ (0.67, 1.49). Without clipping the sequence ratio equals GSPO's s_i; GMPO clips tokens inside
+before exp), and the loss is −Â_i times it. The default (ε_low, ε_high) gives a ratio range of about
+(0.67, 1.49). Without clipping the sequence ratio equals GSPO's s_i; GMPO clips tokens inside
 the mean, GSPO clips the mean. Aggregation is fixed (no `loss_agg`): a mean over responses with at least one
 token. A token's clip binds when Â_i > 0 ∧ lr > ε_high or Â_i < 0 ∧ lr < −ε_low.
 """
@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.common import SEQ_LOG_RATIO_BOUND, PolicyBatch, PolicyLoss
-from algos.objective import Objective
-from algos.registry import OBJECTIVES
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, SEQ_LOG_RATIO_BOUND
 
 
 @OBJECTIVES.register("gmpo")

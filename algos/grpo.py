@@ -4,16 +4,14 @@
     r_{i,t} = π_θ(y_{i,t} | x, y_{i,<t}) / π_old(y_{i,t} | x, y_{i,<t})
 
 Token-level ratios and clipping. Aggregation: `seq-mean-token-mean` by default (a token mean inside each
-response, then a mean over responses, as eq. 2), selectable with `loss_agg`. The clip range 0.2 / 0.27 is the
-one the GSPO paper tuned for its GRPO baseline (§5.1). Gradient of an unclipped token:
+response, then a mean over responses, as eq. 2), selectable with `loss_agg`. The default clip range is the one
+the GSPO paper tuned for its GRPO baseline (§5.1). Gradient of an unclipped token:
 −Â_i · r_{i,t} / |y_i| · ∇log π_θ(y_{i,t}), over the number of responses; a binding clip removes it.
 """
 
 from dataclasses import dataclass
 
-from algos.common import LossAgg, PolicyBatch, PolicyLoss, token_clip_policy_loss
-from algos.objective import Objective
-from algos.registry import OBJECTIVES
+from algos.objective import LossAgg, OBJECTIVES, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
 
 
 @OBJECTIVES.register("grpo")
@@ -21,7 +19,7 @@ from algos.registry import OBJECTIVES
 class GRPO(Objective):
     clip_low: float = 0.2  # ε_low: the ratio's lower bound is 1 − ε_low
     clip_high: float = 0.27  # ε_high: the upper bound 1 + ε_high (the GSPO paper's tuned GRPO baseline)
-    loss_agg: LossAgg = LossAgg["seq-mean-token-mean"]  # how per-token losses reduce (algos.common)
+    loss_agg: LossAgg = LossAgg["seq-mean-token-mean"]  # how per-token losses reduce (algos.objective)
 
     def validate(self) -> None:
         self._check_ratio_lower_clip("clip_low")

@@ -5,9 +5,9 @@
 
 One length-normalised (geometric-mean) ratio per response, clipped per response: "the unit of optimisation
 should match the unit of reward". Because s_i is a geometric mean, the clip range is ~1e-4, not 0.2; the
-defaults 3e-4 / 4e-4 are the paper's (§5.1). Aggregation is fixed (no `loss_agg`): a plain mean over responses
+defaults are the paper's (§5.1). Aggregation is fixed (no `loss_agg`): a plain mean over responses
 (those with at least one token), as eq. 5; a broadcast sequence loss summed over tokens would weigh each
-response by its length. The mean log-ratio is clamped to ±10 before exp (`algos.common`).
+response by its length. The mean log-ratio is clamped to ±10 before exp (`algos.objective`).
 Gradient (eq. 10, unclipped): −Â_i · s_i / |y_i| · ∇log π_θ(y_{i,t}) per token, over the number of
 responses; a response whose clip binds contributes none.
 """
@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.common import PolicyBatch, PolicyLoss, clipped_surrogate
-from algos.objective import Objective
-from algos.registry import OBJECTIVES
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, clipped_surrogate
 
 
 @OBJECTIVES.register("gspo")

@@ -9,28 +9,20 @@ GSPO take per-token advantages (multi-turn credit). Aggregation is fixed to `seq
 `loss_agg`). With one advantage per response, which is what this API takes, the loss, the clipping and the
 gradient equal `gspo`'s (the paper: "numerically identical"). The one exception is a response whose mean
 log-ratio passes the ±10 clamp: `gspo` then has no gradient, this form keeps −Â_i·s_i/|y_i| per token.
-Clip defaults 3e-4 / 4e-4 as `gspo`.
+Its hyperparameters are `gspo`'s (it derives from it): the clip applies to s_{i,t}, whose value is s_i.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from algos.common import PolicyBatch, PolicyLoss, clipped_surrogate
-from algos.objective import Objective
-from algos.registry import OBJECTIVES
+from algos.gspo import GSPO
+from algos.objective import OBJECTIVES, PolicyBatch, PolicyLoss, clipped_surrogate
 
 
 @OBJECTIVES.register("gspo_token")
 @dataclass(frozen=True)
-class GSPOToken(Objective):
-    clip_low: float = 3e-4  # ε_low on s_{i,t}, whose value is the sequence ratio s_i (as gspo)
-    clip_high: float = 4e-4  # ε_high
-
-    def validate(self) -> None:
-        self._check_ratio_lower_clip("clip_low")
-        self._check_non_negative("clip_high")
-
+class GSPOToken(GSPO):
     def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
         # batch.logp is zero at padding, so the token term is exactly 0 there and its gradient too.
         log_ratio = batch.seq_log_ratio.detach()[:, None] + (batch.logp - batch.logp.detach())

@@ -6,8 +6,8 @@ Qwen, arXiv 2512.01374, §4.1-4.2).
     M_t = 0 if (Â > 0 ∧ r_t > 1 + ε_high) ∨ (Â < 0 ∧ r_t < 1 − ε_low), else 1,   r_t = π_θ(y_t) / π_old(y_t)
 
 REINFORCE with the token-level IS weight against the engine that sampled (μ_old, so the training–inference
-discrepancy π_old/μ_old is corrected inside the objective), truncated at C (TIS, C = 5, §4.2), and PPO-style
-masking by the staleness ratio r_t decided against π_old, the proximal policy (ε_low 0.2, ε_high 0.27). The group
+discrepancy π_old/μ_old is corrected inside the objective), truncated at C (TIS, §4.2), and PPO-style
+masking by the staleness ratio r_t decided against π_old, the proximal policy (GRPO's clip range). The group
 advantage is only centred (`advantage_std = False`). Aggregation is fixed to `seq-mean-token-sum`: the token sum of
 each response, then the mean over responses, as the expectation is written (the paper's point: no length
 normalisation, which would invalidate the first-order approximation). Gradient of an unmasked token:
@@ -25,9 +25,12 @@ from typing import ClassVar
 
 import torch
 
-from algos.common import PolicyBatch, PolicyLoss, masked_mean
-from algos.objective import Objective
-from algos.registry import OBJECTIVES
+from algos.grpo import GRPO
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, masked_mean
+
+
+IS_WEIGHT_MEAN = "minirl/is_weight_mean"  # of the truncated weight w_t over valid tokens
+TRUNCATED = "minirl/truncated_frac"  # share of valid tokens whose weight was truncated at C
 
 
 @OBJECTIVES.register("minirl")
@@ -36,8 +39,8 @@ class MiniRL(Objective):
     advantage_std: ClassVar[bool] = False  # Â = R − group mean
     needs_rollout_logp: ClassVar[bool] = True  # the IS weight is against μ_old
 
-    clip_low: float = 0.2  # ε_low of the staleness mask (r_t against π_old)
-    clip_high: float = 0.27  # ε_high
+    clip_low: float = GRPO.clip_low  # ε_low of the staleness mask (r_t against π_old): GRPO's, as the paper's
+    clip_high: float = GRPO.clip_high  # ε_high
     is_truncation: float = 5.0  # C: the token IS weight π_θ/μ_old is truncated at C (§4.2)
     mask_stale: bool = True  # false: no staleness mask, M_t = 1 (the paper's "w/o clipping" ablation)
     train_infer_is: bool = True  # false: the weight is min(π_θ/π_old, C), without the π_old/μ_old factor (ablation)
@@ -63,7 +66,7 @@ class MiniRL(Objective):
             token_clipped.any(dim=1),
             "seq-mean-token-sum",
             extra_metrics={
-                "minirl/is_weight_mean": masked_mean(weight, batch.mask),
-                "minirl/truncated_frac": masked_mean((raw_weight > self.is_truncation).float(), batch.mask),
+                IS_WEIGHT_MEAN: masked_mean(weight, batch.mask),
+                TRUNCATED: masked_mean((raw_weight > self.is_truncation).float(), batch.mask),
             },
         )

@@ -6,7 +6,7 @@
 A smooth trust region instead of a hard clip: ∂f/∂r = sech²(τ(r − 1)/2), so a token's gradient
 −Â · sech²(τ(r − 1)/2) · r · ∇log π_θ has weight 1 on-policy (r = 1), like GRPO's, and fades as r moves
 away from 1.
-τ_neg > τ_pos (defaults 1.05 / 1.0) because negative-advantage updates spread probability over the whole
+τ_neg > τ_pos (by default) because negative-advantage updates spread probability over the whole
 vocabulary and are the less stable ones. Per-token loss −f(r)·Â; aggregation fixed to `seq-mean-token-mean`
 (no `loss_agg`). Nothing is clipped, so the clip metrics are 0; `sapo/gate_weight_mean` is the mean over valid
 tokens of the gradient weight sech²(τ(r − 1)/2).
@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.common import PolicyBatch, PolicyLoss, masked_mean
-from algos.objective import Objective
-from algos.registry import OBJECTIVES
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, masked_mean
 
 
 @OBJECTIVES.register("sapo")

@@ -15,11 +15,21 @@ from __future__ import annotations
 import json
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 
+from algos.objective import CLIP
+from algos.objective import SEQ_RATIO_VAR as SEQ_VAR
+from algos.objective import TOKEN_RATIO_VAR as TOKEN_VAR
 from analysis.load import RunSet, ignored_key
+from experiments.config import RolloutConfig
+from experiments.step.engines import EngineNumerics
+from experiments.step.metrics import (
+    DRIFT, ENTROPY, EVAL_GREEDY, FRAGILE, GRAD_NORM, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME, TOKENS,
+    per_layer,
+)
 
 EMA_ALPHA = 0.3
 LAST_N = 10
@@ -28,15 +38,9 @@ COLLAPSE_TAIL_FRACTION = 0.1
 COLLAPSE_MIN_TAIL = 3
 TOKEN_GRID_POINTS = 100
 
-REWARD = "reward/mean"
-TOKENS = "train/tokens"
-CLIP = "clip/token_frac"
-DRIFT = "routing/expert_change_frac"  # per minibatch: drift since θ_old after `minibatch` updates
-TOKEN_VAR = "ratio/token_var"
-SEQ_VAR = "ratio/seq_var"
-SKIPPED = "optim/skipped_steps"
-STEP_TIME = "perf/step_s"
-_LAYER_METRIC = re.compile(r"^routing/expert_change_frac/layer_(\d+)$")
+# The metrics read here are named where they are produced (experiments.step.metrics, algos.objective).
+MISMATCH_KL = MISMATCH_K3  # k3 of KL(μ_old ‖ π_old)
+_LAYER_METRIC = re.compile("^" + re.escape(per_layer(DRIFT, "")) + r"(\d+)$")  # DRIFT per minibatch, per layer
 
 STABILITY_COLUMNS = [
     "label", "algo", "replay", "seeds", "incomplete_runs", "last_step",
@@ -45,9 +49,6 @@ STABILITY_COLUMNS = [
     "ratio_token_var_mean", "ratio_seq_var_mean", "mismatch_kl_k3_mean", "fragile_frac_mean", "routing_share_mean",
     "skipped_steps", "step_s_mean",
 ]
-MISMATCH_KL = "mismatch/kl_k3"
-FRAGILE = "routing/fragile_frac"
-ROUTING_SHARE = "decompose/routing_share"  # per off-policy minibatch
 
 
 def ema(values: np.ndarray, alpha: float) -> np.ndarray:
@@ -324,10 +325,34 @@ def layer_counts(runset: RunSet) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Training–inference mismatch: only where the runs' engines differ from their trainers
+# ---------------------------------------------------------------------------------------------------------------
+
+# k3 of KL(μ_old ‖ π_old) between two computations of the same weights that differ only in rounding (the HF engine
+# on the trainer's own model: the KV-cache path, measured at ~1e-8); above this something differs.
+MISMATCH_ROUNDING = 1e-6
+
+
+def mismatch_is_rounding(runset: RunSet) -> bool:
+    """Whether no run varied the training–inference mismatch: each sampled with the trainer's own model (the default
+    engine, no engine numerics on) and logged a mismatch k3 below `MISMATCH_ROUNDING`. Its figure and early-warning
+    signal would then draw rounding noise as a result."""
+    engine = RolloutConfig()
+    for config in runset.runs["config"]:
+        config = json.loads(config)
+        rollout = {key: config.get(f"rollout.{key}", getattr(engine, key))
+                   for key in ("engine", "precision", "weight_quant", "router_noise")}
+        if rollout["engine"] != engine.engine or EngineNumerics.of(SimpleNamespace(**rollout)).differs:
+            return False
+    values = runset.metric(MISMATCH_K3)["value"]
+    return bool(values.abs().max() < MISMATCH_ROUNDING) if len(values) else True
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Early warning: what moves before the reward falls
 # ---------------------------------------------------------------------------------------------------------------
 
-WARNING_SIGNALS = ("policy/entropy", "mismatch/kl_k3", "optim/grad_norm")
+WARNING_SIGNALS = (ENTROPY, MISMATCH_K3, GRAD_NORM)
 WARNING_SUSTAIN = 3  # a signal has moved when it stays outside its early band for this many logged steps
 
 
@@ -356,15 +381,17 @@ def _moved_step(steps: np.ndarray, smoothed: np.ndarray) -> float:
 
 def early_warning(runset: RunSet, drop: float = COLLAPSE_DROP, alpha: float = EMA_ALPHA) -> pd.DataFrame:
     """Per run: whether it collapsed (`collapse_flag`), the step its reward fell for good, and for each signal of
-    `WARNING_SIGNALS` it logged the step it first moved (`<metric>_moved_step`) and, in a collapsed run, by how many
-    steps that came before the fall (`<metric>_lead`, positive: the signal moved first)."""
+    `WARNING_SIGNALS` it logged (the mismatch only where a run varied it) the step it first moved
+    (`<metric>_moved_step`) and, in a collapsed run, by how many steps that came before the fall (`<metric>_lead`,
+    positive: the signal moved first)."""
+    signals = [s for s in WARNING_SIGNALS if not (s == MISMATCH_K3 and mismatch_is_rounding(runset))]
     rows = []
     for run, group in runset.metric(REWARD).sort_values(["run", "step"]).groupby("run", sort=False):
         steps, reward = group["step"].to_numpy(float), group["value"].to_numpy(float)
         collapsed = bool(collapse_flag(reward, drop=drop, alpha=alpha))
         row = {"run": run, "label": group["label"].iloc[0], "collapsed": collapsed,
                "collapse_step": _collapse_step(steps, ema(reward, alpha), drop) if collapsed else math.nan}
-        for metric in WARNING_SIGNALS:
+        for metric in signals:
             signal = runset.metric(metric)
             signal = signal[signal["run"] == run].sort_values("step")
             if signal.empty:
@@ -380,7 +407,6 @@ def early_warning(runset: RunSet, drop: float = COLLAPSE_DROP, alpha: float = EM
 # What a sweep varied: held-out accuracy gained from each run's own start, against the swept knobs
 # ---------------------------------------------------------------------------------------------------------------
 
-EVAL_GREEDY = "eval/greedy_accuracy"  # the starting policy's evaluation is its point at step 0 (analysis.load)
 # Config keys that are never a sweep's axis: who the run is (algorithm and replay make the arm; the seed is
 # averaged over) and what an arm implies or a run records about itself.
 _NOT_AXES = ("algo.name", "routing.replay", "routing_variant.name", "rollout.precision", "seed")

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from experiments.run.rundir import make_writable_dir
+from experiments.step import metrics as m
 
 
 def find_cold_starts(paths: Sequence[str | Path]) -> list[Path]:
@@ -76,11 +77,11 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
         family = row["model"].split("_")[0]  # a hue per model family, a shade per member
         ranks[family] = ranks.get(family, -1) + 1
         color = shade({"qwen30b": "#1f5fb4", "granite1b": "#2ca02c"}.get(family, "#d62728"), ranks[family])
-        evaluated = [r for r in row["curve"] if "eval/greedy_accuracy" in r]
+        evaluated = [r for r in row["curve"] if m.EVAL_GREEDY in r]
         label = f"{row['model']}, {row['task']}"
-        accuracy.plot([r["train/step"] for r in evaluated], [r["eval/greedy_accuracy"] for r in evaluated],
+        accuracy.plot([r[m.STEP] for r in evaluated], [r[m.EVAL_GREEDY] for r in evaluated],
                       color=color, marker="o", ms=2, label=label)
-        loss.plot([r["train/step"] for r in row["curve"]], [r["sft/loss"] for r in row["curve"]], color=color, lw=0.7)
+        loss.plot([r[m.STEP] for r in row["curve"]], [r[m.SFT_LOSS] for r in row["curve"]], color=color, lw=0.7)
     accuracy.set(xlabel="SFT step", ylabel="held-out greedy accuracy", title="held-out accuracy")
     loss.set(xlabel="SFT step", ylabel="loss (demonstration tokens)", yscale="log", title="training loss")
     accuracy.legend(fontsize=5)

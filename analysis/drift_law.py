@@ -37,11 +37,12 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
+from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.run.rundir import make_writable_dir
+from experiments.step import metrics as m
 
 PAPER_DRIFT = 0.10  # GSPO paper §5.3: ~10% of activated experts change per update (Qwen3-30B-A3B, 48 layers)
 PAPER_SHAPE = {"layers": 48, "experts": 128, "top_k": 8}
-DRIFT = "routing/expert_change_per_update"
 # Regressor name -> (column, axis label). Each enters the fit as its logarithm.
 REGRESSORS = {
     "layers": ("layers", "MoE layers L"),
@@ -51,17 +52,17 @@ REGRESSORS = {
     "hidden": ("hidden", "hidden width H"),
 }
 ROW_METRICS = {
-    "drift": DRIFT,
-    "token_any_change": "routing/token_any_change_per_update",
-    "routing_share": "decompose/routing_share",
-    "margin": "routing/margin",
-    "logit_margin": "routing/logit_margin",
-    "fragile": "routing/fragile_frac",
-    "token_ratio_var": "ratio/token_var",
-    "seq_ratio_var": "ratio/seq_var",
-    "clip": "clip/token_frac",
-    "response_length": "response/length_mean",
-    "reward": "reward/mean",
+    "drift": m.DRIFT_PER_UPDATE,
+    "token_any_change": m.TOKEN_DRIFT_PER_UPDATE,
+    "routing_share": m.ROUTING_SHARE,
+    "margin": m.MARGIN,
+    "logit_margin": m.LOGIT_MARGIN,
+    "fragile": m.FRAGILE,
+    "token_ratio_var": TOKEN_RATIO_VAR,
+    "seq_ratio_var": SEQ_RATIO_VAR,
+    "clip": CLIP,
+    "response_length": m.LENGTH,
+    "reward": m.REWARD,
 }
 
 
@@ -106,9 +107,8 @@ def load_probes(paths: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame
             row["drift_per_layer"] = setting.get("drift_per_layer")
             rows.append(row)
         for entry in summary.get("precision_mismatch", []):
-            precision.append({**shape, "precision": entry["precision"], "expert_mismatch": entry["mismatch/expert_frac"],
-                              "token_any_mismatch": entry["mismatch/token_any_expert_frac"],
-                              "kl_k3": entry["mismatch/kl_k3"]})
+            precision.append({**shape, "precision": entry["precision"], "expert_mismatch": entry[m.ENGINE_EXPERTS],
+                              "token_any_mismatch": entry[m.ENGINE_TOKENS], "kl_k3": entry[m.MISMATCH_K3]})
     return pd.DataFrame(rows), pd.DataFrame(precision)
 
 

@@ -1,9 +1,10 @@
 """The GSPO paper's figures (arXiv 2507.18071, Figs. 1-3 and §5.3) and the lab's mechanism figures, one function each.
 
-Every function takes a RunSet and an output folder, writes `<name>.png` and `<name>.pdf`, and returns a
-`FigureOutput` with a one-sentence caption for report.md and notes on panels it had to leave out (a metric no run
-logged, say). When nothing at all can be drawn it writes no file and says why in `notes`; it never raises on
-missing data. Figures are built on `matplotlib.figure.Figure` directly (no pyplot state; PNGs render with Agg).
+Every function takes a RunSet and an output folder, writes `<name>.png` (and `<name>.pdf` with `pdf=True`), and
+returns a `FigureOutput` with a one-sentence caption for report.md and notes on panels it had to leave out (a metric
+no run logged, or a quantity the runs did not vary). When nothing at all can be drawn it writes no file and says why
+in `notes`; it never raises on missing data. Figures are built on `matplotlib.figure.Figure` directly (no pyplot
+state; PNGs render with Agg).
 
 1. reward (and held-out accuracy) against training compute, steps and tokens   — paper Fig. 1
 2. mean fraction of clipped tokens per series, log scale                       — paper Fig. 2
@@ -17,6 +18,7 @@ missing data. Figures are built on `matplotlib.figure.Figure` directly (no pyplo
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,16 +31,18 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
+from PIL import Image
 
 from analysis import aggregate as agg
 from analysis.load import RunSet
 from analysis.style import (
     COLUMN_WIDTH_IN, RC_PARAMS, TEXT_WIDTH_IN, algo_color, replay_hatch, replay_linestyle, shade,
 )
+from experiments.step import metrics as m
 
 EVAL_METRICS = {
-    "eval/accuracy": "held-out pass@1 (fraction)",
-    "eval/greedy_accuracy": "held-out greedy acc. (fraction)",
+    m.EVAL_ACCURACY: "held-out pass@1 (fraction)",
+    m.EVAL_GREEDY: "held-out greedy acc. (fraction)",
 }
 # Paper Fig. 2 read-offs (from a description of the figure, not measured on the PDF).
 PAPER_CLIP_FRACTION = {"gspo": 0.15, "grpo": 0.0013}
@@ -88,12 +92,18 @@ def _figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _save(fig: Figure, out_dir: Path, name: str, dpi: int) -> list[Path]:
+def _save(fig: Figure, out_dir: Path, name: str, dpi: int, pdf: bool = False) -> list[Path]:
+    """`<name>.png`, its colours reduced to a 256-colour palette (plots hold few colours: a third of the bytes, no
+    visible change), and `<name>.pdf` when asked (a paper's vector copy)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
-    fig.savefig(files[0], dpi=dpi)
-    fig.savefig(files[1])
-    return files
+    png = out_dir / f"{name}.png"
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    Image.open(buffer).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(png, optimize=True)
+    if not pdf:
+        return [png]
+    fig.savefig(out_dir / f"{name}.pdf")
+    return [png, out_dir / f"{name}.pdf"]
 
 
 LEGEND_CHAR_IN = 0.047  # width of a character at legend.fontsize 6 pt (style.RC_PARAMS)
@@ -185,20 +195,20 @@ def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str
 
 
 def fig_reward_vs_compute(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA,
-                          dpi: int = 150) -> FigureOutput:
+                          dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Paper Fig. 1: training reward, and held-out accuracy when evaluated, against steps and tokens."""
     out = FigureOutput("1", "fig1_reward_vs_compute", "Reward and held-out accuracy against training compute", "")
     if not runset.has(agg.REWARD):
         out.notes.append(f"No run logged `{agg.REWARD}`; figure not drawn.")
         return out
-    metrics = [agg.REWARD] + [m for m in EVAL_METRICS if runset.has(m)]
+    metrics = [agg.REWARD] + [name for name in EVAL_METRICS if runset.has(name)]
     if len(metrics) == 1:
-        out.notes.append("No run logged `eval/accuracy` or `eval/greedy_accuracy`; only training reward is shown.")
+        out.notes.append(f"No run logged `{m.EVAL_ACCURACY}` or `{m.EVAL_GREEDY}`; only training reward is shown.")
     styles = series_styles(runset)
     with matplotlib.rc_context(RC_PARAMS):
         fig, notes = _compute_panels(runset, runset.labels, metrics, alpha, styles)
         _legend(fig, runset.labels, styles)
-        out.files = _save(fig, out_dir, out.name, dpi)
+        out.files = _save(fig, out_dir, out.name, dpi, pdf)
     out.notes += notes
     out.caption = (
         "Mean across seeds with a ±1 sample-std band of the training reward (" + _smoothing_text(alpha)
@@ -210,7 +220,7 @@ def fig_reward_vs_compute(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_
     return out
 
 
-def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Paper Fig. 2: average fraction of clipped tokens per series, bars ± std across seeds, log y."""
     out = FigureOutput("2", "fig2_clip_fraction", "Average fraction of clipped tokens", "")
     table = agg.clip_fraction_by_label(runset)
@@ -248,14 +258,14 @@ def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOu
         top = max(float(np.max(heights + std)), max((p[1] for p in paper), default=0.0))
         ax.set_ylim(CLIP_FLOOR / 2, top * 3)
         # The value goes under the name: above the bar it would collide with the paper's reference.
-        values = ["<" + format(CLIP_FLOOR, "g") if m < CLIP_FLOOR else format(m, ".2g") for m in means]
+        values = ["<" + format(CLIP_FLOOR, "g") if mean < CLIP_FLOOR else format(mean, ".2g") for mean in means]
         if len(table) > 3:
             names = [f"{lab} ({v})" for lab, v in zip(table["label"], values)]
             ax.set_xticks(positions, names, rotation=30, ha="right", rotation_mode="anchor")
         else:
             ax.set_xticks(positions, [f"{lab}\n{v}" for lab, v in zip(table["label"], values)])
         ax.set_ylabel("clipped tokens (fraction)")
-        out.files = _save(fig, out_dir, out.name, dpi)
+        out.files = _save(fig, out_dir, out.name, dpi, pdf)
     floor_note = f"means below {CLIP_FLOOR:g} are drawn at {CLIP_FLOOR:g} and labelled <{CLIP_FLOOR:g}"
     out.caption = (
         f"Mean over training of `{agg.CLIP}` (for sequence-level objectives, the tokens of clipped responses; value "
@@ -265,7 +275,8 @@ def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOu
     return out
 
 
-def fig_replay_grpo(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> FigureOutput:
+def fig_replay_grpo(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
+                    pdf: bool = False) -> FigureOutput:
     """Paper Fig. 3: GRPO with vs without Routing Replay, training reward against compute."""
     out = FigureOutput("3", "fig3_grpo_routing_replay", "GRPO with and without Routing Replay", "")
     rows = runset.runs.drop_duplicates("label").set_index("label")
@@ -283,7 +294,7 @@ def fig_replay_grpo(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA,
     with matplotlib.rc_context(RC_PARAMS):
         fig, notes = _compute_panels(runset, grpo, [agg.REWARD], alpha, styles)
         _legend(fig, grpo, styles)
-        out.files = _save(fig, out_dir, out.name, dpi)
+        out.files = _save(fig, out_dir, out.name, dpi, pdf)
     out.notes += notes
     out.caption = (
         "Training reward of GRPO without Routing Replay (solid) and with it (dashed R2, dotted R3) against RL steps "
@@ -301,7 +312,7 @@ def _edges(values: np.ndarray) -> np.ndarray:
     return np.concatenate([[values[0] - (mids[0] - values[0])], mids, [values[-1] + (values[-1] - mids[-1])]])
 
 
-def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name: str, dpi: int,
+def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name: str, dpi: int, pdf: bool,
               integer_x: bool = False) -> list[Path]:
     labels = list(tables)
     ncols = min(len(labels), 3)
@@ -331,11 +342,12 @@ def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name:
             ax.set_yticks(layers)
     fig.colorbar(mesh, ax=grid.ravel().tolist(), label=DRIFT_LABEL, shrink=0.9)
     fig.supxlabel(xlabel)  # one label under all panels: per-panel labels would overlap
-    return _save(fig, out_dir, name, dpi)
+    return _save(fig, out_dir, name, dpi, pdf)
 
 
 def _drift_heatmap_figure(runset: RunSet, out: FigureOutput, tables: dict[str, pd.DataFrame], level: str,
-                          xlabel: str, out_dir: Path, dpi: int, caption: str, integer_x: bool = False) -> FigureOutput:
+                          xlabel: str, out_dir: Path, dpi: int, pdf: bool, caption: str,
+                          integer_x: bool = False) -> FigureOutput:
     """Draw per-series layer heatmaps of drift, or say why not (no per-layer values at this `level`)."""
     if not tables:
         out.notes.append(f"No {level} `routing/expert_change_frac/layer_<i>` values (dense model, or not "
@@ -345,34 +357,35 @@ def _drift_heatmap_figure(runset: RunSet, out: FigureOutput, tables: dict[str, p
     if without:
         out.notes.append(f"No per-layer drift for {', '.join(without)}.")
     with matplotlib.rc_context(RC_PARAMS):
-        out.files = _heatmaps(tables, xlabel, out_dir, out.name, dpi, integer_x=integer_x)
+        out.files = _heatmaps(tables, xlabel, out_dir, out.name, dpi, pdf, integer_x=integer_x)
     out.caption = caption
     return out
 
 
-def fig_drift_layer_minibatch(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+def fig_drift_layer_minibatch(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Routing drift per layer against the number of optimizer updates since θ_old (per-minibatch records)."""
     out = FigureOutput("4a", "fig4a_drift_layer_minibatch", "Routing drift: layer × updates since θ_old", "")
     return _drift_heatmap_figure(
         runset, out, agg.drift_layer_by_minibatch(runset), "per-minibatch",
-        "optimizer updates since θ_old (minibatch index)", out_dir, dpi,
+        "optimizer updates since θ_old (minibatch index)", out_dir, dpi, pdf,
         "Share of activated (token, layer, slot) experts under θ that were not activated under θ_old, per layer and "
         "per number of updates since θ_old, averaged over steps within each seed and then over seeds.",
         integer_x=True,
     )
 
 
-def fig_drift_layer_step(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+def fig_drift_layer_step(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Routing drift per layer over training (after one update: the per-minibatch record with index 1)."""
     out = FigureOutput("4b", "fig4b_drift_layer_step", "Routing drift: layer × step", "")
     return _drift_heatmap_figure(
         runset, out, agg.drift_layer_by_step(runset), "after-one-update (minibatch 1)", STEP_LABEL, out_dir, dpi,
+        pdf,
         "Per-layer share of activated experts that changed after one optimizer update since θ_old (minibatch index "
         "1) at each RL step, averaged over seeds.",
     )
 
 
-def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Routing drift against depth, with the paper's ~10% per update as a reference where it fits the scale."""
     out = FigureOutput("4c", "fig4c_drift_depth", "Routing drift against depth", "")
     table, basis = agg.drift_by_depth(runset)
@@ -402,7 +415,7 @@ def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutp
         ax.set_xlabel("layer (0 = first)")
         ax.set_ylabel(DRIFT_LABEL)
         _legend(fig, labels, styles, extra)
-        out.files = _save(fig, out_dir, out.name, dpi)
+        out.files = _save(fig, out_dir, out.name, dpi, pdf)
     counts = agg.layer_counts(runset)
     depth = ", ".join(sorted({str(n) for n in counts.values()})) or "unknown"
     reference = (f"the dotted line is the paper's ≈10% per update on a {PAPER_LAYERS}-layer MoE"
@@ -414,11 +427,12 @@ def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutp
     return out
 
 
-def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> FigureOutput:
+def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
+                       pdf: bool = False) -> FigureOutput:
     """Token-level vs sequence-level importance-ratio variance per series against step, log y."""
     out = FigureOutput("5", "fig5_ratio_variance", "Importance-ratio variance, token vs sequence level", "")
-    panels = [(m, t) for m, t in ((agg.TOKEN_VAR, "token-level ratio r_t"), (agg.SEQ_VAR, "sequence-level ratio s_i"))
-              if runset.has(m)]
+    panels = [(name, title) for name, title in ((agg.TOKEN_VAR, "token-level ratio r_t"),
+                                                 (agg.SEQ_VAR, "sequence-level ratio s_i")) if runset.has(name)]
     for metric in (agg.TOKEN_VAR, agg.SEQ_VAR):
         if not runset.has(metric):
             out.notes.append(f"No run logged `{metric}`; its panel is left out.")
@@ -450,7 +464,7 @@ def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALP
             if missing:
                 out.notes.append(f"`{metric}` is missing for {', '.join(missing)}.")
         _legend(fig, [lab for lab in runset.labels if lab in drawn], styles)
-        out.files = _save(fig, out_dir, out.name, dpi)
+        out.files = _save(fig, out_dir, out.name, dpi, pdf)
     floor = f"; values below {VARIANCE_FLOOR:g} are drawn at {VARIANCE_FLOOR:g}" if below_floor else ""
     out.caption = (
         "Variance of the token-level importance ratio and of the sequence-level ratio against RL step (mean over "
@@ -470,18 +484,24 @@ def _log_limits(ax: Axes, table: pd.DataFrame, floor: float) -> None:
 
 
 MISMATCH_PANELS = [
-    ("mismatch/kl_k3", "k3 KL(μ_old ‖ π_old)", True),
-    ("mismatch/chi2_token", "χ² (token)", True),
-    ("mismatch/ess", "effective sample size (share)", False),
+    (m.MISMATCH_K3, "k3 KL(μ_old ‖ π_old)", True),
+    (m.CHI2_TOKEN, "χ² (token)", True),
+    (m.ESS, "effective sample size (share)", False),
 ]
 
 
-def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> FigureOutput:
+def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
+                 pdf: bool = False) -> FigureOutput:
     """Training–inference mismatch against step: k3 KL, χ² (token) and the IS weights' effective sample size."""
     out = FigureOutput("6", "fig6_mismatch", "Training–inference mismatch", "")
     panels = [panel for panel in MISMATCH_PANELS if runset.has(panel[0])]
     if not panels:
         out.notes.append("No run logged `mismatch/*` (runs from before the mismatch metrics); figure not drawn.")
+        return out
+    if agg.mismatch_is_rounding(runset):
+        out.notes.append("Every run sampled with the trainer's own model (no rollout.precision, weight_quant or "
+                         f"router_noise): the mismatch is the KV-cache path's rounding (k3 below "
+                         f"{agg.MISMATCH_ROUNDING:g}), not a quantity these runs varied; figure not drawn.")
         return out
     styles = series_styles(runset)
     with matplotlib.rc_context(RC_PARAMS):
@@ -500,7 +520,7 @@ def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dp
             ax.set_xlabel(STEP_LABEL)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         _legend(fig, runset.labels, styles)
-        out.files = _save(fig, out_dir, out.name, dpi)
+        out.files = _save(fig, out_dir, out.name, dpi, pdf)
     out.caption = (
         "How far the rollout engine's log-probs μ_old are from the trainer's π_old at the same weights, per RL step "
         "(mean over the minibatches where the trainer computed π_old): k3 estimate of KL(μ_old ‖ π_old), "
@@ -512,19 +532,20 @@ def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dp
 
 EARLY_WARNING_ROWS = [
     (agg.REWARD, "reward"),
-    ("policy/entropy", "entropy"),
-    ("mismatch/kl_k3", "mismatch k3"),
-    ("optim/grad_norm", "grad norm"),
+    (m.ENTROPY, "entropy"),
+    (m.MISMATCH_K3, "mismatch k3"),
+    (m.GRAD_NORM, "grad norm"),
 ]
 EARLY_WARNING_RUNS = 8
 
 
 def fig_early_warning(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
-                      drop: float = agg.COLLAPSE_DROP) -> FigureOutput:
+                      drop: float = agg.COLLAPSE_DROP, pdf: bool = False) -> FigureOutput:
     """Per run, on one step axis: training reward, policy entropy, mismatch KL and gradient norm; collapsed runs
     first, with the step their reward fell and the steps their signals moved (`agg.early_warning`)."""
     out = FigureOutput("7", "fig7_early_warning", "Early warning: what moves before the reward falls", "")
-    rows = [(metric, name) for metric, name in EARLY_WARNING_ROWS if runset.has(metric)]
+    rows = [(metric, name) for metric, name in EARLY_WARNING_ROWS if runset.has(metric)
+            and not (metric == m.MISMATCH_K3 and agg.mismatch_is_rounding(runset))]
     if not runset.has(agg.REWARD) or len(rows) < 2:
         out.notes.append("Needs the reward and at least one of entropy, mismatch KL, grad norm; figure not drawn.")
         return out
@@ -555,7 +576,7 @@ def fig_early_warning(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPH
                 if row == 0:
                     ax.set_title(f"{labels[run]}\n{Path(run).name}", fontsize="small")
             grid[-1][col].set_xlabel(STEP_LABEL)
-        out.files = _save(fig, out_dir, out.name, dpi)
+        out.files = _save(fig, out_dir, out.name, dpi, pdf)
     out.caption = (
         f"Per run ({_smoothing_text(alpha)}), reward, policy entropy, k3 KL(μ_old ‖ π_old) and the gradient norm "
         "against RL step. In a collapsed run the dotted line marks where the smoothed reward fell for good and a "
@@ -565,12 +586,12 @@ def fig_early_warning(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPH
     return out
 
 
-def fig_decomposition(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+def fig_decomposition(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """The routing part's share of the variance of log π_θ/π_old against updates since θ_old, per series."""
     out = FigureOutput("8", "fig8_decomposition", "Where the ratio noise comes from: routing against weights", "")
-    rows = runset.minibatches[runset.minibatches["metric"] == "decompose/routing_share"]
+    rows = runset.minibatches[runset.minibatches["metric"] == m.ROUTING_SHARE]
     if rows.empty:
-        out.notes.append("No run logged `decompose/routing_share` (routing.decompose_every=0); figure not drawn.")
+        out.notes.append(f"No run logged `{m.ROUTING_SHARE}` (routing.decompose_every=0); figure not drawn.")
         return out
     per_run = rows.groupby(["run", "minibatch"])["value"].mean().reset_index().merge(
         runset.runs[["run", "label"]], on="run")
@@ -588,7 +609,7 @@ def fig_decomposition(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOu
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("routing share of log-ratio variance")
         _legend(fig, labels, styles)
-        out.files = _save(fig, out_dir, out.name, dpi)
+        out.files = _save(fig, out_dir, out.name, dpi, pdf)
     out.caption = (
         "Each off-policy token's log π_θ/π_old split into a routing part, log π_θ(y | θ's experts) − log π_θ(y | "
         "θ_old's experts), and a weights part, log π_θ(y | θ_old's experts) − log π_old(y); the routing part's share "
@@ -610,7 +631,7 @@ def _arm_color(arm: str) -> tuple[str, str]:
     return algo_color(algo), replay_linestyle(replay)
 
 
-def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureOutput:
+def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Held-out greedy accuracy gained from each run's start against what the sweep varied: one line per arm for one
     swept knob, a grid per arm (the phase diagram) for two."""
     out = FigureOutput("0", "fig0_sweep_response", "Held-out accuracy gained, against what the sweep varied", "")
@@ -627,16 +648,17 @@ def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150) -> FigureO
     synthetic = "routing.flip_rate" in axes[:2]
     with matplotlib.rc_context(RC_PARAMS):
         if len(axes) == 1:
-            _gain_lines(out, gains, axes[0], arms, out_dir, dpi)
+            _gain_lines(out, gains, axes[0], arms, out_dir, dpi, pdf)
         else:
-            _gain_grids(out, gains, axes[0], axes[1], arms, out_dir, dpi)
+            _gain_grids(out, gains, axes[0], axes[1], arms, out_dir, dpi, pdf)
     seeds = ", ".join(sorted(set(gains["seed"]), key=lambda s: (len(s), s)))
     out.caption += f" Seeds: {seeds}." + (" The flips are a SYNTHETIC intervention (routing.flip_rate): they "
                                           "imitate routing drift in π_θ's update forwards only." if synthetic else "")
     return out
 
 
-def _gain_lines(out: FigureOutput, gains: pd.DataFrame, axis: str, arms: list[str], out_dir: Path, dpi: int) -> None:
+def _gain_lines(out: FigureOutput, gains: pd.DataFrame, axis: str, arms: list[str], out_dir: Path, dpi: int,
+                pdf: bool) -> None:
     values = sorted(gains[axis].unique())
     fig = _figure(COLUMN_WIDTH_IN, 2.2 + 0.14 * math.ceil(len(arms) / 2))
     ax = fig.subplots()
@@ -656,13 +678,13 @@ def _gain_lines(out: FigureOutput, gains: pd.DataFrame, axis: str, arms: list[st
     ax.set_ylabel("held-out greedy acc., end − start")
     fig.legend([h for h, _ in handles], [n for _, n in handles], loc="outside lower center",
                ncols=min(len(handles), 2), frameon=False)
-    out.files = _save(fig, out_dir, out.name, dpi)
+    out.files = _save(fig, out_dir, out.name, dpi, pdf)
     out.caption = (f"Each run's held-out greedy accuracy at its last evaluation minus at its start (same prompts), "
                    f"against {_axis_label(axis)}: one dot per seed, the line through the means.")
 
 
 def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str, arms: list[str], out_dir: Path,
-                dpi: int) -> None:
+                dpi: int, pdf: bool) -> None:
     xs, ys = sorted(gains[x_axis].unique()), sorted(gains[y_axis].unique())
     columns = min(len(arms), 4)
     rows = math.ceil(len(arms) / columns)
@@ -688,25 +710,26 @@ def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str
     for index in range(len(arms), rows * columns):
         grid[index // columns][index % columns].set_visible(False)
     fig.colorbar(image, ax=grid, shrink=0.8, label="held-out greedy accuracy, end − start")
-    out.files = _save(fig, out_dir, out.name, dpi)
+    out.files = _save(fig, out_dir, out.name, dpi, pdf)
     out.caption = (f"The stability phase diagram: per arm, the mean over seeds (their count in brackets) of each "
                    f"run's held-out greedy accuracy at its last evaluation minus at its start, over "
                    f"{_axis_label(x_axis)} × {_axis_label(y_axis)}; blue gained, red lost.")
 
 
-def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150) -> list[FigureOutput]:
+def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
+                pdf: bool = False) -> list[FigureOutput]:
     """Every figure in report order."""
     out_dir = Path(out_dir)
     return [
-        fig_sweep_response(runset, out_dir, dpi=dpi),
-        fig_reward_vs_compute(runset, out_dir, alpha=alpha, dpi=dpi),
-        fig_clip_fraction(runset, out_dir, dpi=dpi),
-        fig_replay_grpo(runset, out_dir, alpha=alpha, dpi=dpi),
-        fig_drift_layer_minibatch(runset, out_dir, dpi=dpi),
-        fig_drift_layer_step(runset, out_dir, dpi=dpi),
-        fig_drift_depth(runset, out_dir, dpi=dpi),
-        fig_ratio_variance(runset, out_dir, alpha=alpha, dpi=dpi),
-        fig_mismatch(runset, out_dir, alpha=alpha, dpi=dpi),
-        fig_early_warning(runset, out_dir, alpha=alpha, dpi=dpi),
-        fig_decomposition(runset, out_dir, dpi=dpi),
+        fig_sweep_response(runset, out_dir, dpi=dpi, pdf=pdf),
+        fig_reward_vs_compute(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),
+        fig_clip_fraction(runset, out_dir, dpi=dpi, pdf=pdf),
+        fig_replay_grpo(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),
+        fig_drift_layer_minibatch(runset, out_dir, dpi=dpi, pdf=pdf),
+        fig_drift_layer_step(runset, out_dir, dpi=dpi, pdf=pdf),
+        fig_drift_depth(runset, out_dir, dpi=dpi, pdf=pdf),
+        fig_ratio_variance(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),
+        fig_mismatch(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),
+        fig_early_warning(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),
+        fig_decomposition(runset, out_dir, dpi=dpi, pdf=pdf),
     ]

@@ -36,7 +36,9 @@ import pandas as pd
 import yaml
 
 from analysis.style import ALGO_ORDER, REPLAY_ORDER
-from experiments.run.rundir import EVAL_START, METRICS_FILE, SUMMARY_FILE
+from experiments.run.logger import WANDB_MINIBATCH
+from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE
+from experiments.step.metrics import EVAL, EVAL_START, MINIBATCH, MINIBATCHES, STEP, TOKENS
 
 CONFIG_FILE = Path(".hydra") / "config.yaml"
 
@@ -54,7 +56,7 @@ _IGNORED_PREFIXES = ("hydra.", "logger.", "wandb.")
 _IGNORED_KEYS = frozenset({"seed", "trainer.threads", "trainer.save_checkpoint", "trainer.checkpoint_every",
                            "trainer.keep_checkpoints", "resume"})
 _OUTPUT_LEAF = re.compile(r"^(.*_dir|dir|output.*)$")  # where results go, never what they are computed from
-_WANDB_MINIBATCH_KEY = re.compile(r"^minibatch/(\d+)/(.+)$")
+_WANDB_MINIBATCH_KEY = re.compile("^" + re.escape(WANDB_MINIBATCH) + r"(\d+)/(.+)$")
 
 
 @dataclass
@@ -224,7 +226,7 @@ class _Rows:
 
 
 def _step_of(record: Mapping[str, Any]) -> int | None:
-    step = record.get("train/step")
+    step = record.get(STEP)
     if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
         return None
     if float(step) != int(step):
@@ -241,25 +243,25 @@ def _add_record(rows: _Rows, run: str, step: int, record: Mapping[str, Any]) -> 
     start: dict[str, Any] = {}
     per_minibatch: dict[int, dict[str, Any]] = {}
     for key, value in record.items():
-        if key.startswith("minibatch/"):
+        if key.startswith(WANDB_MINIBATCH):
             match = _WANDB_MINIBATCH_KEY.match(key)
             if match:
                 per_minibatch.setdefault(int(match.group(1)), {})[match.group(2)] = value
         elif key.startswith(EVAL_START):
-            start[key.replace(EVAL_START, "eval/", 1)] = value
-        elif key not in ("minibatches", "train/step") and not key.startswith("_"):
+            start[key.replace(EVAL_START, EVAL, 1)] = value
+        elif key not in (MINIBATCHES, STEP) and not key.startswith("_"):
             scalars[key] = value
-    entries = record.get("minibatches", [])
+    entries = record.get(MINIBATCHES, [])
     bad = 0
     for entry in entries if isinstance(entries, list) else [entries]:
-        index = entry.get("minibatch") if isinstance(entry, Mapping) else None
+        index = entry.get(MINIBATCH) if isinstance(entry, Mapping) else None
         if type(index) is not int:
             bad += 1
             continue
-        per_minibatch.setdefault(index, {}).update({k: v for k, v in entry.items() if k != "minibatch"})
+        per_minibatch.setdefault(index, {}).update({k: v for k, v in entry.items() if k != MINIBATCH})
     rows.add_step(run, step, scalars)
     if start:  # the starting policy's evaluation: the eval curves' point at step 0, before any token was trained on
-        rows.add_step(run, 0, {**start, "train/tokens": 0})
+        rows.add_step(run, 0, {**start, TOKENS: 0})
     for index, values in per_minibatch.items():
         rows.add_minibatch(run, step, index, values)
     return bad

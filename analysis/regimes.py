@@ -28,10 +28,8 @@ import numpy as np
 from analysis import aggregate as agg
 from analysis.load import _short_key, flatten_config, ignored_key, load_runs
 from analysis.report import markdown_table, _num
+from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3
 
-GREEDY = "eval/greedy_accuracy"
-DRIFT = "routing/expert_change_per_update"
-MISMATCH = "mismatch/kl_k3"
 # what makes an arm (the label's base), never a regime's knob
 _ARM_PREFIXES = ("algo.", "routing.replay")
 # what fixes a greedy evaluation: the checkpoint, the task and its held-out prompts, the generation budget
@@ -64,7 +62,7 @@ def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
     for directory in directories:
         runset = load_runs([directory])
         defaults = schema_defaults()
-        greedy = runset.metric(GREEDY)
+        greedy = runset.metric(EVAL_GREEDY)
         reward = runset.metric(agg.REWARD)
         for row in runset.runs.itertuples():
             config = defaults | json.loads(row.config)
@@ -80,7 +78,8 @@ def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
                 start=float(start.iloc[0]) if len(start) else None, start_borrowed=False,
                 end=float(trained["value"].iloc[-1]) if len(trained) else None,
                 collapsed=agg.collapse_flag(rewards) if len(rewards) else None,
-                drift=_mean_metric(runset, row.run, DRIFT), mismatch=_mean_metric(runset, row.run, MISMATCH),
+                drift=_mean_metric(runset, row.run, DRIFT_PER_UPDATE),
+                mismatch=_mean_metric(runset, row.run, MISMATCH_K3),
             ))
     _borrow_starts(found)
     return found

@@ -1,11 +1,12 @@
 """`python -m analysis.report`: figures, a stability table and report.md from run directories or W&B.
 
-    python -m analysis.report RUN_OR_SWEEP_DIR... [--out DIR]
+    python -m analysis.report RUN_OR_SWEEP_DIR... [--out DIR] [--pdf]
     python -m analysis.report --wandb ENTITY/PROJECT [--group G ...] [--out DIR] [--refresh]
 
-Writes into the output folder one PNG and one PDF per figure (analysis/figures.py), `summary.csv` (the stability
-table, one row per series) and `report.md`, which embeds every PNG with a one-sentence caption, lists incomplete
-runs and loading problems, says which panels were left out and why, and defines every number in the table.
+Writes into the output folder one PNG per figure (analysis/figures.py; a PDF beside it with `--pdf`, for a paper),
+`summary.csv` (the stability table, one row per series) and `report.md`, which embeds every PNG with a one-sentence
+caption, lists incomplete runs and loading problems, says which panels were left out and why (a metric not logged,
+a quantity the runs did not vary), and defines every number in the table.
 Bad input (no runs, a missing directory) ends with a one-line `error:` message and exit code 2. A report that fails,
 refused or crashed, removes the output folders it created while they are still empty.
 """
@@ -200,11 +201,12 @@ def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[st
 
 
 def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, drop: float = agg.COLLAPSE_DROP,
-                 alpha: float = agg.EMA_ALPHA, dpi: int = 150, command: str = "") -> Path:
-    """Write every figure, summary.csv and report.md into `out_dir`; returns the path of report.md."""
+                 alpha: float = agg.EMA_ALPHA, dpi: int = 150, pdf: bool = False, command: str = "") -> Path:
+    """Write every figure (PNG; and PDF with `pdf`), summary.csv and report.md into `out_dir`; returns the path of
+    report.md."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi)
+    figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf)
     table = agg.stability_table(runset, last_n=last_n, drop=drop, alpha=alpha)
     table.to_csv(out_dir / SUMMARY_FILE, index=False)
     n_incomplete = int(runset.runs["incomplete"].sum())
@@ -256,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ema-alpha", type=float, default=agg.EMA_ALPHA,
                         help="EMA smoothing weight of the newest point, 1 = none (default: %(default)s)")
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
+    parser.add_argument("--pdf", action="store_true", help="also a PDF of every figure (for a paper)")
     return parser
 
 
@@ -313,7 +316,7 @@ def _report(args: argparse.Namespace, argv: Sequence[str], out: Path, wandb_api_
         raise SystemExit(2) from None
     command = "python -m analysis.report " + " ".join(shlex.quote(a) for a in argv)
     return write_report(runset, out, last_n=args.last_n, drop=args.collapse_drop, alpha=args.ema_alpha,
-                        dpi=args.dpi, command=command)
+                        dpi=args.dpi, pdf=args.pdf, command=command)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ import torch  # noqa: E402
 from benchmarks.module_time import ModuleTimer  # noqa: E402
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
 from benchmarks.workload import compose_workload, fixed_length  # noqa: E402
-from experiments.step.engines.hf import Rollout  # noqa: E402
 from experiments.run.logger import RunLogger  # noqa: E402
+from experiments.run.threads import ThreadBudget  # noqa: E402
+from experiments.step import metrics as m  # noqa: E402
+from experiments.step.trainer import RLTrainer, Rollout  # noqa: E402
 from experiments.train import run_name  # noqa: E402
-from experiments.step.trainer import RLTrainer  # noqa: E402
 
 
 def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
@@ -58,6 +59,7 @@ def main() -> None:
     if args.threads:
         overrides.append(f"trainer.threads={args.threads}")
     cfg = compose_workload(overrides)
+    threads = ThreadBudget(cfg.trainer.threads)
     trainer = RLTrainer(cfg)
     fixed_length(trainer)
     rollouts: list[Rollout] = []
@@ -95,7 +97,9 @@ def main() -> None:
             if timer is not None:
                 timer.take()  # nothing before this step (the previous step's generate probe) counts
             start = time.perf_counter()
+            threads.begin()
             record = trainer.step()
+            threads.end()
             logged = time.perf_counter()
             logger.log(record)
             end = time.perf_counter()
@@ -105,14 +109,14 @@ def main() -> None:
             channel.send(
                 "step",
                 seconds=end - start,
-                rollout_s=record["perf/rollout_s"],
-                score_s=record["perf/score_s"],
-                train_s=record["perf/train_s"],
+                rollout_s=record[m.ROLLOUT_TIME],
+                score_s=record[m.SCORE_TIME],
+                train_s=record[m.TRAIN_TIME],
                 log_s=end - logged,
                 tokens=trainer.tokens_seen - tokens_before,
                 prompt_width=rollouts[0].prompt_width,
                 sequence_tokens=rollouts[0].input_ids.numel(),  # prompt + completion positions, padding included
-                reward=record["reward/mean"],
+                reward=record[m.REWARD],
                 rss_mib=peak_rss_mib(),
                 **extra,
             )

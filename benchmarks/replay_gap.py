@@ -31,14 +31,16 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from algos import group_advantages
-from algos.common import masked, masked_mean
+from algos.objective import masked, masked_mean
 from algos.routing_variants.full_replay import GateReplay
 from analysis.report import markdown_table
 from experiments.config import PROJECT_ROOT, register_configs
-from experiments.step.engines.hf import EngineNumerics, collect_rollout
-from models.registry import ConfigError
+from experiments.step.engines import EngineNumerics
 from experiments.step.scoring import Scores
-from experiments.step.trainer import Minibatch, OldPolicy, RLTrainer, minibatch_order, split_minibatches
+from experiments.step.trainer import (
+    Minibatch, OldPolicy, RLTrainer, collect_rollout, minibatch_order, split_minibatches,
+)
+from models.registry import ConfigError
 from models.routing import RoutingTrace, routing_drift
 
 SETTINGS = ("none", "ID replay", "ID + gate weights")

@@ -6,7 +6,7 @@
 Sections (each a ratio measured side by side in one run, since absolute times on a shared machine are not stable):
   --contention  the bench workload's grpo step (benchmarks.workload) under four thread policies, quiet and while
                 another process keeps one core busy: the default (threads follow the free cores,
-                experiments/threads.py), every core with OpenMP's default spin-wait (torch's own default), every
+                experiments/run/threads.py), every core with OpenMP's default spin-wait (torch's own default), every
                 core with OMP_WAIT_POLICY=PASSIVE, and one thread. Workers step round robin in two blocks, quiet then
                 busy, each block's first round untimed (the default needs one step to see the load).
   --sweep       a sweep of the same jobs (tiny_moe, 3 arms x 2 seeds, --sweep-steps steps each) with Hydra's joblib

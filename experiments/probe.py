@@ -44,27 +44,30 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments.run import rundir
+from algos.objective import CLIP, KL_OLD, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.config import register_configs
-from models.registry import Diverged
-from experiments.step.engines.hf import Precision
+from experiments.run import rundir
 from experiments.run.logger import RunLogger
-from models.registry import ConfigError
+from experiments.run.threads import ThreadBudget
+from experiments.step import metrics
+from experiments.step.engines import Precision
 from experiments.step.trainer import RLTrainer
 from models.policy import describe_policy
+from models.registry import ConfigError, Diverged
 
 # What a setting reports: the mean over its measured steps of each of these metrics (and every per-layer drift), with
 # its standard error, where the step logged it.
 REPORTED = (
-    "routing/expert_change_per_update", "routing/token_any_change_per_update", "decompose/routing_share",
-    "decompose/routing_var", "decompose/weights_var", "decompose/total_var", "routing/margin", "routing/logit_margin",
-    "routing/fragile_frac",
-    "routing/topk_mass", "ratio/token_var", "ratio/seq_var", "clip/token_frac", "kl/old_k3", "response/length_mean",
-    "reward/mean", "policy/entropy",
+    metrics.DRIFT_PER_UPDATE, metrics.TOKEN_DRIFT_PER_UPDATE, metrics.ROUTING_SHARE, metrics.ROUTING_VAR,
+    metrics.WEIGHTS_VAR, metrics.TOTAL_VAR, metrics.MARGIN, metrics.LOGIT_MARGIN, metrics.FRAGILE, metrics.TOPK_MASS,
+    TOKEN_RATIO_VAR, SEQ_RATIO_VAR, CLIP, KL_OLD, metrics.LENGTH, metrics.REWARD, metrics.ENTROPY,
 )
-PER_LAYER_DRIFT = "routing/expert_change_per_update/layer_"
-PER_MINIBATCH = "decompose/"  # logged per off-policy minibatch: pooled over the measured steps' minibatches
-MISMATCH = ("mismatch/expert_frac", "mismatch/token_any_expert_frac", "mismatch/kl_k3")
+PER_LAYER_DRIFT = metrics.per_layer(metrics.DRIFT_PER_UPDATE, "")
+# logged per off-policy minibatch: pooled over the measured steps' minibatches
+PER_MINIBATCH = (metrics.ROUTING_VAR, metrics.WEIGHTS_VAR, metrics.TOTAL_VAR, metrics.ROUTING_SHARE)
+MISMATCH = (metrics.ENGINE_EXPERTS, metrics.ENGINE_TOKENS, metrics.MISMATCH_K3)
+LR = "probe/lr"  # the setting a logged step belongs to
+PHASE = "probe/phase"  # warm, measure, or precision_<p>
 
 
 def check_probe(cfg: DictConfig) -> None:
@@ -101,7 +104,7 @@ def samples_of(records: list[dict[str, Any]], key: str) -> list[float]:
     """The measured values of `key`: one per off-policy minibatch for a minibatch quantity (the decomposition), one
     per step otherwise (the drift after one update is itself minibatch 1's)."""
     if key.startswith(PER_MINIBATCH):
-        return [m[key] for r in records for m in r["minibatches"] if m.get(key) is not None]
+        return [m[key] for r in records for m in r[metrics.MINIBATCHES] if m.get(key) is not None]
     return [r[key] for r in records if r.get(key) is not None]
 
 
@@ -142,6 +145,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
     start, cpu_start = time.perf_counter(), time.process_time()
     settings, mismatches, policy, answer_tokens = [], [], None, None
     steps = p.warm_steps + p.measure_steps
+    threads = ThreadBudget(cfg.trainer.threads)
     bar = tqdm(total=len(p.lrs) * steps + len(p.precisions), desc=name, unit="step", dynamic_ncols=True)
     try:
         for lr in p.lrs:
@@ -154,9 +158,11 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
             records = []
             try:
                 for step in range(steps):
+                    threads.begin()
                     record = trainer.step()
+                    threads.end()
                     phase = "warm" if step < p.warm_steps else "measure"
-                    logger.log({**record, "probe/lr": lr, "probe/phase": phase})
+                    logger.log({**record, LR: lr, PHASE: phase})
                     records.append(record)
                     bar.update(1)
             except Diverged as error:  # a learning rate too large for this model: said, and the next one probed
@@ -168,7 +174,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
         for precision in p.precisions:
             trainer = RLTrainer(setting_config(cfg, p.lrs[0], 1, Precision(precision)))
             record = trainer.step()
-            logger.log({**record, "probe/lr": p.lrs[0], "probe/phase": f"precision_{precision}"})
+            logger.log({**record, LR: p.lrs[0], PHASE: f"precision_{precision}"})
             mismatches.append({"precision": str(precision), **{key: record.get(key) for key in MISMATCH}})
             bar.update(1)
     except BaseException:
@@ -227,13 +233,13 @@ def table(summary: dict[str, Any]) -> str:
             lines.append(f"{s['lr']:>8.0e}  diverged: {s['diverged']}")
             continue
         lines.append(
-            f"{s['lr']:>8.0e}  {_pct(s['routing/expert_change_per_update']):>12}"
-            f"  {_pct(s['decompose/routing_share'], s['decompose/routing_share_sem']):>22}"
-            f"  {_num(s['routing/logit_margin']):>12}  {_num(s['ratio/token_var']):>15}"
-            f"  {_num(s['response/length_mean']):>6}"
+            f"{s['lr']:>8.0e}  {_pct(s[metrics.DRIFT_PER_UPDATE]):>12}"
+            f"  {_pct(s[metrics.ROUTING_SHARE], s[metrics.ROUTING_SHARE + '_sem']):>22}"
+            f"  {_num(s[metrics.LOGIT_MARGIN]):>12}  {_num(s[TOKEN_RATIO_VAR]):>15}"
+            f"  {_num(s[metrics.LENGTH]):>6}"
         )
     for m in summary["precision_mismatch"]:
-        lines.append(f"engine in {m['precision']}: {_pct(m['mismatch/expert_frac'])} of activated experts differ from "
+        lines.append(f"engine in {m['precision']}: {_pct(m[metrics.ENGINE_EXPERTS])} of activated experts differ from "
                      "the fp32 trainer's at the same weights")
     return "\n".join(lines)
 

@@ -28,18 +28,19 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from experiments.config import register_configs
 from experiments.run import rundir
-from experiments.config import check_device, check_training_dtype, register_configs, unknown_keys
-from models.registry import Diverged
-from experiments.step.engines.hf import HFEngine
-from experiments.evaluate import evaluate
 from experiments.run.logger import RunLogger
-from models.registry import ConfigError
-from experiments.step.scoring import position_ids
-from experiments.tasks import Example, build_task
 from experiments.run.threads import ThreadBudget
-from experiments.step.trainer import longest_tokens, lr_lambda
+from experiments.step import metrics as m
+from experiments.step.checks import check_device, check_training_dtype, longest_tokens, unknown_keys
+from experiments.step.engines import HFEngine
+from experiments.step.optimizer import lr_lambda
+from experiments.step.scoring import position_ids
+from experiments.step.trainer import evaluate
+from experiments.tasks import Example, build_task
 from models.policy import ModelConfig, build_policy
+from models.registry import ConfigError, Diverged
 
 register_configs()
 
@@ -150,12 +151,12 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             threads.end()
             elapsed = time.perf_counter() - start
             out_of_time = elapsed >= s.max_seconds
-            record = {"train/step": step, "sft/loss": loss_value, "optim/lr": lr, "perf/elapsed_s": elapsed}
+            record = {m.STEP: step, m.SFT_LOSS: loss_value, m.LR: lr, m.ELAPSED: elapsed}
             if step % s.eval_every == 0 or out_of_time or step == s.max_steps:
                 model.eval()
                 metrics = evaluate(HFEngine(model, tokenizer), task, test, samples=0, max_new_tokens=eval_tokens,
                                    temperature=1.0)
-                accuracy = metrics["eval/greedy_accuracy"]
+                accuracy = metrics[m.EVAL_GREEDY]
                 record.update(metrics)
             logger.log(record)
             bar.update(1)

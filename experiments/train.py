@@ -40,15 +40,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments.run import checkpoint, launch, rundir
+from algos.objective import CLIP, TOKEN_RATIO_VAR
 from experiments.config import register_configs
+from experiments.run import checkpoint, launch, rundir
 from experiments.run.launch import exit_once
-from models.registry import Diverged
-from experiments.run.rundir import EVAL_START
 from experiments.run.logger import RunLogger
-from models.registry import ConfigError
-from experiments.step.trainer import RLTrainer, check_run, mean_of
+from experiments.run.threads import ThreadBudget
+from experiments.step import metrics as m
+from experiments.step.checks import check_run
+from experiments.step.trainer import RLTrainer
 from models.policy import describe_policy
+from models.registry import ConfigError, Diverged
 
 register_configs()
 
@@ -130,12 +132,12 @@ def _sweep_group(hydra_cfg: Any) -> str | None:
 def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, run: str, run_dir: Path,
               wall_s: float, cpu_s: float) -> dict[str, Any]:
     """`summary.json`: how the run ended and its headline numbers (None where no step finished)."""
-    rewards = [r["reward/mean"] for r in history]
+    rewards = [r[m.REWARD] for r in history]
     final = history[-1] if history else {}
 
     def over_steps(key: str) -> float | None:
         values = [r[key] for r in history if r.get(key) is not None]
-        return mean_of(values) if values else None
+        return m.mean_of(values) if values else None
 
     summary = {
         "status": status,
@@ -146,15 +148,15 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         "steps_planned": trainer.cfg.trainer.steps,
         "wall_s": wall_s,
         "cpu_s": cpu_s,  # this process's CPU time over the run's steps: what the run cost
-        "step_s_mean": over_steps("perf/step_s"),
+        "step_s_mean": over_steps(m.STEP_TIME),
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
         "reward_best": max(rewards) if rewards else None,
-        "eval_greedy_accuracy_start": history[0].get(f"{EVAL_START}greedy_accuracy") if history else None,
-        "eval_accuracy": final.get("eval/accuracy"),
-        "eval_greedy_accuracy": final.get("eval/greedy_accuracy"),
-        "clip_token_frac_mean": over_steps("clip/token_frac"),
-        "ratio_token_var_mean": over_steps("ratio/token_var"),
+        "eval_greedy_accuracy_start": history[0].get(m.started(m.EVAL_GREEDY)) if history else None,
+        "eval_accuracy": final.get(m.EVAL_ACCURACY),
+        "eval_greedy_accuracy": final.get(m.EVAL_GREEDY),
+        "clip_token_frac_mean": over_steps(CLIP),
+        "ratio_token_var_mean": over_steps(TOKEN_RATIO_VAR),
         "skipped_steps": trainer.skipped_updates,
         "engine": trainer.engine.name,
         "engine_numerics": "the trainer's own model" if trainer.engine.shares_trainer_weights else str(trainer.engine.numerics),
@@ -166,8 +168,8 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
     if trainer.plan.track_routing:
         # The GSPO paper's "experts changed per update" is the drift after one update (minibatch index 1); the mean
         # over a step's minibatches counts minibatch 0, whose drift is 0 by construction.
-        summary["expert_change_per_update"] = over_steps("routing/expert_change_per_update")
-        summary["expert_change_mean_over_minibatches"] = over_steps("routing/expert_change_mean_over_minibatches")
+        summary["expert_change_per_update"] = over_steps(m.DRIFT_PER_UPDATE)
+        summary["expert_change_mean_over_minibatches"] = over_steps(m.DRIFT_OVER_MINIBATCHES)
     return summary
 
 
@@ -214,6 +216,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
                       "nothing to resume", file=sys.stderr)
             return finished
         try:
+            threads = ThreadBudget(cfg.trainer.threads)
             trainer = RLTrainer(cfg, ranks)
             history = restore(trainer, cfg, run_dir)
         except BaseException as error:
@@ -227,7 +230,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
                 raise SystemExit(error.exit_code) from None
             raise
         try:
-            return _run(trainer, cfg, run_dir, history, hydra_cfg)
+            return _run(trainer, threads, cfg, run_dir, history, hydra_cfg)
         finally:
             if claimed is not None:
                 claimed.release()
@@ -268,7 +271,7 @@ class _Silent:
         pass
 
 
-def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[str, Any]],
+def _run(trainer: RLTrainer, threads: ThreadBudget, cfg: DictConfig, run_dir: Path, history: list[dict[str, Any]],
          hydra_cfg: Any) -> dict[str, Any]:
     t = cfg.trainer
     main = trainer.ranks.main
@@ -286,20 +289,24 @@ def _run(trainer: RLTrainer, cfg: DictConfig, run_dir: Path, history: list[dict[
         # the run's change on held-out prompts is measured against its own start, on the same prompts
         start_eval = trainer.evaluate() if t.eval_prompts and t.eval_start and trainer.step_index == 0 else {}
         for _ in bar:
+            used = threads.threads  # the step's threads, measured over the step: the next step's follow the load
+            threads.begin()
             record = trainer.step()
-            record.update({name.replace("eval/", EVAL_START, 1): value for name, value in start_eval.items()})
+            threads.end()
+            record[m.THREADS] = used
+            record.update({m.started(name): value for name, value in start_eval.items()})
             start_eval = {}
             last = trainer.step_index == t.steps
             if t.eval_prompts and (last or (t.eval_every and trainer.step_index % t.eval_every == 0)):
                 record.update(trainer.evaluate())
-            record["perf/elapsed_s"] = time.perf_counter() - start
+            record[m.ELAPSED] = time.perf_counter() - start
             with stop_deferred():  # the step's commit
                 logger.log(record)
                 history.append(record)
             if t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0:
                 with stop_deferred():
                     checkpoint.save(trainer, run_dir, t.keep_checkpoints)
-            bar.set_postfix(reward=f"{record['reward/mean']:.3f}", clip=f"{record['clip/token_frac']:.1e}")
+            bar.set_postfix(reward=f"{record[m.REWARD]:.3f}", clip=f"{record[CLIP]:.1e}")
         bar.close()
     except Interrupted as stop:
         summary = summarize(trainer, history, "interrupted", name, run_dir, time.perf_counter() - start,

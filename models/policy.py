@@ -91,7 +91,7 @@ class ModelConfig:
     moe_backend: MoEBackend = MoEBackend.hf  # hf | torch_dmoe | megablocks (models.moe_backend)
     dtype: DType = DType.float32
     # Any attention transformers knows, or ours: grouped_eager (`models.grouped_attention`: eager without per-head
-    # KV copies; beats sdpa at 6-22 tokens on CPU, and it follows the packed-group layout of `models.shared_prefix`).
+    # KV copies; beats sdpa at 6-22 tokens on CPU, and it follows the packed groups of `experiments.step.scoring`).
     attn_implementation: str = grouped_attention.NAME
 
     def __post_init__(self) -> None:

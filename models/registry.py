@@ -94,8 +94,9 @@ class Registry(Generic[T]):
         return self._classes.items()
 
     def parameters(self, name: str) -> tuple[str, ...]:
-        """The parameter (field) names of the class registered as `name`."""
-        return tuple(f.name for f in dataclasses.fields(self[name]))
+        """The parameter (field) names of the class registered as `name`, in the order its constructor takes them
+        (keyword-only fields, such as the split sizes every synthetic task shares, last)."""
+        return tuple(f.name for f in sorted(dataclasses.fields(self[name]), key=lambda f: f.kw_only))
 
     def build(self, name: str, **params: Any) -> T:
         """The part registered as `name` with `params` overriding its defaults; unknown names or parameters raise

@@ -28,7 +28,7 @@ backward — as long as backward runs inside the `replay_routing` context.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -514,7 +514,6 @@ class RoutingDrift:
     expert_change_frac: float
     token_any_change_frac: float
     tokens: int
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def routing_drift(old: RoutingTrace, new: RoutingTrace, mask: torch.Tensor) -> RoutingDrift:
@@ -536,10 +535,7 @@ def routing_drift(old: RoutingTrace, new: RoutingTrace, mask: torch.Tensor) -> R
         changed = (~kept).float() * valid.unsqueeze(0).unsqueeze(-1)
         per_layer = changed.sum(dim=(1, 2, 3)) / (tokens * K)
         any_change = float((changed.sum(dim=(0, 3)) > 0).sum()) / tokens
-    metrics = {"routing/expert_change_frac": float(per_layer.mean()), "routing/token_any_change_frac": any_change}
-    for layer, value in enumerate(per_layer.tolist()):
-        metrics[f"routing/expert_change_frac/layer_{layer}"] = value
-    return RoutingDrift(per_layer, float(per_layer.mean()), any_change, tokens, metrics)
+    return RoutingDrift(per_layer, float(per_layer.mean()), any_change, tokens)
 
 
 def expert_load(trace: RoutingTrace, mask: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 
 from algos import group_advantages  # noqa: E402
-from experiments.run import launch as distributed  # noqa: E402
-from experiments.step.engines.hf import HFEngine, Rollout, collect_rollout  # noqa: E402
-from experiments.step.trainer import RLTrainer, split_minibatches  # noqa: E402
+from experiments.run import launch  # noqa: E402
+from experiments.step.engines import HFEngine  # noqa: E402
+from experiments.step.trainer import RLTrainer, Ranks, Rollout, collect_rollout, split_minibatches  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
 from tests.test_train import compose_train  # noqa: E402
 
@@ -60,7 +60,7 @@ def take_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     return replace(rollout, **values)
 
 
-def run_case(overrides: list[str], ranks: distributed.Ranks) -> dict:
+def run_case(overrides: list[str], ranks: Ranks) -> dict:
     cfg = compose_train(*overrides, f"trainer.prompts_per_step={PROMPTS}", f"trainer.group_size={GROUP}",
                         f"trainer.minibatches={MINIBATCHES}", "trainer.minibatch_layout=groups", "trainer.lr=1e-3",
                         "trainer.steps=1")
@@ -105,7 +105,7 @@ def run_case(overrides: list[str], ranks: distributed.Ranks) -> dict:
 
 def main() -> None:
     torch.set_num_threads(1)
-    ranks = distributed.start("cpu")
+    ranks = launch.start("cpu")
     results = {name: run_case(overrides, ranks) for name, overrides in CASES.items()}
     if ranks.main:
         torch.save(results, sys.argv[1])

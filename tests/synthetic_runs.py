@@ -14,6 +14,11 @@ from pathlib import Path
 
 import yaml
 
+from algos.objective import CLIP as CLIP_METRIC, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
+from experiments.step.metrics import (
+    DRIFT, DRIFT_OVER_MINIBATCHES, DRIFT_PER_UPDATE, EVAL_ACCURACY, REWARD, SKIPPED, STEP, STEP_TIME, TOKENS, per_layer,
+)
+
 STEPS = 20
 LAYERS = 2
 MINIBATCHES = 3
@@ -51,28 +56,28 @@ def step_record(algo: str, seed: int, step: int, value: float, routing: bool = T
     drift = [[layer_drift(layer, j) for layer in range(LAYERS)] for j in range(MINIBATCHES)]
     minibatches = []
     for j in range(MINIBATCHES):
-        entry = {"minibatch": j, "ratio/token_var": 1e-3 * j, "clip/token_frac": CLIP[algo]}
+        entry = {"minibatch": j, TOKEN_RATIO_VAR: 1e-3 * j, CLIP_METRIC: CLIP[algo]}
         if routing:
-            entry["routing/expert_change_frac"] = sum(drift[j]) / LAYERS
-            entry.update({f"routing/expert_change_frac/layer_{i}": drift[j][i] for i in range(LAYERS)})
+            entry[DRIFT] = sum(drift[j]) / LAYERS
+            entry.update({per_layer(DRIFT, i): drift[j][i] for i in range(LAYERS)})
         minibatches.append(entry)
     record = {
-        "train/step": step,
-        "train/tokens": TOKENS_PER_STEP * step,
-        "reward/mean": value,
-        "clip/token_frac": CLIP[algo],
-        "ratio/token_var": 1e-3,
-        "ratio/seq_var": 1e-5,
-        "optim/skipped_steps": 1 if step > 10 and algo == "gspo" else 0,
-        "perf/step_s": 2.0,
+        STEP: step,
+        TOKENS: TOKENS_PER_STEP * step,
+        REWARD: value,
+        CLIP_METRIC: CLIP[algo],
+        TOKEN_RATIO_VAR: 1e-3,
+        SEQ_RATIO_VAR: 1e-5,
+        SKIPPED: 1 if step > 10 and algo == "gspo" else 0,
+        STEP_TIME: 2.0,
         "minibatches": minibatches,
     }
     if routing:  # the step-level keys the trainer logs beside the per-minibatch records (analysis reads the latter)
-        record["routing/expert_change_per_update"] = sum(drift[1]) / LAYERS
-        record.update({f"routing/expert_change_per_update/layer_{i}": drift[1][i] for i in range(LAYERS)})
-        record["routing/expert_change_mean_over_minibatches"] = sum(map(sum, drift)) / LAYERS / MINIBATCHES
+        record[DRIFT_PER_UPDATE] = sum(drift[1]) / LAYERS
+        record.update({per_layer(DRIFT_PER_UPDATE, i): drift[1][i] for i in range(LAYERS)})
+        record[DRIFT_OVER_MINIBATCHES] = sum(map(sum, drift)) / LAYERS / MINIBATCHES
     if step % EVAL_EVERY == 0:
-        record["eval/accuracy"] = value / 2
+        record[EVAL_ACCURACY] = value / 2
     return record
 
 

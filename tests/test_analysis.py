@@ -21,12 +21,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import synthetic_runs as syn  # noqa: E402
-from analysis import aggregate as agg  # noqa: E402
-from analysis import figures  # noqa: E402
+
+from algos.objective import TOKEN_RATIO_VAR  # noqa: E402
+from analysis import aggregate as agg, figures  # noqa: E402
 from analysis.load import (  # noqa: E402
     INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS, label_runs, load_runs, load_wandb,
 )
 from analysis.report import main, write_report  # noqa: E402
+from experiments.step.metrics import (  # noqa: E402
+    CHI2_TOKEN, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, GRAD_NORM, MISMATCH_K3, REWARD, ROUTING_SHARE, TOKENS,
+    started,
+)
 
 DPI = "60"
 
@@ -47,7 +52,7 @@ def report_out(sweep, tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        main([str(sweep), "--out", str(out), "--dpi", DPI, "--last-n", "5"])
+        main([str(sweep), "--out", str(out), "--dpi", DPI, "--last-n", "5", "--pdf"])
     assert stdout.getvalue() == f"report: {out / 'report.md'}\n"
     return out
 
@@ -69,8 +74,8 @@ def test_loader_returns_expected_frames(runset):
     assert runs.loc[5, "status"] == INCOMPLETE
     assert list(runs["last_step"]) == [20] * 5 + [12]
     # 20 steps × 5 runs, minus the malformed line, plus the 12 steps of the crashed run.
-    assert len(runset.metric("reward/mean")) == 20 * 5 - 1 + 12
-    eval_steps = sorted(set(runset.metric("eval/accuracy")["step"]))
+    assert len(runset.metric(REWARD)) == 20 * 5 - 1 + 12
+    eval_steps = sorted(set(runset.metric(EVAL_ACCURACY)["step"]))
     assert eval_steps == [5, 10, 15, 20]
     row = runset.scalars.query("run == 'sweep/0' and step == 7 and metric == 'reward/mean'")
     assert row["value"].item() == pytest.approx(0.14)
@@ -86,7 +91,7 @@ def test_malformed_line_is_reported_with_file_and_line_and_skipped(sweep, capsys
     expected = f"{sweep / '1' / 'metrics.jsonl'}:5:"
     assert expected in capsys.readouterr().err
     assert any(p.startswith(expected) for p in rs.problems)
-    steps = set(rs.metric("reward/mean").query("run == 'sweep/1'")["step"])
+    steps = set(rs.metric(REWARD).query("run == 'sweep/1'")["step"])
     assert 5 not in steps and {4, 6} <= steps
 
 
@@ -104,12 +109,12 @@ def test_running_run_with_half_written_last_line_is_kept_up_to_its_last_valid_li
 def test_the_starting_evaluation_is_the_eval_curves_point_at_step_0(tmp_path):
     run = syn.curve_run(tmp_path / "run", "grpo", 0, [0.1, 0.2, 0.3])
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    first = json.loads(lines[0]) | {"eval_start/greedy_accuracy": 0.25, "eval/greedy_accuracy": 0.5}
+    first = json.loads(lines[0]) | {started(EVAL_GREEDY): 0.25, EVAL_GREEDY: 0.5}
     (run / "metrics.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
     rs = load_runs([run])
-    greedy = rs.metric("eval/greedy_accuracy")
+    greedy = rs.metric(EVAL_GREEDY)
     assert greedy[["step", "value"]].values.tolist() == [[0, 0.25], [1, 0.5]]
-    tokens = rs.metric("train/tokens")
+    tokens = rs.metric(TOKENS)
     assert tokens[tokens["step"] == 0]["value"].tolist() == [0]
     assert rs.metric(agg.REWARD)["step"].tolist() == [1, 2, 3], "no training reward at the start"
     assert rs.runs["last_step"].tolist() == [3]
@@ -117,12 +122,12 @@ def test_the_starting_evaluation_is_the_eval_curves_point_at_step_0(tmp_path):
 
 def test_null_and_non_finite_values_are_counted_and_left_out(tmp_path, capsys):
     records = [syn.step_record("grpo", 0, t, 0.1 * t) for t in (1, 2, 3)]
-    records[1]["reward/mean"] = None  # how the training loop writes a NaN reward
-    records[2]["ratio/token_var"] = float("inf")  # json.dumps writes Infinity, which json.loads reads back
+    records[1][REWARD] = None  # how the training loop writes a NaN reward
+    records[2][TOKEN_RATIO_VAR] = float("inf")  # json.dumps writes Infinity, which json.loads reads back
     run = syn.write_run(tmp_path / "run", syn.config("grpo", 0), records)
     rs = load_runs([run])
-    assert rs.metric("reward/mean")["step"].tolist() == [1, 3]
-    assert rs.metric("ratio/token_var")["step"].tolist() == [1, 2]
+    assert rs.metric(REWARD)["step"].tolist() == [1, 3]
+    assert rs.metric(TOKEN_RATIO_VAR)["step"].tolist() == [1, 2]
     assert "2 non-finite metric values" in capsys.readouterr().err
 
 
@@ -184,7 +189,7 @@ def test_ema_by_hand():
 
 
 def test_curve_means_and_bands_by_hand(runset):
-    table = agg.curve(runset, "reward/mean", x="step", alpha=None).set_index(["label", "x"])
+    table = agg.curve(runset, REWARD, x="step", alpha=None).set_index(["label", "x"])
     # grpo at step 10: 0.2, 0.3, 0.4 → mean 0.3, sample std 0.1.
     assert table.loc[("grpo", 10.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.3, 0.1, 3])
     # grpo at step 5: seed 1's line is malformed → seeds 0 and 2: 0.1, 0.3.
@@ -192,12 +197,12 @@ def test_curve_means_and_bands_by_hand(runset):
     # gspo at step 15: the crashed seed 2 ended at step 12 → 0.45, 0.55.
     assert table.loc[("gspo", 15.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.5, math.sqrt(0.005), 2])
     # Smoothing happens per seed: grpo seed 0 is 0.02·t, EMA(0.5) at t = 2 is 0.5·0.02 + 0.5·0.04.
-    smoothed = agg.per_run_series(runset, "reward/mean", alpha=0.5).query("run == 'sweep/0'")
+    smoothed = agg.per_run_series(runset, REWARD, alpha=0.5).query("run == 'sweep/0'")
     assert smoothed["y"].iloc[1] == pytest.approx(0.03)
 
 
 def test_token_axis_interpolates_each_seed_inside_its_own_range(runset):
-    series = agg.per_run_series(runset, "reward/mean", x="tokens")
+    series = agg.per_run_series(runset, REWARD, x="tokens")
     table = agg.aggregate_curves(series, grid=np.array([250.0, 1000.0, 2000.0])).set_index(["label", "x"])
     # 100 tokens per step: 250 tokens is step 2.5, where grpo seed s has 0.05 + 0.1·s.
     assert table.loc[("grpo", 250.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.15, 0.1, 3])
@@ -304,7 +309,7 @@ def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
     syn.curve_run(tmp_path / "runs" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
     rs = load_runs([tmp_path / "runs"])
     assert rs.labels == ["grpo", "grpo + r2"]
-    out = figures.fig_replay_grpo(rs, tmp_path / "out", dpi=int(DPI))
+    out = figures.fig_replay_grpo(rs, tmp_path / "out", dpi=int(DPI), pdf=True)
     assert [f.name for f in out.files] == ["fig3_grpo_routing_replay.png", "fig3_grpo_routing_replay.pdf"]
     assert all(f.stat().st_size > 1000 for f in out.files)
     styles = figures.series_styles(rs)
@@ -365,7 +370,7 @@ def test_wandb_loader_with_fake_api_and_parquet_cache(tmp_path):
     assert rs.runs["run"].tolist() == ["grpo0", "gspo0"]
     assert rs.labels == ["grpo", "gspo"]
     assert rs.runs["incomplete"].tolist() == [False, True]
-    assert len(rs.metric("reward/mean")) == 6 + 4
+    assert len(rs.metric(REWARD)) == 6 + 4
     assert not rs.has("_runtime")
     mb = rs.minibatches.query("run == 'gspo0' and step == 2 and minibatch == 1 and metric == 'ratio/token_var'")
     assert mb["value"].item() == pytest.approx(1e-3)
@@ -410,7 +415,7 @@ def test_a_crashed_run_and_its_rerun_count_once_and_the_report_says_so(tmp_path,
     rs = load_runs([crashed, rerun, other_seed])
     assert len(rs.runs) == 2 and not rs.runs["run"].str.contains("a_crashed").any()
     assert set(rs.runs["seed"]) == {"0", "1"}
-    assert len(rs.metric("reward/mean")) == 4 + 4, "the crashed run's steps are not averaged in"
+    assert len(rs.metric(REWARD)) == 4 + 4, "the crashed run's steps are not averaged in"
     assert any("repeats run" in problem and "finished" in problem for problem in rs.problems)
     assert "repeats run" in capsys.readouterr().err
 
@@ -422,14 +427,14 @@ def _mismatch_run(run_dir, seed, collapse_at=None, kl_rises_at=None, steps=30, d
     for t in range(1, steps + 1):
         reward = 0.02 * t if collapse_at is None or t < collapse_at else 0.02 * collapse_at - 0.5
         record = syn.step_record("grpo", seed, t, reward)
-        record["mismatch/kl_k3"] = 1e-3 if kl_rises_at is None or t < kl_rises_at else 1e-2
-        record["mismatch/chi2_token"] = 2 * record["mismatch/kl_k3"]
-        record["mismatch/ess"] = 0.99
-        record["policy/entropy"], record["optim/grad_norm"] = 1.0, 0.5
+        record[MISMATCH_K3] = 1e-3 if kl_rises_at is None or t < kl_rises_at else 1e-2
+        record[CHI2_TOKEN] = 2 * record[MISMATCH_K3]
+        record[ESS] = 0.99
+        record[ENTROPY], record[GRAD_NORM] = 1.0, 0.5
         if decompose:
             for entry in record["minibatches"]:
                 if entry["minibatch"] > 0:
-                    entry["decompose/routing_share"] = 0.1 * entry["minibatch"]
+                    entry[ROUTING_SHARE] = 0.1 * entry["minibatch"]
         records.append(record)
     return syn.write_run(run_dir, syn.config("grpo", seed), records)
 
@@ -441,10 +446,10 @@ def test_early_warning_finds_the_fall_and_the_lead_of_a_signal(tmp_path):
     table = agg.early_warning(rs, alpha=1.0).set_index("run")
     collapsing = table.loc[[r for r in table.index if "collapsing" in r][0]]
     assert collapsing["collapsed"] and collapsing["collapse_step"] == 20
-    assert collapsing["mismatch/kl_k3_moved_step"] == 12 and collapsing["mismatch/kl_k3_lead"] == 8
-    assert math.isnan(collapsing["policy/entropy_moved_step"]), "a flat signal never moves"
+    assert collapsing[MISMATCH_K3 + "_moved_step"] == 12 and collapsing[MISMATCH_K3 + "_lead"] == 8
+    assert math.isnan(collapsing[ENTROPY + "_moved_step"]), "a flat signal never moves"
     healthy = table.loc[[r for r in table.index if "healthy" in r][0]]
-    assert not healthy["collapsed"] and math.isnan(healthy["mismatch/kl_k3_moved_step"])
+    assert not healthy["collapsed"] and math.isnan(healthy[MISMATCH_K3 + "_moved_step"])
 
 
 def test_mismatch_early_warning_and_decomposition_figures_and_table(tmp_path):
@@ -452,7 +457,7 @@ def test_mismatch_early_warning_and_decomposition_figures_and_table(tmp_path):
     rs = load_runs(runs)
     out = tmp_path / "out"
     for draw in (figures.fig_mismatch, figures.fig_early_warning, figures.fig_decomposition):
-        result = draw(rs, out)
+        result = draw(rs, out, pdf=True)
         assert [p.suffix for p in result.files] == [".png", ".pdf"] and result.caption, result.notes
     row = agg.stability_table(rs).iloc[0]
     assert row["mismatch_kl_k3_mean"] > 1e-3 and row["routing_share_mean"] == pytest.approx(0.15)
@@ -466,7 +471,7 @@ def test_a_series_is_dotted_where_not_all_its_seeds_have_data(tmp_path):
     short = syn.curve_run(tmp_path / "short", "grpo", 0, [0.1] * 5)
     long = syn.curve_run(tmp_path / "long", "grpo", 1, [0.3] * 10)
     rs = load_runs([short, long])
-    table = agg.curve(rs, "reward/mean", alpha=1.0)
+    table = agg.curve(rs, REWARD, alpha=1.0)
     style = figures.series_styles(rs)["grpo"]
     fig = figures._figure(3, 2)
     ax = fig.subplots()
@@ -487,8 +492,8 @@ def test_regimes_table_names_each_knob_setting_and_judges_each_arm(tmp_path):
             run = syn.write_run(search / f"lr{lr}_s{seed}", syn.config("grpo", seed, lr=lr),
                                 [syn.step_record("grpo", seed, s, v) for s, v in enumerate(values, 1)])
             lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-            lines[0]["eval_start/greedy_accuracy"] = 0.5
-            lines[-1]["eval/greedy_accuracy"] = 0.6 if slope else 0.0
+            lines[0][started(EVAL_GREEDY)] = 0.5
+            lines[-1][EVAL_GREEDY] = 0.6 if slope else 0.0
             (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     deeper = syn.config("grpo", 0, lr=1e-4)
     deeper["model"].update(name="paper_moe_l2", num_hidden_layers=2, path="/checkpoints/paper_moe_l2")
@@ -526,8 +531,8 @@ def test_a_legend_of_long_labels_stays_inside_the_figure():
 def _evaluated_run(run_dir, algo, seed, replay, start, end, **settings):
     """A run evaluated at its start (logged in step 1's record) and at its last step, with `settings` in its config."""
     records = [syn.step_record(algo, seed, t, 0.5) for t in range(1, 4)]
-    records[0].update({"eval_start/greedy_accuracy": start})
-    records[-1].update({"eval/greedy_accuracy": end})
+    records[0].update({started(EVAL_GREEDY): start})
+    records[-1].update({EVAL_GREEDY: end})
     cfg = syn.config(algo, seed, replay=replay)
     for key, value in settings.items():
         group, name = key.split(".")
@@ -549,7 +554,7 @@ def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(
     grpo = gains[gains["arm"] == "grpo"].sort_values(["routing.flip_rate", "seed"])
     assert grpo["gain"].round(6).tolist() == [0.1, 0.2, -0.4]
     assert set(gains["arm"]) == {"grpo", "grpo + r2", "gspo"}
-    out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI))
+    out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI), pdf=True)
     assert [f.name for f in out.files] == ["fig0_sweep_response.png", "fig0_sweep_response.pdf"]
     assert "SYNTHETIC" in out.caption and "Seeds: 0, 1." in out.caption
     text = write_report(rs, tmp_path / "report").read_text(encoding="utf-8")
@@ -569,3 +574,38 @@ def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_pa
     _evaluated_run(tmp_path / "flat" / "b", "gspo", 0, "none", 0.5, 0.6)
     flat = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out2", dpi=int(DPI))
     assert not flat.files and "no sweep axis" in flat.notes[0]
+
+
+def test_figures_are_png_by_default_and_pdf_only_when_asked(tmp_path):
+    """A report is regenerated, not accumulated: PNG (a 256-colour palette) unless a paper asks for PDFs too."""
+    syn.curve_run(tmp_path / "runs" / "plain", "grpo", 0, syn.STEPS * [0.2])
+    syn.curve_run(tmp_path / "runs" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
+    rs = load_runs([tmp_path / "runs"])
+    out = figures.fig_replay_grpo(rs, tmp_path / "out", dpi=int(DPI))
+    assert [f.name for f in out.files] == ["fig3_grpo_routing_replay.png"]
+    assert not list((tmp_path / "out").glob("*.pdf"))
+    from PIL import Image
+
+    assert Image.open(out.files[0]).mode == "P"
+    report = write_report(rs, tmp_path / "report")
+    assert not list(report.parent.glob("*.pdf")) and "[PDF]" not in report.read_text(encoding="utf-8")
+
+
+def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(tmp_path):
+    """The quickstart samples with the trainer's own model: its mismatch k3 is the KV-cache path's ~1e-8, which a
+    figure would draw as a result. It is drawn only where an engine differs (or something measured more)."""
+    def run(directory, kl, rollout):
+        records = []
+        for t in range(1, 21):
+            record = syn.step_record("grpo", 0, t, 0.02 * t)
+            record[agg.MISMATCH_KL], record[CHI2_TOKEN], record[ESS] = kl, 2 * kl, 1.0
+            records.append(record)
+        return syn.write_run(directory, {**syn.config("grpo", 0), "rollout": rollout}, records)
+
+    same = load_runs([run(tmp_path / "same", 1e-8, {"engine": "hf", "precision": "fp32"})])
+    out = figures.fig_mismatch(same, tmp_path / "out")
+    assert out.files == [] and "trainer's own model" in out.notes[0]
+    assert "not a quantity these runs varied" in out.notes[0]
+    assert f"{agg.MISMATCH_KL}_moved_step" not in agg.early_warning(same).columns
+    bf16 = load_runs([run(tmp_path / "bf16", 1e-8, {"engine": "hf", "precision": "bf16"})])
+    assert figures.fig_mismatch(bf16, tmp_path / "out2").files, "an engine that differs: its mismatch is the result"

@@ -184,7 +184,7 @@ def test_trl_settings_reproduce_our_step():
 
 
 def test_every_overhead_pair_passes_the_start_up_checks():
-    from experiments.step.trainer import check_run
+    from experiments.step.checks import check_run
     from benchmarks.workload import VARIANTS
 
     for name, sides in rl_step.OVERHEADS.items():

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from algos import OBJECTIVES
 from algos.routing_variants import ROUTING_VARIANTS
-from experiments.config import PROJECT_ROOT, algo_hyperparameters, register_configs
+from experiments.config import PROJECT_ROOT, register_configs
+from experiments.step.checks import algo_hyperparameters
 from experiments.tasks import TASKS
 
 CONF = PROJECT_ROOT / "conf"

@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from algos.routing_variants.soft_replay import KEPT as SOFT_REPLAY_KEPT
 from experiments.config import PROJECT_ROOT
+from experiments.step.metrics import STEP
 from experiments.train import train
 from tests.conftest import MICRO_RUN
 from tests.test_train import compose_train
@@ -44,7 +46,7 @@ def test_two_ranks_make_the_update_one_process_makes(one_and_two_ranks, case):
     one, two = (result[case] for result in one_and_two_ranks)
     assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3, "the batch must carry a gradient"
     if case == "gspo + r2 soft replay":
-        assert 0.0 < one["metrics"][1]["routing/soft_replay_kept_frac"] < 1.0, "the ranks must keep and drop experts"
+        assert 0.0 < one["metrics"][1][SOFT_REPLAY_KEPT] < 1.0, "the ranks must keep and drop experts"
     for name, grad in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
     for name, param in one["params"].items():
@@ -174,7 +176,7 @@ def test_a_killed_sweep_relaunched_finishes_what_is_missing(tmp_path):
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
     assert "already holds this run, finished after 40 steps" in relaunched.stderr
     for job in sorted(sweep.glob("[01]_*")):
-        steps = [line["train/step"] for line in _metrics(job)]
+        steps = [line[STEP] for line in _metrics(job)]
         assert steps == list(range(1, 41)), f"{job.name}: lost or duplicated steps"
         assert json.loads((job / "summary.json").read_text())["status"] == "finished"
 

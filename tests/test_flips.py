@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from algos.objective import CLIP, POLICY_LOSS, TOKEN_RATIO_VAR
+from experiments.step.metrics import DRIFT_PER_UPDATE, FLIP_FRAC, REWARD
 from experiments.step.scoring import position_ids
 from models.routing import find_routers, flip_routing, next_ranked, record_routing, replay_routing
 from tests.conftest import MICRO_RUN
@@ -105,17 +107,17 @@ def test_flips_reach_the_update_forwards_only_and_r2_removes_them(tmp_path):
     assert summary["synthetic_flip_rate"] == 0.3 and not summary["first_minibatch_on_policy"]
     # Not in the rollout: the same samples and rewards. In the updates: minibatch 0's ratios are no longer exactly 1,
     # and about the asked share of activated experts is flipped.
-    assert flipped[0]["reward/mean"] == plain[0]["reward/mean"]
-    assert plain[0]["minibatches"][0]["ratio/token_var"] == 0.0
-    assert flipped[0]["minibatches"][0]["ratio/token_var"] > 1e-6
-    assert 0.2 < flipped[0]["routing/synthetic_flip_frac"] < 0.4
-    assert flipped[0]["routing/expert_change_per_update"] > plain[0]["routing/expert_change_per_update"] + 0.1
-    assert "routing/synthetic_flip_frac" not in plain[0]
+    assert flipped[0][REWARD] == plain[0][REWARD]
+    assert plain[0]["minibatches"][0][TOKEN_RATIO_VAR] == 0.0
+    assert flipped[0]["minibatches"][0][TOKEN_RATIO_VAR] > 1e-6
+    assert 0.2 < flipped[0][FLIP_FRAC] < 0.4
+    assert flipped[0][DRIFT_PER_UPDATE] > plain[0][DRIFT_PER_UPDATE] + 0.1
+    assert FLIP_FRAC not in plain[0]
     # R2 replays θ_old's experts: the flips change what the router would choose (drift is logged) but not the loss.
-    assert r2_flipped[0]["routing/expert_change_per_update"] > r2[0]["routing/expert_change_per_update"] + 0.1
-    for key in ("loss/policy", "ratio/token_var", "clip/token_frac"):
+    assert r2_flipped[0][DRIFT_PER_UPDATE] > r2[0][DRIFT_PER_UPDATE] + 0.1
+    for key in (POLICY_LOSS, TOKEN_RATIO_VAR, CLIP):
         assert r2_flipped[0][key] == pytest.approx(r2[0][key], rel=1e-4, abs=1e-7), key
-    assert r2_flipped[1]["reward/mean"] == pytest.approx(r2[1]["reward/mean"])
+    assert r2_flipped[1][REWARD] == pytest.approx(r2[1][REWARD])
 
 
 @pytest.mark.parametrize("rate", ["-0.1", "1.5", "nan"])

@@ -4,17 +4,27 @@ against hand-computed values, the mismatch metrics, r3 under a mismatched engine
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import open_dict
 
 from algos import build_objective
-from algos.corrections import CorrectionInputs, build_correction, mismatch_metrics
-from experiments.step.engines.hf import EngineNumerics, HFEngine, collect_rollout, fake_quantize
+from algos.corrections import CorrectionInputs, build_correction
+from algos.corrections.base import seq_frac, token_frac
+from algos.minirl import TRUNCATED as MINIRL_TRUNCATED
+from algos.objective import CLIP, POLICY_LOSS, TOKEN_RATIO_MEAN
+from experiments.step.engines import EngineNumerics, HFEngine
+from experiments.step.engines.hf import fake_quantize
+from experiments.step.metrics import (
+    CHI2_SEQ, CHI2_TOKEN, ENGINE_EXPERTS, ESS, EXTREME_TOKENS, IS_WEIGHT_MAX, IS_WEIGHT_MIN, MISMATCH_K1,
+    MISMATCH_K3, ROUTING_SHARE, ROUTING_VAR, TOTAL_VAR, WEIGHTS_VAR, decomposition_metrics, mismatch_metrics,
+)
 from experiments.step.scoring import FED, score_responses
+from experiments.step.trainer import RLTrainer, collect_rollout
 from experiments.tasks import build_task
 from experiments.train import train
-from experiments.step.trainer import RLTrainer, decomposition_metrics
 from models.routing import routing_drift
 from tests.test_objectives import batch_from_ratios, loss_and_grad
 from tests.test_train import compose_train, experts_used, first_step_inputs, read_metrics
@@ -34,11 +44,11 @@ def test_tis_truncates_token_and_sequence_weights():
     inputs = inputs_from([[0.5, 3.0], [1.5, 1.2]], [1.0, -1.0])
     token = build_correction("tis", level="token", threshold=2.0)(inputs)
     torch.testing.assert_close(token.weight, torch.tensor([[0.5, 2.0], [1.5, 1.2]]))
-    assert float(token.metrics["mismatch/truncated_token_frac"]) == pytest.approx(1 / 4)
+    assert float(token.metrics[token_frac("truncated")]) == pytest.approx(1 / 4)
     sequence = build_correction("tis", level="sequence", threshold=2.0)(inputs)
     # products 1.5 and 1.8: both under C, broadcast to their tokens
     torch.testing.assert_close(sequence.weight, torch.tensor([[1.5, 1.5], [1.8, 1.8]]))
-    assert float(sequence.metrics["mismatch/truncated_seq_frac"]) == 0.0
+    assert float(sequence.metrics[seq_frac("truncated")]) == 0.0
 
 
 def test_mis_masks_instead_of_truncating():
@@ -47,14 +57,14 @@ def test_mis_masks_instead_of_truncating():
     torch.testing.assert_close(token.weight, torch.tensor([[0.5, 0.0], [1.5, 1.2]]))
     sequence = build_correction("mis", level="sequence", threshold=1.6)(inputs)  # products 1.5 (kept), 1.8 (masked)
     torch.testing.assert_close(sequence.weight, torch.tensor([[1.5, 1.5], [0.0, 0.0]]))
-    assert float(sequence.metrics["mismatch/masked_seq_frac"]) == 0.5
+    assert float(sequence.metrics[seq_frac("masked")]) == 0.5
 
 
 def test_icepop_keeps_the_band_and_masks_both_sides():
     inputs = inputs_from([[0.4, 0.6], [4.0, 6.0]], [1.0, 1.0])
     out = build_correction("icepop", low=0.5, high=5.0)(inputs)
     torch.testing.assert_close(out.weight, torch.tensor([[0.0, 0.6], [4.0, 0.0]]))
-    assert float(out.metrics["mismatch/masked_token_frac"]) == 0.5
+    assert float(out.metrics[token_frac("masked")]) == 0.5
 
 
 def test_geometric_rejection_removes_whole_responses():
@@ -70,7 +80,7 @@ def test_opsm_masks_only_negative_responses_the_policy_drifted_from():
     inputs = inputs_from([[1.0, 1.0]] * 3, [-1.0, 1.0, -1.0], theta=theta)
     out = build_correction("opsm", delta=0.5)(inputs)
     torch.testing.assert_close(out.weight, torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))
-    assert float(out.metrics["mismatch/opsm_masked_seq_frac"]) == pytest.approx(1 / 3)
+    assert float(out.metrics[seq_frac("opsm_masked")]) == pytest.approx(1 / 3)
 
 
 def test_a_correction_weight_scales_each_tokens_loss_and_gradient():
@@ -96,7 +106,7 @@ def test_minirl_loss_and_gradient_by_hand():
     logp = inputs["logp"]
     expected_loss = -(5.0 * 1.0 * logp[0, 0] + 2.0 * -1.0 * logp[1, 1]) / 2
     assert float(out.loss.detach()) == pytest.approx(float(expected_loss), rel=1e-5)
-    assert out.metrics["clip/token_frac"] == 0.5 and out.metrics["minirl/truncated_frac"] == 0.25
+    assert out.metrics[CLIP] == 0.5 and out.metrics[MINIRL_TRUNCATED] == 0.25
 
 
 def test_minirl_without_the_staleness_mask_keeps_every_token():
@@ -104,7 +114,7 @@ def test_minirl_without_the_staleness_mask_keeps_every_token():
     rollout_logp = inputs["logp"] - math.log(2.0)
     out, grad = loss_and_grad(build_objective("minirl", mask_stale=False), {**inputs, "rollout_logp": rollout_logp})
     torch.testing.assert_close(grad, torch.tensor([[-1.0, -1.0], [1.0, 1.0]]))  # −w·Â/B with w = 2 everywhere
-    assert out.metrics["clip/token_frac"] == 0.0
+    assert out.metrics[CLIP] == 0.0
 
 
 def test_minirl_without_train_inference_is_weighs_by_staleness_only():
@@ -123,13 +133,13 @@ def test_mismatch_metrics_by_hand():
     mask = torch.tensor([[True, True], [True, False]])
     m = mismatch_metrics(log_rho, mask)
     rho = torch.tensor([2.0, 0.5, 1.0])
-    assert m["mismatch/kl_k1"] == pytest.approx(float(-torch.log(rho).mean()))
-    assert m["mismatch/kl_k3"] == pytest.approx(float((rho - 1 - torch.log(rho)).mean()))
-    assert m["mismatch/chi2_token"] == pytest.approx(float((rho**2).mean() - 1))
-    assert m["mismatch/chi2_seq"] == pytest.approx(((2.0 * 0.5) ** 2 + 1.0) / 2 - 1)
-    assert m["mismatch/ess"] == pytest.approx(float(rho.mean() ** 2 / (rho**2).mean()))
-    assert m["mismatch/extreme_token_frac"] == pytest.approx(0.0), "ln 2 exactly is not beyond ln 2"
-    assert (m["mismatch/is_weight_min"], m["mismatch/is_weight_max"]) == pytest.approx((0.5, 2.0))
+    assert m[MISMATCH_K1] == pytest.approx(float(-torch.log(rho).mean()))
+    assert m[MISMATCH_K3] == pytest.approx(float((rho - 1 - torch.log(rho)).mean()))
+    assert m[CHI2_TOKEN] == pytest.approx(float((rho**2).mean() - 1))
+    assert m[CHI2_SEQ] == pytest.approx(((2.0 * 0.5) ** 2 + 1.0) / 2 - 1)
+    assert m[ESS] == pytest.approx(float(rho.mean() ** 2 / (rho**2).mean()))
+    assert m[EXTREME_TOKENS] == pytest.approx(0.0), "ln 2 exactly is not beyond ln 2"
+    assert (m[IS_WEIGHT_MIN], m[IS_WEIGHT_MAX]) == pytest.approx((0.5, 2.0))
 
 
 # -- engines that differ from the trainer ----------------------------------------------------------------------------
@@ -146,7 +156,7 @@ def _engine_logp(micro_policy, numerics, seed=0):
     seen = rollout.attention_mask[:, FED].bool()
     drift = routing_drift(trainer.routes, rollout.routes.positions(FED), seen)
     log_rho = trainer.logp - rollout.logp
-    return mismatch_metrics(log_rho, rollout.response_mask)["mismatch/kl_k3"], drift.expert_change_frac
+    return mismatch_metrics(log_rho, rollout.response_mask)[MISMATCH_K3], drift.expert_change_frac
 
 
 def test_an_engine_copy_with_every_setting_off_reproduces_the_trainer(micro_policy):
@@ -190,10 +200,10 @@ def test_with_the_trainers_own_engine_mismatch_is_zero_and_decoupled_equals_bypa
         train(compose_train(f"trainer.pi_old={pi_old}", "trainer.steps=2"), tmp_path / pi_old)
         runs[pi_old] = read_metrics(tmp_path / pi_old)
     for bypass, decoupled in zip(runs["bypass"], runs["decoupled"]):
-        assert bypass["mismatch/kl_k3"] < 1e-9 and decoupled["mismatch/kl_k3"] < 1e-9
+        assert bypass[MISMATCH_K3] < 1e-9 and decoupled[MISMATCH_K3] < 1e-9
         for a, b in zip(bypass["minibatches"], decoupled["minibatches"]):
-            assert a["loss/policy"] == pytest.approx(b["loss/policy"], abs=1e-5)
-            assert a["ratio/token_mean"] == pytest.approx(b["ratio/token_mean"], abs=1e-5)
+            assert a[POLICY_LOSS] == pytest.approx(b[POLICY_LOSS], abs=1e-5)
+            assert a[TOKEN_RATIO_MEAN] == pytest.approx(b[TOKEN_RATIO_MEAN], abs=1e-5)
 
 
 def test_a_mismatched_engine_is_measured_corrected_and_recorded(tmp_path):
@@ -201,15 +211,15 @@ def test_a_mismatched_engine_is_measured_corrected_and_recorded(tmp_path):
     assert summary["pi_old"] == "decoupled" and summary["correction"] == "tis"
     assert "router_noise=0.5" in summary["engine_numerics"]
     line = read_metrics(tmp_path)[0]
-    assert line["mismatch/kl_k3"] > 0 and line["mismatch/expert_frac"] > 0
-    assert all("mismatch/truncated_token_frac" in mb for mb in line["minibatches"])
+    assert line[MISMATCH_K3] > 0 and line[ENGINE_EXPERTS] > 0
+    assert all(token_frac("truncated") in mb for mb in line["minibatches"])
 
 
 def test_r3_under_a_mismatched_engine_replays_the_engines_experts():
     trainer = RLTrainer(compose_train("routing.replay=r3", "rollout.router_noise=1.0", "trainer.lr=5e-2"))
     _, _, minibatches, old = first_step_inputs(trainer)
     used, handles = experts_used(trainer.model)
-    from models.shared_prefix import SharedPrefix
+    from experiments.step.scoring import SharedPrefix
 
     noisy_somewhere = False
     for mb, old_policy in zip(minibatches, old):
@@ -245,7 +255,7 @@ def test_the_decomposition_parts_sum_to_the_total_log_ratio(tmp_path, replay):
     assert float(routing[mask].abs().max()) > 0, "a large update moves the routing: the routing part is not empty"
     metrics = trainer.update(mb, old[1])
     expected = decomposition_metrics(routing, weights, mask)
-    for name in ("decompose/routing_var", "decompose/weights_var", "decompose/total_var", "decompose/routing_share"):
+    for name in (ROUTING_VAR, WEIGHTS_VAR, TOTAL_VAR, ROUTING_SHARE):
         assert metrics[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-9)
 
 
@@ -279,3 +289,33 @@ def test_an_engine_without_log_probs_cannot_feed_a_correction(monkeypatch):
     monkeypatch.setattr(trainer_module.HFEngine, "returns_logprobs", False)
     with pytest.raises(Exception, match="read μ_old's log-probs, which rollout.engine=hf does not return"):
         trainer_module.check_run(compose_train("correction=opsm"))
+
+
+def _readme_recipe(title: str) -> str:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    return readme.split(f"## {title}", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_example_correction_weighs_by_the_untruncated_ratio_and_runs_in_the_loop(tmp_path):
+    """`Add a correction` in the README is code a newcomer copies: it must run as printed, and through the loop."""
+    from algos.corrections import CORRECTIONS
+
+    try:
+        # dont_inherit: the README's module has no `from __future__ import annotations`, this one does
+        code = compile(_readme_recipe("Add a correction"), "README.md", "exec", dont_inherit=True)
+        exec(code, {"__name__": "readme"})
+        inputs = inputs_from([[4.0, 0.5], [1.0, 30.0]], [1.0, -1.0])
+        out = build_correction("plain_is")(inputs)
+        torch.testing.assert_close(out.weight, torch.tensor([[4.0, 0.5], [1.0, 30.0]]))
+        capped = build_correction("plain_is", max_log_weight=math.log(2.0))(inputs)
+        torch.testing.assert_close(capped.weight, torch.tensor([[2.0, 0.5], [1.0, 2.0]]))
+        with pytest.raises(Exception, match="max_log_weight must be > 0"):
+            build_correction("plain_is", max_log_weight=0.0)
+        cfg = compose_train("rollout.router_noise=0.5", "trainer.steps=1")
+        with open_dict(cfg):
+            cfg.correction = {"name": "plain_is", "max_log_weight": 10.0}
+        summary = train(cfg, tmp_path)
+        assert summary["correction"] == "plain_is" and summary["pi_old"] == "decoupled"
+        assert all("mismatch/plain_is_weight_max" in mb for mb in read_metrics(tmp_path)[0]["minibatches"])
+    finally:
+        CORRECTIONS._classes.pop("plain_is", None)

@@ -26,15 +26,11 @@ from transformers import (
 
 import models.megablocks_experts as megablocks_experts
 import models.moe_backend as moe_backend
+
 from models.dmoe_reference import dmoe_glu_reference
 from models.moe_backend import (
-    MOE_BACKENDS,
-    DroplessGLUExperts,
-    apply_moe_backend,
-    describe_experts_backend,
-    find_moe_experts,
-    hf_to_megablocks,
-    megablocks_to_hf,
+    DroplessGLUExperts, MOE_BACKENDS, apply_moe_backend, describe_experts_backend, find_moe_experts,
+    hf_to_megablocks, megablocks_to_hf,
 )
 
 ATOL = 1e-6

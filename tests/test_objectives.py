@@ -15,7 +15,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from algos import OBJECTIVES, ObjectiveOutput, build_objective
-from algos.common import LOSS_AGG_MODES, aggregate
+from algos.objective import (
+    CLIP, CLIP_SEQ, KL_OLD, KL_REF, LOSS_AGG_MODES, POLICY_LOSS, SEQ_RATIO_MEAN, SEQ_RATIO_VAR, TOKEN_RATIO_MAX,
+    TOKEN_RATIO_MEAN, TOKEN_RATIO_VAR, aggregate,
+)
 from experiments.config import register_configs
 
 CONF_ALGO = Path(__file__).resolve().parents[1] / "conf" / "algo"
@@ -56,17 +59,17 @@ def test_grpo_matches_hand_derived_loss_and_gradient():
     # Unclipped token: -Â·r / (|y_i|·B); clipped tokens and padding: 0.
     expected = torch.tensor([[-1.1 / 4, 0.0, 0.0], [2 * 0.9 / 6, 0.0, 2 * 1.3 / 6]])
     torch.testing.assert_close(grad, expected, **TOL)
-    assert out.metrics["clip/token_frac"] == pytest.approx(2 / 5)
-    assert out.metrics["clip/seq_frac"] == pytest.approx(1.0)
-    assert out.metrics["ratio/token_mean"] == pytest.approx(5.3 / 5, rel=1e-6)
-    assert out.metrics["ratio/token_max"] == pytest.approx(1.5, rel=1e-6)
+    assert out.metrics[CLIP] == pytest.approx(2 / 5)
+    assert out.metrics[CLIP_SEQ] == pytest.approx(1.0)
+    assert out.metrics[TOKEN_RATIO_MEAN] == pytest.approx(5.3 / 5, rel=1e-6)
+    assert out.metrics[TOKEN_RATIO_MAX] == pytest.approx(1.5, rel=1e-6)
     token_ratios = torch.tensor([1.1, 1.5, 0.9, 0.5, 1.3])
-    assert out.metrics["ratio/token_var"] == pytest.approx(token_ratios.var(unbiased=False).item(), rel=1e-5)
+    assert out.metrics[TOKEN_RATIO_VAR] == pytest.approx(token_ratios.var(unbiased=False).item(), rel=1e-5)
     seq_ratios = [math.sqrt(1.1 * 1.5), (0.9 * 0.5 * 1.3) ** (1 / 3)]
-    assert out.metrics["ratio/seq_mean"] == pytest.approx(sum(seq_ratios) / 2, rel=1e-6)
-    assert out.metrics["kl/old_k3"] == pytest.approx(sum(r - 1 - math.log(r) for r in token_ratios.tolist()) / 5)
-    assert out.metrics["loss/policy"] == pytest.approx(out.loss.item())
-    assert "kl/ref_k3" not in out.metrics
+    assert out.metrics[SEQ_RATIO_MEAN] == pytest.approx(sum(seq_ratios) / 2, rel=1e-6)
+    assert out.metrics[KL_OLD] == pytest.approx(sum(r - 1 - math.log(r) for r in token_ratios.tolist()) / 5)
+    assert out.metrics[POLICY_LOSS] == pytest.approx(out.loss.item())
+    assert KL_REF not in out.metrics
 
 
 def test_dapo_is_a_token_mean_with_clip_higher():
@@ -95,13 +98,13 @@ def test_cispo_clips_the_weight_and_keeps_every_token_gradient():
     torch.testing.assert_close(grad, -weights * advantages / 5, **TOL)
     logp = torch.where(inputs["mask"], inputs["logp"], 0.0)
     assert out.loss.item() == pytest.approx((-weights * advantages * logp).sum().item() / 5, rel=1e-5)
-    assert out.metrics["clip/token_frac"] == pytest.approx(2 / 5)  # 1.5 and 1.3 were capped, whatever Â's sign
-    assert out.metrics["clip/seq_frac"] == pytest.approx(1.0)
+    assert out.metrics[CLIP] == pytest.approx(2 / 5)  # 1.5 and 1.3 were capped, whatever Â's sign
+    assert out.metrics[CLIP_SEQ] == pytest.approx(1.0)
 
     out, grad = loss_and_grad(build_objective("cispo", clip_low=0.2), inputs)
     weights[1, 1] = 0.8
     torch.testing.assert_close(grad, -weights * advantages / 5, **TOL)
-    assert out.metrics["clip/token_frac"] == pytest.approx(3 / 5)
+    assert out.metrics[CLIP] == pytest.approx(3 / 5)
 
 
 def test_gspo_matches_hand_derived_loss_and_gradient():
@@ -116,9 +119,9 @@ def test_gspo_matches_hand_derived_loss_and_gradient():
     # Eq. 10: -Â_i·s_i / (|y_i|·B) on every token of an unclipped response.
     expected = torch.tensor([[-s0 / 6, -s0 / 6, 0.0], [0.0, 0.0, 0.0], [s2 / 3, 0.0, 0.0]])
     torch.testing.assert_close(grad, expected, **TOL)
-    assert out.metrics["clip/seq_frac"] == pytest.approx(1 / 3)
-    assert out.metrics["clip/token_frac"] == pytest.approx(3 / 6)  # token-weighted: the clipped response has 3
-    assert out.metrics["ratio/seq_mean"] == pytest.approx((s0 + math.exp(-1e-3) + s2) / 3, rel=1e-6)
+    assert out.metrics[CLIP_SEQ] == pytest.approx(1 / 3)
+    assert out.metrics[CLIP] == pytest.approx(3 / 6)  # token-weighted: the clipped response has 3
+    assert out.metrics[SEQ_RATIO_MEAN] == pytest.approx((s0 + math.exp(-1e-3) + s2) / 3, rel=1e-6)
 
 
 def test_gspo_token_equals_gspo_in_value_gradient_and_metrics():
@@ -131,7 +134,7 @@ def test_gspo_token_equals_gspo_in_value_gradient_and_metrics():
     inputs = dict(logp=logp, old_logp=old_logp, advantages=torch.randn(batch), mask=mask)
     gspo, gspo_grad = loss_and_grad(build_objective("gspo"), inputs)
     token, token_grad = loss_and_grad(build_objective("gspo_token"), inputs)
-    assert 0 < gspo.metrics["clip/seq_frac"] < 1
+    assert 0 < gspo.metrics[CLIP_SEQ] < 1
     assert torch.allclose(gspo.loss, token.loss, rtol=1e-6, atol=1e-7)
     assert torch.allclose(gspo_grad, token_grad, rtol=1e-6, atol=1e-8)
     assert gspo.metrics == pytest.approx(token.metrics)
@@ -149,8 +152,8 @@ def test_gmpo_clips_log_ratios_sign_aware_inside_the_geometric_mean():
     # d/d logp_t of -Â·exp(mean) = -Â·ratio_i / |y_i| for unclipped tokens, over B.
     expected = torch.tensor([[-math.exp(0.3) / 4, 0.0, 0.0], [1 / 3, 0.0, 1 / 3]])
     torch.testing.assert_close(grad, expected, **TOL)
-    assert out.metrics["clip/token_frac"] == pytest.approx(2 / 5)
-    assert out.metrics["clip/seq_frac"] == pytest.approx(1.0)
+    assert out.metrics[CLIP] == pytest.approx(2 / 5)
+    assert out.metrics[CLIP_SEQ] == pytest.approx(1.0)
 
 
 def sech2(x: float) -> float:
@@ -173,7 +176,7 @@ def test_sapo_soft_gate_loss_gradient_and_gate_metric():
         [[-1.0 / 4, -sech2(0.25) * 1.5 / 4], [2 * sech2(1.05 * -0.5 / 2) * 0.5 / 2, 0.0]]
     )
     torch.testing.assert_close(grad, expected, **TOL)
-    assert out.metrics["clip/token_frac"] == 0.0 and out.metrics["clip/seq_frac"] == 0.0
+    assert out.metrics[CLIP] == 0.0 and out.metrics[CLIP_SEQ] == 0.0
     gate = (1 + sech2(0.25) + sech2(1.05 * -0.5 / 2)) / 3
     assert out.metrics["sapo/gate_weight_mean"] == pytest.approx(gate, rel=1e-6)
 
@@ -191,9 +194,9 @@ def ragged_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 def test_on_policy_ratios_are_exactly_one_and_nothing_clips(name):
     out, grad = loss_and_grad(build_objective(name), ragged_batch())
     m = out.metrics
-    assert (m["ratio/token_mean"], m["ratio/token_max"], m["ratio/seq_mean"]) == (1.0, 1.0, 1.0)
-    assert (m["ratio/token_var"], m["ratio/seq_var"], m["kl/old_k3"]) == (0.0, 0.0, 0.0)
-    assert (m["clip/token_frac"], m["clip/seq_frac"]) == (0.0, 0.0)
+    assert (m[TOKEN_RATIO_MEAN], m[TOKEN_RATIO_MAX], m[SEQ_RATIO_MEAN]) == (1.0, 1.0, 1.0)
+    assert (m[TOKEN_RATIO_VAR], m[SEQ_RATIO_VAR], m[KL_OLD]) == (0.0, 0.0, 0.0)
+    assert (m[CLIP], m[CLIP_SEQ]) == (0.0, 0.0)
     assert torch.isfinite(grad).all()
 
 
@@ -264,13 +267,13 @@ def test_kl_penalty_is_k3_added_per_token_and_aggregated_like_the_loss():
     assert out.loss.item() == pytest.approx((-2 + 0.1 * (1 - math.log(2))) / 2, rel=1e-6)
     # d k3 / d logp = 1 - exp(ref - logp) = -1 on the first token.
     torch.testing.assert_close(grad, torch.tensor([[(-1 - 0.1) / 2, -1 / 2]]), **TOL)
-    assert out.metrics["loss/policy"] == pytest.approx(-1.0)
-    assert out.metrics["kl/ref_k3"] == pytest.approx((1 - math.log(2)) / 2, rel=1e-6)
+    assert out.metrics[POLICY_LOSS] == pytest.approx(-1.0)
+    assert out.metrics[KL_REF] == pytest.approx((1 - math.log(2)) / 2, rel=1e-6)
 
     out = build_objective("dr_grpo", kl_coef=0.1)(**inputs)  # same terms over B · T = 2
     assert out.loss.item() == pytest.approx((-2 + 0.1 * (1 - math.log(2))) / 2, rel=1e-6)
     out = build_objective("grpo")(**inputs)  # β = 0: the KL is reported, not added
-    assert out.loss.item() == pytest.approx(-1.0) and out.metrics["kl/ref_k3"] > 0
+    assert out.loss.item() == pytest.approx(-1.0) and out.metrics[KL_REF] > 0
 
 
 def expected_kl_term(estimator: str, theta: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor):
@@ -342,7 +345,7 @@ def test_low_precision_and_integer_masks_are_accepted():
     bf16 = {**inputs, "logp": inputs["logp"].bfloat16(), "old_logp": inputs["old_logp"].bfloat16()}
     out = build_objective("gspo")(**bf16)
     assert out.loss.dtype == torch.float32
-    assert out.metrics["ratio/seq_mean"] == 1.0 and out.metrics["ratio/token_var"] == 0.0
+    assert out.metrics[SEQ_RATIO_MEAN] == 1.0 and out.metrics[TOKEN_RATIO_VAR] == 0.0
 
 
 def test_hyperparameters_are_dataclass_fields_with_the_documented_defaults():
@@ -460,6 +463,6 @@ def test_the_readme_example_objective_registers_and_has_the_documented_gradient(
         inputs = batch_from_ratios([[1.3, 0.7], [1.0]], [2.0, -1.0], width=2)  # ratios play no part
         out, grad = loss_and_grad(build_objective("reinforce"), inputs)
         torch.testing.assert_close(grad, torch.tensor([[-2 / 4, -2 / 4], [1 / 2, 0.0]]))  # -Â_i / (|y_i|·B)
-        assert out.metrics["clip/token_frac"] == 0.0
+        assert out.metrics[CLIP] == 0.0
     finally:
         OBJECTIVES._classes.pop("reinforce", None)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig
 
-from models.registry import ConfigError
 from experiments.step.scoring import position_ids
 from models.policy import ModelConfig, build_policy, describe_policy
+from models.registry import ConfigError
 from models.routing import find_routers, record_routing, replay_routing, routing_drift
 from models.tokenizer import build_char_tokenizer
 

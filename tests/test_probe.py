@@ -12,7 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.config import PROJECT_ROOT
-from experiments.probe import run_probe
+from experiments.probe import PHASE as PROBE_PHASE, run_probe
+from experiments.step.metrics import DRIFT_PER_UPDATE, ENGINE_EXPERTS, MARGIN, ROUTING_SHARE
 from tests.conftest import MICRO_RUN
 
 PROBE_RUN = [o for o in MICRO_RUN if not o.startswith("trainer.steps=")]
@@ -30,19 +31,19 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
     assert [low["lr"], high["lr"]] == [1e-4, 3e-2]
     for setting in (low, high):
         assert len(setting["drift_per_layer"]) == 2
-        assert setting["routing/expert_change_per_update"] == pytest.approx(sum(setting["drift_per_layer"]) / 2)
-        assert math.isfinite(setting["decompose/routing_share"]) and setting["routing/margin"] > 0
+        assert setting[DRIFT_PER_UPDATE] == pytest.approx(sum(setting["drift_per_layer"]) / 2)
+        assert math.isfinite(setting[ROUTING_SHARE]) and setting[MARGIN] > 0
         # pooled over the measured steps' off-policy minibatches (1 of 2 per step), with its standard error
-        assert setting["decompose/routing_share_n"] == 2 and setting["decompose/routing_share_sem"] >= 0
-        assert setting["routing/expert_change_per_update_n"] == 2
+        assert setting[ROUTING_SHARE + "_n"] == 2 and setting[ROUTING_SHARE + "_sem"] >= 0
+        assert setting[DRIFT_PER_UPDATE + "_n"] == 2
     # a step 300x larger moves more experts: the probe's drift follows the update, not the sampling
-    assert high["routing/expert_change_per_update"] > low["routing/expert_change_per_update"]
+    assert high[DRIFT_PER_UPDATE] > low[DRIFT_PER_UPDATE]
     assert 2 <= summary["answer_tokens"] <= 4  # up to 3 digits of a 2-digit sum, and eos
     assert [m["precision"] for m in summary["precision_mismatch"]] == ["bf16", "fp16"]
-    assert all(0 <= m["mismatch/expert_frac"] <= 1 for m in summary["precision_mismatch"])
+    assert all(0 <= m[ENGINE_EXPERTS] <= 1 for m in summary["precision_mismatch"])
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # warm and measured steps of both rates, then one step per engine precision
-    assert [line["probe/phase"] for line in lines] == ["warm", "measure", "measure"] * 2 + ["precision_bf16", "precision_fp16"]
+    assert [line[PROBE_PHASE] for line in lines] == ["warm", "measure", "measure"] * 2 + ["precision_bf16", "precision_fp16"]
     assert json.loads((tmp_path / "summary.json").read_text())["settings"][1]["lr"] == 3e-2
 
 
@@ -69,5 +70,5 @@ def test_a_learning_rate_that_diverges_is_an_entry_that_says_so_and_the_next_is_
     summary = run_probe(compose_probe("probe.lrs=[1e30,1e-3]", "probe.precisions=[]"), tmp_path)
     broken, healthy = summary["settings"]
     assert broken["lr"] == 1e30 and "NaN or inf" in broken["diverged"]
-    assert healthy["lr"] == 1e-3 and healthy["routing/expert_change_per_update"] >= 0
+    assert healthy["lr"] == 1e-3 and healthy[DRIFT_PER_UPDATE] >= 0
     assert "lr 1e+30 diverged at step" in capsys.readouterr().err

@@ -19,11 +19,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from experiments.run.checkpoint import find as find_checkpoint
 from experiments.config import PROJECT_ROOT
-from models.registry import ConfigError
+from experiments.run.checkpoint import find as find_checkpoint
+from experiments.step.metrics import STEP
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
+from models.registry import ConfigError
 from models.routing import record_routing, replay_routing
 from tests.conftest import MICRO_MODEL, MICRO_RUN
 from tests.test_train import compose_train, read_metrics
@@ -90,7 +91,7 @@ def test_two_runs_started_together_get_their_own_directories_and_one_directory_o
     owner.send_signal(signal.SIGTERM)
     owner.wait(timeout=120)
     lines = read_metrics(shared)
-    assert [line["train/step"] for line in lines] == list(range(1, len(lines) + 1))
+    assert [line[STEP] for line in lines] == list(range(1, len(lines) + 1))
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -104,7 +105,7 @@ def test_sigterm_and_ctrl_c_end_the_run_cleanly(tmp_path, signum, code):
     summary = json.loads((tmp_path / "summary.json").read_text())
     lines = read_metrics(tmp_path)
     assert summary["status"] == "interrupted" and summary["steps"] == len(lines) >= 2
-    assert [line["train/step"] for line in lines] == list(range(1, len(lines) + 1)), "no partial step is logged"
+    assert [line[STEP] for line in lines] == list(range(1, len(lines) + 1)), "no partial step is logged"
     wandb_run = next((tmp_path / "wandb").glob("offline-run-*"))
     assert any(wandb_run.glob("*.wandb")), "W&B was closed with the run"
 
@@ -207,7 +208,7 @@ def test_a_disk_that_fills_in_the_middle_of_a_line_leaves_only_whole_lines(tmp_p
     assert kept and int(kept[2]) == int(kept[1]) + 1, line
     text = (tmp_path / "metrics.jsonl").read_text()
     assert text.endswith("\n"), "a partial line was left"
-    assert [json.loads(row)["train/step"] for row in text.splitlines()] == list(range(1, int(kept[1]) + 1))
+    assert [json.loads(row)[STEP] for row in text.splitlines()] == list(range(1, int(kept[1]) + 1))
 
 
 # -- runs that end early: divergence, signals during a checkpoint -------------------------------------------------
@@ -224,7 +225,7 @@ def test_a_run_that_diverges_ends_in_one_line_with_its_log_whole_and_status_dive
     summary = json.loads((tmp_path / "summary.json").read_text())
     lines = read_metrics(tmp_path)
     assert summary["status"] == "diverged" and why in summary["diverged"]
-    assert summary["steps"] == len(lines) and [row["train/step"] for row in lines] == list(range(1, len(lines) + 1))
+    assert summary["steps"] == len(lines) and [row[STEP] for row in lines] == list(range(1, len(lines) + 1))
 
 
 def test_sigterm_while_a_checkpoint_is_written_lands_after_the_write(tmp_path):
@@ -454,7 +455,7 @@ def test_resume_refuses_a_damaged_checkpoint_and_auto_takes_the_newest_intact_on
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert (f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2), the newest intact checkpoint, passing "
             f"over 1 damaged: {newest / 'state' / '__0_0.distcp'} holds ") in auto.stderr
-    assert [row["train/step"] for row in read_metrics(run_dir)] == [1, 2, 3]
+    assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 
 

@@ -3,10 +3,15 @@ full forward of the trainer's model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
-from experiments.step.engines.hf import HFEngine, collect_rollout
+from experiments.step.engines import HFEngine
+from experiments.step.metrics import MISMATCH_K3
 from experiments.step.scoring import FED, score_responses
+from experiments.step.trainer import collect_rollout
 from experiments.tasks import build_task
 from models.routing import NO_ROUTE, record_routing, routing_drift
 
@@ -53,3 +58,35 @@ def test_shared_prefill_changes_nothing_but_the_cost(micro_policy):
     expected = tokenizer.batch_decode(plain[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
     assert rollout.completions == expected
     assert len(set(rollout.completions)) > 1, "a degenerate model would make this comparison vacuous"
+
+
+def test_the_readme_example_engine_returns_text_only_and_the_run_adapts(tmp_path):
+    """`Add an engine` in the README is code a newcomer copies: it must run as printed. An engine that returns no
+    log-probs makes the run recompute π_old, and what reads μ_old is refused in one line."""
+    from experiments.step.engines import ENGINES
+    from experiments.train import train
+    from tests.test_train import compose_train, read_metrics
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    code = readme.split("## Add an engine", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    try:
+        exec(compile(code, "README.md", "exec", dont_inherit=True), {"__name__": "readme"})
+        summary = train(compose_train("rollout.engine=text_only", "trainer.steps=1"), tmp_path / "run")
+        assert summary["engine"] == "text_only" and summary["pi_old"] == "decoupled"
+        assert MISMATCH_K3 not in read_metrics(tmp_path / "run")[0], "no μ_old to measure the mismatch against"
+        with pytest.raises(SystemExit, match="correction=tis / algo=grpo read μ_old's log-probs, which "
+                                             "rollout.engine=text_only does not return"):
+            train(compose_train("rollout.engine=text_only", "correction=tis"), tmp_path / "refused")
+        with pytest.raises(SystemExit, match="routing.replay=r3 replays the engine's experts, which "
+                                             "rollout.engine=text_only does not report"):
+            train(compose_train("rollout.engine=text_only", "routing.replay=r3"), tmp_path / "r3")
+    finally:
+        ENGINES._classes.pop("text_only", None)
+
+
+def test_an_unknown_engine_is_refused_naming_the_registered_ones(tmp_path):
+    from experiments.train import train
+    from tests.test_train import compose_train
+
+    with pytest.raises(SystemExit, match="unknown rollout engine 'sglang'; valid names: hf, vllm"):
+        train(compose_train("rollout.engine=sglang"), tmp_path)

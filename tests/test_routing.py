@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.step.metrics import DRIFT, FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MASS, drift_metrics, per_layer
 from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
-from models.routing import find_routers
-from models.routing import NO_ROUTE, RoutingTrace, record_routing, replay_routing, routing_drift
+from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, replay_routing, routing_drift
 
 
 def _batch(tokenizer, texts=("12+34=5", "7+8=15", "99+1=100")):
@@ -185,7 +185,7 @@ def test_drift_on_hand_built_traces():
     assert drift.expert_change_frac == pytest.approx(0.375)
     assert drift.token_any_change_frac == pytest.approx(0.5)
     assert drift.tokens == 2
-    assert drift.metrics["routing/expert_change_frac/layer_1"] == 0.5
+    assert drift_metrics(drift)[per_layer(DRIFT, 1)] == 0.5
 
 
 def test_drift_ignores_unrecorded_positions():
@@ -236,9 +236,9 @@ def test_router_fragility_by_hand():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0]])
     stats = router_fragility([logits], torch.tensor([1.0, 0.0]), top_k=2, margin=0.1)
     p = torch.softmax(logits[0], -1)
-    assert stats["routing/topk_mass"] == pytest.approx(float(p[0] + p[1]))
-    assert stats["routing/margin"] == pytest.approx(float(p[1] - p[2]))
-    assert stats["routing/logit_margin"] == pytest.approx(0.5)  # 1.0 - 0.5: log(p_2 / p_3)
-    assert stats["routing/logit_margin"] == pytest.approx(math.log(float(p[1] / p[2])))
-    assert stats["routing/fragile_frac"] == (1.0 if float(p[1] - p[2]) < 0.1 else 0.0)
-    assert stats["routing/logit_margin/layer_0"] == stats["routing/logit_margin"]
+    assert stats[TOPK_MASS] == pytest.approx(float(p[0] + p[1]))
+    assert stats[MARGIN] == pytest.approx(float(p[1] - p[2]))
+    assert stats[LOGIT_MARGIN] == pytest.approx(0.5)  # 1.0 - 0.5: log(p_2 / p_3)
+    assert stats[LOGIT_MARGIN] == pytest.approx(math.log(float(p[1] / p[2])))
+    assert stats[FRAGILE] == (1.0 if float(p[1] - p[2]) < 0.1 else 0.0)
+    assert stats[per_layer(LOGIT_MARGIN, 0)] == stats[LOGIT_MARGIN]

@@ -17,12 +17,17 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from algos import OBJECTIVES, build_objective
+from algos.objective import POLICY_LOSS, TOKEN_RATIO_VAR
 from algos.routing_variants import ROUTING_VARIANTS
 from algos.routing_variants.full_replay import GateReplay
-from algos.routing_variants.router_shift import KeepOwnRouting, router_shift
-from algos.routing_variants.soft_replay import SoftReplayRule, fill_rejected, kept_experts
+from algos.routing_variants.router_shift import (
+    DEVIATION as SHIFT_DEVIATION, FLOOR_FRAC as SHIFT_FLOOR_FRAC, KeepOwnRouting, WEIGHT as SHIFT_WEIGHT,
+    router_shift,
+)
+from algos.routing_variants.soft_replay import KEPT as SOFT_REPLAY_KEPT, SoftReplayRule, fill_rejected, kept_experts
 from experiments.config import register_configs
-from experiments.step.engines.hf import HFEngine
+from experiments.step.engines import HFEngine
+from experiments.step.metrics import DRIFT_PER_UPDATE, GRAD_NORM, REWARD, per_layer
 from experiments.step.scoring import FED, score_responses
 from experiments.train import RLTrainer, train
 from models.routing import ReplayedRoutes, find_routers, flip_routing, record_routing, replay_routing
@@ -113,10 +118,10 @@ def test_router_shift_by_hand():
     torch.testing.assert_close(shift.log_weight, torch.tensor([[-delta[0], math.log(0.8), 0.0]]))
     assert shift.floored.tolist() == [[False, True, False]]
     metrics = shift.metrics(mask)
-    assert metrics["routing/router_shift_weight"] == pytest.approx((math.exp(-delta[0]) + 0.8) / 2)
-    assert metrics["routing/router_shift_floor_frac"] == pytest.approx(0.5)
-    assert metrics["routing/router_shift_deviation"] == pytest.approx(sum(delta) / 2)
-    assert metrics["routing/router_shift_deviation/layer_1"] == pytest.approx((half_ln2 + ln2) / 2)
+    assert metrics[SHIFT_WEIGHT] == pytest.approx((math.exp(-delta[0]) + 0.8) / 2)
+    assert metrics[SHIFT_FLOOR_FRAC] == pytest.approx(0.5)
+    assert metrics[SHIFT_DEVIATION] == pytest.approx(sum(delta) / 2)
+    assert metrics[per_layer(SHIFT_DEVIATION, 1)] == pytest.approx((half_ln2 + ln2) / 2)
     unfloored = router_shift(new, old, mask, floor=0.0)
     assert unfloored.log_weight[0, 1] == pytest.approx(-delta[1]) and not unfloored.floored.any()
 
@@ -238,11 +243,11 @@ def test_soft_replay_in_the_loop_at_its_extremes_is_r2_and_no_replay(tmp_path):
     none = _metrics(tmp_path, "none", "trainer.pi_old=decoupled")
     nothing = _metrics(tmp_path, "nothing", "routing.replay=r2", "routing_variant=soft_replay",
                        "routing_variant.top_margin=null")
-    assert everything[1]["routing/soft_replay_kept_frac"] == 1.0 and nothing[1]["routing/soft_replay_kept_frac"] == 0.0
-    for key in ("loss/policy", "ratio/token_var", "routing/expert_change_per_update", "reward/mean"):
+    assert everything[1][SOFT_REPLAY_KEPT] == 1.0 and nothing[1][SOFT_REPLAY_KEPT] == 0.0
+    for key in (POLICY_LOSS, TOKEN_RATIO_VAR, DRIFT_PER_UPDATE, REWARD):
         assert everything[1][key] == r2[1][key], key
         assert nothing[1][key] == none[1][key], key
-    assert everything[1]["loss/policy"] != nothing[1]["loss/policy"]
+    assert everything[1][POLICY_LOSS] != nothing[1][POLICY_LOSS]
 
 
 def test_full_replay_leaves_the_routers_to_the_load_balancing_loss():
@@ -284,7 +289,7 @@ def test_router_shift_hands_the_objective_pi_old_over_the_factor_recomputed_from
     objective = trainer.objective
     monkeypatch.setattr(trainer, "objective", lambda **kwargs: seen.append(kwargs) or objective(**kwargs))
     first = trainer.update(minibatches[0], old[0])
-    assert first["routing/router_shift_weight"] == 1.0 and torch.equal(seen[0]["old_logp"], seen[0]["logp"].detach())
+    assert first[SHIFT_WEIGHT] == 1.0 and torch.equal(seen[0]["old_logp"], seen[0]["logp"].detach())
     mb = minibatches[1]
     before, now = _router_logprobs(theta_old, mb), _router_logprobs(trainer.model, mb)
     chosen = before.topk(2, dim=-1).indices  # θ_old's experts
@@ -294,7 +299,7 @@ def test_router_shift_hands_the_objective_pi_old_over_the_factor_recomputed_from
     later = trainer.update(mb, old[1])
     assert gap[mb.response_mask].mean() > 0.05, "the update must move the routers for the check to mean anything"
     torch.testing.assert_close(seen[1]["old_logp"], expected, rtol=0, atol=1e-5)
-    assert 0.5 <= later["routing/router_shift_weight"] < 1.0
+    assert 0.5 <= later[SHIFT_WEIGHT] < 1.0
 
 
 @pytest.mark.parametrize("overrides", [("routing.replay=r2", "routing_variant=full_replay"),
@@ -311,11 +316,11 @@ def test_every_objective_composes_with_every_variant(overrides):
         trainer.objective = build_objective(name)
         for mb, old_policy in zip(minibatches, old):
             metrics = trainer.update(mb, old_policy)
-            assert math.isfinite(metrics["loss/policy"]) and math.isfinite(metrics["optim/grad_norm"]), (name, variant)
+            assert math.isfinite(metrics[POLICY_LOSS]) and math.isfinite(metrics[GRAD_NORM]), (name, variant)
         if variant == "soft_replay":
-            assert 0.0 < metrics["routing/soft_replay_kept_frac"] <= 1.0
+            assert 0.0 < metrics[SOFT_REPLAY_KEPT] <= 1.0
         if variant == "router_shift":
-            assert 0.8 <= metrics["routing/router_shift_weight"] <= 1.0
+            assert 0.8 <= metrics[SHIFT_WEIGHT] <= 1.0
 
 
 # -- configuration and refusals -----------------------------------------------------------------------------------
@@ -427,7 +432,7 @@ def test_the_readme_example_routing_variant_replays_the_first_layers_only(micro_
         assert torch.equal(used[1], own[1]) and not torch.equal(own[1], old.experts[1].reshape(B * S, K)[valid].long())
         with pytest.raises(ConfigError, match="routing_variant=shallow_replay replays the first layers of a replayed "
                                               "routing: use routing.replay=r2 or r3, not none"):
-            variant.check("none", "micro_moe", True, "hf", True)
+            variant.check("none", "micro_moe", True)
         with pytest.raises(ConfigError, match="layers=-1 must be >= 0"):
             build_routing_variant("shallow_replay", layers=-1)
     finally:

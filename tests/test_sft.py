@@ -9,8 +9,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.config import PROJECT_ROOT
-from experiments.step.scoring import position_ids
 from experiments.sft import IGNORE, cold_start, demonstration_batch
+from experiments.step.metrics import LR, SFT_LOSS
+from experiments.step.scoring import position_ids
 from experiments.tasks import Example
 from models.policy import ModelConfig, build_policy
 from tests.conftest import MICRO_MODEL
@@ -39,10 +40,10 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
     with pytest.warns(UserWarning, match="below sft.target_accuracy=0.45"):  # 6 steps teach little: it says so
         model, summary = cold_start(cfg, tmp_path / "run")
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses = [line["sft/loss"] for line in lines]
+    losses = [line[SFT_LOSS] for line in lines]
     assert len(losses) == 6 and losses[-1] < losses[0]
     # linear warm-up over 3 steps to 3e-3, then linear decay to 0 at sft.max_steps
-    assert [line["optim/lr"] for line in lines] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 2e-3, 1e-3])
+    assert [line[LR] for line in lines] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 2e-3, 1e-3])
     assert summary["checkpoint"] == str(tmp_path / "ckpt")
 
     reloaded, tokenizer = build_policy(ModelConfig(name="micro_moe", path=str(tmp_path / "ckpt"),

@@ -1,15 +1,14 @@
-"""Packed scoring (`models.shared_prefix`): each group's prompt fed once, the same numbers as feeding every row."""
+"""Packed scoring (`experiments.step.scoring.SharedPrefix`): each group's prompt fed once, the same numbers as feeding
+every row."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from experiments.step.scoring import position_ids
-from experiments.step.scoring import FED, score_responses
+from experiments.step.scoring import FED, SharedPrefix, position_ids, score_responses
 from models.policy import ModelConfig, build_policy
 from models.routing import RoutingTrace
-from models.shared_prefix import SharedPrefix
 from tests.conftest import MICRO_MODEL
 from tests.test_policy import _save, every_family
 

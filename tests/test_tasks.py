@@ -10,9 +10,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.config import register_configs
-from models.registry import ConfigError
-from experiments.tasks import TASKS, Example, Task, build_task
+from experiments.tasks import Example, TASKS, Task, build_task
 from experiments.tasks.gsm8k import extract_final_number, normalize_number
+from models.registry import ConfigError
 from models.tokenizer import ALPHABET
 
 CONF_DATASET = Path(__file__).resolve().parents[1] / "conf" / "dataset"

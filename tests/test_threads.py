@@ -1,4 +1,4 @@
-"""experiments/threads.py: the thread budget follows the cores other processes leave free, measured over a step.
+"""experiments/run/threads.py: the thread budget follows the cores other processes leave free, measured over a step.
 
 The machine may be busy with other work while the tests run, so load is compared against a baseline measured
 just before, never against zero."""

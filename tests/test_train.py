@@ -13,25 +13,34 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from algos import OBJECTIVES, ObjectiveOutput, group_advantages
+from algos.objective import (
+    CLIP, CLIP_SEQ, KL_OLD, KL_REF, POLICY_LOSS, SEQ_RATIO_MEAN, SEQ_RATIO_VAR, TOKEN_RATIO_MAX, TOKEN_RATIO_MEAN,
+    TOKEN_RATIO_VAR,
+)
 from experiments.config import PROJECT_ROOT
-from experiments.step.scoring import FED, score_responses
-from experiments.train import RLTrainer, train
+from experiments.step.metrics import (
+    AUX_LOSS, DRIFT, DRIFT_OVER_MINIBATCHES, DRIFT_PER_UPDATE, ENGINE_EXPERTS, ENTROPY, ESS, EVAL_ACCURACY,
+    EVAL_GREEDY, FRAGILE, GRAD_NORM, LENGTH, LOAD_MAX_VIOLATION, LR, MARGIN, MISMATCH_K1, MISMATCH_K3, REWARD,
+    REWARD_ACCURACY, REWARD_STD, ROLLOUT_TIME, ROLLOUT_TOKENS_PER_S, SKIPPED, STEP, STEP_TIME, TOKENS,
+    TOKEN_DRIFT_PER_UPDATE, TOPK_MASS, TRAIN_TIME, TRUNCATED, ZERO_STD_GROUPS, per_layer, started,
+)
+from experiments.step.scoring import FED, SharedPrefix, score_responses
 from experiments.step.trainer import minibatch_order, split_minibatches
+from experiments.train import RLTrainer, train
 from models.routing import find_routers, routing_drift
-from models.shared_prefix import SharedPrefix
 from tests.conftest import MICRO_RUN
 
 CONF = str(PROJECT_ROOT / "conf")
 
 STEP_METRICS = [
-    "train/step", "train/tokens", "reward/mean", "reward/std", "reward/accuracy", "reward/zero_std_group_frac",
-    "response/length_mean", "response/truncated_frac", "ratio/token_mean", "ratio/token_var", "ratio/token_max",
-    "ratio/seq_mean", "ratio/seq_var", "clip/token_frac", "clip/seq_frac", "kl/old_k3", "loss/policy",
-    "policy/entropy", "optim/grad_norm", "optim/lr", "optim/skipped_steps", "moe/aux_loss", "moe/load_max_violation",
-    "routing/expert_change_per_update", "routing/expert_change_per_update/layer_0",
-    "routing/expert_change_per_update/layer_1", "routing/token_any_change_per_update",
-    "routing/expert_change_mean_over_minibatches", "routing/topk_mass", "routing/margin/layer_1",
-    "routing/fragile_frac", "mismatch/kl_k1", "mismatch/ess", "perf/step_s", "perf/rollout_s", "perf/train_s", "perf/rollout_tokens_per_s",
+    STEP, TOKENS, REWARD, REWARD_STD, REWARD_ACCURACY, ZERO_STD_GROUPS,
+    LENGTH, TRUNCATED, TOKEN_RATIO_MEAN, TOKEN_RATIO_VAR, TOKEN_RATIO_MAX,
+    SEQ_RATIO_MEAN, SEQ_RATIO_VAR, CLIP, CLIP_SEQ, KL_OLD, POLICY_LOSS,
+    ENTROPY, GRAD_NORM, LR, SKIPPED, AUX_LOSS, LOAD_MAX_VIOLATION,
+    DRIFT_PER_UPDATE, per_layer(DRIFT_PER_UPDATE, 0),
+    per_layer(DRIFT_PER_UPDATE, 1), TOKEN_DRIFT_PER_UPDATE,
+    DRIFT_OVER_MINIBATCHES, TOPK_MASS, per_layer(MARGIN, 1),
+    FRAGILE, MISMATCH_K1, ESS, STEP_TIME, ROLLOUT_TIME, TRAIN_TIME, ROLLOUT_TOKENS_PER_S,
 ]
 
 
@@ -72,21 +81,21 @@ def first_step_inputs(trainer: RLTrainer):
 def test_every_objective_and_replay_mode_runs_and_logs(tmp_path, algo, replay):
     summary = train(compose_train(f"algo={algo}", f"routing.replay={replay}", "trainer.eval_every=3"), tmp_path)
     lines = read_metrics(tmp_path)
-    assert len(lines) == 3 and [line["train/step"] for line in lines] == [1, 2, 3]
+    assert len(lines) == 3 and [line[STEP] for line in lines] == [1, 2, 3]
     for name in STEP_METRICS:
         assert name in lines[0], name
-    assert "eval/accuracy" in lines[-1] and "eval/greedy_accuracy" in lines[-1]
-    assert summary["eval_greedy_accuracy_start"] == lines[0]["eval_start/greedy_accuracy"], "the start's evaluation"
-    assert "mismatch/kl_k3" in lines[0], "the first minibatch's forward is π_old: the mismatch is measured"
+    assert EVAL_ACCURACY in lines[-1] and EVAL_GREEDY in lines[-1]
+    assert summary["eval_greedy_accuracy_start"] == lines[0][started(EVAL_GREEDY)], "the start's evaluation"
+    assert MISMATCH_K3 in lines[0], "the first minibatch's forward is π_old: the mismatch is measured"
     if replay == "r3":
-        assert "mismatch/expert_frac" in lines[0] and "mismatch/expert_frac/layer_1" in lines[0]
+        assert ENGINE_EXPERTS in lines[0] and per_layer(ENGINE_EXPERTS, 1) in lines[0]
     first = lines[0]["minibatches"][0]
     assert [mb["minibatch"] for mb in lines[0]["minibatches"]] == [0, 1]
     # On-policy first minibatch: θ = θ_old, scored with the same shapes, so ratios are exactly 1, nothing clips
     # and the routing has not moved.
-    assert first["ratio/token_mean"] == 1.0 and first["ratio/seq_mean"] == 1.0
-    assert first["clip/token_frac"] == 0.0 and first["clip/seq_frac"] == 0.0
-    assert first["routing/expert_change_frac"] == 0.0
+    assert first[TOKEN_RATIO_MEAN] == 1.0 and first[SEQ_RATIO_MEAN] == 1.0
+    assert first[CLIP] == 0.0 and first[CLIP_SEQ] == 0.0
+    assert first[DRIFT] == 0.0
     assert summary["status"] == "finished"
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
 
@@ -103,7 +112,7 @@ def test_r2_replays_recorded_experts_while_drift_stays_measurable(layout):
     for j, (mb, old_policy) in enumerate(zip(minibatches, old)):
         used.clear()
         metrics = trainer.update(mb, old_policy)
-        drifts.append(metrics["routing/expert_change_frac"])
+        drifts.append(metrics[DRIFT])
         if j == 0:
             continue
         L, B, S, K = old_policy.replay.shape
@@ -136,7 +145,7 @@ def test_dense_control_runs_without_routing_metrics(tmp_path):
     train(compose_train("model=tiny_dense", "model.hidden_size=32", "model.num_hidden_layers=2",
                         "model.head_dim=8", "model.intermediate_size=64"), tmp_path)
     line = read_metrics(tmp_path)[0]
-    assert "reward/mean" in line and "routing/expert_change_frac" not in line
+    assert REWARD in line and DRIFT not in line
 
 
 def test_non_finite_losses_are_skipped_then_end_the_run_as_diverged(tmp_path, monkeypatch):
@@ -165,7 +174,7 @@ def test_non_finite_losses_are_skipped_then_end_the_run_as_diverged(tmp_path, mo
     assert "the run diverged in step 2: 3 optimizer updates in a row had a non-finite loss" in message
     assert "\n" not in message
     lines = read_metrics(tmp_path)
-    assert [line["optim/skipped_steps"] for line in lines] == [2], "step 1's two updates were refused, step 2 stopped"
+    assert [line[SKIPPED] for line in lines] == [2], "step 1's two updates were refused, step 2 stopped"
     trainer = trainers[0]
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, trainer.initial[name]), f"{name} changed although every update was skipped"
@@ -213,9 +222,9 @@ def test_reference_kl_and_router_aux_loss_enter_the_update(tmp_path, layout):
                         "trainer.steps=2")
     assert train(cfg, tmp_path)["minibatch_layout"] == layout
     lines = read_metrics(tmp_path)
-    assert lines[0]["minibatches"][0]["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7), "θ = reference before any update"
-    assert lines[-1]["kl/ref_k3"] > 0.0
-    assert all(0.0 < line["moe/aux_loss"] < float("inf") for line in lines)
+    assert lines[0]["minibatches"][0][KL_REF] == pytest.approx(0.0, abs=1e-7), "θ = reference before any update"
+    assert lines[-1][KL_REF] > 0.0
+    assert all(0.0 < line[AUX_LOSS] < float("inf") for line in lines)
 
 
 @pytest.mark.parametrize("layout", ["groups", "rows"])
@@ -239,7 +248,7 @@ def test_checkpoint_model_group_trains_a_local_checkpoint_with_transformers_kern
     trainer = RLTrainer(compose_train("model=checkpoint", f"model.path={tmp_path / 'ckpt'}"))
     assert trainer.model.config._attn_implementation == "sdpa"
     assert trainer.model.config._experts_implementation == "grouped_mm"
-    assert trainer.step()["train/step"] == 1
+    assert trainer.step()[STEP] == 1
 
 
 def test_cli_refuses_bad_input_without_a_traceback(tmp_path):
@@ -295,7 +304,7 @@ def test_drift_metric_matches_a_recomputation():
         routes = trainer._score(trainer.model, mb, record=True).routes
     expected = routing_drift(old[1].routes, routes, mb.token_mask).expert_change_frac
     assert expected > 0.0, "a large learning rate moves the routing: the comparison must not be 0 == 0"
-    assert trainer.update(mb, old[1])["routing/expert_change_frac"] == pytest.approx(expected)
+    assert trainer.update(mb, old[1])[DRIFT] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -308,7 +317,7 @@ def test_pi_old_is_recomputed_only_where_replay_needs_it_or_asked(tmp_path, repl
                     tmp_path)
     assert summary["pi_old"] == source and summary["pi_old_why"]
     first = read_metrics(tmp_path)[0]["minibatches"][0]
-    assert first["ratio/token_mean"] == 1.0, "the on-policy minibatch is exact whatever the source"
+    assert first[TOKEN_RATIO_MEAN] == 1.0, "the on-policy minibatch is exact whatever the source"
 
 
 def test_rollout_logprobs_are_theta_olds_own_numbers():
@@ -338,13 +347,13 @@ def test_kl_to_a_frozen_reference_is_logged_and_starts_at_zero(tmp_path):
     train(compose_train("algo=grpo", "algo.kl_coef=0.05", "trainer.steps=2"), tmp_path)
     lines = read_metrics(tmp_path)
     first, later = lines[0]["minibatches"][0], lines[-1]["minibatches"][-1]
-    assert first["kl/ref_k3"] == 0.0, "before any update the policy is the reference"
-    assert later["kl/ref_k3"] > 0.0
+    assert first[KL_REF] == 0.0, "before any update the policy is the reference"
+    assert later[KL_REF] > 0.0
 
 
 def test_learning_rate_follows_the_schedule(tmp_path):
     train(compose_train("trainer.lr_schedule=linear", "trainer.warmup_steps=2", "trainer.steps=3"), tmp_path)
-    lrs = [mb["optim/lr"] for line in read_metrics(tmp_path) for mb in line["minibatches"]]
+    lrs = [mb[LR] for line in read_metrics(tmp_path) for mb in line["minibatches"]]
     # 6 updates: warm-up 1/2, 2/2 of 1e-2, then linear decay over the remaining 4 updates.
     assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 7.5e-3, 5e-3, 2.5e-3])
 
@@ -391,8 +400,8 @@ def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(r
     mask = mb.response_mask
     for name in ("logp", "old_logp"):
         torch.testing.assert_close(seen["objective"][name].detach()[mask], independent.logp[mask], rtol=0, atol=1e-5)
-    assert metrics["ratio/token_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["clip/token_frac"] == 0.0
+    assert metrics[TOKEN_RATIO_MEAN] == pytest.approx(1.0, abs=1e-5) and metrics[CLIP] == 0.0
     drift = routing_drift(independent.routes, seen["scores"].routes, mb.token_mask)
     assert drift.tokens > 0 and drift.expert_change_frac == 0.0
     later = trainer.update(minibatches[1], old[1])
-    assert later["routing/expert_change_frac"] > 0.0 or later["ratio/token_var"] > 0.0, "the test must see an update"
+    assert later[DRIFT] > 0.0 or later[TOKEN_RATIO_VAR] > 0.0, "the test must see an update"

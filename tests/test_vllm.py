@@ -18,17 +18,19 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.core_model_loading import revert_weight_conversion  # noqa: E402
 
+from algos.objective import POLICY_LOSS  # noqa: E402
 from benchmarks.vllm_rollout import family_config  # noqa: E402
-from experiments.step.engines.hf import HFEngine  # noqa: E402
-from models.registry import ConfigError  # noqa: E402
-from experiments.step.scoring import FED, score_responses  # noqa: E402
+from experiments.step.checks import check_run  # noqa: E402
+from experiments.step.engines import HFEngine  # noqa: E402
+from experiments.step.engines.vllm import VLLMEngine, _installed_build, checkpoint_weights  # noqa: E402
+from experiments.step.metrics import GRAD_NORM, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP  # noqa: E402
+from experiments.step.scoring import FED, SharedPrefix, score_responses  # noqa: E402
+from experiments.step.trainer import RLTrainer  # noqa: E402
 from experiments.tasks import build_task  # noqa: E402
 from experiments.train import train  # noqa: E402
-from experiments.step.trainer import RLTrainer, check_run  # noqa: E402
-from experiments.step.engines.vllm import VLLMEngine, _installed_build, checkpoint_weights  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
+from models.registry import ConfigError  # noqa: E402
 from models.routing import NO_ROUTE, record_routing  # noqa: E402
-from models.shared_prefix import SharedPrefix  # noqa: E402
 from models.tokenizer import build_char_tokenizer  # noqa: E402
 from tests.conftest import MICRO_MODEL  # noqa: E402
 from tests.test_train import compose_train, experts_used, read_metrics  # noqa: E402
@@ -215,8 +217,8 @@ MOVING = ["routing.replay=r3", "trainer.router_aux_loss_coef=0.1"]
 
 def _kl_k3(run_dir) -> list[float]:
     lines = read_metrics(run_dir)
-    assert all(line["optim/grad_norm"] > 0 for line in lines), "the weights must change every step"
-    return [line["mismatch/kl_k3"] for line in lines]
+    assert all(line[GRAD_NORM] > 0 for line in lines), "the weights must change every step"
+    return [line[MISMATCH_K3] for line in lines]
 
 
 def test_r3_run_replays_the_engines_experts_and_the_mismatch_is_tiny_in_fp32(tmp_path, monkeypatch):
@@ -261,8 +263,8 @@ def test_a_resumed_run_samples_exactly_what_the_uninterrupted_one_sampled(tmp_pa
     monkeypatch.undo()
     train(compose_train(*run, "resume=auto"), tmp_path / "cut")
     whole, cut = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "cut")
-    assert [line["train/step"] for line in cut] == [1, 2, 3]
-    for key in ("reward/mean", "response/length_mean", "mismatch/kl_k1", "loss/policy", "optim/grad_norm"):
+    assert [line[STEP] for line in cut] == [1, 2, 3]
+    for key in (REWARD, LENGTH, MISMATCH_K1, POLICY_LOSS, GRAD_NORM):
         assert cut[2][key] == whole[2][key], key
 
 

@@ -10,12 +10,11 @@ Orthogonal to the objective, like Routing Replay: `correction=<name>` picks one 
 `geo_rs`, `opsm`), each one small module registered in `CORRECTIONS` with its formula, source and defaults.
 Everything is computed in fp32 and in log space; sequence products are sums of log ratios, clamped before `exp`.
 
-`mismatch_metrics` measures the mismatch itself, with or without a correction (`mismatch/*`).
+The mismatch itself is measured by the loop, with or without a correction (`experiments.step.metrics`).
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -24,7 +23,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from algos.common import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND, masked, masked_mean, sequence_mean
+from algos.objective import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND, masked, masked_mean, sequence_mean
 from models.registry import ConfigError, Registry, check_fields
 
 
@@ -107,52 +106,26 @@ def build_correction(name: str, **params: object) -> Correction:
     return CORRECTIONS.build(name, **params)
 
 
+def token_frac(what: str) -> str:
+    """The name of the share of valid tokens a correction did `what` to (truncated, masked, ...)."""
+    return f"mismatch/{what}_token_frac"
+
+
+def seq_frac(what: str) -> str:
+    """The name of the share of non-empty sequences holding a token a correction did `what` to."""
+    return f"mismatch/{what}_seq_frac"
+
+
 def fractions(inputs: CorrectionInputs, token_hit: Tensor, what: str) -> dict[str, Tensor]:
-    """`mismatch/<what>_token_frac` and `_seq_frac`: share of valid tokens in `token_hit` (`[B, T]` bool), and of
+    """`token_frac(what)` and `seq_frac(what)`: share of valid tokens in `token_hit` (`[B, T]` bool), and of
     non-empty sequences holding at least one."""
     hit = token_hit & inputs.mask
     return {
-        f"mismatch/{what}_token_frac": masked_mean(hit.float(), inputs.mask),
-        f"mismatch/{what}_seq_frac": sequence_mean(hit.any(dim=1).float(), inputs.nonempty),
+        token_frac(what): masked_mean(hit.float(), inputs.mask),
+        seq_frac(what): sequence_mean(hit.any(dim=1).float(), inputs.nonempty),
     }
 
 
 def clamped_exp(log_value: Tensor, upper: float = SEQ_LOG_RATIO_BOUND) -> Tensor:
     """exp of a log ratio clamped to [−TOKEN bound, `upper`]: never inf, never 0·inf in backward."""
     return torch.exp(log_value.clamp(-TOKEN_LOG_RATIO_BOUND, upper))
-
-
-@torch.no_grad()
-def mismatch_metrics(log_rho: Tensor, mask: Tensor) -> dict[str, float]:
-    """How far the engine's log-probs are from the trainer's at θ_old, on the valid tokens of `mask`.
-
-    With ρ_t = π_old(y_t)/μ_old(y_t) and tokens sampled from μ_old (verl's `rollout_corr/*` definitions):
-    `kl_k1` = mean(−log ρ) and `kl_k3` = mean(ρ − 1 − log ρ), estimates of KL(μ_old ‖ π_old) (k3 ≥ 0 per token);
-    `chi2_token` = mean ρ² − 1; `chi2_seq` = mean over responses of (Π_t ρ_t)² − 1 (log-sum clamped at 10);
-    `ess` = (mean ρ)² / mean ρ², the effective sample size of the weights ρ as a share in (0, 1];
-    `log_ppl_gap` = mean over responses of (mean_t log μ_old − mean_t log π_old) = log PPL(π_old) − log PPL(μ_old);
-    `max_abs_logp_diff` = max |log ρ|; `extreme_token_frac` = share of tokens with |log ρ| > ln 2 (a ratio beyond
-    2 or below 1/2, R3's F(2)); `is_weight_mean/min/max` = of ρ.
-    """
-    mask = mask.bool()
-    log_rho = masked(log_rho.float(), mask).clamp(-TOKEN_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND)
-    rho = torch.exp(log_rho)
-    lengths = mask.sum(dim=1)
-    nonempty = lengths > 0
-    seq_sum = log_rho.sum(dim=1)
-    mean_rho = masked_mean(rho, mask)
-    second = masked_mean(rho**2, mask)
-    values = {
-        "mismatch/kl_k1": masked_mean(-log_rho, mask),
-        "mismatch/kl_k3": masked_mean(rho - 1 - log_rho, mask),
-        "mismatch/chi2_token": second - 1,
-        "mismatch/chi2_seq": sequence_mean(torch.exp(2 * seq_sum.clamp(max=SEQ_LOG_RATIO_BOUND)), nonempty) - 1,
-        "mismatch/ess": mean_rho**2 / second.clamp(min=1e-30),
-        "mismatch/log_ppl_gap": sequence_mean(-seq_sum / lengths.clamp(min=1), nonempty),
-        "mismatch/max_abs_logp_diff": masked(log_rho.abs(), mask).max() if mask.any() else log_rho.new_zeros(()),
-        "mismatch/extreme_token_frac": masked_mean((log_rho.abs() > math.log(2)).float(), mask),
-        "mismatch/is_weight_mean": mean_rho,
-        "mismatch/is_weight_min": torch.where(mask, rho, torch.inf).min() if mask.any() else rho.new_ones(()),
-        "mismatch/is_weight_max": masked(rho, mask).max() if mask.any() else rho.new_ones(()),
-    }
-    return dict(zip(values, torch.stack(list(values.values())).tolist()))

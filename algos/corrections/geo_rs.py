@@ -4,7 +4,7 @@ Yingru Li et al.'s recommendation for long responses, whose product of ratios ex
     ρ_geo = (Π_t ρ_t)^{1/|y|} = exp(mean_t log ρ_t);   w_t = 1 if low ≤ ρ_geo ≤ high, else 0 (the whole response)
 
 A length-normalised test of the response's mismatch: kept responses are not reweighted, rejected ones are removed.
-Defaults 0.999 / 1.001, verl's typical band: tight, because a geometric mean moves little. Metrics:
+The default band is verl's typical one: tight, because a geometric mean moves little. Metrics:
 `mismatch/masked_*` (a rejected response masks every one of its tokens).
 """
 

@@ -3,7 +3,7 @@
     w_t = ρ_t if α ≤ ρ_t ≤ β, else 0,        ρ_t = π_old(y_t) / μ_old(y_t)
 
 Tokens whose engine and trainer disagree beyond the band in either direction are masked (not truncated), the rest
-are reweighted by their ratio. Defaults α = 0.5, β = 5 (verl's `decoupled_token_icepop` preset); the paper reports
+are reweighted by their ratio. The default band is verl's `decoupled_token_icepop` preset; the paper reports
 1-2‰ of tokens masked at Ring-mini scale. Metrics: `mismatch/masked_*`.
 """
 

@@ -6,7 +6,7 @@ Masking", arXiv 2512.23075; verl `decoupled_seq_is_rs`, TRL `*_mask`).
 
 Like TIS, but a ratio beyond C removes the token (or the whole response) instead of capping it: the estimator
 stays unbiased on what is kept, and a response whose numbers the engine got badly wrong teaches nothing. The
-authors recommend the sequence level. Default C = 2 (as TIS). Metrics: `mismatch/masked_*`.
+authors recommend the sequence level. The default C is TIS's. Metrics: `mismatch/masked_*`.
 """
 
 import math
@@ -17,13 +17,14 @@ import torch
 from algos.corrections.base import (
     CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp, fractions,
 )
+from algos.corrections.tis import TruncatedIS
 
 
 @CORRECTIONS.register("mis")
 @dataclass(frozen=True)
 class MaskedIS(Correction):
     level: Level = Level.sequence  # the authors' recommendation; token masks each token on its own ratio
-    threshold: float = 2.0  # C: a ratio above it gets weight 0
+    threshold: float = TruncatedIS.threshold  # C (TIS's): a ratio above it gets weight 0
 
     def validate(self) -> None:
         self._check_positive("threshold")

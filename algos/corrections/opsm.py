@@ -6,7 +6,7 @@
 A response with a negative advantage that the current policy has drifted far from (mismatch and staleness
 together: DeepSeek's "π_old" is "the sampling probability directly returned by the inference framework", our μ_old)
 teaches nothing: pushing down an already unlikely response mostly adds noise. Positive responses are never masked.
-DeepSeek publishes no δ; the default 0.5 is TRL's suggestion (slime 1e-4, Trinity-RFT reports 0.05-0.2). Works with
+DeepSeek publishes no δ; the default is TRL's suggestion (slime 1e-4, Trinity-RFT reports 0.05-0.2). Works with
 any π_old (it compares π_θ with μ_old). Metrics: `mismatch/opsm_masked_*`.
 """
 
@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from algos.common import masked
+from algos.objective import masked
 from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, fractions
 
 

@@ -6,7 +6,7 @@ Training", 2025; verl `rollout_is`, TRL `*_truncate`).
 
 The weight corrects the training–inference mismatch that decoupled PPO leaves (verl `rollout_corr_math`): the
 clip ratio stays π_θ/π_old, the weight is the stop-gradient π_old/μ_old, truncated at C so one extreme token cannot
-dominate. Default C = 2 (verl's `rollout_is_threshold`; its docs: typically 1.5-5 per token, 2-10 per sequence).
+dominate. The default C is verl's `rollout_is_threshold` (its docs: typically 1.5-5 per token, 2-10 per sequence).
 Metrics: the share of tokens and sequences whose weight was truncated (`mismatch/truncated_*`).
 """
 

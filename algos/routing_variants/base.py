@@ -9,8 +9,8 @@ registered in `ROUTING_VARIANTS` with its formula, source and defaults. A varian
 - on the ratio the objective clips, without replay: `router_shift` (RSPO) multiplies each token's π_θ/π_old by a
   stop-gradient factor from how far the router moved on θ_old's experts.
 
-What a variant cannot serve is refused at start-up in one line (`check`): the replay modes it needs, a dense model,
-an engine that cannot report what it replays.
+What a variant cannot serve is refused at start-up in one line (`check`): the replay modes it needs, a dense model;
+an engine that cannot report what it replays is refused by the engine's own check.
 """
 
 from __future__ import annotations
@@ -60,17 +60,15 @@ class RoutingVariant(ABC):
         """What `rule` did in the forward it served, as `routing/*` metrics; `summed` adds a count over ranks."""
         return {}
 
-    def check(self, replay: str, model: str, is_moe: bool, engine: str, engine_reports_gates: bool) -> None:
-        """Refuse, in one line, a run this variant cannot serve."""
+    def check(self, replay: str, model: str, is_moe: bool) -> None:
+        """Refuse, in one line, a run this variant cannot serve (what it needs from the engine, the gate weights r3
+        would replay, is the engine's check: `experiments.step.engines.base.RolloutEngine.check`)."""
         if self.name == "none":
             return
         if not is_moe:
             self._fail(f"changes how MoE routers route or weigh tokens, and model {model!r} has no MoE layers")
         if replay not in self.replay_modes:
             self._fail(f"{self.replay_modes_why}: use routing.replay={' or '.join(self.replay_modes)}, not {replay}")
-        if self.replays_gates and replay == "r3" and not engine_reports_gates:
-            self._fail(f"with routing.replay=r3 replays the engine's gate weights, and rollout.engine={engine} reports "
-                       "the experts' ids only: use rollout.engine=hf or routing.replay=r2")
 
     def _fail(self, message: str) -> None:
         raise ConfigError(f"routing_variant={self.name} {message}")

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from algos.common import masked_mean
+from algos.objective import masked_mean
 from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
 from models.routing import ReplayedRoutes, ReplayRule
 

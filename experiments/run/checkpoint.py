@@ -32,7 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from experiments.run.launch import Ranks, barrier, broadcast
+from experiments.run.launch import barrier, broadcast
+from experiments.step.metrics import STEP
+from experiments.step.trainer import Ranks
 from models.registry import ConfigError
 
 DIRECTORY = "checkpoints"
@@ -255,7 +257,7 @@ def cut_log(metrics: Path, step: int) -> int:
     kept, dropped = [], 0
     for line in metrics.read_text(encoding="utf-8").splitlines():
         try:
-            logged = json.loads(line).get("train/step")
+            logged = json.loads(line).get(STEP)
         except ValueError:
             dropped += 1  # a line cut by the kill
             continue

@@ -21,8 +21,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE, StorageError
+from experiments.step.metrics import MINIBATCH, MINIBATCHES, STEP
 
 WANDB_ID_FILE = ".wandb_id"  # the W&B run of this directory, which a resumed run continues
+WANDB_MINIBATCH = "minibatch/"  # W&B has no lists: minibatch j's `name` is logged as `minibatch/<j>/<name>`
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -44,12 +46,12 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
 
 def flatten_for_wandb(record: dict[str, Any]) -> dict[str, Any]:
     """Flat keys for W&B: per-minibatch entries become `minibatch/<j>/<name>`."""
-    flat = {key: value for key, value in record.items() if key != "minibatches"}
-    for entry in record.get("minibatches", []):
-        index = entry["minibatch"]
+    flat = {key: value for key, value in record.items() if key != MINIBATCHES}
+    for entry in record.get(MINIBATCHES, []):
+        index = entry[MINIBATCH]
         for key, value in entry.items():
-            if key != "minibatch":
-                flat[f"minibatch/{index}/{key}"] = value
+            if key != MINIBATCH:
+                flat[f"{WANDB_MINIBATCH}{index}/{key}"] = value
     return flat
 
 
@@ -128,12 +130,12 @@ class RunLogger:
         try:
             self._append(line)
         except OSError as error:
-            raise self._failed(error, METRICS_FILE, self._cut_back(int(record["train/step"]))) from None
+            raise self._failed(error, METRICS_FILE, self._cut_back(int(record[STEP]))) from None
         self._whole_bytes += len(line)
-        self.last_step = int(record["train/step"])
+        self.last_step = int(record[STEP])
         if self._wandb is not None:
             try:
-                self._wandb.log(flatten_for_wandb(clean), step=int(record["train/step"]))
+                self._wandb.log(flatten_for_wandb(clean), step=int(record[STEP]))
             except Exception as error:
                 warnings.warn(f"W&B log failed ({error}); continuing with metrics.jsonl only")
                 self._wandb = None

@@ -23,8 +23,6 @@ from models.registry import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-# step 1's record also holds the starting policy's held-out evaluation under this prefix (eval_start/greedy_accuracy)
-EVAL_START = "eval_start/"
 LOCK_FILE = ".lock"
 CONFIG_DIR = ".hydra"
 

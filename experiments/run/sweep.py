@@ -2,7 +2,7 @@
 
 `RunGuard` is the Hydra callback of `conf/train.yaml`. Before the sweep it refuses a SLURM launcher (`cluster=slurm`)
 on a machine without SLURM's commands, composes every job the basic sweeper will launch and runs the start-up checks
-of each (`experiments.step.trainer.check_run`: settings, model files, task, memory), so a bad cell of a grid is named at
+of each (`experiments.step.checks.check_run`: settings, model files, task, memory), so a bad cell of a grid is named at
 once, and refuses a parallel launcher whose jobs would share more threads than the machine has (before a single run
 it refuses `cluster=slurm`, which only submits a sweep's jobs); the entry point then reports a refused or crashing
 job and goes on with the next, and the sweep exits non-zero at the end, listing the jobs whose directory holds no
@@ -24,8 +24,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.run import rundir
+from experiments.step.checks import check_run
 from models.registry import ConfigError
-from experiments.step.trainer import check_run
 
 SLURM_COMMANDS = ("sbatch", "srun")  # what submitit's SLURM launcher runs to submit and start each job
 

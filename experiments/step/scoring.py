@@ -10,9 +10,21 @@ laid out like the fed positions (`RoutingTrace [L, n, P+T-1, K]`); either way `S
 layout.
 
 With `group_size = G > 1` the rows come in groups of G completions of one prompt, and each group is fed as one
-packed sequence (`models.shared_prefix`): the prompt but its last token once, then the G tails. Same numbers as the
-row-by-row forward to float rounding (log-probs, entropy, the load-balancing loss, gradients, routing), feeding
-P-1+G·T tokens per group instead of G·(P+T-1); it needs the `grouped_eager` attention, which follows the layout.
+packed sequence (`SharedPrefix`, below). A group's rows agree on their first S0 positions (the prompt but its last
+token) and differ after them. Fed row by row, every token-wise operation (norms, projections, routers, experts)
+computes those S0 positions G times. Packed, one sequence per group carries them once, followed by each
+completion's T positions:
+
+    rows   [n, S0 + T]:  (prefix | tail_1), (prefix | tail_2), ..., (prefix | tail_G)     n = g·G
+    packed [g, S0 + G·T]: prefix | tail_1 | tail_2 | ... | tail_G
+
+Only attention sees the structure: prefix positions attend causally among themselves, and each tail attends the
+prefix and causally its own positions, never another tail, exactly the attention of its own row. `SharedPrefix`
+holds that layout (and its masks); the `grouped_eager` attention follows it when the forward is given
+`shared_prefix=layout` (`models.grouped_attention.packed_attention`). Position ids are the rows' own, so rotary
+embeddings are those of the row layout, and the numbers equal the row-by-row forward's to float rounding (log-probs,
+entropy, the load-balancing loss, gradients, routing), feeding P-1+G·T tokens per group instead of G·(P+T-1).
+Gradients reaching the prefix from the G tails are summed by autograd, as the G copies' would be.
 """
 
 from __future__ import annotations
@@ -25,9 +37,9 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel
 
+from experiments.step.metrics import FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MASS, per_layer
 from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.routing import ReplayRule, RoutingTrace, find_routers, record_routing, replay_routing
-from models.shared_prefix import SharedPrefix
 
 # The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
 # generation, where the last sampled token never goes through the model). Routing traces of scoring forwards
@@ -152,29 +164,29 @@ def router_fragility(
     router_logits: list[torch.Tensor], weights: torch.Tensor, top_k: int, margin: float
 ) -> dict[str, float]:
     """How decisive each MoE layer's routing is on the fed tokens (each weighted by `weights`, 0 on padding):
-    `routing/topk_mass` the router's probability mass on its chosen experts (prime-rl's routing confidence),
-    `routing/margin` the gap between the k-th and (k+1)-th expert probability (what a small update must overcome
-    to flip a route), `routing/fragile_frac` the share of tokens whose margin is below `margin`; and
-    `routing/logit_margin`, the gap between the k-th and (k+1)-th router logits, log(p_k / p_(k+1)): what an update
-    must move the two logits' difference by to swap them, comparable across expert counts (a probability gap
-    shrinks with 1/E, this does not); per layer and their mean over layers."""
+    `TOPK_MASS` the router's probability mass on its chosen experts (prime-rl's routing confidence), `MARGIN` the
+    gap between the k-th and (k+1)-th expert probability (what a small update must overcome to flip a route),
+    `FRAGILE` the share of tokens whose margin is below `margin`; and `LOGIT_MARGIN`, the gap between the k-th and
+    (k+1)-th router logits, log(p_k / p_(k+1)): what an update must move the two logits' difference by to swap them,
+    comparable across expert counts (a probability gap shrinks with 1/E, this does not); per layer and their mean
+    over layers (`metrics.per_layer`)."""
     w = weights.reshape(-1).float()
     total = w.sum().clamp(min=1e-12)
-    per_layer = {"topk_mass": [], "margin": [], "fragile_frac": [], "logit_margin": []}
+    by_layer = {TOPK_MASS: [], MARGIN: [], FRAGILE: [], LOGIT_MARGIN: []}
     for logits in router_logits:
         ranked = logits.float().topk(min(top_k + 1, logits.shape[-1]), dim=-1).values
         top = torch.softmax(logits.float(), dim=-1).topk(ranked.shape[-1], dim=-1).values
         gap = top[:, top_k - 1] - top[:, top_k] if top.shape[-1] > top_k else top[:, top_k - 1]
         logit_gap = ranked[:, top_k - 1] - ranked[:, top_k] if ranked.shape[-1] > top_k else torch.zeros_like(gap)
-        per_layer["topk_mass"].append((top[:, :top_k].sum(-1) * w).sum() / total)
-        per_layer["margin"].append((gap * w).sum() / total)
-        per_layer["logit_margin"].append((logit_gap * w).sum() / total)
-        per_layer["fragile_frac"].append(((gap < margin).float() * w).sum() / total)
+        by_layer[TOPK_MASS].append((top[:, :top_k].sum(-1) * w).sum() / total)
+        by_layer[MARGIN].append((gap * w).sum() / total)
+        by_layer[LOGIT_MARGIN].append((logit_gap * w).sum() / total)
+        by_layer[FRAGILE].append(((gap < margin).float() * w).sum() / total)
     stats = {}
-    for name, values in per_layer.items():
+    for name, values in by_layer.items():
         values = torch.stack(values).tolist()
-        stats[f"routing/{name}"] = sum(values) / len(values)
-        stats.update({f"routing/{name}/layer_{i}": v for i, v in enumerate(values)})
+        stats[name] = sum(values) / len(values)
+        stats.update({per_layer(name, i): v for i, v in enumerate(values)})
     return stats
 
 
@@ -244,3 +256,88 @@ def load_balancing_loss(
         ranks = over_ranks(torch.ones(()))
     value = float(torch.sum((all_counts / all_rows) * (all_probs / all_rows)) * num_experts)
     return torch.sum((all_counts / all_rows) * (probs / all_rows)) * num_experts * ranks, value
+
+
+@dataclass
+class SharedPrefix:
+    """The packed layout of `groups` groups of `group` rows: `prefix` shared positions, `tail` positions per row.
+
+    `prefix_mask [g, 1, S0, S0]` and `tail_mask [n, 1, T, S0+T]` are additive float masks (0 or the dtype's min,
+    as eager attention's), built from the rows' attention mask: padding keys are never attended.
+    `token_weights [g, S0+G·T]`: how many rows each packed position stands for (G on the prefix, 1 on a tail),
+    0 on padding.
+    """
+
+    prefix: int
+    tail: int
+    group: int
+    prefix_mask: torch.Tensor
+    tail_mask: torch.Tensor
+    token_weights: torch.Tensor
+
+    @property
+    def groups(self) -> int:
+        return self.prefix_mask.shape[0]
+
+    @property
+    def length(self) -> int:
+        """Positions of one packed sequence."""
+        return self.prefix + self.group * self.tail
+
+    @classmethod
+    def from_rows(cls, attention_mask: torch.Tensor, prefix: int, group: int, dtype: torch.dtype) -> "SharedPrefix":
+        """The layout of rows with `attention_mask [n, S0+T]` (1 = token), groups of `group` consecutive rows."""
+        n, width = attention_mask.shape
+        if group < 2 or n % group:
+            raise ValueError(f"shared prefix: {n} rows do not split into groups of {group} (need group >= 2)")
+        if not 0 < prefix < width:
+            raise ValueError(f"shared prefix of {prefix} positions does not fit rows of {width} positions")
+        valid = attention_mask.bool()
+        head = valid[::group, :prefix]  # [g, S0]
+        if not torch.equal(valid[:, :prefix], head.repeat_interleave(group, dim=0)):
+            raise ValueError("shared prefix: rows of one group differ in their prompt's padding")
+        tail = width - prefix
+        lowest = torch.finfo(dtype).min
+        causal = torch.ones(width, width, dtype=torch.bool, device=valid.device).tril()
+        prefix_allowed = causal[:prefix, :prefix] & head[:, None, :]  # [g, S0, S0]
+        tail_allowed = causal[prefix:, :] & valid[:, None, :]  # [n, T, S0+T]
+        tail_valid = valid[:, prefix:].reshape(head.shape[0], group * tail)
+        return cls(
+            prefix=prefix,
+            tail=tail,
+            group=group,
+            prefix_mask=_additive(prefix_allowed, dtype, lowest),
+            tail_mask=_additive(tail_allowed, dtype, lowest),
+            token_weights=torch.cat([head.float() * group, tail_valid.float()], dim=1),
+        )
+
+    def pack(self, rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """`[..., n, S0+T, ...]` (rows at `dim`, positions at `dim + 1`) -> `[..., g, S0+G·T, ...]`.
+
+        The prefix is taken from each group's first row; `prefix_agrees` says whether the others match it.
+        """
+        head = rows.narrow(dim + 1, 0, self.prefix).unflatten(dim, (self.groups, self.group)).select(dim + 1, 0)
+        tails = rows.narrow(dim + 1, self.prefix, self.tail)
+        tails = tails.unflatten(dim, (self.groups, self.group)).flatten(dim + 1, dim + 2)  # [.., g, G·T, ..]
+        return torch.cat([head, tails], dim=dim + 1)
+
+    def unpack(self, packed: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """`[..., g, S0+G·T, ...]` -> `[..., n, S0+T, ...]`: every row gets its group's prefix."""
+        head = packed.narrow(dim + 1, 0, self.prefix).repeat_interleave(self.group, dim=dim)
+        tails = packed.narrow(dim + 1, self.prefix, self.group * self.tail)
+        tails = tails.unflatten(dim + 1, (self.group, self.tail)).flatten(dim, dim + 1)  # [.., n, T, ..]
+        return torch.cat([head, tails], dim=dim + 1)
+
+    def prefix_agrees(self, rows: torch.Tensor, dim: int = 0) -> bool:
+        """Whether every row of a group carries the same first S0 positions (so that `pack` loses nothing)."""
+        head = rows.narrow(dim + 1, 0, self.prefix)
+        first = head.unflatten(dim, (self.groups, self.group)).narrow(dim + 1, 0, 1)
+        return bool((head.unflatten(dim, (self.groups, self.group)) == first).all())
+
+    def tails(self, packed: torch.Tensor) -> torch.Tensor:
+        """`[g, G·T, ...]` outputs of the tail positions -> `[n, T, ...]`."""
+        return packed.reshape(self.groups * self.group, self.tail, *packed.shape[2:])
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, lowest: float) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, lowest).unsqueeze(1)

@@ -4,25 +4,31 @@ Three policies are named in the step. μ_old is the rollout engine that sampled 
 π_old is the trainer at the weights θ_old the step started from; π_θ is the policy being updated. The token ratio
 the objectives clip is π_θ / π_old.
 
-    rollout     = collect_rollout(engine, ...)              μ_old: tokens, log-probs, routing when asked; rewards
+    rollout     = self.rollout()                             μ_old: tokens, log-probs, routing when asked; rewards
     advantages  = group_advantages(rollout.rewards)          Â_i = (r_i − mean_group) / (std_group + eps)
     minibatches = split_minibatches(rollout, advantages, order)   pure: whole groups or shuffled rows (GSPO §5.1)
     old         = [old_policy(mb) for mb in minibatches]      π_old (and the KL reference), before any update
     for mb, old: update(mb, old)                              π_θ: forward (replaying), objective, backward, AdamW
     engine.sync_weights(model)
 
-Where π_old comes from is decided once at start-up (`experiments.config.plan_step`, recorded in `summary.json`):
-`bypass` reuses μ_old's log-probs (when the engine is the trainer's own fp32 model they are π_old's own numbers,
-up to the KV-cache path's ~1e-6), `decoupled` recomputes π_old without gradient in the training shapes (r2
-records θ_old's routing in that pass, r3 replays the engine's). When the engine is the trainer, the first
-minibatch is on-policy: θ = θ_old at its update, whose own forward is what a recompute would run, so its π_old is
-that forward's log-probs (ratios exactly 1) and θ_old's routing is that forward's routing.
+Where π_old comes from is decided once at start-up (`experiments.step.plan`, recorded in `summary.json`): `bypass`
+reuses μ_old's log-probs (when the engine is the trainer's own fp32 model they are π_old's own numbers, up to the
+KV-cache path's ~1e-6), `decoupled` recomputes π_old without gradient in the training shapes (r2 records θ_old's
+routing in that pass, r3 replays the engine's). When the engine is the trainer, the first minibatch is on-policy:
+θ = θ_old at its update, whose own forward is what a recompute would run, so its π_old is that forward's log-probs
+(ratios exactly 1) and θ_old's routing is that forward's routing.
 
 Routing. Under replay the routers still compute their own top-k (`models.routing`), so the drift of θ's routing
 against θ_old's, after j updates, is measured on the same tokens at no extra forward (`routing/*` per minibatch).
 A routing variant (`algos.routing_variants`, `routing_variant=`) decides what the replayed forwards compute with
 (the recorded gate weights too; only the replayed experts the router still ranks high) or reweighs each token's
 ratio by how far the router moved on θ_old's experts (RSPO), reading θ's router in the update's own forward.
+
+Ranks. Under torchrun each rank samples, scores and trains on whole groups of its share of the prompts; the policy
+is sharded with FSDP2 (`shard`), whose reduce-scatter averages the gradients, and the loss aggregates with the whole
+minibatch's token and sequence counts (`algos.objective.Totals`), so the averaged gradient is the gradient of one
+process with the whole batch (verl's `agg_loss` with `dp_size`). Every metric is computed on the gathered batch
+(`gather`, `reduce`), so every logged number is the global value; on one rank these are identities.
 """
 
 from __future__ import annotations
@@ -34,30 +40,70 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from transformers import AutoTokenizer
+import torch.distributed as dist
+from omegaconf import DictConfig
 
-from algos import build_objective, group_advantages, zero_std_group_frac
-from algos.common import Totals, masked, masked_mean
-from algos.corrections import Correction, CorrectionInputs, build_correction, mismatch_metrics
-from algos.objective import Objective
-from algos.routing_variants import RoutingVariant, build_routing_variant
+from algos.objective import Totals, group_advantages, masked, masked_mean, zero_std_group_frac
+from algos.corrections import CorrectionInputs
 from algos.routing_variants.router_shift import Shift, response_positions
-from experiments.run.launch import Ranks, gather, reduce, shard, step_seed, summed
-from experiments.config import (
-    Layout, LRSchedule, PiOld, Replay, RolloutConfig, StepPlan, algo_hyperparameters, plan_step,
-)
-from models.registry import Diverged
-from experiments.step.engines.hf import EngineNumerics, HFEngine, Rollout, RolloutEngine, collect_rollout
-from experiments.evaluate import evaluate
-from experiments.step.memory import GIB, available_bytes, step_memory
-from models.registry import ConfigError
+from experiments.step import metrics as m
+from experiments.step.checks import check_run
+from experiments.step.engines import HFEngine, RolloutEngine, Samples
+from experiments.step.optimizer import rl_optimizer
+from experiments.step.plan import Layout, PiOld, Replay
 from experiments.step.scoring import FED, Scores, score_responses
-from experiments.tasks import Example, Task, build_task
-from experiments.run.threads import ThreadBudget
-from models.policy import DTYPES, ModelConfig, build_policy, is_moe, model_config
+from experiments.tasks import Example, Task
+from models.policy import build_policy
+from models.registry import Diverged
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, flip_routing, load_max_violation, routing_drift
-from models.tokenizer import build_char_tokenizer
+
+FLIP_STREAM = 0x5EED  # offsets the flips' seed from the step's: their draws are not the sampler's draws
+
+
+@dataclass(kw_only=True)
+class Rollout(Samples):
+    """Samples with the task's verdict: one row per completion, `examples[i]` the prompt row i answers."""
+
+    examples: list[Example]
+    rewards: torch.Tensor  # [N] float
+    correct: torch.Tensor  # [N] bool
+
+
+def collect_rollout(
+    engine: RolloutEngine,
+    task: Task,
+    examples: list[Example],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    greedy: bool = False,
+    record_routing: bool = False,
+    record_gates: bool = False,
+) -> Rollout:
+    """Sample `group_size` completions per example with `engine` and score them with the task."""
+    samples = engine.sample(
+        [example.prompt for example in examples], group_size, max_new_tokens, temperature, greedy, record_routing,
+        record_gates,
+    )
+    rows = [example for example in examples for _ in range(group_size)]
+    rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(samples.completions, rows)], dtype=torch.float32)
+    correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(samples.completions, rows)])
+    return Rollout(**vars(samples), examples=rows, rewards=rewards, correct=correct)
+
+
+def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], samples: int, max_new_tokens: int,
+             temperature: float) -> dict[str, float]:
+    """Held-out accuracy on `examples` (the same fixed prefix of the test split at every evaluation and in every
+    run, so curves compare point by point): `EVAL_ACCURACY`, the mean over prompts of the share of `samples` sampled
+    completions that are correct (the unbiased pass@1 estimate; absent when `samples` is 0), and `EVAL_GREEDY`, the
+    share of prompts answered correctly by greedy decoding."""
+    metrics = {}
+    if samples > 0:
+        sampled = collect_rollout(engine, task, examples, samples, max_new_tokens, temperature)
+        metrics[m.EVAL_ACCURACY] = float(sampled.correct.float().mean())
+    greedy = collect_rollout(engine, task, examples, 1, max_new_tokens, temperature, greedy=True)
+    metrics[m.EVAL_GREEDY] = float(greedy.correct.float().mean())
+    return metrics
 
 
 @dataclass(frozen=True)
@@ -71,7 +117,7 @@ class Minibatch:
     response_mask: torch.Tensor  # [n, T] the tokens the objective scores
     token_mask: torch.Tensor  # [n, P+T-1] response positions among those a scoring forward feeds (`FED`)
     advantages: torch.Tensor
-    mu_logp: torch.Tensor | None  # [n, T] the engine's log-probs
+    mu_logp: torch.Tensor | None  # [n, T] the engine's log-probs (None: the engine returns none)
     engine_routes: RoutingTrace | None  # the engine's routing of the fed positions, when it recorded one
 
 
@@ -93,39 +139,6 @@ class OldPolicy:
     ref_logp: torch.Tensor | None = None
 
 
-FLIP_STREAM = 0x5EED  # offsets the flips' seed from the step's: their draws are not the sampler's draws
-DRIFT_KEYS = ("routing/expert_change_frac", "routing/token_any_change_frac")  # drift since θ_old, per minibatch
-
-
-def routing_mismatch(engine: RoutingTrace, trainer: RoutingTrace, mask: torch.Tensor) -> dict[str, float]:
-    """The engine's experts against the trainer's at θ_old on the same tokens: `mismatch/expert_frac` (per layer
-    too), the share of activated experts the engine chose that the trainer did not, and the share of tokens routed
-    differently in any layer (R3's router disagreement, train against inference)."""
-    drift = routing_drift(trainer, engine, mask)
-    metrics = {"mismatch/expert_frac": drift.expert_change_frac, "mismatch/token_any_expert_frac": drift.token_any_change_frac}
-    metrics.update({f"mismatch/expert_frac/layer_{i}": v for i, v in enumerate(drift.per_layer.tolist())})
-    return metrics
-
-
-@torch.no_grad()
-def decomposition_metrics(routing: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Where a minibatch's log-ratio noise comes from: the variance of each part over valid tokens, of their sum,
-    and the routing part's share of the total's variance, Cov(routing, total) / Var(total) (the weights part's is
-    one minus it: the two shares add up to 1 whatever the parts' covariance)."""
-    mask = mask.bool()
-    total = routing + weights
-    mean = {name: masked_mean(x, mask) for name, x in (("r", routing), ("w", weights), ("t", total))}
-    var_t = masked_mean((total - mean["t"]) ** 2, mask)
-    cov_rt = masked_mean((routing - mean["r"]) * (total - mean["t"]), mask)
-    values = {
-        "decompose/routing_var": masked_mean((routing - mean["r"]) ** 2, mask),
-        "decompose/weights_var": masked_mean((weights - mean["w"]) ** 2, mask),
-        "decompose/total_var": var_t,
-        "decompose/routing_share": cov_rt / var_t.clamp(min=1e-30),
-    }
-    return dict(zip(values, torch.stack(list(values.values())).tolist()))
-
-
 def minibatch_order(layout: Layout, size: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
     """The row order the batch is split in: whole groups in a shuffled prompt order, or rows shuffled across groups."""
     if layout == Layout.groups:
@@ -138,7 +151,7 @@ def split_minibatches(
     rollout: Rollout, advantages: torch.Tensor, order: torch.Tensor, count: int, device: torch.device
 ) -> list[Minibatch]:
     """`count` minibatches of the rows in `order` (a pure function of its inputs)."""
-    prompt_pad = torch.zeros(rollout.size, rollout.prompt_width, dtype=torch.bool)
+    prompt_pad = torch.zeros(len(rollout.examples), rollout.prompt_width, dtype=torch.bool)
     token_mask = torch.cat([prompt_pad, rollout.response_mask], dim=1)[:, FED]
     # Routing is compared and replayed on the positions a scoring forward feeds; the engine's trace has one more
     # column, the last sampled token's, which never went through the model (NO_ROUTE).
@@ -159,132 +172,82 @@ def split_minibatches(
     ]
 
 
+# -- ranks: identities on one -----------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
-class RunParts:
-    """Everything a run is made of that is cheap to build: what `check_run` builds, and RLTrainer starts from."""
+class Ranks:
+    """This process's place among the run's ranks (rank 0 of 1 without torchrun; `experiments.run.launch.start`)."""
 
-    plan: StepPlan
-    model_cfg: ModelConfig
-    numerics: EngineNumerics
-    engine: type[RolloutEngine]
-    objective: Objective
-    advantage_std: bool
-    correction: Correction
-    variant: RoutingVariant
-    task: Task
-    train_examples: list[Example]
-    test_examples: list[Example]
+    rank: int = 0
+    world: int = 1
 
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
 
-def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
-    """Every start-up check of an RL run on `world` ranks, without building the model: settings, the model's files
-    and sizes, the objective, the task and its splits, and (`memory`) whether one rank's step fits in the device's
-    free memory. `ConfigError` names what is wrong."""
-    t = cfg.trainer
-    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
-    hf_config = model_config(model_cfg)
-    name, advantage_std, hyperparameters = algo_hyperparameters(cfg.algo)
-    objective = build_objective(name, **hyperparameters)
-    correction_params = dict(OmegaConf.to_container(cfg.correction, resolve=True))
-    correction = build_correction(correction_params.pop("name"), **correction_params)
-    variant_params = dict(OmegaConf.to_container(cfg.routing_variant, resolve=True))
-    variant = build_routing_variant(variant_params.pop("name"), **variant_params)
-    plan = plan_step(cfg, is_moe=is_moe(hf_config), reads_pi_old=correction.name if correction.needs_decoupled else None,
-                     world=world, variant=variant)
-    rollout = RolloutConfig(**cfg.rollout)
-    engine = rollout.engine_class()
-    engine.check(cfg, world)
-    _check_correction(plan, objective, correction, engine)
-    variant.check(plan.replay, cfg.model.name, is_moe(hf_config), engine.name, engine.returns_gate_weights)
-    dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
-    task = build_task(dataset.pop("name"), **dataset)
-    train_examples, test_examples = task.examples("train"), task.examples("test")
-    if t.eval_prompts > len(test_examples):
-        raise ConfigError(
-            f"trainer.eval_prompts={t.eval_prompts} is more than the {len(test_examples)} held-out examples of "
-            f"dataset {task.name!r}"
-        )
-    tokenizer = _tokenizer(model_cfg)
-    answers = longest_tokens(tokenizer, [example.answer for example in train_examples + test_examples])
-    _check_generation_budget(t.max_new_tokens, answers, "trainer.max_new_tokens", task)
-    if memory:
-        prompt_tokens = longest_tokens(tokenizer, [e.prompt for e in train_examples + test_examples])
-        _check_memory(cfg, hf_config, model_cfg, prompt_tokens, world)
-    numerics = RolloutConfig(**cfg.rollout).numerics()
-    return RunParts(plan, model_cfg, numerics, engine, objective, advantage_std, correction, variant, task,
-                    train_examples, test_examples)
+    @property
+    def active(self) -> bool:
+        return self.world > 1
 
 
-def _check_memory(cfg: DictConfig, hf_config: Any, model_cfg: ModelConfig, prompt_tokens: int, world: int) -> None:
-    """Refuse a step that would not fit in the device's free memory, with the estimate's parts."""
-    t = cfg.trainer
-    memory = step_memory(hf_config, cfg, prompt_tokens, DTYPES[model_cfg.dtype].itemsize, world)
-    available = available_bytes(cfg.device)
-    if memory.peak > available:
-        raise ConfigError(
-            f"one RL step of trainer.prompts_per_step={t.prompts_per_step} x trainer.group_size={t.group_size} "
-            f"(trainer.minibatches={t.minibatches}) needs about {memory.peak / GIB:.1f} GiB ({memory.describe()}), "
-            f"and {cfg.device} has {available / GIB:.1f} GiB available: lower the batch or raise trainer.minibatches"
-        )
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A 63-bit seed for (run seed, step, rank), different for every triple a run meets."""
+    return (seed * 1_000_003 + step * 10_007 + rank * 101 + 7) % (2**63 - 1)
 
 
-def _check_correction(plan: StepPlan, objective: Objective, correction: Correction, engine: type[RolloutEngine]) -> None:
-    """What the correction, the objective and the engine must agree on."""
-    reads_mu = correction.name != "none" or objective.needs_rollout_logp
-    if reads_mu and not engine.returns_logprobs:
-        raise ConfigError(
-            f"correction={correction.name} / algo={objective.name} read μ_old's log-probs, which rollout.engine="
-            f"{engine.name} does not return"
-        )
-    if plan.replay == Replay.r3 and not engine.returns_routing:
-        raise ConfigError(f"routing.replay=r3 replays the engine's experts, which rollout.engine={engine.name} does not report")
-    if objective.needs_rollout_logp and correction.name in ("tis", "mis", "icepop"):
-        raise ConfigError(
-            f"algo={objective.name} already weighs each token by its truncated π_θ/μ_old; correction={correction.name} "
-            "would weigh the mismatch twice: use correction=none, geo_rs or opsm with it"
-        )
+def shard(model: torch.nn.Module) -> None:
+    """FSDP2: each decoder layer its own unit, then the root (embeddings, final norm, LM head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
 
 
-
-def _tokenizer(model_cfg: ModelConfig):
-    if model_cfg.path is None:
-        return build_char_tokenizer()
-    return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+_CARRIERS = {torch.bool: torch.uint8, torch.int16: torch.int32}
 
 
-def longest_tokens(tokenizer, texts: list[str]) -> int:
-    """Tokens of the longest text (measured on the 32 longest in characters)."""
-    longest = sorted(set(texts), key=len)[-32:]
-    return max(len(ids) for ids in tokenizer(longest, add_special_tokens=False)["input_ids"])
+def gather(tensor: torch.Tensor, ranks: Ranks, dim: int = 0, fill: float = 0) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along `dim`, the other dimensions padded to the largest rank's with `fill`
+    (padding on the right, where every batch layout here puts it). Identity on one rank."""
+    if not ranks.active:
+        return tensor
+    if tensor.dtype in _CARRIERS:  # gloo sends neither bool nor int16: carry them in a type it does send
+        return gather(tensor.to(_CARRIERS[tensor.dtype]), ranks, dim, fill).to(tensor.dtype)
+    shape = torch.tensor(tensor.shape)
+    largest = shape.clone()
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    target = [int(n) if i != dim else int(shape[i]) for i, n in enumerate(largest)]
+    padded = tensor.new_full(target, fill)
+    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
+    sizes = [torch.zeros((), dtype=torch.long) for _ in range(ranks.world)]
+    dist.all_gather(sizes, torch.tensor(tensor.shape[dim]))
+    # all_gather needs equal shapes: pad the gathered dimension too, then cut each piece back to its size.
+    longest = max(int(size) for size in sizes)
+    equal = [*target[:dim], longest, *target[dim + 1:]]
+    mine = padded.new_full(equal, fill)
+    mine.narrow(dim, 0, padded.shape[dim]).copy_(padded)
+    pieces = [padded.new_empty(equal) for _ in range(ranks.world)]
+    dist.all_gather(pieces, mine)
+    return torch.cat([piece.narrow(dim, 0, int(size)) for piece, size in zip(pieces, sizes)], dim=dim)
 
 
-def _check_generation_budget(max_new_tokens: int, answer_tokens: int, key: str, task: Task) -> None:
-    """A budget that cannot hold the task's answers and their eos makes every long answer a truncated, wrong one."""
-    if max_new_tokens < answer_tokens + 1:
-        raise ConfigError(
-            f"{key}={max_new_tokens} cannot hold the answers of dataset {task.name!r}: up to {answer_tokens} tokens, "
-            f"plus eos; use {key} >= {answer_tokens + 1}"
-        )
+def reduce(value: float, ranks: Ranks, op: str = "sum") -> float:
+    """`value` summed (or its max) over ranks."""
+    if not ranks.active:
+        return value
+    tensor = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return float(tensor)
 
 
-def lr_lambda(schedule: LRSchedule, warmup: int, total: int):
-    """Multiplier of the base learning rate after `update` optimizer updates (linear warm-up, then decay)."""
-
-    def factor(update: int) -> float:
-        if warmup and update < warmup:
-            return (update + 1) / warmup
-        progress = (update - warmup) / max(1, total - warmup)
-        if schedule == LRSchedule.linear:
-            return max(0.0, 1.0 - progress)
-        if schedule == LRSchedule.cosine:
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return factor
-
-
-def mean_of(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
+def summed(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """`tensor` summed over ranks (a copy; no gradient flows through it)."""
+    if not ranks.active:
+        return tensor
+    total = tensor.detach().clone()
+    dist.all_reduce(total)
+    return total
 
 
 class RLTrainer:
@@ -293,43 +256,26 @@ class RLTrainer:
     def __init__(self, cfg: DictConfig, ranks: Ranks = Ranks()) -> None:
         self.cfg = cfg
         self.ranks = ranks
-        t = cfg.trainer
         parts = check_run(cfg, ranks.world)
         self.plan, self.objective, self.advantage_std = parts.plan, parts.objective, parts.advantage_std
         self.correction, self.variant = parts.correction, parts.variant
         self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
-        model_cfg = parts.model_cfg
-        self.threads = ThreadBudget(t.threads)
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
-        self.model, self.tokenizer = build_policy(model_cfg)
+        self.model, self.tokenizer = build_policy(parts.model_cfg)
         # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
         # same weights route identically and every measured drift comes from an update.
         self.model.to(self.device).eval()
         # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks.
         self.engine = parts.engine.build(cfg, self.model, self.tokenizer, parts.numerics, ranks,
-                                         parts.plan.engine_records_routing)
+                                         self.plan.engine_records_routing)
         if ranks.active:
             shard(self.model)
         self.reference = None
         if self.objective.kl_coef > 0:
-            self.reference, _ = build_policy(model_cfg)
+            self.reference, _ = build_policy(parts.model_cfg)
             self.reference.to(self.device).eval().requires_grad_(False)
-        # fused: one kernel for all parameters instead of a Python loop over them (4x faster on the tiny MoE's CPU
-        # update); the same AdamW.
-        routers = {id(router.weight) for router in find_routers(self.model).values()}
-        groups = [[p for p in self.model.parameters() if id(p) not in routers],
-                  [p for p in self.model.parameters() if id(p) in routers]]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": groups[0]}] + ([{"params": groups[1], "lr": t.lr * t.router_lr_scale}] if groups[1] else []),
-            lr=t.lr,
-            betas=(t.adam_beta1, t.adam_beta2),
-            weight_decay=t.weight_decay,
-            fused=True,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps * t.minibatches)
-        )
+        self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.flip_generator = torch.Generator()  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
         self.step_index = 0
@@ -349,13 +295,11 @@ class RLTrainer:
         self.generator.manual_seed(seed)
         self.flip_generator.manual_seed(seed + FLIP_STREAM)
         self.engine.reseed(seed)
-        threads = self.threads.threads
-        self.threads.begin()
         start = time.perf_counter()
         rollout = self.rollout()
         rollout_s = time.perf_counter() - start
         advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=self.advantage_std)
-        order = minibatch_order(self.plan.layout, rollout.size, t.group_size, self.generator)
+        order = minibatch_order(self.plan.layout, len(rollout.examples), t.group_size, self.generator)
         minibatches = split_minibatches(rollout, advantages, order, t.minibatches, self.device)
         score_start = time.perf_counter()
         old = [self.old_policy(mb) for mb in minibatches]  # all before the first update: θ = θ_old
@@ -365,31 +309,28 @@ class RLTrainer:
         train_s = time.perf_counter() - train_start
         self.engine.sync_weights(self.model)
         step_s = time.perf_counter() - start
-        self.threads.end()
         # The whole step's rows, every rank's (groups stay whole, so they gather in group order).
         rewards = gather(rollout.rewards, self.ranks)
         lengths = gather(rollout.response_mask.sum(-1).float(), self.ranks)
         self.tokens_seen += int(lengths.sum())
-        record = {
-            "train/step": self.step_index,
-            "train/tokens": self.tokens_seen,
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "reward/accuracy": float(gather(rollout.correct.float(), self.ranks).mean()),
-            "reward/zero_std_group_frac": zero_std_group_frac(rewards, t.group_size),
-            "response/length_mean": float(lengths.mean()),
-            "response/truncated_frac": float(gather(rollout.truncated.float(), self.ranks).mean()),
-            **self.step_means(per_minibatch),
+        return {
+            m.STEP: self.step_index,
+            m.TOKENS: self.tokens_seen,
+            m.REWARD: float(rewards.mean()),
+            m.REWARD_STD: float(rewards.std()),
+            m.REWARD_ACCURACY: float(gather(rollout.correct.float(), self.ranks).mean()),
+            m.ZERO_STD_GROUPS: zero_std_group_frac(rewards, t.group_size),
+            m.LENGTH: float(lengths.mean()),
+            m.TRUNCATED: float(gather(rollout.truncated.float(), self.ranks).mean()),
+            **m.step_means(per_minibatch),
+            m.SKIPPED: self.skipped_updates,
+            m.STEP_TIME: step_s,
+            m.ROLLOUT_TIME: rollout_s,
+            m.SCORE_TIME: score_s,
+            m.TRAIN_TIME: train_s,
+            m.ROLLOUT_TOKENS_PER_S: float(lengths.sum()) / max(rollout_s, 1e-9),
+            m.MINIBATCHES: per_minibatch,
         }
-        record["optim/skipped_steps"] = self.skipped_updates
-        record["perf/step_s"] = step_s
-        record["perf/threads"] = threads
-        record["perf/rollout_s"] = rollout_s
-        record["perf/score_s"] = score_s
-        record["perf/train_s"] = train_s
-        record["perf/rollout_tokens_per_s"] = float(lengths.sum()) / max(rollout_s, 1e-9)
-        record["minibatches"] = per_minibatch
-        return record
 
     def rollout(self) -> Rollout:
         """μ_old: `prompts_per_step` train prompts, `group_size` completions each, from the engine."""
@@ -445,10 +386,11 @@ class RLTrainer:
         t = self.cfg.trainer
         aux_coef = t.router_aux_loss_coef
         track = self.plan.track_routing
-        variant, rule = self.variant, self.variant.replay_rule()
+        variant = self.variant
         # RSPO reads θ's router on θ_old's experts in this forward, which keeps its own routing (the variant's rule).
         theta_old_experts = old.routes if variant.reads_old_router and not old.on_policy else None
         trace = old.replay if old.replay is not None else theta_old_experts
+        rule = variant.replay_rule() if trace is not None else None  # a rule serves a replayed forward
         self.optimizer.zero_grad(set_to_none=True)
         with self.flips() as flips:
             scores = self._score(
@@ -489,7 +431,7 @@ class RLTrainer:
         # Metrics of the whole minibatch: on several ranks, of every rank's rows gathered (one rank: its own).
         rows = lambda tensor, fill=0: gather(tensor, self.ranks, fill=fill)  # noqa: E731
         mask = rows(mb.response_mask, False)
-        metrics: dict[str, float] = {"minibatch": mb.index}
+        metrics: dict[str, float] = {m.MINIBATCH: mb.index}
         if self.ranks.active:
             with torch.no_grad():
                 gathered = {name: rows(value) if value is not None else None for name, value in inputs.items()}
@@ -500,16 +442,17 @@ class RLTrainer:
             corrected = self.correction(CorrectionInputs(rows(correction_inputs.log_rho),
                                                          rows(correction_inputs.theta_log_ratio), mask, rows(mb.advantages)))
             metrics.update({name: float(value) for name, value in corrected.metrics.items()})
-        if trainer_at_old is not None:
-            metrics.update(mismatch_metrics(rows(trainer_at_old - mb.mu_logp), mask))
-        metrics["policy/entropy"] = float(masked_mean(rows(scores.entropy), mask))
-        metrics["optim/grad_norm"] = grad_norm
-        metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
+        if trainer_at_old is not None and mb.mu_logp is not None:
+            metrics.update(m.mismatch_metrics(rows(trainer_at_old - mb.mu_logp), mask))
+        metrics[m.ENTROPY] = float(masked_mean(rows(scores.entropy), mask))
+        metrics[m.GRAD_NORM] = grad_norm
+        metrics[m.LR] = self.scheduler.get_last_lr()[0]
         if scores.aux_loss_value is not None:
-            metrics["moe/aux_loss"] = scores.aux_loss_value
+            metrics[m.AUX_LOSS] = scores.aux_loss_value
         if flips is not None:
-            metrics["routing/synthetic_flip_frac"] = reduce(flips.share, self.ranks) / self.ranks.world
-        metrics.update(variant.rule_metrics(rule, lambda count: summed(count, self.ranks)))
+            metrics[m.FLIP_FRAC] = reduce(flips.share, self.ranks) / self.ranks.world
+        if rule is not None:
+            metrics.update(variant.rule_metrics(rule, lambda count: summed(count, self.ranks)))
         if shift is not None:
             metrics.update(Shift(rows(shift.log_weight), gather(shift.deviation, self.ranks, dim=1),
                                  rows(shift.floored, False)).metrics(mask))
@@ -529,7 +472,7 @@ class RLTrainer:
         return self.variant.shift(current, theta_old, mb.response_mask)
 
     def _totals(self, mask: torch.Tensor) -> Totals:
-        """The aggregation denominators of the whole minibatch, summed over ranks (`algos.common.Totals`)."""
+        """The aggregation denominators of the whole minibatch, summed over ranks (`algos.objective.Totals`)."""
         local = Totals.local(mask)
         if not self.ranks.active:
             return local
@@ -545,15 +488,15 @@ class RLTrainer:
         token_mask = gather(mb.token_mask, self.ranks, fill=False)
         own = traces(scores.routes.to("cpu"))  # under replay: the router's own top-k, beside the replayed experts
         theta_old = own if old.on_policy else traces(old.routes)
-        metrics = dict(routing_drift(theta_old, own, token_mask).metrics)
-        metrics["moe/load_max_violation"] = load_max_violation(theta_old, token_mask)
+        metrics = m.drift_metrics(routing_drift(theta_old, own, token_mask))
+        metrics[m.LOAD_MAX_VIOLATION] = load_max_violation(theta_old, token_mask)
         fed = reduce(float(mb.attention_mask[:, FED].sum()), self.ranks)  # the weight of each rank's fragility means
         mine = float(mb.attention_mask[:, FED].sum())
         metrics.update({name: reduce(value * mine, self.ranks) / fed for name, value in scores.router_stats.items()})
         first_is_old = mb.index == 0 and not self.plan.flip_rate
         trainer_routes = own if first_is_old else (traces(old.routes) if self.plan.pi_old == PiOld.decoupled else None)
         if mb.engine_routes is not None and trainer_routes is not None:
-            metrics.update(routing_mismatch(traces(mb.engine_routes), trainer_routes, token_mask))
+            metrics.update(m.routing_mismatch(traces(mb.engine_routes), trainer_routes, token_mask))
         every = self.cfg.routing.decompose_every
         if every and mb.index > 0 and self.step_index % every == 0:
             metrics.update(self.decompose(mb, old, scores.logp.detach(), pi_old_logp))
@@ -575,8 +518,8 @@ class RLTrainer:
             replayed = self._score(self.model, mb, replay=old.replay.to(self.device)).logp if (
                 self.variant.changes_replay) else logp
         rows = lambda tensor: gather(tensor, self.ranks)  # noqa: E731
-        return decomposition_metrics(rows(own - replayed), rows(replayed - pi_old_logp),
-                                     gather(mb.response_mask, self.ranks, fill=False))
+        return m.decomposition_metrics(rows(own - replayed), rows(replayed - pi_old_logp),
+                                       gather(mb.response_mask, self.ranks, fill=False))
 
     def flips(self) -> contextlib.AbstractContextManager:
         """The synthetic flips of π_θ's update forwards (`routing.flip_rate`), yielding their handle; or nothing."""
@@ -617,23 +560,6 @@ class RLTrainer:
         if not math.isfinite(largest):
             raise Diverged(f"update {update} of the step left the weights non-finite (largest |w| = {largest}); "
                            "lower trainer.lr")
-
-    def step_means(self, per_minibatch: list[dict[str, float]]) -> dict[str, float]:
-        """Step-level values: the mean over the step's minibatches, except routing drift, whose minibatch 0 is 0 by
-        construction: `routing/expert_change_per_update` is the drift after one update (minibatch 1), and the mean
-        over minibatches is logged under a name that says so."""
-        means = {}
-        keys = dict.fromkeys(key for m in per_minibatch for key in m if key != "minibatch")
-        for key in keys:
-            values = [m[key] for m in per_minibatch if m.get(key) is not None]
-            if key.startswith(DRIFT_KEYS):
-                if key == "routing/expert_change_frac":
-                    means["routing/expert_change_mean_over_minibatches"] = mean_of(values)
-                if len(per_minibatch) > 1 and key in per_minibatch[1]:
-                    means[key.replace("_frac", "_per_update", 1)] = per_minibatch[1][key]
-                continue
-            means[key] = mean_of(values)
-        return means
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy of the trainer's own policy; on several ranks each takes every world-th prompt and the

@@ -4,8 +4,7 @@ Importing this package registers every task in `TASKS`; `build_task(name, **para
 loop, SFT and evaluation get one. The Hydra `dataset` group (`conf/dataset/<name>.yaml`) holds the parameters.
 """
 
-from experiments.tasks.base import Example, Task
-from experiments.tasks.registry import TASKS, build_task
+from experiments.tasks.base import TASKS, Example, Task, build_task
 
 # Imported for their registration side effect.
 from experiments.tasks import addition, gsm8k, scratchpad, sorting  # noqa: E402,F401  isort: skip

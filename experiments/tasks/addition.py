@@ -3,15 +3,13 @@
 import random
 from dataclasses import dataclass
 
+from experiments.tasks.base import TASKS, Example, SyntheticTask
 from models.registry import ConfigError
-from experiments.tasks.base import Example, Task
-from experiments.tasks.registry import TASKS
-from experiments.tasks.synthetic import check_split_sizes, draw_split, in_place_reward
 
 
 @TASKS.register("addition")
 @dataclass(frozen=True)
-class AdditionTask(Task):
+class AdditionTask(SyntheticTask):
     """Add two non-negative integers.
 
     Prompt: `"{a}+{b}="` with a and b drawn uniformly from [0, 10**digits), written in decimal without leading
@@ -25,23 +23,15 @@ class AdditionTask(Task):
     """
 
     digits: int = 2  # operand length, the difficulty knob
-    train_size: int = 20000  # distinct problems in the train split
-    test_size: int = 500  # distinct problems in the held-out split (disjoint from train)
-    seed: int = 0  # the splits are a deterministic function of this seed
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
         if self.digits < 1:
             raise ConfigError(f"addition.digits={self.digits} must be >= 1")
-        check_split_sizes("addition", 10 ** (2 * self.digits), self.train_size, self.test_size)
 
-    def _draw(self, rng: random.Random) -> Example:
+    def distinct_prompts(self) -> int:
+        return 10 ** (2 * self.digits)
+
+    def draw(self, rng: random.Random) -> Example:
         a, b = rng.randrange(10**self.digits), rng.randrange(10**self.digits)
         answer = str(a + b)
         return Example(prompt=f"{a}+{b}=", answer=answer, demonstration=answer)
-
-    def examples(self, split: str) -> list[Example]:
-        return draw_split(self._draw, split, self.train_size, self.test_size, self.seed)
-
-    def reward(self, completion: str, example: Example) -> float:
-        return in_place_reward(completion, example.answer)

@@ -11,9 +11,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.tasks.base import TASKS, Example, Task, check_split
 from models.registry import ConfigError
-from experiments.tasks.base import Example, Task, check_split
-from experiments.tasks.registry import TASKS
 
 FINAL_ANSWER_MARK = "####"
 # A number as written in solutions: optional sign and dollar sign, digits (commas only between groups of three,

@@ -15,16 +15,14 @@ Format (digits=4, a = 1234, b = 5678, least significant column first):
 Operands are zero-padded to `digits` digits, so every column exists and the distances are the same in every prompt.
 
 Reward: 1.0 for the exact scratchpad; otherwise 0.5 x the share of its characters in place (the lab's synthetic-task
-rule, `experiments.tasks.synthetic.in_place_reward`), so a scratchpad with one wrong column still earns most of 0.5.
+rule, `experiments.tasks.base.SyntheticTask.reward`), so a scratchpad with one wrong column still earns most of 0.5.
 """
 
 import random
 from dataclasses import dataclass
 
+from experiments.tasks.base import TASKS, Example, SyntheticTask
 from models.registry import ConfigError
-from experiments.tasks.base import Example, Task
-from experiments.tasks.registry import TASKS
-from experiments.tasks.synthetic import check_split_sizes, draw_split, in_place_reward
 
 
 def scratchpad(a: str, b: str) -> str:
@@ -39,7 +37,7 @@ def scratchpad(a: str, b: str) -> str:
 
 @TASKS.register("scratchpad")
 @dataclass(frozen=True)
-class ScratchpadAdditionTask(Task):
+class ScratchpadAdditionTask(SyntheticTask):
     """Add two `digits`-digit numbers, column by column, writing each column's sum digit and carry.
 
     Prompt: the operands' digit pairs, least significant column first, then "=". Answer and demonstration: the
@@ -48,25 +46,17 @@ class ScratchpadAdditionTask(Task):
     """
 
     digits: int = 16  # columns: the answer is 2 x digits tokens long, the prompt 2 x digits + 1
-    train_size: int = 20000  # distinct problems in the train split
-    test_size: int = 500  # distinct problems in the held-out split (disjoint from train)
-    seed: int = 0  # the splits are a deterministic function of this seed
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
         if self.digits < 2:
             raise ConfigError(f"scratchpad.digits={self.digits} must be >= 2 (one column has no carry to pass on)")
-        check_split_sizes("scratchpad", 10 ** (2 * self.digits), self.train_size, self.test_size)
 
-    def _draw(self, rng: random.Random) -> Example:
+    def distinct_prompts(self) -> int:
+        return 10 ** (2 * self.digits)
+
+    def draw(self, rng: random.Random) -> Example:
         a = "".join(rng.choice("0123456789") for _ in range(self.digits))
         b = "".join(rng.choice("0123456789") for _ in range(self.digits))
         columns = "".join(x + y for x, y in zip(reversed(a), reversed(b)))
         answer = scratchpad(a, b)
         return Example(prompt=f"{columns}=", answer=answer, demonstration=answer)
-
-    def examples(self, split: str) -> list[Example]:
-        return draw_split(self._draw, split, self.train_size, self.test_size, self.seed)
-
-    def reward(self, completion: str, example: Example) -> float:
-        return in_place_reward(completion, example.answer)

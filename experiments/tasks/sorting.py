@@ -9,15 +9,13 @@ greedy, 100 held-out prompts): length 5 reached 45% exact after 20 steps and 67%
 import random
 from dataclasses import dataclass
 
+from experiments.tasks.base import TASKS, Example, SyntheticTask
 from models.registry import ConfigError
-from experiments.tasks.base import Example, Task
-from experiments.tasks.registry import TASKS
-from experiments.tasks.synthetic import check_split_sizes, draw_split, in_place_reward
 
 
 @TASKS.register("sorting")
 @dataclass(frozen=True)
-class SortingTask(Task):
+class SortingTask(SyntheticTask):
     """Sort digits in ascending order.
 
     Prompt: `"sort {digits}="` where the digits are `length` characters drawn uniformly from 0-9 (repeats
@@ -31,23 +29,15 @@ class SortingTask(Task):
     """
 
     length: int = 5  # digits to sort, the difficulty knob
-    train_size: int = 20000  # distinct problems in the train split
-    test_size: int = 500  # distinct problems in the held-out split (disjoint from train)
-    seed: int = 0  # the splits are a deterministic function of this seed
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
         if self.length < 2:
             raise ConfigError(f"sorting.length={self.length} must be >= 2 (one digit is already sorted)")
-        check_split_sizes("sorting", 10**self.length, self.train_size, self.test_size)
 
-    def _draw(self, rng: random.Random) -> Example:
+    def distinct_prompts(self) -> int:
+        return 10**self.length
+
+    def draw(self, rng: random.Random) -> Example:
         digits = "".join(rng.choice("0123456789") for _ in range(self.length))
         answer = "".join(sorted(digits))
         return Example(prompt=f"sort {digits}=", answer=answer, demonstration=answer)
-
-    def examples(self, split: str) -> list[Example]:
-        return draw_split(self._draw, split, self.train_size, self.test_size, self.seed)
-
-    def reward(self, completion: str, example: Example) -> float:
-        return in_place_reward(completion, example.answer)

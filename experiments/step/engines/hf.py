@@ -1,23 +1,10 @@
-"""Rollout engines: what samples the completions of an RL step, μ_old, behind one interface.
+"""The HF engine (`rollout.engine=hf`, the default): transformers' `generate` as the sampler μ_old.
 
-The loop asks an engine for `Samples` and hands it new weights after the step's updates; it never assumes the
-engine is its own `nn.Module`. Samples carry what the loss needs from the sampler: the tokens and masks, the
-engine's own log-probs of the tokens it sampled (μ_old, fp32, under `logits / temperature`, the distribution the
-tokens were drawn from) and, when asked, the engine's routing per token. `collect_rollout` adds the task's rewards.
-
-Layout of a rollout batch (what every later stage indexes into):
-    input_ids      [N, P + T]  left-padded prompt (width P), then the response, right-padded after eos
-    attention_mask [N, P + T]  1 on prompt tokens and on response tokens up to and including eos
-    response_mask  [N, T]      1 on response tokens (eos included): the tokens the objective scores
-    logp           [N, T]      μ_old's log-probs of the response tokens, 0 after eos
-    routes         [L, N, P + T, K] the engine's experts per token (`models.routing.RoutingTrace`), or None
-N = prompts x group size, rows of one prompt contiguous (prompt j owns rows j*G .. j*G+G-1).
-
-`HFEngine` is transformers' `generate`: each prompt is prefilled once and its KV cache copied to its G rows, then
-decoded with the cache. By default it runs on the trainer's own model, so its weight sync is a no-op and its numbers
-are the trainer's own up to the KV-cache path's rounding (~1e-6). Given `EngineNumerics` it holds its own copy of the
-weights, as an inference server does, and differs from the trainer on purpose (training–inference mismatch that a
-run can dial):
+Each prompt is prefilled once and its KV cache copied to its G rows, then decoded with the cache; μ_old is the
+fp32 log-softmax of each step's raw logits under `logits / temperature`, gathered for the sampled token. By default
+it runs on the trainer's own model, so its weight sync is a no-op and its numbers are the trainer's own up to the
+KV-cache path's rounding (~1e-6). Given `EngineNumerics` that differ it holds its own copy of the weights, as an
+inference server does, and differs from the trainer on purpose (training–inference mismatch that a run can dial):
     precision     fp32 | bf16 | fp16: the copy's dtype (its log-probs are still taken in fp32 from its logits);
     weight_quant  none | int8 | fp8: fake quantization of every linear and expert weight of the decoder layers, per
                   output channel (symmetric, scale = max |w| / 127 for int8, / 448 for FP8 e4m3, quantize then
@@ -26,157 +13,30 @@ run can dial):
     router_noise  σ: seeded Gaussian noise N(0, σ²) on the copy's router logits before its top-k, so that near-tied
                   routes flip in the engine and not in the trainer.
 The copy takes the trainer's weights after every step's updates (cast, then re-quantized): the engine never trains.
+Logits that turn non-finite while sampling end the run as diverged (`FiniteLogits`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
-from enum import StrEnum
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
+from experiments.step.engines.base import ENGINES, EngineNumerics, Precision, RolloutEngine, Samples, WeightQuant
 from experiments.step.scoring import position_ids
-from experiments.tasks import Example, Task
 from models.registry import Diverged
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, replayed_gate_weights
-
-
-class Precision(StrEnum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class WeightQuant(StrEnum):
-    none = "none"
-    int8 = "int8"
-    fp8 = "fp8"  # e4m3 with a per-channel scale
-
 
 DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 QUANT_RANGE = {WeightQuant.int8: 127.0, WeightQuant.fp8: 448.0}  # largest magnitude each format holds
 
 
-@dataclass(frozen=True)
-class EngineNumerics:
-    """How the engine's numbers differ from the trainer's (module docstring); all off: they do not."""
-
-    precision: Precision = Precision.fp32
-    weight_quant: WeightQuant = WeightQuant.none
-    router_noise: float = 0.0
-
-    @property
-    def differs(self) -> bool:
-        return self != EngineNumerics()
-
-
-@dataclass(kw_only=True)
-class Samples:
-    """What an engine returns for a batch of prompts (see the module docstring for the layout)."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    response_mask: torch.Tensor
-    prompt_width: int
-    completions: list[str]  # decoded responses, without eos and padding
-    truncated: torch.Tensor  # [N] bool: no eos within the generation budget
-    logp: torch.Tensor | None  # [N, T] μ_old, fp32; None only for greedy decoding
-    routes: RoutingTrace | None = None  # when asked: the engine's experts per token, NO_ROUTE where none
-
-    @property
-    def size(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def response_tokens(self) -> int:
-        return int(self.response_mask.sum())
-
-
-@dataclass(kw_only=True)
-class Rollout(Samples):
-    """Samples with the task's verdict: one row per completion, `examples[i]` the prompt row i answers."""
-
-    examples: list[Example]
-    rewards: torch.Tensor  # [N] float
-    correct: torch.Tensor  # [N] bool
-
-
-class RolloutEngine(ABC):
-    """The sampler μ_old. `shares_trainer_weights`: it computes with the trainer's own module, so its numbers are
-    π_old's and `sync_weights` has nothing to do. `returns_logprobs`: its samples carry μ_old's log-probs (what
-    rollout corrections and MiniRL read); `returns_routing`: it can report its experts per token (what r3 replays);
-    `returns_gate_weights`: and the gate weights it gave them (what r3 with `routing_variant=full_replay` replays)."""
-
-    shares_trainer_weights: bool = False
-    returns_logprobs: bool = True
-    returns_routing: bool = True
-    returns_gate_weights: bool = True
-    name: str = "engine"
-
-    @classmethod
-    def check(cls, cfg: Any, world: int) -> None:
-        """Refuse (`ConfigError`) settings this engine cannot run, before anything is built."""
-
-    @classmethod
-    @abstractmethod
-    def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: "EngineNumerics",
-              ranks: Any, records_routing: bool) -> "RolloutEngine":
-        """The engine of a run: `model` is the trainer's policy (not yet sharded), `numerics` how the engine's
-        numbers should differ from it, `records_routing` whether the loop will ask for its routing
-        (`StepPlan.engine_records_routing`)."""
-
-    @abstractmethod
-    def sample(
-        self,
-        prompts: list[str],
-        group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool = False,
-        record_routing: bool = False,
-        record_gates: bool = False,
-    ) -> Samples:
-        """`group_size` completions per prompt; `record_routing`: also the engine's experts per token, and with
-        `record_gates` their gate weights and router log-probabilities (`RoutingTrace.weights`, `.logprobs`)."""
-
-    def describe(self) -> dict[str, Any]:
-        """What `summary.json` records about this engine beyond its name and numerics (`engine_details`): for an
-        external engine its build, the routing path that ran and its costs."""
-        return {}
-
-    @abstractmethod
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Take the trainer's current weights (after the step's optimizer updates, before the next sample)."""
-
-
-def collect_rollout(
-    engine: RolloutEngine,
-    task: Task,
-    examples: list[Example],
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    greedy: bool = False,
-    record_routing: bool = False,
-    record_gates: bool = False,
-) -> Rollout:
-    """Sample `group_size` completions per example with `engine` and score them with the task."""
-    samples = engine.sample(
-        [example.prompt for example in examples], group_size, max_new_tokens, temperature, greedy, record_routing,
-        record_gates,
-    )
-    rows = [example for example in examples for _ in range(group_size)]
-    rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(samples.completions, rows)], dtype=torch.float32)
-    correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(samples.completions, rows)])
-    return Rollout(**vars(samples), examples=rows, rewards=rewards, correct=correct)
-
-
+@ENGINES.register("hf")
 class HFEngine(RolloutEngine):
     """transformers' `generate`, with one prefill per prompt shared by its G completions: on `model` itself, or, with
     `numerics`, on its own copy of the weights that differs from the trainer's as the module docstring says.
@@ -188,19 +48,21 @@ class HFEngine(RolloutEngine):
     rows are done must still take part in the others' all-gathers.
     """
 
-    name = "hf"
+    @classmethod
+    def shares_weights_with_trainer(cls, numerics: EngineNumerics) -> bool:
+        return not numerics.differs
 
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
               ranks: Any, records_routing: bool) -> "HFEngine":
-        return cls(model, tokenizer, numerics=numerics if numerics.differs else None, seed=cfg.seed,
-                   synced=ranks.active)
+        return cls(model, tokenizer, numerics=None if cls.shares_weights_with_trainer(numerics) else numerics,
+                   seed=cfg.seed, synced=ranks.active)
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0,
                  numerics: EngineNumerics | None = None, seed: int = 0, synced: bool = False) -> None:
         self.tokenizer = tokenizer
         self.min_new_tokens = min_new_tokens
-        self.numerics = numerics
+        self.numerics = EngineNumerics() if numerics is None else numerics
         self.synced = synced
         self.shares_trainer_weights = numerics is None
         self.noise = torch.Generator().manual_seed(seed)
@@ -278,7 +140,7 @@ class HFEngine(RolloutEngine):
             sequences = model.generate(**encoded, **options)
         if logits_watch.seen(device, self.synced):
             numerics = self.numerics
-            sampler = "the trainer's model" if numerics is None else (
+            sampler = "the trainer's model" if self.shares_trainer_weights else (
                 f"the engine's own copy (rollout.precision={numerics.precision}, rollout.weight_quant="
                 f"{numerics.weight_quant}, rollout.router_noise={numerics.router_noise})")
             raise Diverged(f"{sampler} produced logits that are NaN or inf, with nothing to sample from")

@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (`rollout.engine=vllm`), behind `experiments.step.engines.hf.RolloutEngine`.
+"""vLLM as the rollout engine (`rollout.engine=vllm`), behind `experiments.step.engines.base.RolloutEngine`.
 
 One vLLM engine per run, in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no engine-core subprocess, so the
 worker's model is an object of this process and weight syncs are direct calls), started once in `build` (5-8 s on
@@ -82,7 +82,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from experiments.step.engines.hf import EngineNumerics, Precision, RolloutEngine, Samples, WeightQuant
+from experiments.step.engines.base import ENGINES, EngineNumerics, Needs, Precision, RolloutEngine, Samples, WeightQuant
 from models.registry import ConfigError
 from models.routing import NO_ROUTE, RoutingTrace, find_routers
 
@@ -129,11 +129,11 @@ def _installed_build() -> _Build:
     raise ConfigError(MISSING.format(python=sys.executable))
 
 
+@ENGINES.register("vllm")
 class VLLMEngine(RolloutEngine):
     """vLLM in this process on its own copy of the trainer's weights (module docstring: sampling, μ_old, routing,
     weight sync and the vLLM 0.32 workarounds)."""
 
-    name = "vllm"
     shares_trainer_weights = False
     returns_logprobs = True
     returns_routing = True
@@ -147,11 +147,14 @@ class VLLMEngine(RolloutEngine):
     # -- start-up checks -------------------------------------------------------------------------------------------
 
     @classmethod
-    def check(cls, cfg: Any, world: int) -> None:
-        """Refuse what this engine cannot run, one line each, before anything is built."""
+    def check(cls, cfg: Any, world: int, needs: Needs) -> None:
+        """Refuse what this engine cannot run, one line each, before anything is built: vLLM itself, what every
+        engine checks, then vLLM's own limits."""
         from models.policy import ModelConfig, model_config
         from omegaconf import OmegaConf
 
+        cls.require()
+        super().check(cfg, world, needs)
         rollout = cfg.rollout
         if rollout.weight_quant != WeightQuant.none:
             raise ConfigError(

@@ -1,0 +1,270 @@
+"""Every start-up check of an RL run, before anything is built: `check_run`, one place per concern.
+
+A refusal is one line (`ConfigError`) naming the value and what is allowed. Each concern is checked once, where it
+lives: the keys the schemas declare and the trainer's and routing's ranges here; an objective's, a correction's and a
+routing variant's parameters in their own `validate` (`algos/`); what a routing variant can serve in its `check`;
+the engine's settings and what the run needs from it in the engine's `check` (`engines/`); where π_old comes from and
+the minibatch layout in `plan.plan_step`; the model's files and sizes in `models.policy.model_config`; a task's
+parameters in the task; and here what the parts must agree on, the task's budget and the step's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
+
+from algos import build_objective
+from algos.corrections import Correction, build_correction
+from algos.objective import Objective
+from algos.routing_variants import RoutingVariant, build_routing_variant
+from experiments.step.engines import ENGINES, EngineNumerics, Needs, RolloutEngine
+from experiments.step.memory import GIB, available_bytes, step_memory
+from experiments.step.plan import PiOld, Replay, StepPlan, plan_step
+from experiments.tasks import Example, Task, build_task
+from models.policy import DTYPES, ModelConfig, is_moe, model_config
+from models.registry import ConfigError
+from models.tokenizer import build_char_tokenizer
+
+# The devices a run trains on, and the weight dtypes it trains in. Not float16: AdamW keeps its moments in the weights'
+# dtype, and in float16 the second moment of a small gradient underflows to 0, so the next update divides by about
+# eps and the weights blow up (the micro MoE's logits were non-finite after its first RL step on CPU).
+TRAIN_DEVICES = ("cpu", "cuda", "cuda:<index>")
+TRAINABLE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """Everything a run is made of that is cheap to build: what `check_run` builds, and RLTrainer starts from."""
+
+    plan: StepPlan
+    model_cfg: ModelConfig
+    numerics: EngineNumerics
+    engine: type[RolloutEngine]
+    objective: Objective
+    advantage_std: bool
+    correction: Correction
+    variant: RoutingVariant
+    task: Task
+    train_examples: list[Example]
+    test_examples: list[Example]
+
+
+def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
+    """Every start-up check of an RL run on `world` ranks, without building the model: settings, the model's files
+    and sizes, the objective, the engine, the task and its splits, and (`memory`) whether one rank's step fits in the
+    device's free memory."""
+    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    hf_config = model_config(model_cfg)
+    moe = is_moe(hf_config)
+    name, advantage_std, hyperparameters = algo_hyperparameters(cfg.algo)
+    objective = build_objective(name, **hyperparameters)
+    correction = build_correction(**OmegaConf.to_container(cfg.correction, resolve=True))
+    variant = build_routing_variant(**OmegaConf.to_container(cfg.routing_variant, resolve=True))
+    check_known_keys(cfg)
+    check_trainer(cfg.trainer, moe, world)
+    check_routing(cfg.routing, moe, cfg.model.name)
+    check_device(cfg.device)
+    check_training_dtype(cfg.model.dtype, cfg.device)
+    engine = ENGINES[cfg.rollout.engine]
+    plan = plan_step(cfg, moe, engine, variant, correction.name if correction.needs_decoupled else None, world)
+    engine.check(cfg, world, engine_needs(plan, objective, correction))
+    check_agreement(objective, correction)
+    variant.check(plan.replay, cfg.model.name, moe)
+    task, train_examples, test_examples = check_task(cfg, model_cfg)
+    if memory:
+        check_memory(cfg, hf_config, model_cfg, [e.prompt for e in train_examples + test_examples], world)
+    return RunParts(plan, model_cfg, EngineNumerics.of(cfg.rollout), engine, objective, advantage_std, correction,
+                    variant, task, train_examples, test_examples)
+
+
+def algo_hyperparameters(algo_cfg: Any) -> tuple[str, bool, dict[str, Any]]:
+    """Split an `algo` node into (objective name, divide advantages by std, objective hyperparameters)."""
+    params = dict(algo_cfg)
+    return params.pop("name"), bool(params.pop("advantage_std")), params
+
+
+def unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Keys of `node` that its schema does not declare: Hydra lets `+key=value` add them, and nothing would read them."""
+    schema = OmegaConf.get_type(node)
+    declared = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    found = []
+    for key in node.keys():
+        if key == "hydra" and not prefix:
+            continue  # Hydra's own node, which a composed job config carries
+        if declared is not None and key not in declared:
+            found.append(f"{prefix}{key}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            found += unknown_keys(child, f"{prefix}{key}.")
+    return found
+
+
+def check_known_keys(cfg: Any) -> None:
+    """Refuse keys no schema declares (a composed config; a plain one, built in a test, has no schema to hold)."""
+    unknown = unknown_keys(cfg) if isinstance(cfg, DictConfig) else []
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(unknown)}: no schema declares them, so nothing would read them "
+            "(`+key=value` adds keys; misspelt? `python -m experiments.train --cfg job` prints every key)"
+        )
+
+
+def check_trainer(t: Any, moe: bool, world: int) -> None:
+    """The ranges of the `trainer` settings, and how the batch splits over `world` ranks and into minibatches."""
+    for key in ("prompts_per_step", "steps", "max_new_tokens", "max_consecutive_skips"):
+        if t[key] < 1:
+            raise ConfigError(f"trainer.{key}={t[key]} must be >= 1")
+    for key in ("warmup_steps", "eval_every", "eval_prompts", "eval_samples", "checkpoint_every"):
+        if t[key] < 0:
+            raise ConfigError(f"trainer.{key}={t[key]} must be >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= t[key] < 1.0:
+            raise ConfigError(f"trainer.{key}={t[key]} must be in [0, 1)")
+    for key in ("weight_decay", "router_aux_loss_coef"):
+        if not (math.isfinite(t[key]) and t[key] >= 0):
+            raise ConfigError(f"trainer.{key}={t[key]} must be a finite number >= 0")
+    if t.keep_checkpoints < 1:
+        raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1 (the newest is what resume reads)")
+    if 0 < t.eval_prompts < world:
+        raise ConfigError(f"trainer.eval_prompts={t.eval_prompts} gives some of the {world} ranks no held-out prompt")
+    if t.threads is not None and t.threads < 1:
+        raise ConfigError(f"trainer.threads={t.threads} must be >= 1, or null to follow the machine's free cores")
+    if t.group_size < 2:
+        raise ConfigError(f"trainer.group_size={t.group_size}: group advantages need at least 2 completions per prompt")
+    if t.prompts_per_step % world:
+        raise ConfigError(
+            f"trainer.prompts_per_step={t.prompts_per_step} does not split over the {world} ranks: each rank samples "
+            "whole groups of an equal share of the prompts"
+        )
+    batch = t.prompts_per_step * t.group_size // world
+    if t.minibatches < 1 or batch % t.minibatches:
+        raise ConfigError(
+            f"trainer.minibatches={t.minibatches} does not divide the batch of "
+            f"{t.prompts_per_step // world} prompts x {t.group_size} completions = {batch}"
+            + (f" that each of the {world} ranks holds" if world > 1 else "")
+        )
+    for key in ("temperature", "lr", "grad_clip", "router_lr_scale"):
+        if not (math.isfinite(t[key]) and t[key] > 0):
+            raise ConfigError(f"trainer.{key}={t[key]} must be a finite number > 0")
+    if not moe and t.router_aux_loss_coef > 0:
+        raise ConfigError(f"trainer.router_aux_loss_coef={t.router_aux_loss_coef} needs an MoE model")
+
+
+def check_routing(routing: Any, moe: bool, model: str) -> None:
+    """The `routing` settings: their ranges, and a dense model has nothing to replay, split or flip."""
+    if not moe and routing.replay != Replay.none:
+        raise ConfigError(
+            f"routing.replay={routing.replay} needs an MoE model, but model {model!r} has no MoE layers; "
+            "use routing.replay=none"
+        )
+    if not (math.isfinite(routing.margin_threshold) and routing.margin_threshold >= 0):
+        raise ConfigError(f"routing.margin_threshold={routing.margin_threshold} must be a finite number >= 0")
+    if routing.decompose_every < 0:
+        raise ConfigError(f"routing.decompose_every={routing.decompose_every} must be >= 0 (0: never)")
+    if routing.decompose_every and not moe:
+        raise ConfigError(f"routing.decompose_every={routing.decompose_every} splits a routing part: needs an MoE model")
+    flip_rate = routing.flip_rate
+    if not (math.isfinite(flip_rate) and 0.0 <= flip_rate <= 1.0):
+        raise ConfigError(f"routing.flip_rate={flip_rate} must be a probability in [0, 1] (the share of experts flipped)")
+    if flip_rate and not moe:
+        raise ConfigError(f"routing.flip_rate={flip_rate} flips experts: needs an MoE model, and {model!r} is dense")
+
+
+def check_device(device: str) -> None:
+    """Refuse, in one line, a `device` that is not cpu or cuda[:index] (torch's own error for a string it does not
+    know lists every backend it was ever built for), or cuda on a machine without it."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not one of {', '.join(TRAIN_DEVICES)}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but this machine has no CUDA device; use device=cpu")
+
+
+def check_training_dtype(dtype: str, device: str) -> None:
+    """Refuse model weights in a dtype AdamW cannot train (`TRAINABLE_DTYPES`), naming the device and what trains."""
+    if dtype not in TRAINABLE_DTYPES:
+        raise ConfigError(
+            f"model.dtype={dtype} cannot be trained on {device}: AdamW keeps its moments in {dtype}, where the second "
+            f"moment of small gradients underflows to 0 and the weights blow up within the first updates; on {device} "
+            f"train in model.dtype={' or '.join(TRAINABLE_DTYPES)}"
+        )
+
+
+def engine_needs(plan: StepPlan, objective: Objective, correction: Correction) -> Needs:
+    """What the run needs from its engine, each need named by the settings that ask for it."""
+    logprobs = None
+    if correction.name != "none" or objective.needs_rollout_logp:
+        logprobs = f"correction={correction.name} / algo={objective.name} read μ_old's log-probs"
+    elif plan.pi_old == PiOld.bypass:
+        logprobs = "trainer.pi_old=bypass takes π_old from μ_old's log-probs"
+    return Needs(
+        logprobs=logprobs,
+        routing="routing.replay=r3 replays the engine's experts" if plan.replay == Replay.r3 else None,
+        gate_weights=(f"routing_variant={plan.routing_variant} with routing.replay=r3 replays the engine's gate weights"
+                      if plan.engine_records_gates else None),
+    )
+
+
+def check_agreement(objective: Objective, correction: Correction) -> None:
+    """What the objective and the correction must agree on."""
+    if objective.needs_rollout_logp and correction.name in ("tis", "mis", "icepop"):
+        raise ConfigError(
+            f"algo={objective.name} already weighs each token by its truncated π_θ/μ_old; correction={correction.name} "
+            "would weigh the mismatch twice: use correction=none, geo_rs or opsm with it"
+        )
+
+
+def check_task(cfg: DictConfig, model_cfg: ModelConfig) -> tuple[Task, list[Example], list[Example]]:
+    """The task and its splits, held-out prompts enough for the evaluation, and a generation budget that holds its
+    answers (a budget that cannot hold an answer and its eos makes every long answer a truncated, wrong one)."""
+    t = cfg.trainer
+    task = build_task(**OmegaConf.to_container(cfg.dataset, resolve=True))
+    train_examples, test_examples = task.examples("train"), task.examples("test")
+    if t.eval_prompts > len(test_examples):
+        raise ConfigError(
+            f"trainer.eval_prompts={t.eval_prompts} is more than the {len(test_examples)} held-out examples of "
+            f"dataset {task.name!r}"
+        )
+    answers = longest_tokens(tokenizer_of(model_cfg), [example.answer for example in train_examples + test_examples])
+    if t.max_new_tokens < answers + 1:
+        raise ConfigError(
+            f"trainer.max_new_tokens={t.max_new_tokens} cannot hold the answers of dataset {task.name!r}: up to "
+            f"{answers} tokens, plus eos; use trainer.max_new_tokens >= {answers + 1}"
+        )
+    return task, train_examples, test_examples
+
+
+def check_memory(cfg: DictConfig, hf_config: Any, model_cfg: ModelConfig, prompts: list[str], world: int) -> None:
+    """Refuse a step that would not fit in the device's free memory, with the estimate's parts."""
+    t = cfg.trainer
+    prompt_tokens = longest_tokens(tokenizer_of(model_cfg), prompts)
+    memory = step_memory(hf_config, cfg, prompt_tokens, DTYPES[model_cfg.dtype].itemsize, world)
+    available = available_bytes(cfg.device)
+    if memory.peak > available:
+        raise ConfigError(
+            f"one RL step of trainer.prompts_per_step={t.prompts_per_step} x trainer.group_size={t.group_size} "
+            f"(trainer.minibatches={t.minibatches}) needs about {memory.peak / GIB:.1f} GiB ({memory.describe()}), "
+            f"and {cfg.device} has {available / GIB:.1f} GiB available: lower the batch or raise trainer.minibatches"
+        )
+
+
+def tokenizer_of(model_cfg: ModelConfig):
+    """The run's tokenizer, without building the model: the character tokenizer, or the checkpoint's own."""
+    if model_cfg.path is None:
+        return build_char_tokenizer()
+    return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+
+
+def longest_tokens(tokenizer, texts: list[str]) -> int:
+    """Tokens of the longest text (measured on the 32 longest in characters)."""
+    longest = sorted(set(texts), key=len)[-32:]
+    return max(len(ids) for ids in tokenizer(longest, add_special_tokens=False)["input_ids"])

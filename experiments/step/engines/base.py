@@ -1,0 +1,173 @@
+"""What a rollout engine is: everything the loop, the checkpoint and the benchmarks call on the sampler μ_old.
+
+The loop asks an engine for `Samples` and hands it new weights after the step's updates; it never assumes the
+engine is its own `nn.Module`. Samples carry what the loss needs from the sampler: the tokens and masks, the
+engine's own log-probs of the tokens it sampled (μ_old, fp32, under `logits / temperature`, the distribution the
+tokens were drawn from) and, when asked, the engine's routing per token.
+
+Layout of a rollout batch (what every later stage indexes into):
+    input_ids      [N, P + T]  left-padded prompt (width P), then the response, right-padded after eos
+    attention_mask [N, P + T]  1 on prompt tokens and on response tokens up to and including eos
+    response_mask  [N, T]      1 on response tokens (eos included): the tokens the objective scores
+    logp           [N, T]      μ_old's log-probs of the response tokens, 0 after eos
+    routes         [L, N, P + T, K] the engine's experts per token (`models.routing.RoutingTrace`), or None
+N = prompts x group size, rows of one prompt contiguous (prompt j owns rows j*G .. j*G+G-1).
+
+Engines are registered by name (`ENGINES`, `rollout.engine=<name>`) and build themselves from the run's config; what
+an engine returns (`returns_*`) is what the start-up checks hold a run's needs against (`check`).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from models.registry import ConfigError, Registry
+from models.routing import RoutingTrace
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class WeightQuant(StrEnum):
+    none = "none"
+    int8 = "int8"
+    fp8 = "fp8"  # e4m3 with a per-channel scale
+
+
+@dataclass
+class EngineNumerics:
+    """How the engine's numbers differ from the trainer's on purpose (training–inference mismatch a run can dial);
+    all off: they do not, and the engine may sample with the trainer's own model. The `rollout` config group extends
+    these fields (`experiments.config.RolloutConfig`), so each default is written here once."""
+
+    precision: Precision = Precision.fp32  # the engine copy's dtype (log-probs are still taken in fp32)
+    weight_quant: WeightQuant = WeightQuant.none  # fake quantization of the copy's linear and expert weights
+    router_noise: float = 0.0  # σ of the Gaussian noise on the copy's router logits, before its top-k
+
+    @classmethod
+    def of(cls, rollout: Any) -> "EngineNumerics":
+        """The numerics of a `rollout` config node."""
+        return cls(Precision(rollout.precision), WeightQuant(rollout.weight_quant), float(rollout.router_noise))
+
+    @property
+    def differs(self) -> bool:
+        return EngineNumerics.of(self) != EngineNumerics()
+
+
+@dataclass(kw_only=True)
+class Samples:
+    """What an engine returns for a batch of prompts (see the module docstring for the layout)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_width: int
+    completions: list[str]  # decoded responses, without eos and padding
+    truncated: torch.Tensor  # [N] bool: no eos within the generation budget
+    logp: torch.Tensor | None  # [N, T] μ_old, fp32; None for greedy decoding or an engine without log-probs
+    routes: RoutingTrace | None = None  # when asked: the engine's experts per token, NO_ROUTE where none
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a run needs from its engine beyond tokens, each as the clause that says which setting asks for it (None:
+    not needed); `RolloutEngine.check` refuses a need the engine does not serve, with that clause."""
+
+    logprobs: str | None = None  # μ_old's log-probs: bypass, a rollout correction, MiniRL's IS weight
+    routing: str | None = None  # the engine's experts per token: r3 replays them
+    gate_weights: str | None = None  # and the gate weights it gave them: r3 with full replay
+
+
+class RolloutEngine(ABC):
+    """The sampler μ_old. A subclass sets what it returns and implements `build`, `sample`, `sync_weights` and
+    `reseed`; `check` and `shares_weights_with_trainer` have defaults a subclass may extend."""
+
+    name: ClassVar[str] = "engine"  # the registry key, set by `ENGINES.register`
+    returns_logprobs: ClassVar[bool] = True  # samples carry μ_old's log-probs (bypass, corrections, MiniRL read them)
+    returns_routing: ClassVar[bool] = True  # it can report its experts per token (what r3 replays)
+    returns_gate_weights: ClassVar[bool] = True  # and the gate weights it gave them (r3 with full replay)
+
+    # Set by every engine when it is built:
+    shares_trainer_weights: bool  # it computes with the trainer's own module: sync has nothing to do
+    numerics: EngineNumerics  # how its numbers differ from the trainer's (summary.json records it)
+    noise: torch.Generator  # its own random stream (router noise), saved in checkpoints and set by `reseed`
+    min_new_tokens: int  # ban eos before this many tokens (the benchmark's fixed-length steps); 0: off
+
+    @classmethod
+    def shares_weights_with_trainer(cls, numerics: EngineNumerics) -> bool:
+        """Whether the engine built for `numerics` samples with the trainer's own model, so that its numbers are
+        π_old's (start-up decides where π_old comes from on this)."""
+        return False
+
+    @classmethod
+    def check(cls, cfg: Any, world: int, needs: Needs) -> None:
+        """Refuse, in one line and before anything is built, a run this engine cannot serve: a need it does not
+        return, or settings it cannot run. A subclass extends this with its own settings (calling it first)."""
+        sigma = cfg.rollout.router_noise
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ConfigError(f"rollout.router_noise={sigma} must be a finite number >= 0 (the noise's σ)")
+        if cfg.rollout.weight_quant != WeightQuant.none and cfg.model.moe_backend != "hf":
+            raise ConfigError(
+                f"rollout.weight_quant={cfg.rollout.weight_quant} quantizes transformers' expert layout; "
+                f"model.moe_backend={cfg.model.moe_backend} holds another: use model.moe_backend=hf"
+            )
+        if needs.logprobs and not cls.returns_logprobs:
+            raise ConfigError(f"{needs.logprobs}, which rollout.engine={cls.name} does not return")
+        if needs.routing and not cls.returns_routing:
+            raise ConfigError(f"{needs.routing}, which rollout.engine={cls.name} does not report")
+        if needs.gate_weights and not cls.returns_gate_weights:
+            raise ConfigError(f"{needs.gate_weights}, and rollout.engine={cls.name} reports the experts' ids only: use "
+                              "rollout.engine=hf or routing.replay=r2")
+
+    @classmethod
+    @abstractmethod
+    def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
+              ranks: Any, records_routing: bool) -> "RolloutEngine":
+        """The engine of a run: `model` is the trainer's policy (not yet sharded), `numerics` how the engine's
+        numbers should differ from it, `records_routing` whether the loop will ask for its routing
+        (`StepPlan.engine_records_routing`)."""
+
+    @abstractmethod
+    def sample(
+        self,
+        prompts: list[str],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool = False,
+        record_routing: bool = False,
+        record_gates: bool = False,
+    ) -> Samples:
+        """`group_size` completions per prompt; `record_routing`: also the engine's experts per token, and with
+        `record_gates` their gate weights and router log-probabilities (`RoutingTrace.weights`, `.logprobs`)."""
+
+    @abstractmethod
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Take the trainer's current weights (after the step's optimizer updates, before the next sample)."""
+
+    @abstractmethod
+    def reseed(self, seed: int) -> None:
+        """Seed the engine's random streams for the next samples (the loop does, every step, from (seed, step,
+        rank): a resumed run samples what the uninterrupted one sampled)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What `summary.json` records about this engine beyond its name and numerics (`engine_details`): for an
+        external engine its build, the routing path that ran and its costs."""
+        return {}
+
+
+ENGINES: Registry[RolloutEngine] = Registry("rollout engine", RolloutEngine, fields_are_parameters=False)

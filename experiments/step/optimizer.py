@@ -1,0 +1,53 @@
+"""AdamW and its learning-rate schedule, for RL runs and cold starts alike."""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import Any, Callable
+
+import torch
+
+from models.routing import find_routers
+
+
+class LRSchedule(StrEnum):
+    constant = "constant"
+    linear = "linear"  # linear decay to 0 after the warm-up
+    cosine = "cosine"  # cosine decay to 0 after the warm-up
+
+
+def lr_lambda(schedule: LRSchedule, warmup: int, total: int) -> Callable[[int], float]:
+    """Multiplier of the base learning rate after `update` optimizer updates (linear warm-up, then decay)."""
+
+    def factor(update: int) -> float:
+        if warmup and update < warmup:
+            return (update + 1) / warmup
+        progress = (update - warmup) / max(1, total - warmup)
+        if schedule == LRSchedule.linear:
+            return max(0.0, 1.0 - progress)
+        if schedule == LRSchedule.cosine:
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+def rl_optimizer(model: torch.nn.Module, t: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `model` with the settings of `trainer` (`t`), the routers at `lr × router_lr_scale`, and its
+    schedule over every optimizer update of the run (steps × minibatches)."""
+    routers = {id(router.weight) for router in find_routers(model).values()}
+    groups = [[p for p in model.parameters() if id(p) not in routers],
+              [p for p in model.parameters() if id(p) in routers]]
+    # fused: one kernel for all parameters instead of a Python loop over them (4x faster on the tiny MoE's CPU
+    # update); the same AdamW.
+    optimizer = torch.optim.AdamW(
+        [{"params": groups[0]}] + ([{"params": groups[1], "lr": t.lr * t.router_lr_scale}] if groups[1] else []),
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.weight_decay,
+        fused=True,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps,
+                                                                       t.steps * t.minibatches))
+    return optimizer, scheduler

@@ -1,0 +1,123 @@
+"""docs/architecture.md kept true: every import runs down the rooms, and no file names a path outside the project."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from experiments.config import PROJECT_ROOT
+
+# The rooms, bottom to top; rooms on one level stand side by side and import neither each other nor anything above.
+LEVELS = [("models",), ("algos",), ("tasks",), ("step",), ("config", "run"), ("doors",), ("analysis",), ("benchmarks",)]
+LEVEL = {room: level for level, rooms in enumerate(LEVELS) for room in rooms}
+PACKAGES = ("models", "algos", "experiments", "analysis", "benchmarks")
+
+
+def room(module: str) -> str | None:
+    """The room of a dotted module name of this project (None: not ours, or the `tests` package)."""
+    parts = module.split(".")
+    if parts[0] != "experiments":
+        return parts[0] if parts[0] in PACKAGES else None
+    if len(parts) == 1:
+        return "doors"
+    return {"tasks": "tasks", "step": "step", "run": "run", "config": "config"}.get(parts[1], "doors")
+
+
+def imported(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, at any depth (imports inside functions count too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def sources() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (PROJECT_ROOT / package).rglob("*.py"))
+
+
+def test_every_import_runs_down_the_rooms():
+    upward = []
+    for path in sources():
+        module = ".".join(path.relative_to(PROJECT_ROOT).with_suffix("").parts)
+        mine = room(module)
+        for line, name in imported(path):
+            theirs = room(name)
+            if name.split(".")[0] == "tests":
+                upward.append(f"{path.relative_to(PROJECT_ROOT)}:{line} imports {name} (nothing imports the tests)")
+            elif theirs is not None and theirs != mine and LEVEL[theirs] >= LEVEL[mine]:
+                upward.append(f"{path.relative_to(PROJECT_ROOT)}:{line} ({mine}) imports {name} ({theirs})")
+    assert not upward, "imports that run back up (docs/architecture.md):\n" + "\n".join(upward)
+
+
+def test_the_lower_rooms_import_no_higher_room():
+    """The arrows the issue named: models/ imports no other room, algos/ only models/."""
+    for package, allowed in (("models", {"models"}), ("algos", {"models", "algos"})):
+        for path in (PROJECT_ROOT / package).rglob("*.py"):
+            rooms = {name.split(".")[0] for _, name in imported(path)} & {*PACKAGES, "tests"}
+            assert rooms <= allowed, f"{path.relative_to(PROJECT_ROOT)} imports {sorted(rooms - allowed)}"
+
+
+# A machine's own folders, or folders beside the project: nothing a clone of the repository holds.
+OUTSIDE = re.compile(r"(?<![\w.])/(?:work|home|Users|mnt)/|(?<![\w/.-])(?:shared|research)/\w")
+
+
+def test_no_file_names_a_path_outside_the_project():
+    files = [*sources(), *(PROJECT_ROOT / "conf").rglob("*.yaml"), *(PROJECT_ROOT / "docs").glob("*.md"),
+             PROJECT_ROOT / "README.md", PROJECT_ROOT / "Makefile", PROJECT_ROOT / "pyproject.toml"]
+    named = [f"{path.relative_to(PROJECT_ROOT)}:{number}: {line.strip()}"
+             for path in files for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if OUTSIDE.search(line)]
+    assert not named, "paths outside the project:\n" + "\n".join(named)
+
+
+# docs/architecture.md, "One step, in eight files": the project files whose code one default step runs.
+STEP_FILES = {
+    "experiments/step/trainer.py", "experiments/step/engines/hf.py", "experiments/tasks/base.py", "algos/objective.py",
+    "experiments/step/scoring.py", "models/routing.py", "algos/grpo.py", "experiments/step/metrics.py",
+}
+# Frames that only pass a call on (decorators, context managers): the call is their caller's.
+WRAPPERS = ("torch/utils/_contextlib.py", "/contextlib.py", "/functools.py")
+
+
+def test_one_default_step_runs_the_code_of_eight_files():
+    """Calls the step's own code makes, on one rank with the default objective, task and replay; what transformers
+    and torch call back (the model's forward with its kernels and routing hooks, the learning-rate schedule) is
+    theirs and not counted."""
+    import sys
+
+    from experiments.step.trainer import RLTrainer
+    from tests.test_train import compose_train
+
+    trainer = RLTrainer(compose_train())
+    trainer.step()  # the first step builds what later ones reuse
+    root = str(PROJECT_ROOT)
+    ran: set[str] = set()
+
+    def called(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event != "call" or not path.startswith(root) or path.startswith(f"{root}/tests/"):
+            return
+        caller = frame.f_back
+        while caller is not None and caller.f_code.co_filename.endswith(WRAPPERS):
+            caller = caller.f_back
+        if caller is None or not caller.f_code.co_filename.startswith(root):
+            return
+        outer = frame.f_back
+        while outer is not None:
+            name = outer.f_code.co_filename
+            if "/transformers/" in name or name.endswith("torch/nn/modules/module.py"):
+                return
+            outer = outer.f_back
+        ran.add(str(Path(path).relative_to(PROJECT_ROOT)))
+
+    sys.setprofile(called)
+    try:
+        trainer.step()
+    finally:
+        sys.setprofile(None)
+    assert ran == STEP_FILES, f"the step ran {sorted(ran - STEP_FILES)} beyond docs/architecture.md's eight, and not " \
+                              f"{sorted(STEP_FILES - ran)}"
