@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -112,3 +115,62 @@ def test_each_yaml_holds_only_what_differs_from_what_it_inherits():
     top = OmegaConf.load(CONF / "train.yaml")
     schema = OmegaConf.structured(TrainConfig)
     assert not [key for key in top if key not in ("defaults", "hydra") and top[key] == schema.get(key)]
+
+
+SWEEP_GROUPS = ("experiment", "search")
+
+
+def _leaves(node: dict, prefix: str = "") -> dict[str, object]:
+    """`{"a.b": value}` of a yaml's own keys; a sweep's params are leaves under `hydra.sweeper.params.<key>`."""
+    flat = {}
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name != "hydra.sweeper.params":
+            flat.update(_leaves(value, f"{name}."))
+        elif isinstance(value, dict):
+            flat.update({f"{name}.{param}": choice for param, choice in value.items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _inherited(conf: Path, group: str, name: str) -> dict[str, object]:
+    """What `group=name` composes to without its own keys (its defaults list only: the schema, the groups and the
+    files it names), with Hydra's node, uninterpolated."""
+    path = conf / group / f"{name}.yaml"
+    own = OmegaConf.to_container(OmegaConf.load(path))
+    path.write_text("# @package _global_\n" + OmegaConf.to_yaml({"defaults": own.get("defaults", [])}))
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        composed = compose("train", overrides=[f"{group}={name}"], return_hydra_config=True)
+    return _leaves(OmegaConf.to_container(composed, resolve=False))
+
+
+def test_experiment_and_search_yamls_hold_only_what_differs_from_what_they_inherit(tmp_path):
+    """An experiment or a search is a delta: a value equal to what its defaults already give (the schema's default,
+    another file's) is a second copy of that value, and a key a sweep's params override is never used."""
+    restated = []
+    for group in SWEEP_GROUPS:
+        for path in sorted((CONF / group).glob("*.yaml")):
+            own = _leaves({k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k != "defaults"})
+            conf = tmp_path / group / path.stem
+            shutil.copytree(CONF, conf)
+            base = _inherited(conf, group, path.stem)
+            restated += [f"{group}/{path.name}: {key}: {value}" for key, value in own.items()
+                         if key in base and base[key] == value]
+            params = {key.removeprefix("hydra.sweeper.params.") for key in own if key.startswith("hydra.sweeper.")}
+            restated += [f"{group}/{path.name}: {key} (overridden by the sweep's {key})" for key in own
+                         if key in params]
+    assert not restated, "yaml values that repeat what the file inherits:\n" + "\n".join(restated)
+
+
+def test_every_search_the_regimes_cite_is_a_file_that_composes():
+    """docs/regimes.md names the sweeps its table was made from: each one is `search=` or `experiment=` here."""
+    regimes = (PROJECT_ROOT / "docs" / "regimes.md").read_text(encoding="utf-8")
+    made_by = regimes.split("python -m analysis.regimes ", 1)[1].split("`", 1)[0].split()
+    cited = {line.split("|")[1].strip() for line in regimes.splitlines() if line.startswith("| ")} - {"search", "---"}
+    assert set(made_by) == cited
+    for name in sorted(cited):
+        group = next((g for g in SWEEP_GROUPS if (CONF / g / f"{name}.yaml").exists()), None)
+        assert group is not None, f"docs/regimes.md cites {name}, which no conf/experiment or conf/search file holds"
+        cfg = _compose("train", [f"{group}={name}"])
+        assert cfg.model.name == "paper_moe" and cfg.model.path.endswith("-addition")
