@@ -34,6 +34,7 @@ from benchmarks.rl_step import finish, machine, spread
 from benchmarks.worker import Worker
 from benchmarks.workload import BENCH_TINY, VARIANTS
 from experiments.config import PROJECT_ROOT
+from experiments.step.metrics import STEP_TIME
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 POLICIES = {
@@ -116,7 +117,7 @@ def sweep_section(args: argparse.Namespace, log_dir: Path, results: dict[str, An
 
 def _step_seconds(run_dir: Path) -> list[float]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [line["perf/step_s"] for line in lines[1:]]  # the first step pays for warm-up
+    return [line[STEP_TIME] for line in lines[1:]]  # the first step pays for warm-up
 
 
 def dp_section(args: argparse.Namespace, log_dir: Path, results: dict[str, Any]) -> None:

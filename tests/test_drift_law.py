@@ -7,7 +7,11 @@ import math
 
 import pytest
 
+from algos.objective import TOKEN_RATIO_VAR
 from analysis import drift_law
+from experiments.step.metrics import (
+    DRIFT_PER_UPDATE, ENGINE_EXPERTS, ENGINE_TOKENS, LENGTH, LOGIT_MARGIN, MISMATCH_K3, ROUTING_SHARE,
+)
 
 EXPONENTS = {"layers": -0.5, "lr": 1.0, "experts_per_slot": 0.3}
 CONSTANT = 50.0
@@ -21,17 +25,17 @@ def write_probe(root, name, layers, experts, top_k, lrs, diverged_lr=None):
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("model:\n  name: m\n  path: null\n  hidden_size: 64\n")
-    settings = [{"lr": lr, "routing/expert_change_per_update": law(layers, lr, experts, top_k),
-                 "drift_per_layer": [law(layers, lr, experts, top_k)] * layers, "decompose/routing_share": 0.1,
-                 "routing/logit_margin": 0.2, "ratio/token_var": 0.01, "response/length_mean": 3.5}
+    settings = [{"lr": lr, DRIFT_PER_UPDATE: law(layers, lr, experts, top_k),
+                 "drift_per_layer": [law(layers, lr, experts, top_k)] * layers, ROUTING_SHARE: 0.1,
+                 LOGIT_MARGIN: 0.2, TOKEN_RATIO_VAR: 0.01, LENGTH: 3.5}
                 for lr in lrs]
     if diverged_lr:
         settings.append({"lr": diverged_lr, "diverged": "the trainer's model produced logits that are NaN or inf"})
     summary = {"status": "finished", "model": name, "dataset": {"name": "addition", "digits": 2}, "answer_tokens": 3.9,
                "policy": {"num_moe_layers": layers, "num_experts": experts, "num_experts_per_tok": top_k},
                "settings": settings,
-               "precision_mismatch": [{"precision": "bf16", "mismatch/expert_frac": 0.01,
-                                       "mismatch/token_any_expert_frac": 0.2, "mismatch/kl_k3": 1e-4}]}
+               "precision_mismatch": [{"precision": "bf16", ENGINE_EXPERTS: 0.01,
+                                       ENGINE_TOKENS: 0.2, MISMATCH_K3: 1e-4}]}
     (run / "summary.json").write_text(json.dumps(summary))
 
 
