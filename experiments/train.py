@@ -403,11 +403,19 @@ def main(cfg: DictConfig) -> float | None:
         return launch_ranks(cfg, hydra_cfg)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
-    if multiprocessing.current_process().name != "MainProcess":  # a launcher's worker (joblib): not the sweep itself
+    sweep = os.getppid()
+    worker = multiprocessing.current_process().name != "MainProcess"  # a launcher's worker (joblib), not the sweep
+    if worker:
         launch.die_with_parent(signal.SIGTERM)
     try:
         return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
     except SystemExit as exit:
+        if isinstance(exit.code, int) and worker and os.getppid() != sweep:
+            # Interrupted because the sweep died: nobody will collect this job, and joblib's worker would catch the
+            # exit and wait for its next job, holding the sweep's stdout and stderr open. End the process now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit.code)
         if isinstance(exit.code, int):  # interrupted: the sweep stops too
             raise
         print(exit.code, file=sys.stderr)
