@@ -143,8 +143,9 @@ def _format_value(value: Any) -> str:
 def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Readable series label per run from its flattened config.
 
-    The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none` and ` + <routing_variant.name>`
-    when a routing variant is on (a run without the key ran without one). Then, in sorted key order, every
+    The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none`, ` + <routing_variant.name>`
+    when a routing variant is on (a run without the key ran without one) and ` + SYNTHETIC flips p=<p>` when
+    `routing.flip_rate` is not 0. Then, in sorted key order, every
     config key that differs between runs (ignoring seeds, threads, checkpointing, output dirs, logger/W&B/Hydra
     keys; a checkpoint or data path does count) and still
     splits runs sharing a label so far is appended to all labels as `key=value`, with the shortest unambiguous
@@ -154,7 +155,7 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     all_keys = sorted({k for cfg in configs.values() for k in cfg})
     candidates = [
         k for k in all_keys
-        if k not in ("algo.name", "routing.replay", "routing_variant.name") and not ignored_key(k)
+        if k not in ("algo.name", "routing.replay", "routing_variant.name", "routing.flip_rate") and not ignored_key(k)
         and len({_format_value(cfg.get(k, "—")) for cfg in configs.values()}) > 1
     ]
     for key in candidates:
@@ -174,7 +175,9 @@ def _base_label(cfg: Mapping[str, Any]) -> str:
     replay = str(cfg.get("routing.replay", "none"))
     variant = str(cfg.get("routing_variant.name", "none"))
     label = algo if replay == "none" else f"{algo} + {replay}"
-    return label if variant == "none" else f"{label} + {variant}"
+    label = label if variant == "none" else f"{label} + {variant}"
+    flips = float(cfg.get("routing.flip_rate", 0.0))  # an intervention, never to be read as a natural regime
+    return label if flips == 0 else f"{label} + SYNTHETIC flips p={flips:g}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
