@@ -146,11 +146,15 @@ class Fit:
                 "r2": self.r2, "residual_std_log": self.residual_std, "n": self.n}
 
 
+def fitted_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows the law is fitted on: a positive drift, every regressor known, not diverged."""
+    usable = rows[(rows["drift"] > 0) & rows[[c for c, _ in REGRESSORS.values()]].notna().all(axis=1)]
+    return usable[usable["diverged"].isna()] if "diverged" in usable else usable
+
+
 def fit_law(rows: pd.DataFrame) -> Fit:
     """Least squares of log drift on the logs of every regressor that varies (rows with a positive drift only)."""
-    usable = rows[(rows["drift"] > 0) & rows[[c for c, _ in REGRESSORS.values()]].notna().all(axis=1)]
-    if "diverged" in usable:
-        usable = usable[usable["diverged"].isna()]
+    usable = fitted_rows(rows)
     names = [name for name, (column, _) in REGRESSORS.items() if usable[column].nunique() > 1]
     if len(usable) <= len(names) + 1:
         raise ValueError(f"{len(usable)} probe rows with a positive drift cannot fit {len(names) + 1} coefficients "
@@ -183,6 +187,17 @@ def lr_for_paper_drift(fit: Fit, rows: pd.DataFrame) -> float | None:
         return None
     at_one = fit.predict(paper_point(fit, rows, 1.0))
     return float((PAPER_DRIFT / at_one) ** (1.0 / exponent))
+
+
+def knob_effects(fit: Fit, rows: pd.DataFrame) -> list[tuple[str, float, float, float]]:
+    """(knob, smallest, largest value probed, factor) per fitted knob, largest move first: the factor by which the law
+    moves drift from the knob's smallest to its largest value fitted, the others held (exponent × log of the range)."""
+    effects, usable = [], fitted_rows(rows)
+    for name, coef in zip(fit.regressors, fit.coef[1:]):
+        values = usable[REGRESSORS[name][0]].astype(float)
+        low, high = float(values.min()), float(values.max())
+        effects.append((name, low, high, (high / low) ** coef))
+    return sorted(effects, key=lambda effect: -abs(math.log(effect[3])))
 
 
 def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
@@ -248,6 +263,11 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
     lines.append(f"| c | {fit.coef[0]:.3f} | {fit.stderr[0]:.3f} |")
     for name, coef, se in zip(fit.regressors, fit.coef[1:], fit.stderr[1:]):
         lines.append(f"| {REGRESSORS[name][1]} | {coef:.3f} | {se:.3f} |")
+    lines += ["", "## Which knob moves drift most", "", "The factor by which the fitted law moves drift from a knob's "
+              "smallest to its largest probed value, the others held; largest first.", "",
+              "| knob | probed | drift moves by |", "|---|---|---|"]
+    for name, low, high, factor in knob_effects(fit, rows):
+        lines.append(f"| {REGRESSORS[name][1]} | {low:.3g} to {high:.3g} | ×{factor:.2f} |")
     lines += ["", "## At Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8)", ""]
     for lr in sorted(rows["lr"].unique()):
         lines.append(f"- lr {lr:.0e}: the law gives {pct(fit.predict(paper_point(fit, rows, lr)))} "

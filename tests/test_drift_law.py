@@ -55,6 +55,10 @@ def test_the_fit_recovers_a_known_law_and_where_it_reaches_the_papers_drift(tmp_
     needed = drift_law.lr_for_paper_drift(fit, rows)
     assert law(48, needed, 128, 8) == pytest.approx(drift_law.PAPER_DRIFT)
     assert fit.predict({**drift_law.paper_point(fit, rows, 1e-4), **paper}) == pytest.approx(law(48, 1e-4, 128, 8))
+    # lr over 100x moves drift 100x; depth over 6x moves it by 6^-0.5; 4x more experts per slot by 4^0.3
+    effects = drift_law.knob_effects(fit, rows)
+    assert [name for name, *_ in effects] == ["lr", "layers", "experts_per_slot"]
+    assert [factor for *_, factor in effects] == pytest.approx([100.0, 6 ** -0.5, 4 ** 0.3])
 
 
 def test_the_cli_writes_its_report_and_refuses_a_folder_without_probes(tmp_path, capsys):
