@@ -21,7 +21,7 @@ Then, for each engine precision of `probe.precisions`, one step with the rollout
 of activated experts on which that engine and the fp32 trainer disagree at the same weights
 (`mismatch/expert_frac`, training–inference mismatch of routing, which R3 removes and drift is set against).
 
-The run directory gets `metrics.jsonl` (every step, tagged `probe/lr` and `probe/phase`) and `summary.json` (one
+The run directory gets `metrics.jsonl` (every step, tagged `probe/lr`, `probe/phase` and `probe/setting_step`) and `summary.json` (one
 entry per setting: what `analysis.drift_law` fits), and the table is printed. A learning rate whose run diverges
 (non-finite loss, weights or logits: `models.registry`) is an entry that says so, and the next one is probed.
 
@@ -68,6 +68,14 @@ PER_MINIBATCH = (metrics.ROUTING_VAR, metrics.WEIGHTS_VAR, metrics.TOTAL_VAR, me
 MISMATCH = (metrics.ENGINE_EXPERTS, metrics.ENGINE_TOKENS, metrics.MISMATCH_K3)
 LR = "probe/lr"  # the setting a logged step belongs to
 PHASE = "probe/phase"  # warm, measure, or precision_<p>
+SETTING_STEP = "probe/setting_step"  # the step within its setting (each setting's trainer counts from 1); `step`
+# counts every logged step of the probe, so the log and W&B see one increasing step
+
+
+def probe_record(record: dict[str, Any], logger: RunLogger, lr: float, phase: str) -> dict[str, Any]:
+    """A setting's step as the probe logs it: tagged with its setting, numbered after the last logged step."""
+    return {**record, metrics.STEP: (logger.last_step or 0) + 1, SETTING_STEP: record[metrics.STEP], LR: lr,
+            PHASE: phase}
 
 
 def check_probe(cfg: DictConfig) -> None:
@@ -162,7 +170,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
                     record = trainer.step()
                     threads.end()
                     phase = "warm" if step < p.warm_steps else "measure"
-                    logger.log({**record, LR: lr, PHASE: phase})
+                    logger.log(probe_record(record, logger, lr, phase))
                     records.append(record)
                     bar.update(1)
             except Diverged as error:  # a learning rate too large for this model: said, and the next one probed
@@ -174,7 +182,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
         for precision in p.precisions:
             trainer = RLTrainer(setting_config(cfg, p.lrs[0], 1, Precision(precision)))
             record = trainer.step()
-            logger.log({**record, LR: p.lrs[0], PHASE: f"precision_{precision}"})
+            logger.log(probe_record(record, logger, p.lrs[0], f"precision_{precision}"))
             mismatches.append({"precision": str(precision), **{key: record.get(key) for key in MISMATCH}})
             bar.update(1)
     except BaseException:

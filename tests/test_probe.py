@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.config import PROJECT_ROOT
-from experiments.probe import PHASE as PROBE_PHASE, run_probe
-from experiments.step.metrics import DRIFT_PER_UPDATE, ENGINE_EXPERTS, MARGIN, ROUTING_SHARE
+from experiments.probe import PHASE as PROBE_PHASE, SETTING_STEP as PROBE_SETTING_STEP, run_probe
+from experiments.step.metrics import DRIFT_PER_UPDATE, ENGINE_EXPERTS, MARGIN, ROUTING_SHARE, STEP
 from tests.conftest import MICRO_RUN
 
 PROBE_RUN = [o for o in MICRO_RUN if not o.startswith("trainer.steps=")]
@@ -44,6 +44,8 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # warm and measured steps of both rates, then one step per engine precision
     assert [line[PROBE_PHASE] for line in lines] == ["warm", "measure", "measure"] * 2 + ["precision_bf16", "precision_fp16"]
+    assert [line[STEP] for line in lines] == list(range(1, 9))  # one increasing step for the log and W&B
+    assert [line[PROBE_SETTING_STEP] for line in lines] == [1, 2, 3] * 2 + [1, 1]
     assert json.loads((tmp_path / "summary.json").read_text())["settings"][1]["lr"] == 3e-2
 
 
