@@ -21,8 +21,8 @@ Then, for each engine precision of `probe.precisions`, one step with the rollout
 of activated experts on which that engine and the fp32 trainer disagree at the same weights
 (`mismatch/expert_frac`, training–inference mismatch of routing, which R3 removes and drift is set against).
 
-The run directory gets `metrics.jsonl` (every step, tagged `probe/lr`, `probe/phase` and `probe/setting_step`) and `summary.json` (one
-entry per setting: what `analysis.drift_law` fits), and the table is printed. A learning rate whose run diverges
+The run directory gets `metrics.jsonl` (every step, tagged `probe/lr`, `probe/phase` and `probe/setting_step`) and
+`summary.json` (one entry per setting: what `analysis.drift_law` fits), and the table is printed. A learning rate whose run diverges
 (non-finite loss, weights or logits: `models.registry`) is an entry that says so, and the next one is probed.
 
     python -m experiments.probe model=qwen30b_l16                       # the cold start of qwen30b_l16 on addition
