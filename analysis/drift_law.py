@@ -249,14 +249,15 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
     lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
              f"![drift law]({figure_path.name})", "", "## Probed settings", "",
              "| model | task | L | E / k | lr | answer tokens | drift after one update | tokens with a change | routing share "
-             "| logit margin | token-ratio var |", "|" + "---|" * 11]
+             "| logit margin | token-ratio var | sequence-ratio var |", "|" + "---|" * 12]
     for r in rows.sort_values(["task", "experts_per_slot", "layers", "lr"]).to_dict("records"):
         shape = f"| {r['model']} | {r['task']} | {r['layers']} | {r['experts']}/{r['top_k']} | {r['lr']:.0e} | "
         if isinstance(r.get("diverged"), str):
-            lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | |")
+            lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | | |")
             continue
         lines.append(shape + f"{r['answer_tokens']:.1f} | {pct(r['drift'])} | {pct(r['token_any_change'])} | "
-                     f"{pct(r['routing_share'])} | {r['logit_margin']:.3f} | {r['token_ratio_var']:.3g} |")
+                     f"{pct(r['routing_share'])} | {r['logit_margin']:.3f} | {r['token_ratio_var']:.3g} | "
+                     f"{r['seq_ratio_var']:.3g} |")
     lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x over {', '.join(fit.regressors)}; n = {fit.n} rows, "
               f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
               f"{math.exp(fit.residual_std):.2f}).", "", "| term | exponent | std. error |", "|---|---|---|"]
