@@ -243,8 +243,14 @@ def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
 
 
 def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, command: str, figure_path: Path) -> Path:
+    def missing(v) -> bool:
+        return v is None or (isinstance(v, float) and math.isnan(v))
+
     def pct(v):
-        return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2%}"
+        return "–" if missing(v) else f"{v:.2%}"
+
+    def num(v):
+        return "–" if missing(v) else f"{v:.3g}"
 
     lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
              f"![drift law]({figure_path.name})", "", "## Probed settings", "",
@@ -256,8 +262,8 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
             lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | | |")
             continue
         lines.append(shape + f"{r['answer_tokens']:.1f} | {pct(r['drift'])} | {pct(r['token_any_change'])} | "
-                     f"{pct(r['routing_share'])} | {r['logit_margin']:.3f} | {r['token_ratio_var']:.3g} | "
-                     f"{r['seq_ratio_var']:.3g} |")
+                     f"{pct(r['routing_share'])} | {r['logit_margin']:.3f} | {num(r['token_ratio_var'])} | "
+                     f"{num(r['seq_ratio_var'])} |")
     lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x over {', '.join(fit.regressors)}; n = {fit.n} rows, "
               f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
               f"{math.exp(fit.residual_std):.2f}).", "", "| term | exponent | std. error |", "|---|---|---|"]
