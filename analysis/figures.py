@@ -34,7 +34,7 @@ from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
 from analysis import aggregate as agg
-from analysis.load import RunSet
+from analysis.load import FLIP_RATE, RunSet
 from analysis.style import (
     COLUMN_WIDTH_IN, RC_PARAMS, TEXT_WIDTH_IN, algo_color, replay_hatch, replay_linestyle, shade,
 )
@@ -620,7 +620,7 @@ def fig_decomposition(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool =
 
 
 def _axis_label(key: str) -> str:
-    return {"trainer.lr": "learning rate", "routing.flip_rate": "synthetic flip rate p (SYNTHETIC)",
+    return {"trainer.lr": "learning rate", FLIP_RATE: "synthetic flip rate p (SYNTHETIC)",
             "model.num_hidden_layers": "MoE layers", "trainer.minibatches": "minibatches N",
             "dataset.digits": "digits (answer length)", "rollout.router_noise": "engine router noise σ"}.get(key, key)
 
@@ -645,7 +645,7 @@ def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool 
         out.notes.append(f"The sweep varies {len(axes)} settings ({', '.join(axes)}); the first two are drawn, "
                          "averaging over the others.")
     arms = list(dict.fromkeys(sorted(gains["arm"], key=lambda a: (a.split(" ")[0] != "grpo", a))))
-    synthetic = "routing.flip_rate" in axes[:2]
+    synthetic = FLIP_RATE in axes[:2]
     with matplotlib.rc_context(RC_PARAMS):
         if len(axes) == 1:
             _gain_lines(out, gains, axes[0], arms, out_dir, dpi, pdf)

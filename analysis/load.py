@@ -140,6 +140,9 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
+FLIP_RATE = "routing.flip_rate"  # the config key of the SYNTHETIC flips (models/routing.py): named in every label
+
+
 def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Readable series label per run from its flattened config.
 
@@ -155,7 +158,7 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     all_keys = sorted({k for cfg in configs.values() for k in cfg})
     candidates = [
         k for k in all_keys
-        if k not in ("algo.name", "routing.replay", "routing_variant.name", "routing.flip_rate") and not ignored_key(k)
+        if k not in ("algo.name", "routing.replay", "routing_variant.name", FLIP_RATE) and not ignored_key(k)
         and len({_format_value(cfg.get(k, "—")) for cfg in configs.values()}) > 1
     ]
     for key in candidates:
@@ -176,7 +179,7 @@ def _base_label(cfg: Mapping[str, Any]) -> str:
     variant = str(cfg.get("routing_variant.name", "none"))
     label = algo if replay == "none" else f"{algo} + {replay}"
     label = label if variant == "none" else f"{label} + {variant}"
-    flips = float(cfg.get("routing.flip_rate", 0.0))  # an intervention, never to be read as a natural regime
+    flips = float(cfg.get(FLIP_RATE, 0.0))  # an intervention, never to be read as a natural regime
     return label if flips == 0 else f"{label} + SYNTHETIC flips p={flips:g}"
 
 

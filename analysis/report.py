@@ -14,6 +14,7 @@ refused or crashed, removes the output folders it created while they are still e
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
@@ -25,7 +26,7 @@ import pandas as pd
 
 from analysis import aggregate as agg
 from analysis.figures import FigureOutput, all_figures
-from analysis.load import INCOMPLETE, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir
+from analysis.load import FLIP_RATE, INCOMPLETE, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir
 from experiments.run.rundir import make_writable_dir
 
 REPORT_FILE = "report.md"
@@ -166,12 +167,17 @@ def _sweep_section(runset: RunSet) -> list[str]:
     rows = [[row["arm"], *[f"{row[key]:g}" for key in axes], f"{row['start']:.3f}",
              f"{row['gain']:+.3f}" + ("" if math.isnan(row["gain_std"]) else f" ± {row['gain_std']:.3f}"), row["seeds"]]
             for row in table.to_dict("records")]
-    header = ["arm", *axes, "start (greedy)", "gain, end − start", "seeds"]
+    header = ["arm", *[f"{key} (SYNTHETIC)" if key == FLIP_RATE else key for key in axes], "start (greedy)",
+              "gain, end − start", "seeds"]
     seeds = ", ".join(sorted(set(gains["seed"]), key=lambda s: (len(s), s)))
+    rates = sorted({float(json.loads(config).get(FLIP_RATE, 0.0)) for config in runset.runs["config"]})
+    flips = [] if rates == [0.0] else [
+        f" Runs with {FLIP_RATE} = p > 0 ({', '.join(f'{p:g}' for p in rates if p)}) are SYNTHETIC: in π_θ's update "
+        "forwards a share p of the activated experts was swapped for the next-ranked one."]
     return ["## Held-out accuracy gained", "", markdown_table(header, rows), "",
             f"Per run: held-out greedy accuracy at its last evaluation minus at its start (the same prompts); mean ± "
             f"sample std over seeds ({seeds}). An arm is the objective, its replay and, when it is not the trainer's "
-            "own fp32 model, the engine's precision."]
+            "own fp32 model, the engine's precision." + "".join(flips)]
 
 
 def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[str]:

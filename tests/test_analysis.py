@@ -563,6 +563,14 @@ def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(
     assert "SYNTHETIC" in out.caption and "Seeds: 0, 1." in out.caption
     text = write_report(rs, tmp_path / "report").read_text(encoding="utf-8")
     assert "| grpo | 0 | 0.500 | +0.150 ± 0.071 | 2 |" in text and "| grpo | 0.3 | 0.500 | -0.400 | 1 |" in text
+    assert "routing.flip_rate (SYNTHETIC)" in text and "(0.3) are SYNTHETIC" in text
+
+
+def test_a_flip_rate_no_run_varied_is_still_labelled_synthetic(tmp_path):
+    for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2")]):
+        _evaluated_run(tmp_path / "runs" / str(i), algo, 0, replay, 0.5, 0.6, **{"routing.flip_rate": 0.2})
+    text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "report").read_text(encoding="utf-8")
+    assert "| grpo + SYNTHETIC flips p=0.2 |" in text and "(0.2) are SYNTHETIC" in text
 
 
 def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_path):
