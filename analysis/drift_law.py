@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
@@ -224,6 +225,9 @@ def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
     b.axhline(PAPER_DRIFT, color="0.4", ls=":", lw=0.8)
     b.set(xscale="log", yscale="log", xlabel="MoE layers", ylabel="experts changed after one update",
           title="(b) drift against depth; lines: the law at 128 experts top-8")
+    depths = sorted(int(layers) for layers in rows["layers"].unique())
+    b.set_xticks(depths, [str(layers) for layers in depths])
+    b.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     b.legend(fontsize=5)
     middle = lrs[len(lrs) // 2]
     for i, (model, task) in enumerate(models):
@@ -234,9 +238,12 @@ def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
                 c.plot(depth, profile, color=shade("#1f5fb4", i), lw=0.8)
     c.set(xlabel="layer (0 = first, 1 = last)", ylabel="experts changed after one update",
           title=f"(c) per layer, lr {middle:.0e}")
-    d.scatter(rows["drift"], rows["routing_share"], s=8, color="#2ca02c")
+    for i, slots in enumerate(sorted(rows["experts_per_slot"].unique())):  # what sets the share: the experts per slot
+        part = rows[rows["experts_per_slot"] == slots]
+        d.scatter(part["drift"], part["routing_share"], s=8, color=f"C{i}", label=f"E/k = {slots:g}")
     d.set(xscale="log", xlabel="experts changed after one update", ylabel="routing share of Var(log-ratio)",
           title="(d) routing share against drift")
+    d.legend(fontsize=5)
     path = out / "drift_law.png"
     fig.savefig(path, dpi=dpi)
     return path
