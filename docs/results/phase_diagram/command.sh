@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates docs/results/phase_diagram: the deep ladder's cold starts (Qwen3-30B-A3B's routing at 16, 32 and 48
 # MoE layers), then GRPO, GRPO + R2, GSPO and GRPO + R3 (bf16 engine) over lr 1e-4, 3e-4, 1e-3 on tuning seed 100
-# (36 runs of 40 steps, about 1.5 CPU-hours), then the report.
+# (36 runs of 40 steps, 1.6 CPU-hours), then the report.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 for m in qwen30b_l16 qwen30b_l32 qwen30b_l48; do
