@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates docs/results/drift_law: the drift probe on every cold start of the lab (addition at 2 to 48 MoE layers,
 # 16 to 128 experts; the scratchpad task at 16, 32 and 64 answer tokens), then the law fitted over them.
-# About 1 CPU-hour of probes, after the cold starts (docs/results/ladder/command.sh makes the deep ones).
+# About 0.4 CPU-hours of probes, after the cold starts (docs/results/cold_starts/command.sh makes the deep ones).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 C=checkpoints/cold_start
