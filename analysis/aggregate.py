@@ -23,7 +23,7 @@ import pandas as pd
 from algos.objective import CLIP
 from algos.objective import SEQ_RATIO_VAR as SEQ_VAR
 from algos.objective import TOKEN_RATIO_VAR as TOKEN_VAR
-from analysis.load import RunSet, ignored_key
+from analysis.load import RunSet, ignored_key, method_name
 from experiments.config import RolloutConfig
 from experiments.step.engines import EngineNumerics
 from experiments.step.metrics import (
@@ -414,11 +414,7 @@ _NOT_AXES = ("algo.name", "routing.replay", "routing_variant.name", "rollout.pre
 
 def arm_of(cfg: dict) -> str:
     """The arm: objective, replay and routing variant, and the engine's precision when it is not the trainer's fp32."""
-    arm = str(cfg.get("algo.name", "unknown"))
-    if cfg.get("routing.replay", "none") != "none":
-        arm += f" + {cfg['routing.replay']}"
-    if cfg.get("routing_variant.name", "none") != "none":
-        arm += f" + {cfg['routing_variant.name']}"
+    arm = method_name(cfg)
     if cfg.get("rollout.precision", "fp32") != "fp32":
         arm += f" ({cfg['rollout.precision']} engine)"
     return arm

@@ -173,14 +173,19 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     return labels
 
 
+def method_name(cfg: Mapping[str, Any]) -> str:
+    """The objective, then ` + <routing.replay>` and ` + <routing_variant.name>` where they are on (a run from before
+    variants existed ran without one): what a series and an arm are named by first."""
+    name = str(cfg.get("algo.name", "unknown"))
+    for key in ("routing.replay", "routing_variant.name"):
+        if str(cfg.get(key, "none")) != "none":
+            name += f" + {cfg[key]}"
+    return name
+
+
 def _base_label(cfg: Mapping[str, Any]) -> str:
-    algo = str(cfg.get("algo.name", "unknown"))
-    replay = str(cfg.get("routing.replay", "none"))
-    variant = str(cfg.get("routing_variant.name", "none"))
-    label = algo if replay == "none" else f"{algo} + {replay}"
-    label = label if variant == "none" else f"{label} + {variant}"
     flips = float(cfg.get(FLIP_RATE, 0.0))  # an intervention, never to be read as a natural regime
-    return label if flips == 0 else f"{label} + SYNTHETIC flips p={flips:g}"
+    return method_name(cfg) if flips == 0 else f"{method_name(cfg)} + SYNTHETIC flips p={flips:g}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -410,8 +410,7 @@ class RLTrainer:
         objective_old_logp = pi_old_logp - shift.log_weight if shift is not None else pi_old_logp
         # The trainer's own numbers at θ_old, where the step has them: the first minibatch's forward (θ = θ_old
         # there, unless synthetic flips changed it), or the decoupled recompute; under bypass π_old is μ_old itself.
-        first_is_old = mb.index == 0 and not self.plan.flip_rate
-        trainer_at_old = scores.logp.detach() if first_is_old else (old.logp if self.plan.pi_old == PiOld.decoupled else None)
+        trainer_at_old = scores.logp.detach() if self._forward_at_old(mb) else (old.logp if self.plan.pi_old == PiOld.decoupled else None)
         inputs = dict(old_logp=objective_old_logp, advantages=mb.advantages, mask=mb.response_mask,
                       ref_logp=old.ref_logp, rollout_logp=mb.mu_logp)
         correction_inputs = None
@@ -493,8 +492,7 @@ class RLTrainer:
         fed = reduce(float(mb.attention_mask[:, FED].sum()), self.ranks)  # the weight of each rank's fragility means
         mine = float(mb.attention_mask[:, FED].sum())
         metrics.update({name: reduce(value * mine, self.ranks) / fed for name, value in scores.router_stats.items()})
-        first_is_old = mb.index == 0 and not self.plan.flip_rate
-        trainer_routes = own if first_is_old else (traces(old.routes) if self.plan.pi_old == PiOld.decoupled else None)
+        trainer_routes = own if self._forward_at_old(mb) else (traces(old.routes) if self.plan.pi_old == PiOld.decoupled else None)
         if mb.engine_routes is not None and trainer_routes is not None:
             metrics.update(m.routing_mismatch(traces(mb.engine_routes), trainer_routes, token_mask))
         every = self.cfg.routing.decompose_every
@@ -520,6 +518,11 @@ class RLTrainer:
         rows = lambda tensor: gather(tensor, self.ranks)  # noqa: E731
         return m.decomposition_metrics(rows(own - replayed), rows(replayed - pi_old_logp),
                                        gather(mb.response_mask, self.ranks, fill=False))
+
+    def _forward_at_old(self, mb: Minibatch) -> bool:
+        """Whether the update's own forward of `mb` computed the trainer at θ_old: the first minibatch (no update has
+        been taken yet), unless synthetic flips changed its routing."""
+        return mb.index == 0 and not self.plan.flip_rate
 
     def flips(self) -> contextlib.AbstractContextManager:
         """The synthetic flips of π_θ's update forwards (`routing.flip_rate`), yielding their handle; or nothing."""
