@@ -93,7 +93,7 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
 def report(rows: list[dict], out: Path, command: str) -> Path:
     lines = ["# Cold starts", "", f"Made with `{command}`.", "", "![cold starts](cold_starts.png)", "",
              "| model | task | MoE layers | experts / top-k | hidden | parameters | batch, lr | steps | wall | CPU | "
-             "held-out greedy | stopped by |", "|" + "---|" * 12]
+             "held-out greedy | stopped by | weights sha256 | CPU kernels |", "|" + "---|" * 14]
     for row in rows:
         s = row["summary"]
         experts = f"{row['experts']} / {row['top_k']}" if row["experts"] else "dense"
@@ -101,13 +101,25 @@ def report(rows: list[dict], out: Path, command: str) -> Path:
         cpu = f"{s['cpu_s'] / 60:.1f} min" if s.get("cpu_s") else "–"
         lines.append(f"| {row['model']} | {row['task']} | {row['layers']} | {experts} | {row['hidden']} | {params} | "
                      f"{row['batch']}, {row['lr']:g} | {s['steps']} | {s['wall_s'] / 60:.1f} min | {cpu} | "
-                     f"{s['eval_greedy_accuracy']:.1%} | {s.get('stopped_by', '–')} |")
+                     f"{s['eval_greedy_accuracy']:.1%} | {s.get('stopped_by', '–')} | {_start(s)} |")
     lines += ["", "Wall time depends on what else shared the cores; CPU time is what the cold start cost. Every cold "
-              "start runs on one thread (`sft.threads=1`), so its checkpoint is the same bits on any machine with "
-              "the same torch build and CPU instruction set, however many cores it has or how busy they are."]
+              "start runs on one thread (`sft.threads=1`) with the portable CPU kernels (`cpu_kernels=portable`: "
+              "ATen's AVX2 kernels, MKL's COMPATIBLE branch; models/cpu_kernels.py), so its checkpoint is the same "
+              "bits on any x86-64 machine with AVX2 and the same torch build, however many cores it has or how busy "
+              "they are: the weights' sha256 (its first 12 digits here) is what a run's `start_sha256` names."]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def _start(summary: dict) -> str:
+    """The weights' sha256 (12 digits) and the CPU kernels that computed them (mode, ATen's capability, MKL's
+    branch): two cells; a cold start made before they were recorded says so."""
+    if "weights_sha256" not in summary:
+        return "– | not recorded"
+    kernels = summary["kernels"]
+    return (f"`{summary['weights_sha256'][:12]}` | {kernels['mode']} ({kernels['aten_capability']}, "
+            f"MKL {kernels['mkl_branch']})")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from omegaconf import MISSING, OmegaConf
 from experiments.step.engines import EngineNumerics, Precision
 from experiments.step.optimizer import LRSchedule
 from experiments.step.plan import Layout, PiOld, Replay
+from models.cpu_kernels import CpuKernels
 from models.policy import ModelConfig
 from models.registry import Registry
 
@@ -146,6 +147,9 @@ class TrainConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     seed: int = 0  # sampling, shuffling and every other random choice of the run (not the built model's weights)
     device: str = "cpu"  # cpu, cuda, cuda:1, ...
+    # The CPU kernels (models.cpu_kernels): native, the machine's own (fast; a run is the same bits on the same
+    # machine, other bits on another CPU); portable, the same bits on every x86-64 CPU with AVX2, MKL ~1.7x slower.
+    cpu_kernels: CpuKernels = CpuKernels.native
     # Continue a run from a checkpoint: `auto`, the newest one in the run directory (a fresh start when there is
     # none), or the path of one (`<run dir>/checkpoints/step_<k>`); null: a new run in a new directory.
     resume: str | None = None
@@ -180,6 +184,9 @@ class SFTConfig:
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(WandbConfig(job_type="sft")))
     seed: int = 0
     device: str = "cpu"
+    # The CPU kernels (models.cpu_kernels): portable, so that a cold start is the same checkpoint on every x86-64 CPU
+    # with AVX2 (its summary records the kernels and the weights' sha256); native: this machine's own, faster.
+    cpu_kernels: CpuKernels = CpuKernels.portable
 
 
 @dataclass

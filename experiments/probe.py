@@ -52,6 +52,7 @@ from experiments.run.threads import ThreadBudget
 from experiments.step import metrics
 from experiments.step.engines import Precision
 from experiments.step.trainer import RLTrainer
+from models import cpu_kernels
 from models.policy import describe_policy
 from models.registry import ConfigError, Diverged
 
@@ -143,6 +144,7 @@ def measure(records: list[dict[str, Any]]) -> dict[str, Any]:
 def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str, Any]:
     """Every setting of the probe, logged into `run_dir`; returns the summary."""
     try:
+        cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
         check_probe(cfg)
         claimed = rundir.claim(run_dir, cfg, hydra_cfg)
     except ConfigError as error:
@@ -200,6 +202,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
         "model": cfg.model.name,
         "model_path": cfg.model.path,
         "cold_start": cold_start_record(cfg.model.path),
+        "kernels": cpu_kernels.describe(cfg.cpu_kernels),
         "dataset": dict(cfg.dataset),
         "answer_tokens": answer_tokens,  # the task's designed answer length, eos included: the length axis
         "algo": cfg.algo.name,

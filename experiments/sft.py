@@ -39,6 +39,7 @@ from experiments.step.optimizer import lr_lambda
 from experiments.step.scoring import position_ids
 from experiments.step.trainer import evaluate
 from experiments.tasks import Example, build_task
+from models import cpu_kernels
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError, Diverged
 
@@ -103,6 +104,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     """Train until the target accuracy or the budget; save the checkpoint; return the model and a summary."""
     s = cfg.sft
     try:
+        cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
         check_settings(cfg)
         claimed = rundir.claim(Path(run_dir), cfg, hydra_cfg)
         model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
@@ -190,6 +192,8 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         "stopped_by": "max_seconds" if out_of_time else "target_accuracy" if accuracy >= s.target_accuracy else "max_steps",
         "threads": s.threads,
         "checkpoint": str(output_dir),
+        "weights_sha256": cpu_kernels.weights_sha256(model),  # the start's identity, also in every RL run's summary
+        "kernels": cpu_kernels.describe(cfg.cpu_kernels),
     }
     (output_dir / "cold_start.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.finish(summary)
@@ -205,7 +209,8 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         )
     print(
         f"{name}: {step} steps in {summary['wall_s']:.0f} s, loss {loss_value:.3f}, held-out greedy accuracy "
-        f"{accuracy:.1%} (target {s.target_accuracy:.0%}). Checkpoint: {output_dir}"
+        f"{accuracy:.1%} (target {s.target_accuracy:.0%}). Checkpoint: {output_dir} (weights sha256 "
+        f"{summary['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)"
     )
     return model, summary
 

@@ -49,6 +49,7 @@ from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.checks import check_run
 from experiments.step.trainer import RLTrainer
+from models import cpu_kernels
 from models.policy import describe_policy
 from models.registry import ConfigError, Diverged
 
@@ -164,6 +165,8 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         "correction": trainer.correction.name,
         **trainer.plan.describe(),
         "policy": describe_policy(trainer.model),
+        "start_sha256": trainer.start_sha256,  # the weights the run started from (a cold start's weights_sha256)
+        "kernels": cpu_kernels.describe(trainer.cfg.cpu_kernels),
     }
     if trainer.plan.track_routing:
         # The GSPO paper's "experts changed per update" is the drift after one update (minibatch index 1); the mean
@@ -196,6 +199,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
     run_dir = Path(run_dir)
     with stop_signals():
         try:
+            cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
             ranks = launch.start(cfg.device)
         except ConfigError as error:
             exit_once(f"moe-rl-lab: {error}")

@@ -34,6 +34,7 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
         "sft.warmup_steps=3", "sft.lr_schedule=linear",
         f"sft.output_dir={tmp_path / 'ckpt'}", "dataset.train_size=200", "dataset.test_size=20",
         "logger.wandb.mode=disabled",
+        "cpu_kernels=native",  # this process has computed already: the portable pin would refuse (test_cpu_kernels)
     ]
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose("sft", overrides=overrides)

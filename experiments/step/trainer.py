@@ -53,6 +53,7 @@ from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout, PiOld, Replay
 from experiments.step.scoring import FED, Scores, score_responses
 from experiments.tasks import Example, Task
+from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
 from models.registry import Diverged
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, flip_routing, load_max_violation, routing_drift
@@ -263,6 +264,7 @@ class RLTrainer:
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
         self.model, self.tokenizer = build_policy(parts.model_cfg)
+        self.start_sha256 = weights_sha256(self.model)  # the start's identity (a cold start's summary has the same)
         # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
         # same weights route identically and every measured drift comes from an update.
         self.model.to(self.device).eval()
