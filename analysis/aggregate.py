@@ -24,11 +24,12 @@ from algos.objective import CLIP
 from algos.objective import SEQ_RATIO_VAR as SEQ_VAR
 from algos.objective import TOKEN_RATIO_VAR as TOKEN_VAR
 from analysis.load import RunSet, ignored_key, method_name
+from analysis.statistics import compare
 from experiments.config import RolloutConfig
 from experiments.step.engines import EngineNumerics
 from experiments.step.metrics import (
-    DRIFT, ENTROPY, EVAL_GREEDY, FRAGILE, GRAD_NORM, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME, TOKENS,
-    per_layer,
+    DRIFT, ENTROPY, EVAL_GREEDY, EVAL_SPLIT_GREEDY, FRAGILE, GRAD_NORM, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED,
+    STEP_TIME, TOKENS, gain_area, per_layer,
 )
 
 EMA_ALPHA = 0.3
@@ -440,19 +441,89 @@ def sweep_axes(runset: RunSet) -> list[str]:
     return axes
 
 
+# The summaries of a run's held-out accuracy that the reports compare, each per run and from its own start:
+GAIN_MEASURES = {
+    "gain": "final gain: greedy accuracy at the last evaluation − at the start (eval_prompts, 128 by default)",
+    "gain_area": "mean gain over the run: the area under the greedy curve above its start, per step "
+                 "(every evaluation; `metrics.gain_area`)",
+    "split_gain": "final gain on the whole test split: greedy accuracy on every test prompt (500) at the last step "
+                  "− at the start",
+}
+
+
 def accuracy_gain(runset: RunSet) -> pd.DataFrame:
     """Per run: its arm, the swept axes' values, held-out greedy accuracy at the start and at its last evaluation,
-    and the gain (end − start). Runs without both evaluations are left out."""
+    and the `GAIN_MEASURES`: the gain (end − start), the mean gain over the run (`gain_area`) and, where the run
+    evaluated the whole test split, its gain there (`split_start`, `split_end`, `split_gain`; NaN otherwise). Runs
+    without both evaluations are left out."""
     evaluations = runset.metric(EVAL_GREEDY).sort_values("step")
     start = evaluations[evaluations["step"] == 0].groupby("run")["value"].first()
     end = evaluations[evaluations["step"] > 0].groupby("run")["value"].last()
+    curves = {run: (group["step"].tolist(), group["value"].tolist()) for run, group in evaluations.groupby("run")}
+    split = runset.metric(EVAL_SPLIT_GREEDY).sort_values("step")
+    split_start = split[split["step"] == 0].groupby("run")["value"].first()
+    split_end = split[split["step"] > 0].groupby("run")["value"].last()
     axes = sweep_axes(runset)
     rows = []
     for row in runset.runs.itertuples():
         if row.run not in start.index or row.run not in end.index:
             continue
         cfg = json.loads(row.config)
+        whole = row.run in split_start.index and row.run in split_end.index
         rows.append({"run": row.run, "arm": arm_of(cfg), "seed": row.seed, **{key: cfg.get(key) for key in axes},
                      "start": start[row.run], "end": end[row.run], "gain": end[row.run] - start[row.run],
+                     "gain_area": gain_area(*curves[row.run]),
+                     "split_start": split_start[row.run] if whole else math.nan,
+                     "split_end": split_end[row.run] if whole else math.nan,
+                     "split_gain": split_end[row.run] - split_start[row.run] if whole else math.nan,
                      "incomplete": row.incomplete})
-    return pd.DataFrame(rows, columns=["run", "arm", "seed", *axes, "start", "end", "gain", "incomplete"])
+    return pd.DataFrame(rows, columns=["run", "arm", "seed", *axes, "start", "end", "gain", "gain_area",
+                                       "split_start", "split_end", "split_gain", "incomplete"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Arms against a baseline arm, paired over shared seeds (analysis.statistics)
+# ---------------------------------------------------------------------------------------------------------------
+
+DEFAULT_BASELINE = "grpo"
+
+
+def baseline_arm(gains: pd.DataFrame, baseline: str | None) -> str | None:
+    """The arm the others are compared with: `baseline` (refused, naming the arms, when no run has it), else GRPO
+    when a run has it, else the first arm in name order; None without runs."""
+    arms = sorted(set(gains["arm"]))
+    if baseline is not None:
+        if baseline not in arms:
+            raise ValueError(f"--baseline {baseline!r} is not an arm of these runs; their arms: {', '.join(arms)}")
+        return baseline
+    if not arms:
+        return None
+    return DEFAULT_BASELINE if DEFAULT_BASELINE in arms else arms[0]
+
+
+def cells(gains: pd.DataFrame, axes: list[str]) -> list[tuple[dict, pd.DataFrame]]:
+    """The sweep's cells: (the axes' values, its runs), one per combination of swept values, in sorted order."""
+    if not axes:
+        return [({}, gains)]
+    return [(dict(zip(axes, key if isinstance(key, tuple) else (key,))), part)
+            for key, part in gains.groupby(axes, sort=True)]
+
+
+def arm_comparisons(gains: pd.DataFrame, baseline: str, axes: list[str]) -> pd.DataFrame:
+    """Per cell, per gain measure (`GAIN_MEASURES`) and per arm other than `baseline`: the paired comparison over the
+    seeds both hold with a value (`statistics.compare`), one row each with the cell's axes, `measure`, `arm`,
+    `baseline`, the comparison's fields and its `verdict`; fewer than 2 shared seeds give a row that says so."""
+    rows = []
+    for cell, part in cells(gains, axes):
+        reference = part[part["arm"] == baseline]
+        for measure in GAIN_MEASURES:
+            base = reference.dropna(subset=[measure]).groupby("seed")[measure].mean()
+            for arm in sorted(set(part["arm"]) - {baseline}, key=lambda a: (a.split(" ")[0] != "grpo", a)):
+                own = part[part["arm"] == arm].dropna(subset=[measure]).groupby("seed")[measure].mean()
+                shared = sorted(set(own.index) & set(base.index), key=lambda s: (len(s), s))
+                row = {**cell, "measure": measure, "arm": arm, "baseline": baseline}
+                if len(shared) < 2:
+                    rows.append({**row, "seeds": len(shared), "verdict": f"not compared: {len(shared)} shared seed(s)"})
+                    continue
+                rows.append({**row, **compare(own[shared].to_numpy(), base[shared].to_numpy()).row()})
+    return pd.DataFrame(rows)

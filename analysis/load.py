@@ -38,7 +38,7 @@ import yaml
 from analysis.style import ALGO_ORDER, REPLAY_ORDER
 from experiments.run.logger import WANDB_MINIBATCH
 from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE
-from experiments.step.metrics import EVAL, EVAL_START, MINIBATCH, MINIBATCHES, STEP, TOKENS
+from experiments.step.metrics import MINIBATCH, MINIBATCHES, STEP, TOKENS, unstarted
 
 CONFIG_FILE = Path(".hydra") / "config.yaml"
 
@@ -258,8 +258,8 @@ def _add_record(rows: _Rows, run: str, step: int, record: Mapping[str, Any]) -> 
             match = _WANDB_MINIBATCH_KEY.match(key)
             if match:
                 per_minibatch.setdefault(int(match.group(1)), {})[match.group(2)] = value
-        elif key.startswith(EVAL_START):
-            start[key.replace(EVAL_START, EVAL, 1)] = value
+        elif unstarted(key) is not None:
+            start[unstarted(key)] = value
         elif key not in (MINIBATCHES, STEP) and not key.startswith("_"):
             scalars[key] = value
     entries = record.get(MINIBATCHES, [])

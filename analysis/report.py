@@ -25,12 +25,15 @@ from typing import Any
 import pandas as pd
 
 from analysis import aggregate as agg
+from analysis import statistics
 from analysis.figures import FigureOutput, all_figures
 from analysis.load import FLIP_RATE, INCOMPLETE, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir
 from experiments.run.rundir import make_writable_dir
 
 REPORT_FILE = "report.md"
 SUMMARY_FILE = "summary.csv"
+PER_SEED_FILE = "per_seed.csv"  # every run's held-out gains: the numbers behind the sweep table and the comparisons
+COMPARISONS_FILE = "comparisons.csv"  # every arm against the baseline arm, per cell and measure
 # Stability-table columns whose source metric may be absent, with the metric named in the note.
 _TABLE_METRICS = {
     "clip_frac_mean": agg.CLIP,
@@ -154,30 +157,80 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
     return lines
 
 
-def _sweep_section(runset: RunSet) -> list[str]:
-    """Held-out greedy accuracy gained from each run's own start, per arm and swept setting: Figure 0's numbers."""
-    gains = agg.accuracy_gain(runset)
-    axes = [key for key in agg.sweep_axes(runset) if not gains.empty and gains[key].nunique() > 1]
+def _seed_order(seeds) -> list[str]:
+    return sorted(set(seeds), key=lambda s: (len(s), s))
+
+
+def _mean_std(values: pd.Series, fmt: str = "+.3f") -> str:
+    values = values.dropna()
+    if values.empty:
+        return "–"
+    return f"{values.mean():{fmt}}" + (f" ± {values.std(ddof=1):.3f}" if len(values) > 1 else "")
+
+
+def _flip_note(runset: RunSet) -> str:
+    rates = sorted({float(json.loads(config).get(FLIP_RATE, 0.0)) for config in runset.runs["config"]})
+    if rates == [0.0]:
+        return ""
+    return (f" Runs with {FLIP_RATE} = p > 0 ({', '.join(f'{p:g}' for p in rates if p)}) are SYNTHETIC: in π_θ's "
+            "update forwards a share p of the activated experts was swapped for the next-ranked one; replay (r2, "
+            "r3) computes with recorded experts there, so no flip reaches a replayed arm: it shows what the flips do "
+            "to the arms that feel them, not that replay would hold against drift the policy itself carries.")
+
+
+def _sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
+    """Held-out greedy accuracy gained from each run's own start, per arm and swept setting, by each of
+    `GAIN_MEASURES` side by side (Figure 0's numbers)."""
     if gains.empty:
         return []
-    table = gains.groupby(["arm", *axes]).agg(start=("start", "mean"), gain=("gain", "mean"),
-                                              gain_std=("gain", "std"), seeds=("gain", "count")).reset_index()
-    order = {arm: i for i, arm in enumerate(sorted(table["arm"].unique(), key=lambda a: (a.split(" ")[0] != "grpo", a)))}
-    table = table.sort_values(["arm", *axes], key=lambda col: col.map(order) if col.name == "arm" else col)
-    rows = [[row["arm"], *[f"{row[key]:g}" for key in axes], f"{row['start']:.3f}",
-             f"{row['gain']:+.3f}" + ("" if math.isnan(row["gain_std"]) else f" ± {row['gain_std']:.3f}"), row["seeds"]]
-            for row in table.to_dict("records")]
+    axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1]
+    order = {arm: i for i, arm in enumerate(sorted(gains["arm"].unique(), key=lambda a: (a.split(" ")[0] != "grpo", a)))}
+    rows = []
+    for (arm, *values), part in gains.groupby(["arm", *axes], sort=False):
+        rows.append((order[arm], values, [arm, *[f"{v:g}" for v in values], f"{part['start'].mean():.3f}",
+                                          _mean_std(part["gain"]), _mean_std(part["gain_area"]),
+                                          _mean_std(part["split_gain"]), len(part)]))
+    rows.sort(key=lambda row: (row[0], row[1]))
     header = ["arm", *[f"{key} (SYNTHETIC)" if key == FLIP_RATE else key for key in axes], "start (greedy)",
-              "gain, end − start", "seeds"]
-    seeds = ", ".join(sorted(set(gains["seed"]), key=lambda s: (len(s), s)))
-    rates = sorted({float(json.loads(config).get(FLIP_RATE, 0.0)) for config in runset.runs["config"]})
-    flips = [] if rates == [0.0] else [
-        f" Runs with {FLIP_RATE} = p > 0 ({', '.join(f'{p:g}' for p in rates if p)}) are SYNTHETIC: in π_θ's update "
-        "forwards a share p of the activated experts was swapped for the next-ranked one."]
-    return ["## Held-out accuracy gained", "", markdown_table(header, rows), "",
-            f"Per run: held-out greedy accuracy at its last evaluation minus at its start (the same prompts); mean ± "
-            f"sample std over seeds ({seeds}). An arm is the objective, its replay and, when it is not the trainer's "
-            "own fp32 model, the engine's precision." + "".join(flips)]
+              "final gain", "mean gain over the run", "final gain, whole test split", "seeds"]
+    definitions = [f"- **{name.replace('_', ' ')}** (`{name}`): {text}." for name, text in agg.GAIN_MEASURES.items()]
+    return ["## Held-out accuracy gained", "", markdown_table(header, [row[2] for row in rows]), "",
+            f"Per run, from its own start on the same prompts; mean ± sample std over seeds "
+            f"({', '.join(_seed_order(gains['seed']))}). Per-seed values: `{PER_SEED_FILE}`. An arm is the "
+            "objective, its replay and, when it is not the trainer's own fp32 model, the engine's precision."
+            + _flip_note(runset), "", "The measures:", "", *definitions]
+
+
+def _comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str) -> list[str]:
+    """Every arm against the baseline arm, paired over shared seeds: the difference, its interval and the verdict."""
+    if comparisons.empty:
+        return []
+    rows = []
+    for row in comparisons.to_dict("records"):
+        cells = [*[f"{row[key]:g}" for key in axes], row["arm"], row["measure"], row["seeds"]]
+        if "difference_estimate" not in row or pd.isna(row.get("difference_estimate")):
+            rows.append([*cells, "–", "–", "–", "–", row["verdict"]])
+            continue
+        iqm = "–" if pd.isna(row["arm_iqm_estimate"]) else f"{row['arm_iqm_estimate']:+.3f} / {row['baseline_iqm_estimate']:+.3f}"
+        rows.append([*cells,
+                     f"{row['difference_estimate']:+.3f} [{row['difference_low']:+.3f}, {row['difference_high']:+.3f}]",
+                     f"{row['improvement_estimate']:.2f} [{row['improvement_low']:.2f}, {row['improvement_high']:.2f}]",
+                     iqm, f"{row['p_value']:.3g}", f"**{row['verdict']}**" if row["separates"] else row["verdict"]])
+    header = [*[f"{key} (SYNTHETIC)" if key == FLIP_RATE else key for key in axes], "arm", "measure", "seeds",
+              f"arm − {baseline}, mean [95% CI]", "P(arm > baseline) [95% CI]", "IQM arm / baseline", "sign-flip p",
+              "verdict"]
+    return [
+        f"## Each arm against {baseline}, paired over shared seeds", "", markdown_table(header, rows), "",
+        f"Per cell of the sweep and per measure, over the seeds both arms hold (`{COMPARISONS_FILE}` has every "
+        "number): the mean of the per-seed differences with its 95% paired percentile bootstrap interval "
+        f"({statistics.RESAMPLES:,} resamples), the probability that a seed of the arm beats a seed of the baseline "
+        "(rliable's P(X > Y), with its bootstrap interval), each arm's interquartile mean from "
+        f"{statistics.IQM_FROM} seeds on, and the exact paired sign-flip test. **Separates** when the interval "
+        "excludes 0 and the sign-flip test gives p < 0.05 (a bootstrap interval from few seeds is too narrow; the "
+        "sign-flip test is exact at any n, and cannot reach 0.05 below 6 seeds); otherwise **not distinguishable**, "
+        "with the smallest mean difference these seeds could have detected (a paired t-test at α = 0.05 with 80% "
+        "power, given their spread). analysis/statistics.py says why these and not others.",
+    ]
 
 
 def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[str]:
@@ -207,9 +260,10 @@ def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[st
 
 
 def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, drop: float = agg.COLLAPSE_DROP,
-                 alpha: float = agg.EMA_ALPHA, dpi: int = 150, pdf: bool = False, command: str = "") -> Path:
-    """Write every figure (PNG; and PDF with `pdf`), summary.csv and report.md into `out_dir`; returns the path of
-    report.md."""
+                 alpha: float = agg.EMA_ALPHA, dpi: int = 150, pdf: bool = False, command: str = "",
+                 baseline: str | None = None) -> Path:
+    """Write every figure (PNG; and PDF with `pdf`), summary.csv, per_seed.csv, comparisons.csv (every arm against
+    `baseline`, by default GRPO) and report.md into `out_dir`; returns the path of report.md."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf)
@@ -225,8 +279,16 @@ def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, dro
     if command:
         lines += ["", f"Made with `{command}`."]
     lines += [""] + _runs_section(runset) + [""] + _figure_section(figures) + [""]
-    sweep = _sweep_section(runset)
+    gains = agg.accuracy_gain(runset)
+    gains.to_csv(out_dir / PER_SEED_FILE, index=False)
+    sweep = _sweep_section(runset, gains)
     lines += sweep + ([""] if sweep else [])
+    reference = agg.baseline_arm(gains, baseline)
+    if reference is not None and gains["arm"].nunique() > 1:
+        axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1]
+        comparisons = agg.arm_comparisons(gains, reference, axes)
+        comparisons.to_csv(out_dir / COMPARISONS_FILE, index=False)
+        lines += _comparison_section(comparisons, axes, reference) + [""]
     lines += _stability_section(runset, table, last_n, drop, alpha)
     lines += [""] + _early_warning_section(runset, drop, alpha)
     report = out_dir / REPORT_FILE
@@ -265,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="EMA smoothing weight of the newest point, 1 = none (default: %(default)s)")
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
     parser.add_argument("--pdf", action="store_true", help="also a PDF of every figure (for a paper)")
+    parser.add_argument("--baseline", metavar="ARM",
+                        help=f"the arm every other is compared with, paired over seeds (default: "
+                             f"{agg.DEFAULT_BASELINE} when the runs have it, else the first arm by name)")
     return parser
 
 
@@ -321,8 +386,13 @@ def _report(args: argparse.Namespace, argv: Sequence[str], out: Path, wandb_api_
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     command = "python -m analysis.report " + " ".join(shlex.quote(a) for a in argv)
+    try:
+        agg.baseline_arm(agg.accuracy_gain(runset), args.baseline)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     return write_report(runset, out, last_n=args.last_n, drop=args.collapse_drop, alpha=args.ema_alpha,
-                        dpi=args.dpi, pdf=args.pdf, command=command)
+                        dpi=args.dpi, pdf=args.pdf, command=command, baseline=args.baseline)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,8 @@ class Comparison:
         """A flat record for a CSV: every interval as estimate / low / high."""
         flat: dict[str, float | int | str | bool | None] = {"seeds": self.seeds}
         for name, value in asdict(self).items():
-            if isinstance(value, dict):
-                flat.update({f"{name}_{key}": number for key, number in value.items()})
+            if name in ("difference", "improvement", "arm_iqm", "baseline_iqm"):  # intervals, absent IQMs as None
+                flat.update({f"{name}_{key}": (value or {}).get(key) for key in ("estimate", "low", "high")})
             elif name != "seeds":
                 flat[name] = value
         flat["verdict"] = self.verdict

@@ -156,6 +156,10 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         "eval_greedy_accuracy_start": history[0].get(m.started(m.EVAL_GREEDY)) if history else None,
         "eval_accuracy": final.get(m.EVAL_ACCURACY),
         "eval_greedy_accuracy": final.get(m.EVAL_GREEDY),
+        # the mean gain over the run's evaluations (the area above its start, per step; `metrics.gain_area`)
+        "eval_greedy_gain_area": greedy_gain_area(history),
+        "eval_split_greedy_accuracy_start": history[0].get(m.started(m.EVAL_SPLIT_GREEDY)) if history else None,
+        "eval_split_greedy_accuracy": final.get(m.EVAL_SPLIT_GREEDY),
         "clip_token_frac_mean": over_steps(CLIP),
         "ratio_token_var_mean": over_steps(TOKEN_RATIO_VAR),
         "skipped_steps": trainer.skipped_updates,
@@ -176,6 +180,15 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
     return summary
 
 
+def greedy_gain_area(history: list[dict[str, Any]]) -> float | None:
+    """`metrics.gain_area` of the held-out greedy curve, its start at step 0; None without a start and one more."""
+    start = history[0].get(m.started(m.EVAL_GREEDY)) if history else None
+    points = [(r[m.STEP], r[m.EVAL_GREEDY]) for r in history if m.EVAL_GREEDY in r]
+    if start is None or not points:
+        return None
+    return m.gain_area([0, *(step for step, _ in points)], [start, *(value for _, value in points)])
+
+
 def summary_paragraph(summary: dict[str, Any]) -> str:
     def number(key: str, fmt: str) -> str:
         value = summary.get(key)
@@ -186,7 +199,9 @@ def summary_paragraph(summary: dict[str, Any]) -> str:
         f"({number('step_s_mean', '.2f')} s/step). Reward {number('reward_first', '.3f')} -> "
         f"{number('reward_last', '.3f')} (best {number('reward_best', '.3f')}); held-out pass@1 "
         f"{number('eval_accuracy', '.3f')}, greedy {number('eval_greedy_accuracy_start', '.3f')} -> "
-        f"{number('eval_greedy_accuracy', '.3f')}. Mean clipped-token "
+        f"{number('eval_greedy_accuracy', '.3f')} (mean gain over the run {number('eval_greedy_gain_area', '+.3f')}; "
+        f"whole test split {number('eval_split_greedy_accuracy_start', '.3f')} -> "
+        f"{number('eval_split_greedy_accuracy', '.3f')}). Mean clipped-token "
         f"fraction {number('clip_token_frac_mean', '.2e')}, token-ratio variance {number('ratio_token_var_mean', '.2e')}, "
         f"experts changed after one update {number('expert_change_per_update', '.2%')}; "
         f"{summary['skipped_steps']} skipped updates. Logs: {summary['run_dir']}"
@@ -292,6 +307,8 @@ def _run(trainer: RLTrainer, threads: ThreadBudget, cfg: DictConfig, run_dir: Pa
                    initial=trainer.step_index, total=t.steps, disable=not main)
         # the run's change on held-out prompts is measured against its own start, on the same prompts
         start_eval = trainer.evaluate() if t.eval_prompts and t.eval_start and trainer.step_index == 0 else {}
+        if t.eval_split and trainer.step_index == 0:
+            start_eval.update(trainer.evaluate(whole_split=True))
         for _ in bar:
             used = threads.threads  # the step's threads, measured over the step: the next step's follow the load
             threads.begin()
@@ -303,6 +320,8 @@ def _run(trainer: RLTrainer, threads: ThreadBudget, cfg: DictConfig, run_dir: Pa
             last = trainer.step_index == t.steps
             if t.eval_prompts and (last or (t.eval_every and trainer.step_index % t.eval_every == 0)):
                 record.update(trainer.evaluate())
+            if t.eval_split and last:
+                record.update(trainer.evaluate(whole_split=True))
             record[m.ELAPSED] = time.perf_counter() - start
             with stop_deferred():  # the step's commit
                 logger.log(record)

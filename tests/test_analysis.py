@@ -562,8 +562,40 @@ def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(
     assert [f.name for f in out.files] == ["fig0_sweep_response.png", "fig0_sweep_response.pdf"]
     assert "SYNTHETIC" in out.caption and "Seeds: 0, 1." in out.caption
     text = write_report(rs, tmp_path / "report").read_text(encoding="utf-8")
-    assert "| grpo | 0 | 0.500 | +0.150 ± 0.071 | 2 |" in text and "| grpo | 0.3 | 0.500 | -0.400 | 1 |" in text
+    # final gain, mean gain over the run (a straight line from start to end: half the final gain), no whole split
+    assert "| grpo | 0 | 0.500 | +0.150 ± 0.071 | +0.075 ± 0.035 | – | 2 |" in text
+    assert "| grpo | 0.3 | 0.500 | -0.400 | -0.200 | – | 1 |" in text
     assert "routing.flip_rate (SYNTHETIC)" in text and "(0.3) are SYNTHETIC" in text
+    assert "| 0 | grpo + r2 | gain | 1 | – | – | – | – | not compared: 1 shared seed(s) |" in text
+
+
+def test_the_report_compares_each_arm_with_the_baseline_over_shared_seeds_and_says_what_ten_and_three_show(tmp_path):
+    rng = np.random.default_rng(0)
+    for seeds in (10, 3):
+        runs = tmp_path / f"runs{seeds}"
+        for seed in range(seeds):
+            base = 0.5 + rng.normal(0.0, 0.3)
+            _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, base)
+            _evaluated_run(runs / f"r{seed}", "grpo", seed, "r2", 0.5, base + rng.normal(0.2, 0.1))
+            _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, base + rng.normal(0.0, 0.1))
+        out = tmp_path / f"report{seeds}"
+        text = write_report(load_runs([runs]), out).read_text(encoding="utf-8")
+        comparisons = pd.read_csv(out / "comparisons.csv")
+        assert len(pd.read_csv(out / "per_seed.csv")) == 3 * seeds
+        final = comparisons[comparisons["measure"] == "gain"].set_index("arm")
+        assert set(final.index) == {"grpo + r2", "gspo"} and set(final["baseline"]) == {"grpo"}
+        assert final.loc["grpo + r2", "difference_estimate"] > 0.1
+        assert bool(final.loc["grpo + r2", "separates"]) == (seeds == 10)
+        assert not final.loc["gspo", "separates"]
+        assert "## Each arm against grpo, paired over shared seeds" in text
+        if seeds == 3:
+            assert "not distinguishable (with 3 seeds no paired test reaches p < 0.05" in text
+        else:
+            assert "**separates (95% CI of the difference excludes 0)**" in text
+            assert "not distinguishable (with 10 seeds the smallest effect this could detect is" in text
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "runs3"), "--out", str(tmp_path / "bad"), "--baseline", "ppo"])
+    assert stop.value.code == 2
 
 
 def test_a_flip_rate_no_run_varied_is_still_labelled_synthetic(tmp_path):

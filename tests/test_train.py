@@ -20,7 +20,7 @@ from algos.objective import (
 from experiments.config import PROJECT_ROOT
 from experiments.step.metrics import (
     AUX_LOSS, DRIFT, DRIFT_OVER_MINIBATCHES, DRIFT_PER_UPDATE, ENGINE_EXPERTS, ENTROPY, ESS, EVAL_ACCURACY,
-    EVAL_GREEDY, FRAGILE, GRAD_NORM, LENGTH, LOAD_MAX_VIOLATION, LR, MARGIN, MISMATCH_K1, MISMATCH_K3, REWARD,
+    EVAL_GREEDY, EVAL_SPLIT_GREEDY, FRAGILE, GRAD_NORM, LENGTH, LOAD_MAX_VIOLATION, LR, MARGIN, MISMATCH_K1, MISMATCH_K3, REWARD,
     REWARD_ACCURACY, REWARD_STD, ROLLOUT_TIME, ROLLOUT_TOKENS_PER_S, SKIPPED, STEP, STEP_TIME, TOKENS,
     TOKEN_DRIFT_PER_UPDATE, TOPK_MASS, TRAIN_TIME, TRUNCATED, ZERO_STD_GROUPS, per_layer, started,
 )
@@ -74,6 +74,21 @@ def first_step_inputs(trainer: RLTrainer):
     order = minibatch_order(trainer.plan.layout, rollout.size, t.group_size, trainer.generator)
     minibatches = split_minibatches(rollout, advantages, order, t.minibatches, trainer.device)
     return rollout, advantages, minibatches, [trainer.old_policy(mb) for mb in minibatches]
+
+
+def test_the_whole_test_split_is_evaluated_at_start_and_end_and_the_curve_gives_the_mean_gain(tmp_path):
+    summary = train(compose_train("trainer.eval_every=1"), tmp_path)
+    lines = read_metrics(tmp_path)
+    assert started(EVAL_SPLIT_GREEDY) in lines[0] and EVAL_SPLIT_GREEDY in lines[-1]
+    assert EVAL_SPLIT_GREEDY not in lines[0] and EVAL_SPLIT_GREEDY not in lines[1], "the whole split: end only"
+    # the whole split is every test prompt (20 here), not the first eval_prompts (4): the start's policy, evaluated
+    # anew on all 20, scores what the run logged
+    whole = RLTrainer(compose_train("trainer.eval_prompts=20", "trainer.eval_samples=0")).evaluate()[EVAL_GREEDY]
+    assert lines[0][started(EVAL_SPLIT_GREEDY)] == pytest.approx(whole)
+    curve = [lines[0][started(EVAL_GREEDY)], *(line[EVAL_GREEDY] for line in lines)]
+    by_hand = (0.5 * (curve[0] + curve[1]) + 0.5 * (curve[1] + curve[2]) + 0.5 * (curve[2] + curve[3])) / 3 - curve[0]
+    assert summary["eval_greedy_gain_area"] == pytest.approx(by_hand)
+    assert summary["eval_split_greedy_accuracy"] == lines[-1][EVAL_SPLIT_GREEDY]
 
 
 @pytest.mark.parametrize("replay", ["none", "r2", "r3"])

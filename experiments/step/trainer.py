@@ -566,17 +566,21 @@ class RLTrainer:
             raise Diverged(f"update {update} of the step left the weights non-finite (largest |w| = {largest}); "
                            "lower trainer.lr")
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy of the trainer's own policy; on several ranks each takes every world-th prompt and the
-        accuracies combine weighted by the prompts each rank held."""
+    def evaluate(self, whole_split: bool = False) -> dict[str, float]:
+        """Held-out accuracy of the trainer's own policy: on the first `eval_prompts` test prompts (`EVAL_*`), or
+        greedy on every prompt of the test split (`EVAL_SPLIT_*`). On several ranks each takes every world-th prompt
+        and the accuracies combine weighted by the prompts each rank held."""
         t = self.cfg.trainer
-        mine = self.test_examples[: t.eval_prompts][self.ranks.rank :: self.ranks.world]
+        prompts = self.test_examples if whole_split else self.test_examples[: t.eval_prompts]
+        mine = prompts[self.ranks.rank :: self.ranks.world]
         local = evaluate(
             HFEngine(self.model, self.tokenizer, synced=self.ranks.active),
             self.task,
             mine,
-            samples=t.eval_samples,
+            samples=0 if whole_split else t.eval_samples,
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
         )
-        return {name: reduce(value * len(mine), self.ranks) / t.eval_prompts for name, value in local.items()}
+        if whole_split:
+            local = {m.EVAL_SPLIT_GREEDY: local[m.EVAL_GREEDY]}
+        return {name: reduce(value * len(mine), self.ranks) / len(prompts) for name, value in local.items()}
