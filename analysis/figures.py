@@ -34,7 +34,7 @@ from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
 from analysis import aggregate as agg
-from analysis.load import FLIP_RATE, RunSet
+from analysis.load import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, RunSet
 from analysis.style import (
     COLUMN_WIDTH_IN, RC_PARAMS, TEXT_WIDTH_IN, algo_color, replay_hatch, replay_linestyle, shade,
 )
@@ -619,8 +619,17 @@ def fig_decomposition(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool =
     return out
 
 
+SYNTHETIC_CAPTIONS = {
+    FLIP_RATE: "The flips are a SYNTHETIC intervention (routing.flip_rate): they imitate routing drift in π_θ's update "
+               "forwards only, which replay overrides by construction.",
+    PERTURB_RATE: "The router noise is a SYNTHETIC intervention (routing.perturb_rate): θ carries it into rollouts, "
+                  "π_old and evaluations, as natural drift; it does not follow the gradient.",
+}
+
+
 def _axis_label(key: str) -> str:
     return {"trainer.lr": "learning rate", FLIP_RATE: "synthetic flip rate p (SYNTHETIC)",
+            PERTURB_RATE: "router noise p, share moved per update (SYNTHETIC)",
             "model.num_hidden_layers": "MoE layers", "trainer.minibatches": "minibatches N",
             "dataset.digits": "digits (answer length)", "rollout.router_noise": "engine router noise σ"}.get(key, key)
 
@@ -645,15 +654,14 @@ def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool 
         out.notes.append(f"The sweep varies {len(axes)} settings ({', '.join(axes)}); the first two are drawn, "
                          "averaging over the others.")
     arms = list(dict.fromkeys(sorted(gains["arm"], key=lambda a: (a.split(" ")[0] != "grpo", a))))
-    synthetic = FLIP_RATE in axes[:2]
+    synthetic = [key for key in axes[:2] if key in SYNTHETIC_KEYS]
     with matplotlib.rc_context(RC_PARAMS):
         if len(axes) == 1:
             _gain_lines(out, gains, axes[0], arms, out_dir, dpi, pdf)
         else:
             _gain_grids(out, gains, axes[0], axes[1], arms, out_dir, dpi, pdf)
     seeds = ", ".join(sorted(set(gains["seed"]), key=lambda s: (len(s), s)))
-    out.caption += f" Seeds: {seeds}." + (" The flips are a SYNTHETIC intervention (routing.flip_rate): they "
-                                          "imitate routing drift in π_θ's update forwards only." if synthetic else "")
+    out.caption += f" Seeds: {seeds}." + "".join(f" {SYNTHETIC_CAPTIONS[key]}" for key in synthetic)
     return out
 
 

@@ -141,14 +141,17 @@ def _format_value(value: Any) -> str:
 
 
 FLIP_RATE = "routing.flip_rate"  # the config key of the SYNTHETIC flips (models/routing.py): named in every label
+PERTURB_RATE = "routing.perturb_rate"  # the SYNTHETIC router noise's (models/router_perturbation.py): likewise
+SYNTHETIC_KEYS = {FLIP_RATE: "SYNTHETIC flips", PERTURB_RATE: "SYNTHETIC router noise"}  # key: what a label calls it
 
 
 def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Readable series label per run from its flattened config.
 
     The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none`, ` + <routing_variant.name>`
-    when a routing variant is on (a run without the key ran without one) and ` + SYNTHETIC flips p=<p>` when
-    `routing.flip_rate` is not 0. Then, in sorted key order, every
+    when a routing variant is on (a run without the key ran without one), ` + SYNTHETIC flips p=<p>` when
+    `routing.flip_rate` is not 0 and ` + SYNTHETIC router noise p=<p>` when `routing.perturb_rate` is not 0. Then,
+    in sorted key order, every
     config key that differs between runs (ignoring seeds, threads, checkpointing, output dirs, logger/W&B/Hydra
     keys; a checkpoint or data path does count) and still
     splits runs sharing a label so far is appended to all labels as `key=value`, with the shortest unambiguous
@@ -158,7 +161,7 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     all_keys = sorted({k for cfg in configs.values() for k in cfg})
     candidates = [
         k for k in all_keys
-        if k not in ("algo.name", "routing.replay", "routing_variant.name", FLIP_RATE) and not ignored_key(k)
+        if k not in ("algo.name", "routing.replay", "routing_variant.name", *SYNTHETIC_KEYS) and not ignored_key(k)
         and len({_format_value(cfg.get(k, "—")) for cfg in configs.values()}) > 1
     ]
     for key in candidates:
@@ -184,8 +187,11 @@ def method_name(cfg: Mapping[str, Any]) -> str:
 
 
 def _base_label(cfg: Mapping[str, Any]) -> str:
-    flips = float(cfg.get(FLIP_RATE, 0.0))  # an intervention, never to be read as a natural regime
-    return method_name(cfg) if flips == 0 else f"{method_name(cfg)} + SYNTHETIC flips p={flips:g}"
+    label = method_name(cfg)
+    for key, called in SYNTHETIC_KEYS.items():  # an intervention, never to be read as a natural regime
+        if float(cfg.get(key, 0.0)):
+            label += f" + {called} p={float(cfg[key]):g}"
+    return label
 
 
 # ---------------------------------------------------------------------------------------------------------------

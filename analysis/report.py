@@ -27,7 +27,9 @@ import pandas as pd
 from analysis import aggregate as agg
 from analysis import statistics
 from analysis.figures import FigureOutput, all_figures
-from analysis.load import FLIP_RATE, INCOMPLETE, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir
+from analysis.load import (
+    FLIP_RATE, INCOMPLETE, PERTURB_RATE, SYNTHETIC_KEYS, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir,
+)
 from experiments.run.rundir import make_writable_dir
 
 REPORT_FILE = "report.md"
@@ -168,14 +170,33 @@ def _mean_std(values: pd.Series, fmt: str = "+.3f") -> str:
     return f"{values.mean():{fmt}}" + (f" ± {values.std(ddof=1):.3f}" if len(values) > 1 else "")
 
 
-def _flip_note(runset: RunSet) -> str:
-    rates = sorted({float(json.loads(config).get(FLIP_RATE, 0.0)) for config in runset.runs["config"]})
-    if rates == [0.0]:
-        return ""
-    return (f" Runs with {FLIP_RATE} = p > 0 ({', '.join(f'{p:g}' for p in rates if p)}) are SYNTHETIC: in π_θ's "
-            "update forwards a share p of the activated experts was swapped for the next-ranked one; replay (r2, "
-            "r3) computes with recorded experts there, so no flip reaches a replayed arm: it shows what the flips do "
-            "to the arms that feel them, not that replay would hold against drift the policy itself carries.")
+# What each SYNTHETIC intervention does, and what it can and cannot show, said wherever its runs are reported.
+SYNTHETIC_MEANING = {
+    FLIP_RATE: "in π_θ's update forwards a share p of the activated experts was swapped for the next-ranked one; "
+               "replay (r2, r3) computes with recorded experts there, so no flip reaches a replayed arm: it shows "
+               "what the flips do to the arms that feel them, not that replay would hold against drift the policy "
+               "itself carries",
+    PERTURB_RATE: "after each optimizer update the routers' weights got Gaussian noise sized to move a share p of "
+                  "the update's activated experts in each layer; θ keeps it (rollouts, π_old and evaluations route "
+                  "with it) and replay removes it only within a step, as it removes natural drift: it shows how each "
+                  "arm copes with routing that keeps moving, not what natural drift does at that dose (the noise "
+                  "does not follow the gradient, and degrades the routers for every arm)",
+}
+
+
+def _synthetic_note(runset: RunSet) -> str:
+    """A sentence per SYNTHETIC intervention the runs had: which runs, what it did, what it can show."""
+    notes = []
+    for key, meaning in SYNTHETIC_MEANING.items():
+        rates = sorted({float(json.loads(config).get(key, 0.0)) for config in runset.runs["config"]})
+        if rates != [0.0]:
+            notes.append(f" Runs with {key} = p > 0 ({', '.join(f'{p:g}' for p in rates if p)}) are SYNTHETIC: "
+                         f"{meaning}.")
+    return "".join(notes)
+
+
+def _axis_header(key: str) -> str:
+    return f"{key} (SYNTHETIC)" if key in SYNTHETIC_KEYS else key
 
 
 def _sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
@@ -191,14 +212,14 @@ def _sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
                                           _mean_std(part["gain"]), _mean_std(part["gain_area"]),
                                           _mean_std(part["split_gain"]), len(part)]))
     rows.sort(key=lambda row: (row[0], row[1]))
-    header = ["arm", *[f"{key} (SYNTHETIC)" if key == FLIP_RATE else key for key in axes], "start (greedy)",
+    header = ["arm", *[_axis_header(key) for key in axes], "start (greedy)",
               "final gain", "mean gain over the run", "final gain, whole test split", "seeds"]
     definitions = [f"- **{name.replace('_', ' ')}** (`{name}`): {text}." for name, text in agg.GAIN_MEASURES.items()]
     return ["## Held-out accuracy gained", "", markdown_table(header, [row[2] for row in rows]), "",
             f"Per run, from its own start on the same prompts; mean ± sample std over seeds "
             f"({', '.join(_seed_order(gains['seed']))}). Per-seed values: `{PER_SEED_FILE}`. An arm is the "
             "objective, its replay and, when it is not the trainer's own fp32 model, the engine's precision."
-            + _flip_note(runset), "", "The measures:", "", *definitions]
+            + _synthetic_note(runset), "", "The measures:", "", *definitions]
 
 
 def _comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str) -> list[str]:
@@ -216,7 +237,7 @@ def _comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: st
                      f"{row['difference_estimate']:+.3f} [{row['difference_low']:+.3f}, {row['difference_high']:+.3f}]",
                      f"{row['improvement_estimate']:.2f} [{row['improvement_low']:.2f}, {row['improvement_high']:.2f}]",
                      iqm, f"{row['p_value']:.3g}", f"**{row['verdict']}**" if row["separates"] else row["verdict"]])
-    header = [*[f"{key} (SYNTHETIC)" if key == FLIP_RATE else key for key in axes], "arm", "measure", "seeds",
+    header = [*[_axis_header(key) for key in axes], "arm", "measure", "seeds",
               f"arm − {baseline}, mean [95% CI]", "P(arm > baseline) [95% CI]", "IQM arm / baseline", "sign-flip p",
               "verdict"]
     return [

@@ -605,6 +605,17 @@ def test_a_flip_rate_no_run_varied_is_still_labelled_synthetic(tmp_path):
     assert "| grpo + SYNTHETIC flips p=0.2 |" in text and "(0.2) are SYNTHETIC" in text
 
 
+def test_router_noise_runs_are_labelled_synthetic_with_what_the_noise_can_show(tmp_path):
+    for i, rate in enumerate([0.0, 0.1]):
+        _evaluated_run(tmp_path / "runs" / str(i), "grpo", 0, "none", 0.5, 0.6, **{"routing.perturb_rate": rate})
+    runset = load_runs([tmp_path / "runs"])
+    assert set(runset.labels) == {"grpo", "grpo + SYNTHETIC router noise p=0.1"}
+    text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
+    assert "routing.perturb_rate (SYNTHETIC)" in text
+    assert "(0.1) are SYNTHETIC: after each optimizer update the routers' weights got Gaussian noise" in text
+    assert "not what natural drift does at that dose" in text
+
+
 def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_path):
     for i, (lr, layers) in enumerate([(1e-4, 2), (1e-4, 4), (1e-3, 2), (1e-3, 4)]):
         for algo in ("grpo", "gspo"):

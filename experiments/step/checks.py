@@ -69,6 +69,9 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     check_known_keys(cfg)
     check_trainer(cfg.trainer, moe, world)
     check_routing(cfg.routing, moe, cfg.model.name)
+    if cfg.routing.perturb_rate and world > 1:
+        raise ConfigError(f"routing.perturb_rate={cfg.routing.perturb_rate} sizes the router noise on one rank's "
+                          f"tokens and weights; run it on one rank (this run has {world})")
     check_device(cfg.device)
     check_training_dtype(cfg.model.dtype, cfg.device)
     engine = ENGINES[cfg.rollout.engine]
@@ -174,6 +177,13 @@ def check_routing(routing: Any, moe: bool, model: str) -> None:
         raise ConfigError(f"routing.flip_rate={flip_rate} must be a probability in [0, 1] (the share of experts flipped)")
     if flip_rate and not moe:
         raise ConfigError(f"routing.flip_rate={flip_rate} flips experts: needs an MoE model, and {model!r} is dense")
+    perturb_rate = routing.perturb_rate
+    if not (math.isfinite(perturb_rate) and 0.0 <= perturb_rate < 1.0):
+        raise ConfigError(f"routing.perturb_rate={perturb_rate} must be in [0, 1) (the share of activated experts "
+                          "the router noise moves after each update)")
+    if perturb_rate and not moe:
+        raise ConfigError(f"routing.perturb_rate={perturb_rate} perturbs routers: needs an MoE model, and {model!r} "
+                          "is dense")
 
 
 def check_device(device: str) -> None:

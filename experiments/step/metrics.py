@@ -51,6 +51,8 @@ LR = "optim/lr"
 AUX_LOSS = "moe/aux_loss"  # the load-balancing loss (added to the loss only with router_aux_loss_coef > 0)
 LOAD_MAX_VIOLATION = "moe/load_max_violation"
 FLIP_FRAC = "routing/synthetic_flip_frac"  # experts swapped by the SYNTHETIC flips (routing.flip_rate)
+# experts the SYNTHETIC router noise moved after the update, on its tokens, mean over layers (routing.perturb_rate)
+PERTURB_FRAC = "routing/synthetic_perturb_frac"
 # Routing drift since θ_old: per minibatch, then per step after one update (the GSPO paper's statistic) and the mean
 # over minibatches (minibatch 0 is 0 by construction)
 DRIFT = "routing/expert_change_frac"

@@ -58,6 +58,7 @@ class StepPlan:
     engine_records_gates: bool  # r3 replays the engine's gate weights too (full replay)
     pi_old_records_gates: bool  # the π_old pass records θ_old's gates: r2 replays them, or router shift reads them
     flip_rate: float = 0.0  # synthetic routing drift in the update forwards (routing.flip_rate)
+    perturb_rate: float = 0.0  # synthetic router noise after each optimizer update (routing.perturb_rate)
     routing_variant: str = "none"  # `algos.routing_variants`: what replayed forwards or the ratios do beyond ID replay
 
     def describe(self) -> dict[str, Any]:
@@ -66,6 +67,8 @@ class StepPlan:
                      "first_minibatch_on_policy": self.first_minibatch_on_policy}
         if self.flip_rate:
             described["synthetic_flip_rate"] = self.flip_rate
+        if self.perturb_rate:
+            described["synthetic_perturb_rate"] = self.perturb_rate
         return described
 
 
@@ -97,6 +100,7 @@ def plan_step(cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any,
         engine_records_gates=variant.replays_gates and replay == Replay.r3,
         pi_old_records_gates=r2_gates or variant.reads_old_router,
         flip_rate=flip_rate,
+        perturb_rate=float(cfg.routing.perturb_rate),
         routing_variant=variant.name,
     )
 

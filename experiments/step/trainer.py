@@ -56,9 +56,11 @@ from experiments.tasks import Example, Task
 from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
 from models.registry import Diverged
+from models.router_perturbation import perturb_routers, router_inputs
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, flip_routing, load_max_violation, routing_drift
 
 FLIP_STREAM = 0x5EED  # offsets the flips' seed from the step's: their draws are not the sampler's draws
+PERTURB_STREAM = 0xD21F7  # and the router perturbation's, likewise
 
 
 @dataclass(kw_only=True)
@@ -280,6 +282,7 @@ class RLTrainer:
         self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.flip_generator = torch.Generator()  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
+        self.perturb_generator = torch.Generator()  # the synthetic router noise's (routing.perturb_rate), likewise
         self.step_index = 0
         self.tokens_seen = 0
         self.skipped_updates = 0
@@ -296,6 +299,7 @@ class RLTrainer:
         torch.manual_seed(seed)
         self.generator.manual_seed(seed)
         self.flip_generator.manual_seed(seed + FLIP_STREAM)
+        self.perturb_generator.manual_seed(seed + PERTURB_STREAM)
         self.engine.reseed(seed)
         start = time.perf_counter()
         rollout = self.rollout()
@@ -394,7 +398,7 @@ class RLTrainer:
         trace = old.replay if old.replay is not None else theta_old_experts
         rule = variant.replay_rule() if trace is not None else None  # a rule serves a replayed forward
         self.optimizer.zero_grad(set_to_none=True)
-        with self.flips() as flips:
+        with self.flips() as flips, self.router_inputs() as router_inputs:
             scores = self._score(
                 self.model,
                 mb,
@@ -459,7 +463,9 @@ class RLTrainer:
                                  rows(shift.floored, False)).metrics(mask))
         if track:
             metrics.update(self._routing_metrics(mb, old, scores, pi_old_logp))
-        self._apply(finite_loss and math.isfinite(grad_norm), mb.index)
+        if self._apply(finite_loss and math.isfinite(grad_norm), mb.index) and self.plan.perturb_rate:
+            metrics[m.PERTURB_FRAC] = perturb_routers(self.model, router_inputs, self.plan.perturb_rate,
+                                                      self.perturb_generator).share
         return metrics
 
     def _router_shift(self, mb: Minibatch, old: OldPolicy, scores: Scores) -> Shift:
@@ -532,16 +538,24 @@ class RLTrainer:
             return contextlib.nullcontext()
         return flip_routing(self.model, self.plan.flip_rate, self.flip_generator)
 
-    def _apply(self, finite: bool, update: int) -> None:
-        """Take the optimizer step of the step's update number `update`, or refuse a non-finite one: one bad batch
-        must not poison every parameter. `Diverged` when the skips run out or the step left the weights non-finite."""
+    def router_inputs(self) -> contextlib.AbstractContextManager:
+        """The routers' inputs in the update's forward, captured for the SYNTHETIC router perturbation that follows
+        the optimizer step (`routing.perturb_rate`); or nothing."""
+        if not self.plan.perturb_rate:
+            return contextlib.nullcontext()
+        return router_inputs(self.model)
+
+    def _apply(self, finite: bool, update: int) -> bool:
+        """Take the optimizer step of the step's update number `update` (True), or refuse a non-finite one (False):
+        one bad batch must not poison every parameter. `Diverged` when the skips run out or the step left the weights
+        non-finite."""
         t = self.cfg.trainer
         if finite:
             self.optimizer.step()
             self.scheduler.step()  # the schedule counts applied updates
             self.consecutive_skips = 0
             self._refuse_non_finite_weights(update)
-            return
+            return True
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_updates += 1
         self.consecutive_skips += 1
@@ -551,6 +565,7 @@ class RLTrainer:
                 f"(trainer.max_consecutive_skips={t.max_consecutive_skips}); lower trainer.lr or check the objective's "
                 "clip range"
             )
+        return False
 
     def _refuse_non_finite_weights(self, update: int) -> None:
         """A finite gradient can still leave non-finite weights (AdamW dividing by an underflowed second moment, a
