@@ -1,0 +1,43 @@
+"""docs/results/experiment.sh hands its arguments to the right commands: SFT overrides to the cold start, the ones
+after `--` to the runs (other seeds), and a report of other seeds never overwrites the committed result."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from experiments.config import PROJECT_ROOT
+
+SCRIPT = PROJECT_ROOT / "docs" / "results" / "experiment.sh"
+
+
+def run_with_a_recording_python(tmp_path, *args: str) -> list[list[str]]:
+    """Run the script with a `python` on PATH that records each call's arguments instead of running anything."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\t" "$@" >> {log}\necho >> {log}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
+
+
+def test_overrides_after_the_separator_reach_the_runs_and_the_report_goes_elsewhere(tmp_path):
+    sft, train, report = run_with_a_recording_python(
+        tmp_path, "deep_long_seeds", str(tmp_path / "no-checkpoint"), "model=qwen30b_l16", "dataset=scratchpad",
+        "--", "seed=10,11", "trainer.steps=2")
+    assert sft == ["-m", "experiments.sft", "model=qwen30b_l16", "dataset=scratchpad"]
+    assert train[:3] == ["-m", "experiments.train", "-m"] and train[3] == "experiment=deep_long_seeds"
+    assert train[-2:] == ["seed=10,11", "trainer.steps=2"]
+    assert report[:2] == ["-m", "analysis.report"] and report[-1].startswith("reports/deep_long_seeds-")
+
+
+def test_without_run_overrides_the_result_is_regenerated_in_place(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")  # the cold start exists: no SFT
+    train, report = run_with_a_recording_python(tmp_path, "flip_dose", str(checkpoint))
+    assert train[3] == "experiment=flip_dose" and train[-1].startswith("hydra.sweep.dir=multirun/flip_dose/")
+    assert report[-2:] == ["--out", "docs/results/flip_dose"]
