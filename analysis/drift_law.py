@@ -14,7 +14,8 @@ with T the task's answer length by design (the sampled length is an outcome: a b
 the regressors that vary among the rows (a constant one would make the fit singular; the report names the ones
 used). Each coefficient comes with its standard error (ordinary least squares), the fit with R² and its residual
 spread. The extrapolation evaluates the fit at Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8) at each probed
-learning rate, and solves for the learning rate at which the law reaches the GSPO paper's ~10% there.
+learning rate, the answer length and width held at the fitted rows' medians (and, on a line of its own, at its width
+2048), and solves for the learning rate at which the law reaches the GSPO paper's ~10% there.
 
 Writes `drift_law.csv` (the rows), `fit.json`, `drift_law.png` and `report.md` into --out; exit code 2 and one
 `error:` line on bad input (no probe found, an empty fit).
@@ -43,7 +44,7 @@ from experiments.run.rundir import make_writable_dir
 from experiments.step import metrics as m
 
 PAPER_DRIFT = 0.10  # GSPO paper §5.3: ~10% of activated experts change per update (Qwen3-30B-A3B, 48 layers)
-PAPER_SHAPE = {"layers": 48, "experts": 128, "top_k": 8}
+PAPER_SHAPE = {"layers": 48, "experts": 128, "top_k": 8, "hidden": 2048}  # Qwen3-30B-A3B
 # Regressor name -> (column, axis label). Each enters the fit as its logarithm.
 REGRESSORS = {
     "layers": ("layers", "MoE layers L"),
@@ -171,22 +172,33 @@ def fit_law(rows: pd.DataFrame) -> Fit:
     return Fit(names, coef, stderr, r2, math.sqrt(sigma2), len(y))
 
 
-def paper_point(fit: Fit, rows: pd.DataFrame, lr: float) -> dict[str, float]:
-    """Qwen3-30B-A3B's routing at `lr`, with the other regressors at the probed rows' median."""
+def held_at_median(rows: pd.DataFrame, own_width: bool) -> dict[str, float]:
+    """The regressors the extrapolation does not take from Qwen3-30B-A3B, at the fitted rows' medians: the answer
+    length always (the paper's answers are thousands of tokens, far beyond any probed), the width unless `own_width`
+    (its 2048 is 8x beyond the widest probed model)."""
+    usable = fitted_rows(rows)
+    held = ["length"] + ([] if own_width else ["hidden"])
+    return {name: float(usable[REGRESSORS[name][0]].median()) for name in held}
+
+
+def paper_point(fit: Fit, rows: pd.DataFrame, lr: float, own_width: bool = False) -> dict[str, float]:
+    """Qwen3-30B-A3B's routing (and, with `own_width`, its hidden width) at `lr`; the rest `held_at_median`."""
     point = {name: float(rows[column].median()) for name, (column, _) in REGRESSORS.items()}
-    point.update(layers=PAPER_SHAPE["layers"], lr=lr,
+    point.update(held_at_median(rows, own_width), layers=PAPER_SHAPE["layers"], lr=lr,
                  experts_per_slot=PAPER_SHAPE["experts"] / PAPER_SHAPE["top_k"])
+    if own_width:
+        point["hidden"] = PAPER_SHAPE["hidden"]
     return point
 
 
-def lr_for_paper_drift(fit: Fit, rows: pd.DataFrame) -> float | None:
+def lr_for_paper_drift(fit: Fit, rows: pd.DataFrame, own_width: bool = False) -> float | None:
     """The learning rate at which the law gives the paper's drift at its routing (None without an lr exponent)."""
     if "lr" not in fit.regressors:
         return None
     exponent = fit.coef[1 + fit.regressors.index("lr")]
     if exponent <= 0:
         return None
-    at_one = fit.predict(paper_point(fit, rows, 1.0))
+    at_one = fit.predict(paper_point(fit, rows, 1.0, own_width))
     return float((PAPER_DRIFT / at_one) ** (1.0 / exponent))
 
 
@@ -282,13 +294,21 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
               "| knob | probed | drift moves by |", "|---|---|---|"]
     for name, low, high, factor in knob_effects(fit, rows):
         lines.append(f"| {REGRESSORS[name][1]} | {low:.3g} to {high:.3g} | ×{factor:.2f} |")
-    lines += ["", "## At Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8)", ""]
+    medians = held_at_median(rows, own_width=False)
+    held = (f"answer length T = {medians['length']:.3g} tokens and width H = {medians['hidden']:.3g}, the fitted rows' "
+            "medians")
+    lines += ["", "## At Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8)", "",
+              f"The law at the paper's depth and experts per slot, with {held} (the paper's own answers and width "
+              "lie far outside the probed ranges: an extrapolation, not a measurement).", ""]
     for lr in sorted(rows["lr"].unique()):
         lines.append(f"- lr {lr:.0e}: the law gives {pct(fit.predict(paper_point(fit, rows, lr)))} "
                      f"(paper: ~{PAPER_DRIFT:.0%}).")
     needed = lr_for_paper_drift(fit, rows)
     if needed is not None:
         lines.append(f"- the paper's ~{PAPER_DRIFT:.0%} needs lr ≈ {needed:.1e} there.")
+    if "hidden" in fit.regressors and (wide := lr_for_paper_drift(fit, rows, own_width=True)) is not None:
+        lines.append(f"- with Qwen3-30B-A3B's own width H = {PAPER_SHAPE['hidden']} (the H term carried "
+                     f"{PAPER_SHAPE['hidden'] / medians['hidden']:.0f}x beyond the median), it needs lr ≈ {wide:.1e}.")
     if not precision.empty:
         lines += ["", "## Engine precision against the fp32 trainer, at the cold start's weights", "",
                   "| model | task | precision | experts that differ | tokens with a difference | k3 |", "|---|---|---|---|---|---|"]
