@@ -123,6 +123,19 @@ def test_one_bad_cell_of_a_sweep_is_reported_before_the_start_and_the_others_run
     assert len(list(sweep.glob("*/summary.json"))) == 3
 
 
+def test_a_sweep_whose_every_job_lacks_its_cold_start_names_the_command_and_launches_nothing(tmp_path):
+    """The line named the path, not the command that makes it; the sweep said "2 of 2 jobs will be refused" and then
+    launched both."""
+    sweep, missing = tmp_path / "sweep", tmp_path / "cold_start"
+    result = run_cli("-m", "seed=0,1", *MICRO_RUN, f"model.path={missing}", f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("moe-rl-lab: every one of the 2 jobs of this sweep would be refused, so none is "
+                                    "launched:"), result.stderr[-2000:]
+    assert (f"make this cold start with `python -m experiments.sft model=micro_moe dataset=addition "
+            f"sft.output_dir={missing}`") in result.stderr
+    assert not [p for p in sweep.iterdir() if p.is_dir()], "no job was launched"
+
+
 def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monkeypatch):
     """A bug is not a refusal: its traceback is printed, the next job runs, the sweep exits non-zero."""
     sweep = tmp_path / "sweep"
@@ -287,6 +300,7 @@ def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path)
         (["device=cuda:x"], "device='cuda:x' is not one of cpu, cuda, cuda:<index>"),
         (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
         (["trainer.lr=nan"], "trainer.lr=nan must be a finite number > 0"),
+        (["trainer.lr=1e-45"], "trainer.lr=1e-45 is below 1e-10: an AdamW update moves each weight by about lr"),
         (["trainer.adam_beta1=1.5"], "trainer.adam_beta1=1.5 must be in [0, 1)"),
         (["trainer.eval_prompts=100"], "trainer.eval_prompts=100 is more than the 20 held-out examples"),
         (["trainer.prompts_per_step=100000", "trainer.group_size=64"], "GiB available: lower the batch"),
