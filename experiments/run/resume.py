@@ -4,8 +4,9 @@ declared safe to change.
 A run's settings are compared key by key, over every key of its config, whatever the schema holds today: a field
 added tomorrow (a kernel choice, an evaluation setting, a synthetic perturbation) is compared from the day it exists,
 unless it is added to `SAFE_TO_CHANGE`. A key the recorded run lacks is a setting added since it was written: it is
-the same setting when this run leaves it at its schema default (what runs did before the field existed), and another
-experiment otherwise. The run's length is the one setting that may change under a rule of its own (`length_change`).
+the same setting when this run holds what runs did before it existed (a field's schema default, a config group's
+choice that changes nothing: `BEFORE_THE_GROUP`), and another experiment otherwise. The run's length is the one
+setting that may change under a rule of its own (`length_change`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ SAFE_TO_CHANGE = (
     "logger",  # where the numbers are sent
     "hydra",  # Hydra's own node, which a config composed with it carries
 )
+# The config groups added since runs were first recorded, and the choice of each that runs made before it existed.
+BEFORE_THE_GROUP = {
+    "routing_variant.name": "none",  # no routing variant: plain replay, as before routing variants
+}
 
 
 class Difference(NamedTuple):
@@ -79,9 +84,16 @@ def differences(recorded: dict[str, Any], cfg: DictConfig) -> list[Difference]:
         if key in recorded:
             if recorded[key] != ours:
                 found.append(Difference(key, recorded[key], ours, absent=False))
-        elif not (_node_recorded(recorded, key) and _is_schema_default(cfg, key, ours)):
+        elif not _as_before_it_existed(recorded, cfg, key, ours):
             found.append(Difference(key, None, ours, absent=True))
     return found
+
+
+def _as_before_it_existed(recorded: dict[str, Any], cfg: DictConfig, key: str, value: Any) -> bool:
+    """Whether `value` of `key`, which the recorded run lacks, is what runs did before the key existed."""
+    if key in BEFORE_THE_GROUP:
+        return BEFORE_THE_GROUP[key] == value
+    return _node_recorded(recorded, key) and _is_schema_default(cfg, key, value)
 
 
 def _node_recorded(recorded: dict[str, Any], key: str) -> bool:
