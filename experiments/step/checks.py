@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,9 @@ from models.tokenizer import build_char_tokenizer
 # eps and the weights blow up (the micro MoE's logits were non-finite after its first RL step on CPU).
 TRAIN_DEVICES = ("cpu", "cuda", "cuda:<index>")
 TRAINABLE_DTYPES = ("float32", "bfloat16")
+# The smallest learning rate that trains: an AdamW update moves each weight by about lr, and float32 rounds away a
+# change smaller than half a weight's spacing (|w| x 6e-8), so below this no weight larger than 1e-3 would move.
+MIN_LR = 1e-10
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     """Every start-up check of an RL run on `world` ranks, without building the model: settings, the model's files
     and sizes, the objective, the engine, the task and its splits, and (`memory`) whether one rank's step fits in the
     device's free memory."""
+    check_cold_start(cfg)
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     hf_config = model_config(model_cfg)
     moe = is_moe(hf_config)
@@ -155,8 +160,21 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
     for key in ("temperature", "lr", "grad_clip", "router_lr_scale"):
         if not (math.isfinite(t[key]) and t[key] > 0):
             raise ConfigError(f"trainer.{key}={t[key]} must be a finite number > 0")
+    if t.lr < MIN_LR:
+        raise ConfigError(f"trainer.lr={t.lr} is below {MIN_LR:g}: an AdamW update moves each weight by about lr, "
+                          "less than float32 can add to any weight larger than 1e-3, so the run would train nothing")
     if not moe and t.router_aux_loss_coef > 0:
         raise ConfigError(f"trainer.router_aux_loss_coef={t.router_aux_loss_coef} needs an MoE model")
+
+
+def check_cold_start(cfg: DictConfig) -> None:
+    """A `model.path` that does not exist, refused with the command that makes it: an experiment names the cold start
+    its runs begin from, and `python -m experiments.sft` is what writes one."""
+    path = cfg.model.path
+    if path is None or Path(path).expanduser().exists():
+        return
+    raise ConfigError(f"model.path={path!r} does not exist: make this cold start with `python -m experiments.sft "
+                      f"model={cfg.model.name} dataset={cfg.dataset.name} sft.output_dir={path}`")
 
 
 def check_routing(routing: Any, moe: bool, model: str) -> None:
