@@ -40,7 +40,7 @@ from experiments.step.scoring import position_ids
 from experiments.step.trainer import evaluate
 from experiments.tasks import Example, build_task
 from models import cpu_kernels
-from models.policy import ModelConfig, build_policy
+from models.policy import ModelConfig, build_policy, describe_policy
 from models.registry import ConfigError, Diverged
 
 register_configs()
@@ -194,6 +194,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         "checkpoint": str(output_dir),
         "weights_sha256": cpu_kernels.weights_sha256(model),  # the start's identity, also in every RL run's summary
         "kernels": cpu_kernels.describe(cfg.cpu_kernels),
+        "policy": describe_policy(model),  # the experts and attention implementations computed with, among others
     }
     (output_dir / "cold_start.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.finish(summary)
