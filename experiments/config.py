@@ -102,7 +102,6 @@ class TrainerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = 1.0  # max global gradient norm
-    router_aux_loss_coef: float = 0.0  # load-balancing loss added to the policy loss (0: only logged, as in R3)
     max_consecutive_skips: int = 3  # updates in a row with a non-finite loss or gradient before the run stops
     # RL steps between held-out evaluations (0: only at the end). Every 5 steps the curve has enough points for its
     # area (the run's mean gain, `metrics.gain_area`) to be a steadier summary than the last evaluation alone.
@@ -148,6 +147,9 @@ class TrainConfig:
     algo: Any = MISSING  # an objective's schema (`schema/algo/<name>`, generated from its dataclass)
     correction: Any = MISSING  # a rollout correction's schema (`schema/correction/<name>`, from its dataclass)
     routing_variant: Any = MISSING  # a routing variant's schema (`schema/routing_variant/<name>`, from its dataclass)
+    # The router switches that are on, by name (`routers=[aux_loss,freeze]`; each `schema/routers/<name>`, from its
+    # dataclass in `algos.routers`); none by default: the routers learn from the policy gradient alone.
+    routers: dict[str, Any] = field(default_factory=dict)
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: Any = MISSING  # a task's schema (`schema/dataset/<name>`, generated from its dataclass)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -237,6 +239,7 @@ def register_configs() -> None:
     """Store every schema; idempotent (Hydra's ConfigStore overwrites entries of the same name)."""
     from algos import OBJECTIVES
     from algos.corrections import CORRECTIONS
+    from algos.routers import ROUTER_SWITCHES
     from algos.routing_variants import ROUTING_VARIANTS
     from experiments.tasks import TASKS
 
@@ -250,3 +253,4 @@ def register_configs() -> None:
     _store_group(cs, "dataset", TASKS, lambda cls: [])
     _store_group(cs, "correction", CORRECTIONS, lambda cls: [])
     _store_group(cs, "routing_variant", ROUTING_VARIANTS, lambda cls: [])
+    _store_group(cs, "routers", ROUTER_SWITCHES, lambda cls: [])

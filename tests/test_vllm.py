@@ -212,7 +212,7 @@ def _replay_checked(monkeypatch) -> list[int]:
 
 # Rewards of the micro model on addition are all 0 (no advantage, no policy gradient): the routers' load-balancing
 # loss moves the weights every update instead, so that each step's sync has new weights to take.
-MOVING = ["routing.replay=r3", "trainer.router_aux_loss_coef=0.1"]
+MOVING = ["routing.replay=r3", "routers=[aux_loss]", "routers.aux_loss.coef=0.1"]
 
 
 def _kl_k3(run_dir) -> list[float]:

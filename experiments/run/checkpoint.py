@@ -45,7 +45,7 @@ EXPERIMENT_KEYS = ("algo", "model", "dataset", "correction", "rollout", "routing
                    "trainer.prompts_per_step", "trainer.group_size", "trainer.minibatches", "trainer.max_new_tokens",
                    "trainer.temperature", "trainer.pi_old", "trainer.minibatch_layout", "trainer.lr",
                    "trainer.router_lr_scale", "trainer.lr_schedule", "trainer.warmup_steps", "trainer.weight_decay",
-                   "trainer.adam_beta1", "trainer.adam_beta2", "trainer.grad_clip", "trainer.router_aux_loss_coef")
+                   "trainer.adam_beta1", "trainer.adam_beta2", "trainer.grad_clip", "routers")
 
 
 def experiment(cfg: DictConfig) -> dict[str, Any]:
@@ -55,6 +55,8 @@ def experiment(cfg: DictConfig) -> dict[str, Any]:
         value = OmegaConf.select(cfg, key)
         if key == "routing_variant" and (value is None or value.name == "none"):
             continue  # runs from before routing variants existed ran without one: the same experiment as `none`
+        if key == "routers" and not value:
+            continue  # no router switch on, as every run from before they existed
         if isinstance(value, DictConfig):
             for sub, item in OmegaConf.to_container(value, resolve=True, enum_to_str=True).items():
                 flat[f"{key}.{sub}"] = item
