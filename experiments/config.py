@@ -180,6 +180,13 @@ class SFTSettings:
     lr_schedule: LRSchedule = LRSchedule.constant  # after the warm-up; linear / cosine decay reach 0 at max_steps
     weight_decay: float = 0.0
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this (RL needs reward variance)
+    # Pretraining before the task's SFT: next-token training on every token (prompt, answer, eos) of examples drawn
+    # evenly from a mixture of the lab's tasks in their formats, so that experts specialise by token kind as those of
+    # real MoEs trained on varied data do. Its steps come before max_steps (same optimizer, the schedule over both);
+    # 0: none, the cold start trains on its task alone.
+    pretrain_steps: int = 0
+    # The mixture's tasks, at their default settings, beside the cold start's own task (which is always in it).
+    pretrain_tasks: list[str] = field(default_factory=lambda: ["addition", "sorting", "scratchpad"])
     eval_every: int = 20  # SFT steps between held-out evaluations
     eval_prompts: int = 256
     output_dir: str = MISSING  # where save_pretrained writes the checkpoint and tokenizer
@@ -193,6 +200,9 @@ class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: Any = MISSING
     sft: SFTSettings = field(default_factory=SFTSettings)
+    # The family's own balancing while the cold start trains (`routers=[aux_loss]`, `routers=[bias_update]`): the
+    # router switches that serve a cold start (`algos.routers`); none by default.
+    routers: dict[str, Any] = field(default_factory=dict)
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(WandbConfig(job_type="sft")))
     seed: int = 0
     device: str = "cpu"

@@ -85,7 +85,8 @@ IS_WEIGHT_MEAN = "mismatch/is_weight_mean"
 IS_WEIGHT_MIN = "mismatch/is_weight_min"
 IS_WEIGHT_MAX = "mismatch/is_weight_max"
 # A cold start's own (`experiments.sft`; besides STEP, LR, ELAPSED and the evaluation)
-SFT_LOSS = "sft/loss"  # the next-token loss on the demonstrations
+SFT_LOSS = "sft/loss"  # the next-token loss on the demonstrations (in the pretraining phase: on every token)
+SFT_PRETRAINING = "sft/pretraining"  # 1 in a step of the pretraining phase, 0 in the task's (with sft.pretrain_steps)
 # The ratio decomposition (routing.decompose_every)
 ROUTING_VAR = "decompose/routing_var"
 WEIGHTS_VAR = "decompose/weights_var"
