@@ -174,19 +174,17 @@ def test_the_bias_moves_the_routers_own_routes_and_not_replayed_training_routes(
 
 # -- configuration and refusals -----------------------------------------------------------------------------------
 
-def test_every_yaml_only_selects_its_switch_whose_defaults_compose():
-    paths = sorted((CONF / "routers").glob("*.yaml"))
-    assert sorted(path.stem for path in paths) == sorted(ROUTER_SWITCHES)
+def test_every_switch_is_a_yaml_that_only_selects_it_and_all_compose_at_once():
+    names = sorted(path.stem for path in (CONF / "routers").glob("*.yaml"))
+    assert names == sorted(ROUTER_SWITCHES)
+    assert all((CONF / "routers" / f"{name}.yaml").read_text().startswith(f"# @package routers.{name}\n")
+               and OmegaConf.to_container(OmegaConf.load(CONF / "routers" / f"{name}.yaml"))
+               == {"defaults": [f"/schema/routers/{name}@_here_"]} for name in names)
     register_configs()
-    for path in paths:
-        name = path.stem
-        assert OmegaConf.to_container(OmegaConf.load(path)) == {"defaults": [f"/schema/routers/{name}@_here_"]}
-        assert path.read_text().startswith(f"# @package routers.{name}\n")
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            config = OmegaConf.to_container(compose("train", overrides=[f"routers=[{name}]"]).routers)
-        assert list(config) == [name] and config[name].pop("name") == name
-        assert config[name] == {key: ROUTER_SWITCHES[name].__dataclass_fields__[key].default
-                                for key in ROUTER_SWITCHES.parameters(name)}, path.name
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        composed = OmegaConf.to_container(compose("train", overrides=[f"routers=[{','.join(names)}]"]).routers)
+    assert composed == {name: {"name": name, **{key: ROUTER_SWITCHES[name].__dataclass_fields__[key].default
+                                                 for key in ROUTER_SWITCHES.parameters(name)}} for name in names}
     cfg = compose_train("arm=grpo_frozen_routers")
     assert (cfg.algo.name, list(cfg.routers)) == ("grpo", ["freeze"])
 
