@@ -52,7 +52,8 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
         "layers": len(routers),
         "experts": int(routers[0].num_experts),
         "top_k": int(routers[0].top_k),
-        "task": " ".join(f"{key}={value}" if key != "name" else str(value) for key, value in task_params.items()),
+        "task": " ".join([task.name, *(f"{key}={value}" for key, value in params.items()
+                                        if value != task.__dataclass_fields__[key].default)]),
         "prompts": min(prompts, len(task.examples("test"))),
         "anchor": anchor_name,
         "anchor_margin": anchor,
