@@ -44,7 +44,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from algos.objective import CLIP, KL_OLD, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
@@ -53,10 +53,11 @@ from experiments.run import rundir
 from experiments.run.logger import RunLogger
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics
+from experiments.step.checks import check_cold_start, check_run
 from experiments.step.engines import Precision
 from experiments.step.trainer import RLTrainer
 from models import cpu_kernels
-from models.policy import describe_policy
+from models.policy import ModelConfig, describe_policy, is_moe, model_config
 from models.registry import ConfigError, Diverged
 
 # What a setting reports: the mean over its measured steps of each of these metrics (and every per-layer drift), with
@@ -84,6 +85,8 @@ def probe_record(record: dict[str, Any], logger: RunLogger, lr: float, phase: st
 
 
 def check_probe(cfg: DictConfig) -> None:
+    """The probe's own settings and what it measures, refused in its own terms; then every check of the RL runs it
+    makes. All before the run directory is claimed."""
     p = cfg.probe
     if not p.lrs or any(not lr > 0 for lr in p.lrs):
         raise ConfigError(f"probe.lrs={list(p.lrs)} must be a non-empty list of learning rates > 0")
@@ -100,6 +103,11 @@ def check_probe(cfg: DictConfig) -> None:
     if cfg.rollout.precision != Precision.fp32:
         raise ConfigError(f"rollout.precision={cfg.rollout.precision}: the probe's RL runs sample with the fp32 "
                           "trainer; engine precisions are probe.precisions")
+    check_cold_start(cfg)
+    if not is_moe(model_config(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))):
+        raise ConfigError(f"model {cfg.model.name!r} is dense: the probe measures how far an update moves the routing "
+                          "of an MoE model's experts, and it has none; probe an MoE cold start")
+    check_run(setting_config(cfg, p.lrs[0], p.warm_steps + p.measure_steps))
 
 
 def setting_config(cfg: DictConfig, lr: float, steps: int, precision: Precision = Precision.fp32) -> DictConfig:

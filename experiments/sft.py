@@ -54,7 +54,7 @@ from experiments.step.scoring import position_ids, router_fragility
 from experiments.step.trainer import evaluate
 from experiments.tasks import Example, build_task
 from models import cpu_kernels
-from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, is_moe, model_config
+from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError, Diverged
 from models.routing import SMALL_MARGIN, RouterCalls, chosen, find_routers, router_calls
 
@@ -299,6 +299,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         "weights_sha256": cpu_kernels.weights_sha256(model),  # the start's identity, also in every RL run's summary
         "kernels": cpu_kernels.describe(cfg.cpu_kernels),
         "routing": routing_profile(model, tokenizer, test),  # on the held-out demonstrations, after training
+        "policy": describe_policy(model),  # the experts and attention implementations computed with, among others
     }
     (output_dir / "cold_start.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.finish(summary)

@@ -7,11 +7,14 @@ one-paragraph summary, however the run ends:
 - bad settings are refused before any work, in one line (`ConfigError`); any other exception is a bug and keeps its
   traceback (the run directory keeps every finished step and no `summary.json`);
 - SIGTERM or Ctrl-C: the steps finished so far stay logged, W&B is finished, `summary.json` says
-  `status: interrupted`, and one line says so (exit code 143 or 130), also when the stop arrives while a
-  checkpoint is being written (it lands after the write);
+  `status: interrupted`, and one line says so (exit code 143 or 130), also when the stop arrives while W&B starts or
+  while a step is committed (it lands after the commit: the step's log line and its checkpoint); with several ranks,
+  a stop any rank receives ends every rank after the same step;
 - a loss, gradient, weights or logits that turn non-finite for good (`models.registry`): the steps before
   stay logged, `summary.json` says `status: diverged`, and one line says where and why (exit code 1);
-- a full disk or a vanished run directory: one line naming the file and the last step it holds (exit code 1).
+- a full disk or a vanished run directory: one line naming the file and the last step the log holds,
+  `summary.json` says `status: failed` where it can still be written, and a partial checkpoint is removed (exit
+  code 1).
 
 Under torchrun every rank meets the same refusal, and rank 0 alone prints it.
 
@@ -31,8 +34,14 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
+
+if __name__ == "__main__":
+    # Ctrl-C during the seconds the imports below take ends the process as it ends any program (exit code 130), not
+    # in a traceback of whichever import it cut; `stop_signals` takes over once the run starts.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -44,11 +53,11 @@ from algos.objective import CLIP, TOKEN_RATIO_VAR
 from experiments.config import register_configs
 from experiments.run import checkpoint, launch, rundir
 from experiments.run.launch import exit_once
-from experiments.run.logger import RunLogger
+from experiments.run.logger import RunLogger, write_summary
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.checks import check_run
-from experiments.step.trainer import RLTrainer
+from experiments.step.trainer import Ranks, RLTrainer
 from models import cpu_kernels
 from models.policy import describe_policy
 from models.registry import ConfigError, Diverged
@@ -60,17 +69,28 @@ class Interrupted(BaseException):
     """The run was asked to stop (SIGTERM, or SIGINT / Ctrl-C). A BaseException, as KeyboardInterrupt: the
     `except Exception` of a library the signal lands in (W&B's logging, say) must not swallow it."""
 
-    def __init__(self, signal_name: str, exit_code: int) -> None:
-        super().__init__(signal_name)
-        self.signal_name = signal_name
-        self.exit_code = exit_code
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
 
 
 class _Deferral:
-    """Whether a block a stop must not cut is running (see `stop_deferred`), and the stop that arrived meanwhile."""
+    """Whether a block a stop must not cut is running (see `stop_deferred`), whether the run's ranks stop together
+    (see `stop_together`), the stop that arrived meanwhile, and whether the run is already stopping."""
 
     active = False
+    joint = False
     pending: Interrupted | None = None
+    stopping = False
+
+
+def _stop(interrupted: Interrupted) -> NoReturn:
+    """Raise the stop. Later signals change nothing while the run ends: a launcher that sees one rank end signals the
+    others, which must still finish their summary."""
+    _Deferral.pending, _Deferral.stopping = None, True
+    raise interrupted
 
 
 @contextmanager
@@ -78,11 +98,12 @@ def stop_signals() -> Iterator[None]:
     """Turn SIGTERM and SIGINT into `Interrupted` for the run inside; the previous handlers come back after."""
 
     def stop(signum: int, frame: Any) -> None:
-        interrupted = Interrupted(signal.Signals(signum).name, 128 + signum)
-        if _Deferral.active:  # raised when the block is done (stop_deferred)
-            _Deferral.pending = _Deferral.pending or interrupted
+        if _Deferral.stopping:
             return
-        raise interrupted
+        if _Deferral.active or _Deferral.joint:  # raised after the block, or where the ranks decide together
+            _Deferral.pending = _Deferral.pending or Interrupted(signum)
+            return
+        _stop(Interrupted(signum))
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -90,24 +111,36 @@ def stop_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _Deferral.joint, _Deferral.pending, _Deferral.stopping = False, None, False
 
 
 @contextmanager
 def stop_deferred() -> Iterator[None]:
-    """Run the block whole: a stop that arrives meanwhile is raised after it. Two blocks need this: a step's commit
-    (its log line written, then counted: never a line the summary does not count) and a checkpoint's write
-    (`torch.distributed.checkpoint` catches whatever is raised inside it, `Interrupted` included, and raises its
-    own `CheckpointException` instead). Blocking the signals on this thread is not enough: the kernel hands a
-    process's signal to any thread that does not block it (W&B's, torch's), and Python then runs the handler on this
-    thread at its next instruction, so the handler itself defers while a block is active."""
-    _Deferral.active, _Deferral.pending = True, None
+    """Run the block whole: a stop that arrives meanwhile is raised after it. A step's commit needs this (its log
+    line written, then counted: never a line the summary does not count; then its checkpoint, whose writer,
+    `torch.distributed.checkpoint`, catches whatever is raised inside it, `Interrupted` included, and raises its own
+    `CheckpointException` instead), and so does the log's cut on resume. Blocking the signals on this thread is not
+    enough: the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python
+    then runs the handler on this thread at its next instruction, so the handler itself defers while a block is
+    active. With several ranks the stop is left for `stop_together`."""
+    _Deferral.active = True
     try:
         yield
     finally:
         _Deferral.active = False
-    if _Deferral.pending is not None:
-        pending, _Deferral.pending = _Deferral.pending, None
-        raise pending
+    if _Deferral.pending is not None and not _Deferral.joint:
+        _stop(_Deferral.pending)
+
+
+def stop_together(ranks: Ranks) -> None:
+    """With several ranks, a stop waits for the end of the step, where every rank learns whether any rank received
+    one and all stop together: a rank that stopped on its own would leave the others waiting for it in the next
+    collective, for ever. One process stops where the signal finds it (`stop_signals`)."""
+    if not ranks.active:
+        return
+    signums = launch.gather(_Deferral.pending.signum if _Deferral.pending else 0, ranks)
+    if any(signums):
+        _stop(Interrupted(max(signums)))
 
 
 def run_name(cfg: DictConfig) -> str:
@@ -218,6 +251,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
             ranks = launch.start(cfg.device)
         except ConfigError as error:
             exit_once(f"moe-rl-lab: {error}")
+        _Deferral.joint = ranks.active
         claimed, problem, finished = None, None, None
         if ranks.main:
             try:
@@ -228,7 +262,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
         problem, finished = launch.broadcast((problem, finished), ranks)  # every rank does what rank 0 found
         if problem:
             exit_once(f"moe-rl-lab: {problem}")
-        if finished is not None:  # a re-launched sweep skips the jobs that are done
+        if finished is not None and finished["steps"] >= cfg.trainer.steps:  # a re-launched sweep skips what is done
             if claimed is not None:
                 claimed.release()
                 print(f"moe-rl-lab: {run_dir} already holds this run, finished after {finished['steps']} steps; "
@@ -237,7 +271,9 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
         try:
             threads = ThreadBudget(cfg.trainer.threads)
             trainer = RLTrainer(cfg, ranks)
-            history = restore(trainer, cfg, run_dir)
+            history = restore(trainer, cfg, run_dir, finished)
+            if cfg.resume is not None:  # the run goes on: the directory's record becomes this run's settings
+                launch.on_rank0(lambda: claimed.record(cfg, hydra_cfg), ranks)
         except BaseException as error:
             if claimed is not None:
                 claimed.release()
@@ -255,36 +291,79 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
                 claimed.release()
 
 
-def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
+def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path,
+            finished: dict[str, Any] | None) -> list[dict[str, Any]]:
     """With `resume`, load the checkpoint it names and return the log lines up to its step (the rest of
-    `metrics.jsonl` is cut: those steps run again); a fresh start otherwise, or when `auto` finds no checkpoint."""
+    `metrics.jsonl` is cut: those steps run again); a fresh start otherwise, or when `auto` finds no checkpoint.
+    `finished`: the summary of the finished run this one extends to a larger `trainer.steps`. Rank 0 finds and
+    checks the checkpoint, and every rank meets its refusal before any collective."""
     if cfg.resume is None:
         return []
     ranks = trainer.ranks
-    found, passed_over = launch.broadcast(checkpoint.find(run_dir, cfg.resume) if ranks.main else None, ranks)
-    step = 0
-    if found is not None:
-        checkpoint.load(trainer, found)
-        step = trainer.step_index
-    if not ranks.main:
-        return []
+    found = launch.broadcast(launch.on_rank0(lambda: own_checkpoint(cfg, run_dir, ranks.world, finished), ranks), ranks)
+    if found.path is not None:
+        checkpoint.load(trainer, found.path)
+    return launch.on_rank0(lambda: continue_log(run_dir, trainer.step_index, found, finished), ranks) or []
+
+
+@dataclass(frozen=True)
+class Found:
+    """The checkpoint a run resumes from (None: from the start), and what was passed over or set aside to take it."""
+
+    path: Path | None
+    passed_over: list[str]  # why each newer checkpoint `auto` passed over does not load
+    set_aside: list[str]  # each later checkpoint, and the name it was set aside as
+
+
+def own_checkpoint(cfg: DictConfig, run_dir: Path, world: int, finished: dict[str, Any] | None) -> Found:
+    """(rank 0) The checkpoint `resume` asks for, intact and this run's own (`checkpoint.check`), with the later ones
+    set aside; `ConfigError` when there is none to take."""
+    path, passed_over = checkpoint.find(run_dir, cfg.resume)
+    if path is None and finished is not None:
+        raise ConfigError(f"{run_dir} holds this run, finished after {finished['steps']} steps, and no checkpoint to "
+                          "extend it from (it ran with trainer.checkpoint_every=0): run the longer one in a new "
+                          "directory")
+    if path is None:
+        return Found(None, [], [])
+    checkpoint.check(path, cfg, world)
+    return Found(path, passed_over, checkpoint.set_aside_after(run_dir, checkpoint.saved_step(path)))
+
+
+def continue_log(run_dir: Path, step: int, found: Found, finished: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """(rank 0) Cut `metrics.jsonl` back to `step`, say where the run resumes from, and return the lines it keeps."""
     metrics = run_dir / rundir.METRICS_FILE
-    dropped = checkpoint.cut_log(metrics, step)
-    where = f"from {found} (step {step})" if found is not None else "from the start: no checkpoint in the run directory"
-    if passed_over:
-        where += f", the newest intact checkpoint, passing over {len(passed_over)} damaged: {'; '.join(passed_over)}"
-    print(f"moe-rl-lab: resuming {where}; {dropped} later line(s) of {metrics} are logged again", file=sys.stderr)
+    with stop_deferred():  # a stop lands after the cut
+        dropped = checkpoint.cut_log(metrics, step)
+    where = f"from {found.path} (step {step})" if found.path else "from the start: no checkpoint in the run directory"
+    if found.passed_over:
+        where += (f", the newest intact checkpoint, passing over {len(found.passed_over)} damaged: "
+                  f"{'; '.join(found.passed_over)}")
+    if found.set_aside:
+        where += f"; kept for inspection, the later {', '.join(found.set_aside)}"
+    extending = f"extending the run finished after {finished['steps']} steps: " if finished else ""
+    print(f"moe-rl-lab: {extending}resuming {where}; {dropped} later line(s) of {metrics} are logged again",
+          file=sys.stderr)
     return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()] if metrics.exists() else []
 
 
-class _Silent:
-    """The logger of a rank other than 0: the run directory, W&B and the summary are rank 0's."""
+class _Unstarted:
+    """The logger of a rank other than 0 (the run directory, W&B and the summary are rank 0's), and rank 0's until
+    its `RunLogger` has started: a stop during W&B's start-up still leaves `summary.json`."""
+
+    def __init__(self, summary_dir: Path | None) -> None:
+        self.summary_dir = summary_dir
 
     def log(self, record: dict[str, Any]) -> None:
         pass
 
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
-        pass
+        if self.summary_dir is None:
+            return
+        try:
+            write_summary(self.summary_dir, summary)
+        except OSError as error:
+            raise rundir.StorageError(f"cannot write {rundir.SUMMARY_FILE} in {self.summary_dir}: "
+                                      f"{error.strerror}") from None
 
     def abort(self) -> None:
         pass
@@ -297,12 +376,19 @@ def _run(trainer: RLTrainer, threads: ThreadBudget, cfg: DictConfig, run_dir: Pa
     name = run_name(cfg)
     tags = [f"algo:{cfg.algo.name}", f"replay:{cfg.routing.replay}", f"routing_variant:{cfg.routing_variant.name}",
             f"model:{cfg.model.name}"]
-    try:
-        logger = RunLogger(run_dir, cfg, name, tags, _sweep_group(hydra_cfg), resume=bool(history)) if main else _Silent()
-    except rundir.StorageError as error:
-        raise SystemExit(f"moe-rl-lab: {error}") from None
+    logger: Any = _Unstarted(run_dir if main else None)
     start, cpu_start = time.perf_counter(), time.process_time()
+
+    def summary(status: str) -> dict[str, Any]:
+        return summarize(trainer, history, status, name, run_dir, time.perf_counter() - start,
+                         time.process_time() - cpu_start)
+
     try:
+        if main:
+            logger = RunLogger(run_dir, cfg, name, tags, _sweep_group(hydra_cfg), resume=bool(history))
+            if t.checkpoint_every > t.steps:
+                print(f"moe-rl-lab: trainer.checkpoint_every={t.checkpoint_every} is more than trainer.steps="
+                      f"{t.steps}: the run's one checkpoint is its last step's", file=sys.stderr)
         bar = tqdm(range(trainer.step_index, t.steps), desc=name, unit="step", dynamic_ncols=True,
                    initial=trainer.step_index, total=t.steps, disable=not main)
         # the run's change on held-out prompts is measured against its own start, on the same prompts
@@ -323,19 +409,17 @@ def _run(trainer: RLTrainer, threads: ThreadBudget, cfg: DictConfig, run_dir: Pa
             if t.eval_split and last:
                 record.update(trainer.evaluate(whole_split=True))
             record[m.ELAPSED] = time.perf_counter() - start
-            with stop_deferred():  # the step's commit
+            with stop_deferred():  # the step's commit: its log line, then counted, then its checkpoint
                 logger.log(record)
                 history.append(record)
-            if t.checkpoint_every and trainer.step_index % t.checkpoint_every == 0:
-                with stop_deferred():
+                if t.checkpoint_every and (last or trainer.step_index % t.checkpoint_every == 0):
                     checkpoint.save(trainer, run_dir, t.keep_checkpoints)
+            stop_together(trainer.ranks)
             bar.set_postfix(reward=f"{record[m.REWARD]:.3f}", clip=f"{record[CLIP]:.1e}")
         bar.close()
     except Interrupted as stop:
-        summary = summarize(trainer, history, "interrupted", name, run_dir, time.perf_counter() - start,
-                            time.process_time() - cpu_start)
         try:
-            logger.finish(summary, exit_code=stop.exit_code)
+            logger.finish(summary("interrupted"), exit_code=stop.exit_code)
         except rundir.StorageError as error:
             raise SystemExit(f"moe-rl-lab: interrupted by {stop.signal_name}, and {error}") from None
         if main:
@@ -344,38 +428,35 @@ def _run(trainer: RLTrainer, threads: ThreadBudget, cfg: DictConfig, run_dir: Pa
                   "'interrupted'", file=sys.stderr)
         raise SystemExit(stop.exit_code) from None
     except Diverged as error:
-        summary = summarize(trainer, history, "diverged", name, run_dir, time.perf_counter() - start,
-                            time.process_time() - cpu_start)
-        diverged(summary, f"step {trainer.step_index}: {error}", logger, run_dir)
+        end_early(summary("diverged"), "diverged", f"step {trainer.step_index}: {error}",
+                  f"the run diverged in step {trainer.step_index}: {error}", logger, run_dir)
     except rundir.StorageError as error:
-        logger.abort()
-        raise SystemExit(f"moe-rl-lab: {error}") from None
+        end_early(summary("failed"), "failed", str(error), str(error), logger, run_dir)
     except BaseException:
         logger.abort()
         raise
-    summary = summarize(trainer, history, "finished", name, run_dir, time.perf_counter() - start,
-                        time.process_time() - cpu_start)
+    result = summary("finished")
     if t.save_checkpoint:
-        summary["checkpoint"] = str(export(trainer, run_dir / "checkpoint"))
+        result["checkpoint"] = str(export(trainer, run_dir / "checkpoint"))
     try:
-        logger.finish(summary)
+        logger.finish(result)
     except rundir.StorageError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
     if main:
-        print(summary_paragraph(summary))
-    return summary
+        print(summary_paragraph(result))
+    return result
 
 
-def diverged(summary: dict[str, Any], where: str, logger: Any, run_dir: Path) -> NoReturn:
-    """End a run that diverged (every rank raises `Diverged` together) `where` says: `summary.json` with status
-    `diverged` and why, W&B finished as failed, one line from rank 0; exit code 1."""
-    summary["diverged"] = where
+def end_early(summary: dict[str, Any], status: str, why: str, line: str, logger: Any, run_dir: Path) -> NoReturn:
+    """End a run that cannot go on (every rank raises together): `summary.json` with `status` and, under that key,
+    `why`, W&B finished as failed, and `line` from rank 0, saying what the run directory holds (exit code 1)."""
+    summary[status] = why
     try:
         logger.finish(summary, exit_code=1)
     except rundir.StorageError as storage:
-        raise SystemExit(f"moe-rl-lab: the run diverged in {where}; and {storage}") from None
-    exit_once(f"moe-rl-lab: the run diverged in {where}. {run_dir / rundir.METRICS_FILE} holds the step(s) before "
-              f"it ({summary['steps']}), and {run_dir / rundir.SUMMARY_FILE} says status 'diverged'")
+        raise SystemExit(f"moe-rl-lab: {line}; and {storage}") from None
+    exit_once(f"moe-rl-lab: {line}. {run_dir / rundir.METRICS_FILE} holds {summary['steps']} step(s), and "
+              f"{run_dir / rundir.SUMMARY_FILE} says status '{status}'")
 
 
 def export(trainer: RLTrainer, directory: Path) -> Path:

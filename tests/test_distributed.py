@@ -19,6 +19,7 @@ from experiments.config import PROJECT_ROOT
 from experiments.step.metrics import STEP
 from experiments.train import train
 from tests.conftest import MICRO_RUN
+from tests.test_reliability import fault_in_the_checkpoint_writer
 from tests.test_train import compose_train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]  # a free port of its own
@@ -201,6 +202,43 @@ def test_a_checkpoint_of_another_experiment_is_refused_naming_what_differs(tmp_p
     with pytest.raises(SystemExit) as raised:
         train(compose_train("trainer.steps=4", "trainer.group_size=8", "resume=auto"), tmp_path / "a")
     assert "holds another experiment: trainer.group_size=4 there, 8 here" in str(raised.value)
+
+
+def test_a_stop_that_reaches_one_rank_in_its_checkpoint_ends_every_rank_after_that_step(tmp_path):
+    """Each rank decided to stop on its own: rank 1, signalled while it wrote its checkpoint, stopped after it, and
+    rank 0 went on into the next step's collectives with a rank that had left (a gloo error, no summary)."""
+    stop_rank_1_in_its_first_checkpoint = fault_in_the_checkpoint_writer(
+        "    if os.environ['RANK'] == '1' and not hasattr(faulty_write, 'stopped'):\n"
+        "        faulty_write.stopped = True\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+    )
+    (tmp_path / "stop_rank_1.py").write_text(
+        stop_rank_1_in_its_first_checkpoint +
+        "import runpy; runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", str(tmp_path / "stop_rank_1.py"), *MICRO_RUN,
+                             "trainer.steps=50", "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=PROJECT_ROOT, env=ENV,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        kill_tree(proc.pid)
+    assert "interrupted by SIGTERM after 1 of 50 steps" in stderr, stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert [line[STEP] for line in _metrics(run_dir)] == [1]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000001"], "the checkpoint was finished"
+
+
+def test_a_checkpoint_of_one_rank_is_refused_on_every_rank_of_two_before_any_collective(tmp_path):
+    """Rank 0 refused the checkpoint before the broadcast rank 1 waited in: the line, then rank 1 died in gloo."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3"), run_dir)
+    (run_dir / "summary.json").unlink()
+    done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "trainer.checkpoint_every=3", "resume=auto",
+                    f"hydra.run.dir={run_dir}")
+    assert "step_000003 was written by 1 ranks, this run has 2" in done.stderr
+    assert done.stderr.count("moe-rl-lab:") == 1 and "gloo" not in done.stderr, done.stderr[-3000:]
 
 
 def test_torchrun_refuses_what_the_ranks_cannot_share(tmp_path):

@@ -79,3 +79,21 @@ def test_a_learning_rate_that_diverges_is_an_entry_that_says_so_and_the_next_is_
     assert broken["lr"] == 1e30 and "NaN or inf" in broken["diverged"]
     assert healthy["lr"] == 1e-3 and healthy[DRIFT_PER_UPDATE] >= 0
     assert "lr 1e+30 diverged at step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model=tiny_dense", "model 'micro_moe' is dense: the probe measures how far an update moves the routing"),
+        ("model.path={missing}", "model.path='{missing}' does not exist: make this cold start with `python -m "
+                                 "experiments.sft model=micro_moe dataset=addition sft.output_dir={missing}`"),
+    ],
+)
+def test_the_probe_refuses_in_its_own_terms_before_it_claims_its_directory(tmp_path, override, message):
+    """A dense model was refused in terms of routing.decompose_every, a key the probe sets itself, and both cases
+    only after the run directory was claimed and W&B started."""
+    missing = tmp_path / "no_cold_start"
+    with pytest.raises(SystemExit) as raised:
+        run_probe(compose_probe(override.format(missing=missing)), tmp_path / "run")
+    assert message.format(missing=missing) in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "run").exists(), "nothing is written before the refusal"

@@ -3,6 +3,7 @@ through the CLI where that is where it happens, with the one-line message and th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -13,14 +14,17 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from experiments.config import PROJECT_ROOT
+from experiments.config import PROJECT_ROOT, TrainerConfig
 from experiments.run.checkpoint import find as find_checkpoint
+from experiments.run.resume import SAFE_TO_CHANGE
 from experiments.step.metrics import STEP
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
@@ -41,6 +45,26 @@ def one_line(stderr: str) -> str:
     """The refusal: the last non-empty line, and no traceback anywhere."""
     assert "Traceback" not in stderr, stderr[-3000:]
     return [line for line in stderr.splitlines() if line.strip()][-1]
+
+
+def run_patched(tmp_path: Path, fault: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m experiments.train *args`, with `fault` (Python source) run first: the fault it plants."""
+    (tmp_path / "fault.py").write_text(fault)
+    code = "import fault, runpy; runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=PROJECT_ROOT,
+                          timeout=600, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}"})
+
+
+def fault_in_the_checkpoint_writer(fault: str) -> str:
+    """Python source that runs `fault` (statements of a function of `self`, torch's checkpoint writer, indented by
+    four spaces) each time the writer is about to write a checkpoint's state, then lets it write."""
+    return ("import errno, os, signal\n"
+            "from torch.distributed.checkpoint import filesystem\n"
+            "write = filesystem._FileSystemWriter.write_data\n"
+            "def faulty_write(self, plan, planner):\n"
+            f"{fault}"
+            "    return write(self, plan, planner)\n"
+            "filesystem._FileSystemWriter.write_data = faulty_write\n")
 
 
 def start(*args: str, cwd: Path = PROJECT_ROOT) -> subprocess.Popen:
@@ -123,11 +147,23 @@ def test_one_bad_cell_of_a_sweep_is_reported_before_the_start_and_the_others_run
     assert len(list(sweep.glob("*/summary.json"))) == 3
 
 
+def test_a_sweep_whose_every_job_lacks_its_cold_start_names_the_command_and_launches_nothing(tmp_path):
+    """The line named the path, not the command that makes it; the sweep said "2 of 2 jobs will be refused" and then
+    launched both."""
+    sweep, missing = tmp_path / "sweep", tmp_path / "cold_start"
+    result = run_cli("-m", "seed=0,1", *MICRO_RUN, f"model.path={missing}", f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("moe-rl-lab: every one of the 2 jobs of this sweep would be refused, so none is "
+                                    "launched:"), result.stderr[-2000:]
+    assert (f"make this cold start with `python -m experiments.sft model=micro_moe dataset=addition "
+            f"sft.output_dir={missing}`") in result.stderr
+    assert not [p for p in sweep.iterdir() if p.is_dir()], "no job was launched"
+
+
 def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monkeypatch):
     """A bug is not a refusal: its traceback is printed, the next job runs, the sweep exits non-zero."""
     sweep = tmp_path / "sweep"
-    plugin = tmp_path / "crash_plugin.py"
-    plugin.write_text(
+    crash = (
         "import experiments.step.trainer as trainer\n"
         "step = trainer.RLTrainer.step\n"
         "def crashing(self):\n"
@@ -136,12 +172,7 @@ def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monk
         "    return step(self)\n"
         "trainer.RLTrainer.step = crashing\n"
     )
-    code = "import crash_plugin, runpy; runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)"
-    result = subprocess.run(
-        [sys.executable, "-c", code, "-m", "seed=0,1", *MICRO_RUN, "trainer.steps=1", f"hydra.sweep.dir={sweep}"],
-        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=600,
-        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}"},
-    )
+    result = run_patched(tmp_path, crash, "-m", "seed=0,1", *MICRO_RUN, "trainer.steps=1", f"hydra.sweep.dir={sweep}")
     assert result.returncode != 0
     assert "Traceback" in result.stderr and "ZeroDivisionError: a bug in the step" in result.stderr
     assert len(list(sweep.glob("*/summary.json"))) == 1, "the second job ran"
@@ -231,26 +262,73 @@ def test_a_run_that_diverges_ends_in_one_line_with_its_log_whole_and_status_dive
 def test_sigterm_while_a_checkpoint_is_written_lands_after_the_write(tmp_path):
     """torch's checkpoint writer catches whatever is raised inside it and raises CheckpointException instead: a stop
     that landed there ended the run with exit code 1, a traceback and no summary."""
-    plugin = tmp_path / "stop_in_checkpoint.py"
-    plugin.write_text(
-        "import os, signal\n"
-        "from torch.distributed.checkpoint import filesystem\n"
-        "write = filesystem._FileSystemWriter.write_data\n"
-        "def write_after_a_stop(self, plan, planner):\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)  # handled at the next instruction: inside the writer\n"
-        "    return write(self, plan, planner)\n"
-        "filesystem._FileSystemWriter.write_data = write_after_a_stop\n"
-    )
+    stop_in_checkpoint = fault_in_the_checkpoint_writer(
+        "    os.kill(os.getpid(), signal.SIGTERM)  # handled at the next instruction: inside the writer\n")
     run_dir = tmp_path / "run"
-    code = ("import stop_in_checkpoint, runpy; "
-            "runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)")
-    done = subprocess.run([sys.executable, "-c", code, *MICRO_RUN, "trainer.checkpoint_every=1",
-                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300,
-                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}"})
+    done = run_patched(tmp_path, stop_in_checkpoint, *MICRO_RUN, "trainer.checkpoint_every=1",
+                       f"hydra.run.dir={run_dir}")
     assert done.returncode == 143
     assert "interrupted by SIGTERM after 1 of 3 steps" in one_line(done.stderr)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000001"], "the checkpoint was finished"
+
+
+def test_a_full_disk_during_a_checkpoint_write_is_one_line_removes_the_partial_checkpoint_and_keeps_the_last(
+        tmp_path):
+    """The write failed in a 28-frame traceback, with no summary and the partial checkpoint left to keep the disk
+    full."""
+    disk_full_at_the_second_checkpoint = fault_in_the_checkpoint_writer(
+        "    faulty_write.calls = getattr(faulty_write, 'calls', 0) + 1\n"
+        "    if faulty_write.calls == 2:\n"
+        "        (filesystem.Path(self.path) / '__0_0.distcp').write_bytes(b'part of a checkpoint')\n"
+        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+    )
+    run_dir = tmp_path / "run"
+    done = run_patched(tmp_path, disk_full_at_the_second_checkpoint, *MICRO_RUN, "trainer.checkpoint_every=1",
+                       f"hydra.run.dir={run_dir}")
+    assert done.returncode == 1
+    line = one_line(done.stderr)
+    assert (f"cannot write checkpoint step_000002 in {run_dir / 'checkpoints'}: No space left on device; the partial "
+            "one was removed, and step_000001 is the newest checkpoint") in line
+    assert "holds 2 step(s), and" in line and "says status 'failed'" in line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "No space left on device" in summary["failed"]
+    assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000001"], "no partial checkpoint is left"
+    assert find_checkpoint(run_dir, "auto") == (run_dir / "checkpoints" / "step_000001", [])
+
+
+def test_ctrl_c_while_wandb_starts_ends_the_run_as_interrupted_with_its_summary(tmp_path):
+    """W&B's start sat outside the block that handles stops: a 45-frame traceback, exit code 1, no summary."""
+    interrupted_start = (
+        "import os, signal, time, wandb\n"
+        "def interrupted_init(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(60)\n"
+        "wandb.init = interrupted_init\n"
+    )
+    run_dir = tmp_path / "run"
+    done = run_patched(tmp_path, interrupted_start, *MICRO_RUN, "logger.wandb.mode=offline", f"hydra.run.dir={run_dir}")
+    assert done.returncode == 130
+    assert "interrupted by SIGINT after 0 of 3 steps" in one_line(done.stderr)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_ctrl_c_during_the_imports_ends_the_process_without_a_traceback(tmp_path):
+    """The seconds the imports take ended in a 40-line traceback of whichever import Ctrl-C cut."""
+    interrupt_at_the_first_import_of_torch = (
+        "import os, signal, sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+    )
+    done = run_patched(tmp_path, interrupt_at_the_first_import_of_torch, *MICRO_RUN,
+                       f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == -signal.SIGINT, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
 
 # -- launchers: SLURM, torchrun -----------------------------------------------------------------------------------
@@ -287,6 +365,7 @@ def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path)
         (["device=cuda:x"], "device='cuda:x' is not one of cpu, cuda, cuda:<index>"),
         (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
         (["trainer.lr=nan"], "trainer.lr=nan must be a finite number > 0"),
+        (["trainer.lr=1e-45"], "trainer.lr=1e-45 is below 1e-10: an AdamW update moves each weight by about lr"),
         (["trainer.adam_beta1=1.5"], "trainer.adam_beta1=1.5 must be in [0, 1)"),
         (["trainer.eval_prompts=100"], "trainer.eval_prompts=100 is more than the 20 held-out examples"),
         (["trainer.prompts_per_step=100000", "trainer.group_size=64"], "GiB available: lower the batch"),
@@ -457,6 +536,171 @@ def test_resume_refuses_a_damaged_checkpoint_and_auto_takes_the_newest_intact_on
             f"over 1 damaged: {newest / 'state' / '__0_0.distcp'} holds ") in auto.stderr
     assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+# -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------
+
+def killed(run_dir: Path) -> Path:
+    """The run directory as a kill after its last step leaves it: no summary."""
+    (run_dir / "summary.json").unlink()
+    return run_dir
+
+
+def test_rotation_never_deletes_the_only_intact_checkpoint_and_sets_damaged_ones_aside(tmp_path):
+    """keep_checkpoints=1, an intact step 2 and a damaged step 4, a run resumed from 2 that saved step 3: rotation
+    deleted 2 and 3 (sorted by step, counting the damaged one) and kept the damaged 4, the only checkpoint left."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.steps=4", "trainer.checkpoint_every=2"), run_dir)
+    damaged = killed(run_dir) / "checkpoints" / "step_000004"
+    _damage(damaged / "state" / "__0_0.distcp", "truncated")
+    (run_dir / "checkpoints" / "step_000009.tmp" / "state").mkdir(parents=True)  # a write a kill cut: not a checkpoint
+    train(compose_train("trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", "resume=auto"),
+          run_dir)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000003", "step_000004.damaged"]
+    assert find_checkpoint(run_dir, "auto") == (run_dir / "checkpoints" / "step_000003", [])
+    assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_kill_while_resume_cuts_the_log_leaves_the_log_whole(killed_after_three_checkpoints, tmp_path, signum):
+    """The cut rewrote metrics.jsonl in place (emptied, then written): a kill there lost every logged step."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    logged = (run_dir / "metrics.jsonl").read_text()
+    kill_when_the_log_is_opened_for_writing = (
+        "import builtins, io, os, signal\n"
+        "real_open = io.open\n"
+        "def opening(file, mode='r', *args, **kwargs):\n"
+        "    handle = real_open(file, mode, *args, **kwargs)\n"
+        "    if 'w' in mode and 'metrics.jsonl' in str(file):  # opened for writing: emptied, if it is the log\n"
+        f"        os.kill(os.getpid(), {int(signum)})\n"
+        "    return handle\n"
+        "builtins.open = io.open = opening\n"
+    )
+    done = run_patched(tmp_path, kill_when_the_log_is_opened_for_writing, *MICRO_RUN, "trainer.checkpoint_every=1",
+                       "trainer.keep_checkpoints=3", "resume=auto", f"hydra.run.dir={run_dir}")
+    assert done.returncode == (-signum if signum == signal.SIGKILL else 128 + signum), done.stderr[-2000:]
+    assert (run_dir / "metrics.jsonl").read_text() == logged
+
+
+def test_resume_compares_every_setting_the_run_was_trained_with(tmp_path):
+    """routing.flip_rate was not compared: a run trained with flips resumed without them, into a directory whose
+    recorded config then said no flips."""
+    run_dir = tmp_path / "run"
+    train(compose_train("routing.flip_rate=0.2", "trainer.checkpoint_every=3"), run_dir)
+    killed(run_dir)
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.checkpoint_every=3", "resume=auto"), run_dir)
+    assert "holds another experiment: routing.flip_rate=0.2 there, 0.0 here" in str(raised.value)
+    checkpoint = run_dir / "checkpoints" / "step_000003"
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(f"resume={checkpoint}"), tmp_path / "elsewhere")
+    assert f"checkpoint {checkpoint} is of another experiment: routing.flip_rate=0.2 there, 0.0 here" in str(
+        raised.value)
+
+
+@dataclass
+class TrainerWithANewField(TrainerConfig):
+    perturb_rate: float = 0.0  # a setting added to the schema after the compared keys were written down
+
+
+def with_perturb_rate(cfg, rate: float | None):
+    """`cfg` under a schema that has the new field, set to `rate` (None: the schema without it)."""
+    if rate is not None:
+        cfg.trainer = OmegaConf.structured(TrainerWithANewField(**dataclasses.asdict(OmegaConf.to_object(cfg.trainer)),
+                                                                perturb_rate=rate))
+    return cfg
+
+
+@pytest.mark.parametrize("written, resumed, refused", [
+    (0.1, 0.3, "trainer.perturb_rate=0.1 there, 0.3 here"),
+    (None, 0.3, "trainer.perturb_rate absent there, 0.3 here"),  # written before the field existed
+    (None, 0.0, None),  # ... and resumed at the field's default: what runs did before it existed
+    (0.1, 0.1, None),
+])
+def test_a_new_setting_is_compared_on_resume_unless_declared_safe(tmp_path, monkeypatch, written, resumed, refused):
+    run_dir = tmp_path / "run"
+    train(with_perturb_rate(compose_train("trainer.checkpoint_every=3"), written), run_dir)
+    resume = with_perturb_rate(compose_train("trainer.checkpoint_every=3", "trainer.steps=4", "resume=auto"), resumed)
+    if refused is None:
+        assert train(resume, run_dir)["steps"] == 4
+        return
+    with pytest.raises(SystemExit) as raised:
+        train(resume, run_dir)
+    assert refused in str(raised.value) and "\n" not in str(raised.value)
+    monkeypatch.setattr("experiments.run.resume.SAFE_TO_CHANGE", (*SAFE_TO_CHANGE, "trainer.perturb_rate"))
+    assert train(resume, run_dir)["steps"] == 4, "declared safe to change"
+
+
+def test_a_resume_that_finds_nothing_to_do_leaves_the_run_as_it_was(tmp_path, capsys):
+    """resume=auto on a finished run rewrote its recorded config with the new command's settings before saying
+    "nothing to resume": a sweep relaunched with resume=auto relabelled its runs."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3"), run_dir)
+    recorded = (run_dir / ".hydra" / "config.yaml").read_text()
+    summary = train(compose_train("trainer.checkpoint_every=3", "trainer.threads=1", "resume=auto"), run_dir)
+    assert summary["status"] == "finished" and "finished after 3 steps; nothing to resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.checkpoint_every=3", "routing.flip_rate=0.2", "resume=auto"), run_dir)
+    assert "holds another experiment: routing.flip_rate=0.0 there, 0.2 here" in str(raised.value)
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == recorded
+
+
+def test_a_finished_run_is_extended_to_more_steps_under_a_constant_schedule(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=2"), run_dir)  # checkpoints after steps 2 and 3, the last
+    summary = train(compose_train("trainer.checkpoint_every=2", "trainer.steps=5", "resume=auto"), run_dir)
+    err = capsys.readouterr().err
+    assert "extending the run finished after 3 steps: resuming from" in err and "step_000003 (step 3)" in err
+    assert summary["status"] == "finished" and summary["steps"] == 5
+    assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").trainer.steps == 5, "the record is the run that went on"
+    no_checkpoints = tmp_path / "no_checkpoints"
+    train(compose_train(), no_checkpoints)
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.steps=5", "resume=auto"), no_checkpoints)
+    assert "holds this run, finished after 3 steps, and no checkpoint to extend it from" in str(raised.value)
+    assert [row[STEP] for row in read_metrics(no_checkpoints)] == [1, 2, 3]
+
+
+def test_another_length_under_a_schedule_that_decays_over_it_is_refused(tmp_path):
+    """The learning rate went back up at the resume: the cosine's length is trainer.steps, which was not compared."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.lr_schedule=cosine", "trainer.checkpoint_every=1"), run_dir)
+    killed(run_dir)
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.lr_schedule=cosine", "trainer.steps=5", "resume=auto"), run_dir)
+    line = str(raised.value)
+    assert "its run was planned for trainer.steps=3 under trainer.lr_schedule=cosine, whose learning rate" in line
+    assert "trainer.steps=5 would join two schedules" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda text: b"", "which is empty"),
+    (lambda text: text.replace(b"grpo", b"gr\xffo"), "which is not UTF-8 (byte 0xff at offset"),
+    (lambda text: text.replace(b"trainer:", b"trainer: [", 1), "which is not valid YAML ("),
+    (lambda text: b"\n".join(text.split(b"\n")[:20]), "and it lacks settings this run has (model."),
+])
+def test_a_damaged_recorded_config_is_named_on_resume(tmp_path, damage, problem):
+    """A damaged .hydra/config.yaml ended resume in a YAML or Unicode traceback; an empty or cut one was "another
+    experiment: X=None there"."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3"), run_dir)
+    recorded = killed(run_dir) / ".hydra" / "config.yaml"
+    recorded.write_bytes(damage(recorded.read_bytes()))
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.checkpoint_every=3", "resume=auto"), run_dir)
+    line = str(raised.value)
+    assert f"resume into {str(run_dir)!r} compares this run with the settings {recorded} records, " in line
+    assert problem in line and "\n" not in line
+
+
+def test_a_checkpoint_cadence_beyond_the_run_writes_the_final_checkpoint_and_says_so(tmp_path, capsys):
+    """trainer.checkpoint_every > trainer.steps wrote no checkpoint, and said nothing."""
+    train(compose_train("trainer.checkpoint_every=10"), tmp_path / "run")
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000003"]
+    assert ("trainer.checkpoint_every=10 is more than trainer.steps=3: the run's one checkpoint is its last step's"
+            in capsys.readouterr().err)
 
 
 def test_a_dataset_file_that_is_not_utf8_names_its_line(tmp_path):

@@ -344,3 +344,19 @@ def test_dataset_yaml_only_selects_the_dataclass_whose_defaults_compose(path: Pa
     cls = TASKS[path.stem]
     assert config == {field.name: field.default for field in dataclasses.fields(cls)}
     assert build_task(path.stem, **config) == cls()
+
+
+@pytest.mark.parametrize(
+    "bad_line, column",
+    [
+        ('{"question": "q", "answer": "#### 1"'.encode(), 37),  # cut short: wrong at its end, not at column 1
+        ('{"question": "q" "answer": "#### 1"}'.encode(), 18),
+        ('{"question": "café \xff"}'.encode("utf-8").replace(b"\xc3\xbf", b"\xff"), 20),  # in characters, not bytes
+    ],
+)
+def test_gsm8k_bad_line_names_the_column_where_it_goes_wrong(tmp_path: Path, bad_line: bytes, column: int) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(record("q1", "#### 1").encode() + b"\n" + bad_line + b"\n")
+    with pytest.raises(ValueError) as error:
+        build_task("gsm8k", train_path=str(path)).examples("train")
+    assert f"{path}:2: " in str(error.value) and f"at column {column})" in str(error.value)

@@ -1,68 +1,55 @@
 """Checkpoints for exact resume: a run killed after two hours continues where its last checkpoint left it.
 
-`trainer.checkpoint_every=k` writes, after every k-th step's log line, `checkpoints/step_<k>/` in the run
-directory:
+`trainer.checkpoint_every=k` writes, after every k-th step's log line and after the run's last step,
+`checkpoints/step_<k>/` in the run directory:
     state/            model and optimizer, with `torch.distributed.checkpoint` (sharded over ranks under FSDP2,
                       one process otherwise): tensors only, loaded without pickle code execution
-    trainer.json      step and token counters, skipped updates, the scheduler's state, the config that matters
+    trainer.json      step and token counters, skipped updates, the scheduler's state, every setting of the run
     rng_rank<r>.pt    every random generator of rank r (torch's, the prompt sampler's, the engine's router noise),
                       loaded with `weights_only=True`
-It is written into `step_<k>.tmp/` and renamed into place once every rank is done, so a crash while writing leaves
-the previous checkpoint whole; `trainer.keep_checkpoints` bounds how many stay.
+It is written into `step_<k>.tmp/`, every file flushed to the disk, checked whole (`damage`), and only then renamed
+into place; only then are older checkpoints rotated out: of the intact ones older than it, those beyond the newest
+`trainer.keep_checkpoints` (it counted among them). A kill at any instant leaves every earlier checkpoint whole. A
+write that fails (a full disk) removes the partial checkpoint and raises `StorageError` on every rank, naming why.
 
 `resume=auto` continues from the newest intact checkpoint in the run directory (a fresh start when there is none),
 saying which newer ones it passed over and why; `resume=/path/to/step_<k>` from that one. Every file a checkpoint is
 loaded from is checked before any is loaded (`damage`): a deleted or truncated file (a copy cut short, a full disk)
-is refused in one line naming it, and never leaves a trainer half restored. A checkpoint of another experiment
-(model shape, objective, batch, task, seed, ...) is refused, naming what differs. The run's `metrics.jsonl` is cut
-back to the checkpoint's step, so no line is logged twice, and W&B continues the same run.
+is refused in one line naming it, and never leaves a trainer half restored. A checkpoint of another experiment (any
+setting but the few `experiments.run.resume` declares safe to change) is refused, naming what differs. Checkpoints
+later than the one a run resumes from are set aside, never deleted, under names no scan reads as a checkpoint: a
+damaged one as `step_<k>.damaged`, an intact one (of the continuation that a resume from an earlier checkpoint
+abandons) as `step_<k>.superseded`. The run's `metrics.jsonl` is cut back to the checkpoint's step, so no line is
+logged twice, and W&B continues the same run.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint import FileSystemReader
+from omegaconf import DictConfig
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from experiments.run.launch import barrier, broadcast
+from experiments.run.launch import gather
+from experiments.run.resume import described, differences, length_change, settings
+from experiments.run.rundir import StorageError, replace_file, sync_directory
 from experiments.step.metrics import STEP
 from experiments.step.trainer import Ranks
 from models.registry import ConfigError
 
 DIRECTORY = "checkpoints"
 PREFIX = "step_"
-# What a resumed run must share with the run that wrote the checkpoint: what the saved state means. Run length,
-# logging, evaluation and checkpointing may change.
-EXPERIMENT_KEYS = ("algo", "model", "dataset", "correction", "rollout", "routing.replay", "routing_variant", "seed",
-                   "trainer.prompts_per_step", "trainer.group_size", "trainer.minibatches", "trainer.max_new_tokens",
-                   "trainer.temperature", "trainer.pi_old", "trainer.minibatch_layout", "trainer.lr",
-                   "trainer.router_lr_scale", "trainer.lr_schedule", "trainer.warmup_steps", "trainer.weight_decay",
-                   "trainer.adam_beta1", "trainer.adam_beta2", "trainer.grad_clip", "routers")
-
-
-def experiment(cfg: DictConfig) -> dict[str, Any]:
-    """The flat `{key: value}` of the config that a checkpoint's state depends on (`EXPERIMENT_KEYS`)."""
-    flat: dict[str, Any] = {}
-    for key in EXPERIMENT_KEYS:
-        value = OmegaConf.select(cfg, key)
-        if key == "routing_variant" and (value is None or value.name == "none"):
-            continue  # runs from before routing variants existed ran without one: the same experiment as `none`
-        if key == "routers" and not value:
-            continue  # no router switch on, as every run from before they existed
-        if isinstance(value, DictConfig):
-            for sub, item in OmegaConf.to_container(value, resolve=True, enum_to_str=True).items():
-                flat[f"{key}.{sub}"] = item
-        else:
-            flat[key] = str(value) if hasattr(value, "value") else value
-    return flat
+PARTIAL = ".tmp"  # a checkpoint being written
+DAMAGED = ".damaged"  # set aside at resume: it does not load
+SUPERSEDED = ".superseded"  # set aside at resume: later than the checkpoint the run went back to
 
 
 def step_of(path: Path) -> int:
@@ -70,7 +57,7 @@ def step_of(path: Path) -> int:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """The complete checkpoints of `run_dir`, oldest first (an interrupted write's `.tmp` is not one)."""
+    """The checkpoints of `run_dir`, oldest first (not a partial one, nor one set aside)."""
     root = run_dir / DIRECTORY
     if not root.is_dir():
         return []
@@ -82,34 +69,114 @@ def save(trainer: Any, run_dir: Path, keep: int) -> Path:
     """Write the trainer's state after its current step (every rank calls this); return the checkpoint's path."""
     ranks: Ranks = trainer.ranks
     final = run_dir / DIRECTORY / f"{PREFIX}{trainer.step_index:06d}"
-    partial = final.with_name(final.name + ".tmp")
-    if ranks.main:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    barrier(ranks)
+    partial = final.with_name(final.name + PARTIAL)
+    together = _Together(ranks, final, partial)
+    together(lambda: _empty_directory(partial) if ranks.main else None)
+    together(lambda: _write(trainer, partial))
+    together(lambda: _publish(partial, final, keep) if ranks.main else None)
+    return final
+
+
+class _Together:
+    """One phase of a checkpoint's write on every rank: a rank's failure to write (`OSError`, also inside
+    `torch.distributed.checkpoint`) or a problem it finds is every rank's, which all raise `StorageError` after the
+    partial checkpoint is removed; no rank is left waiting for another that gave up."""
+
+    def __init__(self, ranks: Ranks, final: Path, partial: Path) -> None:
+        self.ranks, self.final, self.partial = ranks, final, partial
+
+    def __call__(self, phase: Callable[[], str | None]) -> None:
+        try:
+            problem = phase()
+        except OSError as error:
+            problem = _reason(error)
+        except CheckpointException as error:
+            causes = [failure[0] for failure in error.failures.values()]
+            if not all(isinstance(cause, OSError) for cause in causes):
+                raise  # a bug, not the disk: its traceback
+            problem = _reason(causes[0])
+        problems = [p for p in gather(problem, self.ranks) if p is not None]
+        if not problems:
+            return
+        if self.ranks.main:
+            shutil.rmtree(self.partial, ignore_errors=True)
+        earlier = [p.name for p in checkpoints(self.final.parent.parent) if p != self.final]
+        kept = f"{earlier[-1]} is the newest checkpoint" if earlier else "there is no earlier checkpoint"
+        raise StorageError(f"cannot write checkpoint {self.final.name} in {self.final.parent}: {problems[0]}; the "
+                           f"partial one was removed, and {kept}")
+
+
+def _empty_directory(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _write(trainer: Any, partial: Path) -> None:
+    """This rank's files of the checkpoint, each flushed to the disk (torch's writer flushes the state's own)."""
+    ranks: Ranks = trainer.ranks
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial / "state"),
              no_dist=not ranks.active)
-    torch.save(_generators(trainer), partial / f"rng_rank{ranks.rank}.pt")
-    (partial / f"python_random_rank{ranks.rank}.json").write_text(json.dumps(random.getstate()))
+    generators = io.BytesIO()
+    torch.save(_generators(trainer), generators)
+    replace_file(partial / f"rng_rank{ranks.rank}.pt", generators.getvalue())
+    replace_file(partial / f"python_random_rank{ranks.rank}.json", json.dumps(random.getstate()))
     if ranks.main:
-        (partial / "trainer.json").write_text(json.dumps({
+        replace_file(partial / "trainer.json", json.dumps({
             "step": trainer.step_index,
             "tokens_seen": trainer.tokens_seen,
             "skipped_updates": trainer.skipped_updates,
             "consecutive_skips": trainer.consecutive_skips,
             "scheduler": trainer.scheduler.state_dict(),
-            "experiment": experiment(trainer.cfg),
+            "experiment": settings(trainer.cfg),
             "world": ranks.world,
         }, indent=1, default=str))
-    barrier(ranks)
-    if ranks.main:
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        for old in checkpoints(run_dir)[:-keep] if keep else []:
-            shutil.rmtree(old)
-    barrier(ranks)
-    return final
+
+
+def _publish(partial: Path, final: Path, keep: int) -> str | None:
+    """Check the written checkpoint whole, rename it into place, then rotate out the older ones; or say why not."""
+    problem = damage(partial)
+    if problem is not None:
+        return f"it does not read back: {problem}"
+    sync_directory(partial / "state")
+    sync_directory(partial)
+    if final.exists():  # not a checkpoint a resume set aside: never deleted unread
+        _set_aside(final, SUPERSEDED)
+    partial.rename(final)
+    sync_directory(final.parent)
+    _rotate(final, keep)
+    return None
+
+
+def _rotate(newest: Path, keep: int) -> None:
+    """Delete the intact checkpoints older than `newest` beyond the `keep` newest (`newest` counted). Damaged ones are
+    not counted, and later ones are not touched."""
+    older = [p for p in checkpoints(newest.parent.parent) if step_of(p) < step_of(newest) and damage(p) is None]
+    for old in older[: max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(old)
+
+
+def _set_aside(path: Path, suffix: str) -> Path:
+    """Rename the checkpoint at `path` to a name no scan reads as a checkpoint (numbered when taken); return it."""
+    aside, number = path.with_name(path.name + suffix), 2
+    while aside.exists():
+        aside, number = path.with_name(f"{path.name}{suffix}-{number}"), number + 1
+    path.rename(aside)
+    return aside
+
+
+def set_aside_after(run_dir: Path, step: int) -> list[str]:
+    """Set aside every checkpoint of `run_dir` later than `step`, the one a run resumes from: a damaged one (which
+    rotation would never count) and an intact one of the continuation the resume abandons (its log lines are cut).
+    Return what each became. Partial ones, whose write a kill cut, are removed: they were never checkpoints."""
+    for partial in (run_dir / DIRECTORY).glob(f"{PREFIX}*{PARTIAL}"):
+        shutil.rmtree(partial)
+    moved = []
+    for later in checkpoints(run_dir):
+        if step_of(later) > step:
+            aside = _set_aside(later, DAMAGED if damage(later) is not None else SUPERSEDED)
+            moved.append(f"{later.name} as {aside.name}")
+    return moved
 
 
 def _generators(trainer: Any) -> dict[str, torch.Tensor]:
@@ -213,25 +280,26 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def check(path: Path, cfg: DictConfig, ranks: Ranks) -> dict[str, Any]:
-    """The checkpoint's trainer.json, after refusing one written by another experiment or another number of ranks."""
-    saved = json.loads((path / "trainer.json").read_text())
-    ours = experiment(cfg)
-    differs = [f"{key}={saved['experiment'].get(key)!r} there, {value!r} here"
-               for key, value in ours.items() if saved["experiment"].get(key) != value]
+def check(path: Path, cfg: DictConfig, world: int) -> None:
+    """Refuse the checkpoint at `path` (intact: `damage`) for a run of `cfg` on `world` ranks when it was written by
+    another experiment, for another length of a schedule that depends on it, or by another number of ranks."""
+    saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+    differs = differences(saved["experiment"], cfg)
     if differs:
-        raise ConfigError(f"checkpoint {path} is of another experiment: {'; '.join(differs[:4])}"
-                          + (f" (and {len(differs) - 4} more)" if len(differs) > 4 else ""))
-    if saved["world"] != ranks.world:
-        raise ConfigError(f"checkpoint {path} was written by {saved['world']} ranks, this run has {ranks.world}: "
+        raise ConfigError(f"checkpoint {path} is of another experiment: {described(differs)}")
+    length = length_change(saved["experiment"], cfg)
+    if length is not None:
+        raise ConfigError(f"checkpoint {path}: {length}")
+    if saved["world"] != world:
+        raise ConfigError(f"checkpoint {path} was written by {saved['world']} ranks, this run has {world}: "
                           "resume with as many (each rank's sampling continues from its own seed)")
-    return saved
 
 
 def load(trainer: Any, path: Path) -> None:
-    """Restore the trainer's state from the checkpoint at `path` (every rank calls this)."""
+    """Restore the trainer's state from the checkpoint at `path` (every rank calls this, once rank 0 has found it
+    intact and this run's own: `damage`, `check`)."""
     ranks: Ranks = trainer.ranks
-    saved = broadcast(check(path, trainer.cfg, ranks) if ranks.main else None, ranks)
+    saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(path / "state"), no_dist=not ranks.active)
@@ -251,9 +319,14 @@ def load(trainer: Any, path: Path) -> None:
     trainer.engine.sync_weights(trainer.model)
 
 
+def saved_step(path: Path) -> int:
+    """The step after which the (intact) checkpoint at `path` was written."""
+    return json.loads((path / "trainer.json").read_text(encoding="utf-8"))["step"]
+
+
 def cut_log(metrics: Path, step: int) -> int:
     """Keep the lines of `metrics.jsonl` up to `step` (a resumed run logs the later ones again); return how many
-    were dropped."""
+    were dropped. The file is replaced whole, never emptied first: a kill while it is rewritten leaves it as it was."""
     if not metrics.exists():
         return 0
     kept, dropped = [], 0
@@ -267,5 +340,5 @@ def cut_log(metrics: Path, step: int) -> int:
             kept.append(line)
         else:
             dropped += 1
-    metrics.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    replace_file(metrics, "".join(line + "\n" for line in kept))
     return dropped

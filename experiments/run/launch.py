@@ -4,7 +4,7 @@
 under torchrun) starts N ranks; `start` joins them into a process group (gloo on CPU, nccl on CUDA) and returns this
 process's `Ranks`. What each rank computes, and how the step's numbers combine over ranks, is the step's
 (`experiments.step.trainer`); here are the run-level pieces: the group, the one line a refusal prints (rank 0 alone),
-ranks that die with their parent, and broadcasts and barriers between the run's phases.
+ranks that die with their parent, and broadcasts, gathers and barriers between the run's phases.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,33 @@ def broadcast(obj: Any, ranks: Ranks) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_rank0(work: Callable[[], Any], ranks: Ranks) -> Any:
+    """Run `work` on rank 0 alone (its result there, None on the others), and raise its refusal on every rank: a
+    rank that stopped alone would leave the others waiting for it in their next collective, for ever. A file it
+    cannot write (`OSError`) is refused in one line, naming the file."""
+    result, refusal = None, None
+    if ranks.main:
+        try:
+            result = work()
+        except ConfigError as error:
+            refusal = str(error)
+        except OSError as error:
+            refusal = f"cannot write {error.filename}: {error.strerror}"
+    refusal = broadcast(refusal, ranks)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return result
+
+
+def gather(obj: Any, ranks: Ranks) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not ranks.active:
+        return [obj]
+    found: list[Any] = [None] * ranks.world
+    dist.all_gather_object(found, obj)
+    return found
 
 
 def barrier(ranks: Ranks) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE, StorageError
+from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE, StorageError, replace_file
 from experiments.step.metrics import MINIBATCH, MINIBATCHES, STEP
 
 WANDB_ID_FILE = ".wandb_id"  # the W&B run of this directory, which a resumed run continues
@@ -42,6 +42,12 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = _finite_or_none(value)
     return out
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """`summary.json`, replaced whole: a kill while it is written leaves the previous one or none (`OSError` when it
+    cannot be written)."""
+    replace_file(run_dir / SUMMARY_FILE, json.dumps(_clean(summary), indent=2) + "\n")
 
 
 def flatten_for_wandb(record: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +74,11 @@ class RunLogger:
             self._whole_bytes = os.fstat(self._metrics).st_size  # where a failed write is cut back to
         except OSError as error:
             raise StorageError(f"cannot open {self.run_dir / METRICS_FILE}: {error.strerror}") from None
-        self._wandb = self._start_wandb(cfg, name, tags, group, resume)
+        try:
+            self._wandb = self._start_wandb(cfg, name, tags, group, resume)
+        except BaseException:  # a stop during W&B's start-up
+            self._close_metrics()
+            raise
 
     def _start_wandb(self, cfg: DictConfig, name: str, tags: list[str], group: str | None, resume: bool):
         wandb_cfg = cfg.logger.wandb
@@ -143,7 +153,7 @@ class RunLogger:
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
         """Write `summary.json` (its status says how the run ended), close the log, finish W&B with `exit_code`."""
         try:
-            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(_clean(summary), indent=2) + "\n")
+            write_summary(self.run_dir, summary)
             self._close_metrics()
         except OSError as error:
             self.abort()

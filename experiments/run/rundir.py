@@ -5,6 +5,11 @@ ends, however it ends) and refuses a directory that already holds a run's log, s
 `metrics.jsonl` and a re-run never wipes an earlier one. Only then does it write the resolved config
 (`.hydra/config.yaml`, with Hydra's `overrides.yaml` and `hydra.yaml` when Hydra started the run): Hydra itself is
 told not to (`hydra.output_subdir: null`), because it would overwrite the config of the run that owns the directory.
+A resumed run (`resume`) is compared with the config its directory recorded (`experiments.run.resume`) and records
+its own only once it goes on (`RunDirectory.record`): a resume that finds nothing to do changes nothing.
+
+Files that are rewritten (the config, `summary.json`, the log cut back on resume) are replaced whole
+(`replace_file`): a kill at any instant leaves the old file or the new one, never a part of either.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from experiments.run.resume import described, differences, flat, length_change
 from models.registry import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
@@ -46,6 +53,13 @@ class RunDirectory:
     def summary(self) -> Path:
         return self.path / SUMMARY_FILE
 
+    def record(self, cfg: DictConfig, hydra_cfg: Any = None) -> None:
+        """Record `cfg` as this directory's run, before the run's first step (`ConfigError` when it cannot)."""
+        try:
+            _write_config(self.path / CONFIG_DIR, cfg, hydra_cfg)
+        except OSError as error:
+            raise ConfigError(f"run directory {str(self.path)!r} cannot be written: {error.strerror}") from None
+
     def release(self) -> None:
         if self._lock >= 0:
             os.close(self._lock)
@@ -60,7 +74,8 @@ def _logged_steps(metrics: Path) -> int:
 def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool = False) -> RunDirectory:
     """Take `path` for this run or refuse it with `ConfigError`, before any work; write the resolved config.
 
-    `resume`: the directory may hold this run's own earlier log (checkpointed runs continue there).
+    `resume`: the directory may hold this run's own earlier log (checkpointed runs continue there), and its recorded
+    config stays until the run goes on (`RunDirectory.record`).
     """
     path = Path(path)
     try:
@@ -80,7 +95,8 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
         metrics = path / METRICS_FILE
         if resume:
             _refuse_another_experiment(path, cfg)
-        if not resume and (metrics.exists() or (path / SUMMARY_FILE).exists()):
+            return run
+        if metrics.exists() or (path / SUMMARY_FILE).exists():
             steps = _logged_steps(metrics) if metrics.exists() else 0
             status = _status(path / SUMMARY_FILE)
             raise ConfigError(
@@ -98,16 +114,49 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
 
 
 def _refuse_another_experiment(path: Path, cfg: DictConfig) -> None:
-    """A resumed run continues its own log: refuse a directory whose recorded config is another experiment's."""
-    from experiments.run.checkpoint import experiment
-
+    """A resumed run continues its own log: refuse a directory whose recorded config is another experiment's, or
+    another length of a schedule that depends on it, or cannot be compared (naming the file and what is wrong)."""
     recorded = path / CONFIG_DIR / "config.yaml"
     if not recorded.exists():
         return
-    theirs, ours = experiment(OmegaConf.load(recorded)), experiment(cfg)
-    differs = [f"{key}={theirs.get(key)!r} there, {value!r} here" for key, value in ours.items() if theirs.get(key) != value]
+    where = f"resume into {str(path)!r}"
+    theirs = recorded_settings(recorded, where)
+    differs = differences(theirs, cfg)
+    if differs and all(difference.absent for difference in differs):
+        raise ConfigError(f"{where} compares this run with the settings {recorded} records, and it lacks settings "
+                          f"this run has ({described(differs)}): it was written before they existed (resume with "
+                          "them at their defaults), or it is cut short")
     if differs:
-        raise ConfigError(f"resume into {str(path)!r}, which holds another experiment: {'; '.join(differs[:4])}")
+        raise ConfigError(f"{where}, which holds another experiment: {described(differs)}")
+    length = length_change(theirs, cfg)
+    if length is not None:
+        raise ConfigError(f"{where}: {length}")
+
+
+def recorded_settings(recorded: Path, where: str) -> dict[str, Any]:
+    """The flat settings of a recorded config (`experiments.run.resume.settings`); `ConfigError` naming the file and
+    what is wrong with it when they cannot be read."""
+    def unreadable(problem: str) -> ConfigError:
+        return ConfigError(f"{where} compares this run with the settings {recorded} records, which {problem}; "
+                           "restore the file, or start the run in a new directory")
+
+    try:
+        text = recorded.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise unreadable(f"is not UTF-8 (byte {error.object[error.start]:#04x} at offset {error.start})") from None
+    except OSError as error:
+        raise unreadable(f"cannot be read ({error.strerror})") from None
+    if not text.strip():
+        raise unreadable("is empty")
+    try:
+        loaded = OmegaConf.create(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise unreadable(f"is not valid YAML ({getattr(error, 'problem', None) or error}{at})") from None
+    if not isinstance(loaded, DictConfig):
+        raise unreadable("holds no mapping of settings")
+    return flat(OmegaConf.to_container(loaded))
 
 
 def finished_summary(path: Path) -> dict[str, Any] | None:
@@ -130,11 +179,36 @@ def _status(summary: Path) -> str:
 
 def _write_config(directory: Path, cfg: DictConfig, hydra_cfg: Any) -> None:
     directory.mkdir(exist_ok=True)
-    (directory / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+    replace_file(directory / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     if hydra_cfg is not None:
-        overrides = OmegaConf.to_container(hydra_cfg.overrides.task)
-        (directory / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides), encoding="utf-8")
-        (directory / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra_cfg}), encoding="utf-8")
+        replace_file(directory / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.to_container(hydra_cfg.overrides.task)))
+        replace_file(directory / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
+
+
+def replace_file(path: Path, content: str | bytes) -> None:
+    """Write `path` whole or not at all: `content` goes into a temporary file beside it, flushed to the disk, which
+    then replaces it in one rename; `OSError` when that fails, with the temporary file removed."""
+    partial = path.with_name(f".{path.name}.tmp")
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    try:
+        with open(partial, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    sync_directory(path.parent)
+
+
+def sync_directory(path: Path) -> None:
+    """Flush a directory's entries (files created, renamed or removed in it) to the disk."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def make_writable_dir(path: str | Path) -> None:

@@ -3,10 +3,11 @@
 `RunGuard` is the Hydra callback of `conf/train.yaml`. Before the sweep it refuses a SLURM launcher (`cluster=slurm`)
 on a machine without SLURM's commands, composes every job the basic sweeper will launch and runs the start-up checks
 of each (`experiments.step.checks.check_run`: settings, model files, task, memory), so a bad cell of a grid is named at
-once, and refuses a parallel launcher whose jobs would share more threads than the machine has (before a single run
-it refuses `cluster=slurm`, which only submits a sweep's jobs); the entry point then reports a refused or crashing
-job and goes on with the next, and the sweep exits non-zero at the end, listing the jobs whose directory holds no
-finished run (whatever launcher ran them, in this process or others).
+once and a sweep whose every job would be refused launches none, and refuses a parallel launcher whose jobs would
+share more threads than the machine has (before a single run it refuses `cluster=slurm`, which only submits a sweep's
+jobs); the entry point then reports a refused or crashing job and goes on with the next, and the sweep exits
+non-zero at the end, listing the jobs whose directory holds no finished run (whatever launcher ran them, in this
+process or others).
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class RunGuard(rundir.DirectoryGuard):
                 check_run(loader.load_sweep_config(master_config=config, sweep_overrides=overrides))
             except ConfigError as error:
                 refused.append(f"  job {number} ({' '.join(overrides)}): {error}")
+        if refused and len(refused) == len(jobs):
+            raise SystemExit(f"moe-rl-lab: every one of the {len(jobs)} jobs of this sweep would be refused, so none "
+                             "is launched:\n" + "\n".join(refused))
         if refused:
             print(f"moe-rl-lab: {len(refused)} of {len(jobs)} jobs of this sweep will be refused; the other "
                   f"{len(jobs) - len(refused)} run:\n" + "\n".join(refused), file=sys.stderr, flush=True)

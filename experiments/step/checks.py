@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ from models.tokenizer import build_char_tokenizer
 # eps and the weights blow up (the micro MoE's logits were non-finite after its first RL step on CPU).
 TRAIN_DEVICES = ("cpu", "cuda", "cuda:<index>")
 TRAINABLE_DTYPES = ("float32", "bfloat16")
+# The smallest learning rate that trains: an AdamW update moves each weight by about lr, and float32 rounds away a
+# change smaller than half a weight's spacing (|w| x 6e-8), so below this no weight larger than 1e-3 would move.
+MIN_LR = 1e-10
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     """Every start-up check of an RL run on `world` ranks, without building the model: settings, the model's files
     and sizes, the objective, the engine, the task and its splits, and (`memory`) whether one rank's step fits in the
     device's free memory."""
+    check_cold_start(cfg)
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     hf_config = model_config(model_cfg)
     moe = is_moe(hf_config)
@@ -164,6 +169,9 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
     if not (math.isfinite(t.router_lr_scale) and t.router_lr_scale > 0):
         raise ConfigError(f"trainer.router_lr_scale={t.router_lr_scale} must be a finite number > 0 (to freeze the "
                           "routers: routers=[freeze])")
+    if t.lr < MIN_LR:
+        raise ConfigError(f"trainer.lr={t.lr} is below {MIN_LR:g}: an AdamW update moves each weight by about lr, "
+                          "less than float32 can add to any weight larger than 1e-3, so the run would train nothing")
 
 
 def check_switches(switches: list[RouterSwitch], run: RunFacts, moe: bool) -> None:
@@ -174,6 +182,16 @@ def check_switches(switches: list[RouterSwitch], run: RunFacts, moe: bool) -> No
                           "has none: use routers=[]")
     for switch in switches:
         switch.check(run)
+
+
+def check_cold_start(cfg: DictConfig) -> None:
+    """A `model.path` that does not exist, refused with the command that makes it: an experiment names the cold start
+    its runs begin from, and `python -m experiments.sft` is what writes one."""
+    path = cfg.model.path
+    if path is None or Path(path).expanduser().exists():
+        return
+    raise ConfigError(f"model.path={path!r} does not exist: make this cold start with `python -m experiments.sft "
+                      f"model={cfg.model.name} dataset={cfg.dataset.name} sft.output_dir={path}`")
 
 
 def check_routing(routing: Any, moe: bool, model: str) -> None:

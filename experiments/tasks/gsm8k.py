@@ -111,13 +111,15 @@ def read_qa_jsonl(path: Path, config_key: str) -> list[tuple[str, str, str]]:
         for number, raw in enumerate(lines, start=1):
             where = f"{path}:{number}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as error:
-                raise ConfigError(f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {error.start + 1}); "
+                column = len(raw[: error.start].decode("utf-8")) + 1  # in characters, as an editor counts them
+                raise ConfigError(f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {column}); "
                                   "GSM8K-format files are UTF-8 JSON lines") from None
             if not line.strip():
                 continue
             try:
+                # without its line break: a line cut short is then wrong at its end, not at column 1 of a next line
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ConfigError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None

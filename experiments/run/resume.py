@@ -1,0 +1,134 @@
+"""What a resumed run must share with the run it continues: every setting of the composed config, except the few
+declared safe to change.
+
+A run's settings are compared key by key, over every key of its config, whatever the schema holds today: a field
+added tomorrow (a kernel choice, an evaluation setting, a synthetic perturbation) is compared from the day it exists,
+unless it is added to `SAFE_TO_CHANGE`. A key the recorded run lacks is a setting added since it was written: it is
+the same setting when this run holds what runs did before it existed (a field's schema default, a config group's
+choice that changes nothing: `BEFORE_THE_GROUP`), and another experiment otherwise. The run's length is the one
+setting that may change under a rule of its own (`length_change`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.step.optimizer import LRSchedule
+
+# The keys (with everything under them) that may differ between a run and its resume: how the same steps are
+# computed, watched and saved, never what they compute.
+SAFE_TO_CHANGE = (
+    "resume",  # how this start finds the run it continues
+    "trainer.steps",  # the run's length: `length_change` says when it may grow
+    "trainer.threads",  # CPU threads computing the same steps
+    "cpu_kernels",  # the CPU kernels computing them (other rounding, as other threads give)
+    "device",  # the device computing them (the number of ranks is the checkpoint's to compare)
+    "launch",  # how the ranks start
+    "rollout.vllm",  # vLLM's memory budget
+    "trainer.eval_every",  # when the held-out evaluation runs, not what it measures
+    "trainer.eval_start",  # the start's evaluation, long past when a run resumes
+    "trainer.eval_split",  # whether the whole test split is evaluated too, at the start and the last step
+    "trainer.checkpoint_every",  # when checkpoints are written,
+    "trainer.keep_checkpoints",  # how many stay,
+    "trainer.save_checkpoint",  # and whether the final weights are exported
+    "trainer.max_consecutive_skips",  # how long a run whose updates keep failing goes on before it stops
+    "logger",  # where the numbers are sent
+    "hydra",  # Hydra's own node, which a config composed with it carries
+)
+# The config groups added since runs were first recorded, and the choice of each that runs made before it existed.
+BEFORE_THE_GROUP = {
+    "routing_variant.name": "none",  # no routing variant: plain replay, as before routing variants
+}
+
+
+class Difference(NamedTuple):
+    """A compared setting in which this run is another experiment than the recorded one."""
+
+    key: str
+    there: Any
+    here: Any
+    absent: bool  # the recorded run lacks the key
+
+    def __str__(self) -> str:
+        there = " absent" if self.absent else f"={self.there!r}"
+        return f"{self.key}{there} there, {self.here!r} here"
+
+
+def settings(cfg: DictConfig) -> dict[str, Any]:
+    """Every setting of `cfg`, resolved, as a flat `{dotted key: value}` (lists are values)."""
+    return flat(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+
+
+def flat(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as `{dotted key: value}`."""
+    found: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            found.update(flat(value, f"{prefix}{key}."))
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
+
+
+def declared_safe(key: str) -> bool:
+    return any(key == safe or key.startswith(f"{safe}.") for safe in SAFE_TO_CHANGE)
+
+
+def differences(recorded: dict[str, Any], cfg: DictConfig) -> list[Difference]:
+    """Every compared setting in which `cfg` is another experiment than the run whose `settings` are `recorded`."""
+    found = []
+    for key, ours in settings(cfg).items():
+        if declared_safe(key):
+            continue
+        if key in recorded:
+            if recorded[key] != ours:
+                found.append(Difference(key, recorded[key], ours, absent=False))
+        elif not _as_before_it_existed(recorded, cfg, key, ours):
+            found.append(Difference(key, None, ours, absent=True))
+    return found
+
+
+def _as_before_it_existed(recorded: dict[str, Any], cfg: DictConfig, key: str, value: Any) -> bool:
+    """Whether `value` of `key`, which the recorded run lacks, is what runs did before the key existed."""
+    if key in BEFORE_THE_GROUP:
+        return BEFORE_THE_GROUP[key] == value
+    return _node_recorded(recorded, key) and _is_schema_default(cfg, key, value)
+
+
+def _node_recorded(recorded: dict[str, Any], key: str) -> bool:
+    """Whether the recorded run holds the node `key` sits in: a field added to a node it had, not a node it lacks."""
+    node = key.rpartition(".")[0]
+    return not node or any(other.startswith(f"{node}.") for other in recorded)
+
+
+def _is_schema_default(cfg: DictConfig, key: str, value: Any) -> bool:
+    node_key, _, name = key.rpartition(".")
+    schema = OmegaConf.get_type(OmegaConf.select(cfg, node_key) if node_key else cfg)
+    if not dataclasses.is_dataclass(schema):
+        return False
+    for field in dataclasses.fields(schema):
+        if field.name == name:
+            if field.default is not dataclasses.MISSING:
+                return field.default == value
+            return field.default_factory is not dataclasses.MISSING and field.default_factory() == value
+    return False
+
+
+def described(found: list[Difference]) -> str:
+    """The first few differences, and how many more."""
+    return "; ".join(map(str, found[:4])) + (f" (and {len(found) - 4} more)" if len(found) > 4 else "")
+
+
+def length_change(recorded: dict[str, Any], cfg: DictConfig) -> str | None:
+    """Why this run cannot take the length `trainer.steps` asks for, or None: a schedule that decays over
+    `trainer.steps` would restart its decay at the resume, joining two schedules; a constant one (its warm-up counts
+    updates, not the run's length) lets a run grow, or a finished run be extended."""
+    planned, asked = recorded.get("trainer.steps"), cfg.trainer.steps
+    if planned is None or planned == asked or cfg.trainer.lr_schedule == LRSchedule.constant:
+        return None
+    return (f"its run was planned for trainer.steps={planned} under trainer.lr_schedule={cfg.trainer.lr_schedule}, "
+            f"whose learning rate decays over trainer.steps: trainer.steps={asked} would join two schedules (a run "
+            "changes length on resume under trainer.lr_schedule=constant only); start a new run for another length")
