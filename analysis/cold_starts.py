@@ -2,9 +2,11 @@
 
 Reads every finished cold start (`python -m experiments.sft`: a run directory whose `summary.json` names an `sft-`
 run) under the given directories, and writes into --out `report.md` (one row per cold start: the model's shape,
-its parameters, the task, the steps, wall and CPU time, the held-out greedy accuracy it stopped at and what stopped
-it) and `cold_starts.png` (held-out greedy accuracy and loss against SFT step, one line per cold start). When a
-checkpoint was written more than once, the newest run counts. Exit code 2 and one `error:` line on bad input.
+its parameters, the task, the router switches it trained with, the steps (pretraining + task), wall and CPU time,
+the held-out greedy accuracy it stopped at and what stopped it, and how it routes its held-out demonstrations:
+expert-load entropy over log E, max load / mean load, the median scale-free top-k margin; `–` for cold starts from
+before these were measured) and `cold_starts.png` (held-out greedy accuracy and loss against SFT step, one line per
+cold start). When a checkpoint was written more than once, the newest run counts. Exit code 2 and one `error:` line on bad input.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from omegaconf import OmegaConf
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from experiments.run.rundir import make_writable_dir
 from experiments.step import metrics as m
+from experiments.step.metrics import TOPK_MARGIN_MEDIAN
 
 
 def find_cold_starts(paths: Sequence[str | Path]) -> list[Path]:
@@ -92,16 +95,22 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
 
 def report(rows: list[dict], out: Path, command: str) -> Path:
     lines = ["# Cold starts", "", f"Made with `{command}`.", "", "![cold starts](cold_starts.png)", "",
-             "| model | task | MoE layers | experts / top-k | hidden | parameters | batch, lr | steps | wall | CPU | "
-             "held-out greedy | stopped by | weights sha256 | CPU kernels |", "|" + "---|" * 14]
+             "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | wall | "
+             "CPU | held-out greedy | stopped by | load entropy | max / mean load | top-k margin | weights sha256 | "
+             "CPU kernels |", "|" + "---|" * 18]
     for row in rows:
         s = row["summary"]
         experts = f"{row['experts']} / {row['top_k']}" if row["experts"] else "dense"
         params = f"{row['params'] / 1e6:.1f} M" if row["params"] else "–"
         cpu = f"{s['cpu_s'] / 60:.1f} min" if s.get("cpu_s") else "–"
+        steps = f"{s['pretrain_steps']} + {s['steps'] - s['pretrain_steps']}" if s.get("pretrain_steps") else s["steps"]
+        routing = s.get("routing") or {}
+        profile = [f"{routing[key]:{form}}" if key in routing else "–" for key, form in
+                   (("load_entropy", ".3f"), ("load_max_over_mean", ".2f"), (TOPK_MARGIN_MEDIAN, ".4f"))]
         lines.append(f"| {row['model']} | {row['task']} | {row['layers']} | {experts} | {row['hidden']} | {params} | "
-                     f"{row['batch']}, {row['lr']:g} | {s['steps']} | {s['wall_s'] / 60:.1f} min | {cpu} | "
-                     f"{s['eval_greedy_accuracy']:.1%} | {s.get('stopped_by', '–')} | {_start(s)} |")
+                     f"{', '.join(s.get('routers') or []) or '–'} | {row['batch']}, {row['lr']:g} | {steps} | "
+                     f"{s['wall_s'] / 60:.1f} min | {cpu} | {s['eval_greedy_accuracy']:.1%} | "
+                     f"{s.get('stopped_by', '–')} | {' | '.join(profile)} | {_start(s)} |")
     lines += ["", "Wall time depends on what else shared the cores; CPU time is what the cold start cost. Every cold "
               "start runs on one thread (`sft.threads=1`) with the portable CPU kernels (`cpu_kernels=portable`: "
               "ATen's AVX2 kernels, MKL's COMPATIBLE branch; models/cpu_kernels.py), so its checkpoint is the same "

@@ -149,9 +149,9 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Readable series label per run from its flattened config.
 
     The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none`, ` + <routing_variant.name>`
-    when a routing variant is on (a run without the key ran without one), ` + SYNTHETIC flips p=<p>` when
-    `routing.flip_rate` is not 0 and ` + SYNTHETIC router noise p=<p>` when `routing.perturb_rate` is not 0. Then,
-    in sorted key order, every
+    when a routing variant is on (a run without the key ran without one), ` + <switch>` per router switch on,
+    ` + SYNTHETIC flips p=<p>` when `routing.flip_rate` is not 0 and ` + SYNTHETIC router noise p=<p>` when
+    `routing.perturb_rate` is not 0. Then, in sorted key order, every
     config key that differs between runs (ignoring seeds, threads, checkpointing, output dirs, logger/W&B/Hydra
     keys; a checkpoint or data path does count) and still
     splits runs sharing a label so far is appended to all labels as `key=value`, with the shortest unambiguous
@@ -178,12 +178,13 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
 
 def method_name(cfg: Mapping[str, Any]) -> str:
     """The objective, then ` + <routing.replay>` and ` + <routing_variant.name>` where they are on (a run from before
-    variants existed ran without one): what a series and an arm are named by first."""
+    variants existed ran without one), then ` + <switch>` for each router switch on (`routers.<switch>.name`): what a
+    series and an arm are named by first."""
     name = str(cfg.get("algo.name", "unknown"))
     for key in ("routing.replay", "routing_variant.name"):
         if str(cfg.get(key, "none")) != "none":
             name += f" + {cfg[key]}"
-    return name
+    return name + "".join(f" + {cfg[key]}" for key in cfg if key.startswith("routers.") and key.endswith(".name"))
 
 
 def _base_label(cfg: Mapping[str, Any]) -> str:

@@ -102,7 +102,6 @@ class TrainerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = 1.0  # max global gradient norm
-    router_aux_loss_coef: float = 0.0  # load-balancing loss added to the policy loss (0: only logged, as in R3)
     max_consecutive_skips: int = 3  # updates in a row with a non-finite loss or gradient before the run stops
     # RL steps between held-out evaluations (0: only at the end). Every 5 steps the curve has enough points for its
     # area (the run's mean gain, `metrics.gain_area`) to be a steadier summary than the last evaluation alone.
@@ -148,6 +147,9 @@ class TrainConfig:
     algo: Any = MISSING  # an objective's schema (`schema/algo/<name>`, generated from its dataclass)
     correction: Any = MISSING  # a rollout correction's schema (`schema/correction/<name>`, from its dataclass)
     routing_variant: Any = MISSING  # a routing variant's schema (`schema/routing_variant/<name>`, from its dataclass)
+    # The router switches that are on, by name (`routers=[aux_loss,freeze]`; each `schema/routers/<name>`, from its
+    # dataclass in `algos.routers`); none by default: the routers learn from the policy gradient alone.
+    routers: dict[str, Any] = field(default_factory=dict)
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: Any = MISSING  # a task's schema (`schema/dataset/<name>`, generated from its dataclass)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -178,6 +180,14 @@ class SFTSettings:
     lr_schedule: LRSchedule = LRSchedule.constant  # after the warm-up; linear / cosine decay reach 0 at max_steps
     weight_decay: float = 0.0
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this (RL needs reward variance)
+    # Pretraining before the task's SFT: next-token training on every token (prompt, answer, eos) of examples drawn
+    # evenly from a mixture of the lab's tasks in their formats, so that experts specialise by token kind as those of
+    # real MoEs trained on varied data do. Its steps come before max_steps (same optimizer, the schedule over both);
+    # 0: none, the cold start trains on its task alone.
+    pretrain_steps: int = 0
+    # The mixture's tasks, at their default settings, beside the cold start's own task (which is always in it). Not
+    # scratchpad by default: its 33-token prompts pad every mixed batch to them, ~5x a step's cost on one thread.
+    pretrain_tasks: list[str] = field(default_factory=lambda: ["addition", "sorting"])
     eval_every: int = 20  # SFT steps between held-out evaluations
     eval_prompts: int = 256
     output_dir: str = MISSING  # where save_pretrained writes the checkpoint and tokenizer
@@ -191,6 +201,9 @@ class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: Any = MISSING
     sft: SFTSettings = field(default_factory=SFTSettings)
+    # The family's own balancing while the cold start trains (`routers=[aux_loss]`, `routers=[bias_update]`): the
+    # router switches that serve a cold start (`algos.routers`); none by default.
+    routers: dict[str, Any] = field(default_factory=dict)
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(WandbConfig(job_type="sft")))
     seed: int = 0
     device: str = "cpu"
@@ -237,6 +250,7 @@ def register_configs() -> None:
     """Store every schema; idempotent (Hydra's ConfigStore overwrites entries of the same name)."""
     from algos import OBJECTIVES
     from algos.corrections import CORRECTIONS
+    from algos.routers import ROUTER_SWITCHES
     from algos.routing_variants import ROUTING_VARIANTS
     from experiments.tasks import TASKS
 
@@ -250,3 +264,4 @@ def register_configs() -> None:
     _store_group(cs, "dataset", TASKS, lambda cls: [])
     _store_group(cs, "correction", CORRECTIONS, lambda cls: [])
     _store_group(cs, "routing_variant", ROUTING_VARIANTS, lambda cls: [])
+    _store_group(cs, "routers", ROUTER_SWITCHES, lambda cls: [])

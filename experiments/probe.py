@@ -12,9 +12,12 @@ averages:
   share of tokens with a changed expert in any layer;
 - the routing share of Var(log π_θ/π_old) over the off-policy minibatches (`decompose/routing_share`, one extra
   forward each: the routing part log π_θ(θ's experts) − log π_θ(θ_old's experts) against the whole log-ratio);
-- the routers' margins and fragility (`routing/margin`: gap between the k-th and (k+1)-th expert probability;
-  `routing/logit_margin`: between their logits, comparable across expert counts; `routing/fragile_frac`: share of
-  tokens with a probability gap below `routing.margin_threshold`; `routing/topk_mass`);
+- the routers' margins and fragility on the family's selection scores (`routing/margin`: gap between the k-th and
+  (k+1)-th; `routing/logit_margin`: between their logits, comparable across expert counts; `routing/fragile_frac`:
+  share of tokens with a gap below `routing.margin_threshold`; `routing/topk_mass`), and the scale-free margin
+  (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri issue #119 over tokens and layers (`routing/topk_margin_median`,
+  `_mean`, `_small_frac` below 0.01, each per layer too), the number real checkpoints were measured by
+  (`models.routing.MARGIN_ANCHORS`);
 - the token- and sequence-level ratio variance, the clipped share, the response length.
 
 Then, for each engine precision of `probe.precisions`, one step with the rollout engine computing in it: the share
@@ -62,9 +65,10 @@ from models.registry import ConfigError, Diverged
 REPORTED = (
     metrics.DRIFT_PER_UPDATE, metrics.TOKEN_DRIFT_PER_UPDATE, metrics.ROUTING_SHARE, metrics.ROUTING_VAR,
     metrics.WEIGHTS_VAR, metrics.TOTAL_VAR, metrics.MARGIN, metrics.LOGIT_MARGIN, metrics.FRAGILE, metrics.TOPK_MASS,
-    TOKEN_RATIO_VAR, SEQ_RATIO_VAR, CLIP, KL_OLD, metrics.LENGTH, metrics.REWARD, metrics.ENTROPY,
+    metrics.TOPK_MARGIN_MEDIAN, metrics.TOPK_MARGIN_MEAN, metrics.TOPK_MARGIN_SMALL, TOKEN_RATIO_VAR, SEQ_RATIO_VAR, CLIP, KL_OLD, metrics.LENGTH, metrics.REWARD, metrics.ENTROPY,
 )
 PER_LAYER_DRIFT = metrics.per_layer(metrics.DRIFT_PER_UPDATE, "")
+PER_LAYER_MARGIN = metrics.per_layer(metrics.TOPK_MARGIN_MEDIAN, "")
 # logged per off-policy minibatch: pooled over the measured steps' minibatches
 PER_MINIBATCH = (metrics.ROUTING_VAR, metrics.WEIGHTS_VAR, metrics.TOTAL_VAR, metrics.ROUTING_SHARE)
 MISMATCH = (metrics.ENGINE_EXPERTS, metrics.ENGINE_TOKENS, metrics.MISMATCH_K3)
@@ -138,14 +142,15 @@ def mean_and_sem(values: list[float]) -> tuple[float | None, float | None]:
 
 def measure(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The reported means over the measured steps, each with its standard error (`<key>_sem`) and sample count
-    (`<key>_n`); `drift_per_layer` in layer order."""
+    (`<key>_n`); `drift_per_layer` and `topk_margin_median_per_layer` in layer order."""
     result: dict[str, Any] = {}
     for key in REPORTED:
         values = samples_of(records, key)
         result[key], result[f"{key}_sem"] = mean_and_sem(values)
         result[f"{key}_n"] = len(values)
-    layers = sorted((int(k.removeprefix(PER_LAYER_DRIFT)) for k in records[0] if k.startswith(PER_LAYER_DRIFT)))
-    result["drift_per_layer"] = [mean_and_sem(samples_of(records, f"{PER_LAYER_DRIFT}{i}"))[0] for i in layers]
+    for name, prefix in (("drift_per_layer", PER_LAYER_DRIFT), ("topk_margin_median_per_layer", PER_LAYER_MARGIN)):
+        layers = sorted((int(k.removeprefix(prefix)) for k in records[0] if k.startswith(prefix)))
+        result[name] = [mean_and_sem(samples_of(records, f"{prefix}{i}"))[0] for i in layers]
     return result
 
 
@@ -246,7 +251,7 @@ def table(summary: dict[str, Any]) -> str:
     lines = [f"{summary['run']} ({summary['policy']['num_moe_layers']} MoE layers, {summary['policy']['num_experts']} "
              f"experts, top-{summary['policy']['num_experts_per_tok']}): {summary['wall_s']:.0f} s"]
     lines.append(f"{'lr':>8}  {'drift/update':>12}  {'routing share (± s.e.)':>22}  {'logit margin':>12}  "
-                 f"{'token ratio var':>15}  {'length':>6}")
+                 f"{'top-k margin':>12}  {'token ratio var':>15}  {'length':>6}")
     for s in summary["settings"]:
         if "diverged" in s:
             lines.append(f"{s['lr']:>8.0e}  diverged: {s['diverged']}")
@@ -254,7 +259,8 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(
             f"{s['lr']:>8.0e}  {_pct(s[metrics.DRIFT_PER_UPDATE]):>12}"
             f"  {_pct(s[metrics.ROUTING_SHARE], s[metrics.ROUTING_SHARE + '_sem']):>22}"
-            f"  {_num(s[metrics.LOGIT_MARGIN]):>12}  {_num(s[TOKEN_RATIO_VAR]):>15}"
+            f"  {_num(s[metrics.LOGIT_MARGIN]):>12}  {_num(s[metrics.TOPK_MARGIN_MEDIAN]):>12}"
+            f"  {_num(s[TOKEN_RATIO_VAR]):>15}"
             f"  {_num(s[metrics.LENGTH]):>6}"
         )
     for m in summary["precision_mismatch"]:

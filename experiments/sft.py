@@ -9,11 +9,23 @@ comes first, then writes `save_pretrained` + tokenizer to `sft.output_dir`, whic
 The loss covers the demonstration and its eos only (prompt tokens are context). Sequences are left-padded with
 position ids that skip the padding, exactly as in RL scoring and generation.
 
-Run: `python -m experiments.sft` (tiny MoE, addition) or `python -m experiments.sft model=deep_moe`.
+Routers like real ones. Real MoEs are trained with their family's own load balancing and on varied data, so many
+tokens sit near the top-k cut; two settings give a cold start both. `routers=[aux_loss]` (the softmax family: the
+global-batch load-balancing loss at Qwen3's 1e-3) or `routers=[bias_update]` (the sigmoid family: DeepSeek-V3's
+bias step at 1e-3 and its 1e-4 sequence-wise loss) balance every step (`algos.routers`). `sft.pretrain_steps`
+first trains on every token of a mixture of the lab's tasks in their formats (`sft.pretrain_tasks` and the cold
+start's own task, drawn evenly), so experts specialise by token kind; the task's SFT follows with the same optimizer.
+Whatever the recipe, `summary.json` and `cold_start.json` report how the cold start routes its held-out
+demonstrations (`routing_profile`): expert-load entropy, max load / mean load and the scale-free margin at the
+top-k cut, held against the real checkpoints' (`models.routing.MARGIN_ANCHORS`; `python -m analysis.margins`).
+
+Run: `python -m experiments.sft` (tiny MoE, addition) or `python -m experiments.sft model=deep_moe`; balanced:
+`python -m experiments.sft model=qwen30b_l16 routers=[aux_loss] sft.pretrain_steps=200`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -28,39 +40,44 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from experiments.config import register_configs
 from experiments.run import rundir
 from experiments.run.logger import RunLogger
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
+from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
 from experiments.step.checks import check_device, check_training_dtype, longest_tokens, unknown_keys
 from experiments.step.engines import HFEngine
 from experiments.step.optimizer import lr_lambda
-from experiments.step.scoring import position_ids
+from experiments.step.scoring import position_ids, router_fragility
 from experiments.step.trainer import evaluate
 from experiments.tasks import Example, build_task
 from models import cpu_kernels
-from models.policy import ModelConfig, build_policy, describe_policy
+from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError, Diverged
+from models.routing import SMALL_MARGIN, RouterCalls, chosen, find_routers, router_calls
 
 register_configs()
 
 IGNORE = -100
+MIXTURE_STREAM = 0x3A7E  # offsets the pretraining mixture's draws from the task's: those stay the same
 
 
 def demonstration_batch(
-    tokenizer: PreTrainedTokenizerBase, examples: list[Example]
+    tokenizer: PreTrainedTokenizerBase, examples: list[Example], every_token: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`prompt + demonstration + eos`, left-padded: (input_ids, attention_mask, labels) each `[B, S]`.
 
-    Labels are the input ids on demonstration and eos positions and IGNORE elsewhere (transformers shifts them).
+    Labels are the input ids on demonstration and eos positions and IGNORE elsewhere (transformers shifts them);
+    with `every_token` (pretraining) on the prompt's tokens too.
     """
     rows, targets = [], []
     for example in examples:
         prompt = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
         answer = tokenizer(example.demonstration, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
-        targets.append([IGNORE] * len(prompt) + answer)
+        targets.append((prompt if every_token else [IGNORE] * len(prompt)) + answer)
     width = max(len(row) for row in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
@@ -83,6 +100,8 @@ def check_settings(cfg: DictConfig) -> None:
             raise ConfigError(f"sft.{key}={s[key]} must be >= 1")
     if not 0 <= s.warmup_steps < s.max_steps:
         raise ConfigError(f"sft.warmup_steps={s.warmup_steps} must be >= 0 and below sft.max_steps={s.max_steps}")
+    if s.pretrain_steps < 0:
+        raise ConfigError(f"sft.pretrain_steps={s.pretrain_steps} must be >= 0 (0: no pretraining phase)")
     for key in ("lr", "max_seconds"):
         if not (math.isfinite(s[key]) and s[key] > 0):
             raise ConfigError(f"sft.{key}={s[key]} must be a finite number > 0")
@@ -100,61 +119,143 @@ def check_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"sft.output_dir={s.output_dir!r} cannot be written: {error.strerror}") from None
 
 
+def router_switches(cfg: DictConfig, model_cfg: ModelConfig) -> list[RouterSwitch]:
+    """The router switches the cold start trains with, each checked against the model (`algos.routers`)."""
+    switches = build_router_switches(OmegaConf.to_container(cfg.routers, resolve=True))
+    family = model_config(model_cfg).model_type
+    if switches and not is_moe(model_config(model_cfg)):
+        raise ConfigError(f"routers=[{','.join(s.name for s in switches)}] act on MoE routers, and model "
+                          f"{cfg.model.name!r} has none: use routers=[]")
+    for switch in switches:
+        switch.check(RunFacts(cfg.model.name, family in SIGMOID_FAMILIES))
+    return switches
+
+
+def pretraining_mixture(cfg: DictConfig, own: list[Example]) -> list[list[Example]]:
+    """The train examples of each task of the pretraining mixture: `sft.pretrain_tasks` at their defaults, then the
+    cold start's own task (`own`); empty without a pretraining phase."""
+    tasks = [build_task(name) for name in cfg.sft.pretrain_tasks]  # each name checked, with or without the phase
+    return [task.examples("train") for task in tasks] + [own] if cfg.sft.pretrain_steps else []
+
+
+def mixture_batch(mixture: list[list[Example]], size: int, generator: torch.Generator) -> list[Example]:
+    """`size` examples, each from a task of the mixture drawn evenly, then an example of it drawn evenly."""
+    tasks = torch.randint(len(mixture), (size,), generator=generator).tolist()
+    return [mixture[t][int(torch.randint(len(mixture[t]), (1,), generator=generator))] for t in tasks]
+
+
+PROFILE = ("load_entropy", "load_max_over_mean", TOPK_MARGIN_MEDIAN, TOPK_MARGIN_MEAN, TOPK_MARGIN_SMALL)
+
+
+@torch.no_grad()
+def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                    examples: list[Example]) -> dict[str, Any] | None:
+    """How `model` routes the demonstrations of `examples` (prompt, answer and eos, one forward in eval mode): per
+    MoE layer the expert loads of the routers' own top-k, their entropy over log E (`load_entropy`: 1 when every
+    expert carries the same load) and the largest load over the mean (`load_max_over_mean`: 1 when balanced),
+    each the mean over layers; and the scale-free margin at the top-k cut (`models.routing.topk_margin` on the
+    family's selection scores: median, mean and share below 0.01 over tokens and layers, and the median per layer),
+    what the anchors of real checkpoints measure (`models.routing.MARGIN_ANCHORS`). None for a dense model."""
+    if not find_routers(model):
+        return None
+    model.eval()
+    input_ids, attention_mask, _ = demonstration_batch(tokenizer, examples)
+    device = next(model.parameters()).device
+    with router_calls(model) as calls:
+        model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+              position_ids=position_ids(attention_mask).to(device), use_cache=False)
+    routers = RouterCalls(calls, attention_mask.to(device))
+    w = routers.flat_weights
+    loads = torch.stack([(chosen(router, logits) * w.unsqueeze(-1)).sum(dim=0) for router, logits in calls])
+    share = loads / loads.sum(dim=-1, keepdim=True)
+    experts = share.shape[-1]
+    entropy = -(share * share.clamp_min(1e-30).log()).sum(dim=-1) / math.log(experts)
+    stats = router_fragility(routers, SMALL_MARGIN)
+    return {
+        "load_entropy": float(entropy.mean()),
+        "load_max_over_mean": float((share.max(dim=-1).values * experts).mean()),
+        **{name: stats[name] for name in PROFILE[2:]},
+        "topk_margin_median_per_layer": [stats[per_layer(TOPK_MARGIN_MEDIAN, i)] for i in range(len(calls))],
+    }
+
+
 def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> tuple[PreTrainedModel, dict[str, Any]]:
-    """Train until the target accuracy or the budget; save the checkpoint; return the model and a summary."""
+    """Pretrain on the mixture (`sft.pretrain_steps`), then train on the task until the target accuracy or the
+    budget; save the checkpoint; return the model and a summary."""
     s = cfg.sft
     try:
         cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
         check_settings(cfg)
         claimed = rundir.claim(Path(run_dir), cfg, hydra_cfg)
-        model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+        model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+        switches = router_switches(cfg, model_cfg)
+        model, tokenizer = build_policy(model_cfg)
         dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
         task = build_task(dataset.pop("name"), **dataset)
         if s.eval_prompts > len(task.examples("test")):
             raise ConfigError(f"sft.eval_prompts={s.eval_prompts} is more than the {len(task.examples('test'))} "
                               f"held-out examples of dataset {task.name!r}")
+        mixture = pretraining_mixture(cfg, task.examples("train"))
     except ConfigError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
     threads = ThreadBudget(s.threads)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     model.to(device)
+    for switch in switches:
+        switch.start(model)
     train, test = task.examples("train"), task.examples("test")[: s.eval_prompts]
     # Room for the longest held-out demonstration and its eos: a longer completion is wrong whatever it says.
     eval_tokens = longest_tokens(tokenizer, [example.demonstration for example in test]) + 1
+    total = s.pretrain_steps + s.max_steps
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s.lr_schedule, s.warmup_steps, s.max_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s.lr_schedule, s.warmup_steps, total))
     generator = torch.Generator().manual_seed(cfg.seed)
+    mixer = torch.Generator().manual_seed(cfg.seed + MIXTURE_STREAM)
     name = f"sft-{cfg.model.name}-{cfg.dataset.name}"
     logger = RunLogger(claimed.path, cfg, name, ["sft", f"model:{cfg.model.name}"], None)
     start, cpu_start = time.perf_counter(), time.process_time()
     accuracy, step, loss_value, out_of_time = 0.0, 0, float("nan"), False
-    bar = tqdm(total=s.max_steps, desc=name, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
     try:
-        while step < s.max_steps:
+        while step < total:
             step += 1
+            pretraining = step <= s.pretrain_steps
             threads.begin()
             model.train()
-            picks = torch.randint(len(train), (s.batch_size,), generator=generator).tolist()
-            input_ids, attention_mask, labels = demonstration_batch(tokenizer, [train[i] for i in picks])
-            out = model(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                position_ids=position_ids(attention_mask).to(device),
-                labels=labels.to(device),
-                use_cache=False,
-            )
+            if pretraining:
+                batch = demonstration_batch(tokenizer, mixture_batch(mixture, s.batch_size, mixer), every_token=True)
+            else:
+                picks = torch.randint(len(train), (s.batch_size,), generator=generator).tolist()
+                batch = demonstration_batch(tokenizer, [train[i] for i in picks])
+            input_ids, attention_mask, labels = batch
+            with router_calls(model) if switches else contextlib.nullcontext([]) as calls:
+                out = model(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    position_ids=position_ids(attention_mask).to(device),
+                    labels=labels.to(device),
+                    use_cache=False,
+                )
+            routers = RouterCalls(calls, attention_mask.to(device))
+            loss = out.loss + sum(switch.loss(routers, None) for switch in switches)
             optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
+            loss.backward()
             lr = scheduler.get_last_lr()[0]  # the rate this step's update used
             optimizer.step()
             scheduler.step()
             loss_value = float(out.loss.detach())
+            record = {m.STEP: step, m.SFT_LOSS: loss_value, m.LR: lr}
+            for switch in switches:  # the balancing of the family between updates (the selection bias)
+                record.update(switch.after_update(model, routers, lambda tensor: tensor))
             threads.end()
             elapsed = time.perf_counter() - start
             out_of_time = elapsed >= s.max_seconds
-            record = {m.STEP: step, m.SFT_LOSS: loss_value, m.LR: lr, m.ELAPSED: elapsed}
-            if step % s.eval_every == 0 or out_of_time or step == s.max_steps:
+            record[m.ELAPSED] = elapsed
+            if s.pretrain_steps:
+                record[m.SFT_PRETRAINING] = float(pretraining)
+            task_step = step - s.pretrain_steps
+            if task_step > 0 and (task_step % s.eval_every == 0 or out_of_time or step == total):
                 model.eval()
                 metrics = evaluate(HFEngine(model, tokenizer), task, test, samples=0, max_new_tokens=eval_tokens,
                                    temperature=1.0)
@@ -181,7 +282,10 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     summary = {
         "status": "finished",
         "run": name,
+        "dataset": dict(cfg.dataset),
         "steps": step,
+        "pretrain_steps": min(step, s.pretrain_steps),
+        "routers": [switch.name for switch in switches],
         "wall_s": time.perf_counter() - start,
         "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
         "final_loss": loss_value,
@@ -194,6 +298,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         "checkpoint": str(output_dir),
         "weights_sha256": cpu_kernels.weights_sha256(model),  # the start's identity, also in every RL run's summary
         "kernels": cpu_kernels.describe(cfg.cpu_kernels),
+        "routing": routing_profile(model, tokenizer, test),  # on the held-out demonstrations, after training
         "policy": describe_policy(model),  # the experts and attention implementations computed with, among others
     }
     (output_dir / "cold_start.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -208,11 +313,13 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             f"cold start stopped at {accuracy:.1%} held-out accuracy, below sft.target_accuracy={s.target_accuracy}: "
             "RL from this checkpoint will see little reward variance; raise sft.max_steps"
         )
-    print(
-        f"{name}: {step} steps in {summary['wall_s']:.0f} s, loss {loss_value:.3f}, held-out greedy accuracy "
-        f"{accuracy:.1%} (target {s.target_accuracy:.0%}). Checkpoint: {output_dir} (weights sha256 "
-        f"{summary['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)"
-    )
+    profile = summary["routing"]
+    routing = "" if profile is None else (
+        f"; load entropy {profile['load_entropy']:.3f}, max / mean load {profile['load_max_over_mean']:.2f}, top-k "
+        f"margin median {profile[TOPK_MARGIN_MEDIAN]:.4f}")
+    print(f"{name}: {step} steps in {summary['wall_s']:.0f} s, loss {loss_value:.3f}, held-out greedy accuracy "
+          f"{accuracy:.1%} (target {s.target_accuracy:.0%}){routing}. Checkpoint: {output_dir} (weights sha256 "
+          f"{summary['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)")
     return model, summary
 
 

@@ -1,8 +1,9 @@
 """The MoE policy: a transformers MoE causal LM, built from a config in code or loaded from a local checkpoint.
 
 Two sources, one result (`model`, `tokenizer`):
-- `path: null`: a Qwen3-MoE (`Qwen3MoeForCausalLM`) of the configured size with random weights and the
-  character tokenizer of `models.tokenizer`. Routers are initialised with a larger std than transformers'
+- `path: null`: a Qwen3-MoE (`Qwen3MoeForCausalLM`) of the configured size, or a DeepSeek-V3 or GLM-4.5 MoE
+  (`deepseek_v3`, `glm4_moe`: the sigmoid family, `models.routing`), with random weights and the character tokenizer
+  of `models.tokenizer`. Routers are initialised with a larger std than transformers'
   0.02 so that routing is decisive from the start (near-tied routers flip on numerical noise, which would
   read as routing drift that no update caused).
 - `path: /dir`: a local Hugging Face checkpoint of a supported MoE family, with its own tokenizer. The hub is
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import DeepseekV3Config, Glm4MoeConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from models.registry import ConfigError, check_fields
@@ -35,9 +36,12 @@ from models.moe_backend import MoEBackend, apply_moe_backend, describe_experts_b
 from models.routing import find_routers
 from models.tokenizer import build_char_tokenizer
 
-# MoE families whose routers `models.routing` can record and replay (softmax -> top-k -> optional renorm), and
+# MoE families whose routers `models.routing` can record and replay: the softmax family (softmax -> top-k ->
+# optional renorm) and the sigmoid family (sigmoid + selection bias -> group-limited top-k -> renorm x scale), and
 # dense families accepted as controls (no routing: replay is refused, routing metrics are absent).
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+SOFTMAX_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
+MOE_FAMILIES = SOFTMAX_FAMILIES + SIGMOID_FAMILIES
 DENSE_FAMILIES = ("qwen3", "qwen2", "llama")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +50,8 @@ class Architecture(StrEnum):
     """What `path: null` builds in code, or `from_checkpoint` (`model=checkpoint`: the checkpoint at `path` decides)."""
 
     qwen3_moe = "qwen3_moe"
+    deepseek_v3 = "deepseek_v3"  # the sigmoid family with multi-head latent attention (DeepSeek-V3, Kimi K2)
+    glm4_moe = "glm4_moe"  # the sigmoid family with grouped-query attention (GLM-4.5)
     qwen3 = "qwen3"  # a dense control of the same width and depth
     from_checkpoint = "from_checkpoint"
 
@@ -71,7 +77,7 @@ class ModelConfig:
     path: str | None = None  # local HF checkpoint directory; null builds `architecture` below in code
     architecture: Architecture = Architecture.qwen3_moe
     hidden_size: int = 256
-    num_hidden_layers: int = 4  # every layer is an MoE layer in the qwen3_moe built here
+    num_hidden_layers: int = 4  # every layer is an MoE layer in the MoE models built here
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
@@ -79,12 +85,22 @@ class ModelConfig:
     num_experts: int = 16
     num_experts_per_tok: int = 2  # top-k
     moe_intermediate_size: int = 128  # expert width
-    norm_topk_prob: bool = True  # renormalise the top-k gate weights, as Qwen3-30B-A3B
+    norm_topk_prob: bool = True  # renormalise the top-k gate weights, as Qwen3-30B-A3B and DeepSeek-V3
+    # The sigmoid family (architecture deepseek_v3 or glm4_moe) only: group-limited routing, shared experts, the
+    # gates' scale; and deepseek_v3's multi-head latent attention, whose query and key heads are head_dim wide.
+    n_group: int = 1  # expert groups (1: none); each token's top-k is taken within its best `topk_group` groups
+    topk_group: int = 1
+    n_shared_experts: int = 1  # experts every token also passes through, each moe_intermediate_size wide
+    routed_scaling_factor: float = 2.5  # the routed experts' gates are multiplied by this (DeepSeek-V3, GLM-4.5)
+    kv_lora_rank: int = 32  # deepseek_v3: width of the compressed keys and values
+    q_lora_rank: int | None = None  # deepseek_v3: width of the compressed queries; null: queries not compressed
+    qk_rope_head_dim: int = 16  # deepseek_v3: rotary part of each query and key head (the rest carries no position)
     max_position_embeddings: int = 256
     router_init_std: float = 0.3  # std of the router weights at init: decisive routing from step 0
-    # Scale the init std of every residual branch's output projection (attention's o_proj, the experts' down_proj,
-    # the dense MLP's down_proj) by 1/sqrt(2 x layers), as GPT-2 (Radford et al. 2019, §2.3): the residual stream's
-    # variance at init then stays flat with depth instead of growing with it, which deep narrow models need to train.
+    # Scale the init std of every residual branch's output projection (attention's o_proj, the experts', the shared
+    # experts' and the dense MLP's down_proj) by 1/sqrt(2 x layers), as GPT-2 (Radford et al. 2019, §2.3): the
+    # residual stream's variance at init then stays flat with depth instead of growing with it, which deep narrow
+    # models need to train.
     depth_scaled_init: bool = False
     init_seed: int = 0  # weights of a model built in code depend on this seed only, not on the run's seed
     experts_implementation: ExpertsImplementation = ExpertsImplementation.sorted_mm  # grouped_mm's arithmetic, cheaper on CPU
@@ -137,7 +153,38 @@ def model_config(cfg: ModelConfig) -> PretrainedConfig:
         )
     if cfg.architecture == Architecture.qwen3 and cfg.moe_backend != MoEBackend.hf:
         raise ConfigError(f"model.moe_backend={cfg.moe_backend!r} needs an MoE model; {cfg.name!r} is dense")
+    check_sigmoid_family(cfg)
     return config_in_code(cfg, build_char_tokenizer())
+
+
+def check_sigmoid_family(cfg: ModelConfig) -> None:
+    """The sigmoid family's sizes: groups that split the experts and leave the top-k enough to choose from, and
+    deepseek_v3's latent attention; a softmax family given expert groups is refused (it would ignore them)."""
+    if cfg.architecture.value not in SIGMOID_FAMILIES:
+        if cfg.n_group != 1:
+            raise ConfigError(f"model.n_group={cfg.n_group} groups experts for the sigmoid family (architecture "
+                              f"{' or '.join(SIGMOID_FAMILIES)}); architecture={cfg.architecture} has none: use 1")
+        return
+    if cfg.n_group < 1 or cfg.num_experts % cfg.n_group or cfg.num_experts // cfg.n_group < 2:
+        raise ConfigError(f"model.n_group={cfg.n_group} must split model.num_experts={cfg.num_experts} into groups of "
+                          "at least 2 experts (a group scores the sum of its two best)")
+    if not 1 <= cfg.topk_group <= cfg.n_group:
+        raise ConfigError(f"model.topk_group={cfg.topk_group} must be between 1 and model.n_group={cfg.n_group}")
+    if cfg.topk_group * cfg.num_experts // cfg.n_group <= cfg.num_experts_per_tok:
+        raise ConfigError(f"model.topk_group={cfg.topk_group} groups of {cfg.num_experts // cfg.n_group} experts must "
+                          f"hold more than model.num_experts_per_tok={cfg.num_experts_per_tok} (a choice to make)")
+    if cfg.n_shared_experts < 1:
+        raise ConfigError(f"model.n_shared_experts={cfg.n_shared_experts} must be >= 1 (the family's shared expert)")
+    if not (math.isfinite(cfg.routed_scaling_factor) and cfg.routed_scaling_factor > 0):
+        raise ConfigError(f"model.routed_scaling_factor={cfg.routed_scaling_factor} must be a finite number > 0")
+    if cfg.architecture != Architecture.deepseek_v3:
+        return
+    if not 2 <= cfg.qk_rope_head_dim < cfg.head_dim or cfg.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even, >= 2 and below model.head_dim="
+                          f"{cfg.head_dim} (the rest of a query and key head carries no position)")
+    if cfg.kv_lora_rank < 1 or (cfg.q_lora_rank is not None and cfg.q_lora_rank < 1):
+        raise ConfigError(f"model.kv_lora_rank={cfg.kv_lora_rank} and model.q_lora_rank={cfg.q_lora_rank} must be >= 1 "
+                          "(q_lora_rank may be null)")
 
 
 def _checkpoint_config(given: str) -> PretrainedConfig:
@@ -172,8 +219,13 @@ def is_moe(config: PretrainedConfig) -> bool:
 
 
 def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
-    """The transformers config of a model built in code: a Qwen3-MoE whose every layer is an MoE layer, or the
-    dense Qwen3 of the same width and depth (its MLP width is `intermediate_size`)."""
+    """The transformers config of a model built in code: a Qwen3-MoE, DeepSeek-V3 or GLM-4.5 MoE whose every layer
+    is an MoE layer, or the dense Qwen3 of the same width and depth (its MLP width is `intermediate_size`).
+
+    DeepSeek-V3's latent attention gives every head its own keys and values (num_key_value_heads is the head count
+    there), query and key heads of head_dim = qk_rope_head_dim + a position-free rest, value heads of head_dim (its
+    config's own `head_dim` is the rotary width, as transformers' DeepseekV3Config sets it). No
+    multi-token-prediction layers."""
     shared = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -190,6 +242,32 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
     )
     if cfg.architecture == "qwen3":
         return Qwen3Config(**shared)
+    if cfg.architecture.value in SIGMOID_FAMILIES:
+        sigmoid = dict(
+            n_routed_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            n_shared_experts=cfg.n_shared_experts,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            first_k_dense_replace=0,  # every layer is an MoE layer
+            num_mtp_layers=0,
+        )
+        if cfg.architecture == Architecture.glm4_moe:
+            return Glm4MoeConfig(**shared, **sigmoid)
+        return DeepseekV3Config(
+            **{**shared, "num_key_value_heads": cfg.num_attention_heads, "head_dim": cfg.qk_rope_head_dim}, **sigmoid,
+            kv_lora_rank=cfg.kv_lora_rank,
+            q_lora_rank=cfg.q_lora_rank,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim,
+            v_head_dim=cfg.head_dim,
+            # What DeepSeek-V3's own config.json says of its routing; transformers always routes so, vLLM reads them.
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        )
     return Qwen3MoeConfig(
         **shared,
         num_experts=cfg.num_experts,
@@ -201,7 +279,8 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
     )
 
 
-RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.down_proj.weight")
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.down_proj.weight",
+                    "mlp.shared_experts.down_proj.weight")
 
 
 def scale_residual_outputs(model: PreTrainedModel, std: float) -> None:

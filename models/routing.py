@@ -8,13 +8,26 @@ laid out exactly like the token ids of the batch it was recorded on (left paddin
 recorded route carry the sentinel `NO_ROUTE = -1`, never a valid expert id: padding (attention mask 0), and in a
 trace recorded across `generate` the last sampled token, which is never fed back through the model.
 
+Families. Two router families route differently from the same logits z (`route`): the softmax family (Qwen2/3-MoE,
+OLMoE, Mixtral) ranks p = softmax(z) and gates with p at the top-k, renormalised when the family does; the sigmoid
+family (DeepSeek-V3, GLM-4.5: transformers 5.24 `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter`) ranks s + b, s =
+sigmoid(z) and b a per-expert selection bias (`e_score_correction_bias`, moved by load balancing, not by gradient),
+within the best `topk_group` of `n_group` expert groups, and gates with s alone at the top-k, renormalised, times
+`routed_scaling_factor`: the bias changes which experts are chosen, never their gate weights. `selection_scores` is
+what the top-k ranks, `gate_scores` what the gates are taken from.
+
 Gates. `record_routing(..., gates=True)` also records, per chosen expert, the gate weight the router gave it
 (`RoutingTrace.weights`, as the family computes it: renormalised or not, in the router's dtype, stored in fp32) and
-the router's log-probability of it, the log-softmax over all experts (`RoutingTrace.logprobs`).
+the router's log-score of it (`RoutingTrace.logprobs`: the log-softmax over all experts, or log sigmoid(z) for the
+sigmoid family, whose experts are scored independently).
+
+Margins. `topk_margin` is the scale-free distance of each token from the top-k cut on its selection scores,
+(s[k−1] − s[k]) / (s[0] − s[2k−1]) over its 2k highest (colibri issue #119, measured on Qwen3.6-35B-A3B and GLM-5.2:
+the two anchors, `MARGIN_ANCHORS`); `MarginSummary` its median, mean and share below `SMALL_MARGIN`.
 
 Replay (GSPO paper §5.3, "Routing Replay"; R3 paper arXiv 2510.11370). By default only the expert *indices* are
-replayed (`ReplayRule`); the gate weights are gathered from the *current* router's full softmax at the replayed
-experts and renormalised as the model family does, so the router still receives gradient. Another `ReplayRule`
+replayed (`ReplayRule`); the gate weights are gathered from the *current* router's gate scores at the replayed
+experts as the model family computes them, so the router still receives gradient. Another `ReplayRule`
 decides otherwise per router call (the routing variants of `algos.routing_variants`: the recorded gate weights too,
 or only the replayed experts the current router still ranks high). Positions marked `NO_ROUTE` keep the router's
 own choice: they are padding (masked out of attention) or the last token of a sequence, whose hidden state feeds no
@@ -32,6 +45,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 NO_ROUTE = -1
 _TRACE_DTYPE = torch.int16  # expert ids < 32768; a quarter of int64's memory for long rollouts
@@ -41,7 +55,7 @@ _TRACE_DTYPE = torch.int16  # expert ids < 32768; a quarter of int64's memory fo
 class RoutingTrace:
     """Selected experts of every MoE layer for every token: `experts [L, B, S, K]`, `NO_ROUTE` where none; when
     recorded with gates, `weights` and `logprobs [L, B, S, K]` (fp32, 0 where `NO_ROUTE`): the gate weight each chosen
-    expert got and the router's log-probability of it (log-softmax over all experts)."""
+    expert got and the router's log-score of it (`router_logprobs`)."""
 
     experts: torch.Tensor
     layer_names: tuple[str, ...]
@@ -93,6 +107,123 @@ def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Router families: what the top-k ranks, what the gates are, and the margin at the cut.
+# ---------------------------------------------------------------------------------------------------------------
+
+# The scale-free margin of real routers at the top-8 cut, medians over tokens and layers (colibri issue #119, on
+# 4-bit checkpoints): Qwen3.6-35B-A3B (softmax, 256 experts) and GLM-5.2 (sigmoid + bias, 256 experts).
+MARGIN_ANCHORS = {"Qwen3.6-35B-A3B (softmax)": 0.0188, "GLM-5.2 (sigmoid + bias)": 0.0114}
+SMALL_MARGIN = 0.01  # a token whose margin is below this sits at the top-k cut, at the anchors' scale
+
+
+def has_selection_bias(router: torch.nn.Module) -> bool:
+    """Whether `router` is of the sigmoid family: it ranks sigmoid scores plus a per-expert selection bias."""
+    return getattr(router, "e_score_correction_bias", None) is not None
+
+
+def gate_scores(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """`[T, E]` fp32: what the gate weights are taken from, softmax(z) over all experts or, for the sigmoid family,
+    sigmoid(z) of each expert on its own."""
+    return torch.sigmoid(logits.float()) if has_selection_bias(router) else torch.softmax(logits.float(), dim=-1)
+
+
+def selection_scores(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """`[T, E]` fp32: what the family's top-k ranks. Softmax family: the probabilities. Sigmoid family (DeepSeek-V3
+    report §2.1.2, group-limited routing §2.1.2 / V2 §2.1.3; transformers 5.24 `DeepseekV3TopkRouter.forward`):
+    s + b, and with `n_group` groups of experts, −inf outside the `topk_group` groups whose two best s + b sum
+    highest."""
+    scores = gate_scores(router, logits)
+    if not has_selection_bias(router):
+        return scores
+    scores = scores + router.e_score_correction_bias.float()
+    groups = getattr(router, "num_group", 1) or 1
+    kept = getattr(router, "topk_group", groups) or groups
+    if groups == 1 or kept >= groups:
+        return scores
+    grouped = scores.view(scores.shape[0], groups, -1)
+    best = grouped.topk(2, dim=-1).values.sum(-1).topk(kept, dim=-1).indices  # [T, topk_group]
+    allowed = torch.zeros(scores.shape[0], groups, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+    return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view_as(scores)
+
+
+def replayed_gate_weights(
+    router: torch.nn.Module, router_logits: torch.Tensor, indices: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
+    """Gate weights of `indices [T, K]` from the current router logits `[T, E]`, as the model family computes them.
+
+    The family's gate scores over *all* experts first (never the post-top-k, zero-filled scores: a drifted index
+    would read an exact zero and its gradient would silently die), gathered at the replayed experts, then
+    renormalised when the family does (Qwen2/3-MoE and OLMoE when `norm_topk_prob`; Mixtral always; the sigmoid
+    family when `norm_topk_prob`, with transformers' 1e-20 in the denominator, then times its
+    `routed_scaling_factor`). The selection bias never enters. Cast like the router's own weights.
+    """
+    weights = gate_scores(router, router_logits).gather(-1, indices)
+    sigmoid = has_selection_bias(router)
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+    if sigmoid:
+        weights = weights * router.routed_scaling_factor
+    return weights.to(like.dtype)
+
+
+def route(router: torch.nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The family's own routing of `logits [T, E]`: `(weights, indices) [T, K]`, the top-k of `selection_scores`
+    (best first) and their `replayed_gate_weights`, in fp32. What the router itself returns, up to the order of the
+    sigmoid family's slots (its top-k is unsorted)."""
+    indices = selection_scores(router, logits).topk(router.top_k, dim=-1).indices
+    return replayed_gate_weights(router, logits, indices, logits.float()), indices
+
+
+def router_logprobs(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """`[T, E]` fp32: the router's log-score of every expert, log-softmax(z) or, for the sigmoid family, log
+    sigmoid(z)."""
+    return F.logsigmoid(logits.float()) if has_selection_bias(router) else torch.log_softmax(logits.float(), dim=-1)
+
+
+def topk_margin(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`[T]`: (s[k−1] − s[k]) / (s[0] − s[2k−1]) over each row's 2k highest `scores [T, E]` (0-based ranks, so
+    s[k−1] is the last chosen and s[k] the first left out), the scale-free distance from the top-k cut of colibri
+    issue #119. Scores outside the row's allowed groups (−inf) do not count: with fewer than 2k allowed, s[2k−1] is
+    the lowest allowed one (at least k + 1 must be). A row whose 2k highest scores tie has margin 0 (at the cut)."""
+    top = scores.float().topk(min(2 * k, scores.shape[-1]), dim=-1).values
+    if top.shape[-1] <= k:
+        raise ValueError(f"the margin at the top-{k} cut needs more than {k} experts; the scores have {top.shape[-1]}")
+    if (top[:, k] == float("-inf")).any():  # (NaN scores pass through: a diverged model is told apart elsewhere)
+        raise ValueError(f"the margin at the top-{k} cut needs {k + 1} allowed experts per token; a token's groups "
+                         f"leave it {k}")
+    lowest = torch.where(top == float("-inf"), torch.inf, top).min(dim=-1).values
+    spread = top[:, 0] - lowest
+    gap = top[:, k - 1] - top[:, k]
+    return torch.where(spread > 0, gap / spread.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(gap))
+
+
+def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:
+    """The lower weighted median of `values [N]` under `weights [N]` (>= 0): the smallest value whose cumulative
+    weight reaches half the total (padding has weight 0; a packed prompt token counts once per row it stands for)."""
+    order = values.argsort()
+    cumulative = weights.float()[order].cumsum(0)
+    position = int(torch.searchsorted(cumulative, cumulative[-1] / 2))
+    return float(values[order][min(position, len(values) - 1)])
+
+
+@dataclass(frozen=True)
+class MarginSummary:
+    """`topk_margin` over tokens: the weighted `median`, `mean` and share `small` below `SMALL_MARGIN`."""
+
+    median: float
+    mean: float
+    small: float
+
+    @classmethod
+    def of(cls, margins: torch.Tensor, weights: torch.Tensor) -> "MarginSummary":
+        """Of `margins [N]` with token `weights [N]` (at least one positive)."""
+        weights = weights.float()
+        total = weights.sum()
+        return cls(weighted_median(margins, weights), float((margins * weights).sum() / total),
+                   float(((margins < SMALL_MARGIN).float() * weights).sum() / total))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Hooks: one object installed on every router, shared by record and replay.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -127,22 +258,6 @@ def _layout(flat: torch.Tensor, call: _CallShape, fill: float = NO_ROUTE,
     return block
 
 
-def replayed_gate_weights(
-    router: torch.nn.Module, router_logits: torch.Tensor, indices: torch.Tensor, like: torch.Tensor
-) -> torch.Tensor:
-    """Gate weights of `indices [T, K]` from the current router logits `[T, E]`, as the model family computes them.
-
-    Softmax over *all* experts first (never over the post-top-k, zero-filled scores: a drifted index would read an
-    exact zero and its gradient would silently die), gather the replayed experts, then renormalise when the family
-    does (Qwen2/3-MoE and OLMoE when `norm_topk_prob`; Mixtral always). Cast like the router's own weights.
-    """
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights = probs.gather(-1, indices)
-    if getattr(router, "norm_topk_prob", True):
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(like.dtype)
-
-
 @dataclass(frozen=True)
 class ReplayedRoutes:
     """One router call's share of a replayed trace, flattened like the router's tokens: `experts [T, K]` (long;
@@ -160,7 +275,7 @@ class ReplayedRoutes:
 
 class ReplayRule:
     """What a replayed forward computes with at one router call. This base class is ID replay: the trace's experts,
-    gate weights from the current router's softmax (`replayed_gate_weights`), the router's own choice where the trace
+    gate weights from the current router's gate scores (`replayed_gate_weights`), the router's own choice where the trace
     has no route. Subclasses (the routing variants, `algos.routing_variants`) decide otherwise.
 
     Called with the MoE `layer` index, the router and its outputs (`logits [T, E]`, its own `weights` and `indices
@@ -197,14 +312,14 @@ class _RouterHook:
         if self.recording is not None:
             self.recording.append(_layout(indices, self.call))
         if self.gates is not None:
-            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, indices)
+            logprobs = router_logprobs(router, logits).gather(-1, indices)
             self.gates.append((_layout(weights, self.call, 0.0, torch.float32),
                                _layout(logprobs, self.call, 0.0, torch.float32)))
         if self.replay is None:
             return None
         replayed = self._flat(indices.device)
         if self.scored is not None:
-            logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, replayed.experts.clamp_min(0))
+            logprobs = router_logprobs(router, logits).gather(-1, replayed.experts.clamp_min(0))
             self.scored.append(_layout(logprobs.masked_fill(~replayed.recorded[:, None], 0.0), self.call, 0.0,
                                        torch.float32))
         new_weights, new_indices = self.rule(self.layer, router, logits, weights, indices, replayed, first)
@@ -324,8 +439,8 @@ class Replay:
 
     @property
     def replayed_logprobs(self) -> torch.Tensor:
-        """`[L, B, S, K]` fp32: the current router's log-probability of each of the trace's experts (log-softmax over
-        all experts; 0 where the trace has no route), in the first forward of the context (`score_replayed=True`)."""
+        """`[L, B, S, K]` fp32: the current router's log-score of each of the trace's experts (`router_logprobs`; 0
+        where the trace has no route), in the first forward of the context (`score_replayed=True`)."""
         if self._hooks[0].scored is None:
             raise RuntimeError("replay_routing(..., score_replayed=False) does not score the replayed experts")
         if not self._hooks[0].scored:
@@ -424,15 +539,46 @@ def replay_routing(
                 hook.replay = None
 
 
-def next_ranked(router_logits: torch.Tensor, indices: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
-    """`indices [T, K]` with the slots in `flip [T, K]` (bool) replaced by the experts ranked next after the top-k:
-    a token's first flipped slot takes the (K+1)-th ranked expert, its second the (K+2)-th, and so on. Slots past
-    the E − K experts outside the top-k stay as they are."""
+@dataclass(frozen=True)
+class RouterCalls:
+    """One forward's MoE router calls: `calls`, `(router, logits [T, E])` per MoE layer in layer order (the logits
+    with their graph); `weights [B, S]`, what each of the T = B·S fed tokens counts for (0 at padding; a packed
+    prompt token once per row it stands for); `replayed [B, S]` bool, the tokens whose experts a replayed trace
+    forced (None: the forward was not replayed)."""
+
+    calls: list[tuple[torch.nn.Module, torch.Tensor]]
+    weights: torch.Tensor
+    replayed: torch.Tensor | None = None
+
+    @property
+    def flat_weights(self) -> torch.Tensor:
+        """`[T]` fp32 token weights, laid out like the logits' rows."""
+        return self.weights.reshape(-1).float()
+
+
+@contextmanager
+def router_calls(model: torch.nn.Module) -> Iterator[list[tuple[torch.nn.Module, torch.Tensor]]]:
+    """Every MoE router call of the forwards run inside the context, in call order: `(router, logits [T, E])`, the
+    logits with their graph (a load-balancing loss differentiates through them)."""
+    calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    handles = [router.register_forward_hook(lambda module, args, out: calls.append((module, out[0])))
+               for router in find_routers(model).values()]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def next_ranked(scores: torch.Tensor, indices: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+    """`indices [T, K]` with the slots in `flip [T, K]` (bool) replaced by the experts ranked next after the top-k by
+    the selection `scores [T, E]`: a token's first flipped slot takes the (K+1)-th ranked expert, its second the
+    (K+2)-th, and so on. Slots past the E − K experts outside the top-k stay as they are."""
     k = indices.shape[-1]
-    spare_count = min(k, router_logits.shape[-1] - k)
+    spare_count = min(k, scores.shape[-1] - k)
     if spare_count < 1:
         return indices
-    spare = router_logits.topk(k + spare_count, dim=-1).indices[:, k:]  # [T, spare_count], best first
+    spare = scores.topk(k + spare_count, dim=-1).indices[:, k:]  # [T, spare_count], best first
     rank = flip.long().cumsum(-1) - 1  # which spare a flipped slot takes
     flip = flip & (rank < spare_count)
     replacement = spare.gather(-1, rank.clamp(0, spare_count - 1))
@@ -452,7 +598,7 @@ class _FlipHook:
         logits, weights, indices = output
         draw = torch.rand(indices.shape, generator=self.generator, device=self.generator.device)
         flip = (draw < self.rate).to(indices.device)
-        flipped = next_ranked(logits.detach(), indices, flip)
+        flipped = next_ranked(selection_scores(router, logits.detach()), indices, flip)
         changed = flipped != indices
         self.flipped += int(changed.sum())
         self.activated += indices.numel()
@@ -477,8 +623,9 @@ class Flips:
 def flip_routing(model: torch.nn.Module, rate: float, generator: torch.Generator) -> Iterator[Flips]:
     """SYNTHETIC routing drift: in the forwards run inside the context, each activated (token, layer, slot) expert is
     replaced, independently with probability `rate`, by the expert its router ranks next after the top-k
-    (`next_ranked`). The gate weights of a token with a flipped slot come from the current router's softmax at its
-    new experts, renormalised as the family does (as under replay), so the router keeps its gradient.
+    (`next_ranked` on the family's selection scores). The gate weights of a token with a flipped slot come from the
+    current router's gate scores at its new experts, as the family computes them (as under replay), so the router keeps
+    its gradient.
 
     It imitates what an update does to routing (experts near the top-k cut swap in) at a dose that does not depend
     on the learning rate, to test whether routing changes alone make token-level ratios fail. The flip is part of
@@ -552,3 +699,89 @@ def load_max_violation(trace: RoutingTrace, mask: torch.Tensor) -> float:
     """MaxVio (DeepSeek's loss-free balancing): mean over layers of max_e load_e / mean load − 1 (0 = balanced)."""
     load = expert_load(trace, mask)
     return float((load.max(dim=1).values * trace.num_experts - 1.0).mean())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Load balance: the losses that push routers towards balance, on one forward's router calls (`RouterCalls`), for
+# either family (`algos.routers` adds them to a loss; every RL update logs the global one as `moe/aux_loss`).
+# ---------------------------------------------------------------------------------------------------------------
+# With p_t the router's normalised scores of token t over the E experts (the softmax family's probabilities; the
+# sigmoid family's s_t / Σ_e s_t,e, s = sigmoid(z): DeepSeek-V3 report eq. 19) and c_t,e = 1 when the router's own
+# top-k (its selection, bias included) holds expert e:
+#
+# - `global_balance_loss`, the Switch Transformer loss (Fedus et al. 2021, eqs. 4-6) as transformers' MoE families
+#   compute it (Qwen2/3-MoE, OLMoE, Mixtral `load_balancing_loss_func`, transformers 5.24), over every layer's tokens of
+#   the whole batch at once, as Qwen3's global-batch balancing:
+#       E · Σ_e f_e · P_e,  f_e = Σ_{t,ℓ} w_t c_t,e / Σ_{t,ℓ} w_t,  P_e = Σ_{t,ℓ} w_t p_t,e / Σ_{t,ℓ} w_t
+#   (k at perfect balance: Σ_e f_e = k);
+# - `sequence_balance_loss`, DeepSeek-V3's complementary sequence-wise loss (report §2.1.2, eqs. 17-20), per layer
+#   and per sequence, then the mean over both:
+#       Σ_e f_e · P_e,  f_e = E / (k·T) Σ_t w_t c_t,e,  P_e = (1/T) Σ_t w_t p_t,e,  T = Σ_t w_t
+#   (1 at perfect balance). A sequence is a row of the forward: a completion fed alone, or under the packed layout a
+#   group (its prompt once, its G completions).
+#
+# Each token weighs `RouterCalls.weights` (0 on padding; a packed prompt token G). The gradient reaches the routers
+# through P only (the top-k count is discrete). With `over_ranks` (a sum over data-parallel ranks) the counts, sums
+# and sequence counts are the whole batch's; each function returns the loss to add on this rank (this rank's share of
+# the whole batch's gradient, times the ranks the data-parallel reduction averages over) and the whole batch's value.
+
+OverRanks = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+
+def normalised_scores(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """`[T, E]` fp32 scores that sum to 1 over the experts: the softmax family's probabilities, the sigmoid family's
+    s / Σ s (DeepSeek-V3 report eq. 19)."""
+    scores = gate_scores(router, logits)
+    return scores / scores.sum(dim=-1, keepdim=True) if has_selection_bias(router) else scores
+
+
+def chosen(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """`[T, E]` fp32 one-hot sum of the router's own top-k (its selection scores, bias included)."""
+    top = selection_scores(router, logits.detach()).topk(router.top_k, dim=-1).indices
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, top, 1.0)
+
+
+def global_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) -> tuple[torch.Tensor, float]:
+    """The Switch / Qwen3 global-batch loss (module docstring): `(loss on this rank, the whole batch's value)`."""
+    w = routers.flat_weights
+    first, logits0 = routers.calls[0]
+    E = logits0.shape[-1]
+    counts = torch.zeros(E, dtype=torch.float32, device=logits0.device)
+    probs = torch.zeros_like(counts)
+    for router, logits in routers.calls:
+        counts = counts + (chosen(router, logits) * w.unsqueeze(-1)).sum(dim=0)
+        probs = probs + (normalised_scores(router, logits) * w.unsqueeze(-1)).sum(dim=0)
+    rows = w.sum() * len(routers.calls)
+    if over_ranks is None:
+        loss = torch.sum((counts / rows) * (probs / rows)) * E
+        return loss, float(loss.detach())
+    with torch.no_grad():
+        all_counts, all_probs, all_rows = over_ranks(counts), over_ranks(probs.detach()), over_ranks(rows)
+        ranks = over_ranks(torch.ones(()))
+    value = float(torch.sum((all_counts / all_rows) * (all_probs / all_rows)) * E)
+    return torch.sum((all_counts / all_rows) * (probs / all_rows)) * E * ranks, value
+
+
+def sequence_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) -> tuple[torch.Tensor, float]:
+    """DeepSeek-V3's sequence-wise loss (module docstring), the mean over layers and sequences with at least one
+    token: `(loss on this rank, the whole batch's value)`."""
+    w = routers.weights.float()  # [B, S]
+    B, S = w.shape
+    tokens = w.sum(dim=1)  # T of each sequence
+    present = tokens > 0
+    total = torch.zeros((), dtype=torch.float32, device=w.device)
+    for router, logits in routers.calls:
+        E = logits.shape[-1]
+        f = (chosen(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router.top_k  # [B, E]
+        P = (normalised_scores(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1)
+        per_sequence = (f * P).sum(dim=-1) / tokens.clamp_min(1.0) ** 2
+        total = total + per_sequence[present].sum()
+    sequences = present.sum().float() * len(routers.calls)
+    if over_ranks is None:
+        loss = total / sequences
+        return loss, float(loss.detach())
+    with torch.no_grad():
+        all_sequences, ranks = over_ranks(sequences), over_ranks(torch.ones(()))
+        value = float(over_ranks(total.detach()) / all_sequences)
+    return total / all_sequences * ranks, value

@@ -38,7 +38,7 @@ CASES = {
     "gspo": ["algo=gspo"],
     "grpo + r2": ["algo=grpo", "routing.replay=r2"],
     "gspo + r2": ["algo=gspo", "routing.replay=r2"],
-    "grpo + load-balancing loss": ["algo=grpo", "trainer.router_aux_loss_coef=0.05"],
+    "grpo + load-balancing loss": ["algo=grpo", "routers=[aux_loss]", "routers.aux_loss.coef=0.05"],
     "grpo + r2 full replay": ["algo=grpo", "routing.replay=r2", "routing_variant=full_replay"],
     "gspo + r2 soft replay": ["algo=gspo", "routing.replay=r2", "routing_variant=soft_replay",
                               "routing_variant.top_margin=null", "routing_variant.min_prob=0.2"],

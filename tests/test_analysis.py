@@ -160,6 +160,13 @@ def test_labels_name_what_differs_and_drop_seeds_output_dirs_and_algorithm_defau
     labels = label_runs({"a": cfg("grpo", 0, 1e-3, replay="r2"), "b": soft,
                          "c": {**cfg("grpo", 1, 1e-3, replay="r2"), "routing_variant.name": "none"}})
     assert labels == {"a": "grpo + r2", "b": "grpo + r2 + soft_replay", "c": "grpo + r2"}
+    # So are router switches, and the one parameter that differs between arms that share them.
+    lagged = {**cfg("grpo", 0, 1e-3, replay="r2"), "routers.lagged_replay.name": "lagged_replay",
+              "routers.lagged_replay.lag": 1}
+    labels = label_runs({"a": cfg("grpo", 0, 1e-3, replay="r2"), "b": lagged,
+                         "c": {**lagged, "routers.lagged_replay.lag": 2}})
+    assert labels == {"a": "grpo + r2, lag=—", "b": "grpo + r2 + lagged_replay, lag=1",
+                      "c": "grpo + r2 + lagged_replay, lag=2"}
     # Synthetic flips are named as such in every series they touch, whether or not the rate is what differs.
     labels = label_runs({"a": cfg("grpo", 0, 1e-3), "b": {**cfg("grpo", 0, 1e-3), "routing.flip_rate": 0.2},
                          "c": {**cfg("grpo", 0, 1e-3, replay="r2"), "routing.flip_rate": 0.2}})

@@ -13,7 +13,9 @@ from hydra import compose, initialize_config_dir
 
 from experiments.config import PROJECT_ROOT
 from experiments.probe import PHASE as PROBE_PHASE, SETTING_STEP as PROBE_SETTING_STEP, run_probe
-from experiments.step.metrics import DRIFT_PER_UPDATE, ENGINE_EXPERTS, MARGIN, ROUTING_SHARE, STEP
+from experiments.step.metrics import (
+    DRIFT_PER_UPDATE, ENGINE_EXPERTS, MARGIN, ROUTING_SHARE, STEP, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL,
+)
 from tests.conftest import MICRO_RUN
 
 PROBE_RUN = [o for o in MICRO_RUN if not o.startswith("trainer.steps=")]
@@ -36,6 +38,9 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
         # pooled over the measured steps' off-policy minibatches (1 of 2 per step), with its standard error
         assert setting[ROUTING_SHARE + "_n"] == 2 and setting[ROUTING_SHARE + "_sem"] >= 0
         assert setting[DRIFT_PER_UPDATE + "_n"] == 2
+        # the scale-free margin at the top-k cut, over tokens and layers and per layer
+        assert 0 <= setting[TOPK_MARGIN_MEDIAN] <= 1 and 0 <= setting[TOPK_MARGIN_SMALL] <= 1
+        assert len(setting["topk_margin_median_per_layer"]) == 2
     # a step 300x larger moves more experts: the probe's drift follows the update, not the sampling
     assert high[DRIFT_PER_UPDATE] > low[DRIFT_PER_UPDATE]
     assert 2 <= summary["answer_tokens"] <= 4  # up to 3 digits of a 2-digit sum, and eos

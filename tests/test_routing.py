@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from experiments.step.metrics import DRIFT, FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MASS, drift_metrics, per_layer
+from experiments.step.metrics import (
+    DRIFT, FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, TOPK_MASS,
+    drift_metrics, per_layer,
+)
 from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
-from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, replay_routing, routing_drift
+from models.routing import (
+    MARGIN_ANCHORS, NO_ROUTE, MarginSummary, RouterCalls, RoutingTrace, find_routers, record_routing, replay_routing,
+    replayed_gate_weights, route, router_logprobs, routing_drift, selection_scores, topk_margin, weighted_median,
+)
 
 
 def _batch(tokenizer, texts=("12+34=5", "7+8=15", "99+1=100")):
@@ -234,7 +243,8 @@ def test_router_fragility_by_hand():
 
     # one layer, two tokens, 4 experts, top-2; the second token is padding (weight 0)
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0]])
-    stats = router_fragility([logits], torch.tensor([1.0, 0.0]), top_k=2, margin=0.1)
+    router = SimpleNamespace(top_k=2)  # a softmax-family router: no selection bias
+    stats = router_fragility(RouterCalls([(router, logits)], torch.tensor([[1.0, 0.0]])), margin=0.1)
     p = torch.softmax(logits[0], -1)
     assert stats[TOPK_MASS] == pytest.approx(float(p[0] + p[1]))
     assert stats[MARGIN] == pytest.approx(float(p[1] - p[2]))
@@ -242,3 +252,54 @@ def test_router_fragility_by_hand():
     assert stats[LOGIT_MARGIN] == pytest.approx(math.log(float(p[1] / p[2])))
     assert stats[FRAGILE] == (1.0 if float(p[1] - p[2]) < 0.1 else 0.0)
     assert stats[per_layer(LOGIT_MARGIN, 0)] == stats[LOGIT_MARGIN]
+    # the scale-free margin of the one real token: (p_1 - p_2) / (p_0 - p_3), its median, mean, and not below 0.01
+    margin = float((p[1] - p[2]) / (p[0] - p[3]))
+    assert stats[TOPK_MARGIN_MEDIAN] == pytest.approx(margin) and stats[TOPK_MARGIN_MEAN] == pytest.approx(margin)
+    assert stats[TOPK_MARGIN_SMALL] == 0.0 and stats[per_layer(TOPK_MARGIN_MEDIAN, 0)] == pytest.approx(margin)
+
+
+def test_topk_margin_on_hand_made_scores():
+    scores = torch.tensor([
+        [0.5, 0.3, 0.2, 0.1, 0.05, 0.0],  # top-4: (0.3 - 0.2) / (0.5 - 0.1) = 0.25
+        [0.2, 0.2, 0.2, 0.2, 0.2, 0.2],  # a tie of the 2k best: at the cut, 0
+        [0.9, 0.8, -math.inf, 0.7, -math.inf, -math.inf],  # groups left 3 experts: s[2k-1] is the lowest allowed
+        [0.9, 0.4, 0.399, 0.1, 0.0, 0.0],  # just above the cut: (0.4 - 0.399) / 0.8
+    ])
+    margins = topk_margin(scores, k=2)
+    torch.testing.assert_close(margins, torch.tensor([0.25, 0.0, 0.5, 0.00125]))
+    torch.testing.assert_close(topk_margin(10 * scores[[0, 3]] + 3, k=2), margins[[0, 3]])  # scale-free
+    summary = MarginSummary.of(margins, torch.tensor([1.0, 1.0, 0.0, 2.0]))  # the third token is padding
+    # weighted values 0 (1), 0.00125 (2), 0.25 (1): the median is where half of the weight 4 is reached
+    assert summary.median == pytest.approx(0.00125, rel=1e-4)
+    assert summary.mean == pytest.approx((0.25 + 2 * 0.00125) / 4)
+    assert summary.small == pytest.approx(3 / 4)
+    assert weighted_median(torch.tensor([3.0, 1.0, 2.0]), torch.ones(3)) == 2.0
+    assert MARGIN_ANCHORS == {"Qwen3.6-35B-A3B (softmax)": 0.0188, "GLM-5.2 (sigmoid + bias)": 0.0114}
+    with pytest.raises(ValueError, match="more than 2 experts"):
+        topk_margin(scores[:, :2], k=2)
+    with pytest.raises(ValueError, match="3 allowed experts per token"):
+        topk_margin(torch.tensor([[0.9, 0.8, -math.inf, -math.inf]]), k=2)
+
+
+def _sigmoid_router(bias, groups=2, kept=1):
+    return SimpleNamespace(top_k=2, num_experts=4, e_score_correction_bias=torch.tensor(bias), num_group=groups,
+                           topk_group=kept, norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
+def test_the_sigmoid_familys_bias_chooses_and_never_weighs():
+    """E = 4 in 2 groups of 2, one group kept, top-2. s = sigmoid(z) = (.5, .731, .953, .5): group {2, 3} sums
+    1.453 against 1.231, so the router takes {2, 3}; a bias of 0.5 on expert 0 lifts group {0, 1} to 1.731, and it
+    takes {0, 1}. The gates are s at the chosen experts, renormalised, times 2.5, with or without the bias."""
+    z = torch.tensor([[0.0, 1.0, 3.0, 0.0]])
+    s = torch.sigmoid(z)[0]
+    plain, biased = _sigmoid_router([0.0, 0.0, 0.0, 0.0]), _sigmoid_router([0.5, 0.0, 0.0, 0.0])
+    assert selection_scores(plain, z)[0, :2].isinf().all() and torch.isfinite(selection_scores(plain, z)[0, 2:]).all()
+    for router, experts in ((plain, [2, 3]), (biased, [0, 1])):
+        weights, indices = route(router, z)
+        assert sorted(indices[0].tolist()) == experts
+        expected = s[indices[0]] / s[indices[0]].sum() * 2.5
+        torch.testing.assert_close(weights[0], expected)
+    # a replayed route's gates do not see the bias: the same numbers under both routers
+    replayed = torch.tensor([[2, 3]])
+    torch.testing.assert_close(replayed_gate_weights(biased, z, replayed, z), replayed_gate_weights(plain, z, replayed, z))
+    torch.testing.assert_close(router_logprobs(biased, z), torch.nn.functional.logsigmoid(z))

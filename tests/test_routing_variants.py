@@ -264,7 +264,8 @@ def test_full_replay_leaves_the_routers_to_the_load_balancing_loss():
     assert not routers_moved("routing.replay=r2", "routing_variant=full_replay")
     assert not routers_moved("routing.replay=r3", "routing_variant=full_replay")
     assert routers_moved("routing.replay=r2")
-    assert routers_moved("routing.replay=r2", "routing_variant=full_replay", "trainer.router_aux_loss_coef=0.05")
+    assert routers_moved("routing.replay=r2", "routing_variant=full_replay", "routers=[aux_loss]",
+                          "routers.aux_loss.coef=0.05")
 
 
 def _router_logprobs(model, mb) -> torch.Tensor:

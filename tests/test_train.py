@@ -233,8 +233,8 @@ def test_minibatch_layout_auto_packs_groups_where_it_can(tmp_path, overrides, la
 
 @pytest.mark.parametrize("layout", ["groups", "rows"])
 def test_reference_kl_and_router_aux_loss_enter_the_update(tmp_path, layout):
-    cfg = compose_train("algo.kl_coef=0.05", "trainer.router_aux_loss_coef=0.01", f"trainer.minibatch_layout={layout}",
-                        "trainer.steps=2")
+    cfg = compose_train("algo.kl_coef=0.05", "routers=[aux_loss]", "routers.aux_loss.coef=0.01",
+                        f"trainer.minibatch_layout={layout}", "trainer.steps=2")
     assert train(cfg, tmp_path)["minibatch_layout"] == layout
     lines = read_metrics(tmp_path)
     assert lines[0]["minibatches"][0][KL_REF] == pytest.approx(0.0, abs=1e-7), "θ = reference before any update"

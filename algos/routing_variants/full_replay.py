@@ -17,7 +17,7 @@ weights (the top-k choice is discrete). Replaying them with constants cuts that 
 every router parameter exactly zero gradient in every update; under r2 the first minibatch, whose own forward would
 otherwise serve as its π_old and train the routers alone, is replayed too (`StepPlan.first_minibatch_on_policy`).
 The router still computes its own top-k (drift is still measured), and it still learns from the load-balancing loss
-when `trainer.router_aux_loss_coef` > 0, which reads the router's logits directly: the only thing that trains it.
+of `routers=[aux_loss]`, which reads the router's logits directly: the only thing that trains it.
 The experts, attention and embeddings learn as under ID replay. A variant with no parameters: the yaml only
 selects it.
 """

@@ -1,15 +1,15 @@
 """Soft replay (prime-rl #2703, where the test is the trainer's score against its weakest top-k score): a replayed
 expert is kept only where the current router still stands behind it; elsewhere the router's own choice.
 
-For each token and MoE layer, with p the current router's softmax over all E experts and top_n(p) its n
-best-ranked experts, a replayed expert e (one of the trace's k for that token) is kept when
+For each token and MoE layer, with p the current router's selection scores over all E experts (its softmax; for the
+sigmoid family sigmoid + bias, `models.routing.selection_scores`) and top_n(p) its n best-ranked experts, a replayed expert e (one of the trace's k for that token) is kept when
 
     e ∈ top_{k+m}(p)      (the router still ranks it within its top-(k + m); m = `top_margin`)
     or  p_e ≥ p_min       (the router still gives it at least `min_prob`)
 
 Each rejected slot, in slot order, takes the router's own choice (its top-k in order; with synthetic flips, the
 flipped experts), then its next-ranked experts, skipping those already chosen; gate weights come from the current
-router's softmax at the chosen experts, renormalised as the family does (as under ID replay, so the router keeps its
+router's gate scores at the chosen experts, as the family computes them (as under ID replay, so the router keeps its
 gradient). A token that keeps every replayed expert computes exactly as under ID replay, one that keeps none exactly
 as without replay (the router's own experts and weights), so the extremes are the two switches it interpolates, bit
 for bit: `min_prob=0` keeps every expert (ID replay); `top_margin=null` with `min_prob=null` (or above 1) keeps none
@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 
 from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
-from models.routing import ReplayedRoutes, ReplayRule, replayed_gate_weights
+from models.routing import ReplayedRoutes, ReplayRule, replayed_gate_weights, selection_scores
 
 KEPT = "routing/soft_replay_kept_frac"
 
@@ -76,7 +76,7 @@ class SoftReplayRule(ReplayRule):
                  indices: torch.Tensor, replayed: ReplayedRoutes, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         recorded = replayed.recorded[:, None]
         experts = replayed.experts.clamp_min(0)  # rows without a route keep the router's choice below
-        probs = torch.softmax(logits.detach().float(), dim=-1)
+        probs = selection_scores(router, logits.detach())
         keep = kept_experts(probs, experts, self.top_margin, self.min_prob) & recorded
         none_kept = ~keep.any(-1, keepdim=True)
         chosen = torch.where(none_kept, indices, fill_rejected(probs, indices, experts, keep))

@@ -2,7 +2,8 @@
 
 A refusal is one line (`ConfigError`) naming the value and what is allowed. Each concern is checked once, where it
 lives: the keys the schemas declare and the trainer's and routing's ranges here; an objective's, a correction's and a
-routing variant's parameters in their own `validate` (`algos/`); what a routing variant can serve in its `check`;
+routing variant's and a router switch's parameters in their own `validate` (`algos/`); what a routing variant or a
+router switch can serve in its `check`;
 the engine's settings and what the run needs from it in the engine's `check` (`engines/`); where π_old comes from and
 the minibatch layout in `plan.plan_step`; the model's files and sizes in `models.policy.model_config`; a task's
 parameters in the task; and here what the parts must agree on, the task's budget and the step's memory.
@@ -23,12 +24,13 @@ from transformers import AutoTokenizer
 from algos import build_objective
 from algos.corrections import Correction, build_correction
 from algos.objective import Objective
+from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from algos.routing_variants import RoutingVariant, build_routing_variant
 from experiments.step.engines import ENGINES, EngineNumerics, Needs, RolloutEngine
 from experiments.step.memory import GIB, available_bytes, step_memory
 from experiments.step.plan import PiOld, Replay, StepPlan, plan_step
 from experiments.tasks import Example, Task, build_task
-from models.policy import DTYPES, ModelConfig, is_moe, model_config
+from models.policy import DTYPES, SIGMOID_FAMILIES, ModelConfig, is_moe, model_config
 from models.registry import ConfigError
 from models.tokenizer import build_char_tokenizer
 
@@ -54,6 +56,7 @@ class RunParts:
     advantage_std: bool
     correction: Correction
     variant: RoutingVariant
+    switches: list[RouterSwitch]
     task: Task
     train_examples: list[Example]
     test_examples: list[Example]
@@ -71,6 +74,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     objective = build_objective(name, **hyperparameters)
     correction = build_correction(**OmegaConf.to_container(cfg.correction, resolve=True))
     variant = build_routing_variant(**OmegaConf.to_container(cfg.routing_variant, resolve=True))
+    switches = build_router_switches(OmegaConf.to_container(cfg.routers, resolve=True))
     check_known_keys(cfg)
     check_trainer(cfg.trainer, moe, world)
     check_routing(cfg.routing, moe, cfg.model.name)
@@ -84,11 +88,14 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     engine.check(cfg, world, engine_needs(plan, objective, correction))
     check_agreement(objective, correction)
     variant.check(plan.replay, cfg.model.name, moe)
+    check_switches(switches, RunFacts(cfg.model.name, hf_config.model_type in SIGMOID_FAMILIES, plan.replay,
+                                      variant.name, cfg.trainer.router_lr_scale, world, cfg.trainer.checkpoint_every),
+                   moe)
     task, train_examples, test_examples = check_task(cfg, model_cfg)
     if memory:
         check_memory(cfg, hf_config, model_cfg, [e.prompt for e in train_examples + test_examples], world)
     return RunParts(plan, model_cfg, EngineNumerics.of(cfg.rollout), engine, objective, advantage_std, correction,
-                    variant, task, train_examples, test_examples)
+                    variant, switches, task, train_examples, test_examples)
 
 
 def algo_hyperparameters(algo_cfg: Any) -> tuple[str, bool, dict[str, Any]]:
@@ -134,9 +141,8 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= t[key] < 1.0:
             raise ConfigError(f"trainer.{key}={t[key]} must be in [0, 1)")
-    for key in ("weight_decay", "router_aux_loss_coef"):
-        if not (math.isfinite(t[key]) and t[key] >= 0):
-            raise ConfigError(f"trainer.{key}={t[key]} must be a finite number >= 0")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        raise ConfigError(f"trainer.weight_decay={t.weight_decay} must be a finite number >= 0")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1 (the newest is what resume reads)")
     if 0 < t.eval_prompts < world:
@@ -157,14 +163,25 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
             f"{t.prompts_per_step // world} prompts x {t.group_size} completions = {batch}"
             + (f" that each of the {world} ranks holds" if world > 1 else "")
         )
-    for key in ("temperature", "lr", "grad_clip", "router_lr_scale"):
+    for key in ("temperature", "lr", "grad_clip"):
         if not (math.isfinite(t[key]) and t[key] > 0):
             raise ConfigError(f"trainer.{key}={t[key]} must be a finite number > 0")
+    if not (math.isfinite(t.router_lr_scale) and t.router_lr_scale > 0):
+        raise ConfigError(f"trainer.router_lr_scale={t.router_lr_scale} must be a finite number > 0 (to freeze the "
+                          "routers: routers=[freeze])")
     if t.lr < MIN_LR:
         raise ConfigError(f"trainer.lr={t.lr} is below {MIN_LR:g}: an AdamW update moves each weight by about lr, "
                           "less than float32 can add to any weight larger than 1e-3, so the run would train nothing")
-    if not moe and t.router_aux_loss_coef > 0:
-        raise ConfigError(f"trainer.router_aux_loss_coef={t.router_aux_loss_coef} needs an MoE model")
+
+
+def check_switches(switches: list[RouterSwitch], run: RunFacts, moe: bool) -> None:
+    """The router switches that are on: a dense model has no router to switch, and each refuses what it cannot
+    serve (`algos.routers`)."""
+    if switches and not moe:
+        raise ConfigError(f"routers=[{','.join(s.name for s in switches)}] act on MoE routers, and model {run.model!r} "
+                          "has none: use routers=[]")
+    for switch in switches:
+        switch.check(run)
 
 
 def check_cold_start(cfg: DictConfig) -> None:

@@ -48,7 +48,7 @@ START = "_start/"  # step 1's record holds the starting policy's evaluations as 
 ENTROPY = "policy/entropy"
 GRAD_NORM = "optim/grad_norm"
 LR = "optim/lr"
-AUX_LOSS = "moe/aux_loss"  # the load-balancing loss (added to the loss only with router_aux_loss_coef > 0)
+AUX_LOSS = "moe/aux_loss"  # the global-batch load-balancing loss (added to the loss only by routers=[aux_loss])
 LOAD_MAX_VIOLATION = "moe/load_max_violation"
 FLIP_FRAC = "routing/synthetic_flip_frac"  # experts swapped by the SYNTHETIC flips (routing.flip_rate)
 # experts the SYNTHETIC router noise moved after the update, on its tokens, mean over layers (routing.perturb_rate)
@@ -60,11 +60,16 @@ TOKEN_DRIFT = "routing/token_any_change_frac"
 DRIFT_PER_UPDATE = "routing/expert_change_per_update"
 TOKEN_DRIFT_PER_UPDATE = "routing/token_any_change_per_update"
 DRIFT_OVER_MINIBATCHES = "routing/expert_change_mean_over_minibatches"
-# How decisive the routers are (`experiments.step.scoring.router_fragility`)
+# How decisive the routers are (`experiments.step.scoring.router_fragility`), on the family's selection scores
 TOPK_MASS = "routing/topk_mass"
 MARGIN = "routing/margin"
 FRAGILE = "routing/fragile_frac"
 LOGIT_MARGIN = "routing/logit_margin"
+# The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri issue #119 (`models.routing.topk_margin`), over
+# tokens and layers: median and mean (the anchors: `models.routing.MARGIN_ANCHORS`), share below 0.01
+TOPK_MARGIN_MEDIAN = "routing/topk_margin_median"
+TOPK_MARGIN_MEAN = "routing/topk_margin_mean"
+TOPK_MARGIN_SMALL = "routing/topk_margin_small_frac"
 # The engine against the trainer at θ_old: routing, then log-probs (ρ = π_old/μ_old)
 ENGINE_EXPERTS = "mismatch/expert_frac"
 ENGINE_TOKENS = "mismatch/token_any_expert_frac"
@@ -80,7 +85,8 @@ IS_WEIGHT_MEAN = "mismatch/is_weight_mean"
 IS_WEIGHT_MIN = "mismatch/is_weight_min"
 IS_WEIGHT_MAX = "mismatch/is_weight_max"
 # A cold start's own (`experiments.sft`; besides STEP, LR, ELAPSED and the evaluation)
-SFT_LOSS = "sft/loss"  # the next-token loss on the demonstrations
+SFT_LOSS = "sft/loss"  # the next-token loss on the demonstrations (in the pretraining phase: on every token)
+SFT_PRETRAINING = "sft/pretraining"  # 1 in a step of the pretraining phase, 0 in the task's (with sft.pretrain_steps)
 # The ratio decomposition (routing.decompose_every)
 ROUTING_VAR = "decompose/routing_var"
 WEIGHTS_VAR = "decompose/weights_var"

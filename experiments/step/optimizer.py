@@ -34,11 +34,12 @@ def lr_lambda(schedule: LRSchedule, warmup: int, total: int) -> Callable[[int], 
 
 
 def rl_optimizer(model: torch.nn.Module, t: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over `model` with the settings of `trainer` (`t`), the routers at `lr × router_lr_scale`, and its
-    schedule over every optimizer update of the run (steps × minibatches)."""
+    """AdamW over the trainable parameters of `model` with the settings of `trainer` (`t`), the routers at
+    `lr × router_lr_scale` (frozen routers, `routers=[freeze]`, are left out), and its schedule over every optimizer
+    update of the run (steps × minibatches)."""
     routers = {id(router.weight) for router in find_routers(model).values()}
-    groups = [[p for p in model.parameters() if id(p) not in routers],
-              [p for p in model.parameters() if id(p) in routers]]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [[p for p in trainable if id(p) not in routers], [p for p in trainable if id(p) in routers]]
     # fused: one kernel for all parameters instead of a Python loop over them (4x faster on the tiny MoE's CPU
     # update); the same AdamW.
     optimizer = torch.optim.AdamW(

@@ -32,14 +32,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel
 
-from experiments.step.metrics import FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MASS, per_layer
+from experiments.step.metrics import (
+    FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, TOPK_MASS, per_layer,
+)
 from models.grouped_attention import NAME as PACKED_ATTENTION
-from models.routing import ReplayRule, RoutingTrace, find_routers, record_routing, replay_routing
+from models.routing import (
+    MarginSummary, ReplayRule, RouterCalls, RoutingTrace, global_balance_loss, normalised_scores, record_routing,
+    replay_routing, router_calls, selection_scores, topk_margin,
+)
 
 # The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
 # generation, where the last sampled token never goes through the model). Routing traces of scoring forwards
@@ -55,7 +59,8 @@ class Scores:
     # the gradient when the counts are summed over ranks), `aux_loss_value` its value over the whole batch.
     aux_loss: torch.Tensor | None
     routes: RoutingTrace | None = None  # recorded routing; under replay, the router's own top-k (`[L, N, P+T-1, K]`)
-    router_stats: dict[str, float] | None = None  # routing fragility of this forward, when requested
+    router_stats: dict[str, float] | None = None  # routing fragility and margins of this forward, when requested
+    routers: RouterCalls | None = None  # the forward's router calls (logits with their graph), when asked
     aux_loss_value: float | None = None
     # With `score_replayed`: the current router's log-probability of each replayed expert (`[L, N, P+T-1, K]`).
     replayed_logprobs: torch.Tensor | None = None
@@ -88,6 +93,7 @@ def score_responses(
     record_gates: bool = False,
     rule: ReplayRule | None = None,
     score_replayed: bool = False,
+    routers: bool = False,
 ) -> Scores:
     """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
 
@@ -96,10 +102,11 @@ def score_responses(
     prompt and are fed packed (see the module docstring). `record`: return the routing of the fed positions (with
     `record_gates`, its gate weights and log-probabilities too); `replay`: force that routing (`[L, N, P+T-1, K]`) as
     `rule` decides (default: ID replay) and return the router's own choice, and with `score_replayed` the current
-    router's log-probabilities of the replayed experts (`Scores.replayed_logprobs`). `aux_loss`: the
-    Switch load-balancing loss over the fed tokens (`load_balancing_loss`), differentiable unless `aux_loss_grad=False`
-    (a metric only); `over_ranks` sums its counts over data-parallel ranks. `fragile_margin`: also the routing
-    fragility of the fed tokens (`router_fragility`).
+    router's log-scores of the replayed experts (`Scores.replayed_logprobs`). `aux_loss`: the global-batch
+    load-balancing loss over the fed tokens (`models.routing.global_balance_loss`), differentiable unless
+    `aux_loss_grad=False` (a metric only); `over_ranks` sums its counts over data-parallel ranks. `fragile_margin`: also
+    the routing fragility and margins of the fed tokens (`router_fragility`). `routers`: return the forward's router
+    calls (`Scores.routers`; what the router switches of `algos.routers` read).
     """
     fed_mask = attention_mask[:, FED]
     positions = position_ids(fed_mask)
@@ -115,9 +122,9 @@ def score_responses(
         layout = SharedPrefix.from_rows(fed_mask, prompt_width - 1, group_size, model.dtype)
         if not layout.prefix_agrees(ids):
             raise ValueError(f"packed scoring: rows of one group of {group_size} do not share their prompt")
-    capture = aux_loss or fragile_margin is not None
+    capture = aux_loss or fragile_margin is not None or routers
     routing = _routing(model, layout, ids, record, replay, record_gates, rule, score_replayed)
-    with routing as handle, _router_logits(model, capture) as router_logits:
+    with routing as handle, router_calls(model) if capture else contextlib.nullcontext([]) as calls:
         if layout is None:
             logits = model(
                 input_ids=ids, attention_mask=fed_mask, position_ids=positions, use_cache=False, logits_to_keep=tail
@@ -139,13 +146,14 @@ def score_responses(
         entropy = -(log_probs.exp() * log_probs).sum(-1)
     balance = value = None
     weights = fed_mask if layout is None else layout.token_weights
+    replayed = None
+    if replay is not None:
+        replayed = replay.recorded()[0] if layout is None else layout.pack(replay.recorded()[0])
+    forward = RouterCalls(calls, weights, replayed) if capture else None
     if aux_loss:
         with contextlib.nullcontext() if aux_loss_grad else torch.no_grad():
-            balance, value = load_balancing_loss(router_logits, weights, model.num_experts, model.num_experts_per_tok,
-                                                 over_ranks)
-    stats = router_fragility(router_logits, weights, model.num_experts_per_tok, fragile_margin) if (
-        fragile_margin is not None
-    ) else None
+            balance, value = global_balance_loss(forward, over_ranks)
+    stats = router_fragility(forward, fragile_margin) if fragile_margin is not None else None
     routes = replayed_logprobs = None
     if replay is not None or record:
         routes = handle.router_choice if replay is not None else handle.trace
@@ -156,37 +164,50 @@ def score_responses(
         if layout is not None:
             replayed_logprobs = layout.unpack(replayed_logprobs, dim=1)
     return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats, aux_loss_value=value,
-                  replayed_logprobs=replayed_logprobs)
+                  replayed_logprobs=replayed_logprobs, routers=forward if routers else None)
 
 
 @torch.no_grad()
-def router_fragility(
-    router_logits: list[torch.Tensor], weights: torch.Tensor, top_k: int, margin: float
-) -> dict[str, float]:
-    """How decisive each MoE layer's routing is on the fed tokens (each weighted by `weights`, 0 on padding):
-    `TOPK_MASS` the router's probability mass on its chosen experts (prime-rl's routing confidence), `MARGIN` the
-    gap between the k-th and (k+1)-th expert probability (what a small update must overcome to flip a route),
-    `FRAGILE` the share of tokens whose margin is below `margin`; and `LOGIT_MARGIN`, the gap between the k-th and
-    (k+1)-th router logits, log(p_k / p_(k+1)): what an update must move the two logits' difference by to swap them,
-    comparable across expert counts (a probability gap shrinks with 1/E, this does not); per layer and their mean
-    over layers (`metrics.per_layer`)."""
-    w = weights.reshape(-1).float()
+def router_fragility(routers: RouterCalls, margin: float) -> dict[str, float]:
+    """How decisive each MoE layer's routing is on the fed tokens (each weighted by `routers.weights`, 0 on padding),
+    on the family's selection scores s (`models.routing.selection_scores`: softmax probabilities, or sigmoid + bias):
+    `TOPK_MASS` the router's normalised score mass on its chosen experts (prime-rl's routing confidence), `MARGIN` the
+    gap s[k−1] − s[k] between the k-th and (k+1)-th selection scores (what a small update must overcome to flip a
+    route), `FRAGILE` the share of tokens whose gap is below `margin`; `LOGIT_MARGIN`, the gap between the router
+    logits of those two experts (softmax family: log(p_k / p_(k+1)), comparable across expert counts where a
+    probability gap shrinks with 1/E); and the scale-free `topk_margin` (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri
+    issue #119, its weighted median (`TOPK_MARGIN_MEDIAN`), mean and share below `models.routing.SMALL_MARGIN`
+    (`TOPK_MARGIN_SMALL`). Each per layer and over layers: the means' mean, and for the scale-free margin its
+    statistics over every (token, layer) pair at once, as the anchors were measured (`metrics.per_layer`)."""
+    w = routers.flat_weights
     total = w.sum().clamp(min=1e-12)
     by_layer = {TOPK_MASS: [], MARGIN: [], FRAGILE: [], LOGIT_MARGIN: []}
-    for logits in router_logits:
-        ranked = logits.float().topk(min(top_k + 1, logits.shape[-1]), dim=-1).values
-        top = torch.softmax(logits.float(), dim=-1).topk(ranked.shape[-1], dim=-1).values
-        gap = top[:, top_k - 1] - top[:, top_k] if top.shape[-1] > top_k else top[:, top_k - 1]
-        logit_gap = ranked[:, top_k - 1] - ranked[:, top_k] if ranked.shape[-1] > top_k else torch.zeros_like(gap)
-        by_layer[TOPK_MASS].append((top[:, :top_k].sum(-1) * w).sum() / total)
+    margins = []
+    for router, logits in routers.calls:
+        k = router.top_k
+        scores = selection_scores(router, logits)
+        ranked = scores.topk(min(k + 1, scores.shape[-1]), dim=-1)
+        top = ranked.values
+        gap = top[:, k - 1] - top[:, k] if top.shape[-1] > k else top[:, k - 1]
+        z = logits.float().gather(-1, ranked.indices)
+        logit_gap = z[:, k - 1] - z[:, k] if z.shape[-1] > k else torch.zeros_like(gap)
+        mass = normalised_scores(router, logits).gather(-1, ranked.indices[:, :k]).sum(-1)
+        by_layer[TOPK_MASS].append((mass * w).sum() / total)
         by_layer[MARGIN].append((gap * w).sum() / total)
         by_layer[LOGIT_MARGIN].append((logit_gap * w).sum() / total)
         by_layer[FRAGILE].append(((gap < margin).float() * w).sum() / total)
+        margins.append(topk_margin(scores, k))
     stats = {}
     for name, values in by_layer.items():
         values = torch.stack(values).tolist()
         stats[name] = sum(values) / len(values)
         stats.update({per_layer(name, i): v for i, v in enumerate(values)})
+    counted = w > 0
+    summaries = [MarginSummary.of(layer[counted], w[counted]) for layer in margins]
+    pooled = MarginSummary.of(torch.cat([layer[counted] for layer in margins]), w[counted].repeat(len(margins)))
+    for name, part in ((TOPK_MARGIN_MEDIAN, "median"), (TOPK_MARGIN_MEAN, "mean"), (TOPK_MARGIN_SMALL, "small")):
+        stats[name] = getattr(pooled, part)
+        stats.update({per_layer(name, i): getattr(summary, part) for i, summary in enumerate(summaries)})
     return stats
 
 
@@ -211,51 +232,6 @@ def _routing(
     if score_replayed:
         raise ValueError("score_replayed scores the experts of a replayed trace: pass replay=")
     return record_routing(model, gates=record_gates) if record else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _router_logits(model: PreTrainedModel, capture: bool) -> Iterator[list[torch.Tensor]]:
-    """The router logits `[tokens, E]` of every MoE layer, in layer order, for the forward run in the context."""
-    logits: list[torch.Tensor] = []
-    routers = find_routers(model).values() if capture else ()
-    handles = [router.register_forward_hook(lambda module, args, out: logits.append(out[0])) for router in routers]
-    try:
-        yield logits
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def load_balancing_loss(
-    router_logits: list[torch.Tensor], weights: torch.Tensor, num_experts: int, top_k: int,
-    over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, float]:
-    """The Switch Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6) as transformers' MoE families compute
-    it (Qwen2/3-MoE, OLMoE, Mixtral `load_balancing_loss_func`): E · Σ_e f_e · P_e, with f_e the share of top-k
-    assignments to expert e and P_e its mean router probability, both over every layer's tokens, each token weighted
-    by `weights` (0 on padding; the rows a packed token stands for).
-
-    With `over_ranks` (a sum over data-parallel ranks) the counts and the probability sums are the whole batch's.
-    Returns the loss to add to this rank's (for its share of the whole batch's gradient, times the ranks the
-    data-parallel reduction averages over) and the whole batch's value.
-    """
-    flat = weights.reshape(-1).float()
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    probs = torch.zeros_like(counts)
-    for logits in router_logits:
-        routing = torch.softmax(logits.float(), dim=-1)
-        chosen = torch.topk(routing, top_k, dim=-1).indices
-        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), flat.repeat_interleave(top_k))
-        probs = probs + (routing * flat.unsqueeze(-1)).sum(dim=0)
-    rows = flat.sum() * len(router_logits)
-    if over_ranks is None:
-        loss = torch.sum((counts / rows) * (probs / rows)) * num_experts
-        return loss, float(loss.detach())
-    with torch.no_grad():
-        all_counts, all_probs, all_rows = over_ranks(counts), over_ranks(probs.detach()), over_ranks(rows)
-        ranks = over_ranks(torch.ones(()))
-    value = float(torch.sum((all_counts / all_rows) * (all_probs / all_rows)) * num_experts)
-    return torch.sum((all_counts / all_rows) * (probs / all_rows)) * num_experts * ranks, value
 
 
 @dataclass

@@ -23,6 +23,9 @@ against θ_old's, after j updates, is measured on the same tokens at no extra fo
 A routing variant (`algos.routing_variants`, `routing_variant=`) decides what the replayed forwards compute with
 (the recorded gate weights too; only the replayed experts the router still ranks high) or reweighs each token's
 ratio by how far the router moved on θ_old's experts (RSPO), reading θ's router in the update's own forward.
+Router switches (`algos.routers`, `routers=[...]`) act at fixed points: at start-up (freezing the routers), on each
+update's loss (load-balancing losses), after each applied optimizer step (the selection bias, the weight history of
+lagged replay) and on what R2 replays (lagged replay: the experts of older weights instead of θ_old's).
 
 Ranks. Under torchrun each rank samples, scores and trains on whole groups of its share of the prompts; the policy
 is sharded with FSDP2 (`shard`), whose reduce-scatter averages the gradients, and the loss aggregates with the whole
@@ -57,7 +60,9 @@ from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
 from models.registry import Diverged
 from models.router_perturbation import perturb_routers, router_inputs
-from models.routing import NO_ROUTE, RoutingTrace, find_routers, flip_routing, load_max_violation, routing_drift
+from models.routing import (
+    NO_ROUTE, RouterCalls, RoutingTrace, find_routers, flip_routing, load_max_violation, routing_drift,
+)
 
 FLIP_STREAM = 0x5EED  # offsets the flips' seed from the step's: their draws are not the sampler's draws
 PERTURB_STREAM = 0xD21F7  # and the router perturbation's, likewise
@@ -261,7 +266,7 @@ class RLTrainer:
         self.ranks = ranks
         parts = check_run(cfg, ranks.world)
         self.plan, self.objective, self.advantage_std = parts.plan, parts.objective, parts.advantage_std
-        self.correction, self.variant = parts.correction, parts.variant
+        self.correction, self.variant, self.switches = parts.correction, parts.variant, parts.switches
         self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
@@ -270,6 +275,8 @@ class RLTrainer:
         # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
         # same weights route identically and every measured drift comes from an update.
         self.model.to(self.device).eval()
+        for switch in self.switches:  # before the engine copies the model and the optimizer takes its parameters
+            switch.start(self.model)
         # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks.
         self.engine = parts.engine.build(cfg, self.model, self.tokenizer, parts.numerics, ranks,
                                          self.plan.engine_records_routing)
@@ -280,6 +287,8 @@ class RLTrainer:
             self.reference, _ = build_policy(parts.model_cfg)
             self.reference.to(self.device).eval().requires_grad_(False)
         self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer)
+        self.summed = lambda tensor: summed(tensor, ranks)  # a count over every rank's share of the batch
+        self.over_ranks = self.summed if ranks.active else None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.flip_generator = torch.Generator()  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
         self.perturb_generator = torch.Generator()  # the synthetic router noise's (routing.perturb_rate), likewise
@@ -357,7 +366,7 @@ class RLTrainer:
     def old_policy(self, mb: Minibatch) -> OldPolicy:
         """π_old of one minibatch (and the KL reference's log-probs), computed before any update of the step."""
         plan = self.plan
-        replay = mb.engine_routes if plan.replay == Replay.r3 else None
+        replay = self._replayed_from_elsewhere(mb)
         ref_logp = self._score(self.reference, mb).logp if self.reference is not None else None
         if mb.index == 0 and plan.first_minibatch_on_policy:
             return OldPolicy(on_policy=True, replay=replay, ref_logp=ref_logp)
@@ -372,25 +381,31 @@ class RLTrainer:
             on_policy=False,
             logp=scored.logp,
             routes=routes,
-            replay=routes if plan.replay == Replay.r2 else replay,
+            replay=routes if plan.replay == Replay.r2 and replay is None else replay,
             ref_logp=ref_logp,
         )
 
+    def _replayed_from_elsewhere(self, mb: Minibatch) -> RoutingTrace | None:
+        """The experts the step replays that θ_old's own π_old pass does not record: the engine's under r3, those of
+        older weights under lagged replay (`algos.routers.lagged_replay`); None otherwise."""
+        if self.plan.replay == Replay.r3:
+            return mb.engine_routes
+        routing_model = next((m for m in (s.routing_model() for s in self.switches) if m is not None), None)
+        return self._score(routing_model, mb, record=True).routes.to("cpu") if routing_model is not None else None
+
     def _score(self, model: torch.nn.Module, mb: Minibatch, **options: Any) -> Scores:
         """`score_responses` of the minibatch, packed by group under the `groups` layout (`options`: its aux_loss /
-        record / record_gates / replay / rule / score_replayed / aux_loss_grad / fragile_margin)."""
+        record / record_gates / replay / rule / score_replayed / aux_loss_grad / fragile_margin / routers)."""
         t = self.cfg.trainer
-        over_ranks = (lambda tensor: summed(tensor, self.ranks)) if self.ranks.active else None
         return score_responses(
             model, mb.input_ids, mb.attention_mask, mb.prompt_width, t.temperature,
-            group_size=t.group_size if self.plan.layout == Layout.groups else 1, over_ranks=over_ranks, **options,
+            group_size=t.group_size if self.plan.layout == Layout.groups else 1, over_ranks=self.over_ranks, **options,
         )
 
     def update(self, mb: Minibatch, old: OldPolicy) -> dict[str, float]:
         """One optimizer update of π_θ on the minibatch; its metrics (ratios and drift after `mb.index` updates),
         computed over every rank's share of the minibatch."""
         t = self.cfg.trainer
-        aux_coef = t.router_aux_loss_coef
         track = self.plan.track_routing
         variant = self.variant
         # RSPO reads θ's router on θ_old's experts in this forward, which keeps its own routing (the variant's rule).
@@ -400,10 +415,10 @@ class RLTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         with self.flips() as flips, self.router_inputs() as router_inputs:
             scores = self._score(
-                self.model,
-                mb,
-                aux_loss=aux_coef > 0 or track,
-                aux_loss_grad=aux_coef > 0,  # otherwise only logged
+                self.model, mb,
+                aux_loss=track,
+                aux_loss_grad=False,  # logged; routers=[aux_loss] adds it to the loss
+                routers=bool(self.switches),
                 record=track and trace is None,
                 replay=trace.to(self.device) if trace is not None else None,
                 rule=rule,
@@ -428,7 +443,7 @@ class RLTrainer:
             )
             inputs["weight"] = self.correction(correction_inputs).weight
         result = self.objective(logp=scores.logp, totals=self._totals(mb.response_mask), **inputs)
-        loss = result.loss + aux_coef * scores.aux_loss if aux_coef > 0 else result.loss
+        loss = result.loss + sum(switch.loss(scores.routers, self.over_ranks) for switch in self.switches)
         finite_loss = reduce(float(torch.isfinite(loss)), self.ranks, op="sum") == self.ranks.world
         if finite_loss:
             loss.backward()
@@ -452,20 +467,16 @@ class RLTrainer:
         metrics[m.ENTROPY] = float(masked_mean(rows(scores.entropy), mask))
         metrics[m.GRAD_NORM] = grad_norm
         metrics[m.LR] = self.scheduler.get_last_lr()[0]
-        if scores.aux_loss_value is not None:
-            metrics[m.AUX_LOSS] = scores.aux_loss_value
         if flips is not None:
             metrics[m.FLIP_FRAC] = reduce(flips.share, self.ranks) / self.ranks.world
         if rule is not None:
-            metrics.update(variant.rule_metrics(rule, lambda count: summed(count, self.ranks)))
+            metrics.update(variant.rule_metrics(rule, self.summed))
         if shift is not None:
             metrics.update(Shift(rows(shift.log_weight), gather(shift.deviation, self.ranks, dim=1),
                                  rows(shift.floored, False)).metrics(mask))
         if track:
             metrics.update(self._routing_metrics(mb, old, scores, pi_old_logp))
-        if self._apply(finite_loss and math.isfinite(grad_norm), mb.index) and self.plan.perturb_rate:
-            metrics[m.PERTURB_FRAC] = perturb_routers(self.model, router_inputs, self.plan.perturb_rate,
-                                                      self.perturb_generator).share
+        metrics.update(self._apply(finite_loss and math.isfinite(grad_norm), mb.index, scores.routers, router_inputs))
         return metrics
 
     def _router_shift(self, mb: Minibatch, old: OldPolicy, scores: Scores) -> Shift:
@@ -497,6 +508,7 @@ class RLTrainer:
         theta_old = own if old.on_policy else traces(old.routes)
         metrics = m.drift_metrics(routing_drift(theta_old, own, token_mask))
         metrics[m.LOAD_MAX_VIOLATION] = load_max_violation(theta_old, token_mask)
+        metrics[m.AUX_LOSS] = scores.aux_loss_value
         fed = reduce(float(mb.attention_mask[:, FED].sum()), self.ranks)  # the weight of each rank's fragility means
         mine = float(mb.attention_mask[:, FED].sum())
         metrics.update({name: reduce(value * mine, self.ranks) / fed for name, value in scores.router_stats.items()})
@@ -545,9 +557,11 @@ class RLTrainer:
             return contextlib.nullcontext()
         return router_inputs(self.model)
 
-    def _apply(self, finite: bool, update: int) -> bool:
-        """Take the optimizer step of the step's update number `update` (True), or refuse a non-finite one (False):
-        one bad batch must not poison every parameter. `Diverged` when the skips run out or the step left the weights
+    def _apply(self, finite: bool, update: int, routers: RouterCalls | None, inputs: Any) -> dict[str, float]:
+        """Take the optimizer step of the step's update number `update`, then what acts on the weights between
+        updates: the router switches (with the update's router calls) and the SYNTHETIC router perturbation (with
+        the routers' inputs `inputs`); their metrics are returned. Or refuse a non-finite step: one bad batch must
+        not poison every parameter. `Diverged` when the skips run out or the step left the weights
         non-finite."""
         t = self.cfg.trainer
         if finite:
@@ -555,7 +569,13 @@ class RLTrainer:
             self.scheduler.step()  # the schedule counts applied updates
             self.consecutive_skips = 0
             self._refuse_non_finite_weights(update)
-            return True
+            metrics: dict[str, float] = {}
+            for switch in self.switches:  # `algos.routers`
+                metrics.update(switch.after_update(self.model, routers, self.summed))
+            if self.plan.perturb_rate:
+                metrics[m.PERTURB_FRAC] = perturb_routers(self.model, inputs, self.plan.perturb_rate,
+                                                          self.perturb_generator).share
+            return metrics
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_updates += 1
         self.consecutive_skips += 1
@@ -565,7 +585,7 @@ class RLTrainer:
                 f"(trainer.max_consecutive_skips={t.max_consecutive_skips}); lower trainer.lr or check the objective's "
                 "clip range"
             )
-        return False
+        return {}
 
     def _refuse_non_finite_weights(self, update: int) -> None:
         """A finite gradient can still leave non-finite weights (AdamW dividing by an underflowed second moment, a

@@ -10,8 +10,9 @@ inference server does, and differs from the trainer on purpose (training–infer
                   output channel (symmetric, scale = max |w| / 127 for int8, / 448 for FP8 e4m3, quantize then
                   dequantize), as an FP8 rollout of a bf16-trained model (arXiv 2512.01374's setup) in miniature;
                   routers, embeddings and the LM head keep their precision, as FP8 inference engines keep them;
-    router_noise  σ: seeded Gaussian noise N(0, σ²) on the copy's router logits before its top-k, so that near-tied
-                  routes flip in the engine and not in the trainer.
+    router_noise  σ: seeded Gaussian noise N(0, σ²) on the copy's router logits before its top-k (the family's own
+                  routing of the noisy logits, `models.routing.route`), so that near-tied routes flip in the engine
+                  and not in the trainer.
 The copy takes the trainer's weights after every step's updates (cast, then re-quantized): the engine never trains.
 Logits that turn non-finite while sampling end the run as diverged (`FiniteLogits`).
 """
@@ -30,7 +31,7 @@ from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrained
 from experiments.step.engines.base import ENGINES, EngineNumerics, Precision, RolloutEngine, Samples, WeightQuant
 from experiments.step.scoring import position_ids
 from models.registry import Diverged
-from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, replayed_gate_weights
+from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, route
 
 DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 QUANT_RANGE = {WeightQuant.int8: 127.0, WeightQuant.fp8: 448.0}  # largest magnitude each format holds
@@ -208,7 +209,7 @@ def fake_quantize(weight: torch.Tensor, kind: WeightQuant) -> torch.Tensor:
 
 class _RouterNoise:
     """Forward hook on an engine router: add N(0, σ²) to its logits and route by them (the family's top-k and gate
-    weights, as `models.routing.replayed_gate_weights` computes them), before any recording hook sees the choice."""
+    weights, `models.routing.route`), before any recording hook sees the choice."""
 
     def __init__(self, sigma: float, generator: torch.Generator) -> None:
         self.sigma = sigma
@@ -218,8 +219,8 @@ class _RouterNoise:
         logits, weights, indices = output
         noise = torch.randn(logits.shape, generator=self.generator, dtype=torch.float32).to(logits.device)
         noisy = logits + (self.sigma * noise).to(logits.dtype)
-        chosen = noisy.float().topk(indices.shape[-1], dim=-1).indices
-        return noisy, replayed_gate_weights(router, noisy, chosen, weights), chosen.to(indices.dtype)
+        gates, chosen = route(router, noisy)
+        return noisy, gates.to(weights.dtype), chosen.to(indices.dtype)
 
 
 def record_routing_if(model: PreTrainedModel, record: bool, gates: bool = False) -> contextlib.AbstractContextManager:

