@@ -221,3 +221,16 @@ def test_what_a_switch_cannot_serve_is_refused_in_one_line(tmp_path, overrides, 
         train(compose_train(*overrides), tmp_path)
     text = str(raised.value)
     assert message in text and "\n" not in text
+
+
+@pytest.mark.parametrize("coef, refused", [(0.0, None), (0.05, "trainer.router_aux_loss_coef=0.05 there, absent here")])
+def test_a_run_recorded_with_the_retired_aux_loss_coefficient_resumes_only_without_the_loss(coef, refused):
+    """`trainer.router_aux_loss_coef` became `routers=[aux_loss]`: a run recorded at 0 trained as today's config does
+    without the switch and resumes; one recorded with the loss on is another experiment than a resume without it,
+    though today's config no longer holds the key that says so."""
+    from experiments.run.resume import described, differences, settings
+
+    today = compose_train()
+    recorded = {**settings(today), "trainer.router_aux_loss_coef": coef}
+    found = differences(recorded, today)
+    assert (described(found) or None) == refused

@@ -5,8 +5,10 @@ A run's settings are compared key by key, over every key of its config, whatever
 added tomorrow (a kernel choice, an evaluation setting, a synthetic perturbation) is compared from the day it exists,
 unless it is added to `SAFE_TO_CHANGE`. A key the recorded run lacks is a setting added since it was written: it is
 the same setting when this run holds what runs did before it existed (a field's schema default, a config group's
-choice that changes nothing: `BEFORE_THE_GROUP`), and another experiment otherwise. The run's length is the one
-setting that may change under a rule of its own (`length_change`).
+choice that changes nothing: `BEFORE_THE_GROUP`), and another experiment otherwise. A key the recorded run holds and
+today's schema lacks is a setting retired since: the same experiment only at the value that means what today's
+config does without it (`RETIRED`). The run's length is the one setting that may change under a rule of its own
+(`length_change`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ SAFE_TO_CHANGE = (
 BEFORE_THE_GROUP = {
     "routing_variant.name": "none",  # no routing variant: plain replay, as before routing variants
 }
+# The settings retired since runs were first recorded, and the value at which a recorded run computed what today's
+# config computes without them.
+RETIRED = {
+    "trainer.router_aux_loss_coef": 0.0,  # the load-balancing loss's weight, now routers=[aux_loss]: 0 is no switch
+}
 
 
 class Difference(NamedTuple):
@@ -51,10 +58,11 @@ class Difference(NamedTuple):
     there: Any
     here: Any
     absent: bool  # the recorded run lacks the key
+    retired: bool = False  # today's schema lacks the key
 
     def __str__(self) -> str:
         there = " absent" if self.absent else f"={self.there!r}"
-        return f"{self.key}{there} there, {self.here!r} here"
+        return f"{self.key}{there} there, {'absent' if self.retired else repr(self.here)} here"
 
 
 def settings(cfg: DictConfig) -> dict[str, Any]:
@@ -80,7 +88,8 @@ def declared_safe(key: str) -> bool:
 def differences(recorded: dict[str, Any], cfg: DictConfig) -> list[Difference]:
     """Every compared setting in which `cfg` is another experiment than the run whose `settings` are `recorded`."""
     found = []
-    for key, ours in settings(cfg).items():
+    today = settings(cfg)
+    for key, ours in today.items():
         if declared_safe(key):
             continue
         if key in recorded:
@@ -88,6 +97,9 @@ def differences(recorded: dict[str, Any], cfg: DictConfig) -> list[Difference]:
                 found.append(Difference(key, recorded[key], ours, absent=False))
         elif not _as_before_it_existed(recorded, cfg, key, ours):
             found.append(Difference(key, None, ours, absent=True))
+    for key, there in recorded.items():
+        if key not in today and not declared_safe(key) and not (key in RETIRED and RETIRED[key] == there):
+            found.append(Difference(key, there, None, absent=False, retired=True))
     return found
 
 
