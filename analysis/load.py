@@ -37,6 +37,7 @@ import yaml
 
 from analysis.style import ALGO_ORDER, REPLAY_ORDER
 from experiments.run.logger import WANDB_MINIBATCH
+from experiments.run.resume import RETIRED
 from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE
 from experiments.step.metrics import MINIBATCH, MINIBATCHES, STEP, TOKENS, unstarted
 
@@ -116,6 +117,28 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
         else:
             flat[name] = value
     return flat
+
+
+def schema_defaults() -> dict[str, Any]:
+    """Today's default of every key of the typed schema, flat, for configs written before the key existed."""
+    from omegaconf import OmegaConf
+
+    from experiments.config import TrainConfig
+
+    flat = flatten_config(OmegaConf.to_container(OmegaConf.structured(TrainConfig), throw_on_missing=False))
+    return {k: v for k, v in flat.items() if v != "???"}
+
+
+def as_today(flat: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """A recorded flat config in today's keys, by the rules resume applies (`experiments.run.resume`): every setting
+    added to one of its nodes since it was written, at the schema's default (what the run computed with), and every
+    setting retired since dropped where it holds the value that means what today's config does without it
+    (`RETIRED`). Without this, a field added or retired between two parts of a sweep splits its series by the
+    key's absence alone."""
+    nodes = {key.rpartition(".")[0] for key in flat}
+    added = {key: value for key, value in defaults.items() if key not in flat and key.rpartition(".")[0] in nodes}
+    kept = {key: value for key, value in flat.items() if not (key in RETIRED and RETIRED[key] == value)}
+    return {**kept, **added}
 
 
 def ignored_key(key: str) -> bool:
@@ -458,6 +481,7 @@ def load_runs(paths: Sequence[str | Path]) -> RunSet:
     rows = _Rows(nulls_are_non_finite=True)
     run_rows: list[dict] = []
     taken: set[str] = set()
+    defaults = schema_defaults()
     for root, run_dir in find_run_dirs(paths, problems):
         try:
             config = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -477,7 +501,8 @@ def load_runs(paths: Sequence[str | Path]) -> RunSet:
             _warn(problems, f"{run_dir / METRICS_FILE}: {bad} per-minibatch entries without an integer "
                             "'minibatch' index skipped")
         finished, wall_s = _read_summary(run_dir, problems)
-        run_rows.append(_run_row(run, flatten_config(config), finished, wall_s, str(run_dir)))
+        run_rows.append(_run_row(run, as_today(flatten_config(config), defaults), finished, wall_s,
+                                    str(run_dir)))
     if not run_rows:
         raise ValueError(f"no run under {', '.join(str(p) for p in paths)} has a readable config and a valid "
                          f"{METRICS_FILE} line")
@@ -546,6 +571,7 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
     problems: list[str] = []
     rows = _Rows(nulls_are_non_finite=False)
     run_rows: list[dict] = []
+    defaults = schema_defaults()
     for wb_run in api.runs(path, filters=filters):
         config = {k: v for k, v in dict(wb_run.config).items() if not str(k).startswith("_")}
         run = str(wb_run.id)
@@ -565,7 +591,8 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
             _warn(problems, f"W&B run {run} ({wb_run.name}): no history row with 'train/step'; run skipped")
             continue
         source = f"wandb:{path}/{run} (group {wb_run.group}, name {wb_run.name})"
-        run_rows.append(_run_row(run, flatten_config(config), wb_run.state == "finished", math.nan, source))
+        run_rows.append(_run_row(run, as_today(flatten_config(config), defaults),
+                                    wb_run.state == "finished", math.nan, source))
     if not run_rows:
         where = f" in groups {', '.join(groups)}" if groups else ""
         raise ValueError(f"no W&B runs with history found in {path}{where}")

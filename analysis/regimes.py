@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis import aggregate as agg
-from analysis.load import _short_key, flatten_config, ignored_key, load_runs
+from analysis.load import _short_key, ignored_key, load_runs, schema_defaults
 from analysis.report import markdown_table, _num
 from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3
 
@@ -97,16 +97,6 @@ def _borrow_starts(found: list[RunOutcome]) -> None:
 
 def _eval_key(run: RunOutcome) -> str:
     return json.dumps([run.config.get(k) for k in _EVAL_KEYS], default=str)
-
-
-def schema_defaults() -> dict:
-    """Today's default of every key of the typed schema, for configs written before the key existed."""
-    from omegaconf import OmegaConf
-
-    from experiments.config import TrainConfig
-
-    flat = flatten_config(OmegaConf.to_container(OmegaConf.structured(TrainConfig), throw_on_missing=False))
-    return {k: v for k, v in flat.items() if v != "???"}
 
 
 def knobs(found: list[RunOutcome]) -> list[str]:

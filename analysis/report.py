@@ -84,12 +84,17 @@ def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
     return markdown_table(header, rows)
 
 
+def _seed_order(seed: str) -> tuple[bool, int, str]:
+    """Numeric seeds in numeric order (a sweep's parts can land in any order), then any other label."""
+    return (not seed.isdigit(), int(seed) if seed.isdigit() else 0, seed)
+
+
 def _runs_section(runset: RunSet) -> list[str]:
     runs = runset.runs
     rows = []
     for label in runset.labels:
         group = runs[runs["label"] == label]
-        seeds = ", ".join(s for s in group["seed"] if s) or "–"
+        seeds = ", ".join(sorted((s for s in group["seed"] if s), key=_seed_order)) or "–"
         rows.append([label, len(group), seeds, int(group["incomplete"].sum()), int(group["last_step"].max()),
                      ", ".join(sorted(set(group["model"]) - {""})) or "–"])
     lines = ["## Runs", "", markdown_table(["series", "runs", "seeds", "incomplete", "last step", "model"], rows)]

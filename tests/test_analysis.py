@@ -25,7 +25,7 @@ import synthetic_runs as syn  # noqa: E402
 from algos.objective import TOKEN_RATIO_VAR  # noqa: E402
 from analysis import aggregate as agg, figures  # noqa: E402
 from analysis.load import (  # noqa: E402
-    INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS, label_runs, load_runs, load_wandb,
+    INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS, label_runs, load_runs, load_wandb, schema_defaults,
 )
 from analysis.report import main, write_report  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
@@ -671,3 +671,19 @@ def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(t
     assert f"{agg.MISMATCH_KL}_moved_step" not in agg.early_warning(same).columns
     bf16 = load_runs([run(tmp_path / "bf16", 1e-8, {"engine": "hf", "precision": "bf16"})])
     assert figures.fig_mismatch(bf16, tmp_path / "out2").files, "an engine that differs: its mismatch is the result"
+
+
+def test_a_sweep_straddling_an_added_and_a_retired_setting_is_one_series(tmp_path):
+    """Parts of one sweep recorded before and after the model gained a field and the trainer lost one: the older
+    run lacks the new field (it ran at the schema's default) and holds the retired one at the value that means what
+    today's config does without it; neither absence splits the series. A retired setting at another value does."""
+    records = [syn.step_record("grpo", 0, t, 0.1 * t) for t in (1, 2)]
+    before = syn.config("grpo", 0, router_aux_loss_coef=0.0)
+    after = syn.config("grpo", 1)
+    after["model"]["kv_lora_rank"] = schema_defaults()["model.kv_lora_rank"]
+    balanced = syn.config("grpo", 2, router_aux_loss_coef=0.05)
+    for name, cfg in (("before", before), ("after", after), ("balanced", balanced)):
+        syn.write_run(tmp_path / name, cfg, records)
+    runs = load_runs([tmp_path]).runs.set_index("seed")
+    assert runs.loc["0", "label"] == runs.loc["1", "label"] == "grpo, router_aux_loss_coef=—"
+    assert runs.loc["2", "label"] == "grpo, router_aux_loss_coef=0.05"
