@@ -1,6 +1,6 @@
 """Worker process for our RL loop: `RLTrainer.step()` plus the run logger, one step per "go" (see `worker`).
 
-    python -m benchmarks.lab_worker --overrides '["algo=gspo"]' [--threads N]
+    python -m benchmarks.lab_worker --overrides '["algo=gspo"]' [--workload deep] [--threads N]
 
 A step is timed as a training run spends it: `RLTrainer.step()` and then `RunLogger.log` (metrics.jsonl, and
 W&B when `logger.wandb.mode` is not `disabled`). The breakdown is the trainer's own `perf/*` metrics.
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from benchmarks.module_time import ModuleTimer  # noqa: E402
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
-from benchmarks.workload import compose_workload, fixed_length  # noqa: E402
+from benchmarks.workload import WORKLOADS, compose_workload, fixed_length  # noqa: E402
 from experiments.run.logger import RunLogger  # noqa: E402
 from experiments.run.threads import ThreadBudget  # noqa: E402
 from experiments.step import metrics as m  # noqa: E402
@@ -50,6 +50,7 @@ def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--overrides", default="[]", help="JSON list of Hydra overrides on top of the workload")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny", help="bench-tiny or bench-deep")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: the trainer's default, the cores left free)")
     parser.add_argument("--probe-generate", action="store_true", help="also time model.generate on each batch")
     parser.add_argument("--profile", action="store_true", help="also report self time per part of the model")
@@ -58,7 +59,7 @@ def main() -> None:
     overrides = json.loads(args.overrides)
     if args.threads:
         overrides.append(f"trainer.threads={args.threads}")
-    cfg = compose_workload(overrides)
+    cfg = compose_workload(overrides, args.workload)
     threads = ThreadBudget(cfg.trainer.threads)
     trainer = RLTrainer(cfg)
     fixed_length(trainer)

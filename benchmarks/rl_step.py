@@ -1,14 +1,17 @@
-"""`python -m benchmarks.rl_step`: our RL step on the bench-tiny workload, against TRL and the machine's limit.
+"""`python -m benchmarks.rl_step`: our RL step on a benchmark workload, against TRL, older commits and the machine's limit.
 
     python -m benchmarks.rl_step                        # grpo, gspo, grpo+r2: step time, breakdown, roofline
     python -m benchmarks.rl_step --vs-trl               # + TRL's GRPOTrainer stepped alternately (bench extra)
+    python -m benchmarks.rl_step --workload deep --variants grpo --vs-trl --baseline main --threads 1
+                                                        # bench-deep: + the same loop at another commit
     python -m benchmarks.rl_step --overheads --scaling  # + overhead ratios and the scaling table
     python -m benchmarks.rl_step --profile              # + where grpo's step time goes inside the model
     python -m benchmarks.rl_step --compare algo=gspo "" # only: gspo / grpo, stepped alternately
     python -m benchmarks.rl_step --all --json-out bench.json
 
-Every configuration runs in its own worker process (`benchmarks.worker`) and all workers of a section take their
-steps round robin (A B C, then C B A, ...), so that the load of a shared machine hits every configuration alike
+The workload (`--workload`, `benchmarks.workload`) is bench-tiny, the TRL peer benchmark's step, or bench-deep, the
+deep_long cell's. Every configuration runs in its own worker process (`benchmarks.worker`) and all workers of a
+section take their steps round robin (A B C, then C B A, ...), so that the load of a shared machine hits every configuration alike
 and ratios of neighbouring steps stay meaningful when absolute times do not. Each worker takes `--warmup` steps
 that are not timed, then `--steps` timed ones; tables give medians over the timed steps.
 
@@ -20,6 +23,9 @@ Sections:
                step shared the machine with), and against the best rate measured in the run (the machine's limit).
   --vs-trl     TRL's GRPOTrainer (`benchmarks.trl_worker`) on the same work next to each variant (grpo+r2 next to
                TRL's grpo: TRL has no replay): ours / TRL per round, median and min-max.
+  --baseline   the same loops at another commit of this clone (`git archive` of it, its own worker run from there),
+               next to each variant: ours / ours at that commit per round, median and min-max. What a change bought,
+               measured side by side rather than against a number from another day.
   --overheads  ratios of grpo variants stepped alternately: routing metrics on / off, r2 / none (both recomputing
                θ_old), π_old recomputed / μ_old reused, each engine precision, weight quantization and router
                noise against the trainer's own engine, the ratio decomposition, the routing variants (full and
@@ -43,6 +49,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -57,7 +64,8 @@ from analysis.report import markdown_table
 from benchmarks.module_time import PARTS
 from benchmarks.roofline import ModelShape, matmul_gflops, matmul_peak, rl_step_flops
 from benchmarks.worker import Worker
-from benchmarks.workload import BENCH_TINY, VARIANTS, compose_workload
+from benchmarks.workload import VARIANTS, WORKLOADS, compose_workload
+from experiments.config import PROJECT_ROOT
 
 TRL_ALGO = {"grpo": "grpo", "gspo": "gspo", "grpo+r2": "grpo"}
 
@@ -86,7 +94,7 @@ OVERHEADS = {
 }
 
 SCALING = {
-    "workload (G=8, T=16, E=16)": [],
+    "the workload": [],
     "group size 4": ["trainer.group_size=4"],
     "group size 16": ["trainer.group_size=16"],
     "completion length 8": ["trainer.max_new_tokens=8"],
@@ -98,6 +106,17 @@ SCALING = {
 # A step and the parts of the trainer's breakdown that the A / B and profile tables show, as sums of a worker's
 # per-step fields.
 PHASES = {"step": ["seconds"], "rollout": ["rollout_s"], "scoring + training": ["score_s", "train_s"]}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One worker of a section: its module, overrides on top of the workload, extra arguments, and the checkout of
+    another commit it runs from (None: this one)."""
+
+    module: str
+    overrides: list[str]
+    extra: list[str] = field(default_factory=list)
+    checkout: Path | None = None
 
 
 @dataclass
@@ -147,19 +166,38 @@ def machine() -> dict[str, Any]:
     }
 
 
+def export_revision(revision: str, into: Path) -> Path:
+    """This clone's tree at `revision` (a commit, branch or tag), written to `into` by `git archive`: a worker started
+    there imports that commit's code."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(PROJECT_ROOT), "archive", revision], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def start_worker(label: str, spec: Spec, args: argparse.Namespace, log_path: Path) -> Worker:
+    """The worker of `spec` on the run's workload, threads and extra overrides."""
+    overrides = [*args.override, *spec.overrides]
+    workload = ["--workload", args.workload]
+    if spec.checkout is not None:
+        # An older commit's worker may know bench-tiny only: it gets the whole workload as overrides, which compose
+        # the same run on top of its bench-tiny (later overrides win).
+        overrides, workload = [*WORKLOADS[args.workload], *overrides], []
+    worker_args = ["--overrides", json.dumps(overrides), "--threads", str(args.threads), *workload, *spec.extra]
+    return Worker(label, spec.module, worker_args, log_path, cwd=spec.checkout)
+
+
 def run_round_robin(
-    specs: dict[str, tuple[str, list[str], list[str]]], args: argparse.Namespace, log_dir: Path, peak_size: int
+    specs: dict[str, Spec], args: argparse.Namespace, log_dir: Path, peak_size: int
 ) -> tuple[dict[str, Series], list[float]]:
-    """Start one worker per spec (label -> (worker module, overrides, extra worker arguments)), step them round
-    robin; return every worker's timed steps and the matmul GFLOP/s measured after each timed round."""
-    series = {label: Series(label, overrides) for label, (_, overrides, _) in specs.items()}
+    """Start one worker per spec (label -> `Spec`), step them round robin; return every worker's timed steps and the
+    matmul GFLOP/s measured after each timed round."""
+    series = {label: Series(label, spec.overrides) for label, spec in specs.items()}
     workers: dict[str, Worker] = {}
     peaks: list[float] = []
     try:
-        for index, (label, (module, overrides, extra)) in enumerate(specs.items()):
-            worker_args = ["--overrides", json.dumps([*args.override, *overrides]), "--threads", str(args.threads),
-                           *extra]
-            workers[label] = Worker(label, module, worker_args, log_dir / f"{index:02d}_{module}.log")
+        for index, (label, spec) in enumerate(specs.items()):
+            workers[label] = start_worker(label, spec, args, log_dir / f"{index:02d}_{spec.module}.log")
             series[label].info = workers[label].info
         order = list(specs)
         for round_index in range(args.warmup + args.steps):
@@ -182,13 +220,13 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def step_flops(overrides: list[str], prompt_width: int) -> dict[str, float]:
-    """Model FLOPs of one RL step of the workload with `overrides` (see `benchmarks.roofline`)."""
+def step_flops(overrides: list[str], workload: str, prompt_width: int) -> dict[str, float]:
+    """Model FLOPs of one RL step of `workload` with `overrides` (see `benchmarks.roofline`)."""
     from models.policy import ModelConfig, config_in_code
     from models.tokenizer import build_char_tokenizer
     from omegaconf import OmegaConf
 
-    cfg = compose_workload(overrides)
+    cfg = compose_workload(overrides, workload)
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     if model_cfg.path is not None:
         from transformers import AutoConfig
@@ -201,15 +239,34 @@ def step_flops(overrides: list[str], prompt_width: int) -> dict[str, float]:
                          t.max_new_tokens)
 
 
-def main_section(args, log_dir, peak_size, results) -> None:
+def baseline_label(variant: str, args: argparse.Namespace) -> str:
+    return f"ours {variant} at {args.baseline}"
+
+
+def paired_ratios(title: str, pairs: dict[str, tuple[Series, Series]]) -> dict[str, list[float]]:
+    """Print numerator / denominator of each pair (name -> (numerator, denominator)) per round, median and min-max;
+    return the ratios by name."""
+    rows, ratios = [], {}
+    for name, (top, bottom) in pairs.items():
+        ratios[name] = [a / b for a, b in zip(top.seconds, bottom.seconds)]
+        rows.append([name, f"{statistics.median(top.seconds):.3f}", f"{statistics.median(bottom.seconds):.3f}",
+                     spread(ratios[name]), " ".join(f"{r:.2f}" for r in ratios[name])])
+    print(f"\n## {title}\n")
+    print(markdown_table(["pair", "numerator s", "denominator s", "ratio median (min-max)", "ratio per round"], rows))
+    return ratios
+
+
+def main_section(args, log_dir, peak_size, results, baseline: Path | None) -> None:
     if not args.variants:
         return
-    specs: dict[str, tuple[str, list[str], list[str]]] = {}
+    specs: dict[str, Spec] = {}
     for variant in args.variants:
-        specs[f"ours {variant}"] = ("benchmarks.lab_worker", VARIANTS[variant], [])
+        specs[f"ours {variant}"] = Spec("benchmarks.lab_worker", VARIANTS[variant])
+        if baseline is not None:
+            specs[baseline_label(variant, args)] = Spec("benchmarks.lab_worker", VARIANTS[variant], checkout=baseline)
         algo = TRL_ALGO[variant]
         if args.vs_trl and f"TRL {algo}" not in specs:
-            specs[f"TRL {algo}"] = ("benchmarks.trl_worker", VARIANTS[algo], [])
+            specs[f"TRL {algo}"] = Spec("benchmarks.trl_worker", VARIANTS[algo])
     print(f"main: {', '.join(specs)}", file=sys.stderr, flush=True)
     series, peaks = run_round_robin(specs, args, log_dir, peak_size)
     peak = statistics.median(peaks)
@@ -219,7 +276,7 @@ def main_section(args, log_dir, peak_size, results) -> None:
     for label, s in series.items():
         # TRL does not report its prompt width; its prompts come from the same task, so take ours.
         width = round(series[f"ours {args.variants[0]}"].median("prompt_width"))
-        flops = step_flops([*args.override, *s.overrides], width)
+        flops = step_flops([*args.override, *s.overrides], args.workload, width)
         achieved = [flops["total"] / step["seconds"] / 1e9 / p for step, p in zip(s.steps, peaks)]
         rows.append([
             label, spread(s.seconds), f"{s.median('rollout_s'):.3f}", f"{s.median('score_s'):.3f}",
@@ -239,16 +296,14 @@ def main_section(args, log_dir, peak_size, results) -> None:
         rows,
     ))
     if args.vs_trl:
-        rows = []
-        for variant in args.variants:
-            ours, trl = series[f"ours {variant}"], series[f"TRL {TRL_ALGO[variant]}"]
-            ratios = [a / b for a, b in zip(ours.seconds, trl.seconds)]
-            results["vs_trl"][variant] = ratios
-            rows.append([f"{variant} / TRL {TRL_ALGO[variant]}", f"{statistics.median(ours.seconds):.3f}",
-                         f"{statistics.median(trl.seconds):.3f}", spread(ratios),
-                         " ".join(f"{r:.2f}" for r in ratios)])
-        print("\n## Ours / TRL GRPOTrainer, same work, stepped alternately\n")
-        print(markdown_table(["pair", "ours s", "TRL s", "ratio median (min-max)", "ratio per round"], rows))
+        pairs = {variant: (series[f"ours {variant}"], series[f"TRL {TRL_ALGO[variant]}"]) for variant in args.variants}
+        ratios = paired_ratios("Ours / TRL GRPOTrainer, same work, stepped alternately", pairs)
+        results["vs_trl"].update(ratios)
+    if baseline is not None:
+        pairs = {variant: (series[f"ours {variant}"], series[baseline_label(variant, args)])
+                 for variant in args.variants}
+        ratios = paired_ratios(f"Ours / ours at {args.baseline}, same work, stepped alternately", pairs)
+        results["vs_baseline"].update(ratios)
 
 
 def _overhead_label(overrides: list[str]) -> str:
@@ -258,10 +313,10 @@ def _overhead_label(overrides: list[str]) -> str:
 def overheads_section(args, log_dir, peak_size, results) -> None:
     base = VARIANTS["grpo"]
     # The workload's own worker also times a plain `model.generate` on each of its batches (outside its step).
-    specs = {_overhead_label([]): ("benchmarks.lab_worker", base, ["--probe-generate"])}
+    specs = {_overhead_label([]): Spec("benchmarks.lab_worker", base, ["--probe-generate"])}
     for sides in OVERHEADS.values():
         for side in sides:
-            specs.setdefault(_overhead_label(side), ("benchmarks.lab_worker", [*base, *side], []))
+            specs.setdefault(_overhead_label(side), Spec("benchmarks.lab_worker", [*base, *side]))
     print(f"overheads: {', '.join(specs)}", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     rows = []
@@ -293,7 +348,7 @@ def compare_sides(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def compare_section(args, log_dir, peak_size, results) -> None:
     sides = compare_sides(args)
-    specs = {label: ("benchmarks.lab_worker", overrides, []) for label, overrides in sides.items()}
+    specs = {label: Spec("benchmarks.lab_worker", overrides) for label, overrides in sides.items()}
     print(f"compare: {' against '.join(specs)}", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     a, b = series.values()
@@ -310,7 +365,7 @@ def compare_section(args, log_dir, peak_size, results) -> None:
 
 
 def scaling_section(args, log_dir, peak_size, results) -> None:
-    specs = {name: ("benchmarks.lab_worker", [*VARIANTS["grpo"], *extra], []) for name, extra in SCALING.items()}
+    specs = {name: Spec("benchmarks.lab_worker", [*VARIANTS["grpo"], *extra]) for name, extra in SCALING.items()}
     print(f"scaling: {', '.join(specs)}", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     base = series[next(iter(SCALING))]
@@ -332,7 +387,7 @@ def scaling_section(args, log_dir, peak_size, results) -> None:
 
 
 def profile_section(args, log_dir, peak_size, results) -> None:
-    specs = {"grpo, module timers": ("benchmarks.lab_worker", VARIANTS["grpo"], ["--profile"])}
+    specs = {"grpo, module timers": Spec("benchmarks.lab_worker", VARIANTS["grpo"], ["--profile"])}
     print("profile: grpo with module timers", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     steps = series["grpo, module timers"].steps
@@ -351,12 +406,14 @@ def profile_section(args, log_dir, peak_size, results) -> None:
         rows.append(row)
     print("\n## Where grpo's step goes (self time per part, median of timed steps; s)\n")
     print(markdown_table(["part", "rollout", "share", "scoring + training", "share"], rows))
-    print("\nEverything else: generate's loop and sampling in the rollout; the objective, metrics and minibatch "
-          "assembly in scoring + training.")
+    print("\nEverything else: in the rollout, the sampling loop (generate's per-token bookkeeping, logits processors "
+          "and sampling, the engine's hooks); in scoring + training, the objective, metrics and minibatch assembly.")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny",
+                        help="tiny: the TRL peer benchmark's step; deep: the deep_long cell's (benchmarks.workload)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration before those")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads everywhere (0: default)")
@@ -368,6 +425,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--profile", action="store_true", help="self time per part of the model, grpo")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
                         help='A / B: two sets of space-separated overrides on top of grpo ("" = grpo itself)')
+    parser.add_argument("--baseline", metavar="REVISION",
+                        help="also step the main section's loops at this commit of the clone (e.g. main), side by side")
     parser.add_argument("--all", action="store_true", help="every section")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra Hydra override for every configuration (repeatable), e.g. model.num_experts=8")
@@ -385,10 +444,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             import trl  # noqa: F401
         except ImportError:
             parser.error("--vs-trl needs TRL: pip install -e '.[bench]' (trl, datasets, accelerate)")
+    if args.baseline is not None:
+        known = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "--verify", "--quiet",
+                                f"{args.baseline}^{{commit}}"], capture_output=True)
+        if known.returncode != 0:
+            parser.error(f"--baseline {args.baseline!r} is not a commit of the clone at {PROJECT_ROOT} (git rev-parse)")
     # A bad override fails here, before any worker starts.
     for overrides in [[], *(compare_sides(args).values() if args.compare else [])]:
         try:
-            compose_workload([*args.override, *overrides])
+            compose_workload([*args.override, *overrides], args.workload)
         except (HydraException, OmegaConfBaseException) as error:
             parser.error(f"bad override in {' '.join([*args.override, *overrides])!r}: {error}")
     if args.threads:
@@ -396,15 +460,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     info = machine()
     print(f"# benchmarks.rl_step on {info['cpu']} ({info['cores']} cores), torch {info['torch']}, transformers "
           f"{info['transformers']}, {info['torch_threads']} torch threads, load {info['load_1min']:.1f}")
-    print(f"workload: {' '.join(BENCH_TINY + args.override)}; {args.warmup} warm-up + {args.steps} timed steps each")
+    print(f"workload bench-{args.workload}: {' '.join(WORKLOADS[args.workload] + args.override)}; {args.warmup} warm-up + "
+          f"{args.steps} timed steps each")
     peak_size, peak, rates = matmul_peak()
     print("fp32 matmul: " + ", ".join(f"{n}: {r:.0f}" for n, r in rates.items()) + f" GFLOP/s (peak at {peak_size})")
     results: dict[str, Any] = {"machine": info, "matmul_gflops": rates, "argv": sys.argv[1:] if argv is None else argv,
-                               "main": {}, "vs_trl": {}, "overheads": {}, "scaling": {}, "profile": {}, "compare": {}}
+                               "workload": args.workload, "main": {}, "vs_trl": {}, "vs_baseline": {}, "overheads": {},
+                               "scaling": {}, "profile": {}, "compare": {}}
     with tempfile.TemporaryDirectory(prefix="bench_logs_") as scratch:
         log_dir = args.log_dir or Path(scratch)
         log_dir.mkdir(parents=True, exist_ok=True)
-        main_section(args, log_dir, peak_size, results)
+        baseline = export_revision(args.baseline, Path(scratch) / "baseline") if args.baseline else None
+        main_section(args, log_dir, peak_size, results, baseline)
         if args.compare:
             compare_section(args, log_dir, peak_size, results)
         if args.overheads:

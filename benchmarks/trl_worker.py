@@ -1,6 +1,6 @@
 """Worker process for the peer loop: TRL's `GRPOTrainer` on the same workload, one generation batch per "go".
 
-    python -m benchmarks.trl_worker --overrides '["algo=gspo"]' [--threads N]
+    python -m benchmarks.trl_worker --overrides '["algo=gspo"]' [--workload deep] [--threads N]
 
 Needs the optional `bench` extra (`pip install -e '.[bench]'`: trl, datasets, accelerate). The run is built
 from the same composed config as our loop (model, tokenizer, task prompts, batch geometry, learning rate, clip
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
-from benchmarks.workload import compose_workload  # noqa: E402
+from benchmarks.workload import WORKLOADS, compose_workload  # noqa: E402
 from experiments.tasks import build_task  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
 
@@ -118,6 +118,7 @@ class _Timers:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--overrides", default="[]", help="JSON list of Hydra overrides on top of the workload")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny", help="bench-tiny or bench-deep")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
     channel = Channel()
@@ -132,7 +133,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     # TRL runs the model as its users get it, as in the peer benchmark: transformers' default experts and attention.
     transformers_defaults = ["model.experts_implementation=grouped_mm", "model.attn_implementation=sdpa"]
-    cfg = compose_workload([*json.loads(args.overrides), *transformers_defaults])
+    cfg = compose_workload([*json.loads(args.overrides), *transformers_defaults], args.workload)
     model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
     dataset_cfg = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     task = build_task(dataset_cfg.pop("name"), **dataset_cfg)

@@ -51,8 +51,9 @@ class Worker:
     """The parent's side: start `python -m <module> <args>` and drive it one step at a time."""
 
     def __init__(self, label: str, module: str, args: list[str], log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
-        """`env`: variables set for this worker only, on top of the parent's (OpenMP's, say)."""
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+        """`env`: variables set for this worker only, on top of the parent's (OpenMP's, say). `cwd`: the directory
+        it starts in, whose packages `python -m` imports first (another commit's checkout; default: ours)."""
         self.label = label
         self.log_path = log_path
         self._log = open(log_path, "w", encoding="utf-8")
@@ -64,6 +65,7 @@ class Worker:
             text=True,
             bufsize=1,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         self.info = self._receive("ready")
 

@@ -1,10 +1,18 @@
-"""The benchmark workload ("bench-tiny"): the TRL peer benchmark's RL step, expressed as our Hydra config.
+"""The benchmark workloads: the TRL peer benchmark's RL step ("bench-tiny") and the lab's own ("bench-deep").
 
-One RL step: 32 addition prompts x 8 completions = 256 completions of exactly 16 new tokens (eos is banned before
+bench-tiny, one RL step: 32 addition prompts x 8 completions = 256 completions of exactly 16 new tokens (eos is banned before
 the budget: `fixed_length`, so every loop and every step does identical work), split into 4 minibatches of 64, one AdamW update each, on
 the 7.1 M-parameter random Qwen3-MoE of `conf/model/tiny_moe.yaml` (hidden 256, 4 MoE layers, 16 experts,
 top-2, expert width 128). The TRL worker builds its run from the same composed config, so both loops see the
 same model, tokenizer, prompts, batch geometry, learning rate and clip range.
+
+bench-deep, one RL step of the deep_long cell (`conf/experiment/deep_long.yaml` at the learning rate of its seeds,
+`deep_long_seeds.yaml`): qwen30b_l16 from its config with random weights (16 MoE layers, 128 experts top-8, hidden
+64, expert width 24), the scratchpad task, exactly 33 new tokens (the 32-token answer and its eos, the experiment's
+budget) held fixed as bench-tiny holds its 16, and the experiment's batch: 32 prompts x 8, 4 minibatches. Here 128
+narrow experts make per-expert dispatch, not arithmetic, the likely cost, where bench-tiny's 16 wide ones do not.
+It is written as bench-tiny's settings with these replaced (later overrides win), so that a worker of an older
+commit, which knows bench-tiny only, composes the same run when given the whole list as its overrides.
 """
 
 from __future__ import annotations
@@ -28,6 +36,16 @@ BENCH_TINY = [
     "logger.wandb.mode=disabled",
 ]
 
+BENCH_DEEP = [
+    *BENCH_TINY,
+    "model=qwen30b_l16",
+    "dataset=scratchpad",
+    "trainer.max_new_tokens=33",
+    "trainer.lr=3e-4",
+]
+
+WORKLOADS = {"tiny": BENCH_TINY, "deep": BENCH_DEEP}
+
 # The loops the issue asks for, as overrides on top of the workload.
 VARIANTS = {
     "grpo": ["algo=grpo"],
@@ -42,8 +60,11 @@ def fixed_length(trainer) -> None:
     trainer.engine.min_new_tokens = trainer.cfg.trainer.max_new_tokens
 
 
-def compose_workload(overrides: list[str]) -> DictConfig:
-    """The training config of the workload with `overrides` applied last (later overrides win)."""
+def compose_workload(overrides: list[str], workload: str = "tiny") -> DictConfig:
+    """The training config of `workload` (a key of `WORKLOADS`) with `overrides` applied last (later overrides
+    win)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r} is not one of {list(WORKLOADS)}")
     register_configs()  # the typed schemas the yaml files extend
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=[*BENCH_TINY, *overrides])
+        return compose("train", overrides=[*WORKLOADS[workload], *overrides])

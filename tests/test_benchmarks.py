@@ -166,6 +166,41 @@ def test_cli_refuses_bad_counts():
         rl_step.main(["--steps", "0"])
 
 
+def test_bench_deep_is_the_deep_long_cell_and_composes_alike_on_top_of_bench_tiny():
+    from benchmarks.workload import BENCH_DEEP
+
+    deep = compose_workload([], "deep")
+    model, t = deep.model, deep.trainer
+    assert (model.name, model.num_hidden_layers, model.num_experts, model.num_experts_per_tok) == ("qwen30b_l16", 16, 128, 8)
+    assert model.hidden_size == 64 and model.path is None, "random weights from the config, as bench-tiny's"
+    assert deep.dataset.name == "scratchpad" and t.max_new_tokens == 33 and t.lr == 3e-4
+    assert (t.prompts_per_step, t.group_size, t.minibatches) == (32, 8, 4)
+    # What a worker of an older commit composes: its bench-tiny, then the whole of bench-deep as overrides.
+    assert compose_workload(BENCH_DEEP, "tiny") == deep
+    with pytest.raises(ValueError, match="workload 'huge' is not one of"):
+        compose_workload([], "huge")
+
+
+def test_baseline_steps_the_loop_of_another_commit_beside_ours(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--variants", "grpo", "--baseline", "HEAD", "--steps", "2", "--warmup", "0", "--threads", "1",
+            "--json-out", str(out)]
+    for override in MICRO_OVERRIDES:
+        args += ["--override", override]
+    rl_step.main(args)
+    assert "## Ours / ours at HEAD, same work, stepped alternately" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    ours, theirs = result["main"]["ours grpo"]["steps"], result["main"]["ours grpo at HEAD"]["steps"]
+    assert [step["tokens"] for step in theirs] == [4 * 4 * 4] * 2, "the same work, composed by the other checkout"
+    assert result["vs_baseline"]["grpo"] == [a["seconds"] / b["seconds"] for a, b in zip(ours, theirs)]
+
+
+def test_cli_refuses_a_baseline_that_is_no_commit(capsys):
+    with pytest.raises(SystemExit):
+        rl_step.main(["--baseline", "no-such-revision"])
+    assert "--baseline 'no-such-revision' is not a commit" in capsys.readouterr().err
+
+
 def test_trl_settings_reproduce_our_step():
     pytest.importorskip("trl")
     from benchmarks.trl_worker import trl_arguments
