@@ -58,7 +58,7 @@ class Worker:
         self.log_path = log_path
         self._log = open(log_path, "w", encoding="utf-8")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [os.path.abspath(sys.executable), "-m", module, *args],  # absolute: the worker may start in another checkout
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
