@@ -90,12 +90,12 @@ def run_case(overrides: list[str], ranks: Ranks) -> dict:
     grads: dict[str, torch.Tensor] = {}
     apply = trainer._apply
 
-    def first_grads(finite: bool, update: int) -> None:
+    def first_grads(finite: bool, update: int, *between_updates) -> dict[str, float]:
         if not grads:
             for name, param in trainer.model.named_parameters():
                 grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
                 grads[name] = grad.detach().clone()
-        apply(finite, update)
+        return apply(finite, update, *between_updates)
 
     trainer._apply = first_grads
     metrics = [trainer.update(mb, old_policy) for mb, old_policy in zip(minibatches, old)]
