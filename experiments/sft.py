@@ -170,7 +170,7 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     share = loads / loads.sum(dim=-1, keepdim=True)
     experts = share.shape[-1]
     entropy = -(share * share.clamp_min(1e-30).log()).sum(dim=-1) / math.log(experts)
-    stats = router_fragility(routers, SMALL_MARGIN)
+    stats, _ = router_fragility(routers, SMALL_MARGIN)
     return {
         "load_entropy": float(entropy.mean()),
         "load_max_over_mean": float((share.max(dim=-1).values * experts).mean()),

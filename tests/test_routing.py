@@ -244,7 +244,7 @@ def test_router_fragility_by_hand():
     # one layer, two tokens, 4 experts, top-2; the second token is padding (weight 0)
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0]])
     router = SimpleNamespace(top_k=2)  # a softmax-family router: no selection bias
-    stats = router_fragility(RouterCalls([(router, logits)], torch.tensor([[1.0, 0.0]])), margin=0.1)
+    stats, _ = router_fragility(RouterCalls([(router, logits)], torch.tensor([[1.0, 0.0]])), margin=0.1)
     p = torch.softmax(logits[0], -1)
     assert stats[TOPK_MASS] == pytest.approx(float(p[0] + p[1]))
     assert stats[MARGIN] == pytest.approx(float(p[1] - p[2]))

@@ -60,6 +60,9 @@ class Scores:
     aux_loss: torch.Tensor | None
     routes: RoutingTrace | None = None  # recorded routing; under replay, the router's own top-k (`[L, N, P+T-1, K]`)
     router_stats: dict[str, float] | None = None  # routing fragility and margins of this forward, when requested
+    # With `router_stats`: each layer's `topk_margin` of every fed token and the tokens' weights (`[L, T]`, `[T]`),
+    # whose median no mean over ranks gives: the trainer gathers them (`margin_stats`).
+    router_margins: tuple[torch.Tensor, torch.Tensor] | None = None
     routers: RouterCalls | None = None  # the forward's router calls (logits with their graph), when asked
     aux_loss_value: float | None = None
     # With `score_replayed`: the current router's log-probability of each replayed expert (`[L, N, P+T-1, K]`).
@@ -153,7 +156,7 @@ def score_responses(
     if aux_loss:
         with contextlib.nullcontext() if aux_loss_grad else torch.no_grad():
             balance, value = global_balance_loss(forward, over_ranks)
-    stats = router_fragility(forward, fragile_margin) if fragile_margin is not None else None
+    stats, margins = router_fragility(forward, fragile_margin) if fragile_margin is not None else (None, None)
     routes = replayed_logprobs = None
     if replay is not None or record:
         routes = handle.router_choice if replay is not None else handle.trace
@@ -164,11 +167,12 @@ def score_responses(
         if layout is not None:
             replayed_logprobs = layout.unpack(replayed_logprobs, dim=1)
     return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats, aux_loss_value=value,
-                  replayed_logprobs=replayed_logprobs, routers=forward if routers else None)
+                  replayed_logprobs=replayed_logprobs, routers=forward if routers else None,
+                  router_margins=None if margins is None else (margins, forward.flat_weights))
 
 
 @torch.no_grad()
-def router_fragility(routers: RouterCalls, margin: float) -> dict[str, float]:
+def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, float], torch.Tensor]:
     """How decisive each MoE layer's routing is on the fed tokens (each weighted by `routers.weights`, 0 on padding),
     on the family's selection scores s (`models.routing.selection_scores`: softmax probabilities, or sigmoid + bias):
     `TOPK_MASS` the router's normalised score mass on its chosen experts (prime-rl's routing confidence), `MARGIN` the
@@ -178,7 +182,9 @@ def router_fragility(routers: RouterCalls, margin: float) -> dict[str, float]:
     probability gap shrinks with 1/E); and the scale-free `topk_margin` (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri
     issue #119, its weighted median (`TOPK_MARGIN_MEDIAN`), mean and share below `models.routing.SMALL_MARGIN`
     (`TOPK_MARGIN_SMALL`). Each per layer and over layers: the means' mean, and for the scale-free margin its
-    statistics over every (token, layer) pair at once, as the anchors were measured (`metrics.per_layer`)."""
+    statistics over every (token, layer) pair at once, as the anchors were measured (`metrics.per_layer`).
+    Returns the statistics and the margins `[L, T]` of every fed token (`margin_stats` of them, with the tokens'
+    weights, is the margin's part of the statistics)."""
     w = routers.flat_weights
     total = w.sum().clamp(min=1e-12)
     by_layer = {TOPK_MASS: [], MARGIN: [], FRAGILE: [], LOGIT_MARGIN: []}
@@ -202,9 +208,20 @@ def router_fragility(routers: RouterCalls, margin: float) -> dict[str, float]:
         values = torch.stack(values).tolist()
         stats[name] = sum(values) / len(values)
         stats.update({per_layer(name, i): v for i, v in enumerate(values)})
-    counted = w > 0
-    summaries = [MarginSummary.of(layer[counted], w[counted]) for layer in margins]
-    pooled = MarginSummary.of(torch.cat([layer[counted] for layer in margins]), w[counted].repeat(len(margins)))
+    margins = torch.stack(margins)
+    stats.update(margin_stats(margins, w))
+    return stats, margins
+
+
+def margin_stats(margins: torch.Tensor, weights: torch.Tensor) -> dict[str, float]:
+    """The scale-free margin's weighted median, mean and share below `SMALL_MARGIN` (`models.routing.MarginSummary`)
+    of `margins [L, T]` under the tokens' `weights [T]` (0 on padding): per layer, and pooled over every (token,
+    layer) pair. A median is no mean of medians, so under data parallelism it is taken of every rank's tokens
+    gathered, never averaged over ranks."""
+    counted = weights > 0
+    summaries = [MarginSummary.of(layer[counted], weights[counted]) for layer in margins]
+    pooled = MarginSummary.of(margins[:, counted].reshape(-1), weights[counted].repeat(len(margins)))
+    stats = {}
     for name, part in ((TOPK_MARGIN_MEDIAN, "median"), (TOPK_MARGIN_MEAN, "mean"), (TOPK_MARGIN_SMALL, "small")):
         stats[name] = getattr(pooled, part)
         stats.update({per_layer(name, i): getattr(summary, part) for i, summary in enumerate(summaries)})

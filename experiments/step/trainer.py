@@ -54,7 +54,7 @@ from experiments.step.checks import check_run
 from experiments.step.engines import HFEngine, RolloutEngine, Samples
 from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout, PiOld, Replay
-from experiments.step.scoring import FED, Scores, score_responses
+from experiments.step.scoring import FED, Scores, margin_stats, score_responses
 from experiments.tasks import Example, Task
 from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
@@ -511,7 +511,11 @@ class RLTrainer:
         metrics[m.AUX_LOSS] = scores.aux_loss_value
         fed = reduce(float(mb.attention_mask[:, FED].sum()), self.ranks)  # the weight of each rank's fragility means
         mine = float(mb.attention_mask[:, FED].sum())
-        metrics.update({name: reduce(value * mine, self.ranks) / fed for name, value in scores.router_stats.items()})
+        margins, weights = scores.router_margins
+        margin = margin_stats(gather(margins, self.ranks, dim=1), gather(weights, self.ranks))  # medians: gathered
+        metrics.update({name: reduce(value * mine, self.ranks) / fed
+                        for name, value in scores.router_stats.items() if name not in margin})
+        metrics.update(margin)
         trainer_routes = own if self._forward_at_old(mb) else (traces(old.routes) if self.plan.pi_old == PiOld.decoupled else None)
         if mb.engine_routes is not None and trainer_routes is not None:
             metrics.update(m.routing_mismatch(traces(mb.engine_routes), trainer_routes, token_mask))
