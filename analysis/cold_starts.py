@@ -23,6 +23,7 @@ import matplotlib
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
+from analysis.statistics import accuracy_interval
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from experiments.run.rundir import make_writable_dir
 from experiments.step import metrics as m
@@ -57,6 +58,7 @@ def describe(run_dir: Path) -> dict:
         "model": cfg.model.name, "task": task, "layers": shape.get("num_hidden_layers"),
         "experts": shape.get("num_experts", shape.get("num_local_experts")), "top_k": shape.get("num_experts_per_tok"), "hidden": shape.get("hidden_size"),
         "params": params, "summary": summary, "batch": cfg.sft.batch_size, "lr": cfg.sft.lr, "curve": curve,
+        "eval_prompts": cfg.sft.eval_prompts,
     }
 
 
@@ -96,7 +98,7 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
 def report(rows: list[dict], out: Path, command: str) -> Path:
     lines = ["# Cold starts", "", f"Made with `{command}`.", "", "![cold starts](cold_starts.png)", "",
              "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | wall | "
-             "CPU | held-out greedy | stopped by | load entropy | max / mean load | top-k margin | weights sha256 | "
+             "CPU | held-out greedy [95% CI] | stopped by | load entropy | max / mean load | top-k margin | weights sha256 | "
              "CPU kernels |", "|" + "---|" * 18]
     for row in rows:
         s = row["summary"]
@@ -105,17 +107,21 @@ def report(rows: list[dict], out: Path, command: str) -> Path:
         cpu = f"{s['cpu_s'] / 60:.1f} min" if s.get("cpu_s") else "–"
         steps = f"{s['pretrain_steps']} + {s['steps'] - s['pretrain_steps']}" if s.get("pretrain_steps") else s["steps"]
         routing = s.get("routing") or {}
+        low, high = accuracy_interval(s['eval_greedy_accuracy'], row['eval_prompts'])
+        accuracy = f"{s['eval_greedy_accuracy']:.1%} [{low:.1%}, {high:.1%}]"
         profile = [f"{routing[key]:{form}}" if key in routing else "–" for key, form in
                    (("load_entropy", ".3f"), ("load_max_over_mean", ".2f"), (TOPK_MARGIN_MEDIAN, ".4f"))]
         lines.append(f"| {row['model']} | {row['task']} | {row['layers']} | {experts} | {row['hidden']} | {params} | "
                      f"{', '.join(s.get('routers') or []) or '–'} | {row['batch']}, {row['lr']:g} | {steps} | "
-                     f"{s['wall_s'] / 60:.1f} min | {cpu} | {s['eval_greedy_accuracy']:.1%} | "
+                     f"{s['wall_s'] / 60:.1f} min | {cpu} | {accuracy} | "
                      f"{s.get('stopped_by', '–')} | {' | '.join(profile)} | {_start(s)} |")
     lines += ["", "Wall time depends on what else shared the cores; CPU time is what the cold start cost. Every cold "
               "start runs on one thread (`sft.threads=1`) with the portable CPU kernels (`cpu_kernels=portable`: "
               "ATen's AVX2 kernels, MKL's COMPATIBLE branch; models/cpu_kernels.py), so its checkpoint is the same "
               "bits on any x86-64 machine with AVX2 and the same torch build, however many cores it has or how busy "
-              "they are: the weights' sha256 (its first 12 digits here) is what a run's `start_sha256` names."]
+              "they are: the weights' sha256 (its first 12 digits here) is what a run's `start_sha256` names. The "
+              "accuracy's interval is Wilson's over the SFT's held-out prompts (`sft.eval_prompts`): how far another "
+              "draw of as many prompts could move it."]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

@@ -167,3 +167,11 @@ def compare(arm: np.ndarray | list[float], baseline: np.ndarray | list[float]) -
         detectable=detectable_effect(len(arm), float(np.std(differences, ddof=1))),
         separates=difference.excludes(0.0) and p_value < ALPHA,
     )
+
+
+def accuracy_interval(accuracy: float, prompts: int, level: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of an accuracy measured on `prompts` prompts (each right or wrong): how far another
+    draw of as many prompts could move it. The interval of one evaluation, not of a comparison between runs."""
+    correct = round(accuracy * prompts)
+    interval = stats.binomtest(correct, prompts).proportion_ci(confidence_level=level, method="wilson")
+    return float(interval.low), float(interval.high)

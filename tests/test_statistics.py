@@ -89,3 +89,14 @@ def test_interquartile_means_appear_from_five_seeds_and_bad_input_is_refused():
         compare([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="finite"):
         compare([1.0, np.nan], [1.0, 2.0])
+
+
+def test_an_accuracys_interval_is_wilsons_and_narrows_with_more_prompts():
+    from analysis.statistics import accuracy_interval
+
+    low, high = accuracy_interval(0.5, 100)  # Wilson by hand: (0.5 + z²/200 ± z·sqrt(0.25/100 + z²/40000)) / (1 + z²/100)
+    z = 1.959964
+    centre, half = (0.5 + z * z / 200) / (1 + z * z / 100), z * (0.25 / 100 + z * z / 40000) ** 0.5 / (1 + z * z / 100)
+    assert (low, high) == pytest.approx((centre - half, centre + half), abs=1e-6)
+    wide, narrow = accuracy_interval(0.9, 50), accuracy_interval(0.9, 500)
+    assert wide[0] < narrow[0] < 0.9 < narrow[1] < wide[1] <= 1.0
