@@ -227,7 +227,7 @@ def _sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
             + _synthetic_note(runset), "", "The measures:", "", *definitions]
 
 
-def _comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str) -> list[str]:
+def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str) -> list[str]:
     """Every arm against the baseline arm, paired over shared seeds: the difference, its interval and the verdict."""
     if comparisons.empty:
         return []
@@ -314,7 +314,7 @@ def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, dro
         axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1]
         comparisons = agg.arm_comparisons(gains, reference, axes)
         comparisons.to_csv(out_dir / COMPARISONS_FILE, index=False)
-        lines += _comparison_section(comparisons, axes, reference) + [""]
+        lines += comparison_section(comparisons, axes, reference) + [""]
     lines += _stability_section(runset, table, last_n, drop, alpha)
     lines += [""] + _early_warning_section(runset, drop, alpha)
     report = out_dir / REPORT_FILE

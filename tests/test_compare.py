@@ -1,0 +1,115 @@
+"""`analysis.compare`: arms from several reports' per-seed tables are paired as one report pairs them, and tables
+that cannot pair (another start, the same arm and seed twice, other axes) are refused before anything is written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import aggregate as agg
+from analysis.compare import main, pool, write_comparison
+
+
+def per_seed(arm: str, gains: list[float], start: float = 0.5, prefix: str = "sweep", **axes) -> pd.DataFrame:
+    """A per-seed table as analysis.report writes it: one row per seed 0..n-1, every measure shifted alike."""
+    rows = [{"run": f"{prefix}/{i}_{arm}_s{i}", "arm": arm, "seed": i, **axes, "start": start, "end": start + gain,
+             "gain": gain, "gain_area": gain / 2, "split_start": start, "split_end": start + gain, "split_gain": gain,
+             "incomplete": False} for i, gain in enumerate(gains)]
+    return pd.DataFrame(rows)
+
+
+def write(tmp_path, name: str, table: pd.DataFrame):
+    path = tmp_path / name
+    path.mkdir()
+    table.to_csv(path / "per_seed.csv", index=False)
+    return path
+
+
+def test_arms_from_two_reports_pair_over_shared_seeds_as_one_report_pairs_them(tmp_path):
+    rng = np.random.default_rng(0)
+    baseline = rng.normal(0.0, 0.3, 10)
+    arm = baseline + rng.normal(0.2, 0.1, 10)
+    committed = write(tmp_path, "committed", pd.concat([per_seed("grpo", list(baseline)),
+                                                        per_seed("gspo", list(arm[:8]))]))  # gspo: 8 seeds only
+    new = write(tmp_path, "new", per_seed("grpo + r2", list(baseline - 0.3), prefix="other"))
+    out = tmp_path / "out"
+    main([str(committed), str(new / "per_seed.csv"), "--out", str(out)])
+    comparisons = pd.read_csv(out / "comparisons.csv")
+    gain = comparisons[comparisons["measure"] == "gain"].set_index("arm")
+    assert gain.loc["gspo", "seeds"] == 8 and gain.loc["grpo + r2", "seeds"] == 10
+    assert gain.loc["gspo", "difference_estimate"] == pytest.approx(float(np.mean(arm[:8] - baseline[:8])))
+    assert gain.loc["grpo + r2", "difference_estimate"] == pytest.approx(-0.3)
+    assert gain.loc["grpo + r2", "separates"]  # ten seeds all 0.3 below: the rule calls it
+    pooled = pd.read_csv(out / "per_seed.csv")
+    assert set(pooled["source"]) == {str(committed / "per_seed.csv"), str(new / "per_seed.csv")}
+    report = (out / "report.md").read_text()
+    assert "Each arm against grpo, paired over shared seeds" in report and "analysis.compare" in report
+
+
+def test_the_pooled_comparison_equals_the_one_report_of_the_same_runs(tmp_path):
+    """Splitting one report's table by arm into two files changes nothing in its comparisons."""
+    table = pd.concat([per_seed("grpo", [0.1, -0.2, 0.3, 0.0, 0.05, -0.1]),
+                       per_seed("gspo", [0.2, 0.0, 0.25, 0.1, 0.2, 0.0])])
+    table["seed"] = table["seed"].astype(str)
+    whole = agg.arm_comparisons(table, "grpo", [])
+    rows, axes = pool_from(tmp_path, table[table["arm"] == "grpo"], table[table["arm"] == "gspo"])
+    split = agg.arm_comparisons(rows, "grpo", axes)
+    pd.testing.assert_frame_equal(whole, split)
+
+
+def pool_from(folder, *tables: pd.DataFrame):
+    paths = [folder / f"{i}.csv" for i in range(len(tables))]
+    for path, table in zip(paths, tables):
+        table.to_csv(path, index=False)
+    return pool(paths)
+
+
+def test_runs_that_did_not_start_alike_are_refused_naming_both(tmp_path, capsys):
+    ours = write(tmp_path, "ours", per_seed("grpo", [0.1, 0.2, 0.3], start=0.515625))
+    theirs = write(tmp_path, "theirs", per_seed("gspo", [0.1, 0.2, 0.3], start=0.79, prefix="outside"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(ours), str(theirs), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "did not start from the same checkpoint" in err and "0.5156" in err and "0.7900" in err
+    assert "outside/0_gspo_s0" in err and not (tmp_path / "out").exists()
+
+
+def test_the_same_arm_and_seed_twice_is_refused(tmp_path, capsys):
+    first = write(tmp_path, "a", per_seed("grpo", [0.1, 0.2]))
+    again = write(tmp_path, "b", per_seed("grpo", [0.1, 0.25], prefix="rerun"))
+    with pytest.raises(SystemExit):
+        main([str(first), str(again), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "arm 'grpo' seed 0 has more than one run" in err and "rerun/0_grpo_s0" in err
+
+
+def test_tables_of_other_axes_and_files_that_are_not_tables_are_refused(tmp_path, capsys):
+    flat = write(tmp_path, "flat", per_seed("grpo", [0.1, 0.2]))
+    swept = write(tmp_path, "swept", per_seed("gspo", [0.1, 0.2], **{"routing.flip_rate": 0.1}))
+    with pytest.raises(SystemExit):
+        main([str(flat), str(swept), "--out", str(tmp_path / "out")])
+    assert "sweeps ['routing.flip_rate'] but" in capsys.readouterr().err
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "other.csv"), "--out", str(tmp_path / "out")])
+    assert "is not a per-seed table" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert "missing does not exist: give a report folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(flat), "--baseline", "gspo", "--out", str(tmp_path / "out")])
+    assert "--baseline 'gspo' is not an arm" in capsys.readouterr().err
+
+
+def test_cells_of_a_swept_axis_are_compared_apart(tmp_path):
+    table = pd.concat([per_seed(arm, gains, **{"routing.flip_rate": rate})
+                       for rate, offset in ((0.0, 0.0), (0.2, 0.5))
+                       for arm, gains in (("grpo", [0.0, 0.1, 0.2]), ("gspo", [offset, 0.1 + offset, 0.2 + offset]))])
+    rows, axes = pool_from(tmp_path, table)
+    assert axes == ["routing.flip_rate"]
+    write_comparison(rows, axes, None, tmp_path / "out")
+    comparisons = pd.read_csv(tmp_path / "out" / "comparisons.csv")
+    gain = comparisons[comparisons["measure"] == "gain"].set_index("routing.flip_rate")["difference_estimate"]
+    assert gain[0.0] == pytest.approx(0.0) and gain[0.2] == pytest.approx(0.5)
