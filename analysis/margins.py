@@ -7,7 +7,9 @@ selection scores, the scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1
 MoE layer (`experiments.sft.routing_profile`): its median and mean over tokens and layers, the share of tokens below
 0.01, and the expert-load entropy and max load / mean load. The anchor of a softmax-family checkpoint is
 Qwen3.6-35B-A3B's 0.0188, of a sigmoid-family one GLM-5.2's 0.0114 (medians over tokens and layers, colibri issue
-#119; `models.routing.MARGIN_ANCHORS`); `median / anchor` is within 2x of it between 0.5 and 2. The task is the one
+#119; `models.routing.MARGIN_ANCHORS`). The verdict comes from the median's 95% interval over draws of as many
+held-out sequences (`models.routing.median_interval`): "within 2x" when the whole interval over the anchor lies in
+[0.5, 2], "outside 2x" when none of it does, else "undecided" (measure more prompts). The task is the one
 the cold start trained on (its `cold_start.json`), else `--dataset`. Writes `report.md` and `margins.json` into
 --out. Exit code 2 and one `error:` line on bad input.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.run.rundir import make_writable_dir
-from experiments.sft import routing_profile
+from experiments.sft import MEDIAN_INTERVAL, routing_profile
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
 from experiments.tasks import build_task
 from models.policy import ModelConfig, build_policy
@@ -58,8 +60,19 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
         "anchor": anchor_name,
         "anchor_margin": anchor,
         "median_over_anchor": profile[TOPK_MARGIN_MEDIAN] / anchor,
+        "median_over_anchor_interval": [bound / anchor for bound in profile[MEDIAN_INTERVAL]],
         **profile,
     }
+
+
+def within_two_fold(interval: Sequence[float]) -> str:
+    """The verdict on a median / anchor interval: within 2x, outside 2x, or undecided when it straddles a bound."""
+    low, high = interval
+    if 0.5 <= low and high <= 2:
+        return "within 2x"
+    if high < 0.5 or low > 2:
+        return "outside 2x"
+    return "undecided"
 
 
 def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
@@ -68,15 +81,19 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
              f"The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest selection scores "
              f"(softmax probabilities; sigmoid + bias), over tokens and layers of the held-out demonstrations. "
              f"Anchors (colibri issue #119, medians over tokens and layers): {softmax_name} {softmax}, {sigmoid_name} "
-             f"{sigmoid}; within 2x of its family's anchor: median / anchor between 0.5 and 2.", "",
-             "| checkpoint | family | MoE layers | experts / top-k | task (prompts) | margin median | mean | share < 0.01 "
-             "| median / anchor | load entropy | max / mean load |", "|" + "---|" * 11]
+             f"{sigmoid}. Brackets: the 95% interval over draws of as many held-out sequences (a bootstrap that resamples "
+             "whole sequences; models.routing.median_interval). Within 2x of its family's anchor when the whole "
+             "interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided.", "",
+             "| checkpoint | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] | mean "
+             "| share < 0.01 | median / anchor [95% CI] | load entropy | max / mean load |", "|" + "---|" * 11]
     for row in rows:
-        within = "within 2x" if 0.5 <= row["median_over_anchor"] <= 2 else "outside 2x"
+        (low, high), (over_low, over_high) = row[MEDIAN_INTERVAL], row["median_over_anchor_interval"]
         lines.append(f"| {Path(row['checkpoint']).name} | {row['family']} | {row['layers']} | {row['experts']} / "
-                     f"{row['top_k']} | {row['task']} ({row['prompts']}) | {row[TOPK_MARGIN_MEDIAN]:.4f} | "
-                     f"{row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | {row['median_over_anchor']:.2f} "
-                     f"({within}) | {row['load_entropy']:.3f} | {row['load_max_over_mean']:.2f} |")
+                     f"{row['top_k']} | {row['task']} ({row['prompts']}) | {row[TOPK_MARGIN_MEDIAN]:.4f} "
+                     f"[{low:.4f}, {high:.4f}] | {row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | "
+                     f"{row['median_over_anchor']:.2f} [{over_low:.2f}, {over_high:.2f}] "
+                     f"({within_two_fold(row['median_over_anchor_interval'])}) | {row['load_entropy']:.3f} | "
+                     f"{row['load_max_over_mean']:.2f} |")
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "margins.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")

@@ -50,13 +50,13 @@ from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_
 from experiments.step.checks import check_device, check_training_dtype, longest_tokens, unknown_keys
 from experiments.step.engines import HFEngine
 from experiments.step.optimizer import lr_lambda
-from experiments.step.scoring import position_ids, router_fragility
+from experiments.step.scoring import margin_stats, position_ids, router_fragility
 from experiments.step.trainer import evaluate
 from experiments.tasks import Example, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError, Diverged
-from models.routing import SMALL_MARGIN, RouterCalls, chosen, find_routers, router_calls
+from models.routing import SMALL_MARGIN, RouterCalls, chosen, find_routers, median_interval, router_calls
 
 register_configs()
 
@@ -145,6 +145,9 @@ def mixture_batch(mixture: list[list[Example]], size: int, generator: torch.Gene
 
 
 PROFILE = ("load_entropy", "load_max_over_mean", TOPK_MARGIN_MEDIAN, TOPK_MARGIN_MEAN, TOPK_MARGIN_SMALL)
+# The pooled median margin's 95% interval: how far another draw of as many held-out sequences could move it
+# (`models.routing.median_interval`, resampling sequences).
+MEDIAN_INTERVAL = "topk_margin_median_interval"
 
 
 @torch.no_grad()
@@ -154,8 +157,9 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     MoE layer the expert loads of the routers' own top-k, their entropy over log E (`load_entropy`: 1 when every
     expert carries the same load) and the largest load over the mean (`load_max_over_mean`: 1 when balanced),
     each the mean over layers; and the scale-free margin at the top-k cut (`models.routing.topk_margin` on the
-    family's selection scores: median, mean and share below 0.01 over tokens and layers, and the median per layer),
-    what the anchors of real checkpoints measure (`models.routing.MARGIN_ANCHORS`). None for a dense model."""
+    family's selection scores: median, mean and share below 0.01 over tokens and layers, the median's 95% interval
+    over draws of the sequences (`MEDIAN_INTERVAL`), and the median per layer), what the anchors of real checkpoints
+    measure (`models.routing.MARGIN_ANCHORS`). None for a dense model."""
     if not find_routers(model):
         return None
     model.eval()
@@ -170,11 +174,15 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     share = loads / loads.sum(dim=-1, keepdim=True)
     experts = share.shape[-1]
     entropy = -(share * share.clamp_min(1e-30).log()).sum(dim=-1) / math.log(experts)
-    stats, _ = router_fragility(routers, SMALL_MARGIN)
+    stats, margins = router_fragility(routers, SMALL_MARGIN)
+    stats.update(margin_stats(margins, w))
+    sequence = torch.arange(attention_mask.shape[0]).repeat_interleave(attention_mask.shape[1]).to(w.device)
+    layers = len(margins)
     return {
         "load_entropy": float(entropy.mean()),
         "load_max_over_mean": float((share.max(dim=-1).values * experts).mean()),
         **{name: stats[name] for name in PROFILE[2:]},
+        MEDIAN_INTERVAL: list(median_interval(margins.reshape(-1), w.repeat(layers), sequence.repeat(layers))),
         "topk_margin_median_per_layer": [stats[per_layer(TOPK_MARGIN_MEDIAN, i)] for i in range(len(calls))],
     }
 

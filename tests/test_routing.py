@@ -17,6 +17,7 @@ from models.moe_backend import apply_moe_backend
 from models.routing import (
     MARGIN_ANCHORS, NO_ROUTE, MarginSummary, RouterCalls, RoutingTrace, find_routers, record_routing, replay_routing,
     replayed_gate_weights, route, router_logprobs, routing_drift, selection_scores, topk_margin, weighted_median,
+    median_interval,
 )
 
 
@@ -239,12 +240,15 @@ def test_mismatched_trace_is_refused(micro_policy, mutate, message):
 def test_router_fragility_by_hand():
     import math
 
-    from experiments.step.scoring import router_fragility
+    from experiments.step.scoring import margin_stats, router_fragility
 
     # one layer, two tokens, 4 experts, top-2; the second token is padding (weight 0)
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0]])
     router = SimpleNamespace(top_k=2)  # a softmax-family router: no selection bias
-    stats, _ = router_fragility(RouterCalls([(router, logits)], torch.tensor([[1.0, 0.0]])), margin=0.1)
+    routers = RouterCalls([(router, logits)], torch.tensor([[1.0, 0.0]]))
+    stats, margins = router_fragility(routers, margin=0.1)
+    assert TOPK_MARGIN_MEDIAN not in stats  # a median is the caller's, once it holds every token (margin_stats)
+    stats.update(margin_stats(margins, routers.flat_weights))
     p = torch.softmax(logits[0], -1)
     assert stats[TOPK_MASS] == pytest.approx(float(p[0] + p[1]))
     assert stats[MARGIN] == pytest.approx(float(p[1] - p[2]))
@@ -279,6 +283,29 @@ def test_topk_margin_on_hand_made_scores():
         topk_margin(scores[:, :2], k=2)
     with pytest.raises(ValueError, match="3 allowed experts per token"):
         topk_margin(torch.tensor([[0.9, 0.8, -math.inf, -math.inf]]), k=2)
+
+
+def test_the_median_interval_covers_the_true_median_when_tokens_of_a_sequence_move_together():
+    """Sequences draw a shared offset and their tokens little noise around it (as a sequence's routes do): resampling
+    whole sequences covers the population median (0) about 95% of the time; resampling tokens as if independent is
+    far too narrow, which is why the margin's interval resamples sequences."""
+    generator = torch.Generator().manual_seed(0)
+    sequences, tokens = 40, 10
+    groups = torch.arange(sequences).repeat_interleave(tokens)
+    weights = torch.ones(sequences * tokens)
+    covered = {"sequences": 0, "tokens": 0}
+    for trial in range(100):
+        values = (torch.randn(sequences, generator=generator).repeat_interleave(tokens)
+                  + 0.1 * torch.randn(sequences * tokens, generator=generator))
+        for name, unit in (("sequences", groups), ("tokens", torch.arange(sequences * tokens))):
+            low, high = median_interval(values, weights, unit, resamples=400, seed=trial)
+            assert low <= weighted_median(values, weights) <= high
+            covered[name] += low <= 0.0 <= high
+    assert covered["sequences"] >= 88 and covered["tokens"] <= 70
+    padded = torch.cat([torch.ones(4), torch.zeros(4)])  # weight-0 tokens never become the median
+    assert median_interval(torch.cat([torch.full((4,), 2.0), torch.zeros(4)]), padded, torch.arange(8)) == (2.0, 2.0)
+    with pytest.raises(ValueError, match="level=1.5 must lie in"):
+        median_interval(torch.ones(2), torch.ones(2), torch.arange(2), level=1.5)
 
 
 def _sigmoid_router(bias, groups=2, kept=1):

@@ -133,7 +133,7 @@ def test_bad_cold_start_settings_are_refused_in_one_line(tmp_path, overrides, me
 def test_the_margin_table_holds_each_checkpoint_against_its_familys_anchor(tmp_path):
     """A cold start (its task from cold_start.json) and a checkpoint without one (--dataset), softmax and sigmoid
     families: each row's median over its family's anchor, and one error line for a directory that is not one."""
-    from analysis.margins import main as margins
+    from analysis.margins import main as margins, within_two_fold
 
     with pytest.warns(UserWarning, match="below sft.target_accuracy"):
         cold_start(_sft_config(tmp_path, "sft.max_steps=2", "dataset=sorting", "dataset.train_size=200"),
@@ -148,7 +148,13 @@ def test_the_margin_table_holds_each_checkpoint_against_its_familys_anchor(tmp_p
     assert [row["anchor_margin"] for row in rows] == [0.0188, 0.0114]
     for row in rows:
         assert row["median_over_anchor"] == pytest.approx(row[TOPK_MARGIN_MEDIAN] / row["anchor_margin"])
+        low, high = row["topk_margin_median_interval"]
+        assert low <= row[TOPK_MARGIN_MEDIAN] <= high
+        assert row["median_over_anchor_interval"] == pytest.approx([low / row["anchor_margin"],
+                                                                     high / row["anchor_margin"]])
     table = (tmp_path / "table" / "report.md").read_text()
+    assert [within_two_fold(interval) for interval in ([0.6, 1.9], [2.1, 3.0], [0.4, 0.6])] == \
+        ["within 2x", "outside 2x", "undecided"]
     assert "| ckpt | qwen3_moe (softmax) | 2 | 8 / 2 |" in table and "| glm | glm4_moe (sigmoid + bias) |" in table
     with pytest.raises(SystemExit) as raised:
         margins([str(tmp_path / "nope"), "--out", str(tmp_path / "table")])

@@ -59,9 +59,9 @@ class Scores:
     # the gradient when the counts are summed over ranks), `aux_loss_value` its value over the whole batch.
     aux_loss: torch.Tensor | None
     routes: RoutingTrace | None = None  # recorded routing; under replay, the router's own top-k (`[L, N, P+T-1, K]`)
-    router_stats: dict[str, float] | None = None  # routing fragility and margins of this forward, when requested
+    router_stats: dict[str, float] | None = None  # this forward's per-token means of routing fragility, when requested
     # With `router_stats`: each layer's `topk_margin` of every fed token and the tokens' weights (`[L, T]`, `[T]`),
-    # whose median no mean over ranks gives: the trainer gathers them (`margin_stats`).
+    # whose median no mean over ranks gives: the trainer gathers them before `margin_stats`.
     router_margins: tuple[torch.Tensor, torch.Tensor] | None = None
     routers: RouterCalls | None = None  # the forward's router calls (logits with their graph), when asked
     aux_loss_value: float | None = None
@@ -180,11 +180,9 @@ def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, flo
     route), `FRAGILE` the share of tokens whose gap is below `margin`; `LOGIT_MARGIN`, the gap between the router
     logits of those two experts (softmax family: log(p_k / p_(k+1)), comparable across expert counts where a
     probability gap shrinks with 1/E); and the scale-free `topk_margin` (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri
-    issue #119, its weighted median (`TOPK_MARGIN_MEDIAN`), mean and share below `models.routing.SMALL_MARGIN`
-    (`TOPK_MARGIN_SMALL`). Each per layer and over layers: the means' mean, and for the scale-free margin its
-    statistics over every (token, layer) pair at once, as the anchors were measured (`metrics.per_layer`).
-    Returns the statistics and the margins `[L, T]` of every fed token (`margin_stats` of them, with the tokens'
-    weights, is the margin's part of the statistics)."""
+    issue #119 per token. Each mean per layer and over layers (the layers' mean; `metrics.per_layer`).
+    Returns the means and the scale-free margins `[L, T]` of every fed token: their statistics are a median, which no
+    mean over ranks gives, so the caller takes them (`margin_stats`) once it holds every token it reports on."""
     w = routers.flat_weights
     total = w.sum().clamp(min=1e-12)
     by_layer = {TOPK_MASS: [], MARGIN: [], FRAGILE: [], LOGIT_MARGIN: []}
@@ -208,15 +206,13 @@ def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, flo
         values = torch.stack(values).tolist()
         stats[name] = sum(values) / len(values)
         stats.update({per_layer(name, i): v for i, v in enumerate(values)})
-    margins = torch.stack(margins)
-    stats.update(margin_stats(margins, w))
-    return stats, margins
+    return stats, torch.stack(margins)
 
 
 def margin_stats(margins: torch.Tensor, weights: torch.Tensor) -> dict[str, float]:
-    """The scale-free margin's weighted median, mean and share below `SMALL_MARGIN` (`models.routing.MarginSummary`)
-    of `margins [L, T]` under the tokens' `weights [T]` (0 on padding): per layer, and pooled over every (token,
-    layer) pair. A median is no mean of medians, so under data parallelism it is taken of every rank's tokens
+    """The scale-free margin's weighted median (`TOPK_MARGIN_MEDIAN`), mean and share below `SMALL_MARGIN`
+    (`TOPK_MARGIN_SMALL`; `models.routing.MarginSummary`) of `margins [L, T]` under the tokens' `weights [T]` (0 on padding): per layer, and pooled over every (token,
+    layer) pair, as the anchors were measured. A median is no mean of medians, so under data parallelism it is taken of every rank's tokens
     gathered, never averaged over ranks."""
     counted = weights > 0
     summaries = [MarginSummary.of(layer[counted], weights[counted]) for layer in margins]

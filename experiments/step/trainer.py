@@ -513,8 +513,7 @@ class RLTrainer:
         mine = float(mb.attention_mask[:, FED].sum())
         margins, weights = scores.router_margins
         margin = margin_stats(gather(margins, self.ranks, dim=1), gather(weights, self.ranks))  # medians: gathered
-        metrics.update({name: reduce(value * mine, self.ranks) / fed
-                        for name, value in scores.router_stats.items() if name not in margin})
+        metrics.update({name: reduce(value * mine, self.ranks) / fed for name, value in scores.router_stats.items()})
         metrics.update(margin)
         trainer_routes = own if self._forward_at_old(mb) else (traces(old.routes) if self.plan.pi_old == PiOld.decoupled else None)
         if mb.engine_routes is not None and trainer_routes is not None:
