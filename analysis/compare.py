@@ -1,8 +1,12 @@
 """`python -m analysis.compare`: arms compared from the per-seed tables of several reports, without their logs.
 
-    python -m analysis.compare REPORT_OR_CSV... [--baseline ARM] --out DIR
+    python -m analysis.compare REPORT_OR_CSV[:ARM[=NAME],...]... [--baseline ARM] --out DIR
+    python -m analysis.compare docs/results/deep_long_seeds:gspo reports/confound_step:grpo=grpo-lr2.7e-4 \
+        --baseline grpo-lr2.7e-4 --out reports/gspo_vs_matched_grpo
 
-Each input is a report folder (its `per_seed.csv`) or a per-seed CSV that `analysis.report` wrote. Their rows are
+Each input is a report folder (its `per_seed.csv`) or a per-seed CSV that `analysis.report` wrote, optionally
+followed by the arms to take from it, each renamed where `=NAME` says (two inputs holding one arm name under
+different settings, GRPO at two learning rates say, are told apart by renaming one). Their rows are
 pooled and every arm is compared with the baseline arm exactly as a report compares the arms of one sweep
 (`aggregate.arm_comparisons`: paired over shared seeds, per cell of the swept axes and per gain measure). This is
 how arms run in different sweeps, sessions or machines meet — a new arm against a committed result, an outside
@@ -20,6 +24,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -29,6 +34,25 @@ from experiments.run.rundir import make_writable_dir
 
 START_TOLERANCE = 1e-9  # starts are the same evaluation of the same weights: equal up to the CSV's printing
 _LEADING = ["run", "arm", "seed"]  # a per-seed table's first columns; the swept axes follow, then "start"
+
+
+class Source(NamedTuple):
+    """One input: its per-seed table and the arms taken from it (`{arm: name}`; empty: every arm, as named)."""
+
+    path: Path
+    arms: dict[str, str]
+
+    @classmethod
+    def parse(cls, text: str) -> "Source":
+        """`PATH` or `PATH:ARM[=NAME],...`; a folder is a report's (its per-seed table)."""
+        path, colon, picks = text.rpartition(":")
+        if not colon or "/" in picks:
+            path, picks = text, ""
+        arms = {}
+        for pick in filter(None, picks.split(",")):
+            arm, _, name = pick.partition("=")
+            arms[arm] = name or arm
+        return cls(_per_seed_file(Path(path)), arms)
 
 
 def _per_seed_file(path: Path) -> Path:
@@ -52,15 +76,23 @@ def read_per_seed(path: Path) -> tuple[pd.DataFrame, list[str]]:
     return table, columns[3:columns.index("start")]
 
 
-def pool(paths: Sequence[Path]) -> tuple[pd.DataFrame, list[str]]:
-    """The rows of every per-seed table, with `source`, checked to pair: see the module's docstring."""
+def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str]]:
+    """The rows of every per-seed table (the arms each source names, renamed), with `source`, checked to pair: see
+    the module's docstring."""
     tables, axes = [], None
-    for path in paths:
+    sources = [source if isinstance(source, Source) else Source(source, {}) for source in sources]
+    for path, arms in sources:
         table, own_axes = read_per_seed(path)
         if axes is not None and set(own_axes) != set(axes):
-            raise ValueError(f"{path} sweeps {own_axes or 'no axis'} but {paths[0]} sweeps {axes or 'no axis'}: "
-                             "arms pair only within one cell of the same axes")
+            raise ValueError(f"{path} sweeps {own_axes or 'no axis'} but {sources[0].path} sweeps "
+                             f"{axes or 'no axis'}: arms pair only within one cell of the same axes")
         axes = own_axes
+        if arms:
+            absent = sorted(set(arms) - set(table["arm"]))
+            if absent:
+                raise ValueError(f"{path} has no arm {', '.join(map(repr, absent))}; its arms: "
+                                 f"{', '.join(sorted(set(table['arm'])))}")
+            table = table[table["arm"].isin(arms)].assign(arm=lambda t: t["arm"].map(arms))
         tables.append(table.assign(source=str(path)))
     rows = pd.concat(tables, ignore_index=True)
     key = ["arm", *axes, "seed"]
@@ -117,14 +149,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m analysis.compare",
                                      description="Paired comparisons of arms pooled from reports' per-seed tables.")
-    parser.add_argument("inputs", nargs="+", type=Path, metavar="REPORT_OR_CSV",
-                        help=f"report folders (their {PER_SEED_FILE}) or per-seed CSVs")
+    parser.add_argument("inputs", nargs="+", metavar="REPORT_OR_CSV[:ARM[=NAME],...]",
+                        help=f"report folders (their {PER_SEED_FILE}) or per-seed CSVs, each optionally with the arms "
+                             "to take from it, renamed where =NAME says")
     parser.add_argument("--baseline", metavar="ARM", help=f"the arm every other is compared with (default: "
                                                           f"{agg.DEFAULT_BASELINE} when present, else the first)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     args = parser.parse_args(argv)
     try:
-        rows, axes = pool([_per_seed_file(path) for path in args.inputs])
+        rows, axes = pool([Source.parse(text) for text in args.inputs])
         agg.baseline_arm(rows, args.baseline)
         make_writable_dir(args.out)
     except ValueError as err:

@@ -37,7 +37,7 @@ import yaml
 
 from analysis.style import ALGO_ORDER, REPLAY_ORDER
 from experiments.run.logger import WANDB_MINIBATCH
-from experiments.run.resume import RETIRED
+from experiments.run.resume import node_recorded, retired_as_today
 from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE
 from experiments.step.metrics import MINIBATCH, MINIBATCHES, STEP, TOKENS, unstarted
 
@@ -135,9 +135,8 @@ def as_today(flat: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, 
     setting retired since dropped where it holds the value that means what today's config does without it
     (`RETIRED`). Without this, a field added or retired between two parts of a sweep splits its series by the
     key's absence alone."""
-    nodes = {key.rpartition(".")[0] for key in flat}
-    added = {key: value for key, value in defaults.items() if key not in flat and key.rpartition(".")[0] in nodes}
-    kept = {key: value for key, value in flat.items() if not (key in RETIRED and RETIRED[key] == value)}
+    added = {key: value for key, value in defaults.items() if key not in flat and node_recorded(flat, key)}
+    kept = {key: value for key, value in flat.items() if not retired_as_today(key, value)}
     return {**kept, **added}
 
 

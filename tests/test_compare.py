@@ -85,6 +85,22 @@ def test_the_same_arm_and_seed_twice_is_refused(tmp_path, capsys):
     assert "arm 'grpo' seed 0 has more than one run" in err and "rerun/0_grpo_s0" in err
 
 
+def test_arms_picked_from_each_source_and_renamed_meet_the_same_arm_name_of_another(tmp_path, capsys):
+    """GRPO at two learning rates in two reports: the second, renamed, is the baseline of the first's arms."""
+    committed = write(tmp_path, "committed", pd.concat([per_seed("grpo", [0.0, 0.1, 0.2, 0.3]),
+                                                        per_seed("gspo", [0.2, 0.3, 0.4, 0.5])]))
+    matched = write(tmp_path, "matched", per_seed("grpo", [0.1, 0.2, 0.3, 0.4], prefix="matched"))
+    out = tmp_path / "out"
+    main([str(committed), f"{matched}:grpo=grpo-matched", "--baseline", "grpo-matched", "--out", str(out)])
+    gain = pd.read_csv(out / "comparisons.csv").query("measure == 'gain'").set_index("arm")["difference_estimate"]
+    assert gain.to_dict() == pytest.approx({"grpo": -0.1, "gspo": 0.1})
+    main([f"{committed}:gspo", f"{matched}:grpo", "--out", str(tmp_path / "picked")])
+    assert set(pd.read_csv(tmp_path / "picked" / "per_seed.csv")["run"].str.split("/").str[0]) == {"sweep", "matched"}
+    with pytest.raises(SystemExit):
+        main([f"{committed}:grpo_r2", "--out", str(tmp_path / "none")])
+    assert "has no arm 'grpo_r2'; its arms: grpo, gspo" in capsys.readouterr().err
+
+
 def test_tables_of_other_axes_and_files_that_are_not_tables_are_refused(tmp_path, capsys):
     flat = write(tmp_path, "flat", per_seed("grpo", [0.1, 0.2]))
     swept = write(tmp_path, "swept", per_seed("gspo", [0.1, 0.2], **{"routing.flip_rate": 0.1}))

@@ -98,7 +98,7 @@ def differences(recorded: dict[str, Any], cfg: DictConfig) -> list[Difference]:
         elif not _as_before_it_existed(recorded, cfg, key, ours):
             found.append(Difference(key, None, ours, absent=True))
     for key, there in recorded.items():
-        if key not in today and not declared_safe(key) and not (key in RETIRED and RETIRED[key] == there):
+        if key not in today and not declared_safe(key) and not retired_as_today(key, there):
             found.append(Difference(key, there, None, absent=False, retired=True))
     return found
 
@@ -107,10 +107,16 @@ def _as_before_it_existed(recorded: dict[str, Any], cfg: DictConfig, key: str, v
     """Whether `value` of `key`, which the recorded run lacks, is what runs did before the key existed."""
     if key in BEFORE_THE_GROUP:
         return BEFORE_THE_GROUP[key] == value
-    return _node_recorded(recorded, key) and _is_schema_default(cfg, key, value)
+    return node_recorded(recorded, key) and _is_schema_default(cfg, key, value)
 
 
-def _node_recorded(recorded: dict[str, Any], key: str) -> bool:
+def retired_as_today(key: str, value: Any) -> bool:
+    """Whether `key`, retired since a run recorded it, holds the value at which that run computed what today's config
+    computes without it (`RETIRED`)."""
+    return key in RETIRED and RETIRED[key] == value
+
+
+def node_recorded(recorded: dict[str, Any], key: str) -> bool:
     """Whether the recorded run holds the node `key` sits in: a field added to a node it had, not a node it lacks."""
     node = key.rpartition(".")[0]
     return not node or any(other.startswith(f"{node}.") for other in recorded)
