@@ -15,9 +15,15 @@ python -m analysis.calibrate $C/matched_clip_s1 $C/matched_step --knob trainer.l
   --target algo.name=gspo algo.clip_low=0.0003 --grid algo.name=grpo --out docs/results/confounds/step
 python -m analysis.calibrate $C/matched_step $C/matched_clip_s* --knob algo.clip_low --measure clip/token_frac \
   --target algo.name=grpo trainer.lr=0.0003 --grid algo.name=gspo --out docs/results/confounds/clip
-# The matched arms (their experiment files carry the calibrated values), against the other arm of deep_long_seeds.
-deep=$(ls -d multirun/deep_long_seeds/*/ | tail -1)
+# The matched arms (their experiment files carry the calibrated values) on report seeds 0-9, each report of its own
+# runs, then paired with deep_long_seeds' arms on the same seeds and start (analysis.compare reads its per-seed table;
+# the matched GRPO is renamed, since deep_long_seeds has a GRPO at lr 3e-4 too).
+D=docs/results/confounds
 python -m experiments.train -m experiment=confound_step hydra.sweep.dir=$C/confound_step
-python -m analysis.report $C/confound_step "$deep"*_gspo_none_* --out docs/results/confounds/step_arms
+python -m analysis.report $C/confound_step --out $D/step_arms
+python -m analysis.compare docs/results/deep_long_seeds $D/step_arms:grpo=grpo-lr2.7e-4 --baseline grpo-lr2.7e-4 \
+  --out $D/step_compared
 python -m experiments.train -m experiment=confound_clip hydra.sweep.dir=$C/confound_clip
-python -m analysis.report $C/confound_clip "$deep"*_grpo_none_* --baseline grpo --out docs/results/confounds/clip_arms
+python -m analysis.report $C/confound_clip --out $D/clip_arms
+python -m analysis.compare docs/results/deep_long_seeds $D/clip_arms:gspo=gspo-wide-clip --baseline grpo \
+  --out $D/clip_compared
