@@ -259,6 +259,23 @@ def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str
     ]
 
 
+def _one_arm_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
+    """With one arm there is nothing to compare: its mean gain per measure (and swept cell) with the 95% interval of
+    that mean over its seeds (`statistics.mean_interval`); `analysis.compare` pairs it with arms of other reports."""
+    axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1]
+    rows = []
+    for cell, part in agg.cells(gains, axes):
+        values = [part[measure].dropna() for measure in agg.GAIN_MEASURES]
+        rows.append([*[f"{cell[key]:g}" for key in axes], len(part),
+                     *[statistics.mean_interval(v).text() if len(v) >= 2 else "–" for v in values]])
+    header = [*[_axis_header(key) for key in axes], "seeds",
+              *[f"{name.replace('_', ' ')}, mean [95% CI]" for name in agg.GAIN_MEASURES]]
+    return [f"## {gains['arm'].iloc[0]}: its mean gain with a 95% interval", "", markdown_table(header, rows), "",
+            "One arm, so nothing to compare it with here: each mean over seeds with its 95% percentile bootstrap "
+            f"interval ({statistics.RESAMPLES:,} resamples), how far other seeds could move it. To pair it with the "
+            "arms of another report on shared seeds: `python -m analysis.compare`."]
+
+
 def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[str]:
     """The runs that collapsed, with the step each signal first moved and its lead over the reward's fall."""
     table = agg.early_warning(runset, drop=drop, alpha=alpha)
@@ -315,6 +332,8 @@ def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, dro
         comparisons = agg.arm_comparisons(gains, reference, axes)
         comparisons.to_csv(out_dir / COMPARISONS_FILE, index=False)
         lines += comparison_section(comparisons, axes, reference) + [""]
+    elif gains["arm"].nunique() == 1:
+        lines += _one_arm_section(runset, gains) + [""]
     lines += _stability_section(runset, table, last_n, drop, alpha)
     lines += [""] + _early_warning_section(runset, drop, alpha)
     report = out_dir / REPORT_FILE

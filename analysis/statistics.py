@@ -112,6 +112,15 @@ def _bootstrap(data: tuple[np.ndarray, ...], statistic, paired: bool) -> Interva
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
 
 
+def mean_interval(values: np.ndarray | list[float]) -> Interval:
+    """An arm's mean over seeds with its 95% percentile bootstrap interval (the same bootstrap as `compare`): what a
+    report with one arm, and so nothing to compare, can say of how far other seeds could move it."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        raise ValueError(f"an interval over seeds needs at least 2 seeds, got {len(values)}")
+    return _bootstrap((values,), lambda sample, axis=-1: np.mean(sample, axis=axis), paired=False)
+
+
 def sign_flip_p(differences: np.ndarray) -> float:
     """The two-sided p-value of the exact paired sign-flip test of mean difference 0 (every one of the 2^n sign
     patterns; 1.0 when every difference is 0)."""

@@ -100,3 +100,14 @@ def test_an_accuracys_interval_is_wilsons_and_narrows_with_more_prompts():
     assert (low, high) == pytest.approx((centre - half, centre + half), abs=1e-6)
     wide, narrow = accuracy_interval(0.9, 50), accuracy_interval(0.9, 500)
     assert wide[0] < narrow[0] < 0.9 < narrow[1] < wide[1] <= 1.0
+
+
+def test_one_arms_mean_interval_narrows_with_seeds_and_needs_two():
+    from analysis.statistics import mean_interval
+
+    rng = np.random.default_rng(3)
+    few, many = mean_interval(rng.normal(0.1, 0.3, 3)), mean_interval(rng.normal(0.1, 0.3, 30))
+    assert few.low <= few.estimate <= few.high and many.high - many.low < few.high - few.low
+    assert many.excludes(-0.2) and not many.excludes(0.1)
+    with pytest.raises(ValueError, match="at least 2 seeds, got 1"):
+        mean_interval([0.5])
