@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis.cli import command_line, refusing, writable_out
 from analysis.load import RunSet, load_runs
-from experiments.run.rundir import make_writable_dir
 
 
 def per_run_measure(runset: RunSet, metric: str, steps: int) -> pd.Series:
@@ -90,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps 1..N are measured (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    try:
+    with refusing():
         target_of, grid_of = conditions(args.target, "--target"), conditions(args.grid, "--grid")
         runset = load_runs(args.paths)
         keys = list(dict.fromkeys([*target_of, *grid_of, args.knob]))
@@ -99,13 +98,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if is_target.sum() != 1 or in_grid.sum() < 2:
             raise ValueError(f"--target must match one setting and --grid at least two; they match {is_target.sum()} "
                              f"and {in_grid.sum()} of {len(table)}")
-        make_writable_dir(args.out)
-    except (ValueError, FileNotFoundError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        writable_out(args.out)
     target, grid = table[is_target].iloc[0], table[in_grid]
     matched = matched_value(grid, args.knob, float(target["mean"]))
-    command = "python -m analysis.calibrate " + " ".join(shlex.quote(a) for a in argv)
+    command = command_line("analysis.calibrate", argv)
     lines = ["# Calibration", "", f"Made with `{command}`.", "",
              f"`{args.measure}` per run: its mean over the minibatch records after ≥ 1 update in steps 1-{args.steps}; "
              "per setting: mean ± standard error over the seeds.", "",

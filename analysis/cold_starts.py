@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,9 +22,9 @@ import matplotlib
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
+from analysis.cli import command_line, refusing, writable_out
 from analysis.statistics import accuracy_interval
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
-from experiments.run.rundir import make_writable_dir
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEDIAN
 
@@ -143,15 +142,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("paths", nargs="+", metavar="SFT_RUN_DIR", help="cold-start run directories, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     args = parser.parse_args(argv)
-    try:
+    with refusing():
         rows = [describe(run_dir) for run_dir in find_cold_starts(args.paths)]
-        make_writable_dir(args.out)
-    except (ValueError, FileNotFoundError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        writable_out(args.out)
     rows.sort(key=lambda r: (r["task"], r["experts"] or 0, r["layers"] or 0, r["model"]))
     figure(rows, args.out)
-    command = "python -m analysis.cold_starts " + " ".join(shlex.quote(a) for a in argv)
+    command = command_line("analysis.cold_starts", argv)
     print(f"report: {report(rows, args.out, command)}")
 
 

@@ -20,7 +20,6 @@ refused, naming both files). Writes `comparisons.csv`, the pooled `per_seed.csv`
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,8 +28,8 @@ from typing import NamedTuple
 import pandas as pd
 
 from analysis import aggregate as agg
+from analysis.cli import command_line, refusing, writable_out
 from analysis.report import COMPARISONS_FILE, PER_SEED_FILE, REPORT_FILE, comparison_section, markdown_table
-from experiments.run.rundir import make_writable_dir
 
 START_TOLERANCE = 1e-9  # starts are the same evaluation of the same weights: equal up to the CSV's printing
 _LEADING = ["run", "arm", "seed"]  # a per-seed table's first columns; the swept axes follow, then "start"
@@ -156,17 +155,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                           f"{agg.DEFAULT_BASELINE} when present, else the first)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     args = parser.parse_args(argv)
-    try:
+    with refusing():
         rows, axes = pool([Source.parse(text) for text in args.inputs])
         agg.baseline_arm(rows, args.baseline)
-        make_writable_dir(args.out)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except OSError as err:
-        print(f"error: --out {args.out} cannot be written: {err.strerror}", file=sys.stderr)
-        raise SystemExit(2) from None
-    command = "python -m analysis.compare " + " ".join(shlex.quote(a) for a in argv)
+        writable_out(args.out)
+    command = command_line("analysis.compare", argv)
     print(f"report: {write_comparison(rows, axes, args.baseline, args.out, command)}")
 
 

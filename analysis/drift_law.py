@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,9 +37,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from analysis.cli import command_line, refusing, writable_out
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
-from experiments.run.rundir import make_writable_dir
 from experiments.step import metrics as m
 
 PAPER_DRIFT = 0.10  # GSPO paper §5.3: ~10% of activated experts change per update (Qwen3-30B-A3B, 48 layers)
@@ -326,18 +325,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("paths", nargs="+", metavar="PROBE_DIR", help="probe run or sweep directories, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     args = parser.parse_args(argv)
-    try:
+    with refusing():
         rows, precision = load_probes(args.paths)
         fit = fit_law(rows)
-        make_writable_dir(args.out)
-    except (ValueError, FileNotFoundError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        writable_out(args.out)
     rows.to_csv(args.out / "drift_law.csv", index=False)
     precision.to_csv(args.out / "precision.csv", index=False)
     result = {**fit.as_dict(), "lr_for_paper_drift": lr_for_paper_drift(fit, rows)}
     (args.out / "fit.json").write_text(json.dumps(result, indent=2) + "\n")
-    command = "python -m analysis.drift_law " + " ".join(shlex.quote(a) for a in argv)
+    command = command_line("analysis.drift_law", argv)
     path = report(rows, precision, fit, args.out, command, figure(rows, fit, args.out))
     print(f"report: {path}")
 

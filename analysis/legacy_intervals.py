@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from scipy import stats
 
+from analysis.cli import command_line, refusing
 from analysis.statistics import ALPHA, CONFIDENCE
 
 SECTION = "## Intervals from the recorded means"
@@ -146,11 +146,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("results", nargs="+", type=Path, metavar="RESULT_DIR", help="folders holding a report.md")
     args = parser.parse_args(argv)
     missing = [str(folder) for folder in args.results if not (folder / "report.md").is_file()]
-    if missing:
-        print(f"error: no report.md in {', '.join(missing)}", file=sys.stderr)
-        raise SystemExit(2)
+    with refusing():
+        if missing:
+            raise ValueError(f"no report.md in {', '.join(missing)}")
     for folder in args.results:
-        command = "python -m analysis.legacy_intervals " + shlex.quote(str(folder))
+        command = command_line("analysis.legacy_intervals", [folder])
         print(f"report: {annotate(folder / 'report.md', command)}")
 
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.run.rundir import make_writable_dir
+from analysis.cli import command_line, refusing, writable_out
 from experiments.sft import MEDIAN_INTERVAL, routing_profile
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
 from experiments.tasks import build_task
@@ -108,15 +107,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dataset", default="addition", help="the task of a checkpoint without a cold_start.json")
     parser.add_argument("--prompts", type=int, default=256, help="held-out demonstrations measured per checkpoint")
     args = parser.parse_args(argv)
-    try:
+    with refusing():
         if args.prompts < 1:
             raise ConfigError(f"--prompts={args.prompts} must be >= 1")
         rows = [measure(checkpoint, args.dataset, args.prompts) for checkpoint in args.checkpoints]
-        make_writable_dir(args.out)
-    except (ConfigError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-    command = "python -m analysis.margins " + " ".join(shlex.quote(a) for a in argv)
+        writable_out(args.out)
+    command = command_line("analysis.margins", argv)
     print(f"report: {report(rows, args.out, command)}")
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,11 +25,11 @@ import pandas as pd
 
 from analysis import aggregate as agg
 from analysis import statistics
+from analysis.cli import command_line, refusing, writable_out
 from analysis.figures import FigureOutput, all_figures
 from analysis.load import (
     FLIP_RATE, INCOMPLETE, PERTURB_RATE, SYNTHETIC_KEYS, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir,
 )
-from experiments.run.rundir import make_writable_dir
 
 REPORT_FILE = "report.md"
 SUMMARY_FILE = "summary.csv"
@@ -164,10 +163,6 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
     return lines
 
 
-def _seed_order(seeds) -> list[str]:
-    return sorted(set(seeds), key=lambda s: (len(s), s))
-
-
 def _mean_std(values: pd.Series, fmt: str = "+.3f") -> str:
     values = values.dropna()
     if values.empty:
@@ -222,7 +217,7 @@ def _sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
     definitions = [f"- **{name.replace('_', ' ')}** (`{name}`): {text}." for name, text in agg.GAIN_MEASURES.items()]
     return ["## Held-out accuracy gained", "", markdown_table(header, [row[2] for row in rows]), "",
             f"Per run, from its own start on the same prompts; mean ± sample std over seeds "
-            f"({', '.join(_seed_order(gains['seed']))}). Per-seed values: `{PER_SEED_FILE}`. An arm is the "
+            f"({', '.join(sorted(set(gains['seed']), key=_seed_order))}). Per-seed values: `{PER_SEED_FILE}`. An arm is the "
             "objective, its replay and, when it is not the trainer's own fp32 model, the engine's precision."
             + _synthetic_note(runset), "", "The measures:", "", *definitions]
 
@@ -416,26 +411,17 @@ def main(argv: Sequence[str] | None = None, *, wandb_api_factory: Callable[[], A
 def _report(args: argparse.Namespace, argv: Sequence[str], out: Path, wandb_api_factory: Callable[[], Any]) -> Path:
     """Check that `out` can be written, load the runs, write the report; exit code 2 and one `error:` line on bad
     input."""
-    try:
-        make_writable_dir(out)
-    except OSError as err:
-        print(f"error: --out {out} cannot be written: {err.strerror}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
+    with refusing(ValueError):
+        writable_out(out)
+    with refusing(ValueError, FileNotFoundError):
         if args.wandb:
             runset = load_wandb(args.wandb, args.group, cache_root=args.cache_dir or out / ".cache",
                                 refresh=args.refresh, api_factory=wandb_api_factory)
         else:
             runset = load_runs(args.paths)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    command = "python -m analysis.report " + " ".join(shlex.quote(a) for a in argv)
-    try:
+    command = command_line("analysis.report", argv)
+    with refusing(ValueError):
         agg.baseline_arm(agg.accuracy_gain(runset), args.baseline)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
     return write_report(runset, out, last_n=args.last_n, drop=args.collapse_drop, alpha=args.ema_alpha,
                         dpi=args.dpi, pdf=args.pdf, command=command, baseline=args.baseline)
 

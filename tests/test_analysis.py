@@ -687,3 +687,11 @@ def test_a_sweep_straddling_an_added_and_a_retired_setting_is_one_series(tmp_pat
     runs = load_runs([tmp_path]).runs.set_index("seed")
     assert runs.loc["0", "label"] == runs.loc["1", "label"] == "grpo, router_aux_loss_coef=—"
     assert runs.loc["2", "label"] == "grpo, router_aux_loss_coef=0.05"
+
+
+def test_seeds_are_listed_in_numeric_order_in_every_table_and_sentence(tmp_path):
+    for seed in (10, 2, 1):
+        _evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6)
+    text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "report").read_text(encoding="utf-8")
+    assert "| grpo | 3 | 1, 2, 10 |" in text
+    assert "(1, 2, 10)" in text and "10, 1" not in text
