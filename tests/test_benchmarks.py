@@ -243,3 +243,17 @@ def test_replay_gap_full_replay_closes_what_the_engines_router_noise_opens(tmp_p
     (r2,) = json.loads(out.read_text())["r2"]
     assert r2["updates"] == 1 and all(r2[name]["mean_abs"] > 0 for name in replay_gap.SETTINGS)
     assert "| R3: to μ_old (router_noise=0.5), at θ_old |" in capsys.readouterr().out
+
+
+def test_experts_paths_agree_with_grouped_mm_under_uneven_routing_with_idle_experts():
+    from benchmarks.experts_paths import EXPERTS, SortedRows, measure, ways
+
+    batch = SortedRows.draw(64, skew=8.0, generator=torch.Generator().manual_seed(1))
+    assert (batch.counts == 0).any() and batch.max_over_mean_load > 2  # the cases padding and loops get wrong
+    weight = torch.randn(EXPERTS, 64, 48)
+    outputs = {name: call() for name, call in ways(batch, weight).items()}
+    expected = torch.stack([batch.rows[i] @ weight[e] for i, e in enumerate(batch.experts.tolist())])
+    for name, output in outputs.items():
+        torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-4, msg=name)
+    load, seconds = measure(64, skew=8.0, rounds=1)
+    assert load > 2 and set(seconds) == {"grouped_mm", "loop", "padded bmm"}
