@@ -41,7 +41,7 @@ backward — as long as backward runs inside the `replay_routing` context.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -185,7 +185,11 @@ def topk_margin(scores: torch.Tensor, k: int) -> torch.Tensor:
     s[k−1] is the last chosen and s[k] the first left out), the scale-free distance from the top-k cut of colibri
     issue #119. Scores outside the row's allowed groups (−inf) do not count: with fewer than 2k allowed, s[2k−1] is
     the lowest allowed one (at least k + 1 must be). A row whose 2k highest scores tie has margin 0 (at the cut)."""
-    top = scores.float().topk(min(2 * k, scores.shape[-1]), dim=-1).values
+    return margin_of_ranked(scores.float().topk(min(2 * k, scores.shape[-1]), dim=-1).values, k)
+
+
+def margin_of_ranked(top: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_margin` from each row's highest scores already ranked, `top [T, min(2k, E)]` fp32 in descending order."""
     if top.shape[-1] <= k:
         raise ValueError(f"the margin at the top-{k} cut needs more than {k} experts; the scores have {top.shape[-1]}")
     if (top[:, k] == float("-inf")).any():  # (NaN scores pass through: a diverged model is told apart elsewhere)
@@ -578,11 +582,30 @@ class RouterCalls:
     calls: list[tuple[torch.nn.Module, torch.Tensor]]
     weights: torch.Tensor
     replayed: torch.Tensor | None = None
+    # Each call's `ranked` selection scores, taken once: the balancing losses, the fragility and the margin all read
+    # them, and on CPU a top-k over 128 experts costs more than the rest of those metrics together.
+    _ranked: dict[int, torch.return_types.topk] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def flat_weights(self) -> torch.Tensor:
         """`[T]` fp32 token weights, laid out like the logits' rows."""
         return self.weights.reshape(-1).float()
+
+    def ranked(self, layer: int) -> torch.return_types.topk:
+        """The `min(2k, E)` highest selection scores of call `layer` (`selection_scores`, fp32, no graph) and their
+        experts, best first: the first k are the router's own top-k (`chosen`), the first k + 1 what the fragility
+        reads, all of them the margin (`margin_of_ranked`)."""
+        if layer not in self._ranked:
+            router, logits = self.calls[layer]
+            scores = selection_scores(router, logits.detach())
+            self._ranked[layer] = scores.topk(min(2 * router.top_k, scores.shape[-1]), dim=-1)
+        return self._ranked[layer]
+
+    def chosen(self, layer: int) -> torch.Tensor:
+        """`[T, E]` fp32 one-hot sum of call `layer`'s router's own top-k (`chosen`, from the shared ranking)."""
+        router, logits = self.calls[layer]
+        top = self.ranked(layer).indices[:, : router.top_k]
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, top, 1.0)
 
 
 @contextmanager
@@ -778,8 +801,8 @@ def global_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) -> t
     E = logits0.shape[-1]
     counts = torch.zeros(E, dtype=torch.float32, device=logits0.device)
     probs = torch.zeros_like(counts)
-    for router, logits in routers.calls:
-        counts = counts + (chosen(router, logits) * w.unsqueeze(-1)).sum(dim=0)
+    for layer, (router, logits) in enumerate(routers.calls):
+        counts = counts + (routers.chosen(layer) * w.unsqueeze(-1)).sum(dim=0)
         probs = probs + (normalised_scores(router, logits) * w.unsqueeze(-1)).sum(dim=0)
     rows = w.sum() * len(routers.calls)
     if over_ranks is None:
@@ -800,9 +823,9 @@ def sequence_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) ->
     tokens = w.sum(dim=1)  # T of each sequence
     present = tokens > 0
     total = torch.zeros((), dtype=torch.float32, device=w.device)
-    for router, logits in routers.calls:
+    for layer, (router, logits) in enumerate(routers.calls):
         E = logits.shape[-1]
-        f = (chosen(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router.top_k  # [B, E]
+        f = (routers.chosen(layer).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router.top_k  # [B, E]
         P = (normalised_scores(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1)
         per_sequence = (f * P).sum(dim=-1) / tokens.clamp_min(1.0) ** 2
         total = total + per_sequence[present].sum()

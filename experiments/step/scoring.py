@@ -42,7 +42,7 @@ from experiments.step.metrics import (
 from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.routing import (
     MarginSummary, ReplayRule, RouterCalls, RoutingTrace, global_balance_loss, normalised_scores, record_routing,
-    replay_routing, router_calls, selection_scores, topk_margin,
+    replay_routing, router_calls, margin_of_ranked,
 )
 
 # The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
@@ -187,20 +187,19 @@ def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, flo
     total = w.sum().clamp(min=1e-12)
     by_layer = {TOPK_MASS: [], MARGIN: [], FRAGILE: [], LOGIT_MARGIN: []}
     margins = []
-    for router, logits in routers.calls:
+    for layer, (router, logits) in enumerate(routers.calls):
         k = router.top_k
-        scores = selection_scores(router, logits)
-        ranked = scores.topk(min(k + 1, scores.shape[-1]), dim=-1)
-        top = ranked.values
+        ranked = routers.ranked(layer)
+        top, experts = ranked.values[:, : k + 1], ranked.indices[:, : k + 1]
         gap = top[:, k - 1] - top[:, k] if top.shape[-1] > k else top[:, k - 1]
-        z = logits.float().gather(-1, ranked.indices)
+        z = logits.float().gather(-1, experts)
         logit_gap = z[:, k - 1] - z[:, k] if z.shape[-1] > k else torch.zeros_like(gap)
-        mass = normalised_scores(router, logits).gather(-1, ranked.indices[:, :k]).sum(-1)
+        mass = normalised_scores(router, logits).gather(-1, experts[:, :k]).sum(-1)
         by_layer[TOPK_MASS].append((mass * w).sum() / total)
         by_layer[MARGIN].append((gap * w).sum() / total)
         by_layer[LOGIT_MARGIN].append((logit_gap * w).sum() / total)
         by_layer[FRAGILE].append(((gap < margin).float() * w).sum() / total)
-        margins.append(topk_margin(scores, k))
+        margins.append(margin_of_ranked(ranked.values, k))
     stats = {}
     for name, values in by_layer.items():
         values = torch.stack(values).tolist()
