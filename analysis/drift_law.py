@@ -8,14 +8,19 @@ with the routing disagreement of that engine with the fp32 trainer.
 
 The law is a power law fitted by least squares on logarithms,
 
-    log drift = c + a_L log L + a_lr log lr + a_E log(E/k) + a_T log T + a_H log H,
+    log drift = c + a_L log L + a_lr log lr + a_E log(E/k) + a_T log T + a_H log H + a_m log m + b · sigmoid,
 
-with T the task's answer length by design (the sampled length is an outcome: a breaking update changes it), over
-the regressors that vary among the rows (a constant one would make the fit singular; the report names the ones
-used). Each coefficient comes with its standard error (ordinary least squares), the fit with R² and its residual
+with T the task's answer length by design (the sampled length is an outcome: a breaking update changes it), m the
+cold start's top-k margin median (its `cold_start.json`: how decisive the routers are before any update, a property
+of the start, not of the probe) and `sigmoid` 1 for the sigmoid + bias family, 0 for the softmax one (a factor e^b,
+not a power), over the regressors that vary among the rows with every known regressor known (a constant one would
+make the fit singular; the report names the ones used). Each coefficient comes with its standard error (ordinary least squares), the fit with R² and its residual
 spread. The extrapolation evaluates the fit at Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8) at each probed
 learning rate, the answer length and width held at the fitted rows' medians (and, on a line of its own, at its width
-2048), and solves for the learning rate at which the law reaches the GSPO paper's ~10% there.
+2048), a softmax router at the softmax anchor's margin when the margin is fitted (Qwen3.6-35B-A3B's: the nearest
+real softmax router measured), and solves for the learning rate at which the law reaches the GSPO paper's ~10%
+there; with the margin fitted it also solves for the margin a start of the probed ladder would need for a drift of
+`TARGET_DRIFT` at each probed learning rate.
 
 Writes `drift_law.csv` (the rows), `fit.json`, `drift_law.png` and `report.md` into --out; exit code 2 and one
 `error:` line on bad input (no probe found, an empty fit).
@@ -41,16 +46,24 @@ from analysis.cli import command_line, refusing, writable_out
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.step import metrics as m
+from models.policy import SIGMOID_FAMILIES
+from models.routing import MARGIN_ANCHORS
 
 PAPER_DRIFT = 0.10  # GSPO paper §5.3: ~10% of activated experts change per update (Qwen3-30B-A3B, 48 layers)
 PAPER_SHAPE = {"layers": 48, "experts": 128, "top_k": 8, "hidden": 2048}  # Qwen3-30B-A3B
-# Regressor name -> (column, axis label). Each enters the fit as its logarithm.
+PAPER_MARGIN = MARGIN_ANCHORS["Qwen3.6-35B-A3B (softmax)"]  # the softmax anchor stands in for the paper's router
+TARGET_DRIFT = 0.05  # drift per update of the paper's order (issue 31's goal)
+LOG, INDICATOR = "log", "indicator"
+# Regressor name -> (column, axis label, kind): a LOG one enters the fit as its logarithm (a power law), an
+# INDICATOR one (0 or 1) as itself (a factor e^b where it is 1).
 REGRESSORS = {
-    "layers": ("layers", "MoE layers L"),
-    "lr": ("lr", "learning rate"),
-    "experts_per_slot": ("experts_per_slot", "experts per top-k slot E/k"),
-    "length": ("answer_tokens", "answer tokens T (the task's, by design)"),
-    "hidden": ("hidden", "hidden width H"),
+    "layers": ("layers", "MoE layers L", LOG),
+    "lr": ("lr", "learning rate", LOG),
+    "experts_per_slot": ("experts_per_slot", "experts per top-k slot E/k", LOG),
+    "length": ("answer_tokens", "answer tokens T (the task's, by design)", LOG),
+    "hidden": ("hidden", "hidden width H", LOG),
+    "margin": ("start_margin", "cold start's top-k margin median m", LOG),
+    "sigmoid": ("sigmoid_family", "sigmoid + bias family (1) against softmax (0)", INDICATOR),
 }
 ROW_METRICS = {
     "drift": m.DRIFT_PER_UPDATE,
@@ -88,6 +101,7 @@ def load_probes(paths: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame
     for run_dir in find_probes(paths):
         summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
         policy, dataset = summary["policy"], summary["dataset"]
+        cold_start = summary.get("cold_start") or {}
         shape = {
             "probe": str(run_dir),
             "model": summary["model"],
@@ -96,8 +110,10 @@ def load_probes(paths: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame
             "experts": policy["num_experts"],
             "top_k": policy["num_experts_per_tok"],
             "hidden": hidden_width(run_dir),
-            "start_accuracy": (summary.get("cold_start") or {}).get("eval_greedy_accuracy"),
+            "start_accuracy": cold_start.get("eval_greedy_accuracy"),
             "answer_tokens": summary.get("answer_tokens"),
+            "start_margin": (cold_start.get("routing") or {}).get(m.TOPK_MARGIN_MEDIAN),
+            "sigmoid_family": float(policy["model_type"] in SIGMOID_FAMILIES) if "model_type" in policy else None,
         }
         shape["experts_per_slot"] = shape["experts"] / shape["top_k"]
         for setting in summary["settings"]:
@@ -137,8 +153,11 @@ class Fit:
     n: int
 
     def predict(self, point: dict[str, float]) -> float:
-        x = np.array([1.0] + [math.log(point[r]) for r in self.regressors])
+        x = np.array([1.0] + [_term(r, point[r]) for r in self.regressors])
         return float(math.exp(x @ self.coef))
+
+    def exponent(self, name: str) -> float:
+        return float(self.coef[1 + self.regressors.index(name)])
 
     def as_dict(self) -> dict:
         return {"regressors": self.regressors, "intercept": float(self.coef[0]),
@@ -147,20 +166,27 @@ class Fit:
                 "r2": self.r2, "residual_std_log": self.residual_std, "n": self.n}
 
 
+def _term(name: str, value: float) -> float:
+    """What regressor `name` at `value` contributes to the design: its logarithm, or the indicator itself."""
+    return float(value) if REGRESSORS[name][2] == INDICATOR else math.log(value)
+
+
 def fitted_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows the law is fitted on: a positive drift, every regressor known, not diverged."""
-    usable = rows[(rows["drift"] > 0) & rows[[c for c, _ in REGRESSORS.values()]].notna().all(axis=1)]
+    """The rows the law is fitted on: a positive drift, not diverged, and every regressor known that any row knows
+    (probes of cold starts made before margins were recorded know no margin: then no row is fitted on it)."""
+    known = [column for column, *_ in REGRESSORS.values() if column in rows and rows[column].notna().any()]
+    usable = rows[(rows["drift"] > 0) & rows[known].notna().all(axis=1)]
     return usable[usable["diverged"].isna()] if "diverged" in usable else usable
 
 
 def fit_law(rows: pd.DataFrame) -> Fit:
-    """Least squares of log drift on the logs of every regressor that varies (rows with a positive drift only)."""
+    """Least squares of log drift on every regressor that varies (`_term`; rows with a positive drift only)."""
     usable = fitted_rows(rows)
-    names = [name for name, (column, _) in REGRESSORS.items() if usable[column].nunique() > 1]
+    names = [name for name, (column, *_) in REGRESSORS.items() if column in usable and usable[column].nunique() > 1]
     if len(usable) <= len(names) + 1:
         raise ValueError(f"{len(usable)} probe rows with a positive drift cannot fit {len(names) + 1} coefficients "
                          f"({', '.join(['constant', *names])}): probe more settings")
-    x = np.column_stack([np.ones(len(usable))] + [np.log(usable[REGRESSORS[n][0]].astype(float)) for n in names])
+    x = np.column_stack([np.ones(len(usable))] + [[_term(n, v) for v in usable[REGRESSORS[n][0]]] for n in names])
     y = np.log(usable["drift"].astype(float).to_numpy())
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     residual = y - x @ coef
@@ -180,10 +206,19 @@ def held_at_median(rows: pd.DataFrame, own_width: bool) -> dict[str, float]:
     return {name: float(usable[REGRESSORS[name][0]].median()) for name in held}
 
 
+def ladder_point(rows: pd.DataFrame, lr: float) -> dict[str, float]:
+    """The fitted rows' median of every regressor, the softmax family, at `lr`: a start of the probed ladder."""
+    usable = fitted_rows(rows)
+    point = {name: float(usable[column].median()) for name, (column, *_) in REGRESSORS.items() if column in usable}
+    point.update(lr=lr, sigmoid=0.0)
+    return point
+
+
 def paper_point(fit: Fit, rows: pd.DataFrame, lr: float, own_width: bool = False) -> dict[str, float]:
-    """Qwen3-30B-A3B's routing (and, with `own_width`, its hidden width) at `lr`; the rest `held_at_median`."""
-    point = {name: float(rows[column].median()) for name, (column, _) in REGRESSORS.items()}
-    point.update(held_at_median(rows, own_width), layers=PAPER_SHAPE["layers"], lr=lr,
+    """Qwen3-30B-A3B's routing (and, with `own_width`, its hidden width) at `lr`, a softmax router at the softmax
+    anchor's margin; the rest `held_at_median`."""
+    point = ladder_point(rows, lr)
+    point.update(held_at_median(rows, own_width), layers=PAPER_SHAPE["layers"], margin=PAPER_MARGIN,
                  experts_per_slot=PAPER_SHAPE["experts"] / PAPER_SHAPE["top_k"])
     if own_width:
         point["hidden"] = PAPER_SHAPE["hidden"]
@@ -194,11 +229,21 @@ def lr_for_paper_drift(fit: Fit, rows: pd.DataFrame, own_width: bool = False) ->
     """The learning rate at which the law gives the paper's drift at its routing (None without an lr exponent)."""
     if "lr" not in fit.regressors:
         return None
-    exponent = fit.coef[1 + fit.regressors.index("lr")]
+    exponent = fit.exponent("lr")
     if exponent <= 0:
         return None
     at_one = fit.predict(paper_point(fit, rows, 1.0, own_width))
     return float((PAPER_DRIFT / at_one) ** (1.0 / exponent))
+
+
+def margin_for_drift(fit: Fit, rows: pd.DataFrame, lr: float, drift: float = TARGET_DRIFT) -> float | None:
+    """The cold-start margin at which the law gives `drift` at `lr` on a start of the probed ladder (`ladder_point`):
+    None without a margin exponent, or with one that is not negative (drift that does not fall as routers grow more
+    decisive: no margin answers)."""
+    if "margin" not in fit.regressors or fit.exponent("margin") >= 0:
+        return None
+    at_one = fit.predict({**ladder_point(rows, lr), "margin": 1.0})
+    return float((drift / at_one) ** (1.0 / fit.exponent("margin")))
 
 
 def knob_effects(fit: Fit, rows: pd.DataFrame) -> list[tuple[str, float, float, float]]:
@@ -208,7 +253,7 @@ def knob_effects(fit: Fit, rows: pd.DataFrame) -> list[tuple[str, float, float, 
     for name, coef in zip(fit.regressors, fit.coef[1:]):
         values = usable[REGRESSORS[name][0]].astype(float)
         low, high = float(values.min()), float(values.max())
-        effects.append((name, low, high, (high / low) ** coef))
+        effects.append((name, low, high, math.exp(coef * (_term(name, high) - _term(name, low)))))
     return sorted(effects, key=lambda effect: -abs(math.log(effect[3])))
 
 
@@ -260,6 +305,40 @@ def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
     return path
 
 
+def margin_figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
+    """Drift against the cold start's margin, one colour per learning rate, one marker per family; the law's line
+    for the softmax family at each lr, and the anchors of real checkpoints."""
+    matplotlib.rcParams.update(RC_PARAMS)
+    fig = Figure(figsize=(TEXT_WIDTH_IN / 2, 2.6), layout="constrained")
+    ax = fig.subplots()
+    usable = fitted_rows(rows)
+    grid = np.geomspace(min(usable["start_margin"].min(), min(MARGIN_ANCHORS.values())) / 2,
+                        usable["start_margin"].max() * 2, 30)
+    for j, lr in enumerate(sorted(usable["lr"].unique())):
+        colour = shade("#d62728", j)
+        for sigmoid, marker in ((0.0, "o"), (1.0, "^")):
+            part = usable[(usable["lr"] == lr) & (usable["sigmoid_family"].fillna(0.0) == sigmoid)]
+            ax.scatter(part["start_margin"], part["drift"], s=10, marker=marker, color=colour,
+                       label=f"lr {lr:.0e}" if sigmoid == 0.0 else None)
+        ax.plot(grid, [fit.predict({**ladder_point(rows, lr), "margin": g}) for g in grid], color=colour, lw=0.6)
+    for name, value in MARGIN_ANCHORS.items():
+        ax.axvline(value, color="0.4", ls="--", lw=0.6)
+        ax.annotate(name.split(" ")[0], (value, ax.get_ylim()[1]), fontsize=5, rotation=90, va="top", ha="right")
+    ax.axhline(TARGET_DRIFT, color="0.4", ls=":", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="start's top-k margin (o softmax, ^ sigmoid)",
+           ylabel="experts changed after one update", title="drift against how decisive the start's routers are")
+    ax.legend(fontsize=5)
+    path = out / "drift_margin.png"
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def knob_range(rows: pd.DataFrame, column: str) -> str:
+    """'low to high' of a column over the fitted rows."""
+    values = fitted_rows(rows)[column].astype(float)
+    return f"{values.min():.2g} to {values.max():.2g}"
+
+
 def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, command: str, figure_path: Path) -> Path:
     def missing(v) -> bool:
         return v is None or (isinstance(v, float) and math.isnan(v))
@@ -272,17 +351,19 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
 
     lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
              f"![drift law]({figure_path.name})", "", "## Probed settings", "",
-             "| model | task | L | E / k | lr | answer tokens | drift after one update | tokens with a change | routing share "
-             "| logit margin | token-ratio var | sequence-ratio var |", "|" + "---|" * 12]
-    for r in rows.sort_values(["task", "experts_per_slot", "layers", "lr"]).to_dict("records"):
-        shape = f"| {r['model']} | {r['task']} | {r['layers']} | {r['experts']}/{r['top_k']} | {r['lr']:.0e} | "
+             "| model | task | L | E / k | start margin | lr | answer tokens | drift after one update | tokens with a "
+             "change | routing share | logit margin | token-ratio var | sequence-ratio var |", "|" + "---|" * 13]
+    for r in rows.sort_values(["task", "experts_per_slot", "layers", "model", "lr"]).to_dict("records"):
+        shape = (f"| {r['model']} | {r['task']} | {r['layers']} | {r['experts']}/{r['top_k']} | "
+                 f"{num(r.get('start_margin'))} | {r['lr']:.0e} | ")
         if isinstance(r.get("diverged"), str):
             lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | | |")
             continue
         lines.append(shape + f"{r['answer_tokens']:.1f} | {pct(r['drift'])} | {pct(r['token_any_change'])} | "
                      f"{pct(r['routing_share'])} | {r['logit_margin']:.3f} | {num(r['token_ratio_var'])} | "
                      f"{num(r['seq_ratio_var'])} |")
-    lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x over {', '.join(fit.regressors)}; n = {fit.n} rows, "
+    lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x (an indicator enters as itself) over "
+              f"{', '.join(fit.regressors)}; n = {fit.n} rows, "
               f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
               f"{math.exp(fit.residual_std):.2f}).", "", "| term | exponent | std. error |", "|---|---|---|"]
     lines.append(f"| c | {fit.coef[0]:.3f} | {fit.stderr[0]:.3f} |")
@@ -296,9 +377,11 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
     medians = held_at_median(rows, own_width=False)
     held = (f"answer length T = {medians['length']:.3g} tokens and width H = {medians['hidden']:.3g}, the fitted rows' "
             "medians")
+    anchored = (f" and a softmax router at the softmax anchor's margin m = {PAPER_MARGIN}" if "margin" in fit.regressors
+                else "")
     lines += ["", "## At Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8)", "",
-              f"The law at the paper's depth and experts per slot, with {held} (the paper's own answers and width "
-              "lie far outside the probed ranges: an extrapolation, not a measurement).", ""]
+              f"The law at the paper's depth and experts per slot{anchored}, with {held} (the paper's own answers and "
+              "width lie far outside the probed ranges: an extrapolation, not a measurement).", ""]
     for lr in sorted(rows["lr"].unique()):
         lines.append(f"- lr {lr:.0e}: the law gives {pct(fit.predict(paper_point(fit, rows, lr)))} "
                      f"(paper: ~{PAPER_DRIFT:.0%}).")
@@ -308,6 +391,17 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
     if "hidden" in fit.regressors and (wide := lr_for_paper_drift(fit, rows, own_width=True)) is not None:
         lines.append(f"- with Qwen3-30B-A3B's own width H = {PAPER_SHAPE['hidden']} (the H term carried "
                      f"{PAPER_SHAPE['hidden'] / medians['hidden']:.0f}x beyond the median), it needs lr ≈ {wide:.1e}.")
+    if "margin" in fit.regressors:
+        lines += ["", f"## The margin a start of this ladder would need for {TARGET_DRIFT:.0%} drift per update", "",
+                  f"![drift against margin]({margin_figure(rows, fit, out).name})", "",
+                  "At the fitted rows' median shape, softmax family, solved from the margin's exponent "
+                  f"({fit.exponent('margin'):.2f} ± {fit.stderr[1 + fit.regressors.index('margin')]:.2f}); the probed "
+                  f"starts' margins run {knob_range(rows, 'start_margin')}, the anchors' are "
+                  + ", ".join(f"{name} {value}" for name, value in MARGIN_ANCHORS.items()) + ".", ""]
+        for lr in sorted(rows["lr"].unique()):
+            needed_margin = margin_for_drift(fit, rows, lr)
+            lines.append(f"- lr {lr:.0e}: " + ("no margin: the law's drift does not fall with the margin"
+                                               if needed_margin is None else f"m ≈ {needed_margin:.2g}"))
     if not precision.empty:
         lines += ["", "## Engine precision against the fp32 trainer, at the cold start's weights", "",
                   "| model | task | precision | experts that differ | tokens with a difference | k3 |", "|---|---|---|---|---|---|"]
@@ -332,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows.to_csv(args.out / "drift_law.csv", index=False)
     precision.to_csv(args.out / "precision.csv", index=False)
     result = {**fit.as_dict(), "lr_for_paper_drift": lr_for_paper_drift(fit, rows)}
+    if "margin" in fit.regressors:
+        result["margin_for_target_drift"] = {f"{lr:g}": margin_for_drift(fit, rows, lr) for lr in sorted(rows["lr"].unique())}
     (args.out / "fit.json").write_text(json.dumps(result, indent=2) + "\n")
     command = command_line("analysis.drift_law", argv)
     path = report(rows, precision, fit, args.out, command, figure(rows, fit, args.out))
