@@ -582,8 +582,8 @@ class RouterCalls:
     calls: list[tuple[torch.nn.Module, torch.Tensor]]
     weights: torch.Tensor
     replayed: torch.Tensor | None = None
-    # Each call's `ranked` selection scores, taken once: the balancing losses, the fragility and the margin all read
-    # them, and on CPU a top-k over 128 experts costs more than the rest of those metrics together.
+    # Each call's `ranked` selection scores, taken once: the fragility and the margin both read them, and on CPU a
+    # top-k over 128 experts costs more than the rest of those metrics together.
     _ranked: dict[int, torch.return_types.topk] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -593,8 +593,8 @@ class RouterCalls:
 
     def ranked(self, layer: int) -> torch.return_types.topk:
         """The `min(2k, E)` highest selection scores of call `layer` (`selection_scores`, fp32, no graph) and their
-        experts, best first: the first k are the router's own top-k (`chosen`), the first k + 1 what the fragility
-        reads, all of them the margin (`margin_of_ranked`)."""
+        experts, best first: the first k + 1 are what the fragility reads, all of them the margin
+        (`margin_of_ranked`); on exact ties at the cut its first k need not be the forward's choice (`chosen`)."""
         if layer not in self._ranked:
             router, logits = self.calls[layer]
             scores = selection_scores(router, logits.detach())
@@ -602,10 +602,11 @@ class RouterCalls:
         return self._ranked[layer]
 
     def chosen(self, layer: int) -> torch.Tensor:
-        """`[T, E]` fp32 one-hot sum of call `layer`'s router's own top-k (`chosen`, from the shared ranking)."""
-        router, logits = self.calls[layer]
-        top = self.ranked(layer).indices[:, : router.top_k]
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, top, 1.0)
+        """`[T, E]` fp32 one-hot sum of call `layer`'s router's own top-k (`chosen`). A top-k of its own, not the
+        shared ranking's first k: where scores tie exactly at the cut (sign-stepped biases make sigmoid + bias scores
+        tie in fp32) a top-2k breaks the tie otherwise than the forward's top-k, and the balancing losses would
+        count an expert the forward did not use."""
+        return chosen(*self.calls[layer])
 
 
 @contextmanager
