@@ -160,7 +160,8 @@ class TrainConfig:
     seed: int = 0  # sampling, shuffling and every other random choice of the run (not the built model's weights)
     device: str = "cpu"  # cpu, cuda, cuda:1, ...
     # The CPU kernels (models.cpu_kernels): native, the machine's own (fast; a run is the same bits on the same
-    # machine, other bits on another CPU); portable, the same bits on every x86-64 CPU with AVX2, MKL ~1.7x slower.
+    # machine, other bits on another CPU); portable, one kernel path on every x86-64 CPU with AVX2 (not yet the same
+    # bits on every one: docs/reproduce.md), MKL ~1.7x slower.
     cpu_kernels: CpuKernels = CpuKernels.native
     # Continue a run from a checkpoint: `auto`, the newest one in the run directory (a fresh start when there is
     # none), or the path of one (`<run dir>/checkpoints/step_<k>`); null: a new run in a new directory.

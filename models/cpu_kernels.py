@@ -4,7 +4,9 @@ The same command gives other bits on another x86 CPU: ATen picks its vectorised 
 (AVX2, AVX-512, ...) and MKL picks its code path by the CPU's vendor and instruction set, and over hundreds of SFT
 steps other rounding is another checkpoint (measured: tiny_moe's cold start stopped at 280 steps and 53.5% on an
 AMD EPYC with AVX2, at 260 steps and 45.3% on the machine that documented it). `portable` pins both to a path
-every x86-64 CPU of the last decade runs identically:
+every x86-64 CPU of the last decade has, meant to run identically on each (measured not to be enough everywhere:
+pinned, an Intel Xeon with AVX-512 and AMX made another tiny_moe cold start than the machine that documented it,
+though these primitives agreed; docs/reproduce.md):
 
 - ATen's AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`): every x86-64 CPU since 2013 (Intel Haswell, AMD Zen) has them;
 - MKL's conditional numerical reproducibility branch `COMPATIBLE` (`MKL_CBWR`): the one branch MKL documents as
@@ -36,7 +38,7 @@ from models.registry import ConfigError
 
 
 class CpuKernels(StrEnum):
-    portable = "portable"  # the same bits on every x86-64 CPU with AVX2 (ATen avx2, MKL COMPATIBLE, oneDNN <= AVX2)
+    portable = "portable"  # ATen avx2, MKL COMPATIBLE, oneDNN <= AVX2: one path on every x86-64 CPU with AVX2
     native = "native"  # the machine's own choice: faster, other bits on another CPU
 
 
