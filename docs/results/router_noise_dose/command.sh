@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Regenerates docs/results/router_noise_dose: the pilot on tuning seed 100 that chose the doses (its report in
-# pilot/), then the SYNTHETIC router-noise dose-response on report seeds 0-9 (160 runs) and its report.
+# pilot/), then the SYNTHETIC router-noise dose-response on report seeds 0-9 (160 runs) and its report. The committed
+# report was made as five sweeps of two seeds, two side by side on one thread each (`python -m experiments.train -m
+# experiment=router_noise_dose seed=0,1 hydra.sweep.dir=multirun/router_noise_dose/s01 trainer.threads=1`, ... s89),
+# then `python -m analysis.report multirun/router_noise_dose/s01 ... s89 --out docs/results/router_noise_dose`.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 test -f checkpoints/cold_start/tiny_moe-addition/config.json || python -m experiments.sft
