@@ -224,20 +224,25 @@ def test_an_unwritable_run_directory_is_one_line(tmp_path):
 
 def test_a_disk_that_fills_in_the_middle_of_a_line_leaves_only_whole_lines(tmp_path):
     """A file-size limit plays the full disk: the kernel writes a step's line up to it, then refuses the rest (the
-    way a 5.8 kB piece of a line was once left behind). Each line is about 4-5 kB, so the limit falls inside one."""
-    limit = 7000
+    way a 5.8 kB piece of a line was once left behind). The limit is put halfway into step 2's line, measured by the
+    same run without a limit (a line's size follows the metrics logged, ~7 kB today; the runs are the same bits)."""
+    free, full = tmp_path / "a", tmp_path / "b"  # paths of one length: the lines differ in nothing else
+    subprocess.run([*CLI, *MICRO_RUN, f"hydra.run.dir={free}"], capture_output=True, cwd=PROJECT_ROOT, timeout=300,
+                   check=True)
+    first, second = ((free / "metrics.jsonl").read_text().splitlines(keepends=True))[:2]
+    limit = len(first.encode()) + len(second.encode()) // 2
 
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: the write fails instead
 
-    done = subprocess.run([*CLI, *MICRO_RUN, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+    done = subprocess.run([*CLI, *MICRO_RUN, f"hydra.run.dir={full}"], capture_output=True, text=True,
                           cwd=PROJECT_ROOT, timeout=300, preexec_fn=limited)
     assert done.returncode == 1
     line = one_line(done.stderr)
-    assert f"cannot write metrics.jsonl in {tmp_path}: File too large" in line
+    assert f"cannot write metrics.jsonl in {full}: File too large" in line
     kept = re.search(r"it holds steps up to (\d+) \(the partial line of step (\d+) was cut off\)", line)
     assert kept and int(kept[2]) == int(kept[1]) + 1, line
-    text = (tmp_path / "metrics.jsonl").read_text()
+    text = (full / "metrics.jsonl").read_text()
     assert text.endswith("\n"), "a partial line was left"
     assert [json.loads(row)[STEP] for row in text.splitlines()] == list(range(1, int(kept[1]) + 1))
 
