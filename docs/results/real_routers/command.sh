@@ -2,7 +2,7 @@
 # Regenerates docs/results/real_routers: GRPO, GRPO + R2, GSPO and GRPO + R3 (bf16 engine) on the 16-layer, 128-expert
 # top-8 rung from cold starts balanced as real MoEs are trained (conf/experiment/real_routers.yaml says the cell and
 # the rule that chose it). The balanced cold starts are those of docs/results/drift_law_routers/command.sh; the runs
-# go in sweeps of two seeds per model (a run costs ~2 CPU-minutes; two sweeps side by side on one thread each), then
+# go in sweeps of two seeds per model (a run costs ~1.4 CPU-minutes; two sweeps side by side on one thread each), then
 # one report per model. Extra arguments (overrides other than the seed) are passed to every sweep.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
