@@ -56,7 +56,7 @@ from experiments.tasks import Example, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError, Diverged
-from models.routing import SMALL_MARGIN, RouterCalls, find_routers, median_interval, router_calls
+from models.routing import SMALL_MARGIN, RouterCalls, chosen, find_routers, median_interval, router_calls
 
 register_configs()
 
@@ -170,7 +170,7 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
               position_ids=position_ids(attention_mask).to(device), use_cache=False)
     routers = RouterCalls(calls, attention_mask.to(device))
     w = routers.flat_weights
-    loads = torch.stack([(routers.chosen(layer) * w.unsqueeze(-1)).sum(dim=0) for layer in range(len(calls))])
+    loads = torch.stack([(chosen(router, logits) * w.unsqueeze(-1)).sum(dim=0) for router, logits in calls])
     share = loads / loads.sum(dim=-1, keepdim=True)
     experts = share.shape[-1]
     entropy = -(share * share.clamp_min(1e-30).log()).sum(dim=-1) / math.log(experts)

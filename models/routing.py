@@ -594,19 +594,14 @@ class RouterCalls:
     def ranked(self, layer: int) -> torch.return_types.topk:
         """The `min(2k, E)` highest selection scores of call `layer` (`selection_scores`, fp32, no graph) and their
         experts, best first: the first k + 1 are what the fragility reads, all of them the margin
-        (`margin_of_ranked`); on exact ties at the cut its first k need not be the forward's choice (`chosen`)."""
+        (`margin_of_ranked`). Not what the balancing counts read (`chosen`): where scores tie exactly at the cut
+        (sign-stepped biases make sigmoid + bias scores tie in fp32) a top-2k's first k can break the tie otherwise
+        than the forward's own top-k."""
         if layer not in self._ranked:
             router, logits = self.calls[layer]
             scores = selection_scores(router, logits.detach())
             self._ranked[layer] = scores.topk(min(2 * router.top_k, scores.shape[-1]), dim=-1)
         return self._ranked[layer]
-
-    def chosen(self, layer: int) -> torch.Tensor:
-        """`[T, E]` fp32 one-hot sum of call `layer`'s router's own top-k (`chosen`). A top-k of its own, not the
-        shared ranking's first k: where scores tie exactly at the cut (sign-stepped biases make sigmoid + bias scores
-        tie in fp32) a top-2k breaks the tie otherwise than the forward's top-k, and the balancing losses would
-        count an expert the forward did not use."""
-        return chosen(*self.calls[layer])
 
 
 @contextmanager
@@ -802,8 +797,8 @@ def global_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) -> t
     E = logits0.shape[-1]
     counts = torch.zeros(E, dtype=torch.float32, device=logits0.device)
     probs = torch.zeros_like(counts)
-    for layer, (router, logits) in enumerate(routers.calls):
-        counts = counts + (routers.chosen(layer) * w.unsqueeze(-1)).sum(dim=0)
+    for router, logits in routers.calls:
+        counts = counts + (chosen(router, logits) * w.unsqueeze(-1)).sum(dim=0)
         probs = probs + (normalised_scores(router, logits) * w.unsqueeze(-1)).sum(dim=0)
     rows = w.sum() * len(routers.calls)
     if over_ranks is None:
@@ -824,9 +819,9 @@ def sequence_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) ->
     tokens = w.sum(dim=1)  # T of each sequence
     present = tokens > 0
     total = torch.zeros((), dtype=torch.float32, device=w.device)
-    for layer, (router, logits) in enumerate(routers.calls):
+    for router, logits in routers.calls:
         E = logits.shape[-1]
-        f = (routers.chosen(layer).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router.top_k  # [B, E]
+        f = (chosen(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router.top_k  # [B, E]
         P = (normalised_scores(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1)
         per_sequence = (f * P).sum(dim=-1) / tokens.clamp_min(1.0) ** 2
         total = total + per_sequence[present].sum()

@@ -18,7 +18,7 @@ from experiments.step.metrics import (
 from experiments.train import train
 from models.policy import ModelConfig, build_policy, describe_policy
 from models.routing import (
-    RouterCalls, find_routers, has_selection_bias, record_routing, replay_routing, route, router_calls, routing_drift,
+    chosen, find_routers, has_selection_bias, record_routing, replay_routing, route, routing_drift,
 )
 from tests.conftest import MICRO_MODEL
 from tests.test_routing import ExpertsSpy, _batch, _forward, _perturb_routers
@@ -78,8 +78,9 @@ def test_route_is_what_transformers_routers_compute(architecture):
 
 @pytest.mark.parametrize("architecture", FAMILIES)
 def test_balancing_counts_the_experts_the_forward_chose_when_scores_tie(architecture):
-    """Sign-stepped biases make sigmoid + bias scores tie exactly in fp32; what the balancing losses count
-    (`RouterCalls.chosen`) must then still be the forward's own experts, not another tie-break."""
+    """Sign-stepped biases make sigmoid + bias scores tie exactly in fp32; what the balancing losses, the bias update
+    and the cold start's load profile count (`chosen`) must then still be the forward's own experts, not another
+    tie-break (a top-2k's first k, as the shared ranking once gave them, break it otherwise)."""
     # 32 experts top-4 in one group: there a top-2k breaks a tie at the cut otherwise than the top-k (on 8 it does not)
     model, tokenizer = _policy(architecture, num_experts=32, num_experts_per_tok=4, n_group=1, topk_group=1)
     generator = torch.Generator().manual_seed(0)
@@ -92,13 +93,12 @@ def test_balancing_counts_the_experts_the_forward_chose_when_scores_tie(architec
             router.e_score_correction_bias.copy_(bias)
     spy = RouterSpy(model)
     ids, mask = _batch(tokenizer)
-    with torch.no_grad(), router_calls(model) as calls:
+    with torch.no_grad():
         _forward(model, ids, mask)
     spy.remove()
-    routers = RouterCalls(calls, mask)
-    for layer, (router, (logits, weights, indices)) in enumerate(spy.calls):
+    for router, (logits, _, indices) in spy.calls:
         used = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, indices, 1.0)
-        assert torch.equal(routers.chosen(layer), used)
+        assert torch.equal(chosen(router, logits), used)
 
 
 @pytest.mark.parametrize("architecture", FAMILIES)
