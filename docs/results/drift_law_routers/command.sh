@@ -14,11 +14,10 @@ start() {  # start NAME SFT-OVERRIDES...: the cold start at $C/NAME, made once
   local name=$1; shift
   test -f "$C/$name/config.json" || python -m experiments.sft "$@" "sft.output_dir=$C/$name"
 }
+docs/results/balanced_starts.sh
 start qwen30b_l16-addition model=qwen30b_l16
-start qwen30b_l16-addition-balanced model=qwen30b_l16 'routers=[aux_loss]' sft.pretrain_steps=200
 start qwen30b_l16-addition-tied model=qwen30b_l16 model.router_init_std=0.03
 start glm4_moe_l16-addition model=glm4_moe_l16
-start glm4_moe_l16-addition-balanced model=glm4_moe_l16 'routers=[bias_update]' sft.pretrain_steps=200
 start glm4_moe_l16-addition-tied model=glm4_moe_l16 model.router_init_std=0.03
 out=multirun/probe_routers/$(date +%Y-%m-%d_%H-%M-%S)
 for name in qwen30b_l16-addition qwen30b_l16-addition-balanced qwen30b_l16-addition-tied glm4_moe_l16-addition \

@@ -6,10 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 C=checkpoints/cold_start
 python -m experiments.sft model=qwen30b_l16
-python -m experiments.sft model=qwen30b_l16 'routers=[aux_loss]' sft.pretrain_steps=200 \
-  sft.output_dir=$C/qwen30b_l16-addition-balanced
 python -m experiments.sft model=glm4_moe_l16
-python -m experiments.sft model=glm4_moe_l16 'routers=[bias_update]' sft.pretrain_steps=200 \
-  sft.output_dir=$C/glm4_moe_l16-addition-balanced
+docs/results/balanced_starts.sh
 python -m analysis.margins $C/qwen30b_l16-addition $C/qwen30b_l16-addition-balanced $C/glm4_moe_l16-addition \
   $C/glm4_moe_l16-addition-balanced --out docs/results/margins
