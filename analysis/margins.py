@@ -5,7 +5,9 @@ For every checkpoint directory (a cold start of `python -m experiments.sft`, or 
 MoE family) it runs the held-out demonstrations of its task through the model once and measures, on the family's
 selection scores, the scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest scores in every
 MoE layer (`experiments.sft.routing_profile`): its median and mean over tokens and layers, the share of tokens below
-0.01, and the expert-load entropy and max load / mean load. The anchor of a softmax-family checkpoint is
+0.01, and the expert-load entropy and max load / mean load; and what makes a margin small, the best expert's lead
+(s[0] − s[1]) / (s[0] − s[2k−1]) (`models.routing.top_gap_share`) and the best score, medians over tokens and
+layers. The anchor of a softmax-family checkpoint is
 Qwen3.6-35B-A3B's 0.0188, of a sigmoid-family one GLM-5.2's 0.0114 (medians over tokens and layers, colibri issue
 #119; `models.routing.MARGIN_ANCHORS`). The verdict comes from the median's 95% interval over draws of as many
 held-out sequences (`models.routing.median_interval`): "within 2x" when the whole interval over the anchor lies in
@@ -23,15 +25,36 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from analysis.cli import command_line, refusing, writable_out
-from experiments.sft import MEDIAN_INTERVAL, routing_profile
+from experiments.sft import MEDIAN_INTERVAL, demonstration_batch, routing_profile
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
-from experiments.tasks import build_task
+from experiments.step.scoring import position_ids
+from experiments.tasks import Example, build_task
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
-from models.routing import MARGIN_ANCHORS, find_routers, has_selection_bias
+from models.routing import (MARGIN_ANCHORS, RouterCalls, find_routers, has_selection_bias, router_calls,
+                            top_gap_share, weighted_median)
 
 SOFTMAX_ANCHOR, SIGMOID_ANCHOR = MARGIN_ANCHORS.items()
+
+
+def best_expert_lead(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                     examples: list[Example]) -> dict[str, float]:
+    """Medians over tokens and layers of the demonstrations of `examples` (one forward in eval mode, as
+    `routing_profile`'s): the best expert's lead over the margin's spread (`top_gap_share`) and the best score."""
+    model.eval()
+    input_ids, attention_mask, _ = demonstration_batch(tokenizer, examples)
+    with torch.no_grad(), router_calls(model) as calls:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+              use_cache=False)
+    routers = RouterCalls(calls, attention_mask)
+    ranked = [routers.ranked(layer).values for layer in range(len(calls))]
+    weights = routers.flat_weights.repeat(len(calls))
+    return {"top_gap_share_median": weighted_median(torch.cat([top_gap_share(top) for top in ranked]), weights),
+            "top_score_median": weighted_median(torch.cat([top[:, 0] for top in ranked]), weights)}
 
 
 def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
@@ -46,7 +69,8 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
         raise ConfigError(f"{checkpoint} is a dense model: it has no router to measure")
     sigmoid = has_selection_bias(routers[0])
     anchor_name, anchor = SIGMOID_ANCHOR if sigmoid else SOFTMAX_ANCHOR
-    profile = routing_profile(model, tokenizer, task.examples("test")[:prompts])
+    examples = task.examples("test")[:prompts]
+    profile = routing_profile(model, tokenizer, examples)
     return {
         "checkpoint": str(checkpoint),
         "family": f"{model.config.model_type} ({'sigmoid + bias' if sigmoid else 'softmax'})",
@@ -61,6 +85,7 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
         "median_over_anchor": profile[TOPK_MARGIN_MEDIAN] / anchor,
         "median_over_anchor_interval": [bound / anchor for bound in profile[MEDIAN_INTERVAL]],
         **profile,
+        **best_expert_lead(model, tokenizer, examples),
     }
 
 
@@ -82,16 +107,20 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
              f"Anchors (colibri issue #119, medians over tokens and layers): {softmax_name} {softmax}, {sigmoid_name} "
              f"{sigmoid}. Brackets: the 95% interval over draws of as many held-out sequences (a bootstrap that resamples "
              "whole sequences; models.routing.median_interval). Within 2x of its family's anchor when the whole "
-             "interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided.", "",
+             "interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided. Best expert's "
+             "lead: (s[0] − s[1]) / (s[0] − s[2k−1]), the share of the margin's denominator the best expert's lead "
+             "takes (median): near 1, every gap below it is a small fraction of the spread.", "",
              "| checkpoint | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] | mean "
-             "| share < 0.01 | median / anchor [95% CI] | load entropy | max / mean load |", "|" + "---|" * 11]
+             "| share < 0.01 | median / anchor [95% CI] | best expert's lead | best score | load entropy | max / mean load |",
+             "|" + "---|" * 13]
     for row in rows:
         (low, high), (over_low, over_high) = row[MEDIAN_INTERVAL], row["median_over_anchor_interval"]
         lines.append(f"| {Path(row['checkpoint']).name} | {row['family']} | {row['layers']} | {row['experts']} / "
                      f"{row['top_k']} | {row['task']} ({row['prompts']}) | {row[TOPK_MARGIN_MEDIAN]:.4f} "
                      f"[{low:.4f}, {high:.4f}] | {row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | "
                      f"{row['median_over_anchor']:.2f} [{over_low:.2f}, {over_high:.2f}] "
-                     f"({within_two_fold(row['median_over_anchor_interval'])}) | {row['load_entropy']:.3f} | "
+                     f"({within_two_fold(row['median_over_anchor_interval'])}) | {row['top_gap_share_median']:.2f} | "
+                     f"{row['top_score_median']:.3f} | {row['load_entropy']:.3f} | "
                      f"{row['load_max_over_mean']:.2f} |")
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

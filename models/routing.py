@@ -23,7 +23,8 @@ sigmoid family, whose experts are scored independently).
 
 Margins. `topk_margin` is the scale-free distance of each token from the top-k cut on its selection scores,
 (s[k−1] − s[k]) / (s[0] − s[2k−1]) over its 2k highest (colibri issue #119, measured on Qwen3.6-35B-A3B and GLM-5.2:
-the two anchors, `MARGIN_ANCHORS`); `MarginSummary` its median, mean and share below `SMALL_MARGIN`.
+the two anchors, `MARGIN_ANCHORS`); `MarginSummary` its median, mean and share below `SMALL_MARGIN`; `top_gap_share`
+how much of the same spread the best expert's lead takes (what makes a softmax router's margin small).
 
 Replay (GSPO paper §5.3, "Routing Replay"; R3 paper arXiv 2510.11370). By default only the expert *indices* are
 replayed (`ReplayRule`); the gate weights are gathered from the *current* router's gate scores at the replayed
@@ -195,10 +196,23 @@ def margin_of_ranked(top: torch.Tensor, k: int) -> torch.Tensor:
     if (top[:, k] == float("-inf")).any():  # (NaN scores pass through: a diverged model is told apart elsewhere)
         raise ValueError(f"the margin at the top-{k} cut needs {k + 1} allowed experts per token; a token's groups "
                          f"leave it {k}")
-    lowest = torch.where(top == float("-inf"), torch.inf, top).min(dim=-1).values
-    spread = top[:, 0] - lowest
-    gap = top[:, k - 1] - top[:, k]
+    return _over_spread(top[:, k - 1] - top[:, k], top)
+
+
+def _over_spread(gap: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """`gap [T]` over each ranked row's spread s[0] − s[2k−1] (its lowest allowed score: −inf outside the allowed
+    groups does not count); 0 where the spread is 0."""
+    spread = top[:, 0] - torch.where(top == float("-inf"), torch.inf, top).min(dim=-1).values
     return torch.where(spread > 0, gap / spread.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(gap))
+
+
+def top_gap_share(top: torch.Tensor) -> torch.Tensor:
+    """`[T]`: (s[0] − s[1]) / (s[0] − s[2k−1]) of ranked rows `top [T, min(2k, E)]` (as `margin_of_ranked` reads
+    them): the share of the margin's denominator that the best expert's lead takes. Where one expert dominates a
+    softmax router's probabilities that share is near 1 and every gap further down, the cut's among them, is a small
+    fraction of the spread, however far apart the logits at the cut are: what a small `topk_margin` means. Rows whose
+    scores tie have share 0."""
+    return _over_spread(top[:, 0] - top[:, 1], top)
 
 
 def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:

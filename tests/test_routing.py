@@ -16,7 +16,7 @@ from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
 from models.routing import (
     MARGIN_ANCHORS, NO_ROUTE, MarginSummary, RouterCalls, RoutingTrace, find_routers, record_routing, replay_routing,
-    replayed_gate_weights, route, router_logprobs, routing_drift, selection_scores, topk_margin, weighted_median,
+    replayed_gate_weights, route, router_logprobs, routing_drift, selection_scores, top_gap_share, topk_margin, weighted_median,
     median_interval,
 )
 
@@ -283,6 +283,20 @@ def test_topk_margin_on_hand_made_scores():
         topk_margin(scores[:, :2], k=2)
     with pytest.raises(ValueError, match="3 allowed experts per token"):
         topk_margin(torch.tensor([[0.9, 0.8, -math.inf, -math.inf]]), k=2)
+
+
+def test_the_best_experts_lead_over_the_same_spread_as_the_margin():
+    """A softmax router whose best expert dominates: its logits' gap at the top-2 cut equals the lead's, yet in
+    probabilities the lead takes most of the spread and the cut's margin is small; an even router is the reverse."""
+    dominated = torch.softmax(torch.tensor([[4.0, 1.0, 0.0, -1.0, -2.0, -3.0]]), dim=-1)
+    even = torch.softmax(torch.tensor([[0.4, 0.3, 0.0, -0.1, -2.0, -3.0]]), dim=-1)
+    for scores in (dominated, even):
+        top = scores.topk(4, dim=-1).values
+        torch.testing.assert_close(top_gap_share(top), (top[:, 0] - top[:, 1]) / (top[:, 0] - top[:, 3]))
+    assert float(top_gap_share(dominated.topk(4).values)) > 0.9 > 0.1 > float(topk_margin(dominated, k=2))
+    assert float(top_gap_share(even.topk(4).values)) < float(topk_margin(even, k=2))
+    ranked = torch.tensor([[0.9, 0.8, 0.7, -math.inf], [0.2, 0.2, 0.2, 0.2]])  # groups left 3; a tie
+    torch.testing.assert_close(top_gap_share(ranked), torch.tensor([0.5, 0.0]))
 
 
 def test_the_median_interval_covers_the_true_median_when_tokens_of_a_sequence_move_together():

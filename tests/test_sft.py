@@ -152,6 +152,7 @@ def test_the_margin_table_holds_each_checkpoint_against_its_familys_anchor(tmp_p
         assert low <= row[TOPK_MARGIN_MEDIAN] <= high
         assert row["median_over_anchor_interval"] == pytest.approx([low / row["anchor_margin"],
                                                                      high / row["anchor_margin"]])
+        assert 0.0 <= row["top_gap_share_median"] <= 1.0
     table = (tmp_path / "table" / "report.md").read_text()
     assert [within_two_fold(interval) for interval in ([0.6, 1.9], [2.1, 3.0], [0.4, 0.6])] == \
         ["within 2x", "outside 2x", "undecided"]
