@@ -351,10 +351,10 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
 
     lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
              f"![drift law]({figure_path.name})", "", "## Probed settings", "",
-             "| model | task | L | E / k | start margin | lr | answer tokens | drift after one update | tokens with a "
-             "change | routing share | logit margin | token-ratio var | sequence-ratio var |", "|" + "---|" * 13]
-    for r in rows.sort_values(["task", "experts_per_slot", "layers", "model", "lr"]).to_dict("records"):
-        shape = (f"| {r['model']} | {r['task']} | {r['layers']} | {r['experts']}/{r['top_k']} | "
+             "| probe | model | task | L | E / k | start margin | lr | answer tokens | drift after one update | tokens "
+             "with a change | routing share | logit margin | token-ratio var | sequence-ratio var |", "|" + "---|" * 14]
+    for r in rows.sort_values(["task", "experts_per_slot", "layers", "model", "probe", "lr"]).to_dict("records"):
+        shape = (f"| {Path(r['probe']).name} | {r['model']} | {r['task']} | {r['layers']} | {r['experts']}/{r['top_k']} | "
                  f"{num(r.get('start_margin'))} | {r['lr']:.0e} | ")
         if isinstance(r.get("diverged"), str):
             lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | | |")
@@ -377,11 +377,17 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
     medians = held_at_median(rows, own_width=False)
     held = (f"answer length T = {medians['length']:.3g} tokens and width H = {medians['hidden']:.3g}, the fitted rows' "
             "medians")
-    anchored = (f" and a softmax router at the softmax anchor's margin m = {PAPER_MARGIN}" if "margin" in fit.regressors
+    anchored = (f" for a softmax router at the softmax anchor's margin m = {PAPER_MARGIN}" if "margin" in fit.regressors
                 else "")
+    unfitted = [REGRESSORS[name][1] for name in ("layers", "experts_per_slot") if name not in fit.regressors]
+    shape = "" if unfitted else " at the paper's depth and experts per slot"
+    shape_note = ("" if not unfitted else
+                  f" The fit has no term for {' or '.join(unfitted)} (every probed row has the same), so the "
+                  "paper's routing does not enter it: the lines below are the probed models' law at these settings, "
+                  "not Qwen3-30B-A3B's.")
     lines += ["", "## At Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8)", "",
-              f"The law at the paper's depth and experts per slot{anchored}, with {held} (the paper's own answers and "
-              "width lie far outside the probed ranges: an extrapolation, not a measurement).", ""]
+              f"The law{shape}{anchored}, with {held} (the paper's own answers and "
+              f"width lie far outside the probed ranges: an extrapolation, not a measurement).{shape_note}", ""]
     for lr in sorted(rows["lr"].unique()):
         lines.append(f"- lr {lr:.0e}: the law gives {pct(fit.predict(paper_point(fit, rows, lr)))} "
                      f"(paper: ~{PAPER_DRIFT:.0%}).")

@@ -70,7 +70,8 @@ def test_the_cli_writes_its_report_and_refuses_a_folder_without_probes(tmp_path,
             write_probe(tmp_path / "probes", f"l{layers}_e{experts}", layers, experts, 8, [1e-5, 1e-4])
     drift_law.main([str(tmp_path / "probes"), "--out", str(tmp_path / "law")])
     report = (tmp_path / "law" / "report.md").read_text()
-    assert "| l16_e64 | addition digits=2 | 16 | 64/8 | – | 1e-04 | 3.9 |" in report  # no margin recorded
+    assert "| l16_e64 | l16_e64 | addition digits=2 | 16 | 64/8 | – | 1e-04 | 3.9 |" in report  # no margin recorded
+    assert "The fit has no term for" not in report  # depth and experts per slot vary: the paper's routing enters
     assert json.loads((tmp_path / "law" / "fit.json").read_text())["n"] == 8
     assert (tmp_path / "law" / "drift_law.png").stat().st_size > 1000
     (tmp_path / "empty").mkdir()
@@ -103,6 +104,8 @@ def test_the_cold_starts_margin_and_the_family_enter_the_law_and_give_the_margin
     drift_law.main([str(tmp_path), "--out", str(tmp_path / "law")])
     report = (tmp_path / "law" / "report.md").read_text()
     assert f"- lr 1e-04: m ≈ {needed:.2g}" in report
+    # every start has 16 layers and 128 experts top-8: the extrapolation says the paper's routing cannot enter
+    assert "The fit has no term for MoE layers L or experts per top-k slot E/k" in report
 
 
 def test_a_margin_that_does_not_lower_drift_gives_no_margin_to_aim_for(tmp_path):

@@ -1,24 +1,31 @@
 """docs/results/experiment.sh hands its arguments to the right commands: SFT overrides to the cold start, the ones
-after `--` to the runs (other seeds), and a report of other seeds never overwrites the committed result."""
+after `--` to the runs (other seeds), and a report of other seeds never overwrites the committed result;
+docs/results/router_starts.sh refuses a start it has no recipe for before making any."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 from experiments.config import PROJECT_ROOT
 
 SCRIPT = PROJECT_ROOT / "docs" / "results" / "experiment.sh"
 
 
-def run_with_a_recording_python(tmp_path, *args: str) -> list[list[str]]:
-    """Run the script with a `python` on PATH that records each call's arguments instead of running anything."""
+def recording_python(tmp_path) -> tuple[dict[str, str], Path]:
+    """An environment whose `python` records each call's arguments in the returned file instead of running anything."""
     log = tmp_path / "calls"
     fake = tmp_path / "bin" / "python"
     fake.parent.mkdir()
     fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\t" "$@" >> {log}\necho >> {log}\n')
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    return {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}, log
+
+
+def run_with_a_recording_python(tmp_path, *args: str) -> list[list[str]]:
+    """Run experiment.sh with a recording `python` (`recording_python`): the calls it made, each its arguments."""
+    env, log = recording_python(tmp_path)
     done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
@@ -41,3 +48,13 @@ def test_without_run_overrides_the_result_is_regenerated_in_place(tmp_path):
     train, report = run_with_a_recording_python(tmp_path, "flip_dose", str(checkpoint))
     assert train[3] == "experiment=flip_dose" and train[-1].startswith("hydra.sweep.dir=multirun/flip_dose/")
     assert report[-2:] == ["--out", "docs/results/flip_dose"]
+
+
+def test_a_start_without_a_recipe_is_refused_before_any_is_made(tmp_path):
+    env, log = recording_python(tmp_path)
+    script = SCRIPT.parent / "router_starts.sh"
+    done = subprocess.run(["bash", str(script), "glm4_moe_l16-addition-tied", "qwen30b_l16-addition-flat"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and not log.exists()  # the known name before the unknown one is not made either
+    assert done.stderr.strip() == ("error: no cold start named 'qwen30b_l16-addition-flat' (allowed: the six listed "
+                                   f"in {script})")

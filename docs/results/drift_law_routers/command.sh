@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates docs/results/drift_law_routers: the drift law again on the 16-layer, 128-expert top-8 rung with routers
 # like real ones, the cold start's top-k margin and the router family as regressors (analysis.drift_law). Six cold
-# starts on addition, one thread each: the softmax rung (qwen30b_l16) and its sigmoid + bias twin (glm4_moe_l16), each
-# as today's recipe, balanced as its family trains (Qwen3's auxiliary loss; the bias update), and with near-tied
+# starts on addition (docs/results/router_starts.sh), one thread each: the softmax rung (qwen30b_l16) and its
+# sigmoid + bias twin (glm4_moe_l16), each as today's recipe, balanced as its family trains (Qwen3's auxiliary loss; the bias update), and with near-tied
 # routers at init (router_init_std 0.03, a tenth of the default), so that the margin varies within each family by
 # design; then the probe at five learning rates on each. Rule, fixed before the probes: the law answers issue 31's
 # goal, ≥ 5% drift per update at a learning rate where every arm still learns (lr ≤ 1e-4 on this rung: phase_diagram,
@@ -10,15 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 C=checkpoints/cold_start
-start() {  # start NAME SFT-OVERRIDES...: the cold start at $C/NAME, made once
-  local name=$1; shift
-  test -f "$C/$name/config.json" || python -m experiments.sft "$@" "sft.output_dir=$C/$name"
-}
-docs/results/balanced_starts.sh
-start qwen30b_l16-addition model=qwen30b_l16
-start qwen30b_l16-addition-tied model=qwen30b_l16 model.router_init_std=0.03
-start glm4_moe_l16-addition model=glm4_moe_l16
-start glm4_moe_l16-addition-tied model=glm4_moe_l16 model.router_init_std=0.03
+docs/results/router_starts.sh
 out=multirun/probe_routers/$(date +%Y-%m-%d_%H-%M-%S)
 for name in qwen30b_l16-addition qwen30b_l16-addition-balanced qwen30b_l16-addition-tied glm4_moe_l16-addition \
   glm4_moe_l16-addition-balanced glm4_moe_l16-addition-tied; do
