@@ -108,7 +108,8 @@ def test_two_runs_started_together_get_their_own_directories_and_one_directory_o
         assert all(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
     # One directory given to two runs at once: the second is refused while the first runs, whose log is whole.
     shared = tmp_path / "shared"
-    owner = start(*MICRO_RUN, "trainer.steps=200", f"hydra.run.dir={shared}")
+    # the owner runs until it is stopped: 200 steps ended before the intruder had imported torch on a loaded machine
+    owner = start(*MICRO_RUN, "trainer.steps=100000", f"hydra.run.dir={shared}")
     wait_for_lines(shared / "metrics.jsonl", 1, owner)
     intruder = run_cli(*MICRO_RUN, f"hydra.run.dir={shared}")
     assert intruder.returncode != 0 and "is in use by another run" in one_line(intruder.stderr)
