@@ -354,8 +354,8 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
              "| probe | model | task | L | E / k | start margin | lr | answer tokens | drift after one update | tokens "
              "with a change | routing share | logit margin | token-ratio var | sequence-ratio var |", "|" + "---|" * 14]
     for r in rows.sort_values(["task", "experts_per_slot", "layers", "model", "probe", "lr"]).to_dict("records"):
-        shape = (f"| {Path(r['probe']).name} | {r['model']} | {r['task']} | {r['layers']} | {r['experts']}/{r['top_k']} | "
-                 f"{num(r.get('start_margin'))} | {r['lr']:.0e} | ")
+        shape = (f"| {Path(r['probe']).name} | {r['model']} | {r['task']} | {r['layers']} | "
+                 f"{r['experts']}/{r['top_k']} | {num(r.get('start_margin'))} | {r['lr']:.0e} | ")
         if isinstance(r.get("diverged"), str):
             lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | | |")
             continue

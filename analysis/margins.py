@@ -7,7 +7,7 @@ selection scores, the scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1
 MoE layer (`experiments.sft.routing_profile`): its median and mean over tokens and layers, the share of tokens below
 0.01, and the expert-load entropy and max load / mean load; and what makes a margin small, the best expert's lead
 (s[0] − s[1]) / (s[0] − s[2k−1]) (`models.routing.top_gap_share`) and the best score, medians over tokens and
-layers. The anchor of a softmax-family checkpoint is
+layers (the same profile). The anchor of a softmax-family checkpoint is
 Qwen3.6-35B-A3B's 0.0188, of a sigmoid-family one GLM-5.2's 0.0114 (medians over tokens and layers, colibri issue
 #119; `models.routing.MARGIN_ANCHORS`). The verdict comes from the median's 95% interval over draws of as many
 held-out sequences (`models.routing.median_interval`): "within 2x" when the whole interval over the anchor lies in
@@ -25,36 +25,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
 from analysis.cli import command_line, refusing, writable_out
-from experiments.sft import MEDIAN_INTERVAL, demonstration_batch, routing_profile
+from experiments.sft import MEDIAN_INTERVAL, routing_profile
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
-from experiments.step.scoring import position_ids
-from experiments.tasks import Example, build_task
+from experiments.tasks import build_task
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
-from models.routing import (MARGIN_ANCHORS, RouterCalls, find_routers, has_selection_bias, router_calls,
-                            top_gap_share, weighted_median)
+from models.routing import MARGIN_ANCHORS, find_routers, has_selection_bias
 
 SOFTMAX_ANCHOR, SIGMOID_ANCHOR = MARGIN_ANCHORS.items()
-
-
-def best_expert_lead(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                     examples: list[Example]) -> dict[str, float]:
-    """Medians over tokens and layers of the demonstrations of `examples` (one forward in eval mode, as
-    `routing_profile`'s): the best expert's lead over the margin's spread (`top_gap_share`) and the best score."""
-    model.eval()
-    input_ids, attention_mask, _ = demonstration_batch(tokenizer, examples)
-    with torch.no_grad(), router_calls(model) as calls:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-              use_cache=False)
-    routers = RouterCalls(calls, attention_mask)
-    ranked = [routers.ranked(layer).values for layer in range(len(calls))]
-    weights = routers.flat_weights.repeat(len(calls))
-    return {"top_gap_share_median": weighted_median(torch.cat([top_gap_share(top) for top in ranked]), weights),
-            "top_score_median": weighted_median(torch.cat([top[:, 0] for top in ranked]), weights)}
 
 
 def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
@@ -69,8 +48,7 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
         raise ConfigError(f"{checkpoint} is a dense model: it has no router to measure")
     sigmoid = has_selection_bias(routers[0])
     anchor_name, anchor = SIGMOID_ANCHOR if sigmoid else SOFTMAX_ANCHOR
-    examples = task.examples("test")[:prompts]
-    profile = routing_profile(model, tokenizer, examples)
+    profile = routing_profile(model, tokenizer, task.examples("test")[:prompts])
     return {
         "checkpoint": str(checkpoint),
         "family": f"{model.config.model_type} ({'sigmoid + bias' if sigmoid else 'softmax'})",
@@ -85,7 +63,6 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
         "median_over_anchor": profile[TOPK_MARGIN_MEDIAN] / anchor,
         "median_over_anchor_interval": [bound / anchor for bound in profile[MEDIAN_INTERVAL]],
         **profile,
-        **best_expert_lead(model, tokenizer, examples),
     }
 
 

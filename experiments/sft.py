@@ -56,7 +56,8 @@ from experiments.tasks import Example, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError, Diverged
-from models.routing import SMALL_MARGIN, RouterCalls, chosen, find_routers, median_interval, router_calls
+from models.routing import (SMALL_MARGIN, RouterCalls, chosen, find_routers, median_interval, router_calls,
+                            top_gap_share, weighted_median)
 
 register_configs()
 
@@ -159,7 +160,9 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     each the mean over layers; and the scale-free margin at the top-k cut (`models.routing.topk_margin` on the
     family's selection scores: median, mean and share below 0.01 over tokens and layers, the median's 95% interval
     over draws of the sequences (`MEDIAN_INTERVAL`), and the median per layer), what the anchors of real checkpoints
-    measure (`models.routing.MARGIN_ANCHORS`). None for a dense model."""
+    measure (`models.routing.MARGIN_ANCHORS`), with what makes it small: the medians over tokens and layers of the
+    best expert's lead over the margin's spread (`models.routing.top_gap_share`) and of the best score. None for a
+    dense model."""
     if not find_routers(model):
         return None
     model.eval()
@@ -178,12 +181,15 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     stats.update(margin_stats(margins, w))
     sequence = torch.arange(attention_mask.shape[0]).repeat_interleave(attention_mask.shape[1]).to(w.device)
     layers = len(margins)
+    ranked = [routers.ranked(layer).values for layer in range(layers)]  # the ranking the margins were read from
     return {
         "load_entropy": float(entropy.mean()),
         "load_max_over_mean": float((share.max(dim=-1).values * experts).mean()),
         **{name: stats[name] for name in PROFILE[2:]},
         MEDIAN_INTERVAL: list(median_interval(margins.reshape(-1), w.repeat(layers), sequence.repeat(layers))),
         "topk_margin_median_per_layer": [stats[per_layer(TOPK_MARGIN_MEDIAN, i)] for i in range(len(calls))],
+        "top_gap_share_median": weighted_median(torch.cat([top_gap_share(top) for top in ranked]), w.repeat(layers)),
+        "top_score_median": weighted_median(torch.cat([top[:, 0] for top in ranked]), w.repeat(layers)),
     }
 
 

@@ -16,8 +16,8 @@ from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
 from models.routing import (
     MARGIN_ANCHORS, NO_ROUTE, MarginSummary, RouterCalls, RoutingTrace, find_routers, record_routing, replay_routing,
-    replayed_gate_weights, route, router_logprobs, routing_drift, selection_scores, top_gap_share, topk_margin, weighted_median,
-    median_interval,
+    replayed_gate_weights, route, router_logprobs, routing_drift, selection_scores, top_gap_share, topk_margin,
+    weighted_median, median_interval,
 )
 
 

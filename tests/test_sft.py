@@ -86,6 +86,8 @@ def test_the_routing_profile_of_routers_that_tie_by_hand(micro_policy):
     assert profile["load_max_over_mean"] == pytest.approx(4.0)
     assert profile[TOPK_MARGIN_MEDIAN] == 0.0 and profile[TOPK_MARGIN_SMALL] == 1.0
     assert profile["topk_margin_median_per_layer"] == [0.0, 0.0]
+    # the best expert leads no one (share 0 where the spread is 0) and holds 1/8 of the probability
+    assert profile["top_gap_share_median"] == 0.0 and profile["top_score_median"] == pytest.approx(1 / 8)
 
 
 def test_a_balanced_cold_start_pretrains_on_the_mixture_then_its_task(tmp_path):

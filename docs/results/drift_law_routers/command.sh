@@ -2,11 +2,12 @@
 # Regenerates docs/results/drift_law_routers: the drift law again on the 16-layer, 128-expert top-8 rung with routers
 # like real ones, the cold start's top-k margin and the router family as regressors (analysis.drift_law). Six cold
 # starts on addition (docs/results/router_starts.sh), one thread each: the softmax rung (qwen30b_l16) and its
-# sigmoid + bias twin (glm4_moe_l16), each as today's recipe, balanced as its family trains (Qwen3's auxiliary loss; the bias update), and with near-tied
-# routers at init (router_init_std 0.03, a tenth of the default), so that the margin varies within each family by
-# design; then the probe at five learning rates on each. Rule, fixed before the probes: the law answers issue 31's
-# goal, ≥ 5% drift per update at a learning rate where every arm still learns (lr ≤ 1e-4 on this rung: phase_diagram,
-# deep_long), by the margin it says that needs at lr 1e-4, against the margins the recipes reach.
+# sigmoid + bias twin (glm4_moe_l16), each as today's recipe, balanced as its family trains (Qwen3's auxiliary loss;
+# the bias update), and with near-tied routers at init (router_init_std 0.03, a tenth of the default), so that the
+# margin varies within each family by design; then the probe at five learning rates on each. Rule, fixed before the
+# probes: the law answers issue 31's goal, ≥ 5% drift per update at a learning rate where every arm still learns
+# (lr ≤ 1e-4 on this rung: phase_diagram, deep_long), by the margin it says that needs at lr 1e-4, against the
+# margins the recipes reach.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 C=checkpoints/cold_start
