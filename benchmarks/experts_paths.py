@@ -1,4 +1,4 @@
-"""`python -m benchmarks.experts_paths`: the experts' matmul for many narrow experts, three ways, at bench-deep's shapes.
+"""`python -m benchmarks.experts_paths`: the experts' matmul for many narrow experts, four ways, at bench-deep's shapes.
 
 bench-deep's experts (qwen30b_l16: 128 experts top-8, hidden 64, expert width 24, so gate/up is 64 -> 48) see two
 shapes in a step: the rollout's decode, 256 tokens (2,048 rows, ~16 per expert), and a training minibatch, ~3,300
@@ -9,6 +9,9 @@ tokens (26,400 rows). Each way computes gate/up for rows already sorted by exper
   loop        the same loop in Python, `torch.mm` per expert over `split` rows (one host sync for the counts)
   padded bmm  every expert's rows padded to the largest expert's, one `bmm` [E, C, H] x [E, H, 2F], rows gathered
               back: one kernel, at the price of the padding (C = max load)
+  MKL batch   MKL's batch GEMM (`cblas_sgemm_batch`, exported by torch's CPU library where it links MKL): one call
+              of E products of each expert's own rows, addresses built with tensor ops, so no per-expert dispatch
+              and no padding (skipped where this torch has no MKL)
 
 Routing is drawn from logits with a per-expert slope (`--skew`), since real routers are uneven: max / mean load is
 printed beside each time. Every way is checked equal to grouped_mm before it is timed; times are medians of
@@ -19,9 +22,11 @@ machine).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -73,7 +78,36 @@ def ways(batch: SortedRows, weight: torch.Tensor) -> dict[str, Callable[[], torc
         buffer[batch.experts, slot] = batch.rows
         return torch.bmm(buffer, weight)[batch.experts, slot]
 
-    return {"grouped_mm": grouped, "loop": loop, "padded bmm": padded}
+    calls = {"grouped_mm": grouped, "loop": loop, "padded bmm": padded}
+    gemm = _mkl_batch_gemm()
+    if gemm is None:
+        return calls
+    starts = (offsets - batch.counts).long()
+    every = lambda value, dtype=torch.int32: torch.full((EXPERTS,), value, dtype=dtype)  # noqa: E731
+    no_trans, m = every(111), batch.counts.to(torch.int32)  # CBLAS_TRANSPOSE NoTrans; each expert's rows
+    n, k, alpha, beta, one = every(GATE_UP), every(HIDDEN), every(1.0, torch.float32), every(0.0, torch.float32), every(1)
+    weights_at = weight.data_ptr() + torch.arange(EXPERTS) * (HIDDEN * GATE_UP * 4)
+
+    def mkl_batch() -> torch.Tensor:
+        out = batch.rows.new_empty(len(batch.experts), GATE_UP)
+        rows_at = batch.rows.data_ptr() + starts * (HIDDEN * 4)
+        out_at = out.data_ptr() + starts * (GATE_UP * 4)
+        gemm(101, no_trans.data_ptr(), no_trans.data_ptr(), m.data_ptr(), n.data_ptr(), k.data_ptr(),  # 101: row-major
+             alpha.data_ptr(), rows_at.data_ptr(), k.data_ptr(), weights_at.data_ptr(), n.data_ptr(),
+             beta.data_ptr(), out_at.data_ptr(), n.data_ptr(), EXPERTS, one.data_ptr())
+        return out
+
+    return {**calls, "MKL batch": mkl_batch}
+
+
+def _mkl_batch_gemm():
+    """`cblas_sgemm_batch` (32-bit sizes) from torch's CPU library, or None where it does not link MKL."""
+    try:
+        gemm = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).cblas_sgemm_batch
+    except (OSError, AttributeError):
+        return None
+    gemm.restype, gemm.argtypes = None, [ctypes.c_int, *[ctypes.c_void_p] * 13, ctypes.c_int, ctypes.c_void_p]
+    return gemm
 
 
 def measure(tokens: int, skew: float, rounds: int, seed: int = 0) -> tuple[float, dict[str, list[float]]]:
@@ -108,10 +142,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s); ms per call, median of {args.rounds} rounds "
           "(ratio to grouped_mm)")
-    print("| shape | tokens | max / mean load | grouped_mm | loop | padded bmm |\n|---|---|---|---|---|---|")
+    header = None
     for shape, tokens in SHAPES.items():
         for skew in args.skew:
             load, seconds = measure(tokens, skew, args.rounds)
+            if header is None:
+                header = ["shape", "tokens", "max / mean load", *seconds]
+                print("| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
             base = statistics.median(seconds["grouped_mm"])
             cells = [f"{statistics.median(s) * 1e3:.2f} ({statistics.median(s) / base:.2f}x)" for s in seconds.values()]
             print(f"| {shape} | {tokens} | {load:.1f} | " + " | ".join(cells) + " |")

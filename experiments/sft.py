@@ -56,7 +56,7 @@ from experiments.tasks import Example, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError, Diverged
-from models.routing import (SMALL_MARGIN, RouterCalls, chosen, find_routers, median_interval, router_calls,
+from models.routing import (SMALL_MARGIN, RouterCalls, RouterCapture, find_routers, median_interval, router_calls,
                             top_gap_share, weighted_median)
 
 register_configs()
@@ -171,23 +171,23 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     with router_calls(model) as calls:
         model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
               position_ids=position_ids(attention_mask).to(device), use_cache=False)
-    routers = RouterCalls(calls, attention_mask.to(device))
+    routers = RouterCalls.of(calls, attention_mask.to(device))
     w = routers.flat_weights
-    loads = torch.stack([(chosen(router, logits) * w.unsqueeze(-1)).sum(dim=0) for router, logits in calls])
+    layers = len(routers.calls)
+    loads = torch.stack([(routers.chosen(layer) * w.unsqueeze(-1)).sum(dim=0) for layer in range(layers)])
     share = loads / loads.sum(dim=-1, keepdim=True)
     experts = share.shape[-1]
     entropy = -(share * share.clamp_min(1e-30).log()).sum(dim=-1) / math.log(experts)
     stats, margins = router_fragility(routers, SMALL_MARGIN)
     stats.update(margin_stats(margins, w))
     sequence = torch.arange(attention_mask.shape[0]).repeat_interleave(attention_mask.shape[1]).to(w.device)
-    layers = len(margins)
     ranked = [routers.ranked(layer).values for layer in range(layers)]  # the ranking the margins were read from
     return {
         "load_entropy": float(entropy.mean()),
         "load_max_over_mean": float((share.max(dim=-1).values * experts).mean()),
         **{name: stats[name] for name in PROFILE[2:]},
         MEDIAN_INTERVAL: list(median_interval(margins.reshape(-1), w.repeat(layers), sequence.repeat(layers))),
-        "topk_margin_median_per_layer": [stats[per_layer(TOPK_MARGIN_MEDIAN, i)] for i in range(len(calls))],
+        "topk_margin_median_per_layer": [stats[per_layer(TOPK_MARGIN_MEDIAN, i)] for i in range(layers)],
         "top_gap_share_median": weighted_median(torch.cat([top_gap_share(top) for top in ranked]), w.repeat(layers)),
         "top_score_median": weighted_median(torch.cat([top[:, 0] for top in ranked]), w.repeat(layers)),
     }
@@ -243,7 +243,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
                 picks = torch.randint(len(train), (s.batch_size,), generator=generator).tolist()
                 batch = demonstration_batch(tokenizer, [train[i] for i in picks])
             input_ids, attention_mask, labels = batch
-            with router_calls(model) if switches else contextlib.nullcontext([]) as calls:
+            with router_calls(model) if switches else contextlib.nullcontext(RouterCapture()) as calls:
                 out = model(
                     input_ids=input_ids.to(device),
                     attention_mask=attention_mask.to(device),
@@ -251,7 +251,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
                     labels=labels.to(device),
                     use_cache=False,
                 )
-            routers = RouterCalls(calls, attention_mask.to(device))
+            routers = RouterCalls.of(calls, attention_mask.to(device))
             loss = out.loss + sum(switch.loss(routers, None) for switch in switches)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

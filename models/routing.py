@@ -586,19 +586,36 @@ def replay_routing(
                 hook.replay = None
 
 
+@dataclass
+class RouterCapture:
+    """What `router_calls` captured: `calls`, `(router, logits [T, E])` per MoE router call in call order (the logits
+    with their graph), and `own_experts`, each call's top-k `[T, k]` as its router returned it, before any hook
+    that replays or flips experts."""
+
+    calls: list[tuple[torch.nn.Module, torch.Tensor]] = field(default_factory=list)
+    own_experts: list[torch.Tensor] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class RouterCalls:
     """One forward's MoE router calls: `calls`, `(router, logits [T, E])` per MoE layer in layer order (the logits
     with their graph); `weights [B, S]`, what each of the T = B·S fed tokens counts for (0 at padding; a packed
     prompt token once per row it stands for); `replayed [B, S]` bool, the tokens whose experts a replayed trace
-    forced (None: the forward was not replayed)."""
+    forced (None: the forward was not replayed); `own_experts`, each call's own top-k `[T, k]` as its router
+    returned it (`RouterCapture`; None: not captured, `chosen` then ranks the scores again)."""
 
     calls: list[tuple[torch.nn.Module, torch.Tensor]]
     weights: torch.Tensor
     replayed: torch.Tensor | None = None
+    own_experts: list[torch.Tensor] | None = None
     # Each call's `ranked` selection scores, taken once: the fragility and the margin both read them, and on CPU a
     # top-k over 128 experts costs more than the rest of those metrics together.
     _ranked: dict[int, torch.return_types.topk] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, capture: RouterCapture, weights: torch.Tensor, replayed: torch.Tensor | None = None) -> "RouterCalls":
+        """The calls `router_calls` captured, with the tokens' `weights` and what was `replayed`."""
+        return cls(capture.calls, weights, replayed, capture.own_experts)
 
     @property
     def flat_weights(self) -> torch.Tensor:
@@ -617,16 +634,29 @@ class RouterCalls:
             self._ranked[layer] = scores.topk(min(2 * router.top_k, scores.shape[-1]), dim=-1)
         return self._ranked[layer]
 
+    def chosen(self, layer: int) -> torch.Tensor:
+        """`[T, E]` fp32 one-hot sum of call `layer`'s own top-k: the experts its router returned where they were
+        captured (the forward's own choice, ties and all, without a second top-k), else ranked again (`chosen`)."""
+        router, logits = self.calls[layer]
+        if self.own_experts is None:
+            return chosen(router, logits)
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, self.own_experts[layer], 1.0)
+
 
 @contextmanager
-def router_calls(model: torch.nn.Module) -> Iterator[list[tuple[torch.nn.Module, torch.Tensor]]]:
-    """Every MoE router call of the forwards run inside the context, in call order: `(router, logits [T, E])`, the
-    logits with their graph (a load-balancing loss differentiates through them)."""
-    calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
-    handles = [router.register_forward_hook(lambda module, args, out: calls.append((module, out[0])))
-               for router in find_routers(model).values()]
+def router_calls(model: torch.nn.Module) -> Iterator[RouterCapture]:
+    """Every MoE router call of the forwards run inside the context, in call order (`RouterCapture`): the logits
+    with their graph (a load-balancing loss differentiates through them) and the router's own top-k. The hook runs
+    before any other on the router, so the top-k is the router's even where a replay or flip hook replaces it."""
+    capture = RouterCapture()
+
+    def take(module: torch.nn.Module, args: tuple, out: tuple) -> None:
+        capture.calls.append((module, out[0]))
+        capture.own_experts.append(out[2])
+
+    handles = [router.register_forward_hook(take, prepend=True) for router in find_routers(model).values()]
     try:
-        yield calls
+        yield capture
     finally:
         for handle in handles:
             handle.remove()
@@ -811,8 +841,8 @@ def global_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) -> t
     E = logits0.shape[-1]
     counts = torch.zeros(E, dtype=torch.float32, device=logits0.device)
     probs = torch.zeros_like(counts)
-    for router, logits in routers.calls:
-        counts = counts + (chosen(router, logits) * w.unsqueeze(-1)).sum(dim=0)
+    for layer, (router, logits) in enumerate(routers.calls):
+        counts = counts + (routers.chosen(layer) * w.unsqueeze(-1)).sum(dim=0)
         probs = probs + (normalised_scores(router, logits) * w.unsqueeze(-1)).sum(dim=0)
     rows = w.sum() * len(routers.calls)
     if over_ranks is None:
@@ -833,9 +863,9 @@ def sequence_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) ->
     tokens = w.sum(dim=1)  # T of each sequence
     present = tokens > 0
     total = torch.zeros((), dtype=torch.float32, device=w.device)
-    for router, logits in routers.calls:
+    for layer, (router, logits) in enumerate(routers.calls):
         E = logits.shape[-1]
-        f = (chosen(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router.top_k  # [B, E]
+        f = (routers.chosen(layer).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router.top_k  # [B, E]
         P = (normalised_scores(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1)
         per_sequence = (f * P).sum(dim=-1) / tokens.clamp_min(1.0) ** 2
         total = total + per_sequence[present].sum()

@@ -18,7 +18,8 @@ from experiments.step.metrics import (
 from experiments.train import train
 from models.policy import ModelConfig, build_policy, describe_policy
 from models.routing import (
-    chosen, find_routers, has_selection_bias, record_routing, replay_routing, route, routing_drift,
+    RouterCalls, chosen, find_routers, flip_routing, has_selection_bias, record_routing, replay_routing, route,
+    router_calls, routing_drift,
 )
 from tests.conftest import MICRO_MODEL
 from tests.test_routing import ExpertsSpy, _batch, _forward, _perturb_routers
@@ -93,12 +94,17 @@ def test_balancing_counts_the_experts_the_forward_chose_when_scores_tie(architec
             router.e_score_correction_bias.copy_(bias)
     spy = RouterSpy(model)
     ids, mask = _batch(tokenizer)
-    with torch.no_grad():
+    # Every slot flipped (a hook that replaces the forward's experts, as replay does): what the counts read is
+    # still the router's own top-k, taken before that hook, and no second top-k is needed for it.
+    with torch.no_grad(), flip_routing(model, 1.0, generator) as flips, router_calls(model) as capture:
         _forward(model, ids, mask)
     spy.remove()
-    for router, (logits, _, indices) in spy.calls:
+    assert flips.share == 1.0
+    routers = RouterCalls.of(capture, mask)
+    for layer, (router, (logits, _, indices)) in enumerate(spy.calls):
         used = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, indices, 1.0)
         assert torch.equal(chosen(router, logits), used)
+        assert torch.equal(routers.chosen(layer), used)
 
 
 @pytest.mark.parametrize("architecture", FAMILIES)

@@ -48,8 +48,8 @@ def update_biases(routers: RouterCalls, rate: float, summed: Summed) -> dict[str
     moved = torch.zeros(2, dtype=torch.float64)
     activated = torch.zeros(2, dtype=torch.float64)
     sizes = []
-    for router, logits in routers.calls:
-        before = chosen(router, logits)  # [T, E], the router's own top-k with the bias its forward saw
+    for layer, (router, logits) in enumerate(routers.calls):
+        before = routers.chosen(layer)  # [T, E], the router's own top-k with the bias its forward saw
         load = summed((before * w.unsqueeze(-1)).sum(dim=0))
         router.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load).to(router.e_score_correction_bias))
         changed = (chosen(router, logits) - before).clamp_min(0).sum(dim=-1)  # experts newly chosen, per token

@@ -41,8 +41,8 @@ from experiments.step.metrics import (
 )
 from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.routing import (
-    MarginSummary, ReplayRule, RouterCalls, RoutingTrace, global_balance_loss, normalised_scores, record_routing,
-    replay_routing, router_calls, margin_of_ranked,
+    MarginSummary, ReplayRule, RouterCalls, RouterCapture, RoutingTrace, global_balance_loss, normalised_scores,
+    record_routing, replay_routing, router_calls, margin_of_ranked,
 )
 
 # The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
@@ -127,7 +127,7 @@ def score_responses(
             raise ValueError(f"packed scoring: rows of one group of {group_size} do not share their prompt")
     capture = aux_loss or fragile_margin is not None or routers
     routing = _routing(model, layout, ids, record, replay, record_gates, rule, score_replayed)
-    with routing as handle, router_calls(model) if capture else contextlib.nullcontext([]) as calls:
+    with routing as handle, router_calls(model) if capture else contextlib.nullcontext(RouterCapture()) as calls:
         if layout is None:
             logits = model(
                 input_ids=ids, attention_mask=fed_mask, position_ids=positions, use_cache=False, logits_to_keep=tail
@@ -152,7 +152,7 @@ def score_responses(
     replayed = None
     if replay is not None:
         replayed = replay.recorded()[0] if layout is None else layout.pack(replay.recorded()[0])
-    forward = RouterCalls(calls, weights, replayed) if capture else None
+    forward = RouterCalls.of(calls, weights, replayed) if capture else None
     if aux_loss:
         with contextlib.nullcontext() if aux_loss_grad else torch.no_grad():
             balance, value = global_balance_loss(forward, over_ranks)
