@@ -21,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from experiments.step.engines import EngineNumerics, Precision
+from experiments.step.engines.kv_cache import KVCache
 from experiments.step.optimizer import LRSchedule
 from experiments.step.plan import Layout, PiOld, Replay
 from models.cpu_kernels import CpuKernels
@@ -74,6 +75,9 @@ class RolloutConfig(EngineNumerics):
     the trainer on purpose."""
 
     engine: str = "hf"  # a name in `experiments.step.engines.ENGINES`: hf (transformers' generate), vllm
+    # The hf engine's KV cache: preallocated (written in place, the same numbers; cheaper) or concat (transformers'
+    # own, grown by concatenation every step: the reference). vLLM pages its own cache and takes only the default.
+    kv_cache: KVCache = KVCache.preallocated
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from experiments.step.engines import HFEngine
+from experiments.step.engines.kv_cache import KVCache, PreallocatedLayer, rollout_cache
 from experiments.step.metrics import MISMATCH_K3
 from experiments.step.scoring import FED, score_responses
 from experiments.step.trainer import collect_rollout
 from experiments.tasks import build_task
+from models.registry import ConfigError
 from models.routing import NO_ROUTE, record_routing, routing_drift
 
 G, NEW = 4, 5
@@ -44,6 +46,70 @@ def test_shared_prefill_rollout_matches_a_full_forward(micro_policy):
     drift = routing_drift(rollout.routes.positions(FED), scored.trace, seen)
     assert drift.tokens == int(seen.sum()), "prompt tokens (shared prefill) and generated tokens are all recorded"
     assert drift.expert_change_frac == 0.0
+
+
+@pytest.mark.parametrize("group_size", [1, G])
+def test_the_cache_written_in_place_samples_what_the_concatenating_one_samples(micro_policy, group_size):
+    """The same tokens, μ_old log-probs and routing, bit for bit, with the shared prefill (G rows per prompt) and
+    without it (one row: generate fills the cache from the whole prompt), at a budget that needs every reserved
+    position."""
+    model, tokenizer = micro_policy
+    task, examples = _examples()
+    rollouts = {}
+    for kind in KVCache:
+        torch.manual_seed(0)
+        engine = HFEngine(model, tokenizer, min_new_tokens=NEW, kv_cache=kind)
+        rollouts[kind] = collect_rollout(engine, task, examples, group_size, NEW, temperature=1.0,
+                                         record_routing=True)
+    reference, rollout = rollouts[KVCache.concat], rollouts[KVCache.preallocated]
+    assert torch.equal(rollout.input_ids, reference.input_ids)
+    assert torch.equal(rollout.logp, reference.logp)
+    assert torch.equal(rollout.routes.experts, reference.routes.experts)
+    assert len(set(rollout.completions)) > 1, "a degenerate model would make this comparison vacuous"
+
+
+def test_the_cache_written_in_place_copies_only_when_it_must(micro_policy):
+    """Steps within the reserve write into the same buffer; a row repeat (which transformers does by assigning new
+    tensors) or a step past the reserve moves the layer to a new buffer holding every position so far."""
+    model, _ = micro_policy
+    layer = rollout_cache(model, KVCache.preallocated, reserve=2).layers[0]
+    assert isinstance(layer, PreallocatedLayer)
+    generator = torch.Generator().manual_seed(0)
+    written = []
+
+    def step(rows: int, positions: int = 1) -> torch.Tensor:
+        states = torch.randn(rows, 1, positions, 4, generator=generator)
+        written.append(states)
+        keys, values = layer.update(states, -states)
+        assert torch.equal(values, -keys)
+        return keys
+
+    step(2, positions=3)  # room for 3 + 2 positions
+    buffer = layer._key_buffer
+    for _ in range(2):
+        assert step(2)._base is buffer
+    layer.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
+    written = [torch.cat(written, dim=-2).repeat_interleave(2, dim=0)]
+    keys = step(4)
+    assert layer._key_buffer is not buffer and keys._base is layer._key_buffer
+    buffer = layer._key_buffer  # room for 6 + 2
+    for _ in range(2):
+        assert step(4)._base is buffer
+    keys = step(4)  # the 9th position
+    assert layer._key_buffer is not buffer
+    assert torch.equal(keys, torch.cat(written, dim=-2))
+
+
+def test_a_cache_written_in_place_refuses_a_model_with_sliding_windows(micro_policy):
+    model, tokenizer = micro_policy
+    model.config.sliding_window, model.config.use_sliding_window = 4, True
+    try:
+        with pytest.raises(ConfigError, match=r"rollout.kv_cache='preallocated' .* DynamicSlidingWindowLayer layers: "
+                                              r"use rollout.kv_cache=concat"):
+            HFEngine(model, tokenizer)
+        assert isinstance(HFEngine(model, tokenizer, kv_cache=KVCache.concat), HFEngine)
+    finally:
+        model.config.sliding_window, model.config.use_sliding_window = None, False
 
 
 def test_shared_prefill_changes_nothing_but_the_cost(micro_policy):

@@ -52,6 +52,7 @@ from algos.routing_variants.router_shift import Shift, response_positions
 from experiments.step import metrics as m
 from experiments.step.checks import check_run
 from experiments.step.engines import HFEngine, RolloutEngine, Samples
+from experiments.step.engines.kv_cache import KVCache
 from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout, PiOld, Replay
 from experiments.step.scoring import FED, Scores, margin_stats, score_responses
@@ -612,7 +613,8 @@ class RLTrainer:
         prompts = self.test_examples if whole_split else self.test_examples[: t.eval_prompts]
         mine = prompts[self.ranks.rank :: self.ranks.world]
         local = evaluate(
-            HFEngine(self.model, self.tokenizer, synced=self.ranks.active),
+            HFEngine(self.model, self.tokenizer, synced=self.ranks.active,
+                     kv_cache=KVCache(self.cfg.rollout.kv_cache)),
             self.task,
             mine,
             samples=0 if whole_split else t.eval_samples,

@@ -14,6 +14,7 @@ inference server does, and differs from the trainer on purpose (training–infer
                   routing of the noisy logits, `models.routing.route`), so that near-tied routes flip in the engine
                   and not in the trainer.
 The copy takes the trainer's weights after every step's updates (cast, then re-quantized): the engine never trains.
+The KV cache is written in place by default (`rollout.kv_cache`, `experiments.step.engines.kv_cache`).
 Logits that turn non-finite while sampling end the run as diverged (`FiniteLogits`).
 """
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.step.engines.base import ENGINES, EngineNumerics, Precision, RolloutEngine, Samples, WeightQuant
+from experiments.step.engines.kv_cache import KVCache, rollout_cache
 from experiments.step.scoring import position_ids
 from models.registry import Diverged
 from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, route
@@ -44,7 +46,8 @@ class HFEngine(RolloutEngine):
 
     `min_new_tokens`: ban eos before that many tokens (the benchmark's fixed-length steps); μ_old is still taken
     from the raw logits, before that sampling-time processor, the same distribution the trainer scores. `seed`:
-    the router noise's generator (`reseed` sets it again, per step). `synced`: the model is sharded over ranks
+    the router noise's generator (`reseed` sets it again, per step). `kv_cache`: how the decode's KV cache grows
+    (`KVCache`). `synced`: the model is sharded over ranks
     (FSDP2), so every rank runs as many decode steps as the longest rank's (`generate`'s `synced_gpus`): a rank whose
     rows are done must still take part in the others' all-gathers.
     """
@@ -57,12 +60,15 @@ class HFEngine(RolloutEngine):
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
               ranks: Any, records_routing: bool) -> "HFEngine":
         return cls(model, tokenizer, numerics=None if cls.shares_weights_with_trainer(numerics) else numerics,
-                   seed=cfg.seed, synced=ranks.active)
+                   seed=cfg.seed, synced=ranks.active, kv_cache=KVCache(cfg.rollout.kv_cache))
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0,
-                 numerics: EngineNumerics | None = None, seed: int = 0, synced: bool = False) -> None:
+                 numerics: EngineNumerics | None = None, seed: int = 0, synced: bool = False,
+                 kv_cache: KVCache = KVCache.preallocated) -> None:
         self.tokenizer = tokenizer
         self.min_new_tokens = min_new_tokens
+        self.kv_cache = kv_cache
+        rollout_cache(model, kv_cache, 0)  # refuses a model this cache cannot hold now, not at the first rollout
         self.numerics = EngineNumerics() if numerics is None else numerics
         self.synced = synced
         self.shares_trainer_weights = numerics is None
@@ -133,9 +139,10 @@ class HFEngine(RolloutEngine):
         if self.synced:
             options["synced_gpus"] = True
         prefix_trace = None
+        options["cache"] = rollout_cache(model, self.kv_cache, reserve=max_new_tokens)
         if group_size > 1 and prompt_width > 1:
             options["cache"], prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing,
-                                                                      record_gates)
+                                                                      record_gates, options["cache"])
         sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
         with sampled as logprobs, record_routing_if(model, record_routing, record_gates) as recording:
             sequences = model.generate(**encoded, **options)
@@ -301,9 +308,10 @@ def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pa
 
 
 def _prefill_once_per_prompt(
-    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool, gates: bool = False
+    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool, gates: bool, cache: Cache
 ) -> tuple[Cache, RoutingTrace | None]:
-    """The KV cache of every prompt but its last token, computed once per prompt and copied to its G rows.
+    """`cache` (empty) filled with every prompt but its last token, computed once per prompt and copied to its G
+    rows.
 
     The G completions of a prompt share it, so the prefill over B·G rows would compute each prompt G times.
     `generate` continues from this cache: its first forward feeds only the last prompt token (and yields the
@@ -315,9 +323,8 @@ def _prefill_once_per_prompt(
     ids = unique["input_ids"][:, :-1].to(device)
     mask = unique["attention_mask"][:, :-1].to(device)
     with record_routing(model, gates=gates) if record else contextlib.nullcontext() as recording:
-        out = model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1
-        )
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), cache=cache, use_cache=True,
+                    logits_to_keep=1)
     cache = out.cache
     cache.batch_repeat_interleave(group_size)
     if not record:

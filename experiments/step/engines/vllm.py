@@ -237,6 +237,9 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
               ranks: Any, records_routing: bool) -> "VLLMEngine":
+        if cfg.rollout.kv_cache != "preallocated":
+            raise ConfigError(f"rollout.kv_cache={cfg.rollout.kv_cache!r} chooses the hf engine's cache; vLLM pages "
+                              "its own (rollout.vllm.kv_cache_gb): leave rollout.kv_cache at its default")
         t = cfg.trainer
         settings = cfg.rollout.vllm
         max_model_len = settings.max_model_len or derived_model_len(cfg, tokenizer, model)
