@@ -20,8 +20,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from experiments.step.engines import EngineNumerics, Precision
-from experiments.step.engines.kv_cache import KVCache
+from experiments.step.engines import EngineNumerics, KVCache, Precision
 from experiments.step.optimizer import LRSchedule
 from experiments.step.plan import Layout, PiOld, Replay
 from models.cpu_kernels import CpuKernels

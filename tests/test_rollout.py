@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.step.engines import HFEngine
-from experiments.step.engines.kv_cache import KVCache, PreallocatedLayer, rollout_cache
+from experiments.step.engines import HFEngine, KVCache
+from experiments.step.engines.hf import PreallocatedLayer, rollout_cache
 from experiments.step.metrics import MISMATCH_K3
 from experiments.step.scoring import FED, score_responses
 from experiments.step.trainer import collect_rollout
@@ -156,3 +156,15 @@ def test_an_unknown_engine_is_refused_naming_the_registered_ones(tmp_path):
 
     with pytest.raises(SystemExit, match="unknown rollout engine 'sglang'; valid names: hf, vllm"):
         train(compose_train("rollout.engine=sglang"), tmp_path)
+
+
+def test_vllm_refuses_the_hf_engines_cache_setting(micro_policy):
+    """vLLM pages its own KV cache: a run that asks it for the hf engine's concatenating cache is refused by name,
+    before vLLM is started (or found missing)."""
+    from experiments.step.engines import ENGINES, EngineNumerics
+    from tests.test_train import compose_train
+
+    model, tokenizer = micro_policy
+    cfg = compose_train("rollout.engine=vllm", "rollout.kv_cache=concat")
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache='concat' chooses the hf engine's cache; vLLM pages"):
+        ENGINES["vllm"].build(cfg, model, tokenizer, EngineNumerics(), None, False)

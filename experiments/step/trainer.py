@@ -51,8 +51,7 @@ from algos.corrections import CorrectionInputs
 from algos.routing_variants.router_shift import Shift, response_positions
 from experiments.step import metrics as m
 from experiments.step.checks import check_run
-from experiments.step.engines import HFEngine, RolloutEngine, Samples
-from experiments.step.engines.kv_cache import KVCache
+from experiments.step.engines import HFEngine, KVCache, RolloutEngine, Samples
 from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout, PiOld, Replay
 from experiments.step.scoring import FED, Scores, margin_stats, score_responses

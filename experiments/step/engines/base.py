@@ -38,6 +38,13 @@ class Precision(StrEnum):
     fp16 = "fp16"
 
 
+class KVCache(StrEnum):
+    """The HF engine's KV cache (`rollout.kv_cache`, `engines.hf.PreallocatedLayer`)."""
+
+    preallocated = "preallocated"  # buffers with room for the rollout, written in place (the default)
+    concat = "concat"  # transformers' DynamicCache: grown by concatenation at every step (the reference)
+
+
 class WeightQuant(StrEnum):
     none = "none"
     int8 = "int8"

@@ -238,7 +238,7 @@ class VLLMEngine(RolloutEngine):
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
               ranks: Any, records_routing: bool) -> "VLLMEngine":
         if cfg.rollout.kv_cache != "preallocated":
-            raise ConfigError(f"rollout.kv_cache={cfg.rollout.kv_cache!r} chooses the hf engine's cache; vLLM pages "
+            raise ConfigError(f"rollout.kv_cache={str(cfg.rollout.kv_cache)!r} chooses the hf engine's cache; vLLM pages "
                               "its own (rollout.vllm.kv_cache_gb): leave rollout.kv_cache at its default")
         t = cfg.trainer
         settings = cfg.rollout.vllm
