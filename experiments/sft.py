@@ -182,14 +182,15 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     stats.update(margin_stats(margins, w))
     sequence = torch.arange(attention_mask.shape[0]).repeat_interleave(attention_mask.shape[1]).to(w.device)
     ranked = [routers.ranked(layer).values for layer in range(layers)]  # the ranking the margins were read from
+    every_layer = w.repeat(layers)  # a weight per (layer, token), laid out as the margins and rankings are
     return {
         "load_entropy": float(entropy.mean()),
         "load_max_over_mean": float((share.max(dim=-1).values * experts).mean()),
         **{name: stats[name] for name in PROFILE[2:]},
-        MEDIAN_INTERVAL: list(median_interval(margins.reshape(-1), w.repeat(layers), sequence.repeat(layers))),
+        MEDIAN_INTERVAL: list(median_interval(margins.reshape(-1), every_layer, sequence.repeat(layers))),
         "topk_margin_median_per_layer": [stats[per_layer(TOPK_MARGIN_MEDIAN, i)] for i in range(layers)],
-        "top_gap_share_median": weighted_median(torch.cat([top_gap_share(top) for top in ranked]), w.repeat(layers)),
-        "top_score_median": weighted_median(torch.cat([top[:, 0] for top in ranked]), w.repeat(layers)),
+        "top_gap_share_median": weighted_median(torch.cat([top_gap_share(top) for top in ranked]), every_layer),
+        "top_score_median": weighted_median(torch.cat([top[:, 0] for top in ranked]), every_layer),
     }
 
 

@@ -13,4 +13,5 @@ from experiments.step.engines.base import (
 from experiments.step.engines import hf, vllm  # noqa: E402,F401  isort: skip
 from experiments.step.engines.hf import HFEngine  # noqa: E402
 
-__all__ = ["ENGINES", "EngineNumerics", "HFEngine", "KVCache", "Needs", "Precision", "RolloutEngine", "Samples", "WeightQuant"]
+__all__ = ["ENGINES", "EngineNumerics", "HFEngine", "KVCache", "Needs", "Precision", "RolloutEngine", "Samples",
+           "WeightQuant"]

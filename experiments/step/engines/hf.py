@@ -150,8 +150,8 @@ class HFEngine(RolloutEngine):
         prefix_trace = None
         options["cache"] = rollout_cache(model, self.kv_cache, reserve=max_new_tokens)
         if group_size > 1 and prompt_width > 1:
-            options["cache"], prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing,
-                                                                      record_gates, options["cache"])
+            prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing, record_gates,
+                                                    options["cache"])
         sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
         with sampled as logprobs, record_routing_if(model, record_routing, record_gates) as recording:
             sequences = model.generate(**encoded, **options)
@@ -318,8 +318,8 @@ def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pa
 
 def _prefill_once_per_prompt(
     model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool, gates: bool, cache: Cache
-) -> tuple[Cache, RoutingTrace | None]:
-    """`cache` (empty) filled with every prompt but its last token, computed once per prompt and copied to its G
+) -> RoutingTrace | None:
+    """Fill the empty `cache` with every prompt but its last token, computed once per prompt and copied to its G
     rows.
 
     The G completions of a prompt share it, so the prefill over B·G rows would compute each prompt G times.
@@ -332,20 +332,19 @@ def _prefill_once_per_prompt(
     ids = unique["input_ids"][:, :-1].to(device)
     mask = unique["attention_mask"][:, :-1].to(device)
     with record_routing(model, gates=gates) if record else contextlib.nullcontext() as recording:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), cache=cache, use_cache=True,
-                    logits_to_keep=1)
-    cache = out.cache
+        model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), cache=cache, use_cache=True,
+              logits_to_keep=1)
     cache.batch_repeat_interleave(group_size)
     if not record:
-        return cache, None
-    return cache, recording.trace.rows(torch.arange(ids.shape[0]).repeat_interleave(group_size))
+        return None
+    return recording.trace.rows(torch.arange(ids.shape[0]).repeat_interleave(group_size))
 
 
 class PreallocatedLayer(DynamicLayer):
     """A `DynamicLayer` whose `keys` and `values` are views of buffers with room for `reserve` more positions than
-    the layer holds after the update that (re)allocated them. Where one of transformers' own methods replaced `keys` or `values`
-    by another tensor (its row repeats and selections assign new tensors), the next `update` copies them into new
-    buffers first: correct whichever of them ran, at one copy."""
+    the layer holds after the update that (re)allocated them. Where one of transformers' own methods replaced `keys`
+    or `values` by another tensor (its row repeats and selections assign new tensors), the next `update` copies them
+    into new buffers first: correct whichever of them ran, at one copy."""
 
     def __init__(self, reserve: int) -> None:
         super().__init__()
@@ -390,7 +389,8 @@ class PreallocatedLayer(DynamicLayer):
 def rollout_cache(model: PreTrainedModel, kind: KVCache, reserve: int) -> DynamicCache:
     """An empty cache of `kind` for `model`: each layer with room for `reserve` positions more than its first
     update brings (`preallocated`; a rollout's is its `max_new_tokens`), or transformers' own. `ConfigError` where
-    `model` has layers a concatenating full-attention cache does not describe (sliding windows, chunked attention): those keep transformers' cache."""
+    `model` has layers a concatenating full-attention cache does not describe (sliding windows, chunked attention):
+    those keep transformers' cache."""
     cache = DynamicCache(config=model.config)
     if kind == KVCache.concat:
         return cache

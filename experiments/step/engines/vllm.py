@@ -82,7 +82,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from experiments.step.engines.base import ENGINES, EngineNumerics, Needs, Precision, RolloutEngine, Samples, WeightQuant
+from experiments.step.engines.base import (
+    ENGINES, EngineNumerics, KVCache, Needs, Precision, RolloutEngine, Samples, WeightQuant,
+)
 from models.registry import ConfigError
 from models.routing import NO_ROUTE, RoutingTrace, find_routers
 
@@ -237,9 +239,9 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
               ranks: Any, records_routing: bool) -> "VLLMEngine":
-        if cfg.rollout.kv_cache != "preallocated":
-            raise ConfigError(f"rollout.kv_cache={str(cfg.rollout.kv_cache)!r} chooses the hf engine's cache; vLLM pages "
-                              "its own (rollout.vllm.kv_cache_gb): leave rollout.kv_cache at its default")
+        if cfg.rollout.kv_cache != KVCache.preallocated:
+            raise ConfigError(f"rollout.kv_cache={str(cfg.rollout.kv_cache)!r} chooses the hf engine's cache; vLLM "
+                              "pages its own (rollout.vllm.kv_cache_gb): leave rollout.kv_cache at its default")
         t = cfg.trainer
         settings = cfg.rollout.vllm
         max_model_len = settings.max_model_len or derived_model_len(cfg, tokenizer, model)
