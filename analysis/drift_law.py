@@ -47,7 +47,7 @@ from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.step import metrics as m
 from models.policy import SIGMOID_FAMILIES
-from models.routing import MARGIN_ANCHORS
+from models.routing.measures import MARGIN_ANCHORS
 
 PAPER_DRIFT = 0.10  # GSPO paper §5.3: ~10% of activated experts change per update (Qwen3-30B-A3B, 48 layers)
 PAPER_SHAPE = {"layers": 48, "experts": 128, "top_k": 8, "hidden": 2048}  # Qwen3-30B-A3B

@@ -163,7 +163,7 @@ def _format_value(value: Any) -> str:
 
 
 FLIP_RATE = "routing.flip_rate"  # the config key of the SYNTHETIC flips (models/routing.py): named in every label
-PERTURB_RATE = "routing.perturb_rate"  # the SYNTHETIC router noise's (models/router_perturbation.py): likewise
+PERTURB_RATE = "routing.perturb_rate"  # the SYNTHETIC router noise's (models/routing/perturbation.py): likewise
 SYNTHETIC_KEYS = {FLIP_RATE: "SYNTHETIC flips", PERTURB_RATE: "SYNTHETIC router noise"}  # key: what a label calls it
 
 

@@ -6,11 +6,11 @@ MoE family) it runs the held-out demonstrations of its task through the model on
 selection scores, the scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest scores in every
 MoE layer (`experiments.sft.routing_profile`): its median and mean over tokens and layers, the share of tokens below
 0.01, and the expert-load entropy and max load / mean load; and what makes a margin small, the best expert's lead
-(s[0] − s[1]) / (s[0] − s[2k−1]) (`models.routing.top_gap_share`) and the best score, medians over tokens and
+(s[0] − s[1]) / (s[0] − s[2k−1]) (`models.routing.measures.top_gap_share`) and the best score, medians over tokens and
 layers (the same profile). The anchor of a softmax-family checkpoint is
 Qwen3.6-35B-A3B's 0.0188, of a sigmoid-family one GLM-5.2's 0.0114 (medians over tokens and layers, colibri issue
-#119; `models.routing.MARGIN_ANCHORS`). The verdict comes from the median's 95% interval over draws of as many
-held-out sequences (`models.routing.median_interval`): "within 2x" when the whole interval over the anchor lies in
+#119; `models.routing.measures.MARGIN_ANCHORS`). The verdict comes from the median's 95% interval over draws of as many
+held-out sequences (`models.statistics.median_interval`): "within 2x" when the whole interval over the anchor lies in
 [0.5, 2], "outside 2x" when none of it does, else "undecided" (measure more prompts). The task is the one
 the cold start trained on (its `cold_start.json`), else `--dataset`. Writes `report.md` and `margins.json` into
 --out. Exit code 2 and one `error:` line on bad input.
@@ -31,7 +31,9 @@ from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_
 from experiments.tasks import build_task
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
-from models.routing import MARGIN_ANCHORS, find_routers, has_selection_bias
+from models.routing.families import has_selection_bias
+from models.routing.measures import MARGIN_ANCHORS
+from models.routing.trace import find_routers
 
 SOFTMAX_ANCHOR, SIGMOID_ANCHOR = MARGIN_ANCHORS.items()
 
@@ -83,7 +85,7 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
              f"(softmax probabilities; sigmoid + bias), over tokens and layers of the held-out demonstrations. "
              f"Anchors (colibri issue #119, medians over tokens and layers): {softmax_name} {softmax}, {sigmoid_name} "
              f"{sigmoid}. Brackets: the 95% interval over draws of as many held-out sequences (a bootstrap that resamples "
-             "whole sequences; models.routing.median_interval). Within 2x of its family's anchor when the whole "
+             "whole sequences; models.statistics.median_interval). Within 2x of its family's anchor when the whole "
              "interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided. Best expert's "
              "lead: (s[0] − s[1]) / (s[0] − s[2k−1]), the share of the margin's denominator the best expert's lead "
              "takes (median): near 1, every gap below it is a small fraction of the spread.", "",

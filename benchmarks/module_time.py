@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from models.moe_backend import find_moe_experts
-from models.routing import find_routers
+from models.routing.trace import find_routers
 
 MODEL_PARTS = ("experts", "router", "attention", "norms", "lm head", "embeddings", "rest of the model")
 # Calls outside the model's forwards that `ModuleTimer.around` can time as parts too.

@@ -41,7 +41,8 @@ from experiments.step.trainer import (
     Minibatch, OldPolicy, RLTrainer, collect_rollout, minibatch_order, split_minibatches,
 )
 from models.registry import ConfigError
-from models.routing import RoutingTrace, routing_drift
+from models.routing.measures import routing_drift
+from models.routing.trace import RoutingTrace
 
 SETTINGS = ("none", "ID replay", "ID + gate weights")
 

@@ -174,7 +174,8 @@ def family_config(family: str, tokenizer) -> Any:
 def _compare(engine, model, prompts: list[str]) -> tuple[float, float | None]:
     """(max |μ_old − fp32 transformers|, routing agreement or None for a dense model) on one fresh sample."""
     from experiments.step.scoring import FED, score_responses
-    from models.routing import find_routers, record_routing
+    from models.routing.hooks import record_routing
+    from models.routing.trace import find_routers
 
     moe = bool(find_routers(model))
     samples = engine.sample(prompts, 4, 6, 0.7, record_routing=moe)
@@ -193,7 +194,7 @@ def families_section() -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
     from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine
-    from models.routing import find_routers
+    from models.routing.trace import find_routers
     from models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()

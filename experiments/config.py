@@ -46,11 +46,11 @@ class RoutingConfig:
     # Every this many steps, split each off-policy token's log π_θ/π_old into its routing and weights parts with one
     # extra no-grad forward per off-policy minibatch (0: never).
     decompose_every: int = 0
-    # SYNTHETIC drift (models.routing.flip_routing): in π_θ's update forwards only, each activated expert is swapped,
+    # SYNTHETIC drift (models.routing.flips.flip_routing): in π_θ's update forwards only, each activated expert is swapped,
     # with this probability, for the one its router ranks next. Not in the rollout, π_old or evaluation; replay
     # (r2, r3) overrides it. 0: off, and the step is exactly the unflipped one.
     flip_rate: float = 0.0
-    # SYNTHETIC drift the policy carries (models.router_perturbation): after each optimizer update, Gaussian noise on
+    # SYNTHETIC drift the policy carries (models.routing.perturbation): after each optimizer update, Gaussian noise on
     # every router's weights, sized to move this share of the update's activated experts in each layer. θ keeps it:
     # the next rollout, π_old and the evaluations route with it; replay removes it within a step as it removes
     # natural drift. 0: off. Below 1.

@@ -17,7 +17,7 @@ averages:
   share of tokens with a gap below `routing.margin_threshold`; `routing/topk_mass`), and the scale-free margin
   (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri issue #119 over tokens and layers (`routing/topk_margin_median`,
   `_mean`, `_small_frac` below 0.01, each per layer too), the number real checkpoints were measured by
-  (`models.routing.MARGIN_ANCHORS`);
+  (`models.routing.measures.MARGIN_ANCHORS`);
 - the token- and sequence-level ratio variance, the clipped share, the response length.
 
 Then, for each engine precision of `probe.precisions`, one step with the rollout engine computing in it: the share

@@ -17,7 +17,7 @@ first trains on every token of a mixture of the lab's tasks in their formats (`s
 start's own task, drawn evenly), so experts specialise by token kind; the task's SFT follows with the same optimizer.
 Whatever the recipe, `summary.json` and `cold_start.json` report how the cold start routes its held-out
 demonstrations (`routing_profile`): expert-load entropy, max load / mean load and the scale-free margin at the
-top-k cut, held against the real checkpoints' (`models.routing.MARGIN_ANCHORS`; `python -m analysis.margins`).
+top-k cut, held against the real checkpoints' (`models.routing.measures.MARGIN_ANCHORS`; `python -m analysis.margins`).
 
 Run: `python -m experiments.sft` (tiny MoE, addition) or `python -m experiments.sft model=deep_moe`; balanced:
 `python -m experiments.sft model=qwen30b_l16 routers=[aux_loss] sft.pretrain_steps=200`.
@@ -56,8 +56,10 @@ from experiments.tasks import Example, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError, Diverged
-from models.routing import (SMALL_MARGIN, RouterCalls, RouterCapture, find_routers, median_interval, router_calls,
-                            top_gap_share, weighted_median)
+from models.routing.hooks import router_calls, RouterCalls, RouterCapture
+from models.routing.measures import SMALL_MARGIN, top_gap_share
+from models.routing.trace import find_routers
+from models.statistics import median_interval, weighted_median
 
 register_configs()
 
@@ -147,7 +149,7 @@ def mixture_batch(mixture: list[list[Example]], size: int, generator: torch.Gene
 
 PROFILE = ("load_entropy", "load_max_over_mean", TOPK_MARGIN_MEDIAN, TOPK_MARGIN_MEAN, TOPK_MARGIN_SMALL)
 # The pooled median margin's 95% interval: how far another draw of as many held-out sequences could move it
-# (`models.routing.median_interval`, resampling sequences).
+# (`models.statistics.median_interval`, resampling sequences).
 MEDIAN_INTERVAL = "topk_margin_median_interval"
 
 
@@ -157,11 +159,11 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     """How `model` routes the demonstrations of `examples` (prompt, answer and eos, one forward in eval mode): per
     MoE layer the expert loads of the routers' own top-k, their entropy over log E (`load_entropy`: 1 when every
     expert carries the same load) and the largest load over the mean (`load_max_over_mean`: 1 when balanced),
-    each the mean over layers; and the scale-free margin at the top-k cut (`models.routing.topk_margin` on the
+    each the mean over layers; and the scale-free margin at the top-k cut (`models.routing.measures.topk_margin` on the
     family's selection scores: median, mean and share below 0.01 over tokens and layers, the median's 95% interval
     over draws of the sequences (`MEDIAN_INTERVAL`), and the median per layer), what the anchors of real checkpoints
-    measure (`models.routing.MARGIN_ANCHORS`), with what makes it small: the medians over tokens and layers of the
-    best expert's lead over the margin's spread (`models.routing.top_gap_share`) and of the best score. None for a
+    measure (`models.routing.measures.MARGIN_ANCHORS`), with what makes it small: the medians over tokens and layers of the
+    best expert's lead over the margin's spread (`models.routing.measures.top_gap_share`) and of the best score. None for a
     dense model."""
     if not find_routers(model):
         return None

@@ -33,7 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from models.registry import ConfigError, check_fields
 from models import grouped_attention, sorted_experts
 from models.moe_backend import MoEBackend, apply_moe_backend, describe_experts_backend
-from models.routing import find_routers
+from models.routing.trace import find_routers
 from models.tokenizer import build_char_tokenizer
 
 # MoE families whose routers `models.routing` can record and replay: the softmax family (softmax -> top-k ->

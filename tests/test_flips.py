@@ -1,4 +1,4 @@
-"""The synthetic flip switch (`routing.flip_rate`, `models.routing.flip_routing`): what it swaps, that rate 0 is the
+"""The synthetic flip switch (`routing.flip_rate`, `models.routing.flips.flip_routing`): what it swaps, that rate 0 is the
 untouched forward, that replay overrides it, and that it reaches only π_θ's update forwards."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import torch
 from algos.objective import CLIP, POLICY_LOSS, TOKEN_RATIO_VAR
 from experiments.step.metrics import DRIFT_PER_UPDATE, FLIP_FRAC, REWARD
 from experiments.step.scoring import position_ids
-from models.routing import find_routers, flip_routing, next_ranked, record_routing, replay_routing
+from models.routing.flips import flip_routing, next_ranked
+from models.routing.hooks import record_routing, replay_routing
+from models.routing.trace import find_routers
 from tests.conftest import MICRO_RUN
 from tests.test_routing import ExpertsSpy, _batch, _forward
 

@@ -74,16 +74,15 @@ def test_no_file_names_a_path_outside_the_project():
     assert not named, "paths outside the project:\n" + "\n".join(named)
 
 
-# docs/architecture.md, "One step, in eight files": the project files whose code one default step runs.
-STEP_FILES = {
-    "experiments/step/trainer.py", "experiments/step/engines/hf.py", "experiments/tasks/base.py", "algos/objective.py",
-    "experiments/step/scoring.py", "models/routing.py", "algos/grpo.py", "experiments/step/metrics.py",
-}
+# The rooms one RL step lives in (docs/architecture.md): the policy and its routing, the objectives and the parts that
+# switch on, the task, the step itself. The run around the steps (experiments/run), the doors, analysis and benchmarks
+# are not the step's.
+STEP_ROOMS = ("models/", "algos/", "experiments/tasks/", "experiments/step/")
 # Frames that only pass a call on (decorators, context managers): the call is their caller's.
 WRAPPERS = ("torch/utils/_contextlib.py", "/contextlib.py", "/functools.py")
 
 
-def test_one_default_step_runs_the_code_of_eight_files():
+def test_a_step_runs_code_of_the_step_rooms_only():
     """Calls the step's own code makes, on one rank with the default objective, task and replay; what transformers
     and torch call back (the model's forward with its kernels and routing hooks, the learning-rate schedule) is
     theirs and not counted."""
@@ -119,5 +118,5 @@ def test_one_default_step_runs_the_code_of_eight_files():
         trainer.step()
     finally:
         sys.setprofile(None)
-    assert ran == STEP_FILES, f"the step ran {sorted(ran - STEP_FILES)} beyond docs/architecture.md's eight, and not " \
-                              f"{sorted(STEP_FILES - ran)}"
+    outside = sorted(path for path in ran if not path.startswith(STEP_ROOMS))
+    assert "experiments/step/trainer.py" in ran and not outside, f"the step ran {outside}, outside {STEP_ROOMS}"

@@ -25,7 +25,7 @@ from experiments.step.scoring import FED, score_responses
 from experiments.step.trainer import RLTrainer, collect_rollout
 from experiments.tasks import build_task
 from experiments.train import train
-from models.routing import routing_drift
+from models.routing.measures import routing_drift
 from tests.test_objectives import batch_from_ratios, loss_and_grad
 from tests.test_train import compose_train, experts_used, first_step_inputs, read_metrics
 

@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2
 from experiments.step.scoring import position_ids
 from models.policy import ModelConfig, build_policy, describe_policy
 from models.registry import ConfigError
-from models.routing import find_routers, record_routing, replay_routing, routing_drift
+from models.routing.hooks import record_routing, replay_routing
+from models.routing.measures import routing_drift
+from models.routing.trace import find_routers
 from models.tokenizer import build_char_tokenizer
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

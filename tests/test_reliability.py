@@ -29,7 +29,7 @@ from experiments.step.metrics import STEP
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
-from models.routing import record_routing, replay_routing
+from models.routing.hooks import record_routing, replay_routing
 from tests.conftest import MICRO_MODEL, MICRO_RUN
 from tests.test_train import compose_train, read_metrics
 

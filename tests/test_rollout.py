@@ -15,7 +15,9 @@ from experiments.step.scoring import FED, score_responses
 from experiments.step.trainer import collect_rollout
 from experiments.tasks import build_task
 from models.registry import ConfigError
-from models.routing import NO_ROUTE, record_routing, routing_drift
+from models.routing.hooks import record_routing
+from models.routing.measures import routing_drift
+from models.routing.trace import NO_ROUTE
 
 G, NEW = 4, 5
 

@@ -1,4 +1,4 @@
-"""The SYNTHETIC router noise (`routing.perturb_rate`, `models.router_perturbation`): it moves the asked share of
+"""The SYNTHETIC router noise (`routing.perturb_rate`, `models.routing.perturbation`): it moves the asked share of
 activated experts on the tokens it is sized on, touches nothing but the routers, and unlike the flips the policy
 carries it: the next rollout samples with it, the next step starts on-policy from it, and replay meets it."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from experiments.step.metrics import DRIFT_PER_UPDATE, ENTROPY, PERTURB_FRAC, REWARD
-from models.router_perturbation import moved_share, perturb_routers, router_inputs
-from models.routing import find_routers, record_routing
+from models.routing.perturbation import moved_share, perturb_routers, router_inputs
+from models.routing.hooks import record_routing
+from models.routing.trace import find_routers
 from tests.conftest import MICRO_RUN
 from tests.test_routing import _batch, _forward
 

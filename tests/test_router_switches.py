@@ -19,7 +19,9 @@ from algos.routers.lagged_replay import LAG
 from experiments.config import register_configs
 from experiments.step.metrics import DRIFT_PER_UPDATE, GRAD_NORM, REWARD
 from experiments.train import RLTrainer, train
-from models.routing import RouterCalls, find_routers, global_balance_loss, sequence_balance_loss
+from algos.routers.balancing import global_balance_loss, sequence_balance_loss
+from models.routing.hooks import RouterCalls
+from models.routing.trace import find_routers
 from tests.test_sigmoid_family import SIGMOID
 from tests.test_train import compose_train, experts_used, first_step_inputs, read_metrics
 

@@ -14,11 +14,11 @@ from experiments.step.metrics import (
 )
 from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
-from models.routing import (
-    MARGIN_ANCHORS, NO_ROUTE, MarginSummary, RouterCalls, RoutingTrace, find_routers, record_routing, replay_routing,
-    replayed_gate_weights, route, router_logprobs, routing_drift, selection_scores, top_gap_share, topk_margin,
-    weighted_median, median_interval,
-)
+from models.routing.families import replayed_gate_weights, route, router_logprobs, selection_scores
+from models.routing.hooks import record_routing, replay_routing, RouterCalls
+from models.routing.measures import MARGIN_ANCHORS, MarginSummary, routing_drift, top_gap_share, topk_margin
+from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
+from models.statistics import median_interval, weighted_median
 
 
 def _batch(tokenizer, texts=("12+34=5", "7+8=15", "99+1=100")):

@@ -30,7 +30,9 @@ from experiments.step.engines import HFEngine
 from experiments.step.metrics import DRIFT_PER_UPDATE, GRAD_NORM, REWARD, per_layer
 from experiments.step.scoring import FED, score_responses
 from experiments.train import RLTrainer, train
-from models.routing import ReplayedRoutes, find_routers, flip_routing, record_routing, replay_routing
+from models.routing.flips import flip_routing
+from models.routing.hooks import record_routing, replay_routing, ReplayedRoutes
+from models.routing.trace import find_routers
 from tests.test_objectives import batch_from_ratios, loss_and_grad
 from tests.test_routing import _batch, _forward, _perturb_routers, _record_then_perturb
 from tests.test_train import compose_train, first_step_inputs, read_metrics

@@ -15,7 +15,7 @@ from experiments.step.metrics import LR, SFT_LOSS, SFT_PRETRAINING, TOPK_MARGIN_
 from experiments.step.scoring import position_ids
 from experiments.tasks import Example, build_task
 from models.policy import ModelConfig, build_policy
-from models.routing import find_routers
+from models.routing.trace import find_routers
 from tests.conftest import MICRO_MODEL
 from tests.test_sigmoid_family import SIGMOID
 

@@ -8,7 +8,7 @@ import torch
 
 from experiments.step.scoring import FED, SharedPrefix, position_ids, score_responses
 from models.policy import ModelConfig, build_policy
-from models.routing import RoutingTrace
+from models.routing.trace import RoutingTrace
 from tests.conftest import MICRO_MODEL
 from tests.test_policy import _save, every_family
 

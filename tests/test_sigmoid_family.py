@@ -17,10 +17,11 @@ from experiments.step.metrics import (
 )
 from experiments.train import train
 from models.policy import ModelConfig, build_policy, describe_policy
-from models.routing import (
-    RouterCalls, chosen, find_routers, flip_routing, has_selection_bias, record_routing, replay_routing, route,
-    router_calls, routing_drift,
-)
+from models.routing.families import chosen, has_selection_bias, route
+from models.routing.flips import flip_routing
+from models.routing.hooks import record_routing, replay_routing, router_calls, RouterCalls
+from models.routing.measures import routing_drift
+from models.routing.trace import find_routers
 from tests.conftest import MICRO_MODEL
 from tests.test_routing import ExpertsSpy, _batch, _forward, _perturb_routers
 from tests.test_shared_prefix import G, _batch as _packed_batch, _score

@@ -27,7 +27,8 @@ from experiments.step.metrics import (
 from experiments.step.scoring import FED, SharedPrefix, score_responses
 from experiments.step.trainer import minibatch_order, split_minibatches
 from experiments.train import RLTrainer, train
-from models.routing import find_routers, routing_drift
+from models.routing.measures import routing_drift
+from models.routing.trace import find_routers
 from tests.conftest import MICRO_RUN
 
 CONF = str(PROJECT_ROOT / "conf")

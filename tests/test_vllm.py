@@ -33,7 +33,8 @@ from experiments.tasks import build_task  # noqa: E402
 from experiments.train import train  # noqa: E402
 from models.policy import ModelConfig, build_policy, config_in_code  # noqa: E402
 from models.registry import ConfigError  # noqa: E402
-from models.routing import NO_ROUTE, find_routers, record_routing  # noqa: E402
+from models.routing.hooks import record_routing  # noqa: E402
+from models.routing.trace import NO_ROUTE, find_routers  # noqa: E402
 from models.tokenizer import build_char_tokenizer  # noqa: E402
 from tests.conftest import MICRO_MODEL  # noqa: E402
 from tests.test_train import compose_train, experts_used, read_metrics  # noqa: E402

@@ -1,5 +1,5 @@
 """Router switches, each on or off by name (`routers=[...]`, `build_router_switches`, `ROUTER_SWITCHES`); see `base`
-for the contract (the load-balancing losses are `models.routing`'s)."""
+for the contract (the load-balancing losses: `algos.routers.balancing`)."""
 
 # Importing a module registers its switch.
 from algos.routers import aux_loss, bias_update, freeze, lagged_replay  # noqa: F401

@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 
 from models.registry import ConfigError, Registry, check_fields
-from models.routing import RouterCalls
+from models.routing.hooks import RouterCalls
 
 REPLAY_MODES = ("none", "r2", "r3")
 Summed = Callable[[torch.Tensor], torch.Tensor]  # a tensor summed over data-parallel ranks (identity on one)

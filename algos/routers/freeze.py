@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.routers.base import ROUTER_SWITCHES, RouterSwitch, RunFacts
-from models.routing import find_routers
+from models.routing.trace import find_routers
 
 
 @ROUTER_SWITCHES.register("freeze")

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from algos.routers.base import ROUTER_SWITCHES, RouterSwitch, RunFacts, Summed
-from models.routing import RouterCalls
+from models.routing.hooks import RouterCalls
 
 LAG = "routers/replay_lag"
 

@@ -3,7 +3,7 @@
 Orthogonal to the objective and to the rollout correction: `routing_variant=<name>` picks one, each one small module
 registered in `ROUTING_VARIANTS` with its formula, source and defaults. A variant acts in one of two places:
 
-- in the replayed forwards (r2 / r3), through the `models.routing.ReplayRule` it hands the router hooks:
+- in the replayed forwards (r2 / r3), through the `models.routing.hooks.ReplayRule` it hands the router hooks:
   `full_replay` replays the recorded gate weights too, `soft_replay` keeps only the replayed experts the current
   router still ranks high;
 - on the ratio the objective clips, without replay: `router_shift` (RSPO) multiplies each token's π_θ/π_old by a
@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from models.registry import ConfigError, Registry, check_fields
-from models.routing import ReplayRule
+from models.routing.hooks import ReplayRule
 
 REPLAY_MODES = ("none", "r2", "r3")
 

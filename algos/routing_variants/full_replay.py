@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 
 from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
-from models.routing import ReplayedRoutes, ReplayRule
+from models.routing.hooks import ReplayedRoutes, ReplayRule
 
 
 class GateReplay(ReplayRule):

@@ -23,7 +23,7 @@ Where the paper leaves a choice, or we could not read it, what we chose and why:
   clipping and aggregation"); restatements of its first version multiplied the clipped ratio instead;
 - r: the softmax over all experts, the router's distribution, not the renormalised top-K gate weights (renormalising
   would cancel a shift θ_old's experts share); for the sigmoid family, which scores each expert on its own, the
-  sigmoid score (`models.routing.router_logprobs`);
+  sigmoid score (`models.routing.families.router_logprobs`);
 - means over k and over ℓ, as Δ is written; a sum over layers would make γ fall with depth alone;
 - γ_min: its value in the paper was not available to us; 0.8 lets router shift take at most a fifth of a token's
   ratio. Unsearched;
@@ -44,7 +44,7 @@ import torch
 
 from algos.objective import masked_mean
 from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
-from models.routing import ReplayedRoutes, ReplayRule
+from models.routing.hooks import ReplayedRoutes, ReplayRule
 
 WEIGHT, FLOOR_FRAC, DEVIATION = ("routing/router_shift_weight", "routing/router_shift_floor_frac",
                                  "routing/router_shift_deviation")

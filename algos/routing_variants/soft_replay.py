@@ -2,7 +2,7 @@
 expert is kept only where the current router still stands behind it; elsewhere the router's own choice.
 
 For each token and MoE layer, with p the current router's selection scores over all E experts (its softmax; for the
-sigmoid family sigmoid + bias, `models.routing.selection_scores`) and top_n(p) its n best-ranked experts, a replayed expert e (one of the trace's k for that token) is kept when
+sigmoid family sigmoid + bias, `models.routing.families.selection_scores`) and top_n(p) its n best-ranked experts, a replayed expert e (one of the trace's k for that token) is kept when
 
     e ∈ top_{k+m}(p)      (the router still ranks it within its top-(k + m); m = `top_margin`)
     or  p_e ≥ p_min       (the router still gives it at least `min_prob`)
@@ -30,7 +30,8 @@ from typing import ClassVar
 import torch
 
 from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
-from models.routing import ReplayedRoutes, ReplayRule, replayed_gate_weights, selection_scores
+from models.routing.families import replayed_gate_weights, selection_scores
+from models.routing.hooks import ReplayedRoutes, ReplayRule
 
 KEPT = "routing/soft_replay_kept_frac"
 

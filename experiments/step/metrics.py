@@ -15,7 +15,8 @@ import math
 import torch
 
 from algos.objective import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND, masked, masked_mean, sequence_mean
-from models.routing import RoutingDrift, RoutingTrace, routing_drift
+from models.routing.measures import routing_drift, RoutingDrift
+from models.routing.trace import RoutingTrace
 
 # The step record
 STEP = "train/step"
@@ -65,8 +66,8 @@ TOPK_MASS = "routing/topk_mass"
 MARGIN = "routing/margin"
 FRAGILE = "routing/fragile_frac"
 LOGIT_MARGIN = "routing/logit_margin"
-# The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri issue #119 (`models.routing.topk_margin`), over
-# tokens and layers: median and mean (the anchors: `models.routing.MARGIN_ANCHORS`), share below 0.01
+# The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri issue #119 (`models.routing.measures.topk_margin`), over
+# tokens and layers: median and mean (the anchors: `models.routing.measures.MARGIN_ANCHORS`), share below 0.01
 TOPK_MARGIN_MEDIAN = "routing/topk_margin_median"
 TOPK_MARGIN_MEAN = "routing/topk_margin_mean"
 TOPK_MARGIN_SMALL = "routing/topk_margin_small_frac"

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from models.routing import find_routers
+from models.routing.trace import find_routers
 
 
 class LRSchedule(StrEnum):

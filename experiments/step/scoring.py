@@ -40,10 +40,11 @@ from experiments.step.metrics import (
     FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, TOPK_MASS, per_layer,
 )
 from models.grouped_attention import NAME as PACKED_ATTENTION
-from models.routing import (
-    MarginSummary, ReplayRule, RouterCalls, RouterCapture, RoutingTrace, global_balance_loss, normalised_scores,
-    record_routing, replay_routing, router_calls, margin_of_ranked,
-)
+from algos.routers.balancing import global_balance_loss
+from models.routing.families import normalised_scores
+from models.routing.hooks import record_routing, replay_routing, ReplayRule, router_calls, RouterCalls, RouterCapture
+from models.routing.measures import margin_of_ranked, MarginSummary
+from models.routing.trace import RoutingTrace
 
 # The positions a scoring forward feeds the model: all but the last, whose logits would predict nothing (as in
 # generation, where the last sampled token never goes through the model). Routing traces of scoring forwards
@@ -106,7 +107,7 @@ def score_responses(
     `record_gates`, its gate weights and log-probabilities too); `replay`: force that routing (`[L, N, P+T-1, K]`) as
     `rule` decides (default: ID replay) and return the router's own choice, and with `score_replayed` the current
     router's log-scores of the replayed experts (`Scores.replayed_logprobs`). `aux_loss`: the global-batch
-    load-balancing loss over the fed tokens (`models.routing.global_balance_loss`), differentiable unless
+    load-balancing loss over the fed tokens (`algos.routers.balancing.global_balance_loss`), differentiable unless
     `aux_loss_grad=False` (a metric only); `over_ranks` sums its counts over data-parallel ranks. `fragile_margin`: also
     the routing fragility and margins of the fed tokens (`router_fragility`). `routers`: return the forward's router
     calls (`Scores.routers`; what the router switches of `algos.routers` read).
@@ -174,7 +175,7 @@ def score_responses(
 @torch.no_grad()
 def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, float], torch.Tensor]:
     """How decisive each MoE layer's routing is on the fed tokens (each weighted by `routers.weights`, 0 on padding),
-    on the family's selection scores s (`models.routing.selection_scores`: softmax probabilities, or sigmoid + bias):
+    on the family's selection scores s (`models.routing.families.selection_scores`: softmax probabilities, or sigmoid + bias):
     `TOPK_MASS` the router's normalised score mass on its chosen experts (prime-rl's routing confidence), `MARGIN` the
     gap s[k−1] − s[k] between the k-th and (k+1)-th selection scores (what a small update must overcome to flip a
     route), `FRAGILE` the share of tokens whose gap is below `margin`; `LOGIT_MARGIN`, the gap between the router
@@ -210,7 +211,7 @@ def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, flo
 
 def margin_stats(margins: torch.Tensor, weights: torch.Tensor) -> dict[str, float]:
     """The scale-free margin's weighted median (`TOPK_MARGIN_MEDIAN`), mean and share below `SMALL_MARGIN`
-    (`TOPK_MARGIN_SMALL`; `models.routing.MarginSummary`) of `margins [L, T]` under the tokens' `weights [T]` (0 on padding): per layer, and pooled over every (token,
+    (`TOPK_MARGIN_SMALL`; `models.routing.measures.MarginSummary`) of `margins [L, T]` under the tokens' `weights [T]` (0 on padding): per layer, and pooled over every (token,
     layer) pair, as the anchors were measured. A median is no mean of medians, so under data parallelism it is taken of every rank's tokens
     gathered, never averaged over ranks."""
     counted = weights > 0

@@ -59,10 +59,11 @@ from experiments.tasks import Example, Task
 from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
 from models.registry import Diverged
-from models.router_perturbation import perturb_routers, router_inputs
-from models.routing import (
-    NO_ROUTE, RouterCalls, RoutingTrace, find_routers, flip_routing, load_max_violation, routing_drift,
-)
+from models.routing.perturbation import perturb_routers, router_inputs
+from models.routing.flips import flip_routing
+from models.routing.hooks import RouterCalls
+from models.routing.measures import load_max_violation, routing_drift
+from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
 
 FLIP_STREAM = 0x5EED  # offsets the flips' seed from the step's: their draws are not the sampler's draws
 PERTURB_STREAM = 0xD21F7  # and the router perturbation's, likewise

@@ -10,7 +10,7 @@ Layout of a rollout batch (what every later stage indexes into):
     attention_mask [N, P + T]  1 on prompt tokens and on response tokens up to and including eos
     response_mask  [N, T]      1 on response tokens (eos included): the tokens the objective scores
     logp           [N, T]      μ_old's log-probs of the response tokens, 0 after eos
-    routes         [L, N, P + T, K] the engine's experts per token (`models.routing.RoutingTrace`), or None
+    routes         [L, N, P + T, K] the engine's experts per token (`models.routing.trace.RoutingTrace`), or None
 N = prompts x group size, rows of one prompt contiguous (prompt j owns rows j*G .. j*G+G-1).
 
 Engines are registered by name (`ENGINES`, `rollout.engine=<name>`) and build themselves from the run's config; what
@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from models.registry import ConfigError, Registry
-from models.routing import RoutingTrace
+from models.routing.trace import RoutingTrace
 
 
 class Precision(StrEnum):

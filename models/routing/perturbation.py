@@ -1,7 +1,7 @@
 """SYNTHETIC routing drift that the policy itself carries: after each optimizer update, Gaussian noise on every
 router's weights, sized so that it moves a chosen share of the activated experts of that update's own tokens.
 
-Why another intervention than the flips (`models.routing.flip_routing`): flips act in π_θ's update forwards only,
+Why another intervention than the flips (`models.routing.flips`): flips act in π_θ's update forwards only,
 so Routing Replay, which computes with recorded experts there, never meets them — replay "holds" under flips by
 construction. Noise on the router weights changes θ itself: the next rollout samples with it, π_old is computed with
 it, the held-out evaluation routes with it, exactly as the drift an update causes. Within a step it is drift between
@@ -13,7 +13,7 @@ routers' learned function, for every arm alike).
 Sizing. For each router, a noise direction N (standard normal, the weight's shape) is drawn, and its scale σ found
 by bisection so that, on the router's inputs captured in the update's forward (attended tokens, at most
 `MAX_TOKENS` of them), the routing by `W + σ N` activates a share `rate` of (token, slot) experts that `W` did not
-(the GSPO paper's "experts changed" statistic, `models.routing.routing_drift`, for one layer at a time). Layers are
+(the GSPO paper's "experts changed" statistic, `models.routing.measures.routing_drift`, for one layer at a time). Layers are
 sized independently; a change in one layer also changes what later routers see, so the drift measured over the
 whole model is larger than `rate` (reported by the run's routing metrics). The router computes its own selection
 (`torch.func.functional_call` with the perturbed weight), so any family's top-k (bias, groups) is respected.
@@ -28,7 +28,8 @@ from typing import Iterator
 import torch
 from torch.func import functional_call
 
-from models.routing import _CallShape, find_routers
+from models.routing.hooks import CallShape
+from models.routing.trace import find_routers
 
 MAX_TOKENS = 2048  # router inputs the sizing looks at per layer: enough for a share to 1/2048, cheap to route
 BISECTIONS = 14  # halvings of the scale's bracket after it is found: σ to 2^-14 of its bracket
@@ -56,7 +57,7 @@ def router_inputs(model: torch.nn.Module) -> Iterator[dict[str, list[torch.Tenso
     routers = find_routers(model)
     if not routers:
         raise ValueError(f"{type(model).__name__} has no MoE router modules: nothing to perturb")
-    call = _CallShape()
+    call = CallShape()
     captured: dict[str, list[torch.Tensor]] = {name: [] for name in routers}
 
     def capture(name: str):
