@@ -12,19 +12,21 @@ Same arithmetic as eager (the output matches it to float rounding); masks are ea
 in transformers' `AttentionMaskInterface` so that `create_causal_mask` builds them.
 
 A forward given `shared_prefix=layout` is a packed one, one sequence per group of completions (the layout is built
-by the scoring that packs it, `experiments.step.scoring.SharedPrefix`: its `prefix`, `group` and `tail` lengths and
+by the scoring that packs it, `models.shared_prefix.SharedPrefix`: its `prefix`, `group` and `tail` lengths and
 two additive masks): attention then follows the layout's structure and masks (`packed_attention`), and the causal
 mask transformers built for the packed sequence is not used.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import eager_mask
+
+from models.shared_prefix import SharedPrefix
 
 NAME = "grouped_eager"
 
@@ -37,7 +39,7 @@ def grouped_eager_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
-    shared_prefix: Any = None,
+    shared_prefix: SharedPrefix | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`query [B, H, S, D]`, `key`/`value [B, KV, L, D]`, float mask `[B, 1, S, ≥L]` -> (`[B, S, H, D]`, probs).
@@ -82,7 +84,7 @@ def _attend(
 
 
 def packed_attention(
-    layout: Any,
+    layout: SharedPrefix,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

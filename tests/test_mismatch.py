@@ -219,7 +219,7 @@ def test_r3_under_a_mismatched_engine_replays_the_engines_experts():
     trainer = RLTrainer(compose_train("routing.replay=r3", "rollout.router_noise=1.0", "trainer.lr=5e-2"))
     _, _, minibatches, old = first_step_inputs(trainer)
     used, handles = experts_used(trainer.model)
-    from experiments.step.scoring import SharedPrefix
+    from models.shared_prefix import SharedPrefix
 
     noisy_somewhere = False
     for mb, old_policy in zip(minibatches, old):

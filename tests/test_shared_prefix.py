@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.step.scoring import FED, SharedPrefix, position_ids, score_responses
+from experiments.step.scoring import FED, position_ids, score_responses
+from models.shared_prefix import SharedPrefix
 from models.policy import ModelConfig, build_policy
 from models.routing.trace import RoutingTrace
 from tests.conftest import MICRO_MODEL

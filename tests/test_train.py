@@ -24,7 +24,8 @@ from experiments.step.metrics import (
     REWARD_ACCURACY, REWARD_STD, ROLLOUT_TIME, ROLLOUT_TOKENS_PER_S, SKIPPED, STEP, STEP_TIME, TOKENS,
     TOKEN_DRIFT_PER_UPDATE, TOPK_MASS, TRAIN_TIME, TRUNCATED, ZERO_STD_GROUPS, per_layer, started,
 )
-from experiments.step.scoring import FED, SharedPrefix, score_responses
+from experiments.step.scoring import FED, score_responses
+from models.shared_prefix import SharedPrefix
 from experiments.step.trainer import minibatch_order, split_minibatches
 from experiments.train import RLTrainer, train
 from models.routing.measures import routing_drift

@@ -27,7 +27,8 @@ from experiments.step.engines.vllm import VLLMEngine, _installed_build, checkpoi
 from experiments.step.metrics import (  # noqa: E402
     ENGINE_EXPERTS, GRAD_NORM, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP,
 )
-from experiments.step.scoring import FED, SharedPrefix, score_responses  # noqa: E402
+from experiments.step.scoring import FED, score_responses  # noqa: E402
+from models.shared_prefix import SharedPrefix  # noqa: E402
 from experiments.step.trainer import RLTrainer  # noqa: E402
 from experiments.tasks import build_task  # noqa: E402
 from experiments.train import train  # noqa: E402
