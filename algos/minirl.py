@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from algos.grpo import GRPO
-from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, masked_mean
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss
 
 
 IS_WEIGHT_MEAN = "minirl/is_weight_mean"  # of the truncated weight w_t over valid tokens
@@ -65,8 +65,5 @@ class MiniRL(Objective):
             token_clipped,
             token_clipped.any(dim=1),
             "seq-mean-token-sum",
-            extra_metrics={
-                IS_WEIGHT_MEAN: masked_mean(weight, batch.mask),
-                TRUNCATED: masked_mean((raw_weight > self.is_truncation).float(), batch.mask),
-            },
+            token_means={IS_WEIGHT_MEAN: weight, TRUNCATED: (raw_weight > self.is_truncation).float()},
         )

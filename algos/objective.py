@@ -72,7 +72,8 @@ loop and `analysis/` import.
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import ClassVar
 
@@ -322,7 +323,8 @@ class PolicyLoss:
     seq_clipped:   [B] bool, sequences whose clip binds (sequence-level objectives) or that hold at least one
                    binding-clipped token (token-level objectives).
     aggregation:   one of LOSS_AGG_MODES; `norm_tokens` goes with `seq-mean-token-sum-norm`.
-    extra_metrics: objective-specific statistics (0-dim tensors), logged next to the shared ones.
+    token_means:   objective-specific per-token statistics [B, T] (no gradient), each logged as its mean over valid
+                   tokens next to the shared metrics (kept per token so that a mean over every rank's tokens is one).
     """
 
     per_token: Tensor
@@ -330,7 +332,7 @@ class PolicyLoss:
     seq_clipped: Tensor
     aggregation: str
     norm_tokens: int | None = None
-    extra_metrics: dict[str, Tensor] = field(default_factory=dict)
+    token_means: dict[str, Tensor] = field(default_factory=dict)
 
 
 def token_clip_policy_loss(
@@ -357,10 +359,34 @@ POLICY_LOSS = "loss/policy"
 
 @dataclass(frozen=True)
 class ObjectiveOutput:
-    """loss: 0-dim tensor to minimise (differentiable in logp); metrics: shared and objective-specific floats."""
+    """`loss`: the 0-dim tensor to minimise (differentiable in logp). What it was computed from stays with it, so that
+    its metrics (`metrics`: the shared and the objective's own, as floats) are read from the very tensors the loss
+    used, and, on several data-parallel ranks, over every rank's rows without running the objective again
+    (`gathered`): the validated `batch`, the objective's `policy` loss, `per_token` the per-token policy loss the
+    aggregation reduced (times the correction's weight; the KL term excluded) and its aggregate `policy_loss`."""
 
     loss: Tensor
-    metrics: dict[str, float]
+    batch: PolicyBatch
+    policy: PolicyLoss
+    per_token: Tensor
+    policy_loss: Tensor
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return policy_metrics(self.batch, self.policy, self.policy_loss)
+
+    def gathered(self, rows: Callable[[Tensor], Tensor]) -> "ObjectiveOutput":
+        """This output over the rows of every data-parallel rank: each per-row tensor concatenated by `rows` (which
+        pads with 0, False for masks), and the policy loss aggregated again over them as one process would; `loss`
+        stays this rank's."""
+        gather = lambda tensor: rows(tensor) if tensor is not None else None  # noqa: E731
+        batch = PolicyBatch(**{f.name: gather(getattr(self.batch, f.name)) for f in fields(PolicyBatch)})
+        policy = replace(self.policy, per_token=gather(self.policy.per_token),
+                         token_clipped=gather(self.policy.token_clipped), seq_clipped=gather(self.policy.seq_clipped),
+                         token_means={name: gather(value) for name, value in self.policy.token_means.items()})
+        per_token = gather(self.per_token)
+        policy_loss = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens)
+        return ObjectiveOutput(self.loss, batch, policy, per_token, policy_loss)
 
 
 @dataclass(frozen=True)
@@ -420,7 +446,7 @@ class Objective(ABC):
             if self.kl_estimator == KLEstimator.unbiased_k3:
                 kl = torch.exp(batch.log_ratio) * kl  # the ratio's gradient is what makes eq. 7's gradient unbiased
             loss = aggregate(per_token + self.kl_coef * kl, batch.mask, policy.aggregation, policy.norm_tokens, totals)
-        return ObjectiveOutput(loss=loss, metrics=policy_metrics(batch, policy, policy_only))
+        return ObjectiveOutput(loss, batch, policy, per_token, policy_only)
 
     # Validation helpers: every message names the objective, the hyperparameter, the value and what is allowed.
 
@@ -466,7 +492,7 @@ def policy_metrics(batch: PolicyBatch, policy: PolicyLoss, policy_loss: Tensor) 
     }
     if batch.ref_log_ratio is not None:
         values[KL_REF] = masked_mean(k3(batch.ref_log_ratio), batch.mask)
-    values.update({name: value.detach().float() for name, value in policy.extra_metrics.items()})
+    values.update({name: masked_mean(value.detach().float(), batch.mask) for name, value in policy.token_means.items()})
     floats = torch.stack(list(values.values())).tolist()
     return dict(zip(values, floats))
 

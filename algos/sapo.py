@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, masked_mean
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss
 
 
 @OBJECTIVES.register("sapo")
@@ -42,5 +42,5 @@ class SAPO(Objective):
             no_clip,
             no_clip.any(dim=1),
             "seq-mean-token-mean",
-            extra_metrics={"sapo/gate_weight_mean": masked_mean(gate_weight.detach(), batch.mask)},
+            token_means={"sapo/gate_weight_mean": gate_weight.detach()},
         )

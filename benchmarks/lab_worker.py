@@ -28,7 +28,8 @@ from benchmarks.workload import WORKLOADS, compose_workload, fixed_length  # noq
 from experiments.run.logger import RunLogger  # noqa: E402
 from experiments.run.threads import ThreadBudget  # noqa: E402
 from experiments.step import metrics as m  # noqa: E402
-from experiments.step.trainer import RLTrainer, Rollout  # noqa: E402
+from experiments.step.batch import Rollout  # noqa: E402
+from experiments.step.trainer import RLTrainer  # noqa: E402
 from experiments.train import run_name  # noqa: E402
 
 

@@ -35,11 +35,11 @@ from algos.objective import masked, masked_mean
 from algos.routing_variants.full_replay import GateReplay
 from analysis.report import markdown_table
 from experiments.config import PROJECT_ROOT, register_configs
-from experiments.step.engines import EngineNumerics
-from experiments.step.scoring import Scores
-from experiments.step.trainer import (
-    Minibatch, OldPolicy, RLTrainer, collect_rollout, minibatch_order, split_minibatches,
-)
+from experiments.step.engines import EngineNumerics, Sampling
+from experiments.step.scoring import ScoreOptions, Scores
+from experiments.step.batch import Minibatch, collect_rollout, minibatch_order, split_minibatches
+from experiments.step.old_policy import OldPolicy
+from experiments.step.trainer import RLTrainer
 from models.registry import ConfigError
 from models.routing.measures import routing_drift
 from models.routing.trace import RoutingTrace
@@ -58,9 +58,10 @@ def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference
     `reference`; the unreplayed forward's expert change against the trace too."""
     with torch.no_grad():
         scores: dict[str, Scores] = {
-            "none": trainer._score(trainer.model, mb, record=True),
-            "ID replay": trainer._score(trainer.model, mb, replay=trace.to(trainer.device)),
-            "ID + gate weights": trainer._score(trainer.model, mb, replay=trace.to(trainer.device), rule=GateReplay()),
+            "none": trainer.score(trainer.model, mb, ScoreOptions(record=True)),
+            "ID replay": trainer.score(trainer.model, mb, ScoreOptions(replay=trace.to(trainer.device))),
+            "ID + gate weights": trainer.score(trainer.model, mb,
+                                               ScoreOptions(replay=trace.to(trainer.device), rule=GateReplay())),
         }
     gaps = {name: gap(scored.logp, reference, mb.response_mask) for name, scored in scores.items()}
     gaps["expert_change_frac"] = routing_drift(trace, scores["none"].routes.to("cpu"), mb.token_mask).expert_change_frac
@@ -73,14 +74,14 @@ def measure(trainer: RLTrainer, warm_steps: int) -> dict[str, Any]:
         trainer.step()
     examples = [trainer.train_examples[i] for i in torch.randint(len(trainer.train_examples), (t.prompts_per_step,),
                                                                   generator=trainer.generator).tolist()]
-    rollout = collect_rollout(trainer.engine, trainer.task, examples, t.group_size, t.max_new_tokens, t.temperature,
-                              record_routing=True, record_gates=True)
+    sampling = Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=True, record_gates=True)
+    rollout = collect_rollout(trainer.engine, trainer.task, examples, sampling)
     advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=trainer.advantage_std)
     order = minibatch_order(trainer.plan.layout, rollout.size, t.group_size, trainer.generator)
     minibatches = split_minibatches(rollout, advantages, order, t.minibatches, trainer.device)
     results: dict[str, Any] = {"r3": [three_ways(trainer, mb, mb.engine_routes, mb.mu_logp) for mb in minibatches]}
     with torch.no_grad():
-        olds = [trainer._score(trainer.model, mb, record=True, record_gates=True) for mb in minibatches]
+        olds = [trainer.score(trainer.model, mb, ScoreOptions(record=True, record_gates=True)) for mb in minibatches]
     results["r2"] = []
     for j, (mb, old) in enumerate(zip(minibatches, olds)):
         routes = old.routes.to("cpu")

@@ -77,6 +77,7 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
     from omegaconf import OmegaConf
 
     from benchmarks.workload import compose_workload
+    from experiments.step.engines.base import Sampling
     from experiments.step.engines.hf import HFEngine
     from experiments.step.engines.vllm import VLLMEngine, derived_model_len
     from models.policy import ModelConfig, build_policy
@@ -92,7 +93,7 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
 
     def timed(engine, routing: bool) -> float:
         start = time.perf_counter()
-        samples = engine.sample(prompts, t.group_size, t.max_new_tokens, t.temperature, record_routing=routing)
+        samples = engine.sample(prompts, Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=routing))
         elapsed = time.perf_counter() - start
         assert samples.response_tokens == len(prompts) * t.group_size * t.max_new_tokens, "fixed-length rollout"
         return elapsed
@@ -173,14 +174,15 @@ def family_config(family: str, tokenizer) -> Any:
 
 def _compare(engine, model, prompts: list[str]) -> tuple[float, float | None]:
     """(max |μ_old − fp32 transformers|, routing agreement or None for a dense model) on one fresh sample."""
+    from experiments.step.engines.base import Sampling
     from experiments.step.scoring import FED, score_responses
     from models.routing.hooks import record_routing
     from models.routing.trace import find_routers
 
     moe = bool(find_routers(model))
-    samples = engine.sample(prompts, 4, 6, 0.7, record_routing=moe)
+    samples = engine.sample(prompts, Sampling(4, 6, 0.7, record_routing=moe))
     with torch.no_grad(), record_routing(model) if moe else contextlib.nullcontext() as recording:
-        scored = score_responses(model, samples.input_ids, samples.attention_mask, samples.prompt_width, 0.7)
+        scored = score_responses(model, samples, 0.7)
     diff = float((scored.logp.masked_fill(~samples.response_mask, 0.0) - samples.logp).abs().max())
     if not moe:
         return diff, None

@@ -51,7 +51,7 @@ from experiments.step.checks import check_device, check_training_dtype, longest_
 from experiments.step.engines import HFEngine
 from experiments.step.optimizer import lr_lambda
 from experiments.step.scoring import margin_stats, position_ids, router_fragility
-from experiments.step.trainer import evaluate
+from experiments.step.batch import evaluate
 from experiments.tasks import Example, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config

@@ -57,7 +57,8 @@ from experiments.run.logger import RunLogger, write_summary
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.checks import check_run
-from experiments.step.trainer import Ranks, RLTrainer
+from experiments.step.ranks import Ranks, barrier, broadcast_object, gather_objects
+from experiments.step.trainer import RLTrainer
 from models import cpu_kernels
 from models.policy import describe_policy
 from models.registry import ConfigError, Diverged
@@ -138,7 +139,7 @@ def stop_together(ranks: Ranks) -> None:
     collective, for ever. One process stops where the signal finds it (`stop_signals`)."""
     if not ranks.active:
         return
-    signums = launch.gather(_Deferral.pending.signum if _Deferral.pending else 0, ranks)
+    signums = gather_objects(_Deferral.pending.signum if _Deferral.pending else 0, ranks)
     if any(signums):
         _stop(Interrupted(max(signums)))
 
@@ -259,7 +260,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
                 finished = rundir.finished_summary(run_dir) if cfg.resume is not None else None
             except ConfigError as error:
                 problem = str(error)
-        problem, finished = launch.broadcast((problem, finished), ranks)  # every rank does what rank 0 found
+        problem, finished = broadcast_object((problem, finished), ranks)  # every rank does what rank 0 found
         if problem:
             exit_once(f"moe-rl-lab: {problem}")
         if finished is not None and finished["steps"] >= cfg.trainer.steps:  # a re-launched sweep skips what is done
@@ -300,7 +301,7 @@ def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path,
     if cfg.resume is None:
         return []
     ranks = trainer.ranks
-    found = launch.broadcast(launch.on_rank0(lambda: own_checkpoint(cfg, run_dir, ranks.world, finished), ranks), ranks)
+    found = broadcast_object(launch.on_rank0(lambda: own_checkpoint(cfg, run_dir, ranks.world, finished), ranks), ranks)
     if found.path is not None:
         checkpoint.load(trainer, found.path)
     return launch.on_rank0(lambda: continue_log(run_dir, trainer.step_index, found, finished), ranks) or []
@@ -467,7 +468,7 @@ def export(trainer: RLTrainer, directory: Path) -> Path:
     if trainer.ranks.main:
         trainer.model.save_pretrained(directory, state_dict=state)
         trainer.tokenizer.save_pretrained(directory)
-    launch.barrier(trainer.ranks)
+    barrier(trainer.ranks)
     return directory
 
 

@@ -26,7 +26,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from algos import group_advantages  # noqa: E402
 from experiments.run import launch  # noqa: E402
 from experiments.step.engines import HFEngine  # noqa: E402
-from experiments.step.trainer import RLTrainer, Ranks, Rollout, collect_rollout, split_minibatches  # noqa: E402
+from experiments.step.batch import Rollout, collect_rollout, split_minibatches  # noqa: E402
+from experiments.step.engines import Sampling  # noqa: E402
+from experiments.step.ranks import Ranks  # noqa: E402
+from experiments.step.trainer import RLTrainer  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
 from tests.test_train import compose_train  # noqa: E402
 
@@ -43,6 +46,9 @@ CASES = {
     "gspo + r2 soft replay": ["algo=gspo", "routing.replay=r2", "routing_variant=soft_replay",
                               "routing_variant.top_margin=null", "routing_variant.min_prob=0.2"],
     "grpo + router shift": ["algo=grpo", "routing_variant=router_shift"],
+    # the decomposition's extra forwards run between the backward and the optimizer step: on FSDP2 shards too
+    "grpo + decomposition": ["algo=grpo", "routing.decompose_every=1"],
+    "grpo + r2 + decomposition": ["algo=grpo", "routing.replay=r2", "routing.decompose_every=1"],
 }
 
 
@@ -68,9 +74,9 @@ def run_case(overrides: list[str], ranks: Ranks) -> dict:
     unsharded, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
     torch.manual_seed(123)
     examples = trainer.train_examples[:PROMPTS]
-    full = collect_rollout(HFEngine(unsharded.eval(), tokenizer), trainer.task, examples, GROUP,
-                           cfg.trainer.max_new_tokens, cfg.trainer.temperature,
-                           record_routing=trainer.plan.engine_records_routing)
+    sampling = Sampling(GROUP, cfg.trainer.max_new_tokens, cfg.trainer.temperature,
+                        record_routing=trainer.plan.engine_records_routing)
+    full = collect_rollout(HFEngine(unsharded.eval(), tokenizer), trainer.task, examples, sampling)
     # A random model earns no reward on addition: fixed made-up rewards give every group an advantage to learn.
     full = replace(full, rewards=torch.rand(full.size, generator=torch.Generator().manual_seed(7)))
     share = PROMPTS // ranks.world
@@ -88,16 +94,16 @@ def run_case(overrides: list[str], ranks: Ranks) -> dict:
     minibatches = split_minibatches(rollout, advantages, order, MINIBATCHES, trainer.device)
     old = [trainer.old_policy(mb) for mb in minibatches]
     grads: dict[str, torch.Tensor] = {}
-    apply = trainer._apply
+    optimizer_step = trainer._optimizer_step
 
-    def first_grads(finite: bool, update: int, *between_updates) -> dict[str, float]:
+    def first_grads(finite: bool, update) -> dict[str, float]:
         if not grads:
             for name, param in trainer.model.named_parameters():
                 grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
                 grads[name] = grad.detach().clone()
-        return apply(finite, update, *between_updates)
+        return optimizer_step(finite, update)
 
-    trainer._apply = first_grads
+    trainer._optimizer_step = first_grads
     metrics = [trainer.update(mb, old_policy) for mb, old_policy in zip(minibatches, old)]
     params = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     return {"metrics": metrics, "grads": grads, "params": {k: v.detach().clone() for k, v in params.items()}}

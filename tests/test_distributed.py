@@ -42,7 +42,8 @@ def one_and_two_ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["grpo seq-mean-token-mean", "grpo token-mean", "dr_grpo seq-mean-token-sum-norm",
                                   "gspo", "grpo + r2", "gspo + r2", "grpo + load-balancing loss",
-                                  "grpo + r2 full replay", "gspo + r2 soft replay", "grpo + router shift"])
+                                  "grpo + r2 full replay", "gspo + r2 soft replay", "grpo + router shift",
+                                  "grpo + decomposition", "grpo + r2 + decomposition"])
 def test_two_ranks_make_the_update_one_process_makes(one_and_two_ranks, case):
     one, two = (result[case] for result in one_and_two_ranks)
     assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3, "the batch must carry a gradient"

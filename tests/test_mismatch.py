@@ -21,8 +21,10 @@ from experiments.step.metrics import (
     CHI2_SEQ, CHI2_TOKEN, ENGINE_EXPERTS, ESS, EXTREME_TOKENS, IS_WEIGHT_MAX, IS_WEIGHT_MIN, MISMATCH_K1,
     MISMATCH_K3, ROUTING_SHARE, ROUTING_VAR, TOTAL_VAR, WEIGHTS_VAR, decomposition_metrics, mismatch_metrics,
 )
-from experiments.step.scoring import FED, score_responses
-from experiments.step.trainer import RLTrainer, collect_rollout
+from experiments.step.scoring import FED, ScoreOptions, score_responses
+from experiments.step.batch import collect_rollout
+from experiments.step.engines import Sampling
+from experiments.step.trainer import RLTrainer
 from experiments.tasks import build_task
 from experiments.train import train
 from models.routing.measures import routing_drift
@@ -149,10 +151,9 @@ def _engine_logp(micro_policy, numerics, seed=0):
     task = build_task("addition", digits=2, train_size=50, test_size=10)
     engine = HFEngine(model, tokenizer, numerics=numerics, seed=seed)
     torch.manual_seed(0)
-    rollout = collect_rollout(engine, task, task.examples("train")[:6], 4, 6, 1.0, record_routing=True)
+    rollout = collect_rollout(engine, task, task.examples("train")[:6], Sampling(4, 6, 1.0, record_routing=True))
     with torch.no_grad():
-        trainer = score_responses(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_width, 1.0,
-                                  record=True)
+        trainer = score_responses(model, rollout, 1.0, ScoreOptions(record=True))
     seen = rollout.attention_mask[:, FED].bool()
     drift = routing_drift(trainer.routes, rollout.routes.positions(FED), seen)
     log_rho = trainer.logp - rollout.logp
@@ -246,9 +247,9 @@ def test_the_decomposition_parts_sum_to_the_total_log_ratio(tmp_path, replay):
     trainer.update(minibatches[0], old[0])
     mb = minibatches[1]
     with torch.no_grad():
-        own = trainer._score(trainer.model, mb).logp
-        replayed = trainer._score(trainer.model, mb, replay=old[1].replay if old[1].replay is not None
-                                  else old[1].routes).logp
+        own = trainer.score(trainer.model, mb).logp
+        theta_old = old[1].replay if old[1].replay is not None else old[1].routes
+        replayed = trainer.score(trainer.model, mb, ScoreOptions(replay=theta_old)).logp
     routing, weights = own - replayed, replayed - old[1].logp
     mask = mb.response_mask
     torch.testing.assert_close((routing + weights)[mask], (own - old[1].logp)[mask], rtol=0, atol=1e-6)
@@ -307,6 +308,8 @@ def test_the_readme_example_correction_weighs_by_the_untruncated_ratio_and_runs_
         inputs = inputs_from([[4.0, 0.5], [1.0, 30.0]], [1.0, -1.0])
         out = build_correction("plain_is")(inputs)
         torch.testing.assert_close(out.weight, torch.tensor([[4.0, 0.5], [1.0, 30.0]]))
+        assert out.metrics[token_frac("upweighted")] == pytest.approx(2 / 4)  # 4 and 30: ρ > 1, log ρ > 0
+        assert out.metrics[seq_frac("upweighted")] == pytest.approx(1.0)
         capped = build_correction("plain_is", max_log_weight=math.log(2.0))(inputs)
         torch.testing.assert_close(capped.weight, torch.tensor([[2.0, 0.5], [1.0, 2.0]]))
         with pytest.raises(Exception, match="max_log_weight must be > 0"):
@@ -316,6 +319,6 @@ def test_the_readme_example_correction_weighs_by_the_untruncated_ratio_and_runs_
             cfg.correction = {"name": "plain_is", "max_log_weight": 10.0}
         summary = train(cfg, tmp_path)
         assert summary["correction"] == "plain_is" and summary["pi_old"] == "decoupled"
-        assert all("mismatch/plain_is_weight_max" in mb for mb in read_metrics(tmp_path)[0]["minibatches"])
+        assert all(token_frac("upweighted") in mb for mb in read_metrics(tmp_path)[0]["minibatches"])
     finally:
         CORRECTIONS._classes.pop("plain_is", None)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.step.engines import HFEngine, KVCache
+from experiments.step.batch import collect_rollout
+from experiments.step.engines import HFEngine, KVCache, Sampling
 from experiments.step.engines.hf import PreallocatedLayer, rollout_cache
 from experiments.step.metrics import MISMATCH_K3
 from experiments.step.scoring import FED, score_responses
-from experiments.step.trainer import collect_rollout
 from experiments.tasks import build_task
 from models.registry import ConfigError
 from models.routing.hooks import record_routing
@@ -36,10 +36,10 @@ def test_shared_prefill_rollout_matches_a_full_forward(micro_policy):
     task, examples = _examples()
     torch.manual_seed(0)
     engine = HFEngine(model, tokenizer, min_new_tokens=NEW)
-    rollout = collect_rollout(engine, task, examples, G, NEW, temperature=0.7, record_routing=True)
+    rollout = collect_rollout(engine, task, examples, Sampling(G, NEW, 0.7, record_routing=True))
     assert rollout.routes.shape[1:3] == tuple(rollout.input_ids.shape)
     with torch.no_grad(), record_routing(model) as scored:
-        full = score_responses(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_width, 0.7)
+        full = score_responses(model, rollout, 0.7)
     torch.testing.assert_close(rollout.logp, full.logp.masked_fill(~rollout.response_mask, 0.0), rtol=0, atol=1e-5)
     # The scoring forward feeds every position but the last (`FED`), whose token never went through the model
     # during generation either: the rollout's trace is NO_ROUTE there.
@@ -61,8 +61,8 @@ def test_the_cache_written_in_place_samples_what_the_concatenating_one_samples(m
     for kind in KVCache:
         torch.manual_seed(0)
         engine = HFEngine(model, tokenizer, min_new_tokens=NEW, kv_cache=kind)
-        rollouts[kind] = collect_rollout(engine, task, examples, group_size, NEW, temperature=1.0,
-                                         record_routing=True)
+        rollouts[kind] = collect_rollout(engine, task, examples,
+                                         Sampling(group_size, NEW, 1.0, record_routing=True))
     reference, rollout = rollouts[KVCache.concat], rollouts[KVCache.preallocated]
     assert torch.equal(rollout.input_ids, reference.input_ids)
     assert torch.equal(rollout.logp, reference.logp)
@@ -118,7 +118,7 @@ def test_shared_prefill_changes_nothing_but_the_cost(micro_policy):
     """Greedy completions equal those of `generate` over the B·G rows, each prompt prefilled G times."""
     model, tokenizer = micro_policy
     task, examples = _examples()
-    rollout = collect_rollout(HFEngine(model, tokenizer), task, examples, G, NEW, temperature=1.0, greedy=True)
+    rollout = collect_rollout(HFEngine(model, tokenizer), task, examples, Sampling(G, NEW, 1.0, greedy=True))
     prompts = [example.prompt for example in examples for _ in range(G)]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     plain = model.generate(**encoded, max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id,

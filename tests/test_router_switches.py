@@ -18,6 +18,7 @@ from algos.routers.bias_update import BIAS, ROUTE_CHANGE, TRAINED_ROUTE_CHANGE, 
 from algos.routers.lagged_replay import LAG
 from experiments.config import register_configs
 from experiments.step.metrics import DRIFT_PER_UPDATE, GRAD_NORM, REWARD
+from experiments.step.scoring import ScoreOptions
 from experiments.train import RLTrainer, train
 from algos.routers.balancing import global_balance_loss, sequence_balance_loss
 from models.routing.hooks import RouterCalls
@@ -147,7 +148,7 @@ def test_lagged_replay_replays_the_experts_of_the_weights_lag_updates_back(monke
     used, handles = experts_used(trainer.model)
     for mb, old_policy in zip(minibatches, old):
         with torch.no_grad():
-            expected = trainer._score(lagged, mb, record=True).routes
+            expected = trainer.score(lagged, mb, ScoreOptions(record=True)).routes
         assert torch.equal(old_policy.replay.experts, expected.experts)
         used.clear()
         metrics = trainer.update(mb, old_policy)

@@ -26,9 +26,9 @@ from algos.routing_variants.router_shift import (
 )
 from algos.routing_variants.soft_replay import KEPT as SOFT_REPLAY_KEPT, SoftReplayRule, fill_rejected, kept_experts
 from experiments.config import register_configs
-from experiments.step.engines import HFEngine
+from experiments.step.engines import HFEngine, Sampling
 from experiments.step.metrics import DRIFT_PER_UPDATE, GRAD_NORM, REWARD, per_layer
-from experiments.step.scoring import FED, score_responses
+from experiments.step.scoring import FED, ScoreOptions, score_responses
 from experiments.train import RLTrainer, train
 from models.routing.flips import flip_routing
 from models.routing.hooks import record_routing, replay_routing, ReplayedRoutes
@@ -218,10 +218,10 @@ def test_a_trace_without_gates_cannot_be_replayed_with_them(micro_policy):
 def test_the_engine_records_the_gates_a_scoring_forward_computes(micro_policy):
     model, tokenizer = micro_policy
     torch.manual_seed(0)
-    samples = HFEngine(model, tokenizer).sample(["12+34=", "7+8="], 3, 4, 1.0, record_routing=True, record_gates=True)
+    samples = HFEngine(model, tokenizer).sample(["12+34=", "7+8="], Sampling(3, 4, 1.0, record_routing=True,
+                                                                             record_gates=True))
     with torch.no_grad():
-        scored = score_responses(model, samples.input_ids, samples.attention_mask, samples.prompt_width, 1.0,
-                                 record=True, record_gates=True)
+        scored = score_responses(model, samples, 1.0, ScoreOptions(record=True, record_gates=True))
     engine = samples.routes.positions(FED)
     valid = samples.attention_mask[:, FED].bool()
     assert torch.equal(engine.experts[:, valid], scored.routes.experts[:, valid])
@@ -276,7 +276,7 @@ def _router_logprobs(model, mb) -> torch.Tensor:
     handles = [router.register_forward_hook(lambda module, args, out: found.append(out[0].detach()))
                for router in find_routers(model).values()]
     with torch.no_grad():
-        score_responses(model, mb.input_ids, mb.attention_mask, mb.prompt_width, 1.0)
+        score_responses(model, mb, 1.0)
     for handle in handles:
         handle.remove()
     n, width = mb.input_ids.shape

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.step.scoring import FED, position_ids, score_responses
+from experiments.step.scoring import FED, Responses, ScoreOptions, position_ids, score_responses
 from models.shared_prefix import SharedPrefix
 from models.policy import ModelConfig, build_policy
 from models.routing.trace import RoutingTrace
@@ -42,8 +42,8 @@ def _policy(tmp_path, config):
 def _score(model, batch, group_size, **options):
     input_ids, attention_mask, width, response_mask = batch
     model.zero_grad(set_to_none=True)
-    scores = score_responses(model, input_ids, attention_mask, width, 0.7, aux_loss=True, group_size=group_size,
-                             **options)
+    scores = score_responses(model, Responses(input_ids, attention_mask, width), 0.7,
+                             ScoreOptions(aux_loss=True, group_size=group_size, **options))
     # A loss that weighs every response token differently, so that no gradient is trivially zero.
     weights = torch.linspace(-1.0, 1.0, scores.logp.numel()).view_as(scores.logp)
     ((scores.logp * weights)[response_mask].sum() + scores.aux_loss).backward()
@@ -67,7 +67,8 @@ def test_packed_scoring_equals_row_scoring(tmp_path, config):
         own = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                     output_router_logits=True).aux_loss
     torch.testing.assert_close(rows.aux_loss.detach(), own, rtol=1e-6, atol=1e-7)
-    metric = score_responses(model, *batch[:3], 0.7, aux_loss=True, group_size=G, aux_loss_grad=False).aux_loss
+    metric = score_responses(model, Responses(*batch[:3]), 0.7,
+                             ScoreOptions(aux_loss=True, group_size=G, aux_loss_grad=False)).aux_loss
     assert not metric.requires_grad, "logged only: no graph behind it"
     torch.testing.assert_close(metric, own, rtol=1e-6, atol=1e-7)
     assert packed_grads.keys() == row_grads.keys()
@@ -83,14 +84,15 @@ def test_packed_replay_forces_the_trace_and_reports_the_routers_choice():
     model.eval()
     batch = _batch(tokenizer)
     with torch.no_grad():
-        recorded = score_responses(model, *batch[:3], 1.0, group_size=G, record=True).routes
+        recorded = score_responses(model, Responses(*batch[:3]), 1.0, ScoreOptions(group_size=G, record=True)).routes
         # A different routing that still agrees within each group's prompt: shift every recorded expert by one.
         shifted = torch.where(recorded.experts >= 0, (recorded.experts + 1) % 8, recorded.experts)
         forced = RoutingTrace(shifted, recorded.layer_names, recorded.num_experts)
-        packed = score_responses(model, *batch[:3], 1.0, group_size=G, replay=forced)
-        rows = score_responses(model, *batch[:3], 1.0, group_size=1, replay=forced)
+        packed = score_responses(model, Responses(*batch[:3]), 1.0, ScoreOptions(group_size=G, replay=forced))
+        rows = score_responses(model, Responses(*batch[:3]), 1.0, ScoreOptions(group_size=1, replay=forced))
     torch.testing.assert_close(packed.logp[batch[3]], rows.logp[batch[3]], rtol=0, atol=2e-6)
-    assert not torch.allclose(packed.logp, score_responses(model, *batch[:3], 1.0).logp), "the replay took effect"
+    unreplayed = score_responses(model, Responses(*batch[:3]), 1.0).logp
+    assert not torch.allclose(packed.logp, unreplayed), "the replay took effect"
     # The router's own choice is reported: the first layer's inputs are untouched by the replay, so it chose the
     # recorded experts; deeper layers see other inputs, and both layouts agree on what their routers chose.
     assert torch.equal(packed.routes.experts[0], recorded.experts[0])
@@ -102,19 +104,21 @@ def test_packed_scoring_refuses_what_it_cannot_pack():
     model.eval()
     input_ids, attention_mask, width, _ = _batch(tokenizer)
     with torch.no_grad():
-        trace = score_responses(model, input_ids, attention_mask, width, 1.0, record=True).routes
+        trace = score_responses(model, Responses(input_ids, attention_mask, width), 1.0,
+                                ScoreOptions(record=True)).routes
         diverged = trace.experts.clone()
         diverged[:, 1, width - 2] = (diverged[:, 1, width - 2] + 1) % 8  # row 1 routes its prompt unlike row 0
         with pytest.raises(ValueError, match="route their shared prompt differently"):
-            score_responses(model, input_ids, attention_mask, width, 1.0, group_size=G,
-                            replay=RoutingTrace(diverged, trace.layer_names, trace.num_experts))
+            score_responses(model, Responses(input_ids, attention_mask, width), 1.0,
+                            ScoreOptions(group_size=G,
+                                         replay=RoutingTrace(diverged, trace.layer_names, trace.num_experts)))
         mixed = input_ids.clone()
         mixed[1, width - 2] += 1  # row 1 no longer carries its group's prompt
         with pytest.raises(ValueError, match="do not share their prompt"):
-            score_responses(model, mixed, attention_mask, width, 1.0, group_size=G)
+            score_responses(model, Responses(mixed, attention_mask, width), 1.0, ScoreOptions(group_size=G))
     sdpa, _ = build_policy(ModelConfig(**MICRO_MODEL, attn_implementation="sdpa"))
     with pytest.raises(ValueError, match="needs attn_implementation='grouped_eager'; this model uses 'sdpa'"):
-        score_responses(sdpa, input_ids, attention_mask, width, 1.0, group_size=G)
+        score_responses(sdpa, Responses(input_ids, attention_mask, width), 1.0, ScoreOptions(group_size=G))
 
 
 def test_pack_and_unpack_are_inverse_on_rows_that_share_their_prefix():

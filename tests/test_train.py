@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import json
 import subprocess
 import sys
@@ -24,9 +25,9 @@ from experiments.step.metrics import (
     REWARD_ACCURACY, REWARD_STD, ROLLOUT_TIME, ROLLOUT_TOKENS_PER_S, SKIPPED, STEP, STEP_TIME, TOKENS,
     TOKEN_DRIFT_PER_UPDATE, TOPK_MASS, TRAIN_TIME, TRUNCATED, ZERO_STD_GROUPS, per_layer, started,
 )
-from experiments.step.scoring import FED, score_responses
+from experiments.step.scoring import FED, ScoreOptions, score_responses
 from models.shared_prefix import SharedPrefix
-from experiments.step.trainer import minibatch_order, split_minibatches
+from experiments.step.batch import minibatch_order, split_minibatches
 from experiments.train import RLTrainer, train
 from models.routing.measures import routing_drift
 from models.routing.trace import find_routers
@@ -177,7 +178,7 @@ def test_non_finite_losses_are_skipped_then_end_the_run_as_diverged(tmp_path, mo
 
             def poisoned(**kwargs):
                 out = honest(**kwargs)
-                return ObjectiveOutput(loss=out.loss * float("nan"), metrics=out.metrics)
+                return replace(out, loss=out.loss * float("nan"))
 
             self.objective = poisoned
             self.initial = {name: p.detach().clone() for name, p in self.model.named_parameters()}
@@ -318,7 +319,7 @@ def test_drift_metric_matches_a_recomputation():
     trainer.update(minibatches[0], old[0])
     mb = minibatches[1]
     with torch.no_grad():
-        routes = trainer._score(trainer.model, mb, record=True).routes
+        routes = trainer.score(trainer.model, mb, ScoreOptions(record=True)).routes
     expected = routing_drift(old[1].routes, routes, mb.token_mask).expert_change_frac
     assert expected > 0.0, "a large learning rate moves the routing: the comparison must not be 0 == 0"
     assert trainer.update(mb, old[1])[DRIFT] == pytest.approx(expected)
@@ -346,7 +347,7 @@ def test_rollout_logprobs_are_theta_olds_own_numbers():
     assert old[0].on_policy, "the on-policy minibatch takes θ_old's log-probs from its own forward"
     for mb, old_policy in zip(minibatches[1:], old[1:]):
         with torch.no_grad():
-            recomputed = trainer._score(trainer.model, mb, record=True)
+            recomputed = trainer.score(trainer.model, mb, ScoreOptions(record=True))
         assert torch.allclose(old_policy.logp, recomputed.logp, atol=1e-5)
         assert old_policy.logp[~mb.response_mask].eq(0).all()
         drift = routing_drift(old_policy.routes, recomputed.routes, mb.token_mask)
@@ -398,21 +399,21 @@ def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(r
     theta_old = copy.deepcopy(trainer.model)
     replayed = mb.engine_routes if replay == "r3" else None
     with torch.no_grad():
-        independent = score_responses(theta_old, mb.input_ids, mb.attention_mask, mb.prompt_width,
-                                      trainer.cfg.trainer.temperature, record=replayed is None, replay=replayed)
+        independent = score_responses(theta_old, mb, trainer.cfg.trainer.temperature,
+                                      ScoreOptions(record=replayed is None, replay=replayed))
     seen = {}
-    objective, score = trainer.objective, trainer._score
+    objective, score = trainer.objective, trainer.score
 
     def spy_objective(**kwargs):
         seen["objective"] = kwargs
         return objective(**kwargs)
 
-    def spy_score(model, minibatch, **options):
-        seen["scores"] = score(model, minibatch, **options)
+    def spy_score(model, minibatch, options=ScoreOptions()):
+        seen["scores"] = score(model, minibatch, options)
         return seen["scores"]
 
     monkeypatch.setattr(trainer, "objective", spy_objective)
-    monkeypatch.setattr(trainer, "_score", spy_score)
+    monkeypatch.setattr(trainer, "score", spy_score)
     metrics = trainer.update(mb, old[0])
     mask = mb.response_mask
     for name in ("logp", "old_logp"):

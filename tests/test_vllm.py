@@ -22,7 +22,7 @@ from algos.objective import POLICY_LOSS  # noqa: E402
 from algos.routers.bias_update import BIAS  # noqa: E402
 from benchmarks.vllm_rollout import family_config  # noqa: E402
 from experiments.step.checks import check_run  # noqa: E402
-from experiments.step.engines import HFEngine  # noqa: E402
+from experiments.step.engines import HFEngine, Sampling  # noqa: E402
 from experiments.step.engines.vllm import VLLMEngine, _installed_build, checkpoint_weights  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
     ENGINE_EXPERTS, GRAD_NORM, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP,
@@ -79,7 +79,7 @@ def _prompts() -> list[str]:
 def _against(model, samples) -> tuple[float, torch.Tensor, torch.Tensor]:
     """(max |μ_old − fp32 transformers| on the response tokens, transformers' routing, the positions both cover)."""
     with torch.no_grad(), record_routing(model) as recording:
-        scored = score_responses(model, samples.input_ids, samples.attention_mask, samples.prompt_width, TEMPERATURE)
+        scored = score_responses(model, samples, TEMPERATURE)
     diff = (scored.logp - samples.logp).abs().masked_fill(~samples.response_mask, 0.0).max()
     return float(diff), recording.trace.experts, samples.routes.recorded()[0][:, FED]
 
@@ -87,7 +87,7 @@ def _against(model, samples) -> tuple[float, torch.Tensor, torch.Tensor]:
 def _check_against_transformers(engine, model, tokenizer, seed: int) -> float:
     engine.reseed(seed)
     prompts = _prompts()
-    samples = engine.sample(prompts, G, NEW, TEMPERATURE, record_routing=True)
+    samples = engine.sample(prompts, Sampling(G, NEW, TEMPERATURE, record_routing=True))
     # Layout: HF's tokenization of the prompts (left padding), G contiguous rows per prompt, responses cut after eos.
     unique = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     P = samples.prompt_width
@@ -132,7 +132,7 @@ def test_sync_weights_in_place_matches_the_updated_model(served):
         engine.sync_weights(updated)
         _check_against_transformers(engine, updated, tokenizer, seed=4)
         engine.reseed(4)
-        samples = engine.sample(_prompts(), G, NEW, TEMPERATURE, record_routing=True)
+        samples = engine.sample(_prompts(), Sampling(G, NEW, TEMPERATURE, record_routing=True))
         stale, _, _ = _against(model, samples)
         assert stale > 1e-2, "the synced engine must not still compute with the old weights"
     finally:
@@ -146,18 +146,19 @@ def test_reseed_makes_sampling_deterministic_and_greedy_matches_hf(served):
     draws = []
     for seed in (7, 7, 8):
         engine.reseed(seed)
-        draws.append(engine.sample(prompts, G, NEW, TEMPERATURE).input_ids)
+        draws.append(engine.sample(prompts, Sampling(G, NEW, TEMPERATURE)).input_ids)
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
-    greedy = engine.sample(prompts, 2, NEW, 1.0, greedy=True)  # vLLM refuses n > 1 greedy: one request per row
+    # vLLM refuses n > 1 greedy: one request per row
+    greedy = engine.sample(prompts, Sampling(2, NEW, 1.0, greedy=True))
     assert greedy.logp is None
-    reference = HFEngine(model, tokenizer).sample(prompts, 2, NEW, 1.0, greedy=True)
+    reference = HFEngine(model, tokenizer).sample(prompts, Sampling(2, NEW, 1.0, greedy=True))
     assert greedy.completions == reference.completions and len(set(greedy.completions)) > 1
 
 
 def test_a_batch_longer_than_max_model_len_is_refused(served):
     engine, _, _ = served
     with pytest.raises(ValueError, match="max_model_len=64"):
-        engine.sample(_prompts(), G, 64, TEMPERATURE)
+        engine.sample(_prompts(), Sampling(G, 64, TEMPERATURE))
 
 
 def test_a_new_engine_closes_the_one_before_it(served):
@@ -166,8 +167,8 @@ def test_a_new_engine_closes_the_one_before_it(served):
     newer = _engine(model, tokenizer)
     try:
         with pytest.raises(RuntimeError, match="this VLLMEngine is closed"):
-            engine.sample(_prompts(), G, NEW, TEMPERATURE)
-        assert newer.sample(_prompts(), G, NEW, TEMPERATURE).size == len(_prompts()) * G
+            engine.sample(_prompts(), Sampling(G, NEW, TEMPERATURE))
+        assert newer.sample(_prompts(), Sampling(G, NEW, TEMPERATURE)).size == len(_prompts()) * G
     finally:
         newer.close()
 
@@ -309,7 +310,7 @@ def test_the_sigmoid_family_routes_as_transformers_before_and_after_a_sync(famil
     try:
         for seed in (3, 4):
             engine.reseed(seed)
-            samples = engine.sample(_prompts(), G, NEW, TEMPERATURE, record_routing=True)
+            samples = engine.sample(_prompts(), Sampling(G, NEW, TEMPERATURE, record_routing=True))
             diff, hf_routes, covered = _against(model, samples)
             same = (samples.routes.positions(FED).experts.sort(-1).values == hf_routes.sort(-1).values).all(-1)
             agreement = float(same[:, covered].float().mean())

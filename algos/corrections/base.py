@@ -16,6 +16,7 @@ The mismatch itself is measured by the loop, with or without a correction (`expe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
@@ -56,8 +57,28 @@ class CorrectionInputs:
 
 @dataclass(frozen=True)
 class CorrectionOutput:
+    """The per-token `weight`, and what the correction did to the tokens of `mask`: `hits`, by what was done
+    ("truncated", "masked", ...), the tokens it was done to ([B, T] bool). Its `metrics` are the share of valid tokens
+    hit and of non-empty sequences holding one (`token_frac`, `seq_frac`), read from these tensors, so that on several
+    data-parallel ranks they are taken over every rank's rows (`gathered`) without running the correction again."""
+
     weight: Tensor  # [B, T] >= 0, 0 at padding
-    metrics: dict[str, Tensor] = field(default_factory=dict)  # 0-dim tensors, logged under mismatch/
+    mask: Tensor  # [B, T] bool: the valid tokens
+    hits: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        nonempty = self.mask.sum(dim=1) > 0
+        values = {}
+        for what, token_hit in self.hits.items():
+            hit = token_hit & self.mask
+            values[token_frac(what)] = masked_mean(hit.float(), self.mask)
+            values[seq_frac(what)] = sequence_mean(hit.any(dim=1).float(), nonempty)
+        return dict(zip(values, torch.stack(list(values.values())).tolist())) if values else {}
+
+    def gathered(self, rows: Callable[[Tensor], Tensor]) -> "CorrectionOutput":
+        """This output over the rows of every data-parallel rank (`rows` concatenates them, padding with 0 / False)."""
+        return CorrectionOutput(rows(self.weight), rows(self.mask), {what: rows(hit) for what, hit in self.hits.items()})
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,7 @@ class Correction(ABC):
     name: ClassVar[str] = "correction"  # the registry key
     # Reads π_old/μ_old, which is 1 when π_old := μ_old (trainer.pi_old=bypass): the correction would do nothing.
     needs_decoupled: ClassVar[bool] = True
+    weighs_tokens: ClassVar[bool] = True  # its weights change the loss (the null correction's do not: all 1)
 
     def __post_init__(self) -> None:
         check_fields(self, f"correction {self.name}")
@@ -97,9 +119,10 @@ class NoCorrection(Correction):
     """No correction: every token weighs 1 (the mismatch is still measured, `mismatch_metrics`)."""
 
     needs_decoupled: ClassVar[bool] = False
+    weighs_tokens: ClassVar[bool] = False
 
     def __call__(self, inputs: CorrectionInputs) -> CorrectionOutput:
-        return CorrectionOutput(inputs.mask.float())
+        return CorrectionOutput(inputs.mask.float(), inputs.mask)
 
 
 def build_correction(name: str, **params: object) -> Correction:
@@ -114,16 +137,6 @@ def token_frac(what: str) -> str:
 def seq_frac(what: str) -> str:
     """The name of the share of non-empty sequences holding a token a correction did `what` to."""
     return f"mismatch/{what}_seq_frac"
-
-
-def fractions(inputs: CorrectionInputs, token_hit: Tensor, what: str) -> dict[str, Tensor]:
-    """`token_frac(what)` and `seq_frac(what)`: share of valid tokens in `token_hit` (`[B, T]` bool), and of
-    non-empty sequences holding at least one."""
-    hit = token_hit & inputs.mask
-    return {
-        token_frac(what): masked_mean(hit.float(), inputs.mask),
-        seq_frac(what): sequence_mean(hit.any(dim=1).float(), inputs.nonempty),
-    }
 
 
 def clamped_exp(log_value: Tensor, upper: float = SEQ_LOG_RATIO_BOUND) -> Tensor:

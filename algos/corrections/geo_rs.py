@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, fractions
+from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput
 
 
 @CORRECTIONS.register("geo_rs")
@@ -30,4 +30,4 @@ class GeometricRejection(Correction):
         mean_log = inputs.sequence_log_rho() / inputs.lengths.clamp(min=1)
         rejected = ((mean_log < math.log(self.low)) | (mean_log > math.log(self.high)))[:, None] & inputs.mask
         weight = torch.where(inputs.mask & ~rejected, 1.0, 0.0)
-        return CorrectionOutput(weight, fractions(inputs, rejected, "masked"))
+        return CorrectionOutput(weight, inputs.mask, {"masked": rejected})

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, clamped_exp, fractions
+from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, clamped_exp
 
 
 @CORRECTIONS.register("icepop")
@@ -29,4 +29,4 @@ class IcePop(Correction):
         lower = math.log(self.low) if self.low > 0 else -math.inf
         outside = (inputs.log_rho < lower) | (inputs.log_rho > math.log(self.high))
         weight = torch.where(inputs.mask & ~outside, clamped_exp(inputs.log_rho, upper=math.log(self.high)), 0.0)
-        return CorrectionOutput(weight, fractions(inputs, outside, "masked"))
+        return CorrectionOutput(weight, inputs.mask, {"masked": outside})

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.corrections.base import (
-    CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp, fractions,
+    CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp,
 )
 from algos.corrections.tis import TruncatedIS
 
@@ -36,4 +36,4 @@ class MaskedIS(Correction):
         )
         over = log_weight > cap
         weight = torch.where(inputs.mask & ~over, clamped_exp(log_weight, upper=cap), 0.0)
-        return CorrectionOutput(weight, fractions(inputs, over, "masked"))
+        return CorrectionOutput(weight, inputs.mask, {"masked": over})

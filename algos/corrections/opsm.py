@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from algos.objective import masked
-from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, fractions
+from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput
 
 
 @CORRECTIONS.register("opsm")
@@ -34,4 +34,4 @@ class OffPolicySequenceMask(Correction):
         drift = -masked(inputs.theta_log_ratio, inputs.mask).sum(dim=1) / inputs.lengths.clamp(min=1)
         masked_out = ((inputs.advantages < 0) & (drift > self.delta))[:, None] & inputs.mask
         weight = torch.where(inputs.mask & ~masked_out, 1.0, 0.0)
-        return CorrectionOutput(weight, fractions(inputs, masked_out, "opsm_masked"))
+        return CorrectionOutput(weight, inputs.mask, {"opsm_masked": masked_out})

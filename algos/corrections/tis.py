@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.corrections.base import (
-    CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp, fractions,
+    CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp,
 )
 
 
@@ -37,4 +37,4 @@ class TruncatedIS(Correction):
             total = inputs.sequence_log_rho()[:, None].expand_as(inputs.log_rho)
             log_weight, over = total, total > cap
         weight = torch.where(inputs.mask, clamped_exp(log_weight, upper=cap), 0.0)
-        return CorrectionOutput(weight, fractions(inputs, over, "truncated"))
+        return CorrectionOutput(weight, inputs.mask, {"truncated": over})

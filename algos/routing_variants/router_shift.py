@@ -37,6 +37,7 @@ Logged per update: `routing/router_shift_weight` (mean γ̃), `routing/router_sh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -73,6 +74,11 @@ class Shift:
         """θ = θ_old: no shift, γ̃ = 1."""
         zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         return cls(zeros, zeros.expand(layers, *mask.shape), torch.zeros_like(mask, dtype=torch.bool))
+
+    def gathered(self, rows: Callable[..., torch.Tensor]) -> "Shift":
+        """The shift of every data-parallel rank's rows (`rows(tensor, dim=...)` concatenates them, padding with 0 /
+        False)."""
+        return Shift(rows(self.log_weight), rows(self.deviation, dim=1), rows(self.floored))
 
     def metrics(self, mask: torch.Tensor) -> dict[str, float]:
         mask = mask.bool()
@@ -116,5 +122,14 @@ class RouterShift(RoutingVariant):
     def replay_rule(self) -> ReplayRule:
         return KeepOwnRouting()
 
-    def shift(self, current: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> Shift:
-        return router_shift(current, old, mask, self.floor)
+    def shift(self, current: torch.Tensor, old: torch.Tensor, prompt_width: int, mask: torch.Tensor) -> Shift:
+        """The shift of a minibatch's response tokens (`mask [B, T]`) from the log-probabilities of θ_old's experts
+        under θ's router (`current`) and θ_old's (`old`), both `[L, B, P+T-1, K]` over a scoring forward's fed
+        positions (prompts of width `prompt_width`)."""
+        tokens = mask.shape[1]
+        current = response_positions(current, prompt_width, tokens)
+        return router_shift(current, response_positions(old, prompt_width, tokens).to(current.device), mask, self.floor)
+
+    def unshifted(self, mask: torch.Tensor, layers: int) -> Shift:
+        """θ = θ_old (the on-policy minibatch): γ̃ = 1."""
+        return Shift.none(mask, layers)

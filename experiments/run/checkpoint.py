@@ -38,11 +38,10 @@ from omegaconf import DictConfig
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from experiments.run.launch import gather
 from experiments.run.resume import described, differences, length_change, settings
 from experiments.run.rundir import StorageError, replace_file, sync_directory
 from experiments.step.metrics import STEP
-from experiments.step.trainer import Ranks
+from experiments.step.ranks import Ranks, gather_objects
 from models.registry import ConfigError
 
 DIRECTORY = "checkpoints"
@@ -95,7 +94,7 @@ class _Together:
             if not all(isinstance(cause, OSError) for cause in causes):
                 raise  # a bug, not the disk: its traceback
             problem = _reason(causes[0])
-        problems = [p for p in gather(problem, self.ranks) if p is not None]
+        problems = [p for p in gather_objects(problem, self.ranks) if p is not None]
         if not problems:
             return
         if self.ranks.main:

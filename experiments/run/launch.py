@@ -4,7 +4,8 @@
 under torchrun) starts N ranks; `start` joins them into a process group (gloo on CPU, nccl on CUDA) and returns this
 process's `Ranks`. What each rank computes, and how the step's numbers combine over ranks, is the step's
 (`experiments.step.trainer`); here are the run-level pieces: the group, the one line a refusal prints (rank 0 alone),
-ranks that die with their parent, and broadcasts, gathers and barriers between the run's phases.
+ranks that die with their parent, and work done on rank 0 alone whose refusal every rank raises. The collectives
+themselves are `experiments.step.ranks`'.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from experiments.step.trainer import Ranks
+from experiments.step.ranks import Ranks, broadcast_object
 from models.registry import ConfigError
 
 
@@ -69,15 +70,6 @@ def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
-def broadcast(obj: Any, ranks: Ranks) -> Any:
-    """Rank 0's `obj` on every rank."""
-    if not ranks.active:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def on_rank0(work: Callable[[], Any], ranks: Ranks) -> Any:
     """Run `work` on rank 0 alone (its result there, None on the others), and raise its refusal on every rank: a
     rank that stopped alone would leave the others waiting for it in their next collective, for ever. A file it
@@ -90,21 +82,7 @@ def on_rank0(work: Callable[[], Any], ranks: Ranks) -> Any:
             refusal = str(error)
         except OSError as error:
             refusal = f"cannot write {error.filename}: {error.strerror}"
-    refusal = broadcast(refusal, ranks)
+    refusal = broadcast_object(refusal, ranks)
     if refusal is not None:
         raise ConfigError(refusal)
     return result
-
-
-def gather(obj: Any, ranks: Ranks) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
-    if not ranks.active:
-        return [obj]
-    found: list[Any] = [None] * ranks.world
-    dist.all_gather_object(found, obj)
-    return found
-
-
-def barrier(ranks: Ranks) -> None:
-    if ranks.active:
-        dist.barrier()

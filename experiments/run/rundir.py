@@ -238,12 +238,13 @@ class DirectoryGuard(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from experiments.run import launch
+            from experiments.step.ranks import broadcast_object
 
             try:
                 ranks = launch.start(config.get("device", "cpu"))
             except ConfigError as error:
                 launch.exit_once(f"moe-rl-lab: {error}")
-            chosen = launch.broadcast(str(config.hydra.run.dir), ranks)
+            chosen = broadcast_object(str(config.hydra.run.dir), ranks)
             with read_write(config.hydra.run):
                 config.hydra.run.dir = chosen
         _refuse_unwritable("hydra.run.dir", config.hydra.run.dir)

@@ -247,7 +247,7 @@ def check_training_dtype(dtype: str, device: str) -> None:
 def engine_needs(plan: StepPlan, objective: Objective, correction: Correction) -> Needs:
     """What the run needs from its engine, each need named by the settings that ask for it."""
     logprobs = None
-    if correction.name != "none" or objective.needs_rollout_logp:
+    if correction.weighs_tokens or objective.needs_rollout_logp:
         logprobs = f"correction={correction.name} / algo={objective.name} read μ_old's log-probs"
     elif plan.pi_old == PiOld.bypass:
         logprobs = "trainer.pi_old=bypass takes π_old from μ_old's log-probs"

@@ -37,7 +37,7 @@ THREADS = "perf/threads"  # torch threads the step ran with (`experiments.run.th
 ELAPSED = "perf/elapsed_s"  # since the run's first step
 MINIBATCHES = "minibatches"  # the list of per-minibatch records
 MINIBATCH = "minibatch"  # the index of one: updates since θ_old
-# Held-out evaluation (`experiments.step.trainer.evaluate`)
+# Held-out evaluation (`experiments.step.batch.evaluate`)
 EVAL = "eval/"
 EVAL_ACCURACY = EVAL + "accuracy"  # mean pass@1 over `eval_samples` samples per prompt
 EVAL_GREEDY = EVAL + "greedy_accuracy"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -72,53 +73,69 @@ def can_pack(model: PreTrainedModel) -> bool:
     return model.config._attn_implementation == PACKED_ATTENTION
 
 
-def score_responses(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_width: int,
-    temperature: float,
-    aux_loss: bool = False,
-    group_size: int = 1,
-    record: bool = False,
-    replay: RoutingTrace | None = None,
-    aux_loss_grad: bool = True,
-    fragile_margin: float | None = None,
-    over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    record_gates: bool = False,
-    rule: ReplayRule | None = None,
-    score_replayed: bool = False,
-    routers: bool = False,
-) -> Scores:
-    """Per-token log-probs of the response tokens under `model`, in fp32, differentiable when grad is enabled.
+class ResponseBatch(Protocol):
+    """What scoring reads of a batch of responses (a rollout's `Samples`, a `Minibatch`): `input_ids` and
+    `attention_mask [N, P+T]`, left-padded prompts of width `prompt_width`, then the responses."""
 
-    `input_ids`/`attention_mask [N, P+T]` (left-padded prompts of width P, responses). The response tokens
-    `[P, P+T)` are scored by the logits at `[P-1, P+T-1)`. `group_size > 1`: rows `j·G .. j·G+G-1` share their
-    prompt and are fed packed (see the module docstring). `record`: return the routing of the fed positions (with
-    `record_gates`, its gate weights and log-probabilities too); `replay`: force that routing (`[L, N, P+T-1, K]`) as
-    `rule` decides (default: ID replay) and return the router's own choice, and with `score_replayed` the current
-    router's log-scores of the replayed experts (`Scores.replayed_logprobs`). `aux_loss`: the global-batch
-    load-balancing loss over the fed tokens (`algos.routers.balancing.global_balance_loss`), differentiable unless
-    `aux_loss_grad=False` (a metric only); `over_ranks` sums its counts over data-parallel ranks. `fragile_margin`: also
-    the routing fragility and margins of the fed tokens (`router_fragility`). `routers`: return the forward's router
-    calls (`Scores.routers`; what the router switches of `algos.routers` read).
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_width: int
+
+
+@dataclass(frozen=True)
+class Responses:
+    """A `ResponseBatch` of plain tensors."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_width: int
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """What a scoring forward computes besides the log-probs and the entropy, and how it is fed."""
+
+    group_size: int = 1  # > 1: rows j·G .. j·G+G-1 share their prompt and are fed packed (module docstring)
+    record: bool = False  # return the routing of the fed positions (`Scores.routes`)
+    record_gates: bool = False  # with `record`: the chosen experts' gate weights and router log-probabilities too
+    # Force this routing (`[L, N, P+T-1, K]`), as `rule` decides (None: ID replay); `Scores.routes` is then the
+    # router's own choice.
+    replay: RoutingTrace | None = None
+    rule: ReplayRule | None = None
+    score_replayed: bool = False  # with `replay`: the current router's log-scores of its experts (`replayed_logprobs`)
+    # The global-batch load-balancing loss over the fed tokens (`algos.routers.balancing.global_balance_loss`),
+    # differentiable unless `aux_loss_grad` is False (a metric only); `over_ranks` sums its counts over ranks.
+    aux_loss: bool = False
+    aux_loss_grad: bool = True
+    over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    fragile_margin: float | None = None  # the fed tokens' routing fragility and margins (`router_fragility`)
+    routers: bool = False  # return the forward's router calls (`Scores.routers`: what `algos.routers` read)
+
+
+def score_responses(model: PreTrainedModel, batch: ResponseBatch, temperature: float,
+                    options: ScoreOptions = ScoreOptions()) -> Scores:
+    """Per-token log-probs of `batch`'s response tokens under `model`, in fp32 under `logits / temperature`,
+    differentiable when grad is enabled, with what `options` asks for besides.
+
+    The response tokens `[P, P+T)` are scored by the logits at `[P-1, P+T-1)`.
     """
+    input_ids, attention_mask, prompt_width = batch.input_ids, batch.attention_mask, batch.prompt_width
     fed_mask = attention_mask[:, FED]
     positions = position_ids(fed_mask)
     ids = input_ids[:, FED]
     tail = input_ids.shape[1] - prompt_width
     layout = None
-    if group_size > 1 and prompt_width > 1:
+    if options.group_size > 1 and prompt_width > 1:
         if not can_pack(model):
             raise ValueError(
-                f"packed scoring (group_size={group_size}) needs attn_implementation={PACKED_ATTENTION!r}; this "
-                f"model uses {model.config._attn_implementation!r}"
+                f"packed scoring (group_size={options.group_size}) needs attn_implementation={PACKED_ATTENTION!r}; "
+                f"this model uses {model.config._attn_implementation!r}"
             )
-        layout = SharedPrefix.from_rows(fed_mask, prompt_width - 1, group_size, model.dtype)
+        layout = SharedPrefix.from_rows(fed_mask, prompt_width - 1, options.group_size, model.dtype)
         if not layout.prefix_agrees(ids):
-            raise ValueError(f"packed scoring: rows of one group of {group_size} do not share their prompt")
-    capture = aux_loss or fragile_margin is not None or routers
-    routing = _routing(model, layout, ids, record, replay, record_gates, rule, score_replayed)
+            raise ValueError(f"packed scoring: rows of one group of {options.group_size} do not share their prompt")
+    capture = options.aux_loss or options.fragile_margin is not None or options.routers
+    routing = _routing(model, layout, ids, options)
     with routing as handle, router_calls(model) if capture else contextlib.nullcontext(RouterCapture()) as calls:
         if layout is None:
             logits = model(
@@ -142,31 +159,33 @@ def score_responses(
     balance = value = None
     weights = fed_mask if layout is None else layout.token_weights
     replayed = None
-    if replay is not None:
-        replayed = replay.recorded()[0] if layout is None else layout.pack(replay.recorded()[0])
+    if options.replay is not None:
+        replayed = options.replay.recorded()[0] if layout is None else layout.pack(options.replay.recorded()[0])
     forward = RouterCalls.of(calls, weights, replayed) if capture else None
-    if aux_loss:
-        with contextlib.nullcontext() if aux_loss_grad else torch.no_grad():
-            balance, value = global_balance_loss(forward, over_ranks)
-    stats, margins = router_fragility(forward, fragile_margin) if fragile_margin is not None else (None, None)
+    if options.aux_loss:
+        with contextlib.nullcontext() if options.aux_loss_grad else torch.no_grad():
+            balance, value = global_balance_loss(forward, options.over_ranks)
+    margin = options.fragile_margin
+    stats, margins = (None, None) if margin is None else router_fragility(forward, margin)
     routes = replayed_logprobs = None
-    if replay is not None or record:
-        routes = handle.router_choice if replay is not None else handle.trace
+    if options.replay is not None or options.record:
+        routes = handle.router_choice if options.replay is not None else handle.trace
         if layout is not None:
             routes = routes.map(lambda tensor: layout.unpack(tensor, dim=1))
-    if score_replayed:
+    if options.score_replayed:
         replayed_logprobs = handle.replayed_logprobs
         if layout is not None:
             replayed_logprobs = layout.unpack(replayed_logprobs, dim=1)
     return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats, aux_loss_value=value,
-                  replayed_logprobs=replayed_logprobs, routers=forward if routers else None,
+                  replayed_logprobs=replayed_logprobs, routers=forward if options.routers else None,
                   router_margins=None if margins is None else (margins, forward.flat_weights))
 
 
 @torch.no_grad()
 def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, float], torch.Tensor]:
     """How decisive each MoE layer's routing is on the fed tokens (each weighted by `routers.weights`, 0 on padding),
-    on the family's selection scores s (`models.routing.families.selection_scores`: softmax probabilities, or sigmoid + bias):
+    on the family's selection scores s (`models.routing.families.selection_scores`: softmax probabilities, or sigmoid
+    + bias):
     `TOPK_MASS` the router's normalised score mass on its chosen experts (prime-rl's routing confidence), `MARGIN` the
     gap s[k−1] − s[k] between the k-th and (k+1)-th selection scores (what a small update must overcome to flip a
     route), `FRAGILE` the share of tokens whose gap is below `margin`; `LOGIT_MARGIN`, the gap between the router
@@ -202,9 +221,10 @@ def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, flo
 
 def margin_stats(margins: torch.Tensor, weights: torch.Tensor) -> dict[str, float]:
     """The scale-free margin's weighted median (`TOPK_MARGIN_MEDIAN`), mean and share below `SMALL_MARGIN`
-    (`TOPK_MARGIN_SMALL`; `models.routing.measures.MarginSummary`) of `margins [L, T]` under the tokens' `weights [T]` (0 on padding): per layer, and pooled over every (token,
-    layer) pair, as the anchors were measured. A median is no mean of medians, so under data parallelism it is taken of every rank's tokens
-    gathered, never averaged over ranks."""
+    (`TOPK_MARGIN_SMALL`; `models.routing.measures.MarginSummary`) of `margins [L, T]` under the tokens' `weights
+    [T]` (0 on padding): per layer, and pooled over every (token, layer) pair, as the anchors were measured. A median
+    is no mean of medians, so under data parallelism it is taken of every rank's tokens gathered, never averaged over
+    ranks."""
     counted = weights > 0
     summaries = [MarginSummary.of(layer[counted], weights[counted]) for layer in margins]
     pooled = MarginSummary.of(margins[:, counted].reshape(-1), weights[counted].repeat(len(margins)))
@@ -215,11 +235,10 @@ def margin_stats(margins: torch.Tensor, weights: torch.Tensor) -> dict[str, floa
     return stats
 
 
-def _routing(
-    model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Tensor, record: bool, replay: RoutingTrace | None,
-    record_gates: bool, rule: ReplayRule | None, score_replayed: bool,
-) -> contextlib.AbstractContextManager:
+def _routing(model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Tensor,
+             options: ScoreOptions) -> contextlib.AbstractContextManager:
     """The record or replay context of the forward; a replayed trace is packed like the batch when it is."""
+    replay = options.replay
     if replay is not None:
         if layout is not None:
             if replay.shape[1:3] != tuple(ids.shape):
@@ -232,7 +251,7 @@ def _routing(
                     "differently; score it with group_size=1"
                 )
             replay = replay.map(lambda tensor: layout.pack(tensor, dim=1))
-        return replay_routing(model, replay, rule, score_replayed)
-    if score_replayed:
+        return replay_routing(model, replay, options.rule, options.score_replayed)
+    if options.score_replayed:
         raise ValueError("score_replayed scores the experts of a replayed trace: pass replay=")
-    return record_routing(model, gates=record_gates) if record else contextlib.nullcontext()
+    return record_routing(model, gates=options.record_gates) if options.record else contextlib.nullcontext()

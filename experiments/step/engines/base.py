@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from experiments.step.ranks import Ranks
 from models.registry import ConfigError, Registry
 from models.routing.trace import RoutingTrace
 
@@ -90,6 +91,19 @@ class Samples:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How the loop asks an engine to sample a batch of prompts: `group_size` completions of each, at most
+    `max_new_tokens` each, at `temperature` (or decoded greedily), with the engine's routing when asked."""
+
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    greedy: bool = False  # greedy decoding (no log-probs); the held-out evaluation's
+    record_routing: bool = False  # also the engine's experts per token (`Samples.routes`)
+    record_gates: bool = False  # and their gate weights and router log-probabilities (`RoutingTrace.weights`...)
+
+
+@dataclass(frozen=True)
 class Needs:
     """What a run needs from its engine beyond tokens, each as the clause that says which setting asks for it (None:
     not needed); `RolloutEngine.check` refuses a need the engine does not serve, with that clause."""
@@ -143,24 +157,14 @@ class RolloutEngine(ABC):
     @classmethod
     @abstractmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
-              ranks: Any, records_routing: bool) -> "RolloutEngine":
+              ranks: Ranks, records_routing: bool) -> "RolloutEngine":
         """The engine of a run: `model` is the trainer's policy (not yet sharded), `numerics` how the engine's
         numbers should differ from it, `records_routing` whether the loop will ask for its routing
         (`StepPlan.engine_records_routing`)."""
 
     @abstractmethod
-    def sample(
-        self,
-        prompts: list[str],
-        group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool = False,
-        record_routing: bool = False,
-        record_gates: bool = False,
-    ) -> Samples:
-        """`group_size` completions per prompt; `record_routing`: also the engine's experts per token, and with
-        `record_gates` their gate weights and router log-probabilities (`RoutingTrace.weights`, `.logprobs`)."""
+    def sample(self, prompts: list[str], sampling: Sampling) -> Samples:
+        """The completions of `prompts` that `sampling` asks for, laid out as the module docstring says."""
 
     @abstractmethod
     def sync_weights(self, model: torch.nn.Module) -> None:

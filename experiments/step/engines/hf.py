@@ -38,9 +38,10 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 
 from experiments.step.engines.base import (
-    ENGINES, EngineNumerics, KVCache, Precision, RolloutEngine, Samples, WeightQuant,
+    ENGINES, EngineNumerics, KVCache, Precision, RolloutEngine, Samples, Sampling, WeightQuant,
 )
 from experiments.step.scoring import position_ids
+from experiments.step.ranks import Ranks
 from models.registry import ConfigError, Diverged
 from models.routing.families import route
 from models.routing.hooks import record_routing
@@ -69,7 +70,7 @@ class HFEngine(RolloutEngine):
 
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
-              ranks: Any, records_routing: bool) -> "HFEngine":
+              ranks: Ranks, records_routing: bool) -> "HFEngine":
         return cls(model, tokenizer, numerics=None if cls.shares_weights_with_trainer(numerics) else numerics,
                    seed=cfg.seed, synced=ranks.active, kv_cache=KVCache(cfg.rollout.kv_cache))
 
@@ -120,16 +121,9 @@ class HFEngine(RolloutEngine):
                 weight.copy_(fake_quantize(weight, kind))
 
     @torch.no_grad()
-    def sample(
-        self,
-        prompts: list[str],
-        group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool = False,
-        record_routing: bool = False,
-        record_gates: bool = False,
-    ) -> Samples:
+    def sample(self, prompts: list[str], sampling: Sampling) -> Samples:
+        group_size, max_new_tokens, temperature = sampling.group_size, sampling.max_new_tokens, sampling.temperature
+        greedy, record_routing, record_gates = sampling.greedy, sampling.record_routing, sampling.record_gates
         model, tokenizer = self.model, self.tokenizer
         device = next(model.parameters()).device
         unique = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)

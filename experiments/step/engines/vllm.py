@@ -83,8 +83,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.step.engines.base import (
-    ENGINES, EngineNumerics, KVCache, Needs, Precision, RolloutEngine, Samples, WeightQuant,
+    ENGINES, EngineNumerics, KVCache, Needs, Precision, RolloutEngine, Samples, Sampling, WeightQuant,
 )
+from experiments.step.ranks import Ranks
 from models.registry import ConfigError
 from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
 
@@ -238,7 +239,7 @@ class VLLMEngine(RolloutEngine):
 
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
-              ranks: Any, records_routing: bool) -> "VLLMEngine":
+              ranks: Ranks, records_routing: bool) -> "VLLMEngine":
         if cfg.rollout.kv_cache != KVCache.preallocated:
             raise ConfigError(f"rollout.kv_cache={str(cfg.rollout.kv_cache)!r} chooses the hf engine's cache; vLLM "
                               "pages its own (rollout.vllm.kv_cache_gb): leave rollout.kv_cache at its default")
@@ -366,16 +367,9 @@ class VLLMEngine(RolloutEngine):
     # -- sampling --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def sample(
-        self,
-        prompts: list[str],
-        group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool = False,
-        record_routing: bool = False,
-        record_gates: bool = False,
-    ) -> Samples:
+    def sample(self, prompts: list[str], sampling: Sampling) -> Samples:
+        group_size, max_new_tokens, temperature = sampling.group_size, sampling.max_new_tokens, sampling.temperature
+        greedy, record_routing, record_gates = sampling.greedy, sampling.record_routing, sampling.record_gates
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -1,0 +1,102 @@
+"""The step's data: a rollout scored by the task (`Rollout`), and the minibatches an update trains on (`Minibatch`).
+
+    rollout     = collect_rollout(engine, task, examples, ...)        μ_old's samples and the task's rewards
+    order       = minibatch_order(layout, size, group_size, generator) whole groups, or rows shuffled (GSPO §5.1)
+    minibatches = split_minibatches(rollout, advantages, order, count) pure: slices with μ_old's numbers for them
+
+`evaluate` is the held-out accuracy of an engine on a fixed set of prompts, through the same rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from experiments.step import metrics as m
+from experiments.step.engines import RolloutEngine, Samples, Sampling
+from experiments.step.plan import Layout
+from experiments.step.scoring import FED
+from experiments.tasks import Example, Task
+from models.routing.trace import RoutingTrace
+
+
+@dataclass(kw_only=True)
+class Rollout(Samples):
+    """Samples with the task's verdict: one row per completion, `examples[i]` the prompt row i answers."""
+
+    examples: list[Example]
+    rewards: torch.Tensor  # [N] float
+    correct: torch.Tensor  # [N] bool
+
+
+def collect_rollout(engine: RolloutEngine, task: Task, examples: list[Example], sampling: Sampling) -> Rollout:
+    """Sample the examples' prompts with `engine` as `sampling` says and score the completions with the task."""
+    samples = engine.sample([example.prompt for example in examples], sampling)
+    rows = [example for example in examples for _ in range(sampling.group_size)]
+    rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(samples.completions, rows)], dtype=torch.float32)
+    correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(samples.completions, rows)])
+    return Rollout(**vars(samples), examples=rows, rewards=rewards, correct=correct)
+
+
+def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], samples: int, max_new_tokens: int,
+             temperature: float) -> dict[str, float]:
+    """Held-out accuracy on `examples` (the same fixed prefix of the test split at every evaluation and in every
+    run, so curves compare point by point): `EVAL_ACCURACY`, the mean over prompts of the share of `samples` sampled
+    completions that are correct (the unbiased pass@1 estimate; absent when `samples` is 0), and `EVAL_GREEDY`, the
+    share of prompts answered correctly by greedy decoding."""
+    metrics = {}
+    if samples > 0:
+        sampled = collect_rollout(engine, task, examples, Sampling(samples, max_new_tokens, temperature))
+        metrics[m.EVAL_ACCURACY] = float(sampled.correct.float().mean())
+    greedy = collect_rollout(engine, task, examples, Sampling(1, max_new_tokens, temperature, greedy=True))
+    metrics[m.EVAL_GREEDY] = float(greedy.correct.float().mean())
+    return metrics
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """One slice of the rollout batch: the rows an optimizer update trains on, with μ_old's numbers for them."""
+
+    index: int  # updates since θ_old when this minibatch is trained on
+    prompt_width: int
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor  # [n, T] the tokens the objective scores
+    token_mask: torch.Tensor  # [n, P+T-1] response positions among those a scoring forward feeds (`FED`)
+    advantages: torch.Tensor
+    mu_logp: torch.Tensor | None  # [n, T] the engine's log-probs (None: the engine returns none)
+    engine_routes: RoutingTrace | None  # the engine's routing of the fed positions, when it recorded one
+
+
+def minibatch_order(layout: Layout, size: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
+    """The row order the batch is split in: whole groups in a shuffled prompt order, or rows shuffled across groups."""
+    if layout == Layout.groups:
+        prompts = torch.randperm(size // group_size, generator=generator)
+        return (prompts[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    return torch.randperm(size, generator=generator)
+
+
+def split_minibatches(
+    rollout: Rollout, advantages: torch.Tensor, order: torch.Tensor, count: int, device: torch.device
+) -> list[Minibatch]:
+    """`count` minibatches of the rows in `order` (a pure function of its inputs)."""
+    prompt_pad = torch.zeros(len(rollout.examples), rollout.prompt_width, dtype=torch.bool)
+    token_mask = torch.cat([prompt_pad, rollout.response_mask], dim=1)[:, FED]
+    # Routing is compared and replayed on the positions a scoring forward feeds; the engine's trace has one more
+    # column, the last sampled token's, which never went through the model (NO_ROUTE).
+    engine_routes = rollout.routes.positions(FED) if rollout.routes is not None else None
+    return [
+        Minibatch(
+            index=j,
+            prompt_width=rollout.prompt_width,
+            input_ids=rollout.input_ids[rows].to(device),
+            attention_mask=rollout.attention_mask[rows].to(device),
+            response_mask=rollout.response_mask[rows].to(device),
+            token_mask=token_mask[rows],
+            advantages=advantages[rows].to(device),
+            mu_logp=rollout.logp[rows].to(device) if rollout.logp is not None else None,
+            engine_routes=engine_routes.rows(rows) if engine_routes is not None else None,
+        )
+        for j, rows in enumerate(order.chunk(count))
+    ]
