@@ -56,5 +56,25 @@ def test_a_start_without_a_recipe_is_refused_before_any_is_made(tmp_path):
     done = subprocess.run(["bash", str(script), "glm4_moe_l16-addition-tied", "qwen30b_l16-addition-flat"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 2 and not log.exists()  # the known name before the unknown one is not made either
-    assert done.stderr.strip() == ("error: no cold start named 'qwen30b_l16-addition-flat' (allowed: the seven listed "
-                                   f"in {script})")
+    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the ten "
+                                   f"listed in {script})")
+
+
+def test_k_starts_of_a_recipe_draw_its_seeds_and_start_0_is_the_documented_one(tmp_path):
+    env, log = recording_python(tmp_path)
+    env["COLD_STARTS"] = str(tmp_path / "starts")
+    script = SCRIPT.parent / "router_starts.sh"
+    done = subprocess.run(["bash", str(script), "--starts", "3", "tiny_moe-addition"], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    calls = [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
+    assert calls == [["-m", "experiments.sft", "model=tiny_moe", f"sft.output_dir={tmp_path}/starts/tiny_moe-addition"],
+                     *[["-m", "experiments.sft", "model=tiny_moe", f"model.init_seed={k}", f"seed={k}",
+                        f"sft.output_dir={tmp_path}/starts/tiny_moe-addition-start{k}"] for k in (1, 2)]]
+    where = subprocess.run(["bash", str(script), "--path", "2", "tiny_moe-addition"], env=env, capture_output=True,
+                           text=True)
+    assert where.stdout.strip() == f"{tmp_path}/starts/tiny_moe-addition-start2"
+    for bad in ("0", "two"):
+        refused = subprocess.run(["bash", str(script), "--starts", bad, "tiny_moe-addition"], env=env,
+                                 capture_output=True, text=True)
+        assert refused.returncode == 2 and f"--starts '{bad}' must be a whole number >= 1" in refused.stderr
