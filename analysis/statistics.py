@@ -259,11 +259,6 @@ class AcrossStarts:
         values = np.array(list(self.per_start.values()))
         return bool(np.all(values > TIE) or np.all(values < -TIE))
 
-    @property
-    def detectable(self) -> bool:
-        """Whether a start-level sign-flip test on this many starts can reach p < ALPHA at all (2/2^K < ALPHA)."""
-        return 2 / 2**self.starts < ALPHA
-
     def row(self) -> dict[str, float | int | str | bool]:
         return {"starts": self.starts, "starts_difference_estimate": self.difference.estimate,
                 "starts_difference_low": self.difference.low, "starts_difference_high": self.difference.high,

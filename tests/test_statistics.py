@@ -154,11 +154,11 @@ def test_across_starts_weights_every_start_alike_and_tests_the_starts_signs():
     assert result.per_start == pytest.approx({f"start{k}": 0.01 * (k + 1) for k in range(6)})
     assert result.difference.estimate == pytest.approx(0.035)  # the mean of the starts' means, not of the 50 pairs
     assert result.difference.low <= 0.035 <= result.difference.high and result.difference.low > 0
-    assert result.signs_agree and result.p_value == pytest.approx(2 / 64) and result.detectable
+    assert result.signs_agree and result.p_value == pytest.approx(2 / 64)
     draws = multi_bootstrap([np.zeros(40), np.ones(1)], 4000, np.random.default_rng(0))
     assert draws.mean() == pytest.approx(0.5, abs=0.03), "a start of one seed weighs as much as one of forty"
     mixed = across_starts({"a": [0.1, 0.2], "b": [-0.05], "c": [0.3]})
-    assert not mixed.signs_agree and not mixed.detectable
+    assert not mixed.signs_agree and mixed.p_value >= 2 / 8, "three starts: no p below 1/4"
     with pytest.raises(ValueError, match="a two-level interval needs at least 2 cold starts, got 1"):
         across_starts({"a": [0.1, 0.2, 0.3]})
 
