@@ -21,7 +21,8 @@ weights means other evaluation prompts: refused). A table written before per-see
 accuracy, and the report says that this rests on the accuracy alone; where no table names a start, the pairing is
 checked on that accuracy only, and said so. Rows a report did not count (`counted` = excluded: a run that did not
 finish, or, in a table from before that column, any incomplete run) never enter a comparison and are named. Writes
-`comparisons.csv`, the pooled `per_seed.csv` (with each row's `source`) and `report.md`, through a staging folder.
+`comparisons.csv`, the pooled `per_seed.csv` (with each row's `source`), `left_out.csv` and `report.md`, through a
+staging folder.
 Bad input ends with one `error:` line and exit code 2.
 """
 
@@ -41,12 +42,12 @@ from analysis import declaration as declared
 from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
 from analysis.load import UNKNOWN_START
 from analysis.report import (
-    COMPARISONS_FILE, PER_SEED_FILE, REPORT_FILE, comparison_section, left_out_section, markdown_table,
+    COMPARISONS_FILE, LEFT_OUT_FILE, PER_SEED_FILE, REPORT_FILE, comparison_section, left_out_section, markdown_table,
 )
 
 START_TOLERANCE = 1e-9  # starts are the same evaluation of the same weights: equal up to the CSV's printing
 _LEADING = ["run", "arm", "seed"]  # a per-seed table's first columns; the swept axes follow, then "start"
-_OUTPUT = {REPORT_FILE, PER_SEED_FILE, COMPARISONS_FILE}  # what a comparison writes (and replaces) in --out
+_OUTPUT = {REPORT_FILE, PER_SEED_FILE, COMPARISONS_FILE, LEFT_OUT_FILE}  # what a comparison writes (and replaces)
 
 
 class Source(NamedTuple):
@@ -210,8 +211,8 @@ def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, 
     status = excluded["status"] if "status" in excluded else pd.Series("incomplete", index=excluded.index)
     named = pd.DataFrame({"arm": excluded["arm"], "seed": excluded["seed"], **{key: excluded[key] for key in varied},
                           "start_sha256": excluded["start_sha256"], "run": excluded["run"],
-                          "why": [f"not counted by the report that wrote {source}: it did not finish (status "
-                                  f"{state})" for source, state in zip(excluded["source"], status)]},
+                          "why": [f"did not finish ({state}, in {source}): a run that did not finish never counts"
+                                  for source, state in zip(excluded["source"], status)]},
                          columns=[*agg.LEFT_OUT_COLUMNS[:2], *varied, *agg.LEFT_OUT_COLUMNS[2:]])
     left_out = agg.with_missing_units(named, rows, varied)
     checked = ("checked to pair: one run per arm, cell, start and seed; at each seed, arms from a shared cold start "
@@ -231,6 +232,7 @@ def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, 
     with staged(out_dir, _OUTPUT.__contains__, REPORT_FILE) as stage:
         rows.to_csv(stage / PER_SEED_FILE, index=False)
         comparisons.to_csv(stage / COMPARISONS_FILE, index=False)
+        left_out.to_csv(stage / LEFT_OUT_FILE, index=False)
         (stage / REPORT_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out_dir / REPORT_FILE
 
