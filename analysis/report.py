@@ -449,7 +449,8 @@ def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gai
                 "analysis.compare` with that report's per-seed table.", ""]
     missing = agg.left_out(runset, gains, axes, declaration.early_stopped)
     missing.to_csv(out_dir / LEFT_OUT_FILE, index=False)
-    lines += left_out_section(missing, axes) + [""]
+    if not gains.empty or not runset.unstarted.empty:  # without any evaluated run there was nothing to compare
+        lines += left_out_section(missing, axes) + [""]
     lines += _stability_section(runset, table, last_n, drop, alpha)
     lines += [""] + _early_warning_section(runset, drop, alpha)
     (out_dir / REPORT_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
