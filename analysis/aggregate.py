@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,15 +24,18 @@ import pandas as pd
 from algos.objective import CLIP
 from algos.objective import SEQ_RATIO_VAR as SEQ_VAR
 from algos.objective import TOKEN_RATIO_VAR as TOKEN_VAR
-from analysis.load import RunSet, ignored_key, method_name
-from analysis.statistics import compare
-from experiments.config import RolloutConfig
+from analysis.load import (
+    INCOMPLETE, UNKNOWN_START, RunSet, _format_value, _short_key, ignored_key, method_name,
+)
+from analysis.statistics import ALPHA, across_starts, compare, holm
+from experiments.config import EarlyStopped, RolloutConfig, Summary
 from experiments.step.engines import EngineNumerics
 from experiments.step.metrics import (
     DRIFT, ENTROPY, EVAL_GREEDY, EVAL_SPLIT_GREEDY, FRAGILE, GRAD_NORM, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED,
     STEP_TIME, TOKENS, gain_area, per_layer,
 )
 
+DIVERGED, INTERRUPTED, FAILED = "diverged", "interrupted", "failed"  # how a run's summary says it ended early
 EMA_ALPHA = 0.3
 LAST_N = 10
 COLLAPSE_DROP = 0.2
@@ -411,6 +415,8 @@ def early_warning(runset: RunSet, drop: float = COLLAPSE_DROP, alpha: float = EM
 # Config keys that are never a sweep's axis: who the run is (algorithm and replay make the arm; the seed is
 # averaged over) and what an arm implies or a run records about itself.
 _NOT_AXES = ("algo.name", "routing.replay", "routing_variant.name", "rollout.precision", "seed")
+# The settings an arm brings (conf/arm/*.yaml and the groups it picks): they may differ between the arms of one seed.
+_ARM_KEYS = ("algo.", "routing.replay", "routing_variant.", "routers.", "rollout.precision")
 
 
 def arm_of(cfg: dict) -> str:
@@ -421,13 +427,34 @@ def arm_of(cfg: dict) -> str:
     return arm
 
 
+def arm_names(configs: dict[str, dict]) -> dict[str, str]:
+    """Per run its arm (`arm_of`), and, where runs that share that name differ in another of the arm's own settings
+    (`minirl` with and without `algo.mask_stale`), those settings in parentheses: two arms are never pooled as one."""
+    names = {run: arm_of(cfg) for run, cfg in configs.items()}
+    parts: dict[str, list[str]] = {run: [] for run in configs}
+
+    def name(run: str) -> str:
+        return names[run] + (f" ({', '.join(parts[run])})" if parts[run] else "")
+
+    all_keys = sorted({key for cfg in configs.values() for key in cfg})
+    for key in (k for k in all_keys if k.startswith(_ARM_KEYS)):
+        values: dict[str, set[str]] = {}
+        for run, cfg in configs.items():
+            values.setdefault(name(run), set()).add(_format_value(cfg.get(key, "—")))
+        split = {run for run in configs if len(values[name(run)]) > 1}
+        for run in split:
+            parts[run].append(f"{_short_key(key, all_keys)}={_format_value(configs[run].get(key, '—'))}")
+    return {run: name(run) for run in configs}
+
+
 def sweep_axes(runset: RunSet) -> list[str]:
     """The numeric config keys a sweep varied within at least one arm (an arm's own settings are not axes), in
     sorted order. Categorical keys (a model's name, a path) are left out: a numeric key varies with them."""
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    arms = arm_names(configs)
     by_arm: dict[str, list[dict]] = {}
-    for cfg in configs.values():
-        by_arm.setdefault(arm_of(cfg), []).append(cfg)
+    for run, cfg in configs.items():
+        by_arm.setdefault(arms[run], []).append(cfg)
     keys = sorted({k for cfg in configs.values() for k in cfg})
     axes = []
     for key in keys:
@@ -441,51 +468,206 @@ def sweep_axes(runset: RunSet) -> list[str]:
     return axes
 
 
-# The summaries of a run's held-out accuracy that the reports compare, each per run and from its own start:
+# The summaries of a run's held-out accuracy that the reports compare, each per run and from its own start (the
+# values `comparison.primary` may name: experiments.config.Summary):
 GAIN_MEASURES = {
-    "gain": "final gain: greedy accuracy at the last evaluation − at the start (eval_prompts, 128 by default)",
-    "gain_area": "mean gain over the run: the area under the greedy curve above its start, per step "
-                 "(every evaluation; `metrics.gain_area`)",
-    "split_gain": "final gain on the whole test split: greedy accuracy on every test prompt (500) at the last step "
-                  "− at the start",
+    Summary.gain.value: "final gain: greedy accuracy at the last evaluation − at the start (eval_prompts, 128 by "
+                        "default)",
+    Summary.gain_area.value: "mean gain over the run: the area under the greedy curve above its start, per step "
+                             "(every evaluation; `metrics.gain_area`)",
+    Summary.split_gain.value: "final gain on the whole test split: greedy accuracy on every test prompt (500) at the "
+                              "last step − at the start",
 }
 
+# How each run with a start and an end counts in the comparisons (the `counted` column of the per-seed table):
+COUNTED = "yes"  # it ran every step
+SCORED_FAILED = "scored as failed"  # it ended itself early and the declared rule scores it as failed
+EXCLUDED = "excluded"  # it did not finish: left out of every comparison, named among the seeds left out
+PER_SEED_COLUMNS = ["start", "end", "gain", "gain_area", "split_start", "split_end", "split_gain", "incomplete",
+                    "status", "counted", "start_sha256"]  # after run, arm, seed and the swept axes
 
-def accuracy_gain(runset: RunSet) -> pd.DataFrame:
-    """Per run: its arm, the swept axes' values, held-out greedy accuracy at the start and at its last evaluation,
-    and the `GAIN_MEASURES`: the gain (end − start), the mean gain over the run (`gain_area`) and, where the run
-    evaluated the whole test split, its gain there (`split_start`, `split_end`, `split_gain`; NaN otherwise). Runs
-    without both evaluations are left out."""
+
+def _planned_evaluations(cfg: dict) -> list[int]:
+    """The steps at which a run of `cfg` evaluates (every `trainer.eval_every` steps and at its last)."""
+    steps, every = int(cfg.get("trainer.steps", 0)), int(cfg.get("trainer.eval_every", 0) or 0)
+    return sorted({*(range(every, steps + 1, every) if every else ()), steps} - {0})
+
+
+def accuracy_gain(runset: RunSet, early_stopped: str = EarlyStopped.exclude) -> pd.DataFrame:
+    """Per run with an evaluation at its start: its arm (`arm_names`), the swept axes' values, held-out greedy accuracy
+    at the start and at its last evaluation, and the `GAIN_MEASURES`: the gain (end − start), the mean gain over the
+    run (`gain_area`) and, where the run evaluated the whole test split, its gain there (`split_start`, `split_end`,
+    `split_gain`; NaN otherwise); how it ended (`incomplete`, `status`), whether it counts in the comparisons
+    (`counted`) and the sha256 of the weights it started from.
+
+    A run that finished counts. A run that ended itself early (`status: diverged`) counts as `early_stopped` says:
+    `exclude` (kept here with what it logged, `counted` = excluded), or `failed` (scored: held-out accuracy 0 at every
+    evaluation it did not reach, so its final gains are minus its start). Any other unfinished run is excluded. Runs
+    without an evaluation after their start are left out here, unless scored as failed (`left_out` names them)."""
+    if early_stopped not in set(EarlyStopped):
+        raise ValueError(f"early_stopped {early_stopped!r} is not a rule: {', '.join(EarlyStopped)}")
     evaluations = runset.metric(EVAL_GREEDY).sort_values("step")
     start = evaluations[evaluations["step"] == 0].groupby("run")["value"].first()
-    end = evaluations[evaluations["step"] > 0].groupby("run")["value"].last()
     curves = {run: (group["step"].tolist(), group["value"].tolist()) for run, group in evaluations.groupby("run")}
     split = runset.metric(EVAL_SPLIT_GREEDY).sort_values("step")
     split_start = split[split["step"] == 0].groupby("run")["value"].first()
     split_end = split[split["step"] > 0].groupby("run")["value"].last()
-    axes = sweep_axes(runset)
+    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    arms, axes = arm_names(configs), sweep_axes(runset)
     rows = []
     for row in runset.runs.itertuples():
-        if row.run not in start.index or row.run not in end.index:
+        if row.run not in start.index:
             continue
-        cfg = json.loads(row.config)
-        whole = row.run in split_start.index and row.run in split_end.index
-        rows.append({"run": row.run, "arm": arm_of(cfg), "seed": row.seed, **{key: cfg.get(key) for key in axes},
-                     "start": start[row.run], "end": end[row.run], "gain": end[row.run] - start[row.run],
-                     "gain_area": gain_area(*curves[row.run]),
+        cfg = configs[row.run]
+        steps, values = curves[row.run]
+        scored = row.status == DIVERGED and early_stopped == EarlyStopped.failed
+        if scored:  # every evaluation it did not reach at accuracy 0
+            missed = [step for step in _planned_evaluations(cfg) if step > steps[-1]]
+            steps, values = steps + missed, values + [0.0] * len(missed)
+        elif len(steps) < 2:
+            continue
+        whole = row.run in split_start.index and (scored or row.run in split_end.index)
+        end, split_last = (0.0, 0.0) if scored else (values[-1], split_end.get(row.run, math.nan))
+        rows.append({"run": row.run, "arm": arms[row.run], "seed": row.seed, **{key: cfg.get(key) for key in axes},
+                     "start": start[row.run], "end": end, "gain": end - start[row.run],
+                     "gain_area": gain_area(steps, values),
                      "split_start": split_start[row.run] if whole else math.nan,
-                     "split_end": split_end[row.run] if whole else math.nan,
-                     "split_gain": split_end[row.run] - split_start[row.run] if whole else math.nan,
-                     "incomplete": row.incomplete})
-    return pd.DataFrame(rows, columns=["run", "arm", "seed", *axes, "start", "end", "gain", "gain_area",
-                                       "split_start", "split_end", "split_gain", "incomplete"])
+                     "split_end": split_last if whole else math.nan,
+                     "split_gain": split_last - split_start[row.run] if whole else math.nan,
+                     "incomplete": row.incomplete, "status": row.status,
+                     "counted": SCORED_FAILED if scored else EXCLUDED if row.incomplete else COUNTED,
+                     "start_sha256": row.start_sha256})
+    return pd.DataFrame(rows, columns=["run", "arm", "seed", *axes, *PER_SEED_COLUMNS])
+
+
+def how_it_ended(status: str, last_step: int, cfg: dict) -> str:
+    """A run that did not finish, in words: how and at which of its planned steps it stopped."""
+    at = f"step {last_step} of {cfg.get('trainer.steps', '?')}"
+    return {DIVERGED: f"diverged at {at} (ended itself)", INTERRUPTED: f"interrupted at {at}",
+            FAILED: f"failed at {at} (its run directory could not be written)",
+            INCOMPLETE: f"no summary.json after {at} (crashed, killed or still running)"}.get(
+        status, f"status {status!r} at {at}")
+
+
+LEFT_OUT_COLUMNS = ["arm", "seed", "start_sha256", "run", "why"]  # the cell's axes come after seed
+
+
+def left_out(runset: RunSet, gains: pd.DataFrame, axes: list[str], early_stopped: str = EarlyStopped.exclude
+             ) -> pd.DataFrame:
+    """Every (arm, cell, start, seed) a comparison could have held and does not, with why: a run that did not finish
+    (and is not scored by the declared rule), a run without an evaluation at its start or after it, a job that logged
+    no step (`RunSet.unstarted`), and a seed another arm of the cell holds from a start this arm has no run from."""
+    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    jobs = {f"unstarted {i}": json.loads(job.config) for i, job in enumerate(runset.unstarted.itertuples())
+            if job.config}
+    arms = arm_names({**configs, **jobs})
+    evaluated = runset.metric(EVAL_GREEDY)
+    rule = f"comparison.early_stopped={early_stopped}"
+    rows = []
+    for row in runset.runs.itertuples():
+        cfg = configs[row.run]
+        listed = gains[gains["run"] == row.run]
+        if not listed.empty and listed["counted"].iloc[0] != EXCLUDED:
+            continue
+        if listed.empty:
+            steps = set(evaluated.loc[evaluated["run"] == row.run, "step"])
+            why = ("no held-out evaluation at its start" if 0 not in steps else
+                   "no held-out evaluation after its start")
+            if row.incomplete:
+                why += f"; {how_it_ended(row.status, row.last_step, cfg)}"
+        elif row.status == DIVERGED:
+            why = f"{how_it_ended(row.status, row.last_step, cfg)}: excluded by the declared rule ({rule})"
+        else:
+            why = f"{how_it_ended(row.status, row.last_step, cfg)}: stopped from outside, so it never counts"
+        rows.append({"arm": arms[row.run], "seed": row.seed, **{key: cfg.get(key) for key in axes},
+                     "start_sha256": row.start_sha256, "run": row.run, "why": why})
+    for i, job in enumerate(runset.unstarted.itertuples()):
+        cfg = jobs.get(f"unstarted {i}", {})
+        rows.append({"arm": arms.get(f"unstarted {i}", "?"), "seed": job.seed, **{key: cfg.get(key) for key in axes},
+                     "start_sha256": UNKNOWN_START, "run": job.where, "why": job.why})
+    return with_missing_units(pd.DataFrame(rows, columns=[*LEFT_OUT_COLUMNS[:2], *axes, *LEFT_OUT_COLUMNS[2:]]),
+                              gains, axes)
+
+
+def with_missing_units(named: pd.DataFrame, gains: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
+    """`named` (the left-out rows already known, with why) and, per cell, every (start, seed) some arm holds a counted
+    run at and another arm has no run at (nor a named one): the missing seeds."""
+    rows = named.to_dict("records")
+    counted = gains[gains["counted"] != EXCLUDED]
+    for cell, part in cells(counted, axes):
+        units = set(zip(part["start_sha256"], part["seed"]))
+        here = named[_in_cell(named, cell)]
+        for arm in sorted(set(part["arm"]), key=arm_order):
+            own = set(zip(part.loc[part["arm"] == arm, "start_sha256"], part.loc[part["arm"] == arm, "seed"]))
+            named_here = here[here["arm"] == arm]
+            for start, seed in sorted(units - own, key=lambda unit: (unit[0], _seed_key(unit[1]))):
+                if ((named_here["seed"] == seed) & named_here["start_sha256"].isin([start, UNKNOWN_START])).any():
+                    continue  # already named, with why
+                rows.append({"arm": arm, "seed": seed, **cell, "start_sha256": start, "run": "–",
+                             "why": "missing: no run of this arm at this seed from this start (another arm has one)"})
+    return pd.DataFrame(rows, columns=named.columns)
+
+
+def _in_cell(frame: pd.DataFrame, cell: dict) -> pd.Series:
+    inside = pd.Series(True, index=frame.index)
+    for key, value in cell.items():
+        inside &= frame[key] == value
+    return inside
+
+
+def _seed_key(seed: str) -> tuple[bool, int, str]:
+    return (not seed.isdigit(), int(seed) if seed.isdigit() else 0, seed)
+
+
+def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None:
+    """Refuse (`ValueError`, one line) runs that a comparison would pair although their configs differ beyond their
+    arms: within one cell, start and seed, the counted runs must agree in every setting but the arm's own (the
+    objective and its settings, replay, routing variant, router switches, the engine's precision), the swept axes and
+    what never changes a run's numbers (`load.ignored_key`); `model.path` too where the start's sha256 names it. A
+    setting one of two runs lacks altogether was recorded by the other only (added since, to a node the older run
+    did not have): not compared. One arm holds at most one run there."""
+    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    counted = gains[gains["counted"] != EXCLUDED]
+    for (start, seed), part in counted.groupby(["start_sha256", "seed"], sort=True):
+        for cell, runs in cells(part, axes):
+            twice = runs[runs.duplicated("arm", keep=False)]
+            if not twice.empty:
+                arm = twice["arm"].iloc[0]
+                raise ValueError(f"arm {arm!r} has {int((twice['arm'] == arm).sum())} runs at seed {seed} from start "
+                                 f"{start[:12] or '(unnamed)'}{_cell_text(cell)} ({', '.join(twice['run'])}): a paired "
+                                 "comparison takes one run per arm, cell, start and seed")
+            settings = {run: {key: _format_value(value) for key, value in configs[run].items()
+                              if not (key.startswith(_ARM_KEYS) or key in axes or ignored_key(key) or key in _NOT_AXES
+                                      or (key == "model.path" and start != UNKNOWN_START))}
+                        for run in runs["run"]}
+            first, *others = runs["run"]
+            for other in others:
+                for key in sorted(set(settings[first]) & set(settings[other])):
+                    here, there = settings[first][key], settings[other][key]
+                    if here != there:
+                        arm = dict(zip(runs["run"], runs["arm"]))
+                        raise ValueError(
+                            f"runs of seed {seed} from start {start[:12] or '(unnamed)'}{_cell_text(cell)} disagree in "
+                            f"{key} beyond their arms: {arm[first]} has {here} ({first}), {arm[other]} {there} "
+                            f"({other}); pairing them would compare that setting too: report them apart, or pair "
+                            "them with analysis.compare under names that say it")
+
+
+def _cell_text(cell: dict) -> str:
+    return "".join(f", {key}={_format_value(value)}" for key, value in cell.items())
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Arms against a baseline arm, paired over shared seeds (analysis.statistics)
+# Arms against a baseline arm, paired over shared (start, seed) units (analysis.statistics), judged as a family
 # ---------------------------------------------------------------------------------------------------------------
 
 DEFAULT_BASELINE = "grpo"
+PRIMARY, SECONDARY = "primary", "secondary"  # a comparison's role: in the declared family, or reported beside it
+
+
+def arm_order(arm: str) -> tuple[bool, str]:
+    """GRPO's arms first, then by name."""
+    return (arm.split(" ")[0] != "grpo", arm)
 
 
 def baseline_arm(gains: pd.DataFrame, baseline: str | None) -> str | None:
@@ -509,21 +691,96 @@ def cells(gains: pd.DataFrame, axes: list[str]) -> list[tuple[dict, pd.DataFrame
             for key, part in gains.groupby(axes, sort=True)]
 
 
-def arm_comparisons(gains: pd.DataFrame, baseline: str, axes: list[str]) -> pd.DataFrame:
+def _by_unit(rows: pd.DataFrame, measure: str) -> pd.Series:
+    """One arm's values of `measure` in one cell, indexed by (start, seed)."""
+    values = rows.dropna(subset=[measure]).set_index(["start_sha256", "seed"])[measure]
+    if values.index.has_duplicates:
+        unit = values.index[values.index.duplicated()][0]
+        raise ValueError(f"more than one run of arm {rows['arm'].iloc[0]!r} at seed {unit[1]} from start "
+                         f"{unit[0][:12] or '(unnamed)'}: a paired comparison takes one run per arm, cell, start and "
+                         "seed")
+    return values
+
+
+def arm_comparisons(gains: pd.DataFrame, baseline: str, axes: list[str], primary: str = Summary.gain_area,
+                    family: Sequence[str] = ()) -> pd.DataFrame:
     """Per cell, per gain measure (`GAIN_MEASURES`) and per arm other than `baseline`: the paired comparison over the
-    seeds both hold with a value (`statistics.compare`), one row each with the cell's axes, `measure`, `arm`,
-    `baseline`, the comparison's fields and its `verdict`; fewer than 2 shared seeds give a row that says so."""
+    (start, seed) units both hold with a counted value (`statistics.compare`; runs whose `counted` is excluded never
+    enter) and, where those units span ≥ 2 starts, the comparison across starts (`statistics.across_starts`). One row
+    each with the cell's axes, `measure`, `arm`, `baseline`, `role` (primary: `primary` measure and an arm of
+    `family`, every arm when empty; else secondary), the numbers and the `verdict`: Holm's correction over the
+    primary rows decides theirs (on the start-level test where there are ≥ 2 starts), the secondary rows keep the
+    uncorrected rule and say so. Fewer than 2 shared units give a row that says so."""
+    counted = gains[gains["counted"] != EXCLUDED] if "counted" in gains else gains
+    if "start_sha256" not in counted:  # a table from before runs named their start: every run from one, unnamed
+        counted = counted.assign(start_sha256=UNKNOWN_START)
     rows = []
-    for cell, part in cells(gains, axes):
+    for cell, part in cells(counted, axes):
         reference = part[part["arm"] == baseline]
         for measure in GAIN_MEASURES:
-            base = reference.dropna(subset=[measure]).groupby("seed")[measure].mean()
-            for arm in sorted(set(part["arm"]) - {baseline}, key=lambda a: (a.split(" ")[0] != "grpo", a)):
-                own = part[part["arm"] == arm].dropna(subset=[measure]).groupby("seed")[measure].mean()
-                shared = sorted(set(own.index) & set(base.index), key=lambda s: (len(s), s))
-                row = {**cell, "measure": measure, "arm": arm, "baseline": baseline}
+            base = _by_unit(reference, measure)
+            for arm in sorted(set(part["arm"]) - {baseline}, key=arm_order):
+                own = _by_unit(part[part["arm"] == arm], measure)
+                shared = sorted(set(own.index) & set(base.index), key=lambda unit: (unit[0], _seed_key(unit[1])))
+                role = PRIMARY if measure == primary and (not family or arm in family) else SECONDARY
+                row = {**cell, "measure": measure, "arm": arm, "baseline": baseline, "role": role}
                 if len(shared) < 2:
                     rows.append({**row, "seeds": len(shared), "verdict": f"not compared: {len(shared)} shared seed(s)"})
                     continue
-                rows.append({**row, **compare(own[shared].to_numpy(), base[shared].to_numpy()).row()})
-    return pd.DataFrame(rows)
+                row.update(compare(own[shared].to_numpy(), base[shared].to_numpy()).row())
+                differences: dict[str, list[float]] = {}
+                for unit in shared:
+                    differences.setdefault(unit[0], []).append(own[unit] - base[unit])
+                row.update(across_starts(differences).row() if len(differences) >= 2 else
+                           {"starts": 1, "per_start": f"{shared[0][0][:12] or '?'}: {row['difference_estimate']:+.3f} "
+                                                      f"({len(shared)})"})
+                rows.append(row)
+    return _judged(pd.DataFrame(rows))
+
+
+def _judged(table: pd.DataFrame) -> pd.DataFrame:
+    """The verdict of every compared row: the primary rows as a family (Holm), the secondary ones alone."""
+    if table.empty or "difference_estimate" not in table:
+        return table
+    for column in ("starts", "starts_p_value", "starts_difference_low", "starts_difference_high"):
+        if column not in table:
+            table[column] = math.nan
+    compared = table["difference_estimate"].notna()
+    across = compared & (table["starts"] >= 2)
+    table["decisive_p"] = table["starts_p_value"].where(across, table["p_value"])
+    low = table["starts_difference_low"].where(across, table["difference_low"])
+    high = table["starts_difference_high"].where(across, table["difference_high"])
+    interval_excludes = (low > 0) | (high < 0)
+    family = compared & (table["role"] == PRIMARY)
+    table["holm_p"] = math.nan
+    table.loc[family, "holm_p"] = holm(table.loc[family, "decisive_p"].to_numpy(float))
+    decides = table["holm_p"].where(family, table["decisive_p"])
+    table["separates"] = (interval_excludes & (decides < ALPHA)).astype(object).where(compared, None)
+    size = int(family.sum())
+    for i in table.index[compared]:
+        table.at[i, "verdict"] = _verdict(table.loc[i], size)
+    return table
+
+
+def _verdict(row: pd.Series, family_size: int) -> str:
+    starts = int(row["starts"])
+    where = f" across {starts} starts" if starts >= 2 else ""
+    if row["role"] == PRIMARY:
+        test = f"{'start-level ' if starts >= 2 else ''}Holm p = {row['holm_p']:.3g} over a family of {family_size}"
+    else:
+        test = f"{'start-level ' if starts >= 2 else ''}p = {row['decisive_p']:.3g}, uncorrected"
+    interval = "two-level 95% CI" if starts >= 2 else "95% CI"
+    if row["separates"]:
+        said = f"separates{where} ({interval} of the difference excludes 0; {test})"
+    elif starts >= 2 and 2 / 2**starts >= ALPHA:
+        said = (f"not distinguishable{where} ({test}; with {starts} starts no start-level test reaches p < "
+                f"{ALPHA:g}: at least 6 are needed)")
+    elif starts >= 2:
+        said = f"not distinguishable{where} ({test})"
+    elif math.isinf(row["detectable"]):
+        said = (f"not distinguishable ({test}; with {int(row['seeds'])} seeds no paired test reaches p < {ALPHA:g}: "
+                "at least 6 are needed)")
+    else:
+        said = (f"not distinguishable ({test}; with {int(row['seeds'])} seeds the smallest effect this could detect "
+                f"is {row['detectable']:.3f})")
+    return said if row["role"] == PRIMARY else f"secondary: {said}"

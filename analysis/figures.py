@@ -640,11 +640,14 @@ def _arm_color(arm: str) -> tuple[str, str]:
     return algo_color(algo), replay_linestyle(replay)
 
 
-def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
+def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False,
+                       early_stopped: str = agg.EarlyStopped.exclude) -> FigureOutput:
     """Held-out greedy accuracy gained from each run's start against what the sweep varied: one line per arm for one
-    swept knob, a grid per arm (the phase diagram) for two."""
+    swept knob, a grid per arm (the phase diagram) for two. The runs the comparisons count (`agg.accuracy_gain`
+    under `early_stopped`): a run that did not finish is not drawn as if it had."""
     out = FigureOutput("0", "fig0_sweep_response", "Held-out accuracy gained, against what the sweep varied", "")
-    gains = agg.accuracy_gain(runset)
+    gains = agg.accuracy_gain(runset, early_stopped)
+    gains = gains[gains["counted"] != agg.EXCLUDED]
     axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
     if gains.empty or not axes:
         out.notes.append("The runs vary no numeric setting within an arm (or were not evaluated at start and end): "
@@ -725,11 +728,11 @@ def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str
 
 
 def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
-                pdf: bool = False) -> list[FigureOutput]:
-    """Every figure in report order."""
+                pdf: bool = False, early_stopped: str = agg.EarlyStopped.exclude) -> list[FigureOutput]:
+    """Every figure in report order (`early_stopped`: how the gain figure counts runs that ended themselves)."""
     out_dir = Path(out_dir)
     return [
-        fig_sweep_response(runset, out_dir, dpi=dpi, pdf=pdf),
+        fig_sweep_response(runset, out_dir, dpi=dpi, pdf=pdf, early_stopped=early_stopped),
         fig_reward_vs_compute(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),
         fig_clip_fraction(runset, out_dir, dpi=dpi, pdf=pdf),
         fig_replay_grpo(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),

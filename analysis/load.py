@@ -7,16 +7,20 @@ runs are found recursively. A W&B run carries the same flat keys in its history,
 flattened as `minibatch/<j>/<name>`, and the resolved config as `run.config`.
 
 Both sources end in one `RunSet`:
-- `runs`: one row per run (id, label, algorithm, replay mode, seed, status, ...);
+- `runs`: one row per run (id, label, algorithm, replay mode, seed, status, the start's sha256, ...);
 - `scalars`: long frame `[run, step, metric, value]`, one row per logged step-level scalar;
 - `minibatches`: long frame `[run, step, minibatch, metric, value]` from the per-minibatch records, where
-  `minibatch` is the number of optimizer updates since θ_old.
+  `minibatch` is the number of optimizer updates since θ_old;
+- `unstarted`: the jobs that logged nothing (`[where, seed, config, why]`): a sweep's job directory without
+  `metrics.jsonl` (a job refused before its first step), or a W&B run without history. A report names them among
+  the seeds it left out.
 
 Series are "grouped by what differs": the label of a run names its algorithm, its replay mode when not `none`,
 and every other config key that separates runs which would otherwise share a label (seeds are not such a key:
 runs that differ only in seed, paths or logging are the seeds of one series). Reading never stops at bad data:
 a malformed line is reported as `file:line` on stderr and skipped; a run without `summary.json` is kept up to its
-last valid line and marked incomplete.
+last valid line and marked incomplete, with how it ended (`status`: the summary's `diverged`, `interrupted` or
+`failed`, or `INCOMPLETE` without one).
 """
 
 from __future__ import annotations
@@ -38,22 +42,27 @@ import yaml
 from analysis.style import ALGO_ORDER, REPLAY_ORDER
 from experiments.run.logger import WANDB_MINIBATCH
 from experiments.run.resume import node_recorded, retired_as_today
-from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE
+from experiments.run.rundir import LOCK_FILE, METRICS_FILE, SUMMARY_FILE
 from experiments.step.metrics import MINIBATCH, MINIBATCHES, STEP, TOKENS, unstarted
 
 CONFIG_FILE = Path(".hydra") / "config.yaml"
+MULTIRUN_FILE = "multirun.yaml"  # what Hydra writes at the top of a sweep directory, beside its jobs
 
 SCALAR_COLUMNS = ["run", "step", "metric", "value"]
 MINIBATCH_COLUMNS = ["run", "step", "minibatch", "metric", "value"]
 RUN_COLUMNS = [
     "run", "label", "algo", "replay", "seed", "model", "num_layers", "status", "incomplete",
-    "last_step", "wall_s", "source", "config",
+    "last_step", "wall_s", "start_sha256", "source", "config",
 ]
-INCOMPLETE = "incomplete (crashed or still running)"
+UNSTARTED_COLUMNS = ["where", "seed", "config", "why"]
+FINISHED = "finished"  # the status of a run that ran every planned step (its summary.json says so)
+INCOMPLETE = "incomplete (crashed or still running)"  # the status of a run without summary.json
+UNKNOWN_START = ""  # the start_sha256 of a run whose summary does not name its start (none yet, or written before)
 
-# Config keys that never separate series: seeds are aggregated; logging, threads and checkpointing do not change what
-# a run computes. Everything else does (a checkpoint path, a data file), so runs that differ there are never merged.
-_IGNORED_PREFIXES = ("hydra.", "logger.", "wandb.")
+# Config keys that never separate series: seeds are aggregated; logging, threads, checkpointing and the comparison an
+# experiment declares (how its report decides) do not change what a run computes. Everything else does (a checkpoint
+# path, a data file), so runs that differ there are never merged.
+_IGNORED_PREFIXES = ("hydra.", "logger.", "wandb.", "comparison.")
 _IGNORED_KEYS = frozenset({"seed", "trainer.threads", "trainer.save_checkpoint", "trainer.checkpoint_every",
                            "trainer.keep_checkpoints", "resume"})
 _OUTPUT_LEAF = re.compile(r"^(.*_dir|dir|output.*)$")  # where results go, never what they are computed from
@@ -69,6 +78,7 @@ class RunSet:
     minibatches: pd.DataFrame
     source: str
     problems: list[str] = field(default_factory=list)
+    unstarted: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=UNSTARTED_COLUMNS))
 
     @property
     def labels(self) -> list[str]:
@@ -325,7 +335,8 @@ def _frames(rows: _Rows) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     return scalars[SCALAR_COLUMNS], minibatches[MINIBATCH_COLUMNS], seen - len(scalars)
 
 
-def _run_row(run: str, cfg: Mapping[str, Any], finished: bool, wall_s: float, source: str) -> dict[str, Any]:
+def _run_row(run: str, cfg: Mapping[str, Any], status: str, wall_s: float, start_sha256: str,
+             source: str) -> dict[str, Any]:
     seed = cfg.get("seed")
     layers = cfg.get("model.num_hidden_layers")
     return {
@@ -335,17 +346,18 @@ def _run_row(run: str, cfg: Mapping[str, Any], finished: bool, wall_s: float, so
         "seed": _format_value(seed) if seed is not None else "",
         "model": str(cfg.get("model.name", "")),
         "num_layers": float(layers) if isinstance(layers, (int, float)) and not isinstance(layers, bool) else math.nan,
-        "status": "finished" if finished else INCOMPLETE,
-        "incomplete": not finished,
+        "status": status,
+        "incomplete": status != FINISHED,
         "wall_s": wall_s,
+        "start_sha256": start_sha256,
         "source": source,
         "config": json.dumps(cfg, sort_keys=True, default=str),
     }
 
 
 def _finish(run_rows: list[dict], scalars: pd.DataFrame, minibatches: pd.DataFrame, source: str,
-            problems: list[str]) -> RunSet:
-    """Attach labels and last steps; runs of one experiment and seed (a crashed run and its rerun) count once."""
+            problems: list[str], unstarted: list[dict] = ()) -> RunSet:
+    """Attach labels and last steps; runs of one experiment, start and seed (a crashed run and its rerun) count once."""
     runs = pd.DataFrame(run_rows)
     last = scalars.groupby("run")["step"].max()
     runs["last_step"] = runs["run"].map(last).fillna(0).astype("int64")
@@ -356,12 +368,15 @@ def _finish(run_rows: list[dict], scalars: pd.DataFrame, minibatches: pd.DataFra
     configs = {row.run: json.loads(row.config) for row in runs.itertuples()}
     runs["label"] = runs["run"].map(label_runs(configs))
     runs = runs[RUN_COLUMNS].reset_index(drop=True)
-    return RunSet(runs=runs, scalars=scalars, minibatches=minibatches, source=source, problems=problems)
+    return RunSet(runs=runs, scalars=scalars, minibatches=minibatches, source=source, problems=problems,
+                  unstarted=pd.DataFrame(list(unstarted), columns=UNSTARTED_COLUMNS))
 
 
 def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
-    """The runs to count: of runs with the same experiment and seed, the finished one with the most steps (else the
-    one with the most steps); each left out is reported, never averaged in as another replicate."""
+    """The runs to count: of runs with the same experiment, start and seed, the finished one with the most steps
+    (else the one with the most steps); each left out is reported, never averaged in as another replicate. Runs of
+    one experiment and seed from different starts (their summaries name two sha256) are not repeats; a run that
+    names no start (it crashed before its summary) repeats the one that does."""
     def experiment(config: str) -> str:
         flat = {k: v for k, v in json.loads(config).items() if not ignored_key(k) or k == "seed"}
         return json.dumps(flat, sort_keys=True, default=str)
@@ -369,12 +384,17 @@ def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
     kept = set()
     for _, group in runs.groupby(runs["config"].map(experiment), sort=False):
         ranked = group.sort_values(["incomplete", "last_step"], ascending=[True, False], kind="stable")
-        best = ranked.iloc[0]
-        kept.add(best["run"])
-        for other in ranked.iloc[1:].itertuples():
-            _warn(problems, f"run {other.run} repeats run {best['run']} (same config and seed "
-                            f"{best['seed'] or '?'}); only {best['run']} ({best['status']}, {best['last_step']} steps) "
-                            f"is counted, not {other.run} ({other.status}, {other.last_step} steps)")
+        starts = [start for start in dict.fromkeys(ranked["start_sha256"]) if start != UNKNOWN_START]
+        for i, start in enumerate(starts or [UNKNOWN_START]):
+            own = ranked[ranked["start_sha256"] == start]
+            best, repeats = own.iloc[0], own.iloc[1:]
+            kept.add(best["run"])
+            if i == 0 and start != UNKNOWN_START:  # the runs that name no start repeat the best one that does
+                repeats = pd.concat([repeats, ranked[ranked["start_sha256"] == UNKNOWN_START]])
+            for other in repeats.itertuples():
+                _warn(problems, f"run {other.run} repeats run {best['run']} (same config and seed "
+                                f"{best['seed'] or '?'}); only {best['run']} ({best['status']}, {best['last_step']} "
+                                f"steps) is counted, not {other.run} ({other.status}, {other.last_step} steps)")
     return kept
 
 
@@ -390,8 +410,17 @@ def is_run_dir(path: Path) -> bool:
     return (path / METRICS_FILE).is_file() and (path / CONFIG_FILE).is_file()
 
 
-def find_run_dirs(paths: Sequence[str | Path], problems: list[str] | None = None) -> list[tuple[Path, Path]]:
-    """All run directories under `paths`, as `(input_root, run_dir)` pairs in natural order (0, 1, ..., 10).
+def is_job_dir(path: Path, filenames: Sequence[str]) -> bool:
+    """A directory a run was started in: it holds a run's config, lock or summary, or it is a job of a Hydra sweep
+    (its parent holds `multirun.yaml`)."""
+    return ((path / CONFIG_FILE).is_file() or LOCK_FILE in filenames or SUMMARY_FILE in filenames
+            or (path.parent / MULTIRUN_FILE).is_file())
+
+
+def find_run_dirs(paths: Sequence[str | Path], problems: list[str] | None = None,
+                  unstarted: list[Path] | None = None) -> list[tuple[Path, Path]]:
+    """All run directories under `paths`, as `(input_root, run_dir)` pairs in natural order (0, 1, ..., 10); the job
+    directories that hold no `metrics.jsonl` (a job refused before its first step) are added to `unstarted`.
 
     Raises FileNotFoundError for a path that does not exist, ValueError when nothing under `paths` is a run.
     """
@@ -414,11 +443,34 @@ def find_run_dirs(paths: Sequence[str | Path], problems: list[str] | None = None
                 continue
             if METRICS_FILE in filenames:
                 _warn(problems, f"{here / METRICS_FILE} has no {CONFIG_FILE} next to it; skipped")
+            elif unstarted is not None and is_job_dir(here, filenames) and here.resolve() not in seen:
+                seen.add(here.resolve())
+                unstarted.append(here)
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
     if not found:
         where = ", ".join(str(p) for p in paths)
         raise ValueError(f"no runs found under {where} (a run directory holds {METRICS_FILE} and {CONFIG_FILE})")
     return sorted(found, key=lambda pair: _natural_key(pair[1]))
+
+
+def _unstarted_row(where: str, flat: Mapping[str, Any], why: str) -> dict[str, Any]:
+    seed = flat.get("seed")
+    return {"where": where, "seed": _format_value(seed) if seed is not None else "",
+            "config": json.dumps(dict(flat), sort_keys=True, default=str) if flat else "", "why": why}
+
+
+def _read_unstarted(job: Path, defaults: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """What a job directory without a log says of itself: its config (when it wrote one) and how it ended."""
+    try:
+        config = yaml.safe_load((job / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        config = None
+    flat = as_today(flatten_config(config), defaults) if isinstance(config, dict) else {}
+    status = _read_summary(job, problems)[0] if (job / SUMMARY_FILE).is_file() else None
+    why = f"no {METRICS_FILE}: the job logged no step (refused before its first step" + \
+        (f"; its summary says {status!r})" if status else ")")
+    _warn(problems, f"{job} holds no {METRICS_FILE}: a job that logged no step; left out")
+    return _unstarted_row(str(job), flat, why)
 
 
 def read_metrics(path: Path, problems: list[str]) -> list[tuple[int, dict[str, Any]]]:
@@ -448,20 +500,29 @@ def read_metrics(path: Path, problems: list[str]) -> list[tuple[int, dict[str, A
     return records
 
 
-def _read_summary(run_dir: Path, problems: list[str]) -> tuple[bool, float]:
+def _read_summary(run_dir: Path, problems: list[str]) -> tuple[str, float, str]:
+    """How the run ended (the summary's `status`, `INCOMPLETE` without a readable one), its wall time and the sha256
+    of the weights it started from (`UNKNOWN_START` where the summary does not name them)."""
     path = run_dir / SUMMARY_FILE
     if not path.is_file():
-        return False, math.nan
+        return INCOMPLETE, math.nan, UNKNOWN_START
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         _warn(problems, f"{path}: unreadable ({err}); run treated as incomplete")
-        return False, math.nan
+        return INCOMPLETE, math.nan, UNKNOWN_START
     if not isinstance(summary, dict):
         _warn(problems, f"{path}: not a JSON object; run treated as incomplete")
-        return False, math.nan
+        return INCOMPLETE, math.nan, UNKNOWN_START
+    return _summary_fields(summary)
+
+
+def _summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str]:
+    status = summary.get("status")
     wall = _as_float(summary.get("wall_s"))
-    return summary.get("status") == "finished", wall if wall is not None else math.nan
+    start = summary.get("start_sha256")
+    return (str(status) if isinstance(status, str) and status else INCOMPLETE, wall if wall is not None else math.nan,
+            start if isinstance(start, str) else UNKNOWN_START)
 
 
 def _run_id(root: Path, run_dir: Path, taken: set[str]) -> str:
@@ -481,7 +542,10 @@ def load_runs(paths: Sequence[str | Path]) -> RunSet:
     run_rows: list[dict] = []
     taken: set[str] = set()
     defaults = schema_defaults()
-    for root, run_dir in find_run_dirs(paths, problems):
+    jobs: list[Path] = []
+    found = find_run_dirs(paths, problems, jobs)
+    unstarted = [_read_unstarted(job, defaults, problems) for job in sorted(jobs, key=_natural_key)]
+    for root, run_dir in found:
         try:
             config = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -493,21 +557,23 @@ def load_runs(paths: Sequence[str | Path]) -> RunSet:
         records = read_metrics(run_dir / METRICS_FILE, problems)
         if not records:
             _warn(problems, f"{run_dir / METRICS_FILE}: no valid metric line; run skipped")
+            unstarted.append(_unstarted_row(str(run_dir), as_today(flatten_config(config), defaults),
+                                            f"no valid line in {METRICS_FILE}: the job logged no step"))
             continue
         run = _run_id(root, run_dir, taken)
         bad = sum(_add_record(rows, run, step, record) for step, record in records)
         if bad:
             _warn(problems, f"{run_dir / METRICS_FILE}: {bad} per-minibatch entries without an integer "
                             "'minibatch' index skipped")
-        finished, wall_s = _read_summary(run_dir, problems)
-        run_rows.append(_run_row(run, as_today(flatten_config(config), defaults), finished, wall_s,
-                                    str(run_dir)))
+        status, wall_s, start = _read_summary(run_dir, problems)
+        run_rows.append(_run_row(run, as_today(flatten_config(config), defaults), status, wall_s, start,
+                                 str(run_dir)))
     if not run_rows:
         raise ValueError(f"no run under {', '.join(str(p) for p in paths)} has a readable config and a valid "
                          f"{METRICS_FILE} line")
     scalars, minibatches, repeated = _frames(rows)
     _note_dropped(problems, rows.non_finite, repeated)
-    return _finish(run_rows, scalars, minibatches, ", ".join(str(p) for p in paths), problems)
+    return _finish(run_rows, scalars, minibatches, ", ".join(str(p) for p in paths), problems, unstarted)
 
 
 def _note_dropped(problems: list[str], non_finite: int, repeated: int) -> None:
@@ -555,7 +621,8 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
     The loaded frames are written as parquet under `wandb_cache_dir(cache_root, path, groups)`; a later call with
     the same arguments reads them back without creating an API object (no network), unless `refresh` is set.
     `api_factory` returns an object with `runs(path, filters=...)` whose items have `.id`, `.name`, `.group`,
-    `.state`, `.config` (the nested resolved config) and `.scan_history()`.
+    `.state`, `.config` (the nested resolved config), `.scan_history()` and, where the run ended, `.summary` (its
+    `summary.json`: the status and the start's sha256 come from there; without it, W&B's state).
     """
     _check_project_path(path)
     cache = wandb_cache_dir(cache_root, path, groups)
@@ -570,6 +637,7 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
     problems: list[str] = []
     rows = _Rows(nulls_are_non_finite=False)
     run_rows: list[dict] = []
+    unstarted: list[dict] = []
     defaults = schema_defaults()
     for wb_run in api.runs(path, filters=filters):
         config = {k: v for k, v in dict(wb_run.config).items() if not str(k).startswith("_")}
@@ -586,19 +654,25 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
         if without_step:
             _warn(problems, f"W&B run {run} ({wb_run.name}): {without_step} history rows without 'train/step' "
                             "skipped")
+        source = f"wandb:{path}/{run} (group {wb_run.group}, name {wb_run.name})"
+        flat = as_today(flatten_config(config), defaults)
         if not history:
             _warn(problems, f"W&B run {run} ({wb_run.name}): no history row with 'train/step'; run skipped")
+            unstarted.append(_unstarted_row(source, flat, "logged no step (W&B run without history)"))
             continue
-        source = f"wandb:{path}/{run} (group {wb_run.group}, name {wb_run.name})"
-        run_rows.append(_run_row(run, as_today(flatten_config(config), defaults),
-                                    wb_run.state == "finished", math.nan, source))
+        summary = dict(getattr(wb_run, "summary", None) or {})
+        if "status" in summary:
+            status, wall_s, start = _summary_fields(summary)
+        else:
+            status, wall_s, start = (FINISHED if wb_run.state == "finished" else INCOMPLETE), math.nan, UNKNOWN_START
+        run_rows.append(_run_row(run, flat, status, wall_s, start, source))
     if not run_rows:
         where = f" in groups {', '.join(groups)}" if groups else ""
         raise ValueError(f"no W&B runs with history found in {path}{where}")
     scalars, minibatches, repeated = _frames(rows)
     _note_dropped(problems, rows.non_finite, repeated)
     source = f"W&B {path}" + (f" (groups: {', '.join(groups)})" if groups else "")
-    runset = _finish(run_rows, scalars, minibatches, source, problems)
+    runset = _finish(run_rows, scalars, minibatches, source, problems, unstarted)
     _write_cache(cache, runset)
     return runset
 
@@ -607,18 +681,23 @@ def _write_cache(cache: Path, runset: RunSet) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     runset.scalars.to_parquet(cache / "scalars.parquet", index=False)
     runset.minibatches.to_parquet(cache / "minibatches.parquet", index=False)
-    meta = {"source": runset.source, "problems": runset.problems}
+    meta = {"source": runset.source, "problems": runset.problems, "unstarted": runset.unstarted.to_dict("records")}
     (cache / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     # Written last: its presence is what marks the cache complete (an interrupted write is fetched again).
     runset.runs.to_parquet(cache / "runs.parquet", index=False)
 
 
 def _read_cache(cache: Path) -> RunSet:
+    """The cached RunSet; a cache written before the runs named their start reads them as `UNKNOWN_START`."""
     meta = json.loads((cache / "meta.json").read_text(encoding="utf-8"))
+    runs = pd.read_parquet(cache / "runs.parquet")
+    if "start_sha256" not in runs:
+        runs["start_sha256"] = UNKNOWN_START
     return RunSet(
-        runs=pd.read_parquet(cache / "runs.parquet"),
+        runs=runs[RUN_COLUMNS],
         scalars=pd.read_parquet(cache / "scalars.parquet"),
         minibatches=pd.read_parquet(cache / "minibatches.parquet"),
         source=f"{meta['source']} (cached in {cache})",
         problems=list(meta["problems"]),
+        unstarted=pd.DataFrame(meta.get("unstarted", []), columns=UNSTARTED_COLUMNS),
     )

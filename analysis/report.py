@@ -4,11 +4,18 @@
     python -m analysis.report --wandb ENTITY/PROJECT [--group G ...] [--out DIR] [--refresh]
 
 Writes into the output folder one PNG per figure (analysis/figures.py; a PDF beside it with `--pdf`, for a paper),
-`summary.csv` (the stability table, one row per series) and `report.md`, which embeds every PNG with a one-sentence
-caption, lists incomplete runs and loading problems, says which panels were left out and why (a metric not logged,
-a quantity the runs did not vary), and defines every number in the table.
-Bad input (no runs, a missing directory) ends with a one-line `error:` message and exit code 2. A report that fails,
-refused or crashed, removes the output folders it created while they are still empty.
+`summary.csv` (the stability table, one row per series), `per_seed.csv`, `comparisons.csv`, `left_out.csv` and
+`report.md`, which embeds every PNG with a one-sentence caption, lists incomplete runs and loading problems, says
+which panels were left out and why (a metric not logged, a quantity the runs did not vary), defines every number in
+the tables, states the comparison the runs declared (`analysis.declaration`: the baseline, the primary summary, the
+family Holm's correction runs over, how early-stopped runs count) and names every seed the comparisons left out.
+Runs are paired by their cold start (the weights' sha256 each summary names) and seed; with runs from two or more
+starts each comparison also gets the two-level statistics across starts (`statistics.across_starts`).
+Bad input (no runs, a missing directory, a declaration that does not fit the runs, runs of one start and seed that
+differ beyond their arms) ends with a one-line `error:` message and exit code 2, before any figure is drawn. The
+report is written into a staging folder and put in place whole (`cli.staged`): an interrupt (SIGTERM, Ctrl-C) or a
+crash leaves the previous report untouched, or none, and the interrupt says which in one line. A report that fails
+removes the output folders it created while they are still empty.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,17 +32,22 @@ from typing import Any
 import pandas as pd
 
 from analysis import aggregate as agg
+from analysis import declaration as declared
 from analysis import statistics
-from analysis.cli import command_line, refusing, writable_out
+from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
 from analysis.figures import FigureOutput, all_figures
 from analysis.load import (
-    FLIP_RATE, INCOMPLETE, PERTURB_RATE, SYNTHETIC_KEYS, RunSet, default_wandb_api, load_runs, load_wandb, wandb_cache_dir,
+    FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, UNKNOWN_START, RunSet, default_wandb_api, load_runs, load_wandb,
+    wandb_cache_dir,
 )
 
 REPORT_FILE = "report.md"
 SUMMARY_FILE = "summary.csv"
 PER_SEED_FILE = "per_seed.csv"  # every run's held-out gains: the numbers behind the sweep table and the comparisons
 COMPARISONS_FILE = "comparisons.csv"  # every arm against the baseline arm, per cell and measure
+LEFT_OUT_FILE = "left_out.csv"  # every (arm, cell, start, seed) the comparisons could have held and do not, with why
+# The files a report writes, and so replaces (`cli.staged`): nothing else in its folder is touched.
+REPORT_OUTPUT = re.compile(r"^(fig\w*\.(png|pdf)|report\.md|(summary|per_seed|comparisons|left_out)\.csv)$")
 # Stability-table columns whose source metric may be absent, with the metric named in the note.
 _TABLE_METRICS = {
     "clip_frac_mean": agg.CLIP,
@@ -97,14 +110,30 @@ def _runs_section(runset: RunSet) -> list[str]:
         rows.append([label, len(group), seeds, int(group["incomplete"].sum()), int(group["last_step"].max()),
                      ", ".join(sorted(set(group["model"]) - {""})) or "–"])
     lines = ["## Runs", "", markdown_table(["series", "runs", "seeds", "incomplete", "last step", "model"], rows)]
+    lines += ["", _starts_sentence(runs)]
     incomplete = runs[runs["incomplete"]]
     if len(incomplete):
-        lines += ["", f"Runs marked {INCOMPLETE}, included up to their last valid line:", ""]
-        lines += [f"- `{r.run}` ({r.label}): last step {r.last_step}" for r in incomplete.itertuples()]
+        lines += ["", "Runs that did not finish, drawn up to their last valid line (the comparisons count them only as "
+                      "the declared rule says: see *Seeds left out*):", ""]
+        lines += [f"- `{r.run}` ({r.label}): last step {r.last_step}, "
+                  f"{agg.how_it_ended(r.status, r.last_step, json.loads(r.config))}" for r in incomplete.itertuples()]
     if runset.problems:
         lines += ["", "Problems found while loading (each also printed to stderr):", ""]
         lines += [f"- {problem}" for problem in runset.problems]
     return lines
+
+
+def _starts_sentence(runs: pd.DataFrame) -> str:
+    """Which cold starts the runs come from: each start's sha256 (its first 12 digits) and its runs."""
+    named = runs[runs["start_sha256"] != UNKNOWN_START]
+    counts = named.groupby("start_sha256").size()
+    said = ", ".join(f"`{start[:12]}` ({n} runs)" for start, n in counts.items())
+    unnamed = len(runs) - len(named)
+    if not said:
+        return ("Cold start: no run names its start (their summaries hold no start_sha256: unfinished, or written "
+                "before it was recorded); runs are paired by seed alone.")
+    return (f"Cold start{'s' if len(counts) > 1 else ''} (the sha256 of the weights each run started from, as its "
+            f"summary names them): {said}" + (f"; {unnamed} runs name none (no summary)" if unnamed else "") + ".")
 
 
 def _figure_section(figures: Sequence[FigureOutput]) -> list[str]:
@@ -148,8 +177,8 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
         "routing part's share of the variance of log π_θ/π_old (runs with `routing.decompose_every` > 0).",
         f"- **skipped steps**: last value of the cumulative `{agg.SKIPPED}`, summed over seeds.",
         f"- **s / step**: mean `{agg.STEP_TIME}` (else the finished run's wall time / steps), mean across seeds.",
-        f"- **incomplete**: runs without a finished `summary.json` ({INCOMPLETE}); their numbers use the steps "
-        "they logged.",
+        "- **incomplete**: runs whose `summary.json` does not say finished (none: crashed or still running; or "
+        "diverged, interrupted, failed); their numbers here use the steps they logged.",
     ]
     for column, metric in _TABLE_METRICS.items():
         missing = runset.labels_without(metric)
@@ -223,40 +252,102 @@ def _sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
 
 
 def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str) -> list[str]:
-    """Every arm against the baseline arm, paired over shared seeds: the difference, its interval and the verdict."""
+    """Every arm against the baseline arm, paired over shared (start, seed) units: the declared family first (its
+    verdicts under Holm's correction), then every other comparison, labelled secondary; with ≥ 2 starts the two-level
+    statistics beside each, with one a sentence that says the numbers are that start's."""
     if comparisons.empty:
         return []
-    rows = []
-    for row in comparisons.to_dict("records"):
-        cells = [*[f"{row[key]:g}" for key in axes], row["arm"], row["measure"], row["seeds"]]
-        if "difference_estimate" not in row or pd.isna(row.get("difference_estimate")):
-            rows.append([*cells, "–", "–", "–", "–", row["verdict"]])
+    records = comparisons.to_dict("records")
+    across = any(row.get("starts", 1) >= 2 for row in records if not pd.isna(row.get("starts", math.nan)))
+    primary = [row for row in records if row["role"] == agg.PRIMARY]
+    secondary = [row for row in records if row["role"] == agg.SECONDARY]
+    measure = primary[0]["measure"] if primary else "–"
+    lines = [f"## Each arm against {baseline}, paired over shared seeds", "",
+             f"### The family: `{measure}`, the primary summary", ""]
+    lines += [_comparison_table(primary, axes, baseline, across, family=True), ""] if primary else \
+        ["No arm of the declared family was compared.", ""]
+    lines += ["### Secondary: the other summaries and arms (not corrected for the family: suggestive at most)", "",
+              _comparison_table(secondary, axes, baseline, across, family=False), ""] if secondary else []
+    lines += [
+        f"Per cell of the sweep, over the (cold start, seed) pairs both arms hold with a counted run "
+        f"(`{COMPARISONS_FILE}` has every number): the mean of the per-pair differences with its 95% paired "
+        f"percentile bootstrap interval ({statistics.RESAMPLES:,} resamples), the share of pairs the arm leads (a tie "
+        "counts ½: the paired probability of improvement; rliable's unpaired P(X > Y), a seed of the arm against any "
+        f"seed of the baseline, is in the CSV), each arm's interquartile mean from {statistics.IQM_FROM} pairs on, "
+        "and the exact paired sign-flip test (ties on the k/n grid of accuracies counted as ties). "
+        "**Separates** when the interval excludes 0 and the test's p is below 0.05 — for the family, its Holm-adjusted "
+        "p over the family's comparisons; a secondary row keeps its own p and is labelled so. A sign-flip test on "
+        "fewer than 6 units cannot reach 0.05; a row that does not separate names the smallest mean difference its "
+        "pairs could have detected (a paired t-test at α = 0.05 with 80% power, given their spread). "
+        "analysis/statistics.py says why these and not others.", "", _starts_note(records)]
+    return lines
+
+
+def _comparison_table(rows: list[dict], axes: list[str], baseline: str, across: bool, family: bool) -> str:
+    header = [*[_axis_header(key) for key in axes], "arm", *([] if family else ["measure"]), "pairs",
+              f"arm − {baseline}, mean [95% CI]", "pairs ahead", "IQM arm / baseline", "sign-flip p"]
+    if across:
+        header += ["starts", "across starts, mean [two-level 95% CI]", "start-level p", "each start (pairs)"]
+    header += [*(["Holm p"] if family else []), "verdict"]
+    table = []
+    for row in rows:
+        cells = [*[f"{row[key]:g}" for key in axes], row["arm"], *([] if family else [row["measure"]]), row["seeds"]]
+        if pd.isna(row.get("difference_estimate")):
+            table.append([*cells, "–", "–", "–", "–", *(["–"] * 4 if across else []), *(["–"] if family else []),
+                          row["verdict"]])
             continue
-        iqm = "–" if pd.isna(row["arm_iqm_estimate"]) else f"{row['arm_iqm_estimate']:+.3f} / {row['baseline_iqm_estimate']:+.3f}"
-        rows.append([*cells,
-                     f"{row['difference_estimate']:+.3f} [{row['difference_low']:+.3f}, {row['difference_high']:+.3f}]",
-                     f"{row['improvement_estimate']:.2f} [{row['improvement_low']:.2f}, {row['improvement_high']:.2f}]",
-                     iqm, f"{row['p_value']:.3g}", f"**{row['verdict']}**" if row["separates"] else row["verdict"]])
-    header = [*[_axis_header(key) for key in axes], "arm", "measure", "seeds",
-              f"arm − {baseline}, mean [95% CI]", "P(arm > baseline) [95% CI]", "IQM arm / baseline", "sign-flip p",
-              "verdict"]
-    return [
-        f"## Each arm against {baseline}, paired over shared seeds", "", markdown_table(header, rows), "",
-        f"Per cell of the sweep and per measure, over the seeds both arms hold (`{COMPARISONS_FILE}` has every "
-        "number): the mean of the per-seed differences with its 95% paired percentile bootstrap interval "
-        f"({statistics.RESAMPLES:,} resamples), the probability that a seed of the arm beats a seed of the baseline "
-        "(rliable's P(X > Y), with its bootstrap interval), each arm's interquartile mean from "
-        f"{statistics.IQM_FROM} seeds on, and the exact paired sign-flip test. **Separates** when the interval "
-        "excludes 0 and the sign-flip test gives p < 0.05 (a bootstrap interval from few seeds is too narrow; the "
-        "sign-flip test is exact at any n, and cannot reach 0.05 below 6 seeds); otherwise **not distinguishable**, "
-        "with the smallest mean difference these seeds could have detected (a paired t-test at α = 0.05 with 80% "
-        "power, given their spread). analysis/statistics.py says why these and not others.",
-    ]
+        iqm = "–" if pd.isna(row["arm_iqm_estimate"]) else \
+            f"{row['arm_iqm_estimate']:+.3f} / {row['baseline_iqm_estimate']:+.3f}"
+        cells += [f"{row['difference_estimate']:+.3f} [{row['difference_low']:+.3f}, {row['difference_high']:+.3f}]",
+                  f"{row['pairs_ahead']:.2f}", iqm, f"{row['p_value']:.3g}"]
+        if across and row["starts"] >= 2:
+            agree = "same sign on every start" if row["starts_agree"] else "signs differ"
+            cells += [int(row["starts"]), f"{row['starts_difference_estimate']:+.3f} "
+                      f"[{row['starts_difference_low']:+.3f}, {row['starts_difference_high']:+.3f}]",
+                      f"{row['starts_p_value']:.3g}", f"{row['per_start']} ({agree})"]
+        elif across:
+            cells += [1, "–", "–", row["per_start"]]
+        cells += [*([f"{row['holm_p']:.3g}"] if family else []),
+                  f"**{row['verdict']}**" if row["separates"] and family else row["verdict"]]
+        table.append(cells)
+    return markdown_table(header, table)
+
+
+def _starts_note(records: list[dict]) -> str:
+    """What the comparisons' numbers are about: one start (that checkpoint), or several (the recipe)."""
+    starts = {str(row.get("per_start", "")).split(":")[0] for row in records if row.get("starts", 0) == 1}
+    if any(row.get("starts", 0) >= 2 for row in records):
+        return ("Pairs from two or more cold starts: beside the within-start numbers (every pair pooled, as if the "
+                "starts were fixed), the two-level bootstrap (starts resampled with replacement, then seeds within "
+                "each, every start weighted equally) and the exact sign-flip test on the starts' own mean differences "
+                "speak for the recipe; they decide the family's verdicts. Six starts are needed for that test to "
+                "reach 0.05.")
+    start = next(iter(starts - {""}), "?")
+    if start == "?":
+        return ("One start, unnamed (the summaries hold no start_sha256): within-start statistics only. They cover "
+                "the RL seeds' noise from that checkpoint, not another start's: a two-level interval needs ≥ 2 starts.")
+    return (f"One start (sha256 `{start}`): within-start statistics only. They cover the RL seeds' noise from that "
+            "checkpoint, not what another start of the same recipe would give: a two-level interval needs ≥ 2 starts.")
+
+
+def left_out_section(table: pd.DataFrame, axes: list[str]) -> list[str]:
+    """Every (arm, cell, start, seed) the comparisons could have held and do not, with why."""
+    lines = ["## Seeds left out of the comparisons", ""]
+    if table.empty:
+        return lines + ["None: every arm holds a counted run at every (start, seed) of its cell that another arm "
+                        "holds."]
+    rows = [[row["arm"], *[_num(row[key], "g") for key in axes], f"`{row['start_sha256'][:12]}`" if row["start_sha256"]
+             else "–", row["seed"] or "–", f"`{row['run']}`" if row["run"] != "–" else "–", row["why"]]
+            for row in table.to_dict("records")]
+    return lines + [markdown_table(["arm", *[_axis_header(key) for key in axes], "start", "seed", "run", "why"], rows),
+                    "", f"Also in `{LEFT_OUT_FILE}`. A pair is compared only where both arms hold a counted run; each "
+                        "row here is a pair some comparison lost."]
 
 
 def _one_arm_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
     """With one arm there is nothing to compare: its mean gain per measure (and swept cell) with the 95% interval of
-    that mean over its seeds (`statistics.mean_interval`); `analysis.compare` pairs it with arms of other reports."""
+    that mean over its counted seeds (`statistics.mean_interval`); `analysis.compare` pairs it with arms of other
+    reports."""
     axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1]
     rows = []
     for cell, part in agg.cells(gains, axes):
@@ -297,14 +388,38 @@ def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[st
     ]
 
 
+def decide(runset: RunSet, overrides: dict[str, Any] | None = None
+           ) -> tuple[declared.Declaration, pd.DataFrame, list[str]]:
+    """The runs' declared comparison (with the command line's `overrides`), checked against their arms, the per-run
+    gains it counts and the swept axes; `ValueError` (one line) for a declaration that does not fit the runs and for
+    runs of one cell, start and seed that differ beyond their arms. Everything a report refuses, before any figure."""
+    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    declaration = declared.read(configs, overrides)
+    declaration.checked(agg.arm_names(configs).values())
+    gains = agg.accuracy_gain(runset, declaration.early_stopped)
+    axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
+    agg.check_pairable(runset, gains, axes)
+    return declaration, gains, axes
+
+
 def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, drop: float = agg.COLLAPSE_DROP,
                  alpha: float = agg.EMA_ALPHA, dpi: int = 150, pdf: bool = False, command: str = "",
-                 baseline: str | None = None) -> Path:
+                 baseline: str | None = None, overrides: dict[str, Any] | None = None) -> Path:
     """Write every figure (PNG; and PDF with `pdf`), summary.csv, per_seed.csv, comparisons.csv (every arm against
-    `baseline`, by default GRPO) and report.md into `out_dir`; returns the path of report.md."""
+    the baseline: the declared one, `baseline`, or GRPO), left_out.csv and report.md into `out_dir`, through a staging
+    folder (`cli.staged`); returns the path of report.md. `overrides`: the command line's fields of the declaration."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf)
+    overrides = {**(overrides or {}), **({"baseline": baseline} if baseline is not None else {})}
+    declaration, gains, axes = decide(runset, overrides)
+    with staged(out_dir, REPORT_OUTPUT.match, REPORT_FILE) as stage:
+        _write(runset, stage, declaration, gains, axes, last_n=last_n, drop=drop, alpha=alpha, dpi=dpi, pdf=pdf,
+               command=command)
+    return out_dir / REPORT_FILE
+
+
+def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gains: pd.DataFrame, axes: list[str], *,
+           last_n: int, drop: float, alpha: float, dpi: int, pdf: bool, command: str) -> None:
+    figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf, early_stopped=declaration.early_stopped)
     table = agg.stability_table(runset, last_n=last_n, drop=drop, alpha=alpha)
     table.to_csv(out_dir / SUMMARY_FILE, index=False)
     n_incomplete = int(runset.runs["incomplete"].sum())
@@ -317,23 +432,28 @@ def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, dro
     if command:
         lines += ["", f"Made with `{command}`."]
     lines += [""] + _runs_section(runset) + [""] + _figure_section(figures) + [""]
-    gains = agg.accuracy_gain(runset)
     gains.to_csv(out_dir / PER_SEED_FILE, index=False)
-    sweep = _sweep_section(runset, gains)
+    counted = gains[gains["counted"] != agg.EXCLUDED]
+    sweep = _sweep_section(runset, counted)
     lines += sweep + ([""] if sweep else [])
-    reference = agg.baseline_arm(gains, baseline)
-    if reference is not None and gains["arm"].nunique() > 1:
-        axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1]
-        comparisons = agg.arm_comparisons(gains, reference, axes)
+    arms = sorted(set(gains["arm"]))
+    if len(set(counted["arm"])) > 1:
+        reference = declaration.reference(arms)
+        comparisons = agg.arm_comparisons(gains, reference, axes, declaration.primary, declaration.family_of(arms))
         comparisons.to_csv(out_dir / COMPARISONS_FILE, index=False)
-        lines += comparison_section(comparisons, axes, reference) + [""]
-    elif gains["arm"].nunique() == 1:
-        lines += _one_arm_section(runset, gains) + [""]
+        size = int((comparisons["role"] == agg.PRIMARY).sum()) if not comparisons.empty else 0
+        lines += declaration.lines(arms, size) + [""] + comparison_section(comparisons, axes, reference) + [""]
+    elif len(set(counted["arm"])) == 1:
+        lines += _one_arm_section(runset, counted) + [""] + declaration.lines(arms, 0) + [
+            "", "One arm here, so the declared comparison is made where its baseline's runs are: `python -m "
+                "analysis.compare` with that report's per-seed table.", ""]
+    missing = agg.left_out(runset, gains, axes, declaration.early_stopped)
+    missing.to_csv(out_dir / LEFT_OUT_FILE, index=False)
+    if not gains.empty or not runset.unstarted.empty:  # without any evaluated run there was nothing to compare
+        lines += left_out_section(missing, axes) + [""]
     lines += _stability_section(runset, table, last_n, drop, alpha)
     lines += [""] + _early_warning_section(runset, drop, alpha)
-    report = out_dir / REPORT_FILE
-    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return report
+    (out_dir / REPORT_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def default_out_dir(paths: Sequence[str], wandb_path: str | None, groups: Sequence[str]) -> Path:
@@ -367,9 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="EMA smoothing weight of the newest point, 1 = none (default: %(default)s)")
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
     parser.add_argument("--pdf", action="store_true", help="also a PDF of every figure (for a paper)")
-    parser.add_argument("--baseline", metavar="ARM",
-                        help=f"the arm every other is compared with, paired over seeds (default: "
-                             f"{agg.DEFAULT_BASELINE} when the runs have it, else the first arm by name)")
+    declared.add_flags(parser, early_stopped=True,
+                       baseline_help=f"the arm every other is compared with, paired over seeds (default: the runs' "
+                                     f"declaration, else {agg.DEFAULT_BASELINE} when the runs have it, else the first "
+                                     "arm by name)")
     return parser
 
 
@@ -389,7 +510,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def main(argv: Sequence[str] | None = None, *, wandb_api_factory: Callable[[], Any] = default_wandb_api) -> None:
-    """CLI entry point; prints where the report is. Exits with code 2 and one `error:` line on bad input."""
+    """CLI entry point; prints where the report is. Exits with code 2 and one `error:` line on bad input, and with
+    128 + the signal's number and one line saying what the output folder holds when interrupted."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -398,19 +520,21 @@ def main(argv: Sequence[str] | None = None, *, wandb_api_factory: Callable[[], A
     created = [folder for folder in (out.resolve(), *out.resolve().parents) if not folder.exists()]
     try:
         report = _report(args, argv, out, wandb_api_factory)
-    except BaseException:
+    except BaseException as error:
         for folder in created:  # deepest first; a folder that holds anything, a file the report wrote, stays
             try:
                 folder.rmdir()
             except OSError:
                 break
+        if isinstance(error, Interrupted):
+            raise stopped(error, out, REPORT_FILE) from None
         raise
     print(f"report: {report}")
 
 
 def _report(args: argparse.Namespace, argv: Sequence[str], out: Path, wandb_api_factory: Callable[[], Any]) -> Path:
-    """Check that `out` can be written, load the runs, write the report; exit code 2 and one `error:` line on bad
-    input."""
+    """Check that `out` can be written, load the runs, check their declared comparison and pairing, write the report;
+    exit code 2 and one `error:` line on bad input."""
     with refusing(ValueError):
         writable_out(out)
     with refusing(ValueError, FileNotFoundError):
@@ -420,10 +544,11 @@ def _report(args: argparse.Namespace, argv: Sequence[str], out: Path, wandb_api_
         else:
             runset = load_runs(args.paths)
     command = command_line("analysis.report", argv)
+    overrides = declared.overrides(args)
     with refusing(ValueError):
-        agg.baseline_arm(agg.accuracy_gain(runset), args.baseline)
+        decide(runset, overrides)
     return write_report(runset, out, last_n=args.last_n, drop=args.collapse_drop, alpha=args.ema_alpha,
-                        dpi=args.dpi, pdf=args.pdf, command=command, baseline=args.baseline)
+                        dpi=args.dpi, pdf=args.pdf, command=command, overrides=overrides)
 
 
 if __name__ == "__main__":

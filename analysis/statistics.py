@@ -1,4 +1,4 @@
-"""Paired comparisons of two arms over shared seeds, and the verdict they support.
+"""Paired comparisons of two arms over shared seeds, across cold starts, and the verdict a declared family supports.
 
 Two arms that start from the same cold start and share a seed share its prompts' order and sampling stream, so the
 comparison is paired: the per-seed difference d_i = arm_i − baseline_i. For each arm against a named baseline arm:
@@ -6,22 +6,36 @@ comparison is paired: the per-seed difference d_i = arm_i − baseline_i. For ea
 - **mean difference with a 95% bootstrap interval**: `scipy.stats.bootstrap(paired=True)`, percentile method, the
   seeds resampled as pairs (the convention of `rliable`, Agarwal et al., "Deep RL at the Edge of the Statistical
   Precipice", NeurIPS 2021, whose stratified bootstrap with one task is this one);
-- **the exact paired sign-flip test** (`scipy.stats.permutation_test(permutation_type="samples")`, all 2^n sign
-  patterns): a percentile interval from few seeds does not hold its 95% — with 3 seeds it has 10 distinct resamples
-  and excludes 0 whenever the three differences share a sign, a chance of 1 in 4 when the arms do not differ — while
-  the sign-flip test is exact at any n (it assumes only that, without an effect, d_i is as likely +|d_i| as −|d_i|);
-- **the probability of improvement** P(X > Y) (rliable's: the Mann-Whitney share of all (arm seed, baseline seed)
-  pairs where the arm is higher, ties counted half) with its bootstrap interval;
+- **the exact paired sign-flip test** (every one of the 2^n sign patterns, `sign_flip_p`): a percentile interval
+  from few seeds does not hold its 95% — with 3 seeds it has 10 distinct resamples and excludes 0 whenever the three
+  differences share a sign, a chance of 1 in 4 when the arms do not differ — while the sign-flip test is exact at any
+  n (it assumes only that, without an effect, d_i is as likely +|d_i| as −|d_i|). Sign patterns whose mean ties the
+  observed one count as at least as extreme: accuracies are k/n on n prompts stored as float32, so two means equal on
+  that grid differ in float by float32's rounding (below 3e-7 for a difference of two gains), never by the grid's
+  spacing, and a tie is a difference below `TIE` (1e-6);
+- **the share of pairs the arm leads** (its paired form of the probability of improvement: d_i > 0 counts 1, a tie
+  ½), and, in the CSV, rliable's unpaired P(X > Y) (the Mann-Whitney share of all (arm seed, baseline seed) pairs,
+  ties counted half) with its bootstrap interval: a statement about two seeds drawn apart, not about pairs;
 - **the interquartile mean** of each arm (`scipy.stats.trim_mean(x, 0.25)`, rliable's IQM) from 5 seeds on.
+
+Those numbers are about one cold start: they cover the seeds' noise, not the start's. Where the runs come from K ≥ 2
+starts (each named by its weights' sha256), `across_starts` adds the recipe's view:
+
+- **the two-level bootstrap** of the mean paired difference: starts resampled with replacement, then seeds within
+  each drawn start, each start weighted equally (the multi-bootstrap of MultiBERTs, Sellam et al., arXiv
+  2106.16163), percentile interval;
+- **the exact start-level sign-flip test** on the per-start mean differences (2^K patterns: K ≥ 6 to reach 0.05);
+- **each start's own difference**, and whether its sign agrees on every start.
 
 The verdict: **separates** when the 95% interval of the mean difference excludes 0 *and* the sign-flip test gives
 p < 0.05; otherwise **not distinguishable**, with the smallest effect these seeds could have detected: the mean
 difference a two-sided paired t-test at α = 0.05 finds with 80% power given n seeds and the observed spread of the
 differences (noncentral t), or none at n ≤ 5, where no sign-flip test reaches p < 0.05 (its smallest p is 2/2^n).
+Over a family of comparisons the p-values are first adjusted by Holm's step-down correction (`holm`).
 
 Why scipy and not rliable itself: the design here is paired (rliable's intervals resample each arm's runs
-independently, which throws the pairing away), scipy has both the paired bootstrap and the exact permutation test,
-and it is maintained; rliable would add `arch` and `seaborn` for the same percentile bootstrap.
+independently, which throws the pairing away), scipy has the paired bootstrap, and it is maintained; rliable would add
+`arch` and `seaborn` for the same percentile bootstrap.
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ POWER = 0.8
 RESAMPLES = 10_000
 IQM_FROM = 5  # seeds from which an arm's interquartile mean is reported (a quarter trimmed from each end)
 RNG_SEED = 0  # the bootstrap's own stream: a report computes the same intervals every time
+TIE = 1e-6  # two means of k/n accuracies closer than this are equal (float32's rounding, not the grid's spacing)
+EXACT_PATTERNS_UP_TO = 20  # differences: beyond, the sign-flip test draws RESAMPLES * 10 sign patterns at random
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,8 @@ class Comparison:
     seeds: int
     difference: Interval  # mean of arm − baseline over the seeds, with its 95% bootstrap interval
     p_value: float  # the exact paired sign-flip test, two-sided
-    improvement: Interval  # P(arm > baseline) over all cross-seed pairs, with its 95% bootstrap interval
+    pairs_ahead: float  # the share of the pairs in which the arm is ahead (a tie counts ½)
+    improvement: Interval  # rliable's unpaired P(arm > baseline) over all cross-seed pairs, with its 95% bootstrap interval
     arm_iqm: Interval | None  # from IQM_FROM seeds on
     baseline_iqm: Interval | None
     detectable: float  # the smallest mean difference these seeds could detect (inf: none)
@@ -121,15 +138,46 @@ def mean_interval(values: np.ndarray | list[float]) -> Interval:
     return _bootstrap((values,), lambda sample, axis=-1: np.mean(sample, axis=axis), paired=False)
 
 
-def sign_flip_p(differences: np.ndarray) -> float:
-    """The two-sided p-value of the exact paired sign-flip test of mean difference 0 (every one of the 2^n sign
-    patterns; 1.0 when every difference is 0)."""
-    if np.all(differences == 0):
+def sign_flip_p(differences: np.ndarray | list[float]) -> float:
+    """The two-sided p-value of the exact paired sign-flip test of mean difference 0: the share of the 2^n sign
+    patterns whose |mean| reaches the observed one, a pattern within `TIE` of it counting as reaching it (1.0 when every
+    difference is 0). Beyond `EXACT_PATTERNS_UP_TO` differences, that share over randomly drawn patterns (the observed
+    one counted among them)."""
+    differences = np.asarray(differences, dtype=float)
+    observed = abs(differences.mean())
+    if observed <= TIE:
         return 1.0
-    result = stats.permutation_test((differences, np.zeros_like(differences)), _mean_difference,
-                                    permutation_type="samples", vectorized=True, n_resamples=np.inf,
-                                    alternative="two-sided")
-    return float(result.pvalue)
+    n = len(differences)
+    reached, total = 0, 0
+    if n <= EXACT_PATTERNS_UP_TO:
+        bits = np.arange(n)
+        for first in range(0, 2**n, 2**16):  # every pattern, 65,536 at a time
+            codes = np.arange(first, min(first + 2**16, 2**n))
+            signs = 1.0 - 2.0 * ((codes[:, None] >> bits) & 1)
+            reached += int(np.sum(np.abs(signs @ differences) / n >= observed - TIE))
+            total += len(codes)
+        return reached / total
+    signs = np.random.default_rng(RNG_SEED).choice([-1.0, 1.0], size=(RESAMPLES * 10, n))
+    reached = int(np.sum(np.abs(signs @ differences) / n >= observed - TIE))
+    return (reached + 1) / (len(signs) + 1)
+
+
+def share_ahead(differences: np.ndarray | list[float]) -> float:
+    """The share of paired differences above 0, a tie (|d| ≤ `TIE`) counting ½: the paired probability of improvement."""
+    differences = np.asarray(differences, dtype=float)
+    return float(np.mean((differences > TIE) + 0.5 * (np.abs(differences) <= TIE)))
+
+
+def holm(p_values: list[float] | np.ndarray) -> np.ndarray:
+    """Holm's step-down adjustment of a family's p-values (same order): the i-th smallest is multiplied by m − i + 1
+    (i from 1), then each is raised to the largest adjusted value before it, capped at 1. It controls the chance of
+    any false "separates" in the family at α, whatever the dependence between its comparisons."""
+    p = np.asarray(p_values, dtype=float)
+    order = np.argsort(p, kind="stable")
+    scaled = p[order] * (len(p) - np.arange(len(p)))
+    adjusted = np.empty_like(p)
+    adjusted[order] = np.minimum(1.0, np.maximum.accumulate(scaled))
+    return adjusted
 
 
 def detectable_effect(seeds: int, spread: float) -> float:
@@ -170,12 +218,72 @@ def compare(arm: np.ndarray | list[float], baseline: np.ndarray | list[float]) -
         seeds=len(arm),
         difference=difference,
         p_value=p_value,
+        pairs_ahead=share_ahead(differences),
         improvement=improvement,
         arm_iqm=_bootstrap((arm,), _interquartile_mean, paired=False) if iqm else None,
         baseline_iqm=_bootstrap((baseline,), _interquartile_mean, paired=False) if iqm else None,
         detectable=detectable_effect(len(arm), float(np.std(differences, ddof=1))),
         separates=difference.excludes(0.0) and p_value < ALPHA,
     )
+
+
+def multi_bootstrap(by_start: list[np.ndarray], resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """`resamples` draws of the two-level bootstrap of the mean of `by_start` (one array of per-seed values per
+    start): K starts drawn with replacement, then, within each drawn start, as many of its seeds as it has, drawn with
+    replacement; the statistic is the mean over the drawn starts of each one's mean (every start weighted equally,
+    whatever its number of seeds). Vectorised over the resamples; returns `[resamples]`."""
+    sizes = np.array([len(values) for values in by_start])
+    table = np.zeros((len(by_start), sizes.max()))
+    for k, values in enumerate(by_start):
+        table[k, : len(values)] = values
+    starts = rng.integers(0, len(by_start), size=(resamples, len(by_start)))  # [B, K]
+    counts = sizes[starts]  # [B, K]: the seeds of each drawn start
+    seeds = np.floor(rng.random((resamples, len(by_start), sizes.max())) * counts[..., None]).astype(int)
+    drawn = np.where(np.arange(sizes.max()) < counts[..., None], table[starts[..., None], seeds], 0.0)
+    return (drawn.sum(axis=-1) / counts).mean(axis=-1)
+
+
+@dataclass(frozen=True)
+class AcrossStarts:
+    """An arm against the baseline over K cold starts (the recipe's view; `Comparison` is one start's)."""
+
+    starts: int
+    difference: Interval  # the mean over starts of each start's mean paired difference, two-level 95% interval
+    p_value: float  # the exact start-level sign-flip test on the per-start mean differences, two-sided
+    per_start: dict[str, float]  # each start's own mean paired difference
+    seeds: dict[str, int]  # each start's pairs
+
+    @property
+    def signs_agree(self) -> bool:
+        """Whether every start's difference has the same sign (a 0 agrees with neither)."""
+        values = np.array(list(self.per_start.values()))
+        return bool(np.all(values > TIE) or np.all(values < -TIE))
+
+    def row(self) -> dict[str, float | int | str | bool]:
+        return {"starts": self.starts, "starts_difference_estimate": self.difference.estimate,
+                "starts_difference_low": self.difference.low, "starts_difference_high": self.difference.high,
+                "starts_p_value": self.p_value, "starts_agree": self.signs_agree,
+                "per_start": "; ".join(f"{start[:12] or '?'}: {value:+.3f} ({self.seeds[start]})"
+                                       for start, value in self.per_start.items())}
+
+
+def across_starts(differences: dict[str, np.ndarray | list[float]]) -> AcrossStarts:
+    """The paired differences of an arm against the baseline grouped by cold start (`{start sha256: one difference
+    per shared seed}`): the two-level bootstrap interval, the start-level sign-flip test and each start's own
+    difference. A two-level interval needs at least 2 starts."""
+    if len(differences) < 2:
+        raise ValueError(f"a two-level interval needs at least 2 cold starts, got {len(differences)}: with one start "
+                         "only the within-start statistics apply")
+    by_start = {start: np.asarray(values, dtype=float) for start, values in differences.items()}
+    if any(len(values) == 0 or not np.all(np.isfinite(values)) for values in by_start.values()):
+        raise ValueError("across_starts needs at least one finite paired difference per start")
+    per_start = {start: float(values.mean()) for start, values in by_start.items()}
+    means = np.array(list(per_start.values()))
+    draws = multi_bootstrap(list(by_start.values()), RESAMPLES, np.random.default_rng(RNG_SEED))
+    low, high = np.percentile(draws, [100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2])
+    return AcrossStarts(starts=len(by_start), difference=Interval(float(means.mean()), float(low), float(high)),
+                        p_value=sign_flip_p(means), per_start=per_start,
+                        seeds={start: len(values) for start, values in by_start.items()})
 
 
 def accuracy_interval(accuracy: float, prompts: int, level: float = 0.95) -> tuple[float, float]:

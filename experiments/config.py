@@ -36,6 +36,40 @@ class WandbMode(StrEnum):
     disabled = "disabled"
 
 
+class Summary(StrEnum):
+    """The summaries of a run's held-out greedy accuracy that `analysis.report` compares (each from the run's own
+    start; `analysis.aggregate.GAIN_MEASURES` defines them)."""
+
+    gain = "gain"  # final gain: accuracy at the last evaluation − at the start, on the eval_prompts
+    gain_area = "gain_area"  # mean gain over the run: the area under the held-out curve above its start, per step
+    split_gain = "split_gain"  # final gain on the whole test split (eval_split)
+
+
+class EarlyStopped(StrEnum):
+    """How a run that ended itself before its last step (`status: diverged` in its summary: non-finite for good, or
+    too many skipped updates in a row) counts in its report's comparisons. A run stopped from outside (crashed,
+    killed, interrupted, a full disk) never counts: it says nothing of its arm. Either way the report names it."""
+
+    exclude = "exclude"  # left out of every comparison; its seed's pair with each other arm is lost
+    failed = "failed"  # scored as failed: held-out accuracy 0 at every evaluation it did not reach
+
+
+@dataclass
+class ComparisonConfig:
+    """What an experiment's report decides by, declared in its experiment file before its runs: every run records it
+    in `.hydra/config.yaml`, and `analysis.report` reads it there (all runs of a report must declare the same; a
+    command-line flag may override a field, and the report says so). It changes nothing a run computes."""
+
+    # The arm every other is compared with, as reports name arms ("grpo", "grpo + r2", "grpo + r3 (bf16 engine)");
+    # null: grpo when the runs have it, else the first arm by name.
+    baseline: str | None = None
+    primary: Summary = Summary.gain_area  # the one summary whose comparisons decide; the others are secondary
+    # The arms whose comparison with the baseline on the primary summary, in every cell of the sweep, forms the family
+    # Holm's correction runs over; empty: every arm the sweep ran.
+    family: list[str] = field(default_factory=list)
+    early_stopped: EarlyStopped = EarlyStopped.exclude
+
+
 @dataclass
 class RoutingConfig:
     """Routing Replay, orthogonal to the objective, and routing measurements."""
@@ -160,6 +194,7 @@ class TrainConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    comparison: ComparisonConfig = field(default_factory=ComparisonConfig)  # what the experiment's report decides by
     seed: int = 0  # sampling, shuffling and every other random choice of the run (not the built model's weights)
     device: str = "cpu"  # cpu, cuda, cuda:1, ...
     # The CPU kernels (models.cpu_kernels): native, the machine's own (fast; a run is the same bits on the same

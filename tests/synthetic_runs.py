@@ -82,8 +82,9 @@ def step_record(algo: str, seed: int, step: int, value: float, routing: bool = T
 
 
 def write_run(run_dir: Path, cfg: dict, records: list[dict], finished: bool = True,
-              malformed_line: int | None = None) -> Path:
-    """Write `.hydra/config.yaml`, `metrics.jsonl` (line `malformed_line` replaced by junk) and `summary.json`."""
+              malformed_line: int | None = None, start: str | None = None, status: str = "finished") -> Path:
+    """Write `.hydra/config.yaml`, `metrics.jsonl` (line `malformed_line` replaced by junk) and, unless the run did not
+    finish, `summary.json` (with `status`, and the start's sha256 when `start` names it)."""
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
     lines = [json.dumps(r) for r in records]
@@ -91,7 +92,9 @@ def write_run(run_dir: Path, cfg: dict, records: list[dict], finished: bool = Tr
         lines[malformed_line - 1] = '{"train/step": 5, "reward/mean": 0.1'
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     if finished:
-        summary = {"status": "finished", "steps": len(records), "wall_s": 2.0 * len(records)}
+        summary = {"status": status, "steps": len(records), "wall_s": 2.0 * len(records)}
+        if start is not None:
+            summary["start_sha256"] = start
         (run_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
     return run_dir
 

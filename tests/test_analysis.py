@@ -10,20 +10,23 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import synthetic_runs as syn  # noqa: E402
 
 from algos.objective import TOKEN_RATIO_VAR  # noqa: E402
-from analysis import aggregate as agg, figures  # noqa: E402
+from analysis import aggregate as agg, figures, statistics  # noqa: E402
 from analysis.load import (  # noqa: E402
     INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS, label_runs, load_runs, load_wandb, schema_defaults,
 )
@@ -539,16 +542,21 @@ def test_a_legend_of_long_labels_stays_inside_the_figure():
     assert box.y0 <= legend.y0, "the legend is cut off at the bottom"
 
 
-def _evaluated_run(run_dir, algo, seed, replay, start, end, **settings):
-    """A run evaluated at its start (logged in step 1's record) and at its last step, with `settings` in its config."""
-    records = [syn.step_record(algo, seed, t, 0.5) for t in range(1, 4)]
+def _evaluated_run(run_dir, algo, seed, replay, start, end, *, sha=None, status="finished", logged=3,
+                   comparison=None, **settings):
+    """A run of 3 planned steps evaluated at its start (logged in step 1's record) and at its last logged step (of
+    `logged`), with `settings` in its config; its summary says `status` and names its start `sha` (None: no summary
+    when `status` is None), and its config declares `comparison` where given."""
+    records = [syn.step_record(algo, seed, t, 0.5) for t in range(1, logged + 1)]
     records[0].update({started(EVAL_GREEDY): start})
     records[-1].update({EVAL_GREEDY: end})
-    cfg = syn.config(algo, seed, replay=replay)
+    cfg = syn.config(algo, seed, replay=replay, steps=3, eval_every=0)
     for key, value in settings.items():
         group, name = key.split(".")
         cfg.setdefault(group, {})[name] = value
-    return syn.write_run(run_dir, cfg, records)
+    if comparison is not None:
+        cfg["comparison"] = comparison
+    return syn.write_run(run_dir, cfg, records, finished=status is not None, start=sha, status=status or "")
 
 
 def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(tmp_path):
@@ -596,10 +604,14 @@ def test_the_report_compares_each_arm_with_the_baseline_over_shared_seeds_and_sa
         assert not final.loc["gspo", "separates"]
         assert "## Each arm against grpo, paired over shared seeds" in text
         if seeds == 3:
-            assert "not distinguishable (with 3 seeds no paired test reaches p < 0.05" in text
-        else:
-            assert "**separates (95% CI of the difference excludes 0)**" in text
-            assert "not distinguishable (with 10 seeds the smallest effect this could detect is" in text
+            assert "with 3 seeds no paired test reaches p < 0.05" in text and "**separates" not in text
+        else:  # the family: R2 and GSPO on the mean gain over the run, Holm over the two
+            family = comparisons[comparisons["role"] == "primary"].set_index("arm")
+            assert set(family["measure"]) == {"gain_area"} and len(family) == 2
+            assert family.loc["grpo + r2", "holm_p"] == pytest.approx(2 * family.loc["grpo + r2", "p_value"])
+            assert "**separates (95% CI of the difference excludes 0; Holm p = 0.00391 over a family of 2)**" in text
+            assert "the smallest effect this could detect is" in text
+            assert "secondary: separates (95% CI of the difference excludes 0; p = 0.00195, uncorrected)" in text
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path / "runs3"), "--out", str(tmp_path / "bad"), "--baseline", "ppo"])
     assert stop.value.code == 2
@@ -695,3 +707,290 @@ def test_seeds_are_listed_in_numeric_order_in_every_table_and_sentence(tmp_path)
     text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "report").read_text(encoding="utf-8")
     assert "| grpo | 3 | 1, 2, 10 |" in text
     assert "(1, 2, 10)" in text and "10, 1" not in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a comparison counts, from which start, by which declaration; the report put in place whole
+# ---------------------------------------------------------------------------------------------------------------
+
+START_A, START_B, START_C = "a" * 64, "b" * 64, "c" * 64
+
+
+@pytest.fixture
+def no_figures(monkeypatch):
+    """Reports without drawing (the tables are what these tests read; drawing is most of a report's time)."""
+    monkeypatch.setattr("analysis.report.all_figures", lambda *args, **kwargs: [])
+
+
+def test_a_crashed_seed_is_never_paired_and_every_seed_left_out_is_named(tmp_path, no_figures):
+    """Two arms, seeds 0-4: GSPO's seed 1 crashed after step 2 of 3 (its last evaluation far above GRPO's), its seed 3
+    was refused (a job directory without metrics.jsonl) and it never ran seed 4. Only seeds 0 and 2 pair."""
+    runs = tmp_path / "sweep"
+    (runs / "multirun.yaml").parent.mkdir(parents=True)
+    (runs / "multirun.yaml").write_text("hydra: {}\n")
+    for seed in range(5):
+        _evaluated_run(runs / f"grpo_s{seed}", "grpo", seed, "none", 0.5, 0.5 + 0.01 * seed, sha=START_A)
+    for seed in (0, 2):
+        _evaluated_run(runs / f"gspo_s{seed}", "gspo", seed, "none", 0.5, 0.52 + 0.01 * seed, sha=START_A)
+    _evaluated_run(runs / "gspo_s1", "gspo", 1, "none", 0.5, 0.95, status=None, logged=2)
+    refused = runs / "gspo_s3"
+    (refused / ".hydra").mkdir(parents=True)
+    (refused / ".hydra" / "config.yaml").write_text(yaml.safe_dump(syn.config("gspo", 3)))
+    (refused / ".lock").touch()
+    runset = load_runs([runs])
+    assert runset.unstarted["where"].tolist() == [str(refused)] and runset.unstarted["seed"].tolist() == ["3"]
+    gains = agg.accuracy_gain(runset)
+    assert gains.set_index("run").loc["sweep/gspo_s1", "counted"] == agg.EXCLUDED
+    comparisons = agg.arm_comparisons(gains, "grpo", [])
+    assert set(comparisons.query("measure != 'split_gain'")["seeds"]) == {2}, "the crashed seed is not paired"
+    assert comparisons.query("measure == 'gain'")["difference_estimate"].item() == pytest.approx(0.02)
+    left = agg.left_out(runset, gains, []).set_index("seed")
+    assert list(left.index) == ["1", "3", "4"] and set(left["arm"]) == {"gspo"}
+    assert left.loc["1", "why"] == ("no summary.json after step 2 of 3 (crashed, killed or still running): stopped "
+                                    "from outside, so it never counts")
+    assert left.loc["3", "why"].startswith("no metrics.jsonl: the job logged no step (refused before its first step")
+    assert left.loc["4", "why"].startswith("missing: no run of this arm at this seed from this start")
+    text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
+    assert "## Seeds left out of the comparisons" in text and f"`{refused}`" in text
+    assert "| gspo | `aaaaaaaaaaaa` | 4 | – | missing: no run of this arm at this seed from this start" in text
+    assert "`sweep/gspo_s1` (gspo): last step 2, no summary.json after step 2 of 3" in text
+    assert pd.read_csv(tmp_path / "report" / "left_out.csv", dtype=str)["seed"].tolist() == ["1", "3", "4"]
+
+
+def test_a_run_that_ended_itself_counts_as_the_declared_rule_says(tmp_path, no_figures):
+    """GSPO's seed 2 diverged after step 2 of 3 (at 0.6 there). Excluded by default; scored as failed when the
+    experiment declares it: held-out accuracy 0 at the evaluation it did not reach (step 3)."""
+    def sweep(rule):
+        runs = tmp_path / f"runs_{rule}"
+        for seed in range(3):
+            _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.7, sha=START_A,
+                           comparison={"early_stopped": rule})
+        for seed in range(2):
+            _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.8, sha=START_A,
+                           comparison={"early_stopped": rule})
+        _evaluated_run(runs / "s2", "gspo", 2, "none", 0.5, 0.6, sha=START_A, status="diverged", logged=2,
+                       comparison={"early_stopped": rule})
+        return runs
+
+    excluded = load_runs([sweep("exclude")])
+    assert agg.accuracy_gain(excluded).set_index("run").loc["runs_exclude/s2", "counted"] == agg.EXCLUDED
+    assert agg.left_out(excluded, agg.accuracy_gain(excluded), [])["why"].item() == (
+        "diverged at step 2 of 3 (ended itself): excluded by the declared rule (comparison.early_stopped=exclude)")
+    out = tmp_path / "failed"
+    text = write_report(load_runs([sweep("failed")]), out).read_text(encoding="utf-8")
+    scored = pd.read_csv(out / "per_seed.csv").set_index("run").loc["runs_failed/s2"]
+    assert scored["counted"] == agg.SCORED_FAILED and (scored["end"], scored["gain"]) == pytest.approx((0.0, -0.5))
+    # the curve 0.5 (step 0), 0.6 (step 2), 0 (step 3, not reached): area (2·1.1/2 + 1·0.6/2) / 3 − 0.5
+    assert scored["gain_area"] == pytest.approx((1.1 + 0.3) / 3 - 0.5)
+    assert set(pd.read_csv(out / "comparisons.csv").query("measure != 'split_gain'")["seeds"]) == {3}
+    assert "scored as failed: held-out accuracy 0 at every evaluation it did not reach" in text
+    assert "Declared by the runs" in text
+
+
+def test_runs_are_paired_by_their_start_and_several_starts_get_the_two_level_statistics(tmp_path, no_figures):
+    """Seeds 0 and 1 from each of three cold starts; GSPO − GRPO is +0.1 from two starts and −0.05 from the third."""
+    runs = tmp_path / "runs"
+    for start, effect in ((START_A, 0.1), (START_B, 0.1), (START_C, -0.05)):
+        for seed in (0, 1):
+            _evaluated_run(runs / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed, sha=start)
+            _evaluated_run(runs / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5, 0.6 + 0.01 * seed + effect,
+                           sha=start)
+    runset = load_runs([runs])
+    assert len(runset.runs) == 12, "runs of one config and seed from other starts are not repeats"
+    out = tmp_path / "report"
+    text = write_report(runset, out).read_text(encoding="utf-8")
+    per_seed = pd.read_csv(out / "per_seed.csv", dtype={"start_sha256": str})
+    assert set(per_seed["start_sha256"]) == {START_A, START_B, START_C}
+    gain = pd.read_csv(out / "comparisons.csv").query("measure == 'gain'").iloc[0]
+    assert gain["seeds"] == 6 and gain["starts"] == 3
+    assert gain["starts_difference_estimate"] == pytest.approx(0.05) and not gain["starts_agree"]
+    assert gain["per_start"] == "aaaaaaaaaaaa: +0.100 (2); bbbbbbbbbbbb: +0.100 (2); cccccccccccc: -0.050 (2)"
+    assert gain["starts_p_value"] == pytest.approx(statistics.sign_flip_p([0.1, 0.1, -0.05]))
+    assert "across starts, mean [two-level 95% CI]" in text and "signs differ" in text
+    assert "with 3 starts no start-level test reaches p < 0.05: at least 6 are needed" in text
+    assert "Cold starts (the sha256 of the weights each run started from" in text
+    one = write_report(load_runs([runs / "g_a0", runs / "g_a1", runs / "s_a0", runs / "s_a1"]), tmp_path / "one")
+    one_text = one.read_text(encoding="utf-8")
+    assert "One start (sha256 `aaaaaaaaaaaa`): within-start statistics only" in one_text
+    assert "two-level" not in one_text.split("## Each arm against")[1].split("\n\n")[2]  # no two-level columns
+
+
+def test_a_declaration_that_does_not_fit_the_runs_is_refused_in_one_line_before_any_figure(tmp_path, capsys):
+    def runs(name, **comparison_of):
+        folder = tmp_path / name
+        for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2")]):
+            for seed in (0, 1):
+                _evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6, sha=START_A,
+                               comparison=comparison_of.get(f"{algo}{replay}", {"family": ["gspo"]}))
+        return folder
+
+    def refused(folder, *flags):
+        out = tmp_path / f"out_{folder.name}"
+        with pytest.raises(SystemExit) as stop:
+            main([str(folder), "--out", str(out), "--dpi", DPI, *flags])
+        assert stop.value.code == 2 and not list(out.glob("*.png")) if out.exists() else True
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        return err
+
+    assert refused(runs("family")) == ("error: comparison.family names 'gspo', an arm these runs did not run; "
+                                       "their arms: grpo, grpo + r2\n")
+    err = refused(runs("primary", grpor2={"primary": "reward"}, grponone={"primary": "reward"}))
+    assert "comparison.primary 'reward' is not a summary the analysis computes; the summaries: gain, gain_area" in err
+    err = refused(runs("differ", grpor2={"primary": "gain"}, grponone={"primary": "split_gain"}))
+    assert "the runs of this report declare different comparisons" in err and "--primary sets it" in err
+    err = refused(runs("baseline", grpor2={"baseline": "gspo"}, grponone={"baseline": "gspo"}))
+    assert "comparison.baseline 'gspo' is not an arm of these runs" in err
+    assert "--family" in refused(runs("flag"), "--family", "ppo")
+
+
+def test_a_command_line_flag_overrides_the_declaration_and_the_report_says_so(tmp_path, no_figures):
+    folder = tmp_path / "runs"
+    for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2"), ("gspo", "none")]):
+        for seed in (0, 1):
+            _evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6 + 0.1 * i, sha=START_A,
+                           comparison={"family": ["gspo"], "primary": "gain"})
+    main([str(folder), "--out", str(tmp_path / "out"), "--family", "grpo + r2", "gspo"])
+    text = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert "Declared by the runs" in text and "set on the command line: family (--family)" in text
+    assert "- **family**: grpo + r2, gspo against grpo on `gain` in every cell (2 comparisons)" in text
+    comparisons = pd.read_csv(tmp_path / "out" / "comparisons.csv")
+    assert set(comparisons.query("role == 'primary'")["arm"]) == {"grpo + r2", "gspo"}
+    assert set(comparisons.query("role == 'primary'")["measure"]) == {"gain"}
+
+
+def test_runs_of_one_start_and_seed_that_differ_beyond_their_arms_are_refused(tmp_path, capsys):
+    """GRPO at lr 2.7e-4 and GSPO at 3e-4: the lr is no axis (it does not vary within an arm), so a report would pair
+    them as if only the objective differed."""
+    for seed in (0, 1):
+        _evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A,
+                       **{"trainer.lr": 2.7e-4})
+        _evaluated_run(tmp_path / "runs" / f"s{seed}", "gspo", seed, "none", 0.5, 0.6, sha=START_A,
+                       **{"trainer.lr": 3e-4})
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert "runs of seed 0 from start aaaaaaaaaaaa disagree in trainer.lr beyond their arms: grpo has 0.00027" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_arms_that_share_a_method_but_not_their_own_settings_are_two_arms():
+    """MiniRL with and without its staleness mask (conf/arm/minirl_no_clip.yaml) share the method name; pooling
+    them per seed would average two arms."""
+    def cfg(mask, seed):
+        return {"algo.name": "minirl", "algo.mask_stale": mask, "routing.replay": "none", "seed": seed}
+
+    names = agg.arm_names({"a": cfg(True, 0), "b": cfg(False, 0), "c": cfg(True, 1), "d": {**cfg(True, 0),
+                                                                                           "algo.name": "grpo"}})
+    assert names == {"a": "minirl (mask_stale=True)", "b": "minirl (mask_stale=False)",
+                     "c": "minirl (mask_stale=True)", "d": "grpo"}
+
+
+def _report_twice(tmp_path, monkeypatch, second):
+    """A report in `out`, then a second one whose figures run `second(out_dir)` before they are 'drawn'."""
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
+        _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
+    out = tmp_path / "out"
+
+    def draw(runset, out_dir, **kwargs):
+        (out_dir / "fig1_reward_vs_compute.png").write_bytes(b"\x89PNG a whole figure")
+        return []
+
+    monkeypatch.setattr("analysis.report.all_figures", draw)
+    if second is not None:
+        main([str(runs), "--out", str(out)])
+        (out / "command.sh").write_text("# not the report's\n")
+    before = {path.name: path.read_bytes() for path in out.iterdir()} if out.exists() else {}
+
+    def interrupted(runset, out_dir, **kwargs):
+        (out_dir / "fig1_reward_vs_compute.png").write_bytes(b"")  # half-written
+        (second or (lambda directory: os.kill(os.getpid(), signal.SIGTERM)))(out_dir)
+        return []
+
+    monkeypatch.setattr("analysis.report.all_figures", interrupted)
+    return runs, out, before
+
+
+def test_an_interrupted_report_leaves_the_previous_one_whole_and_says_so(tmp_path, monkeypatch, capsys):
+    runs, out, before = _report_twice(tmp_path, monkeypatch, lambda _: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(SystemExit) as stop:
+        main([str(runs), "--out", str(out)])
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before, "the previous report, untouched"
+    assert capsys.readouterr().err == (f"error: interrupted by SIGTERM while the output was written; nothing was put "
+                                       f"in place: {out} holds the previous report.md, untouched\n")
+
+
+def test_a_report_that_fails_midway_leaves_the_previous_one_and_no_staging(tmp_path, monkeypatch):
+    def crash(out_dir):
+        raise RuntimeError("a bug while drawing")
+
+    runs, out, before = _report_twice(tmp_path, monkeypatch, crash)
+    with pytest.raises(RuntimeError, match="a bug while drawing"):
+        main([str(runs), "--out", str(out)])
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+
+
+def test_a_first_report_interrupted_leaves_none_and_says_so(tmp_path, monkeypatch, capsys):
+    runs, out, _ = _report_twice(tmp_path, monkeypatch, None)
+    with pytest.raises(SystemExit):
+        main([str(runs), "--out", str(out)])
+    assert not out.exists(), "the folder it made is gone: no half report"
+    assert capsys.readouterr().err.endswith(f"nothing was put in place: {out} holds no report.md\n")
+
+
+def test_a_new_report_replaces_the_old_ones_files_and_no_others(tmp_path, no_figures):
+    for seed in (0, 1):
+        _evaluated_run(tmp_path / "two" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
+        _evaluated_run(tmp_path / "two" / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
+    out = tmp_path / "out"
+    write_report(load_runs([tmp_path / "two"]), out)
+    (out / "fig9_from_an_older_report.png").write_bytes(b"old")
+    (out / "command.sh").write_text("# kept\n")
+    write_report(load_runs([tmp_path / "two" / "g0", tmp_path / "two" / "g1"]), out)  # one arm: no comparisons
+    assert sorted(path.name for path in out.iterdir()) == [
+        "command.sh", "left_out.csv", "per_seed.csv", "report.md", "summary.csv"]
+
+
+def test_every_declared_family_names_arms_its_experiments_sweep_runs():
+    """The experiment files declare their families in the arms' report names ("grpo + r3 (bf16 engine)"): composed
+    with each arm of their sweep, as their runs record them, every declaration of a sweep of several arms fits the arms
+    analysis names (one arm's is compared elsewhere, by analysis.compare, under the names its command gives)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from analysis import declaration
+    from analysis.load import flatten_config
+    from experiments.config import PROJECT_ROOT, register_configs
+
+    register_configs()
+    checked = []
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        for path in sorted((PROJECT_ROOT / "conf" / "experiment").glob("*.yaml")):
+            if "comparison:" not in path.read_text(encoding="utf-8"):
+                continue
+            sweep = compose("train", overrides=[f"experiment={path.stem}"], return_hydra_config=True)
+            arms = str(sweep.hydra.sweeper.params.get("arm", "")).split(",")
+            if len(arms) < 2:
+                continue
+            configs = {arm: flatten_config(OmegaConf.to_container(
+                compose("train", overrides=[f"experiment={path.stem}", f"arm={arm}"]), resolve=False)) for arm in arms}
+            found = declaration.read(configs)
+            assert found.declared, path.name
+            found.checked(agg.arm_names(configs).values())  # refuses a family or baseline of no arm run
+            checked.append(path.stem)
+    assert checked == ["deep_long_seeds", "few_experts", "flip_dose_seeds", "real_routers", "router_noise_dose"]
+
+
+def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without_history_is_left_out(tmp_path):
+    ended = FakeRun("grpo", 0, "crashed", 4)
+    ended.summary = {"status": "diverged", "start_sha256": START_A, "wall_s": 8.0}
+    silent = FakeRun("gspo", 0, "failed", 0)
+    rs = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=lambda: FakeApi([ended, silent]))
+    assert rs.runs[["status", "start_sha256", "incomplete"]].values.tolist() == [["diverged", START_A, True]]
+    assert rs.unstarted["seed"].tolist() == ["0"] and "W&B run without history" in rs.unstarted["why"].item()
+    cached = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=_no_network)
+    pd.testing.assert_frame_equal(cached.unstarted, rs.unstarted)

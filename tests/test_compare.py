@@ -53,7 +53,7 @@ def test_the_pooled_comparison_equals_the_one_report_of_the_same_runs(tmp_path):
                        per_seed("gspo", [0.2, 0.0, 0.25, 0.1, 0.2, 0.0])])
     table["seed"] = table["seed"].astype(str)
     whole = agg.arm_comparisons(table, "grpo", [])
-    rows, axes = pool_from(tmp_path, table[table["arm"] == "grpo"], table[table["arm"] == "gspo"])
+    rows, axes, _ = pool_from(tmp_path, table[table["arm"] == "grpo"], table[table["arm"] == "gspo"])
     split = agg.arm_comparisons(rows, "grpo", axes)
     pd.testing.assert_frame_equal(whole, split)
 
@@ -123,9 +123,55 @@ def test_cells_of_a_swept_axis_are_compared_apart(tmp_path):
     table = pd.concat([per_seed(arm, gains, **{"routing.flip_rate": rate})
                        for rate, offset in ((0.0, 0.0), (0.2, 0.5))
                        for arm, gains in (("grpo", [0.0, 0.1, 0.2]), ("gspo", [offset, 0.1 + offset, 0.2 + offset]))])
-    rows, axes = pool_from(tmp_path, table)
+    rows, axes, _ = pool_from(tmp_path, table)
     assert axes == ["routing.flip_rate"]
     write_comparison(rows, axes, None, tmp_path / "out")
     comparisons = pd.read_csv(tmp_path / "out" / "comparisons.csv")
     gain = comparisons[comparisons["measure"] == "gain"].set_index("routing.flip_rate")["difference_estimate"]
     assert gain[0.0] == pytest.approx(0.0) and gain[0.2] == pytest.approx(0.5)
+
+
+def test_runs_from_other_cold_starts_are_refused_even_at_the_same_start_accuracy(tmp_path, capsys):
+    """Starts at 0 (or few evaluation prompts) give two cold starts one held-out accuracy: the weights' sha256 tells
+    them apart, and the pairing refuses them in one line naming both runs and both starts."""
+    ours = write(tmp_path, "ours", per_seed("grpo", [0.1, 0.2, 0.3], start=0.0).assign(start_sha256="a" * 64))
+    theirs = write(tmp_path, "theirs", per_seed("gspo", [0.1, 0.2, 0.3], start=0.0, prefix="outside")
+                   .assign(start_sha256="b" * 64))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(ours), str(theirs), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs from other cold starts do not pair" in err
+    assert "sha256 aaaaaaaaaaaa" in err and "sha256 bbbbbbbbbbbb" in err and "outside/0_gspo_s0" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tables_that_name_no_start_are_paired_on_their_accuracy_and_the_report_says_only_that(tmp_path):
+    old = write(tmp_path, "old", per_seed("grpo", [0.0, 0.1, 0.2]))  # written before per-seed tables named the start
+    main([str(old), str(write(tmp_path, "also_old", per_seed("gspo", [0.1, 0.2, 0.3], prefix="b"))),
+          "--out", str(tmp_path / "out")])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "No table names its runs' start" in report and "the pairing is not checked beyond that" in report
+    assert "arms from a shared cold start (its weights' sha256)" not in report
+    new = write(tmp_path, "new", per_seed("gspo", [0.1, 0.2, 0.3], prefix="c").assign(start_sha256="c" * 64))
+    main([str(old), str(new), "--out", str(tmp_path / "mixed")])
+    report = (tmp_path / "mixed" / "report.md").read_text()
+    assert "3 of their 3 rows are taken to come from the named start" in report
+    gain = pd.read_csv(tmp_path / "mixed" / "comparisons.csv").query("measure == 'gain'")
+    assert gain["seeds"].tolist() == [3] and gain["per_start"].str.startswith("cccccccccccc").all()
+    pooled = pd.read_csv(tmp_path / "mixed" / "per_seed.csv", dtype={"start_sha256": str})
+    assert set(pooled["start_sha256"]) == {"c" * 64}
+
+
+def test_a_row_its_report_did_not_count_never_enters_and_is_named(tmp_path):
+    """A run that did not finish: excluded by the report that wrote the table (`counted`), or, in a table from before
+    that column, any incomplete run."""
+    grpo = per_seed("grpo", [0.0, 0.1, 0.2, 0.3])
+    gspo = per_seed("gspo", [0.2, 0.3, 0.9, 0.5])
+    gspo.loc[2, "incomplete"] = True  # crashed at its last evaluation's 0.9: not a finished seed
+    main([str(write(tmp_path, "t", pd.concat([grpo, gspo]))), "--out", str(tmp_path / "out")])
+    gain = pd.read_csv(tmp_path / "out" / "comparisons.csv").query("measure == 'gain'").iloc[0]
+    assert gain["seeds"] == 3 and gain["difference_estimate"] == pytest.approx(0.2)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Seeds left out of the comparisons" in report and "`sweep/2_gspo_s2`" in report
+    assert "a run that did not finish never counts" in report

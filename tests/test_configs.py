@@ -78,7 +78,9 @@ def test_misspelt_or_mistyped_keys_fail_at_composition(override, key):
     [("routing.replay=r5", "[none, r2, r3]"), ("trainer.pi_old=cached", "[auto, bypass, decoupled]"),
      ("trainer.minibatch_layout=prompts", "[auto, groups, rows]"), ("model.moe_backend=cuda", "[hf, torch_dmoe"),
      ("algo.loss_agg=sum", "[token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm]"),
-     ("logger.wandb.mode=on", "[offline, online, disabled]"), ("model.dtype=fp8", "[float32, bfloat16, float16]")],
+     ("logger.wandb.mode=on", "[offline, online, disabled]"), ("model.dtype=fp8", "[float32, bfloat16, float16]"),
+     ("comparison.primary=reward", "[gain, gain_area, split_gain]"),
+     ("comparison.early_stopped=ignored", "[exclude, failed]")],
 )
 def test_a_value_outside_an_enum_is_refused_at_composition_naming_the_allowed_ones(override, allowed):
     with pytest.raises(Exception) as raised:
@@ -171,3 +173,15 @@ def test_every_search_the_regimes_cite_is_a_file_that_composes():
         assert group is not None, f"docs/regimes.md cites {name}, which no conf/experiment or conf/search file holds"
         cfg = _compose("train", [f"{group}={name}"])
         assert cfg.model.name == "paper_moe" and cfg.model.path.endswith("-addition")
+
+
+def test_the_declared_comparison_is_no_setting_a_resume_compares():
+    """`comparison` says how a report decides, not what a run computes: a run recorded before the node existed, or
+    under another declaration, resumes under today's (it is not another experiment)."""
+    from experiments.run.resume import differences, settings
+
+    cfg = _compose("train", ["experiment=deep_long_seeds"])
+    assert list(cfg.comparison.family) == ["gspo", "grpo + r2"]
+    recorded = {key: value for key, value in settings(cfg).items() if not key.startswith("comparison.")}
+    assert differences(recorded, cfg) == []
+    assert differences({**recorded, "comparison.primary": "gain"}, cfg) == []

@@ -111,3 +111,74 @@ def test_one_arms_mean_interval_narrows_with_seeds_and_needs_two():
     assert many.excludes(-0.2) and not many.excludes(0.1)
     with pytest.raises(ValueError, match="at least 2 seeds, got 1"):
         mean_interval([0.5])
+
+
+def test_the_sign_flip_test_counts_ties_on_the_grid_of_k_over_n_accuracies():
+    """Gains on the 500-prompt split are differences of float32 accuracies k/500: two sign patterns whose means are
+    equal on that grid differ in float by float32's rounding, and must still count as reaching the observed mean."""
+    from fractions import Fraction
+    from itertools import product
+
+    counts = [[261, 156, 334, 187], [220, 284, 242, 264], [267, 181, 152, 340], [311, 180, 284, 252],
+              [297, 178, 290, 293], [349, 205, 236, 176]]  # per seed: arm start, arm end, baseline start, end (of 500)
+    accuracy = (np.array(counts) / 500).astype(np.float32).astype(float)
+    differences = (accuracy[:, 1] - accuracy[:, 0]) - (accuracy[:, 3] - accuracy[:, 2])
+    exact = [Fraction(int(k[1] - k[0] - k[3] + k[2]), 500) for k in counts]
+    reached = sum(abs(sum(s * d for s, d in zip(signs, exact))) >= abs(sum(exact)) for signs in product((1, -1), repeat=6))
+    assert sign_flip_p(differences) == pytest.approx(reached / 64, abs=1e-12)
+
+
+def test_holm_adjusts_a_family_by_hand():
+    from analysis.statistics import holm
+
+    # sorted 0.01, 0.03, 0.04 → ×3, ×2, ×1 = 0.03, 0.06, 0.04 → running maximum 0.03, 0.06, 0.06
+    assert holm([0.01, 0.04, 0.03]).tolist() == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.9]).tolist() == pytest.approx([1.0, 1.0])
+    assert holm([0.02]).tolist() == pytest.approx([0.02])
+
+
+def test_the_share_of_pairs_ahead_is_the_paired_probability_of_improvement():
+    comparison = compare([0.3, 0.5, 0.5, 0.1], [0.2, 0.5, 0.6, 0.0])  # ahead, tie, behind, ahead
+    assert comparison.pairs_ahead == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+    assert comparison.improvement.estimate == pytest.approx(probability_of_improvement(
+        np.array([0.3, 0.5, 0.5, 0.1]), np.array([0.2, 0.5, 0.6, 0.0])))  # rliable's, unpaired, stays in the CSV
+
+
+def test_across_starts_weights_every_start_alike_and_tests_the_starts_signs():
+    from analysis.statistics import across_starts, multi_bootstrap
+
+    by_start = {f"start{k}": np.full(2 if k else 40, 0.01 * (k + 1)) + np.linspace(-1e-3, 1e-3, 2 if k else 40)
+                for k in range(6)}
+    result = across_starts(by_start)
+    assert result.starts == 6 and result.seeds["start0"] == 40
+    assert result.per_start == pytest.approx({f"start{k}": 0.01 * (k + 1) for k in range(6)})
+    assert result.difference.estimate == pytest.approx(0.035)  # the mean of the starts' means, not of the 50 pairs
+    assert result.difference.low <= 0.035 <= result.difference.high and result.difference.low > 0
+    assert result.signs_agree and result.p_value == pytest.approx(2 / 64)
+    draws = multi_bootstrap([np.zeros(40), np.ones(1)], 4000, np.random.default_rng(0))
+    assert draws.mean() == pytest.approx(0.5, abs=0.03), "a start of one seed weighs as much as one of forty"
+    mixed = across_starts({"a": [0.1, 0.2], "b": [-0.05], "c": [0.3]})
+    assert not mixed.signs_agree and mixed.p_value >= 2 / 8, "three starts: no p below 1/4"
+    with pytest.raises(ValueError, match="a two-level interval needs at least 2 cold starts, got 1"):
+        across_starts({"a": [0.1, 0.2, 0.3]})
+
+
+def test_the_two_level_interval_covers_the_recipes_effect_where_one_starts_interval_falls_short():
+    """Synthetic runs whose effect varies between cold starts by one standard error of a ten-seed mean (the spread the
+    audit saw): a one-start interval on ten seeds estimates that start's effect and covers the recipe's about 4
+    times in 5; six starts of two seeds, bootstrapped on both levels, hold about 95%."""
+    from analysis.statistics import mean_interval, multi_bootstrap
+
+    rng = np.random.default_rng(7)
+    effect, seed_sd, simulations = 0.1, 0.1, 300
+    start_sd = seed_sd / np.sqrt(10)
+    two_level = one_start = 0
+    for _ in range(simulations):
+        starts = rng.normal(effect, start_sd, 6)
+        draws = multi_bootstrap([rng.normal(start, seed_sd, 2) for start in starts], 1000, rng)
+        low, high = np.percentile(draws, [2.5, 97.5])
+        two_level += low <= effect <= high
+        one_start += not mean_interval(rng.normal(starts[0], seed_sd, 10)).excludes(effect)
+    assert two_level / simulations >= 0.9
+    assert one_start / simulations <= 0.86
+    assert two_level - one_start >= 0.08 * simulations

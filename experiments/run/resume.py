@@ -38,6 +38,7 @@ SAFE_TO_CHANGE = (
     "trainer.save_checkpoint",  # and whether the final weights are exported
     "trainer.max_consecutive_skips",  # how long a run whose updates keep failing goes on before it stops
     "logger",  # where the numbers are sent
+    "comparison",  # how the experiment's report compares its runs, not what a run computes
     "hydra",  # Hydra's own node, which a config composed with it carries
 )
 # The config groups added since runs were first recorded, and the choice of each that runs made before it existed.

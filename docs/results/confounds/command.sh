@@ -17,13 +17,14 @@ python -m analysis.calibrate $C/matched_step $C/matched_clip_s* --knob algo.clip
   --target algo.name=grpo trainer.lr=0.0003 --grid algo.name=gspo --out docs/results/confounds/clip
 # The matched arms (their experiment files carry the calibrated values) on report seeds 0-9, each report of its own
 # runs, then paired with deep_long_seeds' arms on the same seeds and start (analysis.compare reads its per-seed table;
-# the matched GRPO is renamed, since deep_long_seeds has a GRPO at lr 3e-4 too).
+# the matched GRPO is renamed, since deep_long_seeds has a GRPO at lr 3e-4 too; --family is the comparison each
+# experiment file declares).
 D=docs/results/confounds
 python -m experiments.train -m experiment=confound_step hydra.sweep.dir=$C/confound_step
 python -m analysis.report $C/confound_step --out $D/step_arms
 python -m analysis.compare docs/results/deep_long_seeds $D/step_arms:grpo=grpo-lr2.7e-4 --baseline grpo-lr2.7e-4 \
-  --out $D/step_compared
+  --family gspo --out $D/step_compared
 python -m experiments.train -m experiment=confound_clip hydra.sweep.dir=$C/confound_clip
 python -m analysis.report $C/confound_clip --out $D/clip_arms
 python -m analysis.compare docs/results/deep_long_seeds $D/clip_arms:gspo=gspo-wide-clip --baseline grpo \
-  --out $D/clip_compared
+  --family gspo-wide-clip --out $D/clip_compared
