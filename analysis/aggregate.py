@@ -44,7 +44,6 @@ COLLAPSE_MIN_TAIL = 3
 TOKEN_GRID_POINTS = 100
 
 # The metrics read here are named where they are produced (experiments.step.metrics, algos.objective).
-MISMATCH_KL = MISMATCH_K3  # k3 of KL(μ_old ‖ π_old)
 _LAYER_METRIC = re.compile("^" + re.escape(per_layer(DRIFT, "")) + r"(\d+)$")  # DRIFT per minibatch, per layer
 
 STABILITY_COLUMNS = [
@@ -197,7 +196,7 @@ def run_stats(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
     stats["expert_change_over_minibatches"] = drift.groupby("run")["value"].mean()
     stats["ratio_token_var"] = _mean_of(scalars, TOKEN_VAR)
     stats["ratio_seq_var"] = _mean_of(scalars, SEQ_VAR)
-    stats["mismatch_kl_k3"] = _mean_of(scalars, MISMATCH_KL)
+    stats["mismatch_kl_k3"] = _mean_of(scalars, MISMATCH_K3)
     stats["fragile_frac"] = _mean_of(scalars, FRAGILE)
     stats["routing_share"] = _mean_of(runset.minibatches, ROUTING_SHARE)
     skipped = scalars[scalars["metric"] == SKIPPED].sort_values("step").groupby("run")["value"].last()

@@ -40,6 +40,7 @@ from analysis.load import (
     FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, UNKNOWN_START, RunSet, default_wandb_api, load_runs, load_wandb,
     wandb_cache_dir,
 )
+from experiments.step.metrics import MISMATCH_K3
 
 REPORT_FILE = "report.md"
 SUMMARY_FILE = "summary.csv"
@@ -170,7 +171,7 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
         "update since θ_old (the per-minibatch record with index 1: the GSPO paper's statistic); then mean across "
         "seeds. **… mean over minibatches**: the same over every minibatch record of a step (index 0, on-policy, "
         "is 0 by construction; later ones have seen more updates).",
-        f"- **mismatch k3**, **fragile tokens**: per seed, the mean over logged steps of `{agg.MISMATCH_KL}` (k3 of "
+        f"- **mismatch k3**, **fragile tokens**: per seed, the mean over logged steps of `{MISMATCH_K3}` (k3 of "
         f"KL(μ_old ‖ π_old)) and `{agg.FRAGILE}` (share of tokens whose k-th and (k+1)-th expert probabilities are "
         "within `routing.margin_threshold`); then mean across seeds.",
         f"- **routing share**: per seed, the mean over off-policy minibatch records of `{agg.ROUTING_SHARE}`, the "

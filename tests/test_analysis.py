@@ -672,7 +672,7 @@ def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(t
         records = []
         for t in range(1, 21):
             record = syn.step_record("grpo", 0, t, 0.02 * t)
-            record[agg.MISMATCH_KL], record[CHI2_TOKEN], record[ESS] = kl, 2 * kl, 1.0
+            record[MISMATCH_K3], record[CHI2_TOKEN], record[ESS] = kl, 2 * kl, 1.0
             records.append(record)
         return syn.write_run(directory, {**syn.config("grpo", 0), "rollout": rollout}, records)
 
@@ -680,7 +680,7 @@ def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(t
     out = figures.fig_mismatch(same, tmp_path / "out")
     assert out.files == [] and "trainer's own model" in out.notes[0]
     assert "not a quantity these runs varied" in out.notes[0]
-    assert f"{agg.MISMATCH_KL}_moved_step" not in agg.early_warning(same).columns
+    assert f"{MISMATCH_K3}_moved_step" not in agg.early_warning(same).columns
     bf16 = load_runs([run(tmp_path / "bf16", 1e-8, {"engine": "hf", "precision": "bf16"})])
     assert figures.fig_mismatch(bf16, tmp_path / "out2").files, "an engine that differs: its mismatch is the result"
 

@@ -3,18 +3,14 @@ untouched forward, that replay overrides it, and that it reaches only π_θ's up
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from algos.objective import CLIP, POLICY_LOSS, TOKEN_RATIO_VAR
 from experiments.step.metrics import DRIFT_PER_UPDATE, FLIP_FRAC, REWARD
-from experiments.step.scoring import position_ids
 from models.routing.flips import flip_routing, next_ranked
 from models.routing.hooks import record_routing, replay_routing
 from models.routing.trace import find_routers
-from tests.conftest import MICRO_RUN
 from tests.test_routing import ExpertsSpy, _batch, _forward
 
 

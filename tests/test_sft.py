@@ -15,6 +15,7 @@ from experiments.step.metrics import LR, SFT_LOSS, SFT_PRETRAINING, TOPK_MARGIN_
 from experiments.step.scoring import position_ids
 from experiments.tasks import Example, build_task
 from models.policy import ModelConfig, build_policy
+from models.routing.measures import MARGIN_ANCHORS
 from models.routing.trace import find_routers
 from tests.conftest import MICRO_MODEL
 from tests.test_sigmoid_family import SIGMOID
@@ -147,7 +148,9 @@ def test_the_margin_table_holds_each_checkpoint_against_its_familys_anchor(tmp_p
     margins([str(tmp_path / "ckpt"), str(tmp_path / "glm"), "--out", str(tmp_path / "table"), "--prompts", "8"])
     rows = json.loads((tmp_path / "table" / "margins.json").read_text())
     assert [row["task"] for row in rows] == ["sorting train_size=200 test_size=20", "addition"]  # what differs
-    assert [row["anchor_margin"] for row in rows] == [0.0188, 0.0114]
+    softmax, sigmoid = (MARGIN_ANCHORS[next(name for name in MARGIN_ANCHORS if family in name)]
+                        for family in ("softmax", "sigmoid"))
+    assert [row["anchor_margin"] for row in rows] == [softmax, sigmoid], "each checkpoint against its family's anchor"
     for row in rows:
         assert row["median_over_anchor"] == pytest.approx(row[TOPK_MARGIN_MEDIAN] / row["anchor_margin"])
         low, high = row["topk_margin_median_interval"]

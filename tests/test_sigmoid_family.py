@@ -23,7 +23,7 @@ from models.routing.hooks import record_routing, replay_routing, router_calls, R
 from models.routing.measures import routing_drift
 from models.routing.trace import find_routers
 from tests.conftest import MICRO_MODEL
-from tests.test_routing import ExpertsSpy, _batch, _forward, _perturb_routers
+from tests.test_routing import _batch, _forward, _perturb_routers
 from tests.test_shared_prefix import G, _batch as _packed_batch, _score
 from tests.test_train import compose_train, read_metrics
 
