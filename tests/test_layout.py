@@ -1,10 +1,13 @@
-"""docs/architecture.md kept true: every import runs down the rooms, and no file names a path outside the project."""
+"""docs/architecture.md kept true: every import runs down the rooms, a step runs code of the step's rooms only and its
+update asks no part whether it is on, and no file names a path outside the project."""
 
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
+
+import pytest
 
 from experiments.config import PROJECT_ROOT
 
@@ -82,16 +85,20 @@ STEP_ROOMS = ("models/", "algos/", "experiments/tasks/", "experiments/step/")
 WRAPPERS = ("torch/utils/_contextlib.py", "/contextlib.py", "/functools.py")
 
 
-def test_a_step_runs_code_of_the_step_rooms_only():
-    """Calls the step's own code makes, on one rank with the default objective, task and replay; what transformers
-    and torch call back (the model's forward with its kernels and routing hooks, the learning-rate schedule) is
-    theirs and not counted."""
+@pytest.mark.parametrize("overrides", [
+    [],  # the default step
+    ["routing.replay=r2", "correction=tis", "rollout.precision=bf16", "routing.flip_rate=0.2", "routers=[aux_loss]",
+     "routing.decompose_every=1", "routing_variant=full_replay"],  # many parts on at once
+])
+def test_a_step_runs_code_of_the_step_rooms_only(overrides):
+    """Calls the step's own code makes, on one rank; what transformers and torch call back (the model's forward with
+    its kernels and routing hooks, the learning-rate schedule) is theirs and not counted."""
     import sys
 
     from experiments.step.trainer import RLTrainer
     from tests.test_train import compose_train
 
-    trainer = RLTrainer(compose_train())
+    trainer = RLTrainer(compose_train(*overrides))
     trainer.step()  # the first step builds what later ones reuse
     ours = tuple(f"{PROJECT_ROOT}/{package}/" for package in PACKAGES)  # not tests/, nor a virtualenv in the clone
     ran: set[str] = set()
@@ -120,3 +127,12 @@ def test_a_step_runs_code_of_the_step_rooms_only():
         sys.setprofile(None)
     outside = sorted(path for path in ran if not path.startswith(STEP_ROOMS))
     assert "experiments/step/trainer.py" in ran and not outside, f"the step ran {outside}, outside {STEP_ROOMS}"
+
+
+def test_the_update_asks_no_part_whether_it_is_on():
+    """`RLTrainer.update` calls every hook at every fixed point (docs/architecture.md): no `if`, no conditional
+    expression, no comparison with a part's name in its body; what a run switches on is assembled at start-up."""
+    tree = ast.parse((PROJECT_ROOT / "experiments" / "step" / "trainer.py").read_text(encoding="utf-8"))
+    update = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "update")
+    branches = [f"line {node.lineno}" for node in ast.walk(update) if isinstance(node, (ast.If, ast.IfExp, ast.Match))]
+    assert not branches, f"RLTrainer.update branches at {', '.join(branches)}: a switch belongs in a hook"
