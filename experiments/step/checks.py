@@ -88,8 +88,10 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     engine.check(cfg, world, engine_needs(plan, objective, correction))
     check_agreement(objective, correction)
     variant.check(plan.replay, cfg.model.name, moe)
+    t = cfg.trainer
     check_switches(switches, RunFacts(cfg.model.name, hf_config.model_type in SIGMOID_FAMILIES, plan.replay,
-                                      variant.name, cfg.trainer.router_lr_scale, world, cfg.trainer.checkpoint_every),
+                                      variant.name, t.router_lr_scale, world, t.checkpoint_every,
+                                      (t.steps - 1) * t.minibatches),
                    moe)
     task, train_examples, test_examples = check_task(cfg, model_cfg)
     if memory:
