@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import json
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -21,6 +23,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from experiments.config import PROJECT_ROOT, TrainerConfig
 from experiments.run.checkpoint import find as find_checkpoint
@@ -544,6 +548,71 @@ def test_resume_refuses_a_damaged_checkpoint_and_auto_takes_the_newest_intact_on
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 
 
+class _Code:
+    """A pickle that runs a command when it is unpickled: what a hostile checkpoint holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_index_that_is_code_is_refused_unread_on_resume_and_passed_over_by_auto(
+        killed_after_three_checkpoints, tmp_path):
+    """torch reads the state's .metadata with plain pickle.load: resume=<checkpoint>, and resume=auto's scan, ran the
+    command of a .metadata replaced by a pickle with a __reduce__ (the file it creates was made)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    marker = tmp_path / "code_ran"
+    (newest / "state" / ".metadata").write_bytes(pickle.dumps(_Code(marker)))
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3", f"resume={newest}"),
+              tmp_path / "elsewhere")
+    line = str(raised.value)
+    assert (f"is a damaged checkpoint: {newest / 'state' / '.metadata'} is not a checkpoint index: it names "
+            f"{os.system.__module__}.system, which Distributed Checkpoint's index never holds; refused unread") in line
+    assert "\n" not in line
+    found, passed_over = find_checkpoint(run_dir, "auto")
+    assert found == run_dir / "checkpoints" / "step_000002" and "is not a checkpoint index" in passed_over[0]
+    assert not marker.exists(), "the checkpoint's code ran"
+
+
+def test_a_value_stored_as_bytes_that_is_code_is_refused_before_any_loads(killed_after_three_checkpoints, tmp_path):
+    """The optimizer's hyperparameters are stored as pickled bytes, which torch's load planner unpickles with
+    weights_only=False: a hyperparameter replaced by a pickle with a __reduce__ ran on resume."""
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from experiments.run.checkpoint import load, read_index
+    from experiments.train import RLTrainer
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    state = run_dir / "checkpoints" / "step_000003" / "state"
+    marker = tmp_path / "code_ran"
+    index = read_index(state / ".metadata")
+    key = MetadataIndex("optimizer.param_groups.0.lr")
+    code = io.BytesIO()
+    torch.save(_Code(marker), code)
+    stored = state / index.storage_data[key].relative_path
+    index.storage_data[key] = _StorageInfo(stored.name, stored.stat().st_size, len(code.getvalue()))
+    with open(stored, "ab") as handle:  # the index points at the code, appended to the tensor file
+        handle.write(code.getvalue())
+    (state / ".metadata").write_bytes(pickle.dumps(index))
+    settings = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"]
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(*settings, f"resume={state.parent}"), tmp_path / "elsewhere")
+    assert (f"{stored} stores optimizer.param_groups.0.lr as something other than data, refused unread"
+            in str(raised.value)) and "\n" not in str(raised.value)
+    with pytest.raises(CheckpointException):  # torch's own planner would unpickle it; the project's only as data
+        load(RLTrainer(compose_train(*settings)), state.parent)
+    assert not marker.exists(), "the checkpoint's code ran"
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
+                    reason="the portable kernels need an x86-64 CPU with AVX2")
 # -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------
 
 def killed(run_dir: Path) -> Path:

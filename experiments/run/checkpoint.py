@@ -3,7 +3,8 @@
 `trainer.checkpoint_every=k` writes, after every k-th step's log line and after the run's last step,
 `checkpoints/step_<k>/` in the run directory:
     state/            model and optimizer, with `torch.distributed.checkpoint` (sharded over ranks under FSDP2,
-                      one process otherwise): tensors only, loaded without pickle code execution
+                      one process otherwise): its index (`.metadata`) and the optimizer's hyperparameters are
+                      pickles, read as data only (`read_index`, `_DataPlanner`): a checkpoint is never code
     trainer.json      step and token counters, skipped updates, the scheduler's state, every setting of the run
     rng_rank<r>.pt    every random generator of rank r (torch's, the prompt sampler's, the engine's router noise),
                       loaded with `weights_only=True`
@@ -27,15 +28,17 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from experiments.run.launch import gather
@@ -254,11 +257,14 @@ def _rank_damage(path: Path, rank: int) -> str | None:
 
 def _state_damage(state: Path) -> str | None:
     """What is wrong with the model and optimizer state written by `torch.distributed.checkpoint`, or None: its index
-    (`.metadata`) must read, and every file the index points into must be as long as the index needs."""
+    (`.metadata`) must read as an index (`read_index`: never as code), every file the index points into must be as
+    long as the index needs, and every value stored as bytes (the optimizer's hyperparameters) must load as data."""
     try:
-        index = FileSystemReader(str(state)).read_metadata()
-    except Exception as error:  # a truncated index fails in torch's unpickling with whatever type it meets first
-        return f"{state / '.metadata'} does not read ({_reason(error)})"
+        index = read_index(state / INDEX)
+    except NotAnIndex as refused:
+        return str(refused)
+    except Exception as error:  # a truncated index fails in unpickling with whatever type it meets first
+        return f"{state / INDEX} does not read ({_reason(error)})"
     needed: dict[str, int] = {}
     for item in index.storage_data.values():
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
@@ -269,7 +275,93 @@ def _state_damage(state: Path) -> str | None:
             return f"{state / name} does not read ({_reason(error)})"
         if held < size:
             return f"{state / name} holds {held} of the {size} bytes its index needs"
+    return _bytes_damage(state, index)
+
+
+def _bytes_damage(state: Path, index: Metadata) -> str | None:
+    """What is wrong with the values the state stores as bytes, or None: each must load with `weights_only=True`
+    (torch's own loader unpickles them with full pickle, `_DataPlanner`)."""
+    for key, item in index.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        stored = index.storage_data[MetadataIndex(key)]
+        where = state / stored.relative_path
+        if stored.transform_descriptors:
+            return f"{where} stores {key} transformed ({', '.join(stored.transform_descriptors)}), as no checkpoint of "\
+                   "this project does"
+        try:
+            with open(where, "rb") as handle:
+                handle.seek(stored.offset)
+                torch.load(io.BytesIO(handle.read(stored.length)), weights_only=True)
+        except Exception as error:  # torch's weights-only unpickler refuses code with its own error types
+            return f"{where} stores {key} as something other than data, refused unread ({_reason(error)})"
     return None
+
+
+# -- the state's index, read as data ----------------------------------------------------------------------------------
+
+INDEX = ".metadata"  # Distributed Checkpoint's index of the state: a pickle, which torch reads with plain pickle.load
+# What the index may name: Distributed Checkpoint's own metadata types and the values they hold (a shape, a dtype, a
+# layout by name, the checkpoint's path). Any other global in the pickle is code, and the index is refused unread.
+INDEX_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name, as torch pickles `torch.strided`
+    *((module, name) for module in ("pathlib", "pathlib._local")
+      for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+})
+
+
+class NotAnIndex(pickle.UnpicklingError):
+    """The state's `.metadata` names something no index holds: it is refused before anything in it runs."""
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """An unpickler that admits `INDEX_GLOBALS` and torch's dtypes and nothing else (no `persistent_load`: a
+    persistent id is refused by pickle itself)."""
+
+    def __init__(self, file: BinaryIO, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in INDEX_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise NotAnIndex(f"{self.path} is not a checkpoint index: it names {module}.{name}, which Distributed "
+                         "Checkpoint's index never holds; refused unread (a checkpoint is data, never code)")
+
+
+def read_index(path: Path) -> Metadata:
+    """The state's index at `path`, unpickled with `_IndexUnpickler` (`NotAnIndex` when it names anything else)."""
+    with open(path, "rb") as handle:
+        index = _IndexUnpickler(handle, path).load()
+    if not isinstance(index, Metadata):
+        raise NotAnIndex(f"{path} is not a checkpoint index: it holds a {type(index).__name__}")
+    return index
+
+
+class _IndexReader(FileSystemReader):
+    """torch's reader of a checkpoint's state, whose index is read with `read_index` instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        index = read_index(Path(self.path) / INDEX)
+        if index.storage_meta is None:
+            index.storage_meta = StorageMeta()
+        index.storage_meta.load_id = self.load_id
+        return index
+
+
+class _DataPlanner(DefaultLoadPlanner):
+    """torch's load planner, whose values stored as bytes (the optimizer's hyperparameters) must load with
+    `weights_only=True` before torch's own `load_bytes` unpickles them (with full pickle)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # data, or an error before anything runs
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def _reason(error: BaseException) -> str:
@@ -297,12 +389,15 @@ def check(path: Path, cfg: DictConfig, world: int) -> None:
 
 def load(trainer: Any, path: Path) -> None:
     """Restore the trainer's state from the checkpoint at `path` (every rank calls this, once rank 0 has found it
-    intact and this run's own: `damage`, `check`)."""
+    intact and this run's own: `damage`, `check`). The state's index and its values stored as bytes are read as data
+    (`_IndexReader`, `_DataPlanner`), never unpickled as torch would. `trainer.computed_under` becomes the
+    environments the checkpoint's steps were computed under, with this process's when it differs, which rank 0
+    says in one line (`experiments.run.provenance`)."""
     ranks: Ranks = trainer.ranks
     saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(path / "state"), no_dist=not ranks.active)
+    dcp.load(state, storage_reader=_IndexReader(path / "state"), planner=_DataPlanner(), no_dist=not ranks.active)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     trainer.scheduler.load_state_dict(saved["scheduler"])
