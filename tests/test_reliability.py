@@ -611,6 +611,34 @@ def test_a_value_stored_as_bytes_that_is_code_is_refused_before_any_loads(killed
     assert not marker.exists(), "the checkpoint's code ran"
 
 
+def test_a_disk_that_fills_inside_torch_save_ends_the_run_in_one_line_and_removes_the_partial_checkpoint(tmp_path):
+    """torch's zip writer turns the full disk's OSError into `RuntimeError: unexpected pos`: the run ended in a
+    31-frame traceback, without a summary, the partial step_N.tmp left on the full disk. A file-size limit plays the
+    full disk: the log's lines fit under it, and it falls in the middle of a tensor of the checkpoint's tensor file
+    (measured on the same run's checkpoint, written in-process without a limit: the runs are the same bits)."""
+    train(compose_train("trainer.steps=1", "trainer.checkpoint_every=1"), tmp_path / "free")
+    index = FileSystemReader(str(tmp_path / "free" / "checkpoints" / "step_000001" / "state")).read_metadata()
+    tensors = [stored for key, stored in index.storage_data.items()
+               if not isinstance(index.state_dict_metadata[key.fqn], BytesStorageMetadata)]
+    tensor = max((stored for stored in tensors if stored.offset > 100_000), key=lambda stored: stored.length)
+    limit = tensor.offset + tensor.length // 2
+    run_dir = tmp_path / "run"
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run([*CLI, *MICRO_RUN, "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, preexec_fn=limited)
+    assert done.returncode == 1
+    line = one_line(done.stderr)
+    assert (f"cannot write checkpoint step_000001 in {run_dir / 'checkpoints'}: File too large; the partial one was "
+            "removed, and there is no earlier checkpoint") in line and "says status 'failed'" in line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "File too large" in summary["failed"]
+    assert [row[STEP] for row in read_metrics(run_dir)] == [1]
+    assert not list((run_dir / "checkpoints").iterdir()), "no partial checkpoint is left"
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
                     reason="the portable kernels need an x86-64 CPU with AVX2")
 # -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------

@@ -94,10 +94,10 @@ class _Together:
         except OSError as error:
             problem = _reason(error)
         except CheckpointException as error:
-            causes = [failure[0] for failure in error.failures.values()]
-            if not all(isinstance(cause, OSError) for cause in causes):
+            causes = [_write_failure(failure[0]) for failure in error.failures.values()]
+            if not all(causes):
                 raise  # a bug, not the disk: its traceback
-            problem = _reason(causes[0])
+            problem = causes[0]
         problems = [p for p in gather(problem, self.ranks) if p is not None]
         if not problems:
             return
@@ -107,6 +107,19 @@ class _Together:
         kept = f"{earlier[-1]} is the newest checkpoint" if earlier else "there is no earlier checkpoint"
         raise StorageError(f"cannot write checkpoint {self.final.name} in {self.final.parent}: {problems[0]}; the "
                            f"partial one was removed, and {kept}")
+
+
+def _write_failure(cause: BaseException) -> str | None:
+    """Why a file of the checkpoint could not be written, or None when `cause` is not a write failure (a bug). torch's
+    zip writer (`torch.save`, which Distributed Checkpoint writes each tensor with) turns the `OSError` of a full disk
+    into `RuntimeError: ... unexpected pos`, the `OSError` kept as its context."""
+    if isinstance(cause, OSError):
+        return _reason(cause)
+    if isinstance(cause, RuntimeError) and "unexpected pos" in str(cause):
+        if isinstance(cause.__context__, OSError):
+            return _reason(cause.__context__)
+        return "the file stopped growing while torch wrote it (a full disk?)"
+    return None
 
 
 def _empty_directory(path: Path) -> None:
