@@ -639,6 +639,34 @@ def test_a_disk_that_fills_inside_torch_save_ends_the_run_in_one_line_and_remove
     assert not list((run_dir / "checkpoints").iterdir()), "no partial checkpoint is left"
 
 
+class _Killed(BaseException):
+    """A kill, as far as the code it cuts can tell."""
+
+
+def test_a_kill_while_rotation_deletes_a_checkpoint_leaves_no_checkpoint_half_deleted(tmp_path, monkeypatch):
+    """Rotation deleted an older checkpoint in place: a kill in the middle of shutil.rmtree left step_000001 without
+    its trainer.json under its own name, a checkpoint that no longer loads."""
+    run_dir = tmp_path / "run"
+    delete = shutil.rmtree
+
+    def killed_while_deleting(path, *args, **kwargs):
+        if Path(path).name.endswith(".tmp"):  # a partial checkpoint emptied before it is written
+            return delete(path, *args, **kwargs)
+        (Path(path) / "trainer.json").unlink()  # the first file gone, then the kill
+        raise _Killed
+
+    settings = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=1"]
+    monkeypatch.setattr(shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(_Killed):
+        train(compose_train(*settings), run_dir)
+    monkeypatch.setattr(shutil, "rmtree", delete)
+    assert find_checkpoint(run_dir, "auto") == (run_dir / "checkpoints" / "step_000002", [])
+    assert not (run_dir / "checkpoints" / "step_000001").exists(), "a half-deleted checkpoint under its own name"
+    train(compose_train(*settings, "resume=auto"), run_dir)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000003"], "the resume removed the rest"
+    assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
                     reason="the portable kernels need an x86-64 CPU with AVX2")
 # -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------

@@ -10,8 +10,10 @@
                       loaded with `weights_only=True`
 It is written into `step_<k>.tmp/`, every file flushed to the disk, checked whole (`damage`), and only then renamed
 into place; only then are older checkpoints rotated out: of the intact ones older than it, those beyond the newest
-`trainer.keep_checkpoints` (it counted among them). A kill at any instant leaves every earlier checkpoint whole. A
-write that fails (a full disk) removes the partial checkpoint and raises `StorageError` on every rank, naming why.
+`trainer.keep_checkpoints` (it counted among them), each renamed to `step_<k>.deleting` before it is deleted. A kill
+at any instant leaves every checkpoint under its own name whole; a resume removes what a kill left of a partial or a
+deleted one. A write that fails (a full disk, also inside `torch.save`) removes the partial checkpoint and raises
+`StorageError` on every rank, naming why.
 
 `resume=auto` continues from the newest intact checkpoint in the run directory (a fresh start when there is none),
 saying which newer ones it passed over and why; `resume=/path/to/step_<k>` from that one. Every file a checkpoint is
@@ -53,6 +55,7 @@ PREFIX = "step_"
 PARTIAL = ".tmp"  # a checkpoint being written
 DAMAGED = ".damaged"  # set aside at resume: it does not load
 SUPERSEDED = ".superseded"  # set aside at resume: later than the checkpoint the run went back to
+DELETING = ".deleting"  # rotated out: renamed first, so that a kill while it is deleted leaves no checkpoint half gone
 
 
 def step_of(path: Path) -> int:
@@ -169,7 +172,10 @@ def _rotate(newest: Path, keep: int) -> None:
     not counted, and later ones are not touched."""
     older = [p for p in checkpoints(newest.parent.parent) if step_of(p) < step_of(newest) and damage(p) is None]
     for old in older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old)
+        doomed = old.with_name(old.name + DELETING)
+        old.rename(doomed)  # first: a kill during the deletion leaves a name no scan reads, which a resume removes
+        sync_directory(old.parent)
+        shutil.rmtree(doomed)
 
 
 def _set_aside(path: Path, suffix: str) -> Path:
@@ -184,9 +190,11 @@ def _set_aside(path: Path, suffix: str) -> Path:
 def set_aside_after(run_dir: Path, step: int) -> list[str]:
     """Set aside every checkpoint of `run_dir` later than `step`, the one a run resumes from: a damaged one (which
     rotation would never count) and an intact one of the continuation the resume abandons (its log lines are cut).
-    Return what each became. Partial ones, whose write a kill cut, are removed: they were never checkpoints."""
-    for partial in (run_dir / DIRECTORY).glob(f"{PREFIX}*{PARTIAL}"):
-        shutil.rmtree(partial)
+    Return what each became. Partial ones, whose write a kill cut, are removed: they were never checkpoints; so are
+    the remains of one whose deletion by rotation a kill cut."""
+    for unfinished in (*(run_dir / DIRECTORY).glob(f"{PREFIX}*{PARTIAL}"),
+                       *(run_dir / DIRECTORY).glob(f"{PREFIX}*{DELETING}")):
+        shutil.rmtree(unfinished)
     moved = []
     for later in checkpoints(run_dir):
         if step_of(later) > step:
