@@ -42,7 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from experiments.config import register_configs
-from experiments.run import rundir
+from experiments.run import provenance, rundir
 from experiments.run.logger import RunLogger
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
@@ -313,6 +313,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         "checkpoint": str(output_dir),
         "weights_sha256": cpu_kernels.weights_sha256(model),  # the start's identity, also in every RL run's summary
         "kernels": cpu_kernels.describe(cfg.cpu_kernels),
+        "versions": provenance.versions(),  # Python's and the computing libraries' (experiments.run.provenance)
         "routing": routing_profile(model, tokenizer, test),  # on the held-out demonstrations, after training
         "policy": describe_policy(model),  # the experts and attention implementations computed with, among others
     }

@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from algos.objective import CLIP, TOKEN_RATIO_VAR
 from experiments.config import register_configs
-from experiments.run import checkpoint, launch, rundir
+from experiments.run import checkpoint, launch, provenance, rundir
 from experiments.run.launch import exit_once
 from experiments.run.logger import RunLogger, write_summary
 from experiments.run.threads import ThreadBudget
@@ -203,7 +203,8 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         **trainer.plan.describe(),
         "policy": describe_policy(trainer.model),
         "start_sha256": trainer.start_sha256,  # the weights the run started from (a cold start's weights_sha256)
-        "kernels": cpu_kernels.describe(trainer.cfg.cpu_kernels),
+        # the versions and kernels of this process, of every process that computed its steps, and of its start
+        **provenance.run_fields(trainer.cfg, checkpoint.computed_under(trainer)),
     }
     if trainer.plan.track_routing:
         # The GSPO paper's "experts changed per update" is the drift after one update (minibatch index 1); the mean

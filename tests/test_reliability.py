@@ -667,8 +667,53 @@ def test_a_kill_while_rotation_deletes_a_checkpoint_leaves_no_checkpoint_half_de
     assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
 
 
+# -- what computed a result: versions, kernels, the start's ---------------------------------------------------------
+
+def test_a_summary_names_its_versions_and_its_start_and_a_resume_under_other_versions_says_so(
+        tmp_path, checkpoint, monkeypatch, capsys):
+    """summary.json recorded the start's sha256 and this process's kernels, but no library versions, nor the kernels
+    its start was made with; a resume under another torch was recorded as if one process had run every step."""
+    import transformers
+
+    from experiments.run import provenance
+
+    start = {"versions": {"python": "3.11.0", "torch": "2.13.0"}, "kernels": {"mode": "portable", "cpu": "a CPU"}}
+    (checkpoint / "cold_start.json").write_text(json.dumps({"status": "finished", **start}))
+    settings = ["model=checkpoint", f"model.path={checkpoint}", "trainer.checkpoint_every=3"]
+    run_dir = tmp_path / "run"
+    summary = train(compose_train(*settings), run_dir)
+    assert summary["versions"]["torch"] == torch.__version__
+    assert summary["versions"]["transformers"] == transformers.__version__
+    assert summary["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert summary["start_environment"] == start, "the start's own summary"
+    assert [(part["first_step"], part["versions"]) for part in summary["computed_under"]] == [(1, summary["versions"])]
+    here = provenance.versions()
+    monkeypatch.setattr(provenance, "versions", lambda: {**here, "torch": "9.9.9"})
+    extended = train(compose_train(*settings, "trainer.steps=4", "resume=auto"), run_dir)
+    assert (f"warning: step_000003 was computed under other libraries or kernels than this process (torch "
+            f"{torch.__version__} there, 9.9.9 here)") in capsys.readouterr().err
+    assert [(part["first_step"], part["versions"]["torch"]) for part in extended["computed_under"]] == [
+        (1, torch.__version__), (4, "9.9.9")]
+    assert json.loads((run_dir / "summary.json").read_text())["computed_under"] == extended["computed_under"]
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
                     reason="the portable kernels need an x86-64 CPU with AVX2")
+def test_a_resume_under_other_kernels_is_recorded_as_such(tmp_path):
+    """cpu_kernels may change on resume (it computes the same steps with other rounding): the summary then named the
+    new kernels alone, as if the whole run had used them."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3"), run_dir)  # this process: the machine's own kernels
+    done = run_cli(*MICRO_RUN, "trainer.checkpoint_every=3", "trainer.steps=4", "resume=auto", "cpu_kernels=portable",
+                   f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "kernels mode native there, portable here" in done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(part["first_step"], part["kernels"]["mode"]) for part in summary["computed_under"]] == [
+        (1, "native"), (4, "portable")]
+    assert summary["kernels"]["mode"] == "portable", "the kernels of the process that wrote the summary"
+
+
 # -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------
 
 def killed(run_dir: Path) -> Path:

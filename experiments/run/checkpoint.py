@@ -33,6 +33,7 @@ import json
 import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -43,9 +44,10 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from experiments.run import provenance
 from experiments.run.launch import gather
 from experiments.run.resume import described, differences, length_change, settings
-from experiments.run.rundir import StorageError, replace_file, sync_directory
+from experiments.run.rundir import SUMMARY_FILE, StorageError, replace_file, sync_directory
 from experiments.step.metrics import STEP
 from experiments.step.trainer import Ranks
 from models.registry import ConfigError
@@ -149,7 +151,15 @@ def _write(trainer: Any, partial: Path) -> None:
             "scheduler": trainer.scheduler.state_dict(),
             "experiment": settings(trainer.cfg),
             "world": ranks.world,
+            "computed_under": computed_under(trainer),
         }, indent=1, default=str))
+
+
+def computed_under(trainer: Any) -> list[dict[str, Any]]:
+    """The environments (versions, kernels) the trainer's steps were computed under, from which step on
+    (`experiments.run.provenance`): those its checkpoint recorded and this process's, when it resumed (`load`), or
+    this process's alone."""
+    return getattr(trainer, "computed_under", None) or provenance.from_the_start(trainer.cfg.cpu_kernels)
 
 
 def _publish(partial: Path, final: Path, keep: int) -> str | None:
@@ -433,6 +443,12 @@ def load(trainer: Any, path: Path) -> None:
     state = json.loads((path / f"python_random_rank{ranks.rank}.json").read_text())
     random.setstate((state[0], tuple(state[1]), state[2]))
     trainer.engine.sync_weights(trainer.model)
+    trainer.computed_under, differs = provenance.resumed_under(saved.get("computed_under"), saved["step"],
+                                                               trainer.cfg.cpu_kernels)
+    if differs and ranks.main:
+        print(f"moe-rl-lab: warning: {path.name} was computed under other libraries or kernels than this process "
+              f"({'; '.join(differs)}): the steps after {saved['step']} are not the bits an uninterrupted run would "
+              f"give; {SUMMARY_FILE}'s computed_under records both", file=sys.stderr)
 
 
 def saved_step(path: Path) -> int:
