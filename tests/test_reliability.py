@@ -714,6 +714,28 @@ def test_a_resume_under_other_kernels_is_recorded_as_such(tmp_path):
     assert summary["kernels"]["mode"] == "portable", "the kernels of the process that wrote the summary"
 
 
+def test_the_lock_pins_every_dependency_within_its_range_and_make_installs_from_it():
+    """The dependencies were floors only (transformers>=5.24,<6): two installs a week apart computed with other
+    libraries, and installing the bench extra moved transformers in place."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]
+    lock = (PROJECT_ROOT / "constraints.txt").read_text()
+    assert "make constraints" in lock, "the lock says how it is refreshed"
+    pins = dict(line.split("==") for line in lock.splitlines() if line and not line.startswith("#"))
+    for line in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+        requirement = Requirement(line)
+        name = requirement.name.lower()
+        assert name in pins, f"{name} is not locked"
+        assert requirement.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} outside {line}"
+    installs = [line for line in subprocess.run(["make", "-n", "-B", "install", "bench"], cwd=PROJECT_ROOT,
+                                                capture_output=True, text=True, check=True).stdout.splitlines()
+                if "pip install" in line]
+    assert installs and all("-c constraints.txt" in line for line in installs), installs
+
+
 # -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------
 
 def killed(run_dir: Path) -> Path:
