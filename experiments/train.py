@@ -390,6 +390,10 @@ def _run(trainer: RLTrainer, threads: ThreadBudget, cfg: DictConfig, run_dir: Pa
             if t.checkpoint_every > t.steps:
                 print(f"moe-rl-lab: trainer.checkpoint_every={t.checkpoint_every} is more than trainer.steps="
                       f"{t.steps}: the run's one checkpoint is its last step's", file=sys.stderr)
+            if t.eval_split and trainer.eval_split_batch * trainer.ranks.world < len(trainer.test_examples):
+                print(f"moe-rl-lab: trainer.eval_split evaluates the {len(trainer.test_examples)} test prompts in "
+                      f"batches of {trainer.eval_split_batch} (per rank), as many as fit in the step's own memory",
+                      file=sys.stderr)
         bar = tqdm(range(trainer.step_index, t.steps), desc=name, unit="step", dynamic_ncols=True,
                    initial=trainer.step_index, total=t.steps, disable=not main)
         # the run's change on held-out prompts is measured against its own start, on the same prompts

@@ -667,6 +667,63 @@ def test_a_kill_while_rotation_deletes_a_checkpoint_leaves_no_checkpoint_half_de
     assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
 
 
+# -- real data: the whole split in batches, prompts within the model's positions ----------------------------------
+
+def gsm8k_run(tmp_path: Path, questions: list[str], *overrides: str):
+    """A micro run on GSM8K-format files: 8 training problems, and `questions` as the test split."""
+    def write(path: Path, texts: list[str]) -> Path:
+        path.write_text("".join(json.dumps({"question": text, "answer": f"{text} = 2\n#### 2"}) + "\n"
+                                for text in texts))
+        return path
+
+    train_file = write(tmp_path / "train.jsonl", [f"{i}+{2 - i}?" for i in range(3)] * 3)
+    test_file = write(tmp_path / "test.jsonl", questions)
+    micro = [o for o in MICRO_RUN if not o.startswith("dataset.")]
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*micro, "dataset=gsm8k", f"dataset.train_path={train_file}",
+                                           f"dataset.test_path={test_file}", *overrides])
+
+
+def test_the_whole_split_is_evaluated_in_batches_that_the_memory_check_counts(tmp_path, monkeypatch, capsys):
+    """The whole-split evaluation handed every test prompt to one rollout, which the memory check did not count:
+    dataset=gsm8k's 1,319 test prompts took 22 GB and the kernel killed the run before its first step."""
+    from experiments.step.engines import HFEngine
+    from experiments.train import RLTrainer
+
+    cfg = gsm8k_run(tmp_path, [f"{i % 10}+{i % 7}-{i % 5}*{i % 3}?" for i in range(200)])
+    trainer = RLTrainer(cfg)
+    batch = trainer.eval_split_batch
+    assert 1 < batch < 200, "the split is larger than one batch here"
+    sampled = []
+    sample = HFEngine.sample
+    monkeypatch.setattr(HFEngine, "sample", lambda engine, prompts, *args, **kwargs: sampled.append(len(prompts))
+                        or sample(engine, prompts, *args, **kwargs))
+    trainer.evaluate(whole_split=True)
+    assert sampled == [batch] * (200 // batch) + ([200 % batch] if 200 % batch else [])
+    monkeypatch.setattr(HFEngine, "sample", sample)
+    assert train(cfg, tmp_path / "run")["eval_split_greedy_accuracy"] is not None
+    assert f"trainer.eval_split evaluates the 200 test prompts in batches of {batch} (per rank)" in capsys.readouterr().err
+    # ... and the memory check counts a batch of it: a machine without room for the step names it among the parts
+    from experiments.step import checks
+
+    monkeypatch.setattr(checks, "available_bytes", lambda device: 1.0)
+    with pytest.raises(ConfigError) as raised:
+        checks.check_run(cfg)
+    assert f"the whole split's evaluation in batches of {batch}" in str(raised.value)
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused_at_start_up(tmp_path):
+    """transformers only warned ('Token indices sequence length is longer than ...'), and the run computed past the
+    positions the model has."""
+    cfg = gsm8k_run(tmp_path, ["1+1?", "2+0?", "How many are " + "one and " * 8 + "one?", "0+2?", "1+1?"])
+    with pytest.raises(SystemExit) as raised:
+        train(cfg, tmp_path / "run")
+    line = str(raised.value)
+    assert ("the longest prompt of dataset 'gsm8k' (test prompt 2, 99 tokens) and trainer.max_new_tokens=4 need 103 "
+            "positions, and model 'micro_moe' has max_position_embeddings=64") in line and "\n" not in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # -- what computed a result: versions, kernels, the start's ---------------------------------------------------------
 
 def test_a_summary_names_its_versions_and_its_start_and_a_resume_under_other_versions_says_so(

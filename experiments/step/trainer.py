@@ -100,17 +100,19 @@ def collect_rollout(
 
 
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], samples: int, max_new_tokens: int,
-             temperature: float) -> dict[str, float]:
+             temperature: float, batch: int | None = None) -> dict[str, float]:
     """Held-out accuracy on `examples` (the same fixed prefix of the test split at every evaluation and in every
     run, so curves compare point by point): `EVAL_ACCURACY`, the mean over prompts of the share of `samples` sampled
     completions that are correct (the unbiased pass@1 estimate; absent when `samples` is 0), and `EVAL_GREEDY`, the
-    share of prompts answered correctly by greedy decoding."""
+    share of prompts answered correctly by greedy decoding. `batch`: at most this many prompts per rollout (the
+    whole split's, sized by `experiments.step.memory`); None: all at once."""
     metrics = {}
+    chunks = [examples[i: i + batch] for i in range(0, len(examples), batch)] if batch else [examples]
     if samples > 0:
-        sampled = collect_rollout(engine, task, examples, samples, max_new_tokens, temperature)
-        metrics[m.EVAL_ACCURACY] = float(sampled.correct.float().mean())
-    greedy = collect_rollout(engine, task, examples, 1, max_new_tokens, temperature, greedy=True)
-    metrics[m.EVAL_GREEDY] = float(greedy.correct.float().mean())
+        sampled = [collect_rollout(engine, task, chunk, samples, max_new_tokens, temperature) for chunk in chunks]
+        metrics[m.EVAL_ACCURACY] = float(torch.cat([rollout.correct for rollout in sampled]).float().mean())
+    greedy = [collect_rollout(engine, task, chunk, 1, max_new_tokens, temperature, greedy=True) for chunk in chunks]
+    metrics[m.EVAL_GREEDY] = float(torch.cat([rollout.correct for rollout in greedy]).float().mean())
     return metrics
 
 
@@ -268,6 +270,7 @@ class RLTrainer:
         self.plan, self.objective, self.advantage_std = parts.plan, parts.objective, parts.advantage_std
         self.correction, self.variant, self.switches = parts.correction, parts.variant, parts.switches
         self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
+        self.eval_split_batch = parts.eval_split_batch  # the whole split is evaluated in batches of this many prompts
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
         self.model, self.tokenizer = build_policy(parts.model_cfg)
@@ -619,6 +622,7 @@ class RLTrainer:
             samples=0 if whole_split else t.eval_samples,
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
+            batch=self.eval_split_batch if whole_split else None,
         )
         if whole_split:
             local = {m.EVAL_SPLIT_GREEDY: local[m.EVAL_GREEDY]}
