@@ -135,6 +135,9 @@ class LaunchConfig:
 @dataclass
 class WandbConfig:
     mode: WandbMode = WandbMode.offline
+    # Seconds W&B's start-up may wait for its server (online) before the run goes on without it, saying so in its
+    # summary; W&B's own default, 90, was spent in silence by every job on a machine without a network.
+    init_timeout: float = 30.0
     project: str = "moe-rl-lab"
     entity: str | None = None  # W&B user or team; null: the key's default
     group: str | None = None  # null: the sweep directory's name for multiruns

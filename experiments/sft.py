@@ -47,7 +47,7 @@ from experiments.run.logger import RunLogger
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
-from experiments.step.checks import check_device, check_training_dtype, longest_tokens, unknown_keys
+from experiments.step.checks import check_device, check_logger, check_training_dtype, longest_tokens, unknown_keys
 from experiments.step.engines import HFEngine
 from experiments.step.optimizer import lr_lambda
 from experiments.step.scoring import margin_stats, position_ids, router_fragility
@@ -114,6 +114,7 @@ def check_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"sft.threads={s.threads} must be >= 1, or null to follow the machine's free cores")
     check_device(cfg.device)
     check_training_dtype(cfg.model.dtype, cfg.device)
+    check_logger(cfg.logger)
     try:
         rundir.make_writable_dir(s.output_dir)
     except OSError as error:

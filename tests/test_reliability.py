@@ -308,6 +308,26 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_removes_the_partial_c
     assert find_checkpoint(run_dir, "auto") == (run_dir / "checkpoints" / "step_000001", [])
 
 
+def test_wandb_online_without_its_server_waits_a_bounded_time_and_the_summary_says_it_never_started(
+        tmp_path, monkeypatch):
+    """logger.wandb.mode=online on a machine that cannot reach W&B waited ~100 s per job in silence (W&B's own
+    90 s init timeout), then fell back to metrics.jsonl with nothing in the summary saying W&B never started. A server
+    that accepts connections and never answers plays the unreachable one."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with server, pytest.warns(UserWarning, match=r"W&B did not start in online mode within "
+                                                 r"logger.wandb.init_timeout=2 s \(.*\); logging to metrics.jsonl"):
+        summary = train(compose_train("logger.wandb.mode=online", "logger.wandb.init_timeout=2"), tmp_path)
+    assert summary["status"] == "finished"
+    recorded = json.loads((tmp_path / "summary.json").read_text())["wandb"]
+    assert recorded["mode"] == "online" and recorded["started"] is False
+    assert recorded["problem"].startswith("did not start (")
+
+
 def test_ctrl_c_while_wandb_starts_ends_the_run_as_interrupted_with_its_summary(tmp_path):
     """W&B's start sat outside the block that handles stops: a 45-frame traceback, exit code 1, no summary."""
     interrupted_start = (

@@ -78,6 +78,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     variant = build_routing_variant(**OmegaConf.to_container(cfg.routing_variant, resolve=True))
     switches = build_router_switches(OmegaConf.to_container(cfg.routers, resolve=True))
     check_known_keys(cfg)
+    check_logger(cfg.logger)
     check_trainer(cfg.trainer, moe, world)
     check_routing(cfg.routing, moe, cfg.model.name)
     if cfg.routing.perturb_rate and world > 1:
@@ -135,6 +136,13 @@ def check_known_keys(cfg: Any) -> None:
             f"unknown config key(s) {', '.join(unknown)}: no schema declares them, so nothing would read them "
             "(`+key=value` adds keys; misspelt? `python -m experiments.train --cfg job` prints every key)"
         )
+
+
+def check_logger(logger: Any) -> None:
+    """The `logger` settings' ranges."""
+    timeout = logger.wandb.init_timeout
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"logger.wandb.init_timeout={timeout} must be a finite number of seconds > 0")
 
 
 def check_trainer(t: Any, moe: bool, world: int) -> None:
