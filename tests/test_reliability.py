@@ -148,7 +148,8 @@ def test_one_bad_cell_of_a_sweep_is_reported_before_the_start_and_the_others_run
     assert head == "moe-rl-lab: 1 of 4 jobs of this sweep will be refused; the other 3 run:", result.stderr[-3000:]
     assert "routing.replay=r2 model=tiny_dense" in result.stderr and "needs an MoE model" in result.stderr
     tail = result.stderr.split("moe-rl-lab: 1 job(s) of the sweep did not finish")[1]
-    assert "1_grpo_r2_micro_moe_s0 (refused or crashed: no summary.json)" in tail
+    assert ("1_grpo_r2_micro_moe_s0 (refused by the sweep's start-up check: routing.replay=r2 needs an MoE model"
+            in tail), "the sweep says which job it refused itself"
     assert len(list(sweep.glob("*/summary.json"))) == 3
 
 
@@ -162,7 +163,7 @@ def test_a_sweep_whose_every_job_lacks_its_cold_start_names_the_command_and_laun
                                     "launched:"), result.stderr[-2000:]
     assert (f"make this cold start with `python -m experiments.sft model=micro_moe dataset=addition "
             f"sft.output_dir={missing}`") in result.stderr
-    assert not [p for p in sweep.iterdir() if p.is_dir()], "no job was launched"
+    assert not sweep.exists(), "no job was launched, and the sweep's directory it made is not left empty"
 
 
 def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monkeypatch):
@@ -218,6 +219,21 @@ def test_killing_a_joblib_sweep_ends_its_running_jobs_as_interrupted(tmp_path):
         time.sleep(0.2)
     for summary in sweep.glob("*/summary.json"):
         assert json.loads(summary.read_text())["status"] == "interrupted"
+
+
+def test_resuming_a_run_whose_directory_is_in_use_is_told_to_wait_not_to_move(tmp_path):
+    """resume=auto into a directory another process holds was told to give the run its own hydra.run.dir: a resume
+    cannot continue a run anywhere but in its own directory."""
+    import fcntl
+
+    tmp_path.joinpath(".lock").touch()
+    with open(tmp_path / ".lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the other run
+        with pytest.raises(SystemExit) as raised:
+            train(compose_train("resume=auto"), tmp_path)
+    line = str(raised.value)
+    assert "is in use by another run right now: resume it once that run has ended (or stop it first)" in line
+    assert "hydra.run.dir" not in line
 
 
 def test_an_unwritable_run_directory_is_one_line(tmp_path):
@@ -342,6 +358,12 @@ def test_ctrl_c_while_wandb_starts_ends_the_run_as_interrupted_with_its_summary(
     assert done.returncode == 130
     assert "interrupted by SIGINT after 0 of 3 steps" in one_line(done.stderr)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    # the same run again into its directory is refused, and told how to continue the interrupted one
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(), run_dir)
+    assert ("already holds a run (0 logged steps, status 'interrupted'); it is never overwritten: resume=auto "
+            "continues it (from its newest checkpoint, or from its start when it has none)") in str(raised.value)
+    assert train(compose_train("resume=auto"), run_dir)["status"] == "finished"
 
 
 def test_ctrl_c_during_the_imports_ends_the_process_without_a_traceback(tmp_path):
