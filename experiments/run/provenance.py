@@ -24,8 +24,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from packaging.requirements import Requirement
-
 from models import cpu_kernels
 
 PROJECT = "moe-rl-lab"
@@ -117,6 +115,8 @@ def _name(distribution: str) -> str:
 def locked() -> dict[str, str]:
     """Every distribution the project's requirements (and `LOCKED_EXTRAS`) pull in, as installed here: {name:
     version without a local label (`2.13.0+cpu` pins `2.13.0`, which either build satisfies)}."""
+    from packaging.requirements import Requirement  # pip's own parser, installed with the project's requirements
+
     pins: dict[str, str] = {}
     pending, seen = [(PROJECT, LOCKED_EXTRAS)], set()
     while pending:

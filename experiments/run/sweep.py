@@ -24,6 +24,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from experiments.run import rundir
 from experiments.step.checks import check_run
@@ -140,7 +141,10 @@ class RunGuard(rundir.DirectoryGuard):
                 refused.append(f"  job {number} ({' '.join(overrides)}): {error}")
                 with open_dict(job):  # the directory the launcher gives job `number` (hydra.sweep.subdir)
                     job.hydra.job.num = number
-                self.refused[str(job.hydra.sweep.subdir)] = str(error)
+                try:
+                    self.refused[str(job.hydra.sweep.subdir)] = str(error)
+                except OmegaConfBaseException:  # a subdir naming what only the launcher sets: listed as unfinished
+                    pass
         if refused and len(refused) == len(jobs):
             raise SystemExit(f"moe-rl-lab: every one of the {len(jobs)} jobs of this sweep would be refused, so none "
                              "is launched:\n" + "\n".join(refused))
