@@ -744,7 +744,8 @@ def test_the_whole_split_is_evaluated_in_batches_that_the_memory_check_counts(tm
     assert sampled == [batch] * (200 // batch) + ([200 % batch] if 200 % batch else [])
     monkeypatch.setattr(HFEngine, "sample", sample)
     assert train(cfg, tmp_path / "run")["eval_split_greedy_accuracy"] is not None
-    assert f"trainer.eval_split evaluates the 200 test prompts in batches of {batch} (per rank)" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"trainer.eval_split evaluates the 200 test prompts in batches of {batch} (per rank)" in said
     # ... and the memory check counts a batch of it: a machine without room for the step names it among the parts
     from experiments.step import checks
 

@@ -15,9 +15,9 @@ count); until the run has made `lag` updates the oldest weights kept, the starti
 routed it and θ_old (0 in the first step, then growing to `lag` as the history fills). A lag that no step of the run
 reaches (more than the (trainer.steps − 1) × trainer.minibatches updates made before the last step starts) would
 replay the start's experts throughout, and is refused at start-up. `lag=0` keeps nothing and installs nothing: R2,
-bit for bit. Memory: `lag` + 1 copies of the policy's weights, the lag at most `history`. The copies are not in checkpoints, so a
-run with a lag cannot resume (`trainer.checkpoint_every` must be 0), and they are whole models, so it runs on one
-rank. It replays by ID (`routing_variant=none`).
+bit for bit. Memory: `lag` + 1 copies of the policy's weights, the lag at most `history`. The copies are not in
+checkpoints, so a run with a lag cannot resume (`trainer.checkpoint_every` must be 0), and they are whole models, so
+it runs on one rank. It replays by ID (`routing_variant=none`).
 """
 
 from __future__ import annotations

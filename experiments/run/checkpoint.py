@@ -296,17 +296,20 @@ def _state_damage(state: Path) -> str | None:
         return str(refused)
     except Exception as error:  # a truncated index fails in unpickling with whatever type it meets first
         return f"{state / INDEX} does not read ({_reason(error)})"
-    needed: dict[str, int] = {}
-    for item in index.storage_data.values():
-        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    for name, size in sorted(needed.items()):
-        try:
-            held = (state / name).stat().st_size
-        except OSError as error:
-            return f"{state / name} does not read ({_reason(error)})"
-        if held < size:
-            return f"{state / name} holds {held} of the {size} bytes its index needs"
-    return _bytes_damage(state, index)
+    try:
+        needed: dict[str, int] = {}
+        for item in index.storage_data.values():
+            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+        for name, size in sorted(needed.items()):
+            try:
+                held = (state / name).stat().st_size
+            except OSError as error:
+                return f"{state / name} does not read ({_reason(error)})"
+            if held < size:
+                return f"{state / name} holds {held} of the {size} bytes its index needs"
+        return _bytes_damage(state, index)
+    except (AttributeError, KeyError, TypeError, ValueError) as error:  # index types holding what no index holds
+        return f"{state / INDEX} is not a well-formed checkpoint index ({_reason(error)})"
 
 
 def _bytes_damage(state: Path, index: Metadata) -> str | None:
@@ -318,8 +321,8 @@ def _bytes_damage(state: Path, index: Metadata) -> str | None:
         stored = index.storage_data[MetadataIndex(key)]
         where = state / stored.relative_path
         if stored.transform_descriptors:
-            return f"{where} stores {key} transformed ({', '.join(stored.transform_descriptors)}), as no checkpoint of "\
-                   "this project does"
+            return (f"{where} stores {key} transformed ({', '.join(stored.transform_descriptors)}), as no checkpoint "
+                    "of this project does")
         try:
             with open(where, "rb") as handle:
                 handle.seek(stored.offset)
@@ -359,7 +362,8 @@ class _IndexUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in INDEX_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in INDEX_GLOBALS or dtype:
             return super().find_class(module, name)
         raise NotAnIndex(f"{self.path} is not a checkpoint index: it names {module}.{name}, which Distributed "
                          "Checkpoint's index never holds; refused unread (a checkpoint is data, never code)")
