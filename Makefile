@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine: `make run` (the main job) and `make test` (the suite).
-# Each creates .venv when missing and installs what it needs. The CPU build of torch goes in first:
-# a bare `torch` requirement would pull a multi-GB CUDA build.
+# Each creates .venv when missing and installs what it needs, at the versions constraints.txt locks (pyproject.toml
+# gives floors: two installs a week apart would compute with other libraries); `make constraints` refreshes the lock
+# from .venv, on purpose. The CPU build of torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA
+# build.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,15 +11,22 @@ STAMP := $(VENV)/.installed-dev
 COLD_START := checkpoints/cold_start/tiny_moe-addition
 SWEEP := multirun/quickstart/$(shell date +%Y-%m-%d_%H-%M-%S)
 
-.PHONY: install test run sft bench clean test-vllm
+LOCK := constraints.txt
 
-$(STAMP): pyproject.toml
+.PHONY: install test run sft bench clean test-vllm constraints
+
+$(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	@$(PY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install --quiet -c $(LOCK) torch
+	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev]'
 	@touch $@
 
 install: $(STAMP)
+
+# The lock rewritten from what .venv holds now (experiments/run/provenance.py): after an upgrade made on purpose
+# and a passing `make test`, never as a side effect of an install.
+constraints: $(STAMP)
+	$(PY) -m experiments.run.provenance > $(LOCK).new && mv $(LOCK).new $(LOCK)
 
 # Test processes side by side (pytest-xdist); each test computes on one thread, so one per core. The slowest
 # tests are listed at the end: what to look at when the suite nears its 15-minute budget.
@@ -39,7 +48,7 @@ run: $(STAMP) $(COLD_START)/config.json
 
 # The RL step against TRL's GRPOTrainer and the machine's limit, overheads and scaling (README "Performance").
 bench: $(STAMP)
-	$(VENV)/bin/pip install --quiet -e '.[dev,bench]'
+	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev,bench]'
 	$(PY) -m benchmarks.rl_step --all --json-out bench.json
 
 # vLLM as the rollout engine (docs/vllm.md): its own venv, since vllm pins torch and transformers differently from

@@ -146,7 +146,9 @@ class TrainerConfig:
     eval_start: bool = True  # also evaluate the starting policy (logged as eval_start/* in step 1's record)
     eval_prompts: int = 128  # held-out prompts per evaluation (the same prefix of the test split every time)
     # Also at the start and at the last step: greedy accuracy on every prompt of the test split (eval_split/*; the
-    # tasks hold 500), the endpoint with a quarter of a 128-prompt evaluation's variance.
+    # synthetic tasks hold test_size=500 by default, a GSM8K test file 1,319), the endpoint with a quarter of a
+    # 128-prompt evaluation's variance at 500. In batches as large as the step's own memory allows
+    # (experiments.step.memory): a split of any size fits where the step does.
     eval_split: bool = True
     eval_samples: int = 4  # k of mean pass@1 (0: greedy accuracy only)
     save_checkpoint: bool = False  # save_pretrained + tokenizer into the run directory at the end
@@ -167,6 +169,9 @@ class LaunchConfig:
 @dataclass
 class WandbConfig:
     mode: WandbMode = WandbMode.offline
+    # Seconds W&B's start-up may wait for its server (online) before the run goes on without it, saying so in its
+    # summary; W&B's own default, 90, was spent in silence by every job on a machine without a network.
+    init_timeout: float = 30.0
     project: str = "moe-rl-lab"
     entity: str | None = None  # W&B user or team; null: the key's default
     group: str | None = None  # null: the sweep directory's name for multiruns

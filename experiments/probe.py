@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from algos.objective import CLIP, KL_OLD, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.config import register_configs
-from experiments.run import rundir
+from experiments.run import provenance, rundir
 from experiments.run.logger import RunLogger
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics
@@ -216,6 +216,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
         "model_path": cfg.model.path,
         "cold_start": cold_start_record(cfg.model.path),
         "kernels": cpu_kernels.describe(cfg.cpu_kernels),
+        "versions": provenance.versions(),
         "dataset": dict(cfg.dataset),
         "answer_tokens": answer_tokens,  # the task's designed answer length, eos included: the length axis
         "algo": cfg.algo.name,

@@ -42,12 +42,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from experiments.config import register_configs
-from experiments.run import rundir
+from experiments.run import provenance, rundir
 from experiments.run.logger import RunLogger
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
-from experiments.step.checks import check_device, check_training_dtype, longest_tokens, unknown_keys
+from experiments.step.checks import check_device, check_logger, check_training_dtype, longest_tokens, unknown_keys
 from experiments.step.engines import HFEngine
 from experiments.step.optimizer import lr_lambda
 from experiments.step.scoring import margin_stats, position_ids, router_fragility
@@ -116,6 +116,7 @@ def check_settings(cfg: DictConfig) -> None:
         raise ConfigError(f"sft.threads={s.threads} must be >= 1, or null to follow the machine's free cores")
     check_device(cfg.device)
     check_training_dtype(cfg.model.dtype, cfg.device)
+    check_logger(cfg.logger)
     try:
         rundir.make_writable_dir(s.output_dir)
     except OSError as error:
@@ -315,6 +316,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         "checkpoint": str(output_dir),
         "weights_sha256": cpu_kernels.weights_sha256(model),  # the start's identity, also in every RL run's summary
         "kernels": cpu_kernels.describe(cfg.cpu_kernels),
+        "versions": provenance.versions(),  # Python's and the computing libraries' (experiments.run.provenance)
         "routing": routing_profile(model, tokenizer, test),  # on the held-out demonstrations, after training
         "policy": describe_policy(model),  # the experts and attention implementations computed with, among others
     }

@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from algos.objective import CLIP, TOKEN_RATIO_VAR
 from experiments.config import register_configs
-from experiments.run import checkpoint, launch, rundir
+from experiments.run import checkpoint, launch, provenance, rundir
 from experiments.run.launch import exit_once
 from experiments.run.logger import RunLogger, write_summary
 from experiments.run.threads import ThreadBudget
@@ -204,7 +204,8 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         **trainer.plan.describe(),
         "policy": describe_policy(trainer.model),
         "start_sha256": trainer.start_sha256,  # the weights the run started from (a cold start's weights_sha256)
-        "kernels": cpu_kernels.describe(trainer.cfg.cpu_kernels),
+        # the versions and kernels of this process, of every process that computed its steps, and of its start
+        **provenance.run_fields(trainer.cfg, checkpoint.computed_under(trainer)),
     }
     if trainer.plan.track_routing:
         # The GSPO paper's "experts changed per update" is the drift after one update (minibatch index 1); the mean
@@ -390,6 +391,10 @@ def _run(trainer: RLTrainer, threads: ThreadBudget, cfg: DictConfig, run_dir: Pa
             if t.checkpoint_every > t.steps:
                 print(f"moe-rl-lab: trainer.checkpoint_every={t.checkpoint_every} is more than trainer.steps="
                       f"{t.steps}: the run's one checkpoint is its last step's", file=sys.stderr)
+            if t.eval_split and trainer.eval_split_batch * trainer.ranks.world < len(trainer.test_examples):
+                print(f"moe-rl-lab: trainer.eval_split evaluates the {len(trainer.test_examples)} test prompts in "
+                      f"batches of {trainer.eval_split_batch} (per rank), as many as fit in the step's own memory",
+                      file=sys.stderr)
         bar = tqdm(range(trainer.step_index, t.steps), desc=name, unit="step", dynamic_ncols=True,
                    initial=trainer.step_index, total=t.steps, disable=not main)
         # the run's change on held-out prompts is measured against its own start, on the same prompts

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from algos import OBJECTIVES
 from algos.routing_variants import ROUTING_VARIANTS
@@ -185,3 +186,31 @@ def test_the_declared_comparison_is_no_setting_a_resume_compares():
     recorded = {key: value for key, value in settings(cfg).items() if not key.startswith("comparison.")}
     assert differences(recorded, cfg) == []
     assert differences({**recorded, "comparison.primary": "gain"}, cfg) == []
+
+
+GROUPS = ("algo", "dataset", "correction", "routing_variant", "routers", "hydra")  # keys that depend on a choice
+
+
+def test_every_setting_the_docs_name_is_a_key_of_a_schema():
+    """docs/reproduce.md named `sft.cpu_kernels=portable`, which Hydra refuses: the key is the top-level
+    `cpu_kernels` of the cold start's config. Every `a.b=...` written in backticks in the docs is a key of the RL
+    run's or the cold start's composed config (those under a config group's choice excepted)."""
+    composed = [_compose("train", []), _compose("sft", [])]
+
+    def holds(cfg, key: str) -> bool:
+        node = cfg
+        for part in key.split("."):
+            if not isinstance(node, DictConfig) or part not in node:
+                return False
+            node = node._get_node(part)
+        return True
+
+    named = set()
+    for page in [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]:
+        for quoted in re.findall(r"`([^`]+)`", page.read_text(encoding="utf-8")):
+            named |= {(page.name, key) for key in re.findall(r"(?<![\w./-])([a-z_]+(?:\.[a-z_0-9]+)+)=", quoted)}
+    checked = [(page, key) for page, key in sorted(named) if key.split(".")[0] not in GROUPS]
+    assert len(checked) > 20, checked
+    unknown = [f"{page}: {key}" for page, key in checked if not any(holds(cfg, key) for cfg in composed)]
+    assert not unknown, unknown
+

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import json
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -21,6 +23,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from experiments.config import PROJECT_ROOT, TrainerConfig
 from experiments.run.checkpoint import find as find_checkpoint
@@ -144,7 +148,8 @@ def test_one_bad_cell_of_a_sweep_is_reported_before_the_start_and_the_others_run
     assert head == "moe-rl-lab: 1 of 4 jobs of this sweep will be refused; the other 3 run:", result.stderr[-3000:]
     assert "routing.replay=r2 model=tiny_dense" in result.stderr and "needs an MoE model" in result.stderr
     tail = result.stderr.split("moe-rl-lab: 1 job(s) of the sweep did not finish")[1]
-    assert "1_grpo_r2_micro_moe_s0 (refused or crashed: no summary.json)" in tail
+    assert ("1_grpo_r2_micro_moe_s0 (refused by the sweep's start-up check: routing.replay=r2 needs an MoE model"
+            in tail), "the sweep says which job it refused itself"
     assert len(list(sweep.glob("*/summary.json"))) == 3
 
 
@@ -158,7 +163,7 @@ def test_a_sweep_whose_every_job_lacks_its_cold_start_names_the_command_and_laun
                                     "launched:"), result.stderr[-2000:]
     assert (f"make this cold start with `python -m experiments.sft model=micro_moe dataset=addition "
             f"sft.output_dir={missing}`") in result.stderr
-    assert not [p for p in sweep.iterdir() if p.is_dir()], "no job was launched"
+    assert not sweep.exists(), "no job was launched, and the sweep's directory it made is not left empty"
 
 
 def test_a_crashing_job_keeps_its_traceback_and_the_sweep_goes_on(tmp_path, monkeypatch):
@@ -214,6 +219,21 @@ def test_killing_a_joblib_sweep_ends_its_running_jobs_as_interrupted(tmp_path):
         time.sleep(0.2)
     for summary in sweep.glob("*/summary.json"):
         assert json.loads(summary.read_text())["status"] == "interrupted"
+
+
+def test_resuming_a_run_whose_directory_is_in_use_is_told_to_wait_not_to_move(tmp_path):
+    """resume=auto into a directory another process holds was told to give the run its own hydra.run.dir: a resume
+    cannot continue a run anywhere but in its own directory."""
+    import fcntl
+
+    tmp_path.joinpath(".lock").touch()
+    with open(tmp_path / ".lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the other run
+        with pytest.raises(SystemExit) as raised:
+            train(compose_train("resume=auto"), tmp_path)
+    line = str(raised.value)
+    assert "is in use by another run right now: resume it once that run has ended (or stop it first)" in line
+    assert "hydra.run.dir" not in line
 
 
 def test_an_unwritable_run_directory_is_one_line(tmp_path):
@@ -304,6 +324,26 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_removes_the_partial_c
     assert find_checkpoint(run_dir, "auto") == (run_dir / "checkpoints" / "step_000001", [])
 
 
+def test_wandb_online_without_its_server_waits_a_bounded_time_and_the_summary_says_it_never_started(
+        tmp_path, monkeypatch):
+    """logger.wandb.mode=online on a machine that cannot reach W&B waited ~100 s per job in silence (W&B's own
+    90 s init timeout), then fell back to metrics.jsonl with nothing in the summary saying W&B never started. A server
+    that accepts connections and never answers plays the unreachable one."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with server, pytest.warns(UserWarning, match=r"W&B did not start in online mode within "
+                                                 r"logger.wandb.init_timeout=2 s \(.*\); logging to metrics.jsonl"):
+        summary = train(compose_train("logger.wandb.mode=online", "logger.wandb.init_timeout=2"), tmp_path)
+    assert summary["status"] == "finished"
+    recorded = json.loads((tmp_path / "summary.json").read_text())["wandb"]
+    assert recorded["mode"] == "online" and recorded["started"] is False
+    assert recorded["problem"].startswith("did not start (")
+
+
 def test_ctrl_c_while_wandb_starts_ends_the_run_as_interrupted_with_its_summary(tmp_path):
     """W&B's start sat outside the block that handles stops: a 45-frame traceback, exit code 1, no summary."""
     interrupted_start = (
@@ -318,6 +358,12 @@ def test_ctrl_c_while_wandb_starts_ends_the_run_as_interrupted_with_its_summary(
     assert done.returncode == 130
     assert "interrupted by SIGINT after 0 of 3 steps" in one_line(done.stderr)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    # the same run again into its directory is refused, and told how to continue the interrupted one
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(), run_dir)
+    assert ("already holds a run (0 logged steps, status 'interrupted'); it is never overwritten: resume=auto "
+            "continues it (from its newest checkpoint, or from its start when it has none)") in str(raised.value)
+    assert train(compose_train("resume=auto"), run_dir)["status"] == "finished"
 
 
 def test_ctrl_c_during_the_imports_ends_the_process_without_a_traceback(tmp_path):
@@ -542,6 +588,252 @@ def test_resume_refuses_a_damaged_checkpoint_and_auto_takes_the_newest_intact_on
             f"over 1 damaged: {newest / 'state' / '__0_0.distcp'} holds ") in auto.stderr
     assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+class _Code:
+    """A pickle that runs a command when it is unpickled: what a hostile checkpoint holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_index_that_is_code_is_refused_unread_on_resume_and_passed_over_by_auto(
+        killed_after_three_checkpoints, tmp_path):
+    """torch reads the state's .metadata with plain pickle.load: resume=<checkpoint>, and resume=auto's scan, ran the
+    command of a .metadata replaced by a pickle with a __reduce__ (the file it creates was made)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    marker = tmp_path / "code_ran"
+    (newest / "state" / ".metadata").write_bytes(pickle.dumps(_Code(marker)))
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3", f"resume={newest}"),
+              tmp_path / "elsewhere")
+    line = str(raised.value)
+    assert (f"is a damaged checkpoint: {newest / 'state' / '.metadata'} is not a checkpoint index: it names "
+            f"{os.system.__module__}.system, which Distributed Checkpoint's index never holds; refused unread") in line
+    assert "\n" not in line
+    found, passed_over = find_checkpoint(run_dir, "auto")
+    assert found == run_dir / "checkpoints" / "step_000002" and "is not a checkpoint index" in passed_over[0]
+    assert not marker.exists(), "the checkpoint's code ran"
+
+
+def test_a_value_stored_as_bytes_that_is_code_is_refused_before_any_loads(killed_after_three_checkpoints, tmp_path):
+    """The optimizer's hyperparameters are stored as pickled bytes, which torch's load planner unpickles with
+    weights_only=False: a hyperparameter replaced by a pickle with a __reduce__ ran on resume."""
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from experiments.run.checkpoint import load, read_index
+    from experiments.train import RLTrainer
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    state = run_dir / "checkpoints" / "step_000003" / "state"
+    marker = tmp_path / "code_ran"
+    index = read_index(state / ".metadata")
+    key = MetadataIndex("optimizer.param_groups.0.lr")
+    code = io.BytesIO()
+    torch.save(_Code(marker), code)
+    stored = state / index.storage_data[key].relative_path
+    index.storage_data[key] = _StorageInfo(stored.name, stored.stat().st_size, len(code.getvalue()))
+    with open(stored, "ab") as handle:  # the index points at the code, appended to the tensor file
+        handle.write(code.getvalue())
+    (state / ".metadata").write_bytes(pickle.dumps(index))
+    settings = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"]
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train(*settings, f"resume={state.parent}"), tmp_path / "elsewhere")
+    assert (f"{stored} stores optimizer.param_groups.0.lr as something other than data, refused unread"
+            in str(raised.value)) and "\n" not in str(raised.value)
+    with pytest.raises(CheckpointException):  # torch's own planner would unpickle it; the project's only as data
+        load(RLTrainer(compose_train(*settings)), state.parent)
+    assert not marker.exists(), "the checkpoint's code ran"
+
+
+def test_a_disk_that_fills_inside_torch_save_ends_the_run_in_one_line_and_removes_the_partial_checkpoint(tmp_path):
+    """torch's zip writer turns the full disk's OSError into `RuntimeError: unexpected pos`: the run ended in a
+    31-frame traceback, without a summary, the partial step_N.tmp left on the full disk. A file-size limit plays the
+    full disk: the log's lines fit under it, and it falls in the middle of a tensor of the checkpoint's tensor file
+    (measured on the same run's checkpoint, written in-process without a limit: the runs are the same bits)."""
+    train(compose_train("trainer.steps=1", "trainer.checkpoint_every=1"), tmp_path / "free")
+    index = FileSystemReader(str(tmp_path / "free" / "checkpoints" / "step_000001" / "state")).read_metadata()
+    tensors = [stored for key, stored in index.storage_data.items()
+               if not isinstance(index.state_dict_metadata[key.fqn], BytesStorageMetadata)]
+    tensor = max((stored for stored in tensors if stored.offset > 100_000), key=lambda stored: stored.length)
+    limit = tensor.offset + tensor.length // 2
+    run_dir = tmp_path / "run"
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run([*CLI, *MICRO_RUN, "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, preexec_fn=limited)
+    assert done.returncode == 1
+    line = one_line(done.stderr)
+    assert (f"cannot write checkpoint step_000001 in {run_dir / 'checkpoints'}: File too large; the partial one was "
+            "removed, and there is no earlier checkpoint") in line and "says status 'failed'" in line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "File too large" in summary["failed"]
+    assert [row[STEP] for row in read_metrics(run_dir)] == [1]
+    assert not list((run_dir / "checkpoints").iterdir()), "no partial checkpoint is left"
+
+
+class _Killed(BaseException):
+    """A kill, as far as the code it cuts can tell."""
+
+
+def test_a_kill_while_rotation_deletes_a_checkpoint_leaves_no_checkpoint_half_deleted(tmp_path, monkeypatch):
+    """Rotation deleted an older checkpoint in place: a kill in the middle of shutil.rmtree left step_000001 without
+    its trainer.json under its own name, a checkpoint that no longer loads."""
+    run_dir = tmp_path / "run"
+    delete = shutil.rmtree
+
+    def killed_while_deleting(path, *args, **kwargs):
+        if Path(path).name.endswith(".tmp"):  # a partial checkpoint emptied before it is written
+            return delete(path, *args, **kwargs)
+        (Path(path) / "trainer.json").unlink()  # the first file gone, then the kill
+        raise _Killed
+
+    settings = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=1"]
+    monkeypatch.setattr(shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(_Killed):
+        train(compose_train(*settings), run_dir)
+    monkeypatch.setattr(shutil, "rmtree", delete)
+    assert find_checkpoint(run_dir, "auto") == (run_dir / "checkpoints" / "step_000002", [])
+    assert not (run_dir / "checkpoints" / "step_000001").exists(), "a half-deleted checkpoint under its own name"
+    train(compose_train(*settings, "resume=auto"), run_dir)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000003"], "the resume removed the rest"
+    assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
+
+
+# -- real data: the whole split in batches, prompts within the model's positions ----------------------------------
+
+def gsm8k_run(tmp_path: Path, questions: list[str], *overrides: str):
+    """A micro run on GSM8K-format files: 8 training problems, and `questions` as the test split."""
+    def write(path: Path, texts: list[str]) -> Path:
+        path.write_text("".join(json.dumps({"question": text, "answer": f"{text} = 2\n#### 2"}) + "\n"
+                                for text in texts))
+        return path
+
+    train_file = write(tmp_path / "train.jsonl", [f"{i}+{2 - i}?" for i in range(3)] * 3)
+    test_file = write(tmp_path / "test.jsonl", questions)
+    micro = [o for o in MICRO_RUN if not o.startswith("dataset.")]
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=[*micro, "dataset=gsm8k", f"dataset.train_path={train_file}",
+                                           f"dataset.test_path={test_file}", *overrides])
+
+
+def test_the_whole_split_is_evaluated_in_batches_that_the_memory_check_counts(tmp_path, monkeypatch, capsys):
+    """The whole-split evaluation handed every test prompt to one rollout, which the memory check did not count:
+    dataset=gsm8k's 1,319 test prompts took 22 GB and the kernel killed the run before its first step."""
+    from experiments.step.engines import HFEngine
+    from experiments.train import RLTrainer
+
+    cfg = gsm8k_run(tmp_path, [f"{i % 10}+{i % 7}-{i % 5}*{i % 3}?" for i in range(200)])
+    trainer = RLTrainer(cfg)
+    batch = trainer.eval_split_batch
+    assert 1 < batch < 200, "the split is larger than one batch here"
+    sampled = []
+    sample = HFEngine.sample
+    monkeypatch.setattr(HFEngine, "sample", lambda engine, prompts, *args, **kwargs: sampled.append(len(prompts))
+                        or sample(engine, prompts, *args, **kwargs))
+    trainer.evaluate(whole_split=True)
+    assert sampled == [batch] * (200 // batch) + ([200 % batch] if 200 % batch else [])
+    monkeypatch.setattr(HFEngine, "sample", sample)
+    assert train(cfg, tmp_path / "run")["eval_split_greedy_accuracy"] is not None
+    said = capsys.readouterr().err
+    assert f"trainer.eval_split evaluates the 200 test prompts in batches of {batch} (per rank)" in said
+    # ... and the memory check counts a batch of it: a machine without room for the step names it among the parts
+    from experiments.step import checks
+
+    monkeypatch.setattr(checks, "available_bytes", lambda device: 1.0)
+    with pytest.raises(ConfigError) as raised:
+        checks.check_run(cfg)
+    assert f"the whole split's evaluation in batches of {batch}" in str(raised.value)
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused_at_start_up(tmp_path):
+    """transformers only warned ('Token indices sequence length is longer than ...'), and the run computed past the
+    positions the model has."""
+    cfg = gsm8k_run(tmp_path, ["1+1?", "2+0?", "How many are " + "one and " * 8 + "one?", "0+2?", "1+1?"])
+    with pytest.raises(SystemExit) as raised:
+        train(cfg, tmp_path / "run")
+    line = str(raised.value)
+    assert ("the longest prompt of dataset 'gsm8k' (test prompt 2, 99 tokens) and trainer.max_new_tokens=4 need 103 "
+            "positions, and model 'micro_moe' has max_position_embeddings=64") in line and "\n" not in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# -- what computed a result: versions, kernels, the start's ---------------------------------------------------------
+
+def test_a_summary_names_its_versions_and_its_start_and_a_resume_under_other_versions_says_so(
+        tmp_path, checkpoint, monkeypatch, capsys):
+    """summary.json recorded the start's sha256 and this process's kernels, but no library versions, nor the kernels
+    its start was made with; a resume under another torch was recorded as if one process had run every step."""
+    import transformers
+
+    from experiments.run import provenance
+
+    start = {"versions": {"python": "3.11.0", "torch": "2.13.0"}, "kernels": {"mode": "portable", "cpu": "a CPU"}}
+    (checkpoint / "cold_start.json").write_text(json.dumps({"status": "finished", **start}))
+    settings = ["model=checkpoint", f"model.path={checkpoint}", "trainer.checkpoint_every=3"]
+    run_dir = tmp_path / "run"
+    summary = train(compose_train(*settings), run_dir)
+    assert summary["versions"]["torch"] == torch.__version__
+    assert summary["versions"]["transformers"] == transformers.__version__
+    assert summary["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert summary["start_environment"] == start, "the start's own summary"
+    assert [(part["first_step"], part["versions"]) for part in summary["computed_under"]] == [(1, summary["versions"])]
+    here = provenance.versions()
+    monkeypatch.setattr(provenance, "versions", lambda: {**here, "torch": "9.9.9"})
+    extended = train(compose_train(*settings, "trainer.steps=4", "resume=auto"), run_dir)
+    assert (f"warning: step_000003 was computed under other libraries or kernels than this process (torch "
+            f"{torch.__version__} there, 9.9.9 here)") in capsys.readouterr().err
+    assert [(part["first_step"], part["versions"]["torch"]) for part in extended["computed_under"]] == [
+        (1, torch.__version__), (4, "9.9.9")]
+    assert json.loads((run_dir / "summary.json").read_text())["computed_under"] == extended["computed_under"]
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
+                    reason="the portable kernels need an x86-64 CPU with AVX2")
+def test_a_resume_under_other_kernels_is_recorded_as_such(tmp_path):
+    """cpu_kernels may change on resume (it computes the same steps with other rounding): the summary then named the
+    new kernels alone, as if the whole run had used them."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3"), run_dir)  # this process: the machine's own kernels
+    done = run_cli(*MICRO_RUN, "trainer.checkpoint_every=3", "trainer.steps=4", "resume=auto", "cpu_kernels=portable",
+                   f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "kernels mode native there, portable here" in done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(part["first_step"], part["kernels"]["mode"]) for part in summary["computed_under"]] == [
+        (1, "native"), (4, "portable")]
+    assert summary["kernels"]["mode"] == "portable", "the kernels of the process that wrote the summary"
+
+
+def test_the_lock_pins_every_dependency_within_its_range_and_make_installs_from_it():
+    """The dependencies were floors only (transformers>=5.24,<6): two installs a week apart computed with other
+    libraries, and installing the bench extra moved transformers in place."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]
+    lock = (PROJECT_ROOT / "constraints.txt").read_text()
+    assert "make constraints" in lock, "the lock says how it is refreshed"
+    pins = dict(line.split("==") for line in lock.splitlines() if line and not line.startswith("#"))
+    for line in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+        requirement = Requirement(line)
+        name = requirement.name.lower()
+        assert name in pins, f"{name} is not locked"
+        assert requirement.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} outside {line}"
+    installs = [line for line in subprocess.run(["make", "-n", "-B", "install", "bench"], cwd=PROJECT_ROOT,
+                                                capture_output=True, text=True, check=True).stdout.splitlines()
+                if "pip install" in line]
+    assert installs and all("-c constraints.txt" in line for line in installs), installs
 
 
 # -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------

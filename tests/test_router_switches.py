@@ -161,6 +161,47 @@ def test_lagged_replay_replays_the_experts_of_the_weights_lag_updates_back(monke
         handle.remove()
 
 
+def test_lagged_replay_logs_the_lag_it_serves_while_its_history_fills(monkeypatch):
+    """lag 3, two updates a step: step 2 replays the starting weights, 2 updates before θ_old, and step 3 the
+    weights after the run's first update, 3 before. While the history filled, routers/replay_lag logged 0 in step
+    2 (the served lag changed only when the oldest weights kept did), though 2 updates separated them from θ_old."""
+    trainer = RLTrainer(compose_train("routing.replay=r2", "routers=[lagged_replay]", "routers.lagged_replay.lag=3",
+                                      "trainer.lr=5e-2"))
+    start = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    snapshots = []
+    check = trainer._refuse_non_finite_weights  # runs right after each applied optimizer step
+    monkeypatch.setattr(trainer, "_refuse_non_finite_weights", lambda update: snapshots.append(
+        {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}) or check(update))
+    routed_with = []  # what the copy held when it routed, at every π_old pass
+    serve = type(trainer.switches[0]).routing_model
+    monkeypatch.setattr(type(trainer.switches[0]), "routing_model", lambda switch: routed_with.append(
+        {name: tensor.clone() for name, tensor in serve(switch).state_dict().items()}) or serve(switch))
+    served = [[mb[LAG] for mb in trainer.step()["minibatches"]] for _ in range(3)]
+    assert served == [[0.0, 0.0], [2.0, 2.0], [3.0, 3.0]]
+    assert len(routed_with) == 3 * 2  # one π_old pass per minibatch: the start in steps 1 and 2, then update 1's
+    assert all(torch.equal(routed_with[2][name], start[name]) for name in start)
+    assert all(torch.equal(routed_with[4][name], snapshots[0][name]) for name in start)
+    assert not all(torch.equal(snapshots[0][name], start[name]) for name in start), "the first update moved weights"
+
+
+@pytest.mark.parametrize("steps, minibatches, lag, refused", [(3, 2, 5, True), (3, 2, 4, False), (1, 4, 1, True)])
+def test_a_lag_no_step_of_the_run_reaches_is_refused_at_start_up(tmp_path, steps, minibatches, lag, refused):
+    """lag 5 in a run of 3 steps x 2 updates: θ_old of the last step is 4 updates from the start, so every update
+    replayed the start's experts, silently (only history bounded the lag)."""
+    cfg = compose_train("routing.replay=r2", "routers=[lagged_replay]", f"routers.lagged_replay.lag={lag}",
+                        f"trainer.steps={steps}", f"trainer.minibatches={minibatches}")
+    if not refused:
+        assert train(cfg, tmp_path)["status"] == "finished"
+        assert read_metrics(tmp_path)[-1]["minibatches"][0][LAG] == lag, "the last step serves the lag asked for"
+        return
+    with pytest.raises(SystemExit) as raised:
+        train(cfg, tmp_path)
+    reached = (steps - 1) * minibatches
+    assert (f"routers.lagged_replay lag={lag} is never served: the run makes {reached} optimizer updates before its "
+            f"last step starts") in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_the_bias_moves_the_routers_own_routes_and_not_replayed_training_routes(tmp_path):
     """glm4_moe with the bias update: without replay what it moves is what the next update trains on; under r2 the
     off-policy minibatches are replayed, so none of what it moves there is trained on, while the router's own choice

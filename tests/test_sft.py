@@ -56,6 +56,8 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
     # linear warm-up over 3 steps to 3e-3, then linear decay to 0 at sft.max_steps
     assert [line[LR] for line in lines] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 2e-3, 1e-3])
     assert summary["checkpoint"] == str(tmp_path / "ckpt")
+    assert summary["versions"]["torch"] == torch.__version__, "the libraries that made the cold start"
+    assert json.loads((tmp_path / "ckpt" / "cold_start.json").read_text())["versions"] == summary["versions"]
 
     reloaded, tokenizer = build_policy(ModelConfig(name="micro_moe", path=str(tmp_path / "ckpt"),
                                                    experts_implementation=cfg.model.experts_implementation,

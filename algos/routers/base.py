@@ -52,6 +52,9 @@ class RunFacts:
     router_lr_scale: float = 1.0  # trainer.router_lr_scale
     world: int = 1  # data-parallel ranks
     checkpoint_every: int = 0  # trainer.checkpoint_every
+    # optimizer updates made before the run's last step starts, (trainer.steps − 1) × trainer.minibatches: how far
+    # back any update's θ_old reaches (None: a cold start)
+    updates_before_last_step: int | None = None
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,13 @@ step is scored, in the π_old pass and in each π_θ forward, with the experts t
 so the first minibatch's ratio is exactly 1, as under R2 and R3, and drift is still measured against θ_old's own
 routing. The weights after every applied update are kept (CPU copies; a skipped update changes nothing and does not
 count); until the run has made `lag` updates the oldest weights kept, the starting ones, route, and
-`routers/replay_lag` logs the lag actually served. `lag=0` keeps nothing and installs nothing: R2, bit for bit.
-Memory: `lag` + 1 copies of the policy's weights, the lag at most `history`. The copies are not in checkpoints, so a
-run with a lag cannot resume (`trainer.checkpoint_every` must be 0), and they are whole models, so it runs on one
-rank. It replays by ID (`routing_variant=none`).
+`routers/replay_lag` logs, at every update, the lag actually served: the applied updates between the weights that
+routed it and θ_old (0 in the first step, then growing to `lag` as the history fills). A lag that no step of the run
+reaches (more than the (trainer.steps − 1) × trainer.minibatches updates made before the last step starts) would
+replay the start's experts throughout, and is refused at start-up. `lag=0` keeps nothing and installs nothing: R2,
+bit for bit. Memory: `lag` + 1 copies of the policy's weights, the lag at most `history`. The copies are not in
+checkpoints, so a run with a lag cannot resume (`trainer.checkpoint_every` must be 0), and they are whole models, so
+it runs on one rank. It replays by ID (`routing_variant=none`).
 """
 
 from __future__ import annotations
@@ -41,18 +44,19 @@ class WeightHistory:
         self.kept.append(self.snapshot(model))
         self.copy = copy.deepcopy(model).eval().requires_grad_(False)
         self.loaded: dict[str, torch.Tensor] | None = None
-        self.served = 0  # the lag of the weights the copy holds
+        self.served = 0  # applied updates between the weights the copy holds and the newest kept (θ_old)
 
     @staticmethod
     def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
 
     def oldest(self) -> torch.nn.Module:
-        """The copy, holding the oldest weights kept (loaded when they changed since the last call)."""
+        """The copy, holding the oldest weights kept (loaded when they changed since the last call). While the
+        history fills, the oldest stay the starting weights and the lag they serve grows with every update kept."""
         if self.loaded is not self.kept[0]:
             self.copy.load_state_dict(self.kept[0])
             self.loaded = self.kept[0]
-            self.served = len(self.kept) - 1
+        self.served = len(self.kept) - 1
         return self.copy
 
 
@@ -84,6 +88,11 @@ class LaggedReplay(RouterSwitch):
         if run.checkpoint_every:
             self._fail(f"keeps weight copies that checkpoints do not hold, so trainer.checkpoint_every="
                        f"{run.checkpoint_every} would resume another run: use trainer.checkpoint_every=0")
+        reached = run.updates_before_last_step
+        if reached is not None and self.lag > reached:
+            self._fail(f"lag={self.lag} is never served: the run makes {reached} optimizer updates before its last "
+                       f"step starts ((trainer.steps - 1) x trainer.minibatches), so every step would replay the "
+                       f"experts of fewer updates back; use lag <= {reached} or a longer run")
 
     def start(self, model: torch.nn.Module) -> None:
         # The history is state, not a parameter: held outside the frozen dataclass's fields.

@@ -3,14 +3,17 @@
 `trainer.checkpoint_every=k` writes, after every k-th step's log line and after the run's last step,
 `checkpoints/step_<k>/` in the run directory:
     state/            model and optimizer, with `torch.distributed.checkpoint` (sharded over ranks under FSDP2,
-                      one process otherwise): tensors only, loaded without pickle code execution
+                      one process otherwise): its index (`.metadata`) and the optimizer's hyperparameters are
+                      pickles, read as data only (`read_index`, `_DataPlanner`): a checkpoint is never code
     trainer.json      step and token counters, skipped updates, the scheduler's state, every setting of the run
     rng_rank<r>.pt    every random generator of rank r (torch's, the prompt sampler's, the engine's router noise),
                       loaded with `weights_only=True`
 It is written into `step_<k>.tmp/`, every file flushed to the disk, checked whole (`damage`), and only then renamed
 into place; only then are older checkpoints rotated out: of the intact ones older than it, those beyond the newest
-`trainer.keep_checkpoints` (it counted among them). A kill at any instant leaves every earlier checkpoint whole. A
-write that fails (a full disk) removes the partial checkpoint and raises `StorageError` on every rank, naming why.
+`trainer.keep_checkpoints` (it counted among them), each renamed to `step_<k>.deleting` before it is deleted. A kill
+at any instant leaves every checkpoint under its own name whole; a resume removes what a kill left of a partial or a
+deleted one. A write that fails (a full disk, also inside `torch.save`) removes the partial checkpoint and raises
+`StorageError` on every rank, naming why.
 
 `resume=auto` continues from the newest intact checkpoint in the run directory (a fresh start when there is none),
 saying which newer ones it passed over and why; `resume=/path/to/step_<k>` from that one. Every file a checkpoint is
@@ -27,19 +30,23 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from experiments.run import provenance
 from experiments.run.resume import described, differences, length_change, settings
-from experiments.run.rundir import StorageError, replace_file, sync_directory
+from experiments.run.rundir import SUMMARY_FILE, StorageError, replace_file, sync_directory
 from experiments.step.metrics import STEP
 from experiments.step.ranks import Ranks, gather_objects
 from models.registry import ConfigError
@@ -49,6 +56,7 @@ PREFIX = "step_"
 PARTIAL = ".tmp"  # a checkpoint being written
 DAMAGED = ".damaged"  # set aside at resume: it does not load
 SUPERSEDED = ".superseded"  # set aside at resume: later than the checkpoint the run went back to
+DELETING = ".deleting"  # rotated out: renamed first, so that a kill while it is deleted leaves no checkpoint half gone
 
 
 def step_of(path: Path) -> int:
@@ -90,10 +98,10 @@ class _Together:
         except OSError as error:
             problem = _reason(error)
         except CheckpointException as error:
-            causes = [failure[0] for failure in error.failures.values()]
-            if not all(isinstance(cause, OSError) for cause in causes):
+            causes = [_write_failure(failure[0]) for failure in error.failures.values()]
+            if not all(causes):
                 raise  # a bug, not the disk: its traceback
-            problem = _reason(causes[0])
+            problem = causes[0]
         problems = [p for p in gather_objects(problem, self.ranks) if p is not None]
         if not problems:
             return
@@ -103,6 +111,19 @@ class _Together:
         kept = f"{earlier[-1]} is the newest checkpoint" if earlier else "there is no earlier checkpoint"
         raise StorageError(f"cannot write checkpoint {self.final.name} in {self.final.parent}: {problems[0]}; the "
                            f"partial one was removed, and {kept}")
+
+
+def _write_failure(cause: BaseException) -> str | None:
+    """Why a file of the checkpoint could not be written, or None when `cause` is not a write failure (a bug). torch's
+    zip writer (`torch.save`, which Distributed Checkpoint writes each tensor with) turns the `OSError` of a full disk
+    into `RuntimeError: ... unexpected pos`, the `OSError` kept as its context."""
+    if isinstance(cause, OSError):
+        return _reason(cause)
+    if isinstance(cause, RuntimeError) and "unexpected pos" in str(cause):
+        if isinstance(cause.__context__, OSError):
+            return _reason(cause.__context__)
+        return "the file stopped growing while torch wrote it (a full disk?)"
+    return None
 
 
 def _empty_directory(path: Path) -> None:
@@ -129,7 +150,15 @@ def _write(trainer: Any, partial: Path) -> None:
             "scheduler": trainer.scheduler.state_dict(),
             "experiment": settings(trainer.cfg),
             "world": ranks.world,
+            "computed_under": computed_under(trainer),
         }, indent=1, default=str))
+
+
+def computed_under(trainer: Any) -> list[dict[str, Any]]:
+    """The environments (versions, kernels) the trainer's steps were computed under, from which step on
+    (`experiments.run.provenance`): those its checkpoint recorded and this process's, when it resumed (`load`), or
+    this process's alone."""
+    return trainer.computed_under or provenance.from_the_start(trainer.cfg.cpu_kernels)
 
 
 def _publish(partial: Path, final: Path, keep: int) -> str | None:
@@ -152,7 +181,10 @@ def _rotate(newest: Path, keep: int) -> None:
     not counted, and later ones are not touched."""
     older = [p for p in checkpoints(newest.parent.parent) if step_of(p) < step_of(newest) and damage(p) is None]
     for old in older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old)
+        doomed = old.with_name(old.name + DELETING)
+        old.rename(doomed)  # first: a kill during the deletion leaves a name no scan reads, which a resume removes
+        sync_directory(old.parent)
+        shutil.rmtree(doomed)
 
 
 def _set_aside(path: Path, suffix: str) -> Path:
@@ -167,9 +199,11 @@ def _set_aside(path: Path, suffix: str) -> Path:
 def set_aside_after(run_dir: Path, step: int) -> list[str]:
     """Set aside every checkpoint of `run_dir` later than `step`, the one a run resumes from: a damaged one (which
     rotation would never count) and an intact one of the continuation the resume abandons (its log lines are cut).
-    Return what each became. Partial ones, whose write a kill cut, are removed: they were never checkpoints."""
-    for partial in (run_dir / DIRECTORY).glob(f"{PREFIX}*{PARTIAL}"):
-        shutil.rmtree(partial)
+    Return what each became. Partial ones, whose write a kill cut, are removed: they were never checkpoints; so are
+    the remains of one whose deletion by rotation a kill cut."""
+    for unfinished in (*(run_dir / DIRECTORY).glob(f"{PREFIX}*{PARTIAL}"),
+                       *(run_dir / DIRECTORY).glob(f"{PREFIX}*{DELETING}")):
+        shutil.rmtree(unfinished)
     moved = []
     for later in checkpoints(run_dir):
         if step_of(later) > step:
@@ -253,22 +287,115 @@ def _rank_damage(path: Path, rank: int) -> str | None:
 
 def _state_damage(state: Path) -> str | None:
     """What is wrong with the model and optimizer state written by `torch.distributed.checkpoint`, or None: its index
-    (`.metadata`) must read, and every file the index points into must be as long as the index needs."""
+    (`.metadata`) must read as an index (`read_index`: never as code), every file the index points into must be as
+    long as the index needs, and every value stored as bytes (the optimizer's hyperparameters) must load as data."""
     try:
-        index = FileSystemReader(str(state)).read_metadata()
-    except Exception as error:  # a truncated index fails in torch's unpickling with whatever type it meets first
-        return f"{state / '.metadata'} does not read ({_reason(error)})"
-    needed: dict[str, int] = {}
-    for item in index.storage_data.values():
-        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    for name, size in sorted(needed.items()):
+        index = read_index(state / INDEX)
+    except NotAnIndex as refused:
+        return str(refused)
+    except Exception as error:  # a truncated index fails in unpickling with whatever type it meets first
+        return f"{state / INDEX} does not read ({_reason(error)})"
+    try:
+        needed: dict[str, int] = {}
+        for item in index.storage_data.values():
+            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+        for name, size in sorted(needed.items()):
+            try:
+                held = (state / name).stat().st_size
+            except OSError as error:
+                return f"{state / name} does not read ({_reason(error)})"
+            if held < size:
+                return f"{state / name} holds {held} of the {size} bytes its index needs"
+        return _bytes_damage(state, index)
+    except (AttributeError, KeyError, TypeError, ValueError) as error:  # index types holding what no index holds
+        return f"{state / INDEX} is not a well-formed checkpoint index ({_reason(error)})"
+
+
+def _bytes_damage(state: Path, index: Metadata) -> str | None:
+    """What is wrong with the values the state stores as bytes, or None: each must load with `weights_only=True`
+    (torch's own loader unpickles them with full pickle, `_DataPlanner`)."""
+    for key, item in index.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        stored = index.storage_data[MetadataIndex(key)]
+        where = state / stored.relative_path
+        if stored.transform_descriptors:
+            return (f"{where} stores {key} transformed ({', '.join(stored.transform_descriptors)}), as no checkpoint "
+                    "of this project does")
         try:
-            held = (state / name).stat().st_size
-        except OSError as error:
-            return f"{state / name} does not read ({_reason(error)})"
-        if held < size:
-            return f"{state / name} holds {held} of the {size} bytes its index needs"
+            with open(where, "rb") as handle:
+                handle.seek(stored.offset)
+                torch.load(io.BytesIO(handle.read(stored.length)), weights_only=True)
+        except Exception as error:  # torch's weights-only unpickler refuses code with its own error types
+            return f"{where} stores {key} as something other than data, refused unread ({_reason(error)})"
     return None
+
+
+# -- the state's index, read as data ----------------------------------------------------------------------------------
+
+INDEX = ".metadata"  # Distributed Checkpoint's index of the state: a pickle, which torch reads with plain pickle.load
+# What the index may name: Distributed Checkpoint's own metadata types and the values they hold (a shape, a dtype, a
+# layout by name, the checkpoint's path). Any other global in the pickle is code, and the index is refused unread.
+INDEX_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name, as torch pickles `torch.strided`
+    *((module, name) for module in ("pathlib", "pathlib._local")
+      for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+})
+
+
+class NotAnIndex(pickle.UnpicklingError):
+    """The state's `.metadata` names something no index holds: it is refused before anything in it runs."""
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """An unpickler that admits `INDEX_GLOBALS` and torch's dtypes and nothing else (no `persistent_load`: a
+    persistent id is refused by pickle itself)."""
+
+    def __init__(self, file: BinaryIO, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in INDEX_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise NotAnIndex(f"{self.path} is not a checkpoint index: it names {module}.{name}, which Distributed "
+                         "Checkpoint's index never holds; refused unread (a checkpoint is data, never code)")
+
+
+def read_index(path: Path) -> Metadata:
+    """The state's index at `path`, unpickled with `_IndexUnpickler` (`NotAnIndex` when it names anything else)."""
+    with open(path, "rb") as handle:
+        index = _IndexUnpickler(handle, path).load()
+    if not isinstance(index, Metadata):
+        raise NotAnIndex(f"{path} is not a checkpoint index: it holds a {type(index).__name__}")
+    return index
+
+
+class _IndexReader(FileSystemReader):
+    """torch's reader of a checkpoint's state, whose index is read with `read_index` instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        index = read_index(Path(self.path) / INDEX)
+        if index.storage_meta is None:
+            index.storage_meta = StorageMeta()
+        index.storage_meta.load_id = self.load_id
+        return index
+
+
+class _DataPlanner(DefaultLoadPlanner):
+    """torch's load planner, whose values stored as bytes (the optimizer's hyperparameters) must load with
+    `weights_only=True` before torch's own `load_bytes` unpickles them (with full pickle)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # data, or an error before anything runs
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def _reason(error: BaseException) -> str:
@@ -296,12 +423,15 @@ def check(path: Path, cfg: DictConfig, world: int) -> None:
 
 def load(trainer: Any, path: Path) -> None:
     """Restore the trainer's state from the checkpoint at `path` (every rank calls this, once rank 0 has found it
-    intact and this run's own: `damage`, `check`)."""
+    intact and this run's own: `damage`, `check`). The state's index and its values stored as bytes are read as data
+    (`_IndexReader`, `_DataPlanner`), never unpickled as torch would. `trainer.computed_under` becomes the
+    environments the checkpoint's steps were computed under, with this process's when it differs, which rank 0
+    says in one line (`experiments.run.provenance`)."""
     ranks: Ranks = trainer.ranks
     saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(path / "state"), no_dist=not ranks.active)
+    dcp.load(state, storage_reader=_IndexReader(path / "state"), planner=_DataPlanner(), no_dist=not ranks.active)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     trainer.scheduler.load_state_dict(saved["scheduler"])
@@ -316,6 +446,12 @@ def load(trainer: Any, path: Path) -> None:
     state = json.loads((path / f"python_random_rank{ranks.rank}.json").read_text())
     random.setstate((state[0], tuple(state[1]), state[2]))
     trainer.engine.sync_weights(trainer.model)
+    trainer.computed_under, differs = provenance.resumed_under(saved.get("computed_under"), saved["step"],
+                                                               trainer.cfg.cpu_kernels)
+    if differs and ranks.main:
+        print(f"moe-rl-lab: warning: {path.name} was computed under other libraries or kernels than this process "
+              f"({'; '.join(differs)}): the steps after {saved['step']} are not the bits an uninterrupted run would "
+              f"give; {SUMMARY_FILE}'s computed_under records both", file=sys.stderr)
 
 
 def saved_step(path: Path) -> int:

@@ -5,8 +5,10 @@ every finished step; the file is only ever appended to (a run directory is claim
 A write that fails (a full disk) cuts the file back to its last whole line, so that no partial line is ever left,
 and raises `StorageError` naming the file, the last step it holds and the cut; closing after a failure never raises.
 Per-minibatch values sit under the key `minibatches` (a list, index = updates since θ_old); W&B receives them
-flattened as `minibatch/<j>/<name>`. W&B is offline by default (no network needed); if it cannot start, the run
-warns and keeps the local log: losing the dashboard must never lose the experiment.
+flattened as `minibatch/<j>/<name>`. W&B is offline by default (no network needed); online, its start-up waits at
+most `logger.wandb.init_timeout` seconds (W&B's own default is 90, which a machine without a network spent in
+silence, in every job of a sweep). If it cannot start, or stops logging, the run warns and keeps the local log
+(losing the dashboard must never lose the experiment), and `summary.json` records it under `wandb`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _first_line(error: BaseException) -> str:
+    return next((line for line in str(error).splitlines() if line.strip()), "")
+
+
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     """`summary.json`, replaced whole: a kill while it is written leaves the previous one or none (`OSError` when it
     cannot be written)."""
@@ -69,6 +75,9 @@ class RunLogger:
         """`resume`: the run continues from a checkpoint; W&B continues the run whose id the directory recorded."""
         self.run_dir = Path(run_dir)
         self.last_step: int | None = None
+        # What W&B did, for the summary: its mode, whether it started, and why it did not or stopped (None: it did not
+        # fail).
+        self.wandb_record: dict[str, Any] = {"mode": str(cfg.logger.wandb.mode), "started": False, "problem": None}
         try:
             self._metrics = os.open(self.run_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self._whole_bytes = os.fstat(self._metrics).st_size  # where a failed write is cut back to
@@ -103,12 +112,17 @@ class RunLogger:
                 config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                 reinit="finish_previous",
                 # System-stats sampling runs in W&B's service process and competes for the cores the step needs.
-                settings=wandb.Settings(x_disable_stats=True),
+                settings=wandb.Settings(x_disable_stats=True, init_timeout=wandb_cfg.init_timeout),
             )
             id_file.write_text(run.id)
+            self.wandb_record["started"] = True
             return run
         except Exception as error:  # a dashboard failure must not end the experiment
-            warnings.warn(f"W&B did not start ({type(error).__name__}: {error}); logging to metrics.jsonl only")
+            why = f"{type(error).__name__}: {_first_line(error)}"
+            self.wandb_record["problem"] = f"did not start ({why})"
+            warnings.warn(f"W&B did not start in {wandb_cfg.mode} mode within logger.wandb.init_timeout="
+                          f"{wandb_cfg.init_timeout:g} s ({why}); logging to metrics.jsonl only, and "
+                          f"{SUMMARY_FILE} records it")
             return None
 
     def _append(self, data: bytes) -> None:
@@ -148,10 +162,13 @@ class RunLogger:
                 self._wandb.log(flatten_for_wandb(clean), step=int(record[STEP]))
             except Exception as error:
                 warnings.warn(f"W&B log failed ({error}); continuing with metrics.jsonl only")
+                self.wandb_record["problem"] = f"stopped logging at step {record[STEP]} ({_first_line(error)})"
                 self._wandb = None
 
     def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
-        """Write `summary.json` (its status says how the run ended), close the log, finish W&B with `exit_code`."""
+        """Write `summary.json` (its status says how the run ended, its `wandb` what W&B did), close the log, finish
+        W&B with `exit_code`."""
+        summary = {**summary, "wandb": self.wandb_record}
         try:
             write_summary(self.run_dir, summary)
             self._close_metrics()

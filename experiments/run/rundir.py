@@ -87,6 +87,9 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(lock)
+        if resume:  # this run is the one the directory holds: it can only wait for the other to end
+            raise ConfigError(f"run directory {str(path)!r} is in use by another run right now: resume it once that "
+                              "run has ended (or stop it first)") from None
         raise ConfigError(
             f"run directory {str(path)!r} is in use by another run right now; give this one its own hydra.run.dir"
         ) from None
@@ -99,9 +102,11 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
         if metrics.exists() or (path / SUMMARY_FILE).exists():
             steps = _logged_steps(metrics) if metrics.exists() else 0
             status = _status(path / SUMMARY_FILE)
+            go_on = "" if finished_summary(path) is not None else (
+                "resume=auto continues it (from its newest checkpoint, or from its start when it has none), or ")
             raise ConfigError(
                 f"run directory {str(path)!r} already holds a run ({steps} logged steps, {status}); it is never "
-                "overwritten: give this run another hydra.run.dir"
+                f"overwritten: {go_on}give this run another hydra.run.dir"
             )
         _write_config(path / CONFIG_DIR, cfg, hydra_cfg)
     except OSError as error:
@@ -211,20 +216,32 @@ def sync_directory(path: Path) -> None:
         os.close(handle)
 
 
-def make_writable_dir(path: str | Path) -> None:
-    """Create `path` if needed and prove a file can be written in it; `OSError` otherwise."""
+def make_writable_dir(path: str | Path) -> list[Path]:
+    """Create `path` if needed and prove a file can be written in it; `OSError` otherwise. Return the directories
+    it created, deepest first."""
     path = Path(path)
+    created = [p for p in (path, *path.parents) if not p.exists()]
     path.mkdir(parents=True, exist_ok=True)
     # A name of its own: under torchrun every rank probes the same directory at once.
     with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test"):
         pass
+    return created
 
 
-def _refuse_unwritable(key: str, path: str) -> None:
+def remove_if_empty(created: list[Path]) -> None:
+    """Remove the directories `make_writable_dir` created (deepest first) while they are still empty."""
+    for directory in created:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # not empty (or gone): what holds something stays, and so do its parents
+
+
+def _refuse_unwritable(key: str, path: str) -> list[Path]:
     from experiments.run.launch import exit_once
 
     try:
-        make_writable_dir(path)
+        return make_writable_dir(path)
     except OSError as error:
         exit_once(f"moe-rl-lab: {key}={path!r} cannot be created: {error.strerror}")
 
@@ -249,10 +266,12 @@ class DirectoryGuard(Callback):
                 config.hydra.run.dir = chosen
         _refuse_unwritable("hydra.run.dir", config.hydra.run.dir)
 
+    created: list[Path] = []  # the directories the sweep's start created (`on_multirun_start`)
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from experiments.run.launch import exit_once
 
             exit_once("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the sweep "
                       "itself with cluster=slurm, or torchrun one run at a time")
-        _refuse_unwritable("hydra.sweep.dir", config.hydra.sweep.dir)
+        self.created = _refuse_unwritable("hydra.sweep.dir", config.hydra.sweep.dir)

@@ -3,11 +3,12 @@
 `RunGuard` is the Hydra callback of `conf/train.yaml`. Before the sweep it refuses a SLURM launcher (`cluster=slurm`)
 on a machine without SLURM's commands, composes every job the basic sweeper will launch and runs the start-up checks
 of each (`experiments.step.checks.check_run`: settings, model files, task, memory), so a bad cell of a grid is named at
-once and a sweep whose every job would be refused launches none, and refuses a parallel launcher whose jobs would
-share more threads than the machine has (before a single run it refuses `cluster=slurm`, which only submits a sweep's
-jobs); the entry point then reports a refused or crashing job and goes on with the next, and the sweep exits
-non-zero at the end, listing the jobs whose directory holds no finished run (whatever launcher ran them, in this
-process or others).
+once and a sweep whose every job would be refused launches none (and leaves behind no directory it made), and
+refuses a parallel launcher whose jobs would share more threads than the machine has (before a single run it refuses
+`cluster=slurm`, which only submits a sweep's jobs); the entry point then reports a refused or crashing job and goes
+on with the next, and the sweep exits non-zero at the end, listing the jobs whose directory holds no finished run
+(whatever launcher ran them, in this process or others), each with why: refused by the start-up check (and its
+reason), or refused or crashed as it ran.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from experiments.run import rundir
 from experiments.step.checks import check_run
@@ -59,14 +61,18 @@ def check_slurm_single_run(config: DictConfig) -> None:
         )
 
 
-def unfinished_jobs(sweep_dir: Path) -> list[str]:
+def unfinished_jobs(sweep_dir: Path, refused: dict[str, str] | None = None) -> list[str]:
     """The job directories of a sweep that hold no finished run, with why (the file system is the record every
-    launcher shares: the basic launcher's jobs run here, joblib's and SLURM's in other processes)."""
+    launcher shares: the basic launcher's jobs run here, joblib's and SLURM's in other processes). `refused`: the
+    jobs the sweep's start-up check refused, {directory name: why}."""
+    refused = refused or {}
     unfinished = []
     for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         summary = job / rundir.SUMMARY_FILE
-        if not summary.exists():
-            unfinished.append(f"{job.name} (refused or crashed: no {rundir.SUMMARY_FILE})")
+        if job.name in refused and not summary.exists():
+            unfinished.append(f"{job.name} (refused by the sweep's start-up check: {refused[job.name]})")
+        elif not summary.exists():
+            unfinished.append(f"{job.name} (refused or crashed as it ran: no {rundir.SUMMARY_FILE})")
         elif rundir.finished_summary(job) is None:
             unfinished.append(f"{job.name} (status {json.loads(summary.read_text()).get('status')!r})")
     return unfinished
@@ -106,20 +112,39 @@ class RunGuard(rundir.DirectoryGuard):
         check_slurm_single_run(config)
         super().on_run_start(config, **kwargs)
 
+    refused: dict[str, str] = {}  # the jobs the start-up check refused: {job directory's name: why}
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_slurm_sweep(config)
         super().on_multirun_start(config, **kwargs)
-        check_threads(config)
+        try:
+            check_threads(config)
+            self.check_jobs(config)
+        except SystemExit:  # no job is launched: the sweep leaves no directory it made behind
+            rundir.remove_if_empty(self.created)
+            raise
+
+    def check_jobs(self, config: DictConfig) -> None:
+        """Every job the basic sweeper will launch, checked (`check_run`); refused jobs named at once, and none
+        launched when every one is refused."""
         if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
             return  # other sweepers choose their jobs as they go
         loader = GlobalHydra.instance().config_loader()
         jobs = sweep_jobs(config)
         refused = []
+        self.refused = {}
         for number, overrides in enumerate(jobs):
+            job = loader.load_sweep_config(master_config=config, sweep_overrides=overrides)
             try:
-                check_run(loader.load_sweep_config(master_config=config, sweep_overrides=overrides))
+                check_run(job)
             except ConfigError as error:
                 refused.append(f"  job {number} ({' '.join(overrides)}): {error}")
+                with open_dict(job):  # the directory the launcher gives job `number` (hydra.sweep.subdir)
+                    job.hydra.job.num = number
+                try:
+                    self.refused[str(job.hydra.sweep.subdir)] = str(error)
+                except OmegaConfBaseException:  # a subdir naming what only the launcher sets: listed as unfinished
+                    pass
         if refused and len(refused) == len(jobs):
             raise SystemExit(f"moe-rl-lab: every one of the {len(jobs)} jobs of this sweep would be refused, so none "
                              "is launched:\n" + "\n".join(refused))
@@ -128,7 +153,7 @@ class RunGuard(rundir.DirectoryGuard):
                   f"{len(jobs) - len(refused)} run:\n" + "\n".join(refused), file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        unfinished = unfinished_jobs(Path(config.hydra.sweep.dir))
+        unfinished = unfinished_jobs(Path(config.hydra.sweep.dir), self.refused)
         if unfinished:
             raise SystemExit(f"moe-rl-lab: {len(unfinished)} job(s) of the sweep did not finish (each said why above):"
                              "\n  " + "\n  ".join(unfinished))

@@ -40,17 +40,21 @@ def collect_rollout(engine: RolloutEngine, task: Task, examples: list[Example], 
 
 
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], samples: int, max_new_tokens: int,
-             temperature: float) -> dict[str, float]:
+             temperature: float, batch: int | None = None) -> dict[str, float]:
     """Held-out accuracy on `examples` (the same fixed prefix of the test split at every evaluation and in every
     run, so curves compare point by point): `EVAL_ACCURACY`, the mean over prompts of the share of `samples` sampled
     completions that are correct (the unbiased pass@1 estimate; absent when `samples` is 0), and `EVAL_GREEDY`, the
-    share of prompts answered correctly by greedy decoding."""
+    share of prompts answered correctly by greedy decoding. `batch`: at most this many prompts per rollout (the
+    whole split's, sized by `experiments.step.memory`); None: all at once."""
     metrics = {}
+    chunks = [examples[i: i + batch] for i in range(0, len(examples), batch)] if batch else [examples]
     if samples > 0:
-        sampled = collect_rollout(engine, task, examples, Sampling(samples, max_new_tokens, temperature))
-        metrics[m.EVAL_ACCURACY] = float(sampled.correct.float().mean())
-    greedy = collect_rollout(engine, task, examples, Sampling(1, max_new_tokens, temperature, greedy=True))
-    metrics[m.EVAL_GREEDY] = float(greedy.correct.float().mean())
+        sampled = [collect_rollout(engine, task, chunk, Sampling(samples, max_new_tokens, temperature))
+                   for chunk in chunks]
+        metrics[m.EVAL_ACCURACY] = float(torch.cat([rollout.correct for rollout in sampled]).float().mean())
+    greedy = [collect_rollout(engine, task, chunk, Sampling(1, max_new_tokens, temperature, greedy=True))
+              for chunk in chunks]
+    metrics[m.EVAL_GREEDY] = float(torch.cat([rollout.correct for rollout in greedy]).float().mean())
     return metrics
 
 

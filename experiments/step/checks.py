@@ -27,7 +27,7 @@ from algos.objective import Objective
 from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from algos.routing_variants import RoutingVariant, build_routing_variant
 from experiments.step.engines import ENGINES, EngineNumerics, Needs, RolloutEngine
-from experiments.step.memory import GIB, available_bytes, step_memory
+from experiments.step.memory import GIB, StepMemory, available_bytes, step_memory
 from experiments.step.plan import PiOld, Replay, StepPlan, plan_step
 from experiments.tasks import Example, Task, build_task
 from models.policy import DTYPES, SIGMOID_FAMILIES, ModelConfig, is_moe, model_config
@@ -60,12 +60,14 @@ class RunParts:
     task: Task
     train_examples: list[Example]
     test_examples: list[Example]
+    eval_split_batch: int  # test prompts per batch of the whole-split evaluation, per rank (`step_memory`)
 
 
 def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     """Every start-up check of an RL run on `world` ranks, without building the model: settings, the model's files
-    and sizes, the objective, the engine, the task and its splits, and (`memory`) whether one rank's step fits in the
-    device's free memory."""
+    and sizes, the objective, the engine, the task and its splits, prompts that fit the model's positions, and
+    (`memory`) whether one rank's step fits in the device's free memory. The whole-split evaluation's batch is sized
+    whatever `memory` says: from the estimate, not from the machine."""
     check_cold_start(cfg)
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     hf_config = model_config(model_cfg)
@@ -76,6 +78,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     variant = build_routing_variant(**OmegaConf.to_container(cfg.routing_variant, resolve=True))
     switches = build_router_switches(OmegaConf.to_container(cfg.routers, resolve=True))
     check_known_keys(cfg)
+    check_logger(cfg.logger)
     check_trainer(cfg.trainer, moe, world)
     check_routing(cfg.routing, moe, cfg.model.name)
     if cfg.routing.perturb_rate and world > 1:
@@ -88,14 +91,19 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     engine.check(cfg, world, engine_needs(plan, objective, correction))
     check_agreement(objective, correction)
     variant.check(plan.replay, cfg.model.name, moe)
+    t = cfg.trainer
     check_switches(switches, RunFacts(cfg.model.name, hf_config.model_type in SIGMOID_FAMILIES, plan.replay,
-                                      variant.name, cfg.trainer.router_lr_scale, world, cfg.trainer.checkpoint_every),
+                                      variant.name, t.router_lr_scale, world, t.checkpoint_every,
+                                      (t.steps - 1) * t.minibatches),
                    moe)
     task, train_examples, test_examples = check_task(cfg, model_cfg)
+    prompt_tokens = check_positions(cfg, hf_config, tokenizer_of(model_cfg), task.name,
+                                    {"train": train_examples, "test": test_examples})
+    estimate = step_memory(hf_config, cfg, prompt_tokens, DTYPES[model_cfg.dtype].itemsize, world, len(test_examples))
     if memory:
-        check_memory(cfg, hf_config, model_cfg, [e.prompt for e in train_examples + test_examples], world)
+        check_memory(cfg, estimate)
     return RunParts(plan, model_cfg, EngineNumerics.of(cfg.rollout), engine, objective, advantage_std, correction,
-                    variant, switches, task, train_examples, test_examples)
+                    variant, switches, task, train_examples, test_examples, estimate.split_batch)
 
 
 def algo_hyperparameters(algo_cfg: Any) -> tuple[str, bool, dict[str, Any]]:
@@ -128,6 +136,13 @@ def check_known_keys(cfg: Any) -> None:
             f"unknown config key(s) {', '.join(unknown)}: no schema declares them, so nothing would read them "
             "(`+key=value` adds keys; misspelt? `python -m experiments.train --cfg job` prints every key)"
         )
+
+
+def check_logger(logger: Any) -> None:
+    """The `logger` settings' ranges."""
+    timeout = logger.wandb.init_timeout
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"logger.wandb.init_timeout={timeout} must be a finite number of seconds > 0")
 
 
 def check_trainer(t: Any, moe: bool, world: int) -> None:
@@ -288,11 +303,29 @@ def check_task(cfg: DictConfig, model_cfg: ModelConfig) -> tuple[Task, list[Exam
     return task, train_examples, test_examples
 
 
-def check_memory(cfg: DictConfig, hf_config: Any, model_cfg: ModelConfig, prompts: list[str], world: int) -> None:
+def check_positions(cfg: DictConfig, hf_config: Any, tokenizer: Any, dataset: str,
+                    splits: dict[str, list[Example]]) -> int:
+    """The tokens of the longest prompt of the task's `splits`; refuse a prompt that, with the generation budget,
+    needs more positions than the model has (transformers only warns, and computes past them)."""
+    longest, where = 0, ""
+    for split, examples in splits.items():
+        tokens, index = longest_text(tokenizer, [example.prompt for example in examples])
+        if tokens > longest:
+            longest, where = tokens, f"{split} prompt {index}"
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    new_tokens = cfg.trainer.max_new_tokens
+    if limit is not None and longest + new_tokens > limit:
+        raise ConfigError(
+            f"the longest prompt of dataset {dataset!r} ({where}, {longest} tokens) and trainer.max_new_tokens="
+            f"{new_tokens} need {longest + new_tokens} positions, and model {cfg.model.name!r} has "
+            f"max_position_embeddings={limit}: use a model with more positions, shorter prompts or fewer new tokens"
+        )
+    return longest
+
+
+def check_memory(cfg: DictConfig, memory: StepMemory) -> None:
     """Refuse a step that would not fit in the device's free memory, with the estimate's parts."""
     t = cfg.trainer
-    prompt_tokens = longest_tokens(tokenizer_of(model_cfg), prompts)
-    memory = step_memory(hf_config, cfg, prompt_tokens, DTYPES[model_cfg.dtype].itemsize, world)
     available = available_bytes(cfg.device)
     if memory.peak > available:
         raise ConfigError(
@@ -311,5 +344,12 @@ def tokenizer_of(model_cfg: ModelConfig):
 
 def longest_tokens(tokenizer, texts: list[str]) -> int:
     """Tokens of the longest text (measured on the 32 longest in characters)."""
-    longest = sorted(set(texts), key=len)[-32:]
-    return max(len(ids) for ids in tokenizer(longest, add_special_tokens=False)["input_ids"])
+    return longest_text(tokenizer, texts)[0]
+
+
+def longest_text(tokenizer, texts: list[str]) -> tuple[int, int]:
+    """Tokens of the longest text and its index in `texts` (measured on the 32 longest in characters)."""
+    longest = sorted(range(len(texts)), key=lambda i: len(texts[i]))[-32:]
+    counts = [len(ids) for ids in tokenizer([texts[i] for i in longest], add_special_tokens=False)["input_ids"]]
+    most = max(range(len(longest)), key=lambda j: (counts[j], -longest[j]))
+    return counts[most], longest[most]

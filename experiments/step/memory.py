@@ -7,6 +7,10 @@ allocator. The estimate counts the tensors that scale with the batch, for the la
     rollout     the KV cache of N = prompts x G rows over P + T positions, one step's fp32 log-softmax [N, V],
                 and the prefill's attention scores (prompts x heads x P² in fp32)
     evaluation  the same for eval_prompts x eval_samples rows
+    whole split the greedy evaluation of every test prompt (`trainer.eval_split`), in batches of as many prompts as
+                fit within the largest of the step's other phases: it never raises the step's peak, however large
+                the split (a GSM8K test file holds 1,319 prompts); the batch is a function of the settings and the
+                data alone, so a run evaluates the same batches on every machine
     training    one minibatch of n = N / minibatches rows fed in full (the packed layout feeds fewer tokens):
                 activations kept for backward, ~(12·hidden + 4·k·expert width + heads·S) values per token and
                 layer, and the fp32 logits, log-softmax and its gradient over the T response positions
@@ -32,14 +36,18 @@ class StepMemory:
     rollout: float
     evaluation: float
     training: float
+    split_evaluation: float = 0.0  # one batch of the whole-split evaluation (0: trainer.eval_split=false)
+    split_batch: int = 1  # test prompts per batch of the whole-split evaluation (per rank)
 
     @property
     def peak(self) -> float:
-        return self.resident + max(self.rollout, self.evaluation, self.training)
+        return self.resident + max(self.rollout, self.evaluation, self.training, self.split_evaluation)
 
     def describe(self) -> str:
         parts = {"weights, gradients and AdamW": self.resident, "rollout": self.rollout,
                  "evaluation": self.evaluation, "a training minibatch": self.training}
+        if self.split_evaluation:
+            parts[f"the whole split's evaluation in batches of {self.split_batch}"] = self.split_evaluation
         return ", ".join(f"{name} {value / GIB:.1f} GiB" for name, value in parts.items())
 
 
@@ -50,10 +58,12 @@ def parameter_count(config: PretrainedConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def step_memory(config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: int, world: int = 1) -> StepMemory:
+def step_memory(config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: int, world: int = 1,
+                split_prompts: int = 0) -> StepMemory:
     """The estimate (bytes) of one rank of `world` for the run `cfg` on the model `config` whose longest prompt has
     `prompt_tokens` (each rank samples and trains its share of the prompts, and holds the whole model while a layer
-    is gathered: the resident part is not divided)."""
+    is gathered: the resident part is not divided), and the batch its whole-split evaluation of `split_prompts` test
+    prompts runs in."""
     t = cfg.trainer
     hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     heads = config.num_attention_heads
@@ -79,7 +89,12 @@ def step_memory(config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: 
     training = minibatch * width * per_token + 3 * minibatch * t.max_new_tokens * vocab * 4
     eval_prompts = -(-t.eval_prompts // world)
     evaluation = sampling(eval_prompts, eval_prompts * max(t.eval_samples, 1)) if t.eval_prompts else 0.0
-    return StepMemory(resident, sampling(prompts, rows), evaluation, training)
+    rollout = sampling(prompts, rows)
+    # Greedy, one row per prompt: the batch's memory grows by sampling(1, 1) a prompt.
+    split = max(1, -(-split_prompts // world))
+    split_batch = max(1, min(split, int(max(rollout, evaluation, training) // sampling(1, 1))))
+    split_evaluation = sampling(split_batch, split_batch) if t.eval_split and split_prompts else 0.0
+    return StepMemory(resident, rollout, evaluation, training, split_evaluation, split_batch)
 
 
 def available_bytes(device: str) -> float:

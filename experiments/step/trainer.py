@@ -72,6 +72,7 @@ class RLTrainer:
         self.plan, self.objective, self.advantage_std = parts.plan, parts.objective, parts.advantage_std
         self.correction, self.variant, self.switches = parts.correction, parts.variant, parts.switches
         self.task, self.train_examples, self.test_examples = parts.task, parts.train_examples, parts.test_examples
+        self.eval_split_batch = parts.eval_split_batch  # the whole split is evaluated in batches of this many prompts
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
         self.model, self.tokenizer = build_policy(parts.model_cfg)
@@ -102,6 +103,9 @@ class RLTrainer:
         self.tokens_seen = 0
         self.skipped_updates = 0
         self.consecutive_skips = 0
+        # Which libraries and kernels computed the steps so far, when not only this process (a checkpoint's load
+        # sets it: `experiments.run.checkpoint`); None: this process, from the first step.
+        self.computed_under: list[dict[str, Any]] | None = None
 
     # -- one RL step -----------------------------------------------------------------------------------------------
 
@@ -276,6 +280,7 @@ class RLTrainer:
             samples=0 if whole_split else t.eval_samples,
             max_new_tokens=t.max_new_tokens,
             temperature=t.temperature,
+            batch=self.eval_split_batch if whole_split else None,
         )
         if whole_split:
             local = {m.EVAL_SPLIT_GREEDY: local[m.EVAL_GREEDY]}
