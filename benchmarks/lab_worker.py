@@ -30,7 +30,7 @@ from experiments.run.threads import ThreadBudget  # noqa: E402
 from experiments.step import metrics as m  # noqa: E402
 from experiments.step.batch import Rollout  # noqa: E402
 from experiments.step.trainer import RLTrainer  # noqa: E402
-from experiments.train import run_name  # noqa: E402
+from experiments.run.summary import run_name  # noqa: E402
 
 
 def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:

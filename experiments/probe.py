@@ -49,8 +49,9 @@ from tqdm import tqdm
 
 from algos.objective import CLIP, KL_OLD, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.config import register_configs
-from experiments.run import provenance, rundir
-from experiments.run.logger import RunLogger
+from experiments.run import provenance
+from experiments.run.launch import exit_once
+from experiments.run.life import Life, stop_signals
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics
 from experiments.step.checks import check_cold_start, check_run
@@ -78,10 +79,9 @@ SETTING_STEP = "probe/setting_step"  # the step within its setting (each setting
 # counts every logged step of the probe, so the log and W&B see one increasing step
 
 
-def probe_record(record: dict[str, Any], logger: RunLogger, lr: float, phase: str) -> dict[str, Any]:
-    """A setting's step as the probe logs it: tagged with its setting, numbered after the last logged step."""
-    return {**record, metrics.STEP: (logger.last_step or 0) + 1, SETTING_STEP: record[metrics.STEP], LR: lr,
-            PHASE: phase}
+def probe_record(record: dict[str, Any], logged: int, lr: float, phase: str) -> dict[str, Any]:
+    """A setting's step as the probe logs it: tagged with its setting, numbered after the `logged` steps before it."""
+    return {**record, metrics.STEP: logged + 1, SETTING_STEP: record[metrics.STEP], LR: lr, PHASE: phase}
 
 
 def check_probe(cfg: DictConfig) -> None:
@@ -155,27 +155,58 @@ def measure(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str, Any]:
-    """Every setting of the probe, logged into `run_dir`; returns the summary."""
-    try:
-        cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
-        check_probe(cfg)
-        claimed = rundir.claim(run_dir, cfg, hydra_cfg)
-    except ConfigError as error:
-        raise SystemExit(f"moe-rl-lab: {error}") from None
+    """Every setting of the probe, logged into `run_dir`; returns the summary. It lives and ends as every run does
+    (`experiments.run.life`): a stop keeps its log whole and says so in `summary.json` and one line."""
+    with stop_signals():
+        try:
+            cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
+            check_probe(cfg)
+        except ConfigError as error:
+            exit_once(f"moe-rl-lab: {error}")
+        life, _ = Life.claim(run_dir, cfg, hydra_cfg, what="the probe")
+        try:
+            return probe(life, cfg)
+        finally:
+            life.release()
+
+
+def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:
+    """The probe's settings, each a short RL run from the cold start, then the engine's precisions (`run_probe`)."""
     p = cfg.probe
     name = f"probe-{cfg.model.name}-{cfg.dataset.name}"
-    logger = RunLogger(run_dir, cfg, name, ["probe", f"model:{cfg.model.name}"], None)
     start, cpu_start = time.perf_counter(), time.process_time()
     settings, mismatches, policy, answer_tokens = [], [], None, None
     steps = p.warm_steps + p.measure_steps
     threads = ThreadBudget(cfg.trainer.threads)
-    bar = tqdm(total=len(p.lrs) * steps + len(p.precisions), desc=name, unit="step", dynamic_ncols=True)
-    try:
+    total = len(p.lrs) * steps + len(p.precisions)
+
+    def summary(status: str) -> dict[str, Any]:
+        return {
+            "status": status,
+            "run": name,
+            "run_dir": str(life.run_dir),
+            "wall_s": time.perf_counter() - start,
+            "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
+            "model": cfg.model.name,
+            "model_path": cfg.model.path,
+            "cold_start": cold_start_record(cfg.model.path),
+            "kernels": cpu_kernels.describe(cfg.cpu_kernels),
+            "versions": provenance.versions(),
+            "dataset": dict(cfg.dataset),
+            "answer_tokens": answer_tokens,  # the task's designed answer length, eos included: the length axis
+            "algo": cfg.algo.name,
+            "policy": policy,
+            "warm_steps": p.warm_steps,
+            "measure_steps": p.measure_steps,
+            "minibatches": cfg.trainer.minibatches,
+            "settings": settings,
+            "precision_mismatch": mismatches,
+        }
+
+    with life.running(summary, total), tqdm(total=total, desc=name, unit="step", dynamic_ncols=True) as bar:
+        life.start_logging(cfg, name, ["probe", f"model:{cfg.model.name}"])
         for lr in p.lrs:
-            try:
-                trainer = RLTrainer(setting_config(cfg, lr, steps))
-            except ConfigError as error:
-                raise SystemExit(f"moe-rl-lab: {error}") from None
+            trainer = RLTrainer(setting_config(cfg, lr, steps))
             policy = policy or describe_policy(trainer.model)
             answer_tokens = answer_tokens or reference_answer_tokens(trainer)
             records = []
@@ -185,7 +216,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
                     record = trainer.step()
                     threads.end()
                     phase = "warm" if step < p.warm_steps else "measure"
-                    logger.log(probe_record(record, logger, lr, phase))
+                    life.commit(probe_record(record, len(life.records), lr, phase))
                     records.append(record)
                     bar.update(1)
             except Diverged as error:  # a learning rate too large for this model: said, and the next one probed
@@ -197,40 +228,13 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
         for precision in p.precisions:
             trainer = RLTrainer(setting_config(cfg, p.lrs[0], 1, Precision(precision)))
             record = trainer.step()
-            logger.log(probe_record(record, logger, p.lrs[0], f"precision_{precision}"))
+            life.commit(probe_record(record, len(life.records), p.lrs[0], f"precision_{precision}"))
             mismatches.append({"precision": str(precision), **{key: record.get(key) for key in MISMATCH}})
             bar.update(1)
-    except BaseException:
-        bar.close()
-        logger.abort()
-        claimed.release()
-        raise
-    bar.close()
-    summary = {
-        "status": "finished",
-        "run": name,
-        "run_dir": str(run_dir),
-        "wall_s": time.perf_counter() - start,
-        "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
-        "model": cfg.model.name,
-        "model_path": cfg.model.path,
-        "cold_start": cold_start_record(cfg.model.path),
-        "kernels": cpu_kernels.describe(cfg.cpu_kernels),
-        "versions": provenance.versions(),
-        "dataset": dict(cfg.dataset),
-        "answer_tokens": answer_tokens,  # the task's designed answer length, eos included: the length axis
-        "algo": cfg.algo.name,
-        "policy": policy,
-        "warm_steps": p.warm_steps,
-        "measure_steps": p.measure_steps,
-        "minibatches": cfg.trainer.minibatches,
-        "settings": settings,
-        "precision_mismatch": mismatches,
-    }
-    logger.finish(summary)
-    claimed.release()
-    print(table(summary))
-    return summary
+    result = summary("finished")
+    life.finish(result)
+    print(table(result))
+    return result
 
 
 def reference_answer_tokens(trainer: RLTrainer) -> float:

@@ -43,7 +43,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from experiments.config import register_configs
 from experiments.run import provenance, rundir
-from experiments.run.logger import RunLogger
+from experiments.run.launch import exit_once
+from experiments.run.life import Life, stop_signals
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
@@ -55,7 +56,7 @@ from experiments.step.batch import evaluate
 from experiments.tasks import Example, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
-from models.registry import ConfigError, Diverged
+from models.registry import ConfigError
 from models.routing.hooks import router_calls, RouterCalls, RouterCapture
 from models.routing.measures import SMALL_MARGIN, top_gap_share
 from models.routing.trace import find_routers
@@ -199,23 +200,37 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
 
 def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> tuple[PreTrainedModel, dict[str, Any]]:
     """Pretrain on the mixture (`sft.pretrain_steps`), then train on the task until the target accuracy or the
-    budget; save the checkpoint; return the model and a summary."""
+    budget; save the checkpoint; return the model and a summary. It lives and ends as every run does
+    (`experiments.run.life`): a stop or divergence keeps its log whole, says so in `summary.json` and one line, and
+    saves no checkpoint."""
     s = cfg.sft
-    try:
-        cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
-        check_settings(cfg)
-        claimed = rundir.claim(Path(run_dir), cfg, hydra_cfg)
-        model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
-        switches = router_switches(cfg, model_cfg)
-        model, tokenizer = build_policy(model_cfg)
-        dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
-        task = build_task(dataset.pop("name"), **dataset)
-        if s.eval_prompts > len(task.examples("test")):
-            raise ConfigError(f"sft.eval_prompts={s.eval_prompts} is more than the {len(task.examples('test'))} "
-                              f"held-out examples of dataset {task.name!r}")
-        mixture = pretraining_mixture(cfg, task.examples("train"))
-    except ConfigError as error:
-        raise SystemExit(f"moe-rl-lab: {error}") from None
+    with stop_signals():
+        try:
+            cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
+            check_settings(cfg)
+        except ConfigError as error:
+            exit_once(f"moe-rl-lab: {error}")
+        life, _ = Life.claim(run_dir, cfg, hydra_cfg, what="the cold start")
+        with life.starting():
+            model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+            switches = router_switches(cfg, model_cfg)
+            model, tokenizer = build_policy(model_cfg)
+            dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+            task = build_task(dataset.pop("name"), **dataset)
+            if s.eval_prompts > len(task.examples("test")):
+                raise ConfigError(f"sft.eval_prompts={s.eval_prompts} is more than the {len(task.examples('test'))} "
+                                  f"held-out examples of dataset {task.name!r}")
+            mixture = pretraining_mixture(cfg, task.examples("train"))
+        try:
+            return train_cold_start(life, cfg, model, tokenizer, task, mixture, switches)
+        finally:
+            life.release()
+
+
+def train_cold_start(life: Life, cfg: DictConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                     task: Any, mixture: Any, switches: list[RouterSwitch]) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """The cold start's steps, its checkpoint and its summary (`cold_start`)."""
+    s = cfg.sft
     threads = ThreadBudget(s.threads)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
@@ -231,11 +246,31 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     generator = torch.Generator().manual_seed(cfg.seed)
     mixer = torch.Generator().manual_seed(cfg.seed + MIXTURE_STREAM)
     name = f"sft-{cfg.model.name}-{cfg.dataset.name}"
-    logger = RunLogger(claimed.path, cfg, name, ["sft", f"model:{cfg.model.name}"], None)
     start, cpu_start = time.perf_counter(), time.process_time()
     accuracy, step, loss_value, out_of_time = 0.0, 0, float("nan"), False
-    bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
-    try:
+
+    def summary(status: str) -> dict[str, Any]:
+        """What the cold start is so far: how it ended and its numbers (the finished one adds the checkpoint's)."""
+        return {
+            "status": status,
+            "run": name,
+            "dataset": dict(cfg.dataset),
+            "steps": step,
+            "pretrain_steps": min(step, s.pretrain_steps),
+            "routers": [switch.name for switch in switches],
+            "wall_s": time.perf_counter() - start,
+            "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
+            "final_loss": loss_value,
+            "eval_greedy_accuracy": accuracy,
+            "target_accuracy": s.target_accuracy,
+            "reached_target": accuracy >= s.target_accuracy,
+            "threads": s.threads,
+            "kernels": cpu_kernels.describe(cfg.cpu_kernels),
+            "versions": provenance.versions(),
+        }
+
+    with life.running(summary, total), tqdm(total=total, desc=name, unit="step", dynamic_ncols=True) as bar:
+        life.start_logging(cfg, name, ["sft", f"model:{cfg.model.name}"])
         while step < total:
             step += 1
             pretraining = step <= s.pretrain_steps
@@ -279,67 +314,45 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
                                    temperature=1.0)
                 accuracy = metrics[m.EVAL_GREEDY]
                 record.update(metrics)
-            logger.log(record)
+            life.commit(record)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}", greedy_acc=f"{accuracy:.2f}")
             if accuracy >= s.target_accuracy or out_of_time:
                 break
-    except Diverged as error:
-        logger.abort()
-        bar.close()
-        raise SystemExit(f"moe-rl-lab: the cold start diverged in step {step}: {error}; no checkpoint was "
-                         "saved") from None
-    except BaseException:
-        logger.abort()
-        raise
-    bar.close()
-    model.eval()
-    output_dir = Path(s.output_dir)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    summary = {
-        "status": "finished",
-        "run": name,
-        "dataset": dict(cfg.dataset),
-        "steps": step,
-        "pretrain_steps": min(step, s.pretrain_steps),
-        "routers": [switch.name for switch in switches],
-        "wall_s": time.perf_counter() - start,
-        "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
-        "final_loss": loss_value,
-        "eval_greedy_accuracy": accuracy,
-        "target_accuracy": s.target_accuracy,
-        "reached_target": accuracy >= s.target_accuracy,
+        bar.close()  # before the checkpoint's lines
+        model.eval()
+        output_dir = Path(s.output_dir)
+        model.save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+    result = {
+        **summary("finished"),
         # what ended it: the target (or max_steps) are the recipe; the time limit is not, and the summary says so
         "stopped_by": "max_seconds" if out_of_time else "target_accuracy" if accuracy >= s.target_accuracy else "max_steps",
-        "threads": s.threads,
         "checkpoint": str(output_dir),
         "weights_sha256": cpu_kernels.weights_sha256(model),  # the start's identity, also in every RL run's summary
-        "kernels": cpu_kernels.describe(cfg.cpu_kernels),
-        "versions": provenance.versions(),  # Python's and the computing libraries' (experiments.run.provenance)
         "routing": routing_profile(model, tokenizer, test),  # on the held-out demonstrations, after training
         "policy": describe_policy(model),  # the experts and attention implementations computed with, among others
     }
-    (output_dir / "cold_start.json").write_text(json.dumps(summary, indent=2) + "\n")
-    logger.finish(summary)
+    (output_dir / "cold_start.json").write_text(json.dumps(result, indent=2) + "\n")
+    life.finish(result)
     if out_of_time:
         warnings.warn(
             f"cold start stopped by sft.max_seconds={s.max_seconds:g} after {step} steps: this checkpoint depends on "
             "the machine's speed, not only on the command; raise sft.max_seconds to get the documented one"
         )
-    if not summary["reached_target"]:
+    if not result["reached_target"]:
         warnings.warn(
             f"cold start stopped at {accuracy:.1%} held-out accuracy, below sft.target_accuracy={s.target_accuracy}: "
             "RL from this checkpoint will see little reward variance; raise sft.max_steps"
         )
-    profile = summary["routing"]
+    profile = result["routing"]
     routing = "" if profile is None else (
         f"; load entropy {profile['load_entropy']:.3f}, max / mean load {profile['load_max_over_mean']:.2f}, top-k "
         f"margin median {profile[TOPK_MARGIN_MEDIAN]:.4f}")
-    print(f"{name}: {step} steps in {summary['wall_s']:.0f} s, loss {loss_value:.3f}, held-out greedy accuracy "
+    print(f"{name}: {step} steps in {result['wall_s']:.0f} s, loss {loss_value:.3f}, held-out greedy accuracy "
           f"{accuracy:.1%} (target {s.target_accuracy:.0%}){routing}. Checkpoint: {output_dir} (weights sha256 "
-          f"{summary['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)")
-    return model, summary
+          f"{result['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)")
+    return model, result
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="sft")

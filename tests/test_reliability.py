@@ -189,7 +189,7 @@ def test_a_stop_during_a_step_commit_lands_after_it_even_when_another_thread_tak
     thread at once, which must not cut a commit (log line written, step not yet counted) in two."""
     import threading
 
-    from experiments.train import Interrupted, stop_deferred, stop_signals
+    from experiments.run.life import Interrupted, stop_deferred, stop_signals
 
     other = threading.Thread(target=time.sleep, args=(2,), daemon=True)  # a thread that does not block signals
     other.start()
@@ -1029,6 +1029,33 @@ def test_the_cold_start_refuses_bad_settings_in_one_line(tmp_path, override, mes
     result = run_cli(override, f"sft.output_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}",
                      "logger.wandb.mode=disabled", module="experiments.sft")
     assert result.returncode != 0 and message in one_line(result.stderr)
+
+
+@pytest.mark.parametrize("module, overrides", [
+    ("experiments.sft", ["sft.max_steps=100000", "sft.target_accuracy=1.0", "sft.eval_every=1000"]),
+    ("experiments.probe", ["model.path=null", "probe.lrs=[1e-3,1e-3]", "probe.warm_steps=200",
+                           "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.max_new_tokens=4",
+                           "dataset.train_size=200",
+                           "dataset.test_size=20", "trainer.eval_prompts=4", "probe.precisions=[]"]),
+])
+def test_a_cold_start_and_a_probe_end_a_stop_as_a_run_does(tmp_path, module, overrides):
+    """SIGTERM ends a cold start or a probe as it ends an RL run (`experiments.run.life`): exit code 143, one line,
+    the log whole and `summary.json` saying `interrupted`; a cold start saves no checkpoint."""
+    micro = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()]
+    out = [f"sft.output_dir={tmp_path / 'ckpt'}", "sft.batch_size=4"] if module == "experiments.sft" else []
+    proc = subprocess.Popen([sys.executable, "-m", module, *micro, *overrides, *out, f"hydra.run.dir={tmp_path}",
+                             "logger.wandb.mode=disabled"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=PROJECT_ROOT)
+    wait_for_lines(tmp_path / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    assert "interrupted by SIGTERM after" in one_line(stderr)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    lines = read_metrics(tmp_path)
+    assert summary["status"] == "interrupted" and len(lines) >= 2
+    assert [line[STEP] for line in lines] == list(range(1, len(lines) + 1)), "no partial step is logged"
+    assert not (tmp_path / "ckpt" / "config.json").exists()
 
 
 def test_a_cold_start_that_diverges_ends_in_one_line_and_saves_no_checkpoint(tmp_path):

@@ -42,13 +42,15 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+)
 
 from experiments.run import provenance
 from experiments.run.resume import described, differences, length_change, settings
 from experiments.run.rundir import SUMMARY_FILE, StorageError, replace_file, sync_directory
 from experiments.step.metrics import STEP
-from experiments.step.ranks import Ranks, gather_objects
+from experiments.step.ranks import Ranks, barrier, gather_objects
 from models.registry import ConfigError
 
 DIRECTORY = "checkpoints"
@@ -477,3 +479,13 @@ def cut_log(metrics: Path, step: int) -> int:
             dropped += 1
     replace_file(metrics, "".join(line + "\n" for line in kept))
     return dropped
+
+
+def export(trainer: Any, directory: Path) -> Path:
+    """`save_pretrained` of the policy and its tokenizer (the full weights, gathered from every rank under FSDP2)."""
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.ranks.main:
+        trainer.model.save_pretrained(directory, state_dict=state)
+        trainer.tokenizer.save_pretrained(directory)
+    barrier(trainer.ranks)
+    return directory

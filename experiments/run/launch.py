@@ -11,15 +11,20 @@ themselves are `experiments.step.ranks`'.
 from __future__ import annotations
 
 import atexit
+import subprocess
 import ctypes
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 
+from experiments.run import rundir
+from experiments.step.checks import check_run
 from experiments.step.ranks import Ranks, broadcast_object
 from models.registry import ConfigError
 
@@ -86,3 +91,31 @@ def on_rank0(work: Callable[[], Any], ranks: Ranks) -> Any:
     if refusal is not None:
         raise ConfigError(refusal)
     return result
+
+
+# -- a job of several ranks on this node: the job runs itself again under torchrun -----------------------------------
+
+def torchrun_command(cfg: DictConfig, hydra_cfg: Any) -> list[str]:
+    """The command that runs this job again as `launch.nproc_per_node` ranks on this node, into this job's
+    directory (a SLURM job's, under `cluster=slurm`)."""
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith(("launch.", "hydra.run.dir="))]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={cfg.launch.nproc_per_node}", "-m", "experiments.train", *overrides,
+            f"hydra.run.dir={hydra_cfg.runtime.output_dir}"]
+
+
+def launch_ranks(cfg: DictConfig, hydra_cfg: Any) -> float | None:
+    """Run the job as `launch.nproc_per_node` ranks under torchrun; its exit code is the job's."""
+    if cfg.launch.nproc_per_node < 1:
+        raise SystemExit(f"moe-rl-lab: launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
+    # What every rank would refuse is refused here, once, before torchrun starts ranks and adds its own traceback to
+    # their exit. Not the memory: measuring a GPU's creates a CUDA context this process would hold while the ranks run.
+    try:
+        check_run(cfg, cfg.launch.nproc_per_node, memory=False)
+    except ConfigError as error:
+        raise SystemExit(f"moe-rl-lab: {error}") from None
+    done = subprocess.run(torchrun_command(cfg, hydra_cfg))
+    if done.returncode:
+        raise SystemExit(done.returncode)
+    summary = rundir.finished_summary(Path(hydra_cfg.runtime.output_dir))
+    return summary["reward_last"] if summary else None

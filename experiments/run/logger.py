@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE, StorageError, replace_file
@@ -200,3 +201,10 @@ class RunLogger:
                 self._wandb.finish(exit_code=1)
             except Exception as error:
                 warnings.warn(f"W&B finish failed ({error}) while closing a failed run")
+
+
+def sweep_group(hydra_cfg: Any) -> str | None:
+    """Runs of one Hydra multirun share a W&B group: the sweep directory's name."""
+    if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+        return Path(hydra_cfg.sweep.dir).name
+    return None

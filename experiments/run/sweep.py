@@ -8,15 +8,20 @@ refuses a parallel launcher whose jobs would share more threads than the machine
 `cluster=slurm`, which only submits a sweep's jobs); the entry point then reports a refused or crashing job and goes
 on with the next, and the sweep exits non-zero at the end, listing the jobs whose directory holds no finished run
 (whatever launcher ran them, in this process or others), each with why: refused by the start-up check (and its
-reason), or refused or crashed as it ran.
+reason), or refused or crashed as it ran. `as_sweep_job` is how a job of a sweep ends: an interrupt stops the sweep,
+a refusal or a bug is reported and the next job runs.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +31,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.run import rundir
+from experiments.run import launch, rundir
 from experiments.step.checks import check_run
 from models.registry import ConfigError
 
@@ -159,3 +164,27 @@ class RunGuard(rundir.DirectoryGuard):
                              "\n  " + "\n  ".join(unfinished))
 
 
+def as_sweep_job(run: Callable[[], dict[str, Any]]) -> float | None:
+    """Run one job of a sweep (`run` returns its summary): its last reward, for Hydra's sweep return value. An
+    interrupted job stops the sweep (its exit code); a refusal is printed and a bug's traceback too, and the sweep goes
+    on with its next job (and lists the failed ones at its end, `RunGuard`). A joblib worker ends with the sweep that
+    started it."""
+    sweep = os.getppid()
+    worker = multiprocessing.current_process().name != "MainProcess"  # a launcher's worker (joblib), not the sweep
+    if worker:
+        launch.die_with_parent(signal.SIGTERM)
+    try:
+        return run()["reward_last"]
+    except SystemExit as exit:
+        if isinstance(exit.code, int) and worker and os.getppid() != sweep:
+            # Interrupted because the sweep died: nobody will collect this job, and joblib's worker would catch the
+            # exit and wait for its next job, holding the sweep's stdout and stderr open. End the process now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit.code)
+        if isinstance(exit.code, int):  # interrupted: the sweep stops too
+            raise
+        print(exit.code, file=sys.stderr)
+    except Exception:  # a bug: its traceback, then the next job
+        traceback.print_exc()
+    return None

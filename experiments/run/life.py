@@ -1,0 +1,261 @@
+"""One run's life, the same for an RL run, a cold start and a probe: its directory claimed, its stops turned into a
+summary, its records committed whole, and one line however it ends.
+
+    with stop_signals():                                   SIGTERM, Ctrl-C: `Interrupted`, raised where it is safe
+        life = Life.claim(run_dir, cfg, hydra_cfg, ranks)  the directory is this run's (rank 0), or one line
+        with life.starting():                              what a bad setting or a stop does before the first step
+            ...build the job...
+        life.start_logging(cfg, name, tags, group)         metrics.jsonl and W&B (rank 0)
+        with life.running(summary):                        how the job ends when it cannot go on
+            for ...: life.commit(record, then=...)         a record logged and counted whole, a stop after it
+        life.finish(summary(...))                          summary.json, W&B finished
+        life.release()
+
+How it ends: bad settings are refused before any work, in one line (`ConfigError`, exit code 1); any other exception
+is a bug and keeps its traceback (the run directory keeps every committed record and no summary); SIGTERM or Ctrl-C
+keeps the records committed so far, finishes W&B, writes `summary.json` with `status: interrupted` and says so in one
+line (exit code 143 or 130), also when the stop arrives while W&B starts or while a record is committed (it lands
+after the commit); numbers non-finite for good (`Diverged`) end with `status: diverged`, a full disk or a vanished
+directory (`StorageError`) with `status: failed` where it can still be written, each in one line (exit code 1). With
+several ranks a stop any rank receives ends every rank after the same record (`commit`), and rank 0 alone prints.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, NoReturn
+
+from omegaconf import DictConfig
+
+from experiments.run import launch, rundir
+from experiments.run.launch import exit_once
+from experiments.run.logger import RunLogger, write_summary
+from experiments.step.ranks import Ranks, broadcast_object, gather_objects
+from models.registry import ConfigError, Diverged
+
+
+class Interrupted(BaseException):
+    """The run was asked to stop (SIGTERM, or SIGINT / Ctrl-C). A BaseException, as KeyboardInterrupt: the
+    `except Exception` of a library the signal lands in (W&B's logging, say) must not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+
+
+class _Deferral:
+    """Whether a block a stop must not cut is running (see `stop_deferred`), whether the run's ranks stop together
+    (see `stop_together`), the stop that arrived meanwhile, and whether the run is already stopping."""
+
+    active = False
+    joint = False
+    pending: Interrupted | None = None
+    stopping = False
+
+
+def _stop(interrupted: Interrupted) -> NoReturn:
+    """Raise the stop. Later signals change nothing while the run ends: a launcher that sees one rank end signals the
+    others, which must still finish their summary."""
+    _Deferral.pending, _Deferral.stopping = None, True
+    raise interrupted
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGINT into `Interrupted` for the run inside; the previous handlers come back after."""
+
+    def stop(signum: int, frame: Any) -> None:
+        if _Deferral.stopping:
+            return
+        if _Deferral.active or _Deferral.joint:  # raised after the block, or where the ranks decide together
+            _Deferral.pending = _Deferral.pending or Interrupted(signum)
+            return
+        _stop(Interrupted(signum))
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _Deferral.joint, _Deferral.pending, _Deferral.stopping = False, None, False
+
+
+@contextmanager
+def stop_deferred() -> Iterator[None]:
+    """Run the block whole: a stop that arrives meanwhile is raised after it. A record's commit needs this (its log
+    line written, then counted: never a line the summary does not count; then a checkpoint, whose writer,
+    `torch.distributed.checkpoint`, catches whatever is raised inside it, `Interrupted` included, and raises its own
+    `CheckpointException` instead), and so does the log's cut on resume. Blocking the signals on this thread is not
+    enough: the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python
+    then runs the handler on this thread at its next instruction, so the handler itself defers while a block is
+    active. With several ranks the stop is left for `stop_together`."""
+    _Deferral.active = True
+    try:
+        yield
+    finally:
+        _Deferral.active = False
+    if _Deferral.pending is not None and not _Deferral.joint:
+        _stop(_Deferral.pending)
+
+
+def stop_together(ranks: Ranks) -> None:
+    """With several ranks, a stop waits for the end of the record, where every rank learns whether any rank received
+    one and all stop together: a rank that stopped on its own would leave the others waiting for it in the next
+    collective, for ever. One process stops where the signal finds it (`stop_signals`)."""
+    if not ranks.active:
+        return
+    signums = gather_objects(_Deferral.pending.signum if _Deferral.pending else 0, ranks)
+    if any(signums):
+        _stop(Interrupted(max(signums)))
+
+
+class _Unstarted:
+    """The logger of a rank other than 0 (the run directory, W&B and the summary are rank 0's), and rank 0's until
+    its `RunLogger` has started: a stop during W&B's start-up still leaves `summary.json`."""
+
+    def __init__(self, summary_dir: Path | None) -> None:
+        self.summary_dir = summary_dir
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any], exit_code: int = 0) -> None:
+        if self.summary_dir is None:
+            return
+        try:
+            write_summary(self.summary_dir, summary)
+        except OSError as error:
+            raise rundir.StorageError(f"cannot write {rundir.SUMMARY_FILE} in {self.summary_dir}: "
+                                      f"{error.strerror}") from None
+
+    def abort(self) -> None:
+        pass
+
+
+class Life:
+    """The life cycle of the job in `run_dir` on `ranks` (module docstring); `what` names the job in its lines (an RL
+    run, a cold start, a probe)."""
+
+    def __init__(self, run_dir: Path, ranks: Ranks, claimed: rundir.RunDirectory | None, what: str) -> None:
+        self.run_dir = run_dir
+        self.ranks = ranks
+        self.claimed = claimed
+        self.what = what
+        self.logger: Any = _Unstarted(run_dir if ranks.main else None)
+        self.records: list[dict[str, Any]] = []  # every record committed (a resumed run's earlier ones first)
+        _Deferral.joint = ranks.active
+
+    @classmethod
+    def claim(cls, run_dir: str | Path, cfg: DictConfig, hydra_cfg: Any, ranks: Ranks = Ranks(), what: str = "the run",
+              resume: bool = False) -> tuple["Life", dict[str, Any] | None]:
+        """Claim `run_dir` for this job (rank 0; every rank meets its refusal, in one line): the life, and with
+        `resume` the summary of the finished run the directory holds (None: none)."""
+        run_dir = Path(run_dir)
+        claimed, problem, finished = None, None, None
+        if ranks.main:
+            try:
+                claimed = rundir.claim(run_dir, cfg, hydra_cfg, resume=resume)
+                finished = rundir.finished_summary(run_dir) if resume else None
+            except ConfigError as error:
+                problem = str(error)
+        problem, finished = broadcast_object((problem, finished), ranks)  # every rank does what rank 0 found
+        if problem:
+            exit_once(f"moe-rl-lab: {problem}")
+        return cls(run_dir, ranks, claimed, what), finished
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """What builds the job: a refusal ends it in one line, a stop says it came before the first record; either
+        way the directory is released."""
+        try:
+            yield
+        except BaseException as error:
+            self.release()
+            if isinstance(error, ConfigError):
+                exit_once(f"moe-rl-lab: {error}")
+            if isinstance(error, Interrupted):
+                if self.ranks.main:
+                    print(f"moe-rl-lab: {self.what} was interrupted by {error.signal_name} before its first step",
+                          file=sys.stderr)
+                raise SystemExit(error.exit_code) from None
+            raise
+
+    def start_logging(self, cfg: DictConfig, name: str, tags: list[str], group: str | None = None,
+                      resume: bool = False) -> None:
+        """`metrics.jsonl` and W&B in the run directory (rank 0)."""
+        if self.ranks.main:
+            self.logger = RunLogger(self.run_dir, cfg, name, tags, group, resume=resume)
+
+    @contextmanager
+    def running(self, summary: Callable[[str], dict[str, Any]], total: int) -> Iterator[None]:
+        """The job's records: how it ends when it cannot go on (module docstring). `summary(status)` is the summary
+        of the job as it stands; `total` the records it was to commit."""
+        try:
+            yield
+        except Interrupted as stop:
+            try:
+                self.logger.finish(summary("interrupted"), exit_code=stop.exit_code)
+            except rundir.StorageError as error:
+                raise SystemExit(f"moe-rl-lab: interrupted by {stop.signal_name}, and {error}") from None
+            if self.ranks.main:
+                print(f"\nmoe-rl-lab: interrupted by {stop.signal_name} after {len(self.records)} of {total} steps; "
+                      f"{self.run_dir / rundir.METRICS_FILE} holds them and {self.run_dir / rundir.SUMMARY_FILE} says "
+                      "status 'interrupted'", file=sys.stderr)
+            raise SystemExit(stop.exit_code) from None
+        except Diverged as error:
+            step = len(self.records) + 1
+            self.end_early(summary("diverged"), "diverged", f"step {step}: {error}", f"{self.what} diverged in step "
+                           f"{step}: {error}")
+        except rundir.StorageError as error:
+            self.end_early(summary("failed"), "failed", str(error), str(error))
+        except ConfigError as error:  # a setting only the job's own start could refuse (a probe's later setting)
+            self.logger.abort()
+            exit_once(f"moe-rl-lab: {error}")
+        except BaseException:
+            self.logger.abort()
+            raise
+
+    def commit(self, record: dict[str, Any], then: Callable[[], None] | None = None) -> None:
+        """Log `record` and count it (`records`), then run `then` (a checkpoint), all before a stop can land; with
+        several ranks, stop together after it."""
+        with stop_deferred():
+            self.logger.log(record)
+            self.records.append(record)
+            if then is not None:
+                then()
+        stop_together(self.ranks)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """`summary.json`, W&B finished: the job ended as planned."""
+        try:
+            self.logger.finish(summary)
+        except rundir.StorageError as error:
+            raise SystemExit(f"moe-rl-lab: {error}") from None
+
+    def end_early(self, summary: dict[str, Any], status: str, why: str, line: str) -> NoReturn:
+        """End a job that cannot go on (every rank raises together): `summary.json` with `status` and, under that
+        key, `why`, W&B finished as failed, and `line` from rank 0, saying what the run directory holds (exit code
+        1)."""
+        summary[status] = why
+        try:
+            self.logger.finish(summary, exit_code=1)
+        except rundir.StorageError as storage:
+            raise SystemExit(f"moe-rl-lab: {line}; and {storage}") from None
+        exit_once(f"moe-rl-lab: {line}. {self.run_dir / rundir.METRICS_FILE} holds {len(self.records)} step(s), and "
+                  f"{self.run_dir / rundir.SUMMARY_FILE} says status '{status}'")
+
+    def on_rank0(self, work: Callable[[], Any]) -> Any:
+        """`launch.on_rank0`: work of rank 0 alone whose refusal every rank raises."""
+        return launch.on_rank0(work, self.ranks)
+
+    def release(self) -> None:
+        if self.claimed is not None:
+            self.claimed.release()
+            self.claimed = None
