@@ -306,8 +306,12 @@ def register_configs() -> None:
     from algos.routing_variants import ROUTING_VARIANTS
     from experiments.tasks import TASKS
 
+    from experiments.config_reference import help_text
+
     # `${project_root:}` in yaml: checkpoints and reports resolve against the project, not the working directory.
     OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
+    # `${lab_help:train}` in conf/hydra/help/lab.yaml: the entry point's --help, the groups a user picks.
+    OmegaConf.register_new_resolver("lab_help", help_text, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="sft_schema", node=SFTConfig)
