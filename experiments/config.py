@@ -288,6 +288,9 @@ def _schema_from(cls: type, name: str, extra: list[tuple[str, type, Any]]) -> ty
     fields = [("name", str, field(default=name))]
     fields += [(key, typ, field(default=default)) for key, typ, default in extra]
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only):  # the constructor's order
+        if f.default_factory is not dataclasses.MISSING:  # a mutable default (a task's dict of settings)
+            fields.append((f.name, hints[f.name], field(default_factory=f.default_factory)))
+            continue
         default = f.default if f.default is not dataclasses.MISSING else MISSING
         fields.append((f.name, hints[f.name], field(default=default)))
     return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
