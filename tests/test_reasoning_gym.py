@@ -17,7 +17,7 @@ from experiments.tasks.reasoning_gym import SEED_STRIDE
 from models.registry import ConfigError
 from tests.conftest import MICRO_MODEL, MICRO_RUN
 
-pytestmark = pytest.mark.skipif(
+needs_library = pytest.mark.skipif(
     importlib.util.find_spec("reasoning_gym") is None,
     reason="reasoning-gym is the optional extra [reasoning]: pip install -e '.[reasoning]'",
 )
@@ -36,6 +36,7 @@ def library_items(task: str, params: dict, seed: int, count: int) -> list[dict]:
     return [dataset[i] for i in range(count)]
 
 
+@needs_library
 def test_the_splits_are_the_librarys_items_seeded_and_disjoint():
     task = build_task("reasoning_gym", **CHAIN_SUM)
     train, test = task.examples("train"), task.examples("test")
@@ -52,6 +53,7 @@ def test_the_splits_are_the_librarys_items_seeded_and_disjoint():
     assert spaced.prompt == f"Q: {first['question']} A:"
 
 
+@needs_library
 def test_the_reward_is_the_librarys_score_answer():
     """chain_sum's score: numbers compared as numbers, else len(answer) / len(completion) when the completion holds
     the answer, else 0 (reasoning_gym.utils.compute_decimal_reward)."""
@@ -66,6 +68,7 @@ def test_the_reward_is_the_librarys_score_answer():
         task.reward("-28", Example("15 - 43 =", "-28", "-28"))
 
 
+@needs_library
 @pytest.mark.parametrize(
     "params, message",
     [({"task": "chain_summ"}, "reasoning_gym.task='chain_summ' is not a reasoning-gym dataset; one of: ab, acre, "),
@@ -84,6 +87,7 @@ def test_bad_settings_are_refused_in_one_line(params, message):
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
+@needs_library
 def test_a_task_left_unset_names_the_key_and_the_datasets():
     task = build_task("reasoning_gym")  # the yaml's default: composes, refused where its examples are asked for
     with pytest.raises(ConfigError, match=r"reasoning_gym.task is not set: name a reasoning-gym dataset \(dataset.task"):
@@ -101,6 +105,7 @@ def compose_train(*overrides: str):
         return compose("train", overrides=[*MICRO_RUN, *overrides])  # MICRO_RUN: 200 train and 20 test problems
 
 
+@needs_library
 @pytest.mark.parametrize(
     "overrides, message",
     [(["dataset=reasoning_gym", "dataset.task=chain_summ"], "reasoning_gym.task='chain_summ' is not a reasoning-gym"),
@@ -118,6 +123,7 @@ def test_a_run_refuses_a_task_it_cannot_train_before_any_work(tmp_path, override
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
+@needs_library
 @pytest.mark.slow
 def test_a_reasoning_gym_task_trains_end_to_end_from_a_cold_start(tmp_path):
     from experiments.sft import cold_start
