@@ -383,7 +383,7 @@ def help_text(entry: str) -> str:
     """`python -m experiments.<entry> --help`: what the entry point does, the groups a user picks with their choices
     (the default first), and where every key is explained. No `$`: Hydra substitutes the template's `$NAMES`."""
     command = f"python -m experiments.{entry}"
-    lines = [*textwrap.wrap(yaml_description(CONF / f"{entry}.yaml"), HELP_WIDTH), "",
+    lines = [*textwrap.wrap(yaml_description(CONF / f"{entry}.yaml"), HELP_WIDTH, break_on_hyphens=False), "",
              f"Usage: {command} [group=choice ...] [key=value ...]",
              f"       {command} -m [group=a,b ...] [key=a,b ...]      (a sweep: one run per combination)",
              "", "Groups (group=choice; the default first):"]
@@ -395,7 +395,8 @@ def help_text(entry: str) -> str:
         else:
             first = [default] if default is not None else ["(none)"]
             shown = " ".join(first + [name for name in names if name != default])
-        lines += textwrap.wrap(shown, HELP_WIDTH, initial_indent=f"  {group:<16} ", subsequent_indent=" " * 19)
+        lines += textwrap.wrap(shown, HELP_WIDTH, initial_indent=f"  {group:<16} ", subsequent_indent=" " * 19,
+                               break_on_hyphens=False)
     lines += ["",
               "Every key, its type, default and meaning: docs/configuration.md (written by "
               f"`{COMMAND}`).",
