@@ -67,7 +67,7 @@ class ComparisonConfig:
     # The arms whose comparison with the baseline on the primary summary, in every cell of the sweep, forms the family
     # Holm's correction runs over; empty: every arm the sweep ran.
     family: list[str] = field(default_factory=list)
-    early_stopped: EarlyStopped = EarlyStopped.exclude
+    early_stopped: EarlyStopped = EarlyStopped.exclude  # how a run that ended itself early counts: exclude or failed
 
 
 @dataclass
