@@ -23,10 +23,10 @@ needs_library = pytest.mark.skipif(
 )
 
 CHAIN_SUM = {"task": "chain_sum", "params": {"max_terms": 2, "max_digits": 2}, "train_size": 300, "test_size": 50}
-# One-digit operands, two terms: answers of at most 3 characters ("-81"), prompts of about 25 ("Calculate 5 - 3.").
-# Hydra adds a key to a dict with `+`.
+# One-digit operands, two terms, no parentheses: answers of at most 3 characters ("-81"), prompts of at most 27
+# ("Calculate -5 * -9.\nAnswer: "), within the micro model's 64 positions. Hydra adds a key to a dict with `+`.
 SMALL_ARITHMETIC = ["dataset=reasoning_gym", "dataset.task=basic_arithmetic", "+dataset.params.max_terms=2",
-                    "+dataset.params.max_digits=1"]
+                    "+dataset.params.max_digits=1", "+dataset.params.allow_parentheses=false"]
 
 
 def library_items(task: str, params: dict, seed: int, count: int) -> list[dict]:
@@ -142,7 +142,7 @@ def test_a_reasoning_gym_task_trains_end_to_end_from_a_cold_start(tmp_path):
     losses = [json.loads(line)[SFT_LOSS] for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0]
     recorded = json.loads((tmp_path / "ckpt" / "cold_start.json").read_text())["dataset"]
-    assert (recorded["task"], recorded["params"]) == ("basic_arithmetic", {"max_terms": 2, "max_digits": 1})
+    assert recorded["task"] == "basic_arithmetic" and recorded["params"]["max_digits"] == 1
 
     summary = train(compose_train(*SMALL_ARITHMETIC, f"model.path={tmp_path / 'ckpt'}", "trainer.steps=2",
                                   "trainer.eval_every=1"), tmp_path / "rl")

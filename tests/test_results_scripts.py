@@ -57,7 +57,7 @@ def test_a_start_without_a_recipe_is_refused_before_any_is_made(tmp_path):
     done = subprocess.run(["bash", str(script), "glm4_moe_l16-addition-tied", "qwen30b_l16-addition-flat"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 2 and not log.exists()  # the known name before the unknown one is not made either
-    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the ten "
+    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the eleven "
                                    f"listed in {script})")
 
 
@@ -82,17 +82,16 @@ def test_k_starts_of_a_recipe_draw_its_seeds_and_start_0_is_the_documented_one(t
 
 
 def test_the_reasoning_gym_result_makes_the_cold_start_its_experiment_starts_from(tmp_path):
-    """docs/results/reasoning_gym/command.sh repeats the experiment's dataset settings for the cold start (a cold start
-    takes no experiment): the two must compose to the same task, and the cold start must land where the runs look."""
+    """The cold-start recipe repeats the experiment's dataset settings (a cold start takes no experiment): the two must
+    compose to the same task, and the start must land where the experiment's runs look for it."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from experiments.config import register_configs
 
     env, log = recording_python(tmp_path)
-    script = tmp_path / "project" / "docs" / "results" / "reasoning_gym" / "command.sh"  # a project without starts
-    script.parent.mkdir(parents=True)
-    script.write_text((PROJECT_ROOT / "docs" / "results" / "reasoning_gym" / "command.sh").read_text())
+    env["COLD_STARTS"] = str(tmp_path / "starts")  # a folder without starts: both are made
+    script = PROJECT_ROOT / "docs" / "results" / "reasoning_gym" / "command.sh"
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     calls = [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
@@ -106,4 +105,6 @@ def test_the_reasoning_gym_result_makes_the_cold_start_its_experiment_starts_fro
     assert [cfg.dataset.name for cfg in cold_starts] == ["reasoning_gym", "addition"]
     made = cold_starts[0]
     assert OmegaConf.to_container(made.dataset) == OmegaConf.to_container(experiment.dataset)
-    assert experiment.model.path == str(PROJECT_ROOT / made.sft.output_dir)
+    name = "tiny_moe-reasoning_gym-basic_arithmetic"
+    assert made.sft.output_dir == f"{tmp_path}/starts/{name}"
+    assert experiment.model.path == str(PROJECT_ROOT / "checkpoints" / "cold_start" / name)
