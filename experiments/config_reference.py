@@ -55,8 +55,8 @@ ENTRY_POINTS = {"train": TrainConfig, "sft": SFTConfig, "probe": ProbeConfig}
 # The groups whose choices are registered parts: each choice's keys are its schema's (`schema/<group>/<choice>`).
 PART_GROUPS = {"algo": OBJECTIVES, "correction": CORRECTIONS, "routing_variant": ROUTING_VARIANTS,
                "routers": ROUTER_SWITCHES, "dataset": TASKS}
-# Words after which a period does not end the sentence that describes a choice.
 HELP_WIDTH = 100  # columns of the --help text
+# Words after which a period does not end the sentence that describes a choice.
 ABBREVIATIONS = {"Dr", "Drs", "eq", "eqs", "Eq", "Eqs", "Fig", "Figs", "al", "vs", "cf", "e.g", "i.e", "approx"}
 
 
