@@ -22,7 +22,7 @@ class DrGRPO(Objective):
     advantage_std: ClassVar[bool] = False  # advantage = reward − group mean
 
     clip_low: float = 0.2  # ε, symmetric (the paper's setting)
-    clip_high: float = 0.2
+    clip_high: float = 0.2  # the same ε above 1: the clip is symmetric
     loss_agg: LossAgg = LossAgg["seq-mean-token-sum-norm"]  # token sum over the constant B · T_norm
     norm_tokens: int | None = None  # T_norm, the generation budget; None: the batch's padded length T
 

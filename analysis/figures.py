@@ -338,6 +338,7 @@ def _heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, out_dir: Path, name:
         if k % ncols == 0:
             ax.set_ylabel("layer (0 = first)")
         ax.grid(False)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # a layer is a whole number: no tick at 2.5
         if len(layers) <= 12:
             ax.set_yticks(layers)
     fig.colorbar(mesh, ax=grid.ravel().tolist(), label=DRIFT_LABEL, shrink=0.9)

@@ -67,13 +67,15 @@ class ComparisonConfig:
     # The arms whose comparison with the baseline on the primary summary, in every cell of the sweep, forms the family
     # Holm's correction runs over; empty: every arm the sweep ran.
     family: list[str] = field(default_factory=list)
-    early_stopped: EarlyStopped = EarlyStopped.exclude
+    early_stopped: EarlyStopped = EarlyStopped.exclude  # how a run that ended itself early counts: exclude or failed
 
 
 @dataclass
 class RoutingConfig:
     """Routing Replay, orthogonal to the objective, and routing measurements."""
 
+    # Routing Replay: none, r2 (θ_old's experts, recorded by the trainer's π_old pass) or r3 (the rollout engine's,
+    # recorded while it sampled), in every update forward of the step.
     replay: Replay = Replay.none
     metrics: bool = True  # drift of the current routing against θ_old's, per minibatch (no extra forward)
     margin_threshold: float = 0.05  # a token whose k-th and (k+1)-th expert probabilities differ by less is fragile
@@ -128,16 +130,18 @@ class TrainerConfig:
     # which r2 needs to record θ_old's routing), or auto (bypass when the engine is the trainer and nothing needs
     # the recompute). Either way the first minibatch is on-policy when the engine is the trainer's own model.
     pi_old: PiOld = PiOld.auto
+    # How the rollout batch splits into minibatches: groups (whole groups, each fed as one packed sequence), rows
+    # (completions shuffled across groups, TRL's layout), or auto (groups when the prompts divide into the minibatches).
     minibatch_layout: Layout = Layout.auto
     lr: float = 3e-4  # AdamW learning rate (peak, after warm-up)
     # The routers' learning rate as a multiple of `lr`: a knob that moves routing faster than every other weight
     # (drift per update grows with it), for studying what routing changes alone do to the ratios.
     router_lr_scale: float = 1.0
-    lr_schedule: LRSchedule = LRSchedule.constant
+    lr_schedule: LRSchedule = LRSchedule.constant  # after the warm-up; linear / cosine decay reach 0 at the last update
     warmup_steps: int = 0  # linear warm-up, in optimizer updates
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW's decay of the gradient's running mean
+    adam_beta2: float = 0.999  # AdamW's decay of the squared gradient's running mean
     grad_clip: float = 1.0  # max global gradient norm
     max_consecutive_skips: int = 3  # updates in a row with a non-finite loss or gradient before the run stops
     # RL steps between held-out evaluations (0: only at the end). Every 5 steps the curve has enough points for its
@@ -163,24 +167,28 @@ class LaunchConfig:
     `torchrun --standalone --nproc_per_node=N` (one rank per GPU of its node), as every job of `cluster=slurm` does;
     1: this process is the only rank (or torchrun already started it)."""
 
-    nproc_per_node: int = 1
+    nproc_per_node: int = 1  # ranks of the job on its node (one per GPU); 1: this process is the only rank
 
 
 @dataclass
 class WandbConfig:
-    mode: WandbMode = WandbMode.offline
+    """Weights & Biases, beside the run's metrics.jsonl (the record analysis/ reads)."""
+
+    mode: WandbMode = WandbMode.offline  # offline: run files next to metrics.jsonl (`wandb sync` uploads them later)
     # Seconds W&B's start-up may wait for its server (online) before the run goes on without it, saying so in its
     # summary; W&B's own default, 90, was spent in silence by every job on a machine without a network.
     init_timeout: float = 30.0
-    project: str = "moe-rl-lab"
+    project: str = "moe-rl-lab"  # the W&B project the run is filed under
     entity: str | None = None  # W&B user or team; null: the key's default
     group: str | None = None  # null: the sweep directory's name for multiruns
-    job_type: str = "train"
+    job_type: str = "train"  # W&B's job type: train, sft or probe
     tags: list[str] = field(default_factory=list)  # added to the run's algo / replay / routing_variant / model tags
 
 
 @dataclass
 class LoggerConfig:
+    """Where a run's records go besides its metrics.jsonl."""
+
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -218,11 +226,11 @@ class SFTSettings:
     max_steps: int = 600  # the budget that decides the checkpoint: the same on a loaded or an idle machine
     # Safety stop only: a cold start it cuts short is not the documented checkpoint, and its summary says so.
     max_seconds: float = 3600.0
-    batch_size: int = 128
+    batch_size: int = 128  # demonstrations per SFT step
     lr: float = 1e-3  # AdamW, peak (after the warm-up)
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps: deep narrow models diverge without one at lr 1e-3
     lr_schedule: LRSchedule = LRSchedule.constant  # after the warm-up; linear / cosine decay reach 0 at max_steps
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     target_accuracy: float = 0.45  # stop once greedy held-out accuracy reaches this (RL needs reward variance)
     # Pretraining before the task's SFT: next-token training on every token (prompt, answer, eos) of examples drawn
     # evenly from a mixture of the lab's tasks in their formats, so that experts specialise by token kind as those of
@@ -233,7 +241,7 @@ class SFTSettings:
     # scratchpad by default: its 33-token prompts pad every mixed batch to them, ~5x a step's cost on one thread.
     pretrain_tasks: list[str] = field(default_factory=lambda: ["addition", "sorting"])
     eval_every: int = 20  # SFT steps between held-out evaluations
-    eval_prompts: int = 256
+    eval_prompts: int = 256  # held-out prompts of each evaluation (greedy accuracy)
     output_dir: str = MISSING  # where save_pretrained writes the checkpoint and tokenizer
     # torch CPU threads. Pinned, not following the free cores as RL runs do: reductions split over another number of
     # threads round differently, and over hundreds of steps that is another checkpoint. null: the free cores.
@@ -243,14 +251,14 @@ class SFTSettings:
 @dataclass
 class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    dataset: Any = MISSING
+    dataset: Any = MISSING  # the task whose demonstrations the cold start learns (`schema/dataset/<name>`)
     sft: SFTSettings = field(default_factory=SFTSettings)
     # The family's own balancing while the cold start trains (`routers=[aux_loss]`, `routers=[bias_update]`): the
     # router switches that serve a cold start (`algos.routers`); none by default.
     routers: dict[str, Any] = field(default_factory=dict)
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(WandbConfig(job_type="sft")))
-    seed: int = 0
-    device: str = "cpu"
+    seed: int = 0  # the batches' order and every other random choice (not the built model's weights: model.init_seed)
+    device: str = "cpu"  # cpu, cuda, cuda:1, ...
     # The CPU kernels (models.cpu_kernels): portable, so that a cold start is the same checkpoint on every x86-64 CPU
     # with AVX2 (its summary records the kernels and the weights' sha256); native: this machine's own, faster.
     cpu_kernels: CpuKernels = CpuKernels.portable
@@ -280,6 +288,9 @@ def _schema_from(cls: type, name: str, extra: list[tuple[str, type, Any]]) -> ty
     fields = [("name", str, field(default=name))]
     fields += [(key, typ, field(default=default)) for key, typ, default in extra]
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only):  # the constructor's order
+        if f.default_factory is not dataclasses.MISSING:  # a mutable default (a task's dict of settings)
+            fields.append((f.name, hints[f.name], field(default_factory=f.default_factory)))
+            continue
         default = f.default if f.default is not dataclasses.MISSING else MISSING
         fields.append((f.name, hints[f.name], field(default=default)))
     return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
@@ -298,8 +309,12 @@ def register_configs() -> None:
     from algos.routing_variants import ROUTING_VARIANTS
     from experiments.tasks import TASKS
 
+    from experiments.config_reference import help_text
+
     # `${project_root:}` in yaml: checkpoints and reports resolve against the project, not the working directory.
     OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
+    # `${lab_help:train}` in conf/hydra/help/lab.yaml: the entry point's --help, the groups a user picks.
+    OmegaConf.register_new_resolver("lab_help", help_text, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="sft_schema", node=SFTConfig)

@@ -192,7 +192,7 @@ def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:
             "cold_start": cold_start_record(cfg.model.path),
             "kernels": cpu_kernels.describe(cfg.cpu_kernels),
             "versions": provenance.versions(),
-            "dataset": dict(cfg.dataset),
+            "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),  # nested settings too (a dict of them)
             "answer_tokens": answer_tokens,  # the task's designed answer length, eos included: the length axis
             "algo": cfg.algo.name,
             "policy": policy,

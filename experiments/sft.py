@@ -48,7 +48,9 @@ from experiments.run.life import Life, stop_signals
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
-from experiments.step.checks import check_device, check_logger, check_training_dtype, longest_tokens, unknown_keys
+from experiments.step.checks import (
+    check_device, check_logger, check_training_dtype, check_vocabulary, longest_tokens, unknown_keys,
+)
 from experiments.step.engines import HFEngine
 from experiments.step.optimizer import lr_lambda
 from experiments.step.scoring import margin_stats, position_ids, router_fragility
@@ -217,6 +219,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
             model, tokenizer = build_policy(model_cfg)
             dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
             task = build_task(dataset.pop("name"), **dataset)
+            check_vocabulary(tokenizer, task, task.examples("train") + task.examples("test"))
             if s.eval_prompts > len(task.examples("test")):
                 raise ConfigError(f"sft.eval_prompts={s.eval_prompts} is more than the {len(task.examples('test'))} "
                                   f"held-out examples of dataset {task.name!r}")
@@ -254,7 +257,7 @@ def train_cold_start(life: Life, cfg: DictConfig, model: PreTrainedModel, tokeni
         return {
             "status": status,
             "run": name,
-            "dataset": dict(cfg.dataset),
+            "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),  # nested settings too (a dict of them)
             "steps": step,
             "pretrain_steps": min(step, s.pretrain_steps),
             "routers": [switch.name for switch in switches],

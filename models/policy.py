@@ -75,27 +75,29 @@ class ModelConfig:
 
     name: str = "tiny_moe"  # the label of runs and checkpoints
     path: str | None = None  # local HF checkpoint directory; null builds `architecture` below in code
+    # What `path: null` builds: qwen3_moe (softmax routing), the sigmoid family deepseek_v3 or glm4_moe, the dense
+    # control qwen3; from_checkpoint (`model=checkpoint`): the checkpoint at `path` decides.
     architecture: Architecture = Architecture.qwen3_moe
-    hidden_size: int = 256
+    hidden_size: int = 256  # width of the residual stream
     num_hidden_layers: int = 4  # every layer is an MoE layer in the MoE models built here
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 64
+    num_attention_heads: int = 4  # query heads
+    num_key_value_heads: int = 2  # key/value heads, each shared by num_attention_heads / num_key_value_heads queries
+    head_dim: int = 64  # width of each attention head
     intermediate_size: int = 512  # MLP width of the dense control (qwen3)
-    num_experts: int = 16
+    num_experts: int = 16  # routed experts per MoE layer
     num_experts_per_tok: int = 2  # top-k
     moe_intermediate_size: int = 128  # expert width
     norm_topk_prob: bool = True  # renormalise the top-k gate weights, as Qwen3-30B-A3B and DeepSeek-V3
     # The sigmoid family (architecture deepseek_v3 or glm4_moe) only: group-limited routing, shared experts, the
     # gates' scale; and deepseek_v3's multi-head latent attention, whose query and key heads are head_dim wide.
     n_group: int = 1  # expert groups (1: none); each token's top-k is taken within its best `topk_group` groups
-    topk_group: int = 1
+    topk_group: int = 1  # the best groups, of n_group, that a token's top-k is taken within
     n_shared_experts: int = 1  # experts every token also passes through, each moe_intermediate_size wide
     routed_scaling_factor: float = 2.5  # the routed experts' gates are multiplied by this (DeepSeek-V3, GLM-4.5)
     kv_lora_rank: int = 32  # deepseek_v3: width of the compressed keys and values
     q_lora_rank: int | None = None  # deepseek_v3: width of the compressed queries; null: queries not compressed
     qk_rope_head_dim: int = 16  # deepseek_v3: rotary part of each query and key head (the rest carries no position)
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = 256  # the longest sequence (prompt and completion) the positions are made for
     router_init_std: float = 0.3  # std of the router weights at init: decisive routing from step 0
     # Scale the init std of every residual branch's output projection (attention's o_proj, the experts', the shared
     # experts' and the dense MLP's down_proj) by 1/sqrt(2 x layers), as GPT-2 (Radford et al. 2019, §2.3): the
@@ -105,7 +107,7 @@ class ModelConfig:
     init_seed: int = 0  # weights of a model built in code depend on this seed only, not on the run's seed
     experts_implementation: ExpertsImplementation = ExpertsImplementation.sorted_mm  # grouped_mm's arithmetic, cheaper on CPU
     moe_backend: MoEBackend = MoEBackend.hf  # hf | torch_dmoe | megablocks (models.moe_backend)
-    dtype: DType = DType.float32
+    dtype: DType = DType.float32  # the weights: float32 or bfloat16 (training refuses float16: AdamW underflows in it)
     # Any attention transformers knows, or ours: grouped_eager (`models.grouped_attention`: eager without per-head
     # KV copies; beats sdpa at 6-22 tokens on CPU, and it follows the packed groups of `experiments.step.scoring`).
     attn_implementation: str = grouped_attention.NAME

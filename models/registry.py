@@ -112,9 +112,10 @@ class Registry(Generic[T]):
 def check_fields(part: object, label: str) -> None:
     """Refuse a parameter of the wrong type, naming `label.field`; convert where the value is unambiguous.
 
-    Fields are `float`, `int`, `str`, `bool`, a `StrEnum` of allowed values, or `X | None`. An int is accepted (and
-    stored) for a float, a bool never for an int, a float must be finite, a string for an enum must be one of its
-    values (and is stored as the member).
+    Fields are `float`, `int`, `str`, `bool`, a `StrEnum` of allowed values, a `dict[...]` or `list[...]` (its
+    container type checked, its items left to the part), or `X | None`. An int is accepted (and stored) for a float,
+    a bool never for an int, a float must be finite, a string for an enum must be one of its values (and is stored
+    as the member).
     """
     hints = typing.get_type_hints(type(part))
     for f in dataclasses.fields(part):
@@ -125,6 +126,7 @@ def check_fields(part: object, label: str) -> None:
                 raise ConfigError(f"{label}.{f.name} must not be None")
             continue
         kind = next(option for option in options if option is not type(None))
+        kind = typing.get_origin(kind) or kind  # dict[str, Any] -> dict
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
             if not isinstance(value, kind):
                 allowed = [member.value for member in kind]

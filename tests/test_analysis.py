@@ -342,6 +342,21 @@ def test_missing_routing_metrics_leave_panels_out_with_a_note(tmp_path):
     assert math.isnan(table.loc[0, "expert_change_per_update_mean"])
 
 
+@pytest.mark.parametrize("layers", [4, 16, 48])
+def test_the_drift_heat_maps_put_layer_ticks_on_whole_layers(tmp_path, monkeypatch, layers):
+    """At some panel heights matplotlib's own ticks fell between layers (0.0, 2.5, 5.0, ...): at none may they."""
+    drawn = []
+    monkeypatch.setattr(figures, "_save", lambda fig, *args, **kwargs: drawn.append(fig) or [])
+    table = pd.DataFrame(np.full((layers, 3), 0.1), index=range(layers), columns=[0, 1, 2])
+    figures._heatmaps({"grpo": table}, "updates", tmp_path, "heat", 60, False, integer_x=True)
+    fig, ax = drawn[0], drawn[0].axes[0]
+    low, high = ax.get_ylim()
+    for height in np.linspace(1.0, 8.0, 29):  # inches: from a crowded grid of panels to one tall panel
+        fig.set_size_inches(fig.get_size_inches()[0], height)
+        ticks = [t for t in ax.yaxis.get_major_locator()() if low <= t <= high]
+        assert len(ticks) >= 2 and all(t == int(t) for t in ticks), (height, ticks)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # W&B
 # ---------------------------------------------------------------------------------------------------------------

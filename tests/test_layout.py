@@ -24,7 +24,8 @@ def room(module: str) -> str | None:
         return parts[0] if parts[0] in PACKAGES else None
     if len(parts) == 1:
         return "doors"
-    return {"tasks": "tasks", "step": "step", "run": "run", "config": "config"}.get(parts[1], "doors")
+    rooms = {"tasks": "tasks", "step": "step", "run": "run", "config": "config", "config_reference": "config"}
+    return rooms.get(parts[1], "doors")
 
 
 def imported(path: Path) -> list[tuple[int, str]]:

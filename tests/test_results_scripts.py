@@ -1,6 +1,7 @@
 """docs/results/experiment.sh hands its arguments to the right commands: SFT overrides to the cold start, the ones
 after `--` to the runs (other seeds), and a report of other seeds never overwrites the committed result;
-docs/results/router_starts.sh refuses a start it has no recipe for before making any."""
+docs/results/router_starts.sh refuses a start it has no recipe for before making any; docs/results/reasoning_gym/
+command.sh makes the cold start its experiment starts from."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_a_start_without_a_recipe_is_refused_before_any_is_made(tmp_path):
     done = subprocess.run(["bash", str(script), "glm4_moe_l16-addition-tied", "qwen30b_l16-addition-flat"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 2 and not log.exists()  # the known name before the unknown one is not made either
-    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the ten "
+    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the eleven "
                                    f"listed in {script})")
 
 
@@ -78,3 +79,32 @@ def test_k_starts_of_a_recipe_draw_its_seeds_and_start_0_is_the_documented_one(t
         refused = subprocess.run(["bash", str(script), "--starts", bad, "tiny_moe-addition"], env=env,
                                  capture_output=True, text=True)
         assert refused.returncode == 2 and f"--starts '{bad}' must be a whole number >= 1" in refused.stderr
+
+
+def test_the_reasoning_gym_result_makes_the_cold_start_its_experiment_starts_from(tmp_path):
+    """The cold-start recipe repeats the experiment's dataset settings (a cold start takes no experiment): the two must
+    compose to the same task, and the start must land where the experiment's runs look for it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from experiments.config import register_configs
+
+    env, log = recording_python(tmp_path)
+    env["COLD_STARTS"] = str(tmp_path / "starts")  # a folder without starts: both are made
+    script = PROJECT_ROOT / "docs" / "results" / "reasoning_gym" / "command.sh"
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    calls = [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
+    runs = [call for call in calls if call[:2] == ["-m", "experiments.train"]]
+    assert [run[3] for run in runs] == ["experiment=reasoning_gym", "experiment=addition_cell"]
+    assert calls[-1][:2] == ["-m", "analysis.report"] and calls[-1][-2:] == ["--out", "docs/results/reasoning_gym"]
+    register_configs()
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        experiment = compose("train", overrides=["experiment=reasoning_gym"])
+        cold_starts = [compose("sft", overrides=call[2:]) for call in calls if call[:2] == ["-m", "experiments.sft"]]
+    assert [cfg.dataset.name for cfg in cold_starts] == ["reasoning_gym", "addition"]
+    made = cold_starts[0]
+    assert OmegaConf.to_container(made.dataset) == OmegaConf.to_container(experiment.dataset)
+    name = "tiny_moe-reasoning_gym-basic_arithmetic"
+    assert made.sft.output_dir == f"{tmp_path}/starts/{name}"
+    assert experiment.model.path == str(PROJECT_ROOT / "checkpoints" / "cold_start" / name)

@@ -295,7 +295,7 @@ def test_registry_has_the_tasks() -> None:
 
 
 def test_build_task_unknown_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'additon'; valid names: addition, gsm8k, scratchpad, sorting"):
+    with pytest.raises(ValueError, match=r"unknown task 'additon'; valid names: addition, gsm8k, reasoning_gym, scratchpad, sorting"):
         build_task("additon")
 
 
@@ -342,7 +342,9 @@ def test_dataset_yaml_only_selects_the_dataclass_whose_defaults_compose(path: Pa
         config = OmegaConf.to_container(compose("train", overrides=[f"dataset={path.stem}"]).dataset)
     assert config.pop("name") == path.stem
     cls = TASKS[path.stem]
-    assert config == {field.name: field.default for field in dataclasses.fields(cls)}
+    defaults = {field.name: field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+                for field in dataclasses.fields(cls)}
+    assert config == defaults
     assert build_task(path.stem, **config) == cls()
 
 

@@ -12,7 +12,9 @@
 #   glm4_moe_l16-addition-balanced-target, the balanced sigmoid start with the SFT budget raised from 600 to 1,200
 #     steps, so that it can reach the 45% target that 600 did not (29.7% on the machine of real_routers' results);
 #   the claims' starts: qwen30b_l16-scratchpad (deep_long_seeds and the confounds), qwen30b_l16_e16-scratchpad
-#     (few_experts), tiny_moe-addition (the quickstart, flip_dose_seeds, router_noise_dose).
+#     (few_experts), tiny_moe-addition (the quickstart, flip_dose_seeds, router_noise_dose, addition_cell);
+#   tiny_moe-reasoning_gym-basic_arithmetic, a reasoning-gym task's (experiment=reasoning_gym; its dataset settings
+#     are the experiment's, and its budget 1,000 steps).
 # One thread each, 3-15 CPU-minutes a start. An unknown name or a bad K is refused before any start is made.
 #   docs/results/router_starts.sh                                            # the rung's six, start 0 each
 #   docs/results/router_starts.sh qwen30b_l16-addition-balanced              # only the named ones
@@ -34,7 +36,11 @@ recipe() {  # the SFT overrides of recipe $1
     qwen30b_l16-scratchpad) echo "model=qwen30b_l16 dataset=scratchpad sft.batch_size=32" ;;
     qwen30b_l16_e16-scratchpad) echo "model=qwen30b_l16_e16 dataset=scratchpad sft.batch_size=32" ;;
     tiny_moe-addition) echo "model=tiny_moe" ;;
-    *) echo "error: no cold-start recipe named '$1' (allowed: the ten listed in $0)" >&2; return 2 ;;
+    tiny_moe-reasoning_gym-basic_arithmetic)
+      echo "model=tiny_moe dataset=reasoning_gym dataset.task=basic_arithmetic +dataset.params.max_terms=2" \
+        "+dataset.params.max_digits=2 +dataset.params.operators=[+,-] +dataset.params.allow_parentheses=false" \
+        "+dataset.params.allow_negation=false sft.max_steps=1000" ;;
+    *) echo "error: no cold-start recipe named '$1' (allowed: the eleven listed in $0)" >&2; return 2 ;;
   esac
 }
 start_dir() {  # where start $2 of recipe $1 lives

@@ -294,7 +294,9 @@ def check_task(cfg: DictConfig, model_cfg: ModelConfig) -> tuple[Task, list[Exam
             f"trainer.eval_prompts={t.eval_prompts} is more than the {len(test_examples)} held-out examples of "
             f"dataset {task.name!r}"
         )
-    answers = longest_tokens(tokenizer_of(model_cfg), [example.answer for example in train_examples + test_examples])
+    tokenizer = tokenizer_of(model_cfg)
+    check_vocabulary(tokenizer, task, train_examples + test_examples)
+    answers = longest_tokens(tokenizer, [example.answer for example in train_examples + test_examples])
     if t.max_new_tokens < answers + 1:
         raise ConfigError(
             f"trainer.max_new_tokens={t.max_new_tokens} cannot hold the answers of dataset {task.name!r}: up to "
@@ -340,6 +342,20 @@ def tokenizer_of(model_cfg: ModelConfig):
     if model_cfg.path is None:
         return build_char_tokenizer()
     return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+
+
+def check_vocabulary(tokenizer, task: Task, examples: list[Example]) -> None:
+    """Refuse a task whose text holds characters the tokenizer turns into its unknown token (the character tokenizer
+    knows a fixed alphabet, `models.tokenizer.ALPHABET`): a prompt the model cannot read, an answer it cannot write."""
+    if tokenizer.unk_token_id is None:
+        return
+    characters = sorted(set().union(*(example.prompt + example.demonstration for example in examples)))
+    ids = tokenizer(characters, add_special_tokens=False)["input_ids"]
+    unknown = "".join(char for char, char_ids in zip(characters, ids) if tokenizer.unk_token_id in char_ids)
+    if unknown:
+        raise ConfigError(f"dataset {task.name!r} writes characters the model's tokenizer does not know: {unknown!r} "
+                          f"(it reads them as {tokenizer.unk_token}); choose a task or settings whose text it knows, "
+                          "or a checkpoint with its own tokenizer (model=checkpoint model.path=...)")
 
 
 def longest_tokens(tokenizer, texts: list[str]) -> int:

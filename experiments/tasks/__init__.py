@@ -7,6 +7,6 @@ loop, SFT and evaluation get one. The Hydra `dataset` group (`conf/dataset/<name
 from experiments.tasks.base import TASKS, Example, Task, build_task
 
 # Imported for their registration side effect.
-from experiments.tasks import addition, gsm8k, scratchpad, sorting  # noqa: E402,F401  isort: skip
+from experiments.tasks import addition, gsm8k, reasoning_gym, scratchpad, sorting  # noqa: E402,F401  isort: skip
 
 __all__ = ["Example", "Task", "TASKS", "build_task"]

@@ -18,6 +18,7 @@ partial-credit reward.
 """
 
 import random
+import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -73,6 +74,14 @@ def build_task(name: str, **params: object) -> Task:
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {list(SPLITS)}")
+
+
+def check_question_template(template: str, key: str) -> None:
+    """Refuse a prompt template (the setting `key`) that is not `{question}` in literal text."""
+    fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    if fields != {"question"}:
+        raise ConfigError(f"{key}={template!r} must contain the field {{question}} and no other fields (found "
+                          f"{sorted(fields)}); write literal braces as {{{{ and }}}}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,11 +7,10 @@ are skipped. The reward compares final numbers only, the way GSM8K is usually sc
 
 import json
 import re
-import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.tasks.base import TASKS, Example, Task, check_split
+from experiments.tasks.base import TASKS, Example, Task, check_question_template, check_split
 from models.registry import ConfigError
 
 FINAL_ANSWER_MARK = "####"
@@ -73,12 +72,7 @@ class GSM8KTask(Task):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        fields = {name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None}
-        if fields != {"question"}:
-            raise ConfigError(
-                f"gsm8k.prompt_template={self.prompt_template!r} must contain the field {{question}} and no other "
-                f"fields (found {sorted(fields)}); write literal braces as {{{{ and }}}}"
-            )
+        check_question_template(self.prompt_template, "gsm8k.prompt_template")
         if self.max_examples is not None and self.max_examples < 1:
             raise ConfigError(f"gsm8k.max_examples={self.max_examples} must be >= 1 or null (all examples)")
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Regenerates docs/results/reasoning_gym: a reasoning-gym task beside addition in one RL cell (issue 47). The two
+# cold starts (docs/results/router_starts.sh makes each one missing: basic_arithmetic with two terms of up to two
+# digits and + or -, the dataset settings of conf/experiment/reasoning_gym.yaml, with a budget of 1,000 steps: one of
+# 287 s stopped at 117 steps and 3.9% held-out greedy, where addition's tiny_moe start also stood below 10% until ~200
+# steps); then experiment=reasoning_gym and experiment=addition_cell (GRPO, GRPO + R2, GSPO on seeds 0-2, tiny_moe,
+# lr 1e-4, N = 4, 40 steps: 18 runs, two side by side on one thread each); then one report of both sweeps.
+# Needs the extra: pip install -c constraints.txt -e '.[reasoning]'.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+docs/results/router_starts.sh tiny_moe-reasoning_gym-basic_arithmetic tiny_moe-addition
+out=multirun/reasoning_gym/$(date +%Y-%m-%d_%H-%M-%S)
+python -m experiments.train -m experiment=reasoning_gym hydra.sweep.dir=$out/reasoning_gym
+python -m experiments.train -m experiment=addition_cell hydra.sweep.dir=$out/addition
+python -m analysis.report $out/reasoning_gym $out/addition --out docs/results/reasoning_gym
