@@ -26,7 +26,7 @@ case $mode in
       sweep "map_glm4_moe_l16_n$n" $n "$@"
       python -m analysis.report "multirun/staleness/map_glm4_moe_l16_n$n" --out "docs/results/staleness/map/glm4_moe_l16_n$n"
     done
-    sweep map_qwen30b_l16_n8 8 model=qwen30b_l16 "model.path=$PWD/$($starts --path 0 $softmax)" "$@"
+    sweep map_qwen30b_l16_n8 8 hydra.sweeper.params.model=qwen30b_l16 "model.path=$PWD/$($starts --path 0 $softmax)" "$@"
     python -m analysis.report multirun/staleness/map_qwen30b_l16_n8 --out docs/results/staleness/map/qwen30b_l16_n8
     ;;
   cells)
