@@ -88,10 +88,16 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
              "whole sequences; models.statistics.median_interval). Within 2x of its family's anchor when the whole "
              "interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided. Best expert's "
              "lead: (s[0] − s[1]) / (s[0] − s[2k−1]), the share of the margin's denominator the best expert's lead "
-             "takes (median): near 1, every gap below it is a small fraction of the spread.", "",
+             "takes (median): near 1, every gap below it is a small fraction of the spread. Gate mass, best / last: "
+             "the share of a token's gate weights (renormalised over its chosen experts) on its best and on its last "
+             "chosen expert (medians): what an expert change at the cut can move of what the token computes. A best "
+             "share near 1 and a last near 0 make a router one-hot in all but name: its changed experts, counted as the "
+             "GSPO paper counts them, change almost nothing a token computes (the RL runs' `routing/gate_tv` measures "
+             "it).", "",
              "| checkpoint | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] | mean "
-             "| share < 0.01 | median / anchor [95% CI] | best expert's lead | best score | load entropy | max / mean load |",
-             "|" + "---|" * 13]
+             "| share < 0.01 | median / anchor [95% CI] | best expert's lead | best score | gate mass, best / last "
+             "| load entropy | max / mean load |",
+             "|" + "---|" * 14]
     for row in rows:
         (low, high), (over_low, over_high) = row[MEDIAN_INTERVAL], row["median_over_anchor_interval"]
         lines.append(f"| {Path(row['checkpoint']).name} | {row['family']} | {row['layers']} | {row['experts']} / "
@@ -99,7 +105,8 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
                      f"[{low:.4f}, {high:.4f}] | {row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | "
                      f"{row['median_over_anchor']:.2f} [{over_low:.2f}, {over_high:.2f}] "
                      f"({within_two_fold(row['median_over_anchor_interval'])}) | {row['top_gap_share_median']:.2f} | "
-                     f"{row['top_score_median']:.3f} | {row['load_entropy']:.3f} | "
+                     f"{row['top_score_median']:.3f} | {row['gate_share_best_median']:.4f} / "
+                     f"{row['gate_share_last_median']:.2g} | {row['load_entropy']:.3f} | "
                      f"{row['load_max_over_mean']:.2f} |")
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

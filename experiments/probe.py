@@ -64,9 +64,10 @@ from models.registry import ConfigError, Diverged
 # What a setting reports: the mean over its measured steps of each of these metrics (and every per-layer drift), with
 # its standard error, where the step logged it.
 REPORTED = (
-    metrics.DRIFT_PER_UPDATE, metrics.TOKEN_DRIFT_PER_UPDATE, metrics.ROUTING_SHARE, metrics.ROUTING_VAR,
-    metrics.WEIGHTS_VAR, metrics.TOTAL_VAR, metrics.MARGIN, metrics.LOGIT_MARGIN, metrics.FRAGILE, metrics.TOPK_MASS,
-    metrics.TOPK_MARGIN_MEDIAN, metrics.TOPK_MARGIN_MEAN, metrics.TOPK_MARGIN_SMALL, TOKEN_RATIO_VAR, SEQ_RATIO_VAR, CLIP, KL_OLD, metrics.LENGTH, metrics.REWARD, metrics.ENTROPY,
+    metrics.DRIFT_PER_UPDATE, metrics.TOKEN_DRIFT_PER_UPDATE, metrics.GATE_DRIFT_PER_UPDATE, metrics.ROUTING_SHARE,
+    metrics.ROUTING_VAR, metrics.WEIGHTS_VAR, metrics.TOTAL_VAR, metrics.MARGIN, metrics.LOGIT_MARGIN, metrics.FRAGILE,
+    metrics.TOPK_MASS, metrics.TOPK_MARGIN_MEDIAN, metrics.TOPK_MARGIN_MEAN, metrics.TOPK_MARGIN_SMALL, TOKEN_RATIO_VAR,
+    SEQ_RATIO_VAR, CLIP, KL_OLD, metrics.LENGTH, metrics.REWARD, metrics.ENTROPY,
 )
 PER_LAYER_DRIFT = metrics.per_layer(metrics.DRIFT_PER_UPDATE, "")
 PER_LAYER_MARGIN = metrics.per_layer(metrics.TOPK_MARGIN_MEDIAN, "")
@@ -255,14 +256,14 @@ def table(summary: dict[str, Any]) -> str:
     """The probe's findings as a few plain lines."""
     lines = [f"{summary['run']} ({summary['policy']['num_moe_layers']} MoE layers, {summary['policy']['num_experts']} "
              f"experts, top-{summary['policy']['num_experts_per_tok']}): {summary['wall_s']:.0f} s"]
-    lines.append(f"{'lr':>8}  {'drift/update':>12}  {'routing share (± s.e.)':>22}  {'logit margin':>12}  "
-                 f"{'top-k margin':>12}  {'token ratio var':>15}  {'length':>6}")
+    lines.append(f"{'lr':>8}  {'drift/update':>12}  {'gate TV/update':>14}  {'routing share (± s.e.)':>22}  "
+                 f"{'logit margin':>12}  {'top-k margin':>12}  {'token ratio var':>15}  {'length':>6}")
     for s in summary["settings"]:
         if "diverged" in s:
             lines.append(f"{s['lr']:>8.0e}  diverged: {s['diverged']}")
             continue
         lines.append(
-            f"{s['lr']:>8.0e}  {_pct(s[metrics.DRIFT_PER_UPDATE]):>12}"
+            f"{s['lr']:>8.0e}  {_pct(s[metrics.DRIFT_PER_UPDATE]):>12}  {_pct(s.get(metrics.GATE_DRIFT_PER_UPDATE)):>14}"
             f"  {_pct(s[metrics.ROUTING_SHARE], s[metrics.ROUTING_SHARE + '_sem']):>22}"
             f"  {_num(s[metrics.LOGIT_MARGIN]):>12}  {_num(s[metrics.TOPK_MARGIN_MEDIAN]):>12}"
             f"  {_num(s[TOKEN_RATIO_VAR]):>15}"

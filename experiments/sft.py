@@ -59,7 +59,8 @@ from experiments.tasks import Example, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError
-from models.routing.hooks import router_calls, RouterCalls, RouterCapture
+from models.routing.families import route
+from models.routing.hooks import RouterCalls, RouterCapture, router_calls
 from models.routing.measures import SMALL_MARGIN, top_gap_share
 from models.routing.trace import find_routers
 from models.statistics import median_interval, weighted_median
@@ -166,9 +167,10 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     each the mean over layers; and the scale-free margin at the top-k cut (`models.routing.measures.topk_margin` on the
     family's selection scores: median, mean and share below 0.01 over tokens and layers, the median's 95% interval
     over draws of the sequences (`MEDIAN_INTERVAL`), and the median per layer), what the anchors of real checkpoints
-    measure (`models.routing.measures.MARGIN_ANCHORS`), with what makes it small: the medians over tokens and layers of the
-    best expert's lead over the margin's spread (`models.routing.measures.top_gap_share`) and of the best score. None for a
-    dense model."""
+    measure (`models.routing.measures.MARGIN_ANCHORS`), with what makes it small: the medians over tokens and layers of
+    the best expert's lead over the margin's spread (`models.routing.measures.top_gap_share`) and of the best score;
+    and the medians of the best and the last chosen expert's share of the token's gate mass (`gate_shares`). None for
+    a dense model."""
     if not find_routers(model):
         return None
     model.eval()
@@ -188,6 +190,7 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     stats.update(margin_stats(margins, w))
     sequence = torch.arange(attention_mask.shape[0]).repeat_interleave(attention_mask.shape[1]).to(w.device)
     ranked = [routers.ranked(layer).values for layer in range(layers)]  # the ranking the margins were read from
+    gates = [gate_shares(*call) for call in routers.calls]  # [T, k] per layer: each chosen expert's share of the mass
     every_layer = w.repeat(layers)  # a weight per (layer, token), laid out as the margins and rankings are
     return {
         "load_entropy": float(entropy.mean()),
@@ -197,7 +200,18 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
         "topk_margin_median_per_layer": [stats[per_layer(TOPK_MARGIN_MEDIAN, i)] for i in range(layers)],
         "top_gap_share_median": weighted_median(torch.cat([top_gap_share(top) for top in ranked]), every_layer),
         "top_score_median": weighted_median(torch.cat([top[:, 0] for top in ranked]), every_layer),
+        # the token's gate mass on its best chosen expert, and on its last: what a change of experts at the cut
+        # moves at most (`models.routing.measures.gate_shift`); near 1 and 0, the router is one-hot in all but name
+        "gate_share_best_median": weighted_median(torch.cat([share.max(dim=-1).values for share in gates]), every_layer),
+        "gate_share_last_median": weighted_median(torch.cat([share.min(dim=-1).values for share in gates]), every_layer),
     }
+
+
+def gate_shares(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """`[T, k]`: each chosen expert's share of its token's gate mass, the family's own gate weights (`route`)
+    normalised to sum 1 (the sigmoid family scales them by `routed_scaling_factor`)."""
+    weights, _ = route(router, logits.detach())
+    return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> tuple[PreTrainedModel, dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,7 @@ from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
 from models.routing.families import replayed_gate_weights, route, router_logprobs, selection_scores
 from models.routing.hooks import record_routing, replay_routing, RouterCalls
-from models.routing.measures import MarginSummary, routing_drift, top_gap_share, topk_margin
+from models.routing.measures import MarginSummary, gate_shift, routing_drift, top_gap_share, topk_margin
 from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
 from models.statistics import median_interval, weighted_median
 
@@ -343,3 +344,18 @@ def test_the_sigmoid_familys_bias_chooses_and_never_weighs():
     replayed = torch.tensor([[2, 3]])
     torch.testing.assert_close(replayed_gate_weights(biased, z, replayed, z), replayed_gate_weights(plain, z, replayed, z))
     torch.testing.assert_close(router_logprobs(biased, z), torch.nn.functional.logsigmoid(z))
+
+
+def test_the_gate_shift_weighs_a_changed_expert_by_the_gate_mass_it_carried():
+    """Old {0: 0.9, 1: 0.1}, new {0: 0.8, 2: 0.2} (renormalised): ½(|0.8 − 0.9| + 0.2 + 0.1) = 0.2, where the count
+    of changed experts says 1 of 2; the same routing is 0, a disjoint one 1; unnormalised gates (the sigmoid family's
+    scaling) are normalised first, and a token outside the mask does not count."""
+    old = RoutingTrace(torch.tensor([[[[0, 1], [0, 1]]]]), ("a",), 4, torch.tensor([[[[1.8, 0.2], [0.5, 0.5]]]]))
+    new = RoutingTrace(torch.tensor([[[[0, 2], [2, 3]]]]), ("a",), 4, torch.tensor([[[[0.8, 0.2], [0.3, 0.7]]]]))
+    mask = torch.tensor([[True, False]])
+    assert gate_shift(old, new, mask).mean == pytest.approx(0.2)
+    assert routing_drift(old, new, mask).expert_change_frac == pytest.approx(0.5)
+    assert gate_shift(old, old, mask).mean == 0.0
+    assert gate_shift(old, new, torch.tensor([[False, True]])).mean == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="recorded with their gates"):
+        gate_shift(replace(old, weights=None), new, mask)

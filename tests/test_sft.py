@@ -91,6 +91,8 @@ def test_the_routing_profile_of_routers_that_tie_by_hand(micro_policy):
     assert profile["topk_margin_median_per_layer"] == [0.0, 0.0]
     # the best expert leads no one (share 0 where the spread is 0) and holds 1/8 of the probability
     assert profile["top_gap_share_median"] == 0.0 and profile["top_score_median"] == pytest.approx(1 / 8)
+    # and its two chosen experts share each token's gate mass evenly
+    assert profile["gate_share_best_median"] == pytest.approx(0.5) == profile["gate_share_last_median"]
 
 
 def test_a_balanced_cold_start_pretrains_on_the_mixture_then_its_task(tmp_path):

@@ -21,16 +21,16 @@ from algos.objective import (
 from experiments.config import PROJECT_ROOT
 from experiments.step.metrics import (
     AUX_LOSS, DRIFT, DRIFT_OVER_MINIBATCHES, DRIFT_PER_UPDATE, ENGINE_EXPERTS, ENTROPY, ESS, EVAL_ACCURACY,
-    EVAL_GREEDY, EVAL_SPLIT_GREEDY, FRAGILE, GRAD_NORM, LENGTH, LOAD_MAX_VIOLATION, LR, MARGIN, MISMATCH_K1, MISMATCH_K3, REWARD,
-    REWARD_ACCURACY, REWARD_STD, ROLLOUT_TIME, ROLLOUT_TOKENS_PER_S, SKIPPED, STEP, STEP_TIME, TOKENS,
+    EVAL_GREEDY, EVAL_SPLIT_GREEDY, FRAGILE, GATE_DRIFT_PER_UPDATE, GRAD_NORM, LENGTH, LOAD_MAX_VIOLATION, LR, MARGIN,
+    MISMATCH_K1, MISMATCH_K3, REWARD, REWARD_ACCURACY, REWARD_STD, ROLLOUT_TIME, ROLLOUT_TOKENS_PER_S, SKIPPED, STEP, STEP_TIME, TOKENS,
     TOKEN_DRIFT_PER_UPDATE, TOPK_MASS, TRAIN_TIME, TRUNCATED, ZERO_STD_GROUPS, per_layer, started,
 )
-from experiments.step.scoring import FED, ScoreOptions, score_responses
-from models.shared_prefix import SharedPrefix
 from experiments.step.batch import minibatch_order, split_minibatches
+from experiments.step.scoring import FED, ScoreOptions, score_responses
 from experiments.train import RLTrainer, train
 from models.routing.measures import routing_drift
 from models.routing.trace import find_routers
+from models.shared_prefix import SharedPrefix
 from tests.conftest import MICRO_RUN
 
 CONF = str(PROJECT_ROOT / "conf")
@@ -40,7 +40,7 @@ STEP_METRICS = [
     LENGTH, TRUNCATED, TOKEN_RATIO_MEAN, TOKEN_RATIO_VAR, TOKEN_RATIO_MAX,
     SEQ_RATIO_MEAN, SEQ_RATIO_VAR, CLIP, CLIP_SEQ, KL_OLD, POLICY_LOSS,
     ENTROPY, GRAD_NORM, LR, SKIPPED, AUX_LOSS, LOAD_MAX_VIOLATION,
-    DRIFT_PER_UPDATE, per_layer(DRIFT_PER_UPDATE, 0),
+    DRIFT_PER_UPDATE, per_layer(DRIFT_PER_UPDATE, 0), GATE_DRIFT_PER_UPDATE, per_layer(GATE_DRIFT_PER_UPDATE, 1),
     per_layer(DRIFT_PER_UPDATE, 1), TOKEN_DRIFT_PER_UPDATE,
     DRIFT_OVER_MINIBATCHES, TOPK_MASS, per_layer(MARGIN, 1),
     FRAGILE, MISMATCH_K1, ESS, STEP_TIME, ROLLOUT_TIME, TRAIN_TIME, ROLLOUT_TOKENS_PER_S,

@@ -41,7 +41,7 @@ from experiments.step.plan import PiOld, Replay, StepPlan
 from experiments.step.ranks import Ranks, gather_rows, reduce_value, reshard, summed
 from experiments.step.scoring import FED, ScoreOptions, Scores, margin_stats
 from models.routing.flips import flip_routing
-from models.routing.measures import load_max_violation, routing_drift
+from models.routing.measures import gate_shift, load_max_violation, routing_drift
 from models.routing.perturbation import perturb_routers, router_inputs
 from models.routing.trace import NO_ROUTE, RoutingTrace
 
@@ -86,8 +86,10 @@ class Rows:
         return gather_rows(tensor, self.ranks, dim=dim, fill=fill)
 
     def routes(self, trace: RoutingTrace) -> RoutingTrace:
-        """A trace's experts over every rank's rows (its gates are not measured)."""
-        return replace(trace, experts=self(trace.experts, dim=1, fill=NO_ROUTE), weights=None, logprobs=None)
+        """A trace's experts, and its gate weights where it carries them, over every rank's rows (its router
+        log-scores are not measured)."""
+        weights = self(trace.weights, dim=1) if trace.weights is not None else None
+        return replace(trace, experts=self(trace.experts, dim=1, fill=NO_ROUTE), weights=weights, logprobs=None)
 
     def gathered(self, output: Any) -> Any:
         """An output that gathers itself (`.gathered(rows)`: the objective's, a correction's), over every rank's rows."""
@@ -175,16 +177,17 @@ class RouterShiftHook(StepHook):
 
 @dataclass(eq=False)
 class RoutingMeasures(StepHook):
-    """`routing.metrics`: the update's forward records the router's own choice (beside a replayed trace) and its
-    decisiveness; measured are the drift since θ_old, the load, the balancing loss, the routers' fragility and margins,
-    and the engine's routing against the trainer's at θ_old, over every rank's share of the minibatch."""
+    """`routing.metrics`: the update's forward records the router's own choice with its gates (beside a replayed
+    trace) and its decisiveness; measured are the drift since θ_old (by count, and by gate mass where θ_old's gates
+    were recorded), the load, the balancing loss, the routers' fragility and margins, and the engine's routing against
+    the trainer's at θ_old, over every rank's share of the minibatch."""
 
     margin_threshold: float
     ranks: Ranks
 
     def options(self, update: Update, options: ScoreOptions) -> ScoreOptions:
         return replace(options, aux_loss=True, aux_loss_grad=False,  # logged; routers=[aux_loss] adds it to the loss
-                       record=options.replay is None, fragile_margin=self.margin_threshold)
+                       record=options.replay is None, record_gates=True, fragile_margin=self.margin_threshold)
 
     def measure(self, update: Update, rows: Rows) -> dict[str, float]:
         mb, old, scores, ranks = update.mb, update.old, update.scores, self.ranks
@@ -192,6 +195,8 @@ class RoutingMeasures(StepHook):
         own = rows.routes(scores.routes.to("cpu"))  # under replay: the router's own top-k, beside the replayed experts
         theta_old = own if old.on_policy else rows.routes(old.routes)
         metrics = m.drift_metrics(routing_drift(theta_old, own, token_mask))
+        if theta_old.weights is not None:  # θ_old's gates: its own forward's, the recompute's, or the engine's
+            metrics.update(m.gate_drift_metrics(gate_shift(theta_old, own, token_mask)))
         metrics[m.LOAD_MAX_VIOLATION] = load_max_violation(theta_old, token_mask)
         metrics[m.AUX_LOSS] = scores.aux_loss_value
         mine = float(mb.attention_mask[:, FED].sum())  # the weight of this rank's fragility means
@@ -380,7 +385,7 @@ def assemble(plan: StepPlan, cfg: Any, model: torch.nn.Module, reference: torch.
         source = Bypass(**common, track=plan.track_routing)
     else:
         source = Recompute(**common, model=model, score=score, record=plan.track_routing or plan.pi_old_records_gates,
-                           record_gates=plan.pi_old_records_gates, r2=plan.replay == Replay.r2,
+                           record_gates=plan.pi_old_records_gates or plan.track_routing, r2=plan.replay == Replay.r2,
                            rule=variant.replay_rule)
     old_policy = FirstOnPolicy(source) if plan.first_minibatch_on_policy else source
 

@@ -15,7 +15,7 @@ import math
 import torch
 
 from algos.objective import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND, masked, masked_mean, sequence_mean
-from models.routing.measures import routing_drift, RoutingDrift
+from models.routing.measures import GateShift, RoutingDrift, routing_drift
 from models.routing.trace import RoutingTrace
 
 # The step record
@@ -61,6 +61,11 @@ TOKEN_DRIFT = "routing/token_any_change_frac"
 DRIFT_PER_UPDATE = "routing/expert_change_per_update"
 TOKEN_DRIFT_PER_UPDATE = "routing/token_any_change_per_update"
 DRIFT_OVER_MINIBATCHES = "routing/expert_change_mean_over_minibatches"
+# Drift by the gate mass it moves (`models.routing.measures.gate_shift`): the total-variation distance between a
+# token's gate weights under θ_old and θ, mean over tokens and layers (per layer too); per minibatch, then after one
+# update. Logged where both routings carry their gates (an engine that reports none, under bypass: absent).
+GATE_DRIFT = "routing/gate_tv"
+GATE_DRIFT_PER_UPDATE = "routing/gate_tv_per_update"
 # How decisive the routers are (`experiments.step.scoring.router_fragility`), on the family's selection scores
 TOPK_MASS = "routing/topk_mass"
 MARGIN = "routing/margin"
@@ -135,6 +140,11 @@ def drift_metrics(drift: RoutingDrift, experts: str = DRIFT, tokens: str = TOKEN
     return metrics
 
 
+def gate_drift_metrics(shift: GateShift) -> dict[str, float]:
+    """A `gate_shift` under `GATE_DRIFT` (and per layer)."""
+    return {GATE_DRIFT: shift.mean, **{per_layer(GATE_DRIFT, i): v for i, v in enumerate(shift.per_layer.tolist())}}
+
+
 def routing_mismatch(engine: RoutingTrace, trainer: RoutingTrace, mask: torch.Tensor) -> dict[str, float]:
     """The engine's experts against the trainer's at θ_old on the same tokens: the share of activated experts the
     engine chose that the trainer did not (per layer too), and the share of tokens routed differently in any layer
@@ -197,7 +207,7 @@ def decomposition_metrics(routing: torch.Tensor, weights: torch.Tensor, mask: to
     return dict(zip(values, torch.stack(list(values.values())).tolist()))
 
 
-AFTER_ONE_UPDATE = {DRIFT: DRIFT_PER_UPDATE, TOKEN_DRIFT: TOKEN_DRIFT_PER_UPDATE}
+AFTER_ONE_UPDATE = {DRIFT: DRIFT_PER_UPDATE, TOKEN_DRIFT: TOKEN_DRIFT_PER_UPDATE, GATE_DRIFT: GATE_DRIFT_PER_UPDATE}
 
 
 def step_means(per_minibatch: list[dict[str, float]]) -> dict[str, float]:

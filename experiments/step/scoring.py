@@ -97,7 +97,8 @@ class ScoreOptions:
 
     group_size: int = 1  # > 1: rows j·G .. j·G+G-1 share their prompt and are fed packed (module docstring)
     record: bool = False  # return the routing of the fed positions (`Scores.routes`)
-    record_gates: bool = False  # with `record`: the chosen experts' gate weights and router log-probabilities too
+    # with `record` (or `replay`: the router's own choice): the chosen experts' gate weights and router log-probabilities
+    record_gates: bool = False
     # Force this routing (`[L, N, P+T-1, K]`), as `rule` decides (None: ID replay); `Scores.routes` is then the
     # router's own choice.
     replay: RoutingTrace | None = None
@@ -251,7 +252,7 @@ def _routing(model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Ten
                     "differently; score it with group_size=1"
                 )
             replay = replay.map(lambda tensor: layout.pack(tensor, dim=1))
-        return replay_routing(model, replay, options.rule, options.score_replayed)
+        return replay_routing(model, replay, options.rule, options.score_replayed, gates=options.record_gates)
     if options.score_replayed:
         raise ValueError("score_replayed scores the experts of a replayed trace: pass replay=")
     return record_routing(model, gates=options.record_gates) if options.record else contextlib.nullcontext()

@@ -164,7 +164,8 @@ class RLTrainer:
         picks = torch.randint(len(self.train_examples), (t.prompts_per_step // self.ranks.world,), generator=self.generator)
         sampling = Sampling(t.group_size, t.max_new_tokens, t.temperature,
                             record_routing=self.plan.engine_records_routing,
-                            record_gates=self.plan.engine_records_gates)
+                            record_gates=self.plan.engine_records_gates or (self.plan.engine_records_routing
+                                                                             and self.plan.engine_gates_measured))
         return collect_rollout(self.engine, self.task, [self.train_examples[i] for i in picks.tolist()], sampling)
 
     def score(self, model: torch.nn.Module, mb: Minibatch, options: ScoreOptions = ScoreOptions()) -> Scores:

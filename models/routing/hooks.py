@@ -206,7 +206,8 @@ class Replay:
 
     @property
     def router_choice(self) -> RoutingTrace:
-        """The experts the current router would have chosen (own top-k), laid out like the replayed trace.
+        """The experts the current router would have chosen (own top-k), laid out like the replayed trace, with the
+        gate weights and log-scores it gave them when `replay_routing(..., gates=True)`.
 
         Only the first forward in the context is reported: activation checkpointing re-runs the routers in
         backward, and those repeats carry no new information.
@@ -214,7 +215,11 @@ class Replay:
         if not self._hooks[0].recording:
             raise RuntimeError("no forward pass ran inside replay_routing: there is no router choice to report")
         experts = torch.stack([hook.recording[0] for hook in self._hooks])
-        return RoutingTrace(experts, tuple(hook.name for hook in self._hooks), self._num_experts)
+        trace = RoutingTrace(experts, tuple(hook.name for hook in self._hooks), self._num_experts)
+        if self._hooks[0].gates is None:
+            return trace
+        weights, logprobs = (torch.stack([hook.gates[0][part] for hook in self._hooks]) for part in (0, 1))
+        return replace(trace, weights=weights, logprobs=logprobs)
 
     @property
     def replayed_logprobs(self) -> torch.Tensor:
@@ -271,11 +276,13 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
 
 @contextmanager
 def replay_routing(
-    model: torch.nn.Module, trace: RoutingTrace, rule: ReplayRule | None = None, score_replayed: bool = False
+    model: torch.nn.Module, trace: RoutingTrace, rule: ReplayRule | None = None, score_replayed: bool = False,
+    gates: bool = False,
 ) -> Iterator[Replay]:
     """Force the forward passes inside the context (and their backward) to use the experts of `trace`, as `rule`
     decides at each router call (default: ID replay, `ReplayRule`); `score_replayed`: also keep the current
-    router's log-probabilities of the trace's experts (`Replay.replayed_logprobs`).
+    router's log-probabilities of the trace's experts (`Replay.replayed_logprobs`); `gates`: the router's own choice
+    comes with its gate weights (`Replay.router_choice`).
 
     The trace must match the batch fed to the model: `[L, B, S, K]` with `[B, S]` the input ids' shape; a
     mismatch raises `ValueError` at the forward that does not fit. Keep backward inside the context when activation
@@ -309,6 +316,7 @@ def replay_routing(
             hook.replay = trace.map(lambda tensor: tensor[layer])
             hook.rule = rule
             hook.recording = []
+            hook.gates = [] if gates else None
             hook.scored = [] if score_replayed else None
         try:
             yield Replay(hooks, trace.num_experts)

@@ -1,5 +1,6 @@
-"""What routing is measured by: the drift between two traces of the same tokens (the GSPO paper's "experts changed"),
-the experts' load and its MaxVio, and the scale-free margin at the top-k cut (colibri issue #119) with its summary."""
+"""What routing is measured by: the drift between two traces of the same tokens, by count (the GSPO paper's "experts
+changed") and by the gate mass it moves, the experts' load and its MaxVio, and the scale-free margin at the top-k cut
+(colibri issue #119) with its summary."""
 
 from __future__ import annotations
 
@@ -105,6 +106,46 @@ def routing_drift(old: RoutingTrace, new: RoutingTrace, mask: torch.Tensor) -> R
         per_layer = changed.sum(dim=(1, 2, 3)) / (tokens * K)
         any_change = float((changed.sum(dim=(0, 3)) > 0).sum()) / tokens
     return RoutingDrift(per_layer, float(per_layer.mean()), any_change, tokens)
+
+
+@dataclass
+class GateShift:
+    """How much of each token's expert mixture moved between two routings of the same tokens: per MoE layer and
+    token, the total-variation distance ½ Σ_e |ĝ_old(e) − ĝ_new(e)| between its gate weights over all experts, ĝ
+    the weights of its chosen experts normalised to sum 1 (0 for the others). 0 when the same experts carry the same
+    weights, 1 when no expert is shared. Where the paper's count (`RoutingDrift`) weighs every changed expert alike,
+    this weighs it by the gate mass it carried: swapping a slot whose renormalised weight is 1e-4 (a near-one-hot
+    router's second expert) changes a count of experts and almost nothing the token computes. `per_layer [L]`, the
+    mean over tokens; `mean`, over layers. Only positions inside the mask that carry a route and gates in both count."""
+
+    per_layer: torch.Tensor
+    mean: float
+    tokens: int
+
+
+def gate_shift(old: RoutingTrace, new: RoutingTrace, mask: torch.Tensor) -> GateShift:
+    """`GateShift` of two traces of the same tokens recorded with their gates (`[L, B, S, K]` each), on `mask [B, S]`."""
+    if old.weights is None or new.weights is None:
+        raise ValueError("the gate shift needs both traces recorded with their gates (record_routing(gates=True))")
+    if old.shape != new.shape:
+        raise ValueError(f"cannot compare routing traces of shapes {old.shape} and {new.shape}")
+    L, B, S, K = new.shape
+    valid = (mask.to(new.experts.device).bool().unsqueeze(0) & old.recorded() & new.recorded()).all(dim=0)  # [B, S]
+    tokens = int(valid.sum())
+    if tokens == 0:
+        return GateShift(torch.zeros(L), 0.0, 0)
+
+    def normalised(weights: torch.Tensor) -> torch.Tensor:
+        total = weights.float().sum(dim=-1, keepdim=True)
+        return weights.float() / torch.where(total > 0, total, torch.ones_like(total))
+
+    w_old, w_new = normalised(old.weights), normalised(new.weights)
+    same = new.experts.unsqueeze(-1) == old.experts.unsqueeze(-2)  # [L, B, S, K_new, K_old]
+    old_at_new = (same * w_old.unsqueeze(-2)).sum(dim=-1)  # each new slot's expert's old weight (0: not chosen)
+    dropped = w_old * ~same.any(dim=-2)  # old experts the new routing left out
+    distance = 0.5 * ((w_new - old_at_new).abs().sum(dim=-1) + dropped.sum(dim=-1))  # [L, B, S]
+    per_layer = (distance * valid).sum(dim=(1, 2)) / tokens
+    return GateShift(per_layer, float(per_layer.mean()), tokens)
 
 
 def expert_load(trace: RoutingTrace, mask: torch.Tensor) -> torch.Tensor:
