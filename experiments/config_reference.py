@@ -47,6 +47,7 @@ from algos.routers import ROUTER_SWITCHES
 from algos.routing_variants import ROUTING_VARIANTS
 from experiments.config import PROJECT_ROOT, ProbeConfig, SFTConfig, TrainConfig, register_configs
 from experiments.tasks import TASKS
+from models.registry import flat
 
 CONF = PROJECT_ROOT / "conf"
 REFERENCE = PROJECT_ROOT / "docs" / "configuration.md"
@@ -143,17 +144,7 @@ def choices(group: str) -> list[str]:
 def entry_values(entry: str) -> dict[str, Any]:
     """What `conf/<entry>.yaml` sets over its schema (its keys other than the defaults list and Hydra's), flattened."""
     own = OmegaConf.to_container(OmegaConf.load(CONF / f"{entry}.yaml"))
-    return _flatten({key: value for key, value in own.items() if key not in ("defaults", "hydra")})
-
-
-def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in node.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+    return flat({key: value for key, value in own.items() if key not in ("defaults", "hydra")})
 
 
 # --- rows -----------------------------------------------------------------------------------------------------

@@ -50,7 +50,6 @@ from tqdm import tqdm
 from algos.objective import CLIP, KL_OLD, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.config import register_configs
 from experiments.run import provenance
-from experiments.run.launch import exit_once
 from experiments.run.life import Life, stop_signals
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics
@@ -159,12 +158,7 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
     """Every setting of the probe, logged into `run_dir`; returns the summary. It lives and ends as every run does
     (`experiments.run.life`): a stop keeps its log whole and says so in `summary.json` and one line."""
     with stop_signals():
-        try:
-            cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
-            check_probe(cfg)
-        except ConfigError as error:
-            exit_once(f"moe-rl-lab: {error}")
-        life, _ = Life.claim(run_dir, cfg, hydra_cfg, what="the probe")
+        life, _ = Life.begin(run_dir, cfg, hydra_cfg, "the probe", lambda: check_probe(cfg))
         try:
             return probe(life, cfg)
         finally:

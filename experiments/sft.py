@@ -43,7 +43,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from experiments.config import register_configs
 from experiments.run import provenance, rundir
-from experiments.run.launch import exit_once
 from experiments.run.life import Life, stop_signals
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
@@ -221,12 +220,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     saves no checkpoint."""
     s = cfg.sft
     with stop_signals():
-        try:
-            cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
-            check_settings(cfg)
-        except ConfigError as error:
-            exit_once(f"moe-rl-lab: {error}")
-        life, _ = Life.claim(run_dir, cfg, hydra_cfg, what="the cold start")
+        life, _ = Life.begin(run_dir, cfg, hydra_cfg, "the cold start", lambda: check_settings(cfg))
         with life.starting():
             model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
             switches = router_switches(cfg, model_cfg)

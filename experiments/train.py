@@ -34,7 +34,6 @@ from algos.objective import CLIP
 from experiments.config import register_configs
 from experiments.run import checkpoint, launch
 from experiments.run.continuing import restore
-from experiments.run.launch import exit_once
 from experiments.run.life import Life, stop_signals
 from experiments.run.logger import sweep_group
 from experiments.run.summary import run_name, summarize, summary_paragraph
@@ -42,8 +41,6 @@ from experiments.run.sweep import as_sweep_job
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.trainer import RLTrainer
-from models import cpu_kernels
-from models.registry import ConfigError
 
 register_configs()
 
@@ -52,12 +49,8 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
     """Run the configured RL job in `run_dir` (on every rank under torchrun); return its summary (rank 0 also
     writes it to `summary.json`)."""
     with stop_signals():
-        try:
-            cpu_kernels.pin(cfg.cpu_kernels)  # before the process computes anything: the libraries fix their choice then
-            ranks = launch.start(cfg.device)
-        except ConfigError as error:
-            exit_once(f"moe-rl-lab: {error}")
-        life, finished = Life.claim(run_dir, cfg, hydra_cfg, ranks, "the run", resume=cfg.resume is not None)
+        life, finished = Life.begin(run_dir, cfg, hydra_cfg, "the run", lambda: launch.start(cfg.device),
+                                    resume=cfg.resume is not None)
         if finished is not None and finished["steps"] >= cfg.trainer.steps:  # a re-launched sweep skips what is done
             if life.claimed is not None:
                 print(f"moe-rl-lab: {life.run_dir} already holds this run, finished after {finished['steps']} steps; "
@@ -66,7 +59,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
             return finished
         with life.starting():
             threads = ThreadBudget(cfg.trainer.threads)
-            trainer = RLTrainer(cfg, ranks)
+            trainer = RLTrainer(cfg, life.ranks)
             history = restore(trainer, cfg, life.run_dir, finished)
             if cfg.resume is not None:  # the run goes on: the directory's record becomes this run's settings
                 life.on_rank0(lambda: life.claimed.record(cfg, hydra_cfg))

@@ -149,3 +149,14 @@ def _options(annotation: object) -> tuple[type, ...]:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return tuple(typing.get_args(annotation))
     return (annotation,)
+
+
+def flat(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping of settings as `{dotted key: value}` (`trainer.lr`: how a setting is named on the command line)."""
+    found: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            found.update(flat(value, f"{prefix}{key}."))
+        else:
+            found[f"{prefix}{key}"] = value
+    return found

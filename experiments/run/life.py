@@ -2,7 +2,7 @@
 summary, its records committed whole, and one line however it ends.
 
     with stop_signals():                                   SIGTERM, Ctrl-C: `Interrupted`, raised where it is safe
-        life = Life.claim(run_dir, cfg, hydra_cfg, ranks)  the directory is this run's (rank 0), or one line
+        life, _ = Life.begin(run_dir, cfg, hydra_cfg, what)  kernels pinned, checks, the directory claimed (rank 0)
         with life.starting():                              what a bad setting or a stop does before the first step
             ...build the job...
         life.start_logging(cfg, name, tags, group)         metrics.jsonl and W&B (rank 0)
@@ -35,6 +35,7 @@ from experiments.run import launch, rundir
 from experiments.run.launch import exit_once
 from experiments.run.logger import RunLogger, write_summary
 from experiments.step.ranks import Ranks, broadcast_object, gather_objects
+from models import cpu_kernels
 from models.registry import ConfigError, Diverged
 
 
@@ -153,10 +154,18 @@ class Life:
         _Deferral.joint = ranks.active
 
     @classmethod
-    def claim(cls, run_dir: str | Path, cfg: DictConfig, hydra_cfg: Any, ranks: Ranks = Ranks(), what: str = "the run",
+    def begin(cls, run_dir: str | Path, cfg: DictConfig, hydra_cfg: Any, what: str,
+              prepare: Callable[[], Ranks | None] = lambda: None,
               resume: bool = False) -> tuple["Life", dict[str, Any] | None]:
-        """Claim `run_dir` for this job (rank 0; every rank meets its refusal, in one line): the life, and with
-        `resume` the summary of the finished run the directory holds (None: none)."""
+        """Begin the job in `run_dir`: pin the CPU kernels before anything computes (the libraries fix their choice
+        then), `prepare` (the job's own start-up checks, or the start of its ranks: their `Ranks`), then claim the
+        directory (rank 0; every rank meets its refusal, in one line). The life, and with `resume` the summary of the
+        finished run the directory holds (None: none)."""
+        try:
+            cpu_kernels.pin(cfg.cpu_kernels)
+            ranks = prepare() or Ranks()
+        except ConfigError as error:
+            exit_once(f"moe-rl-lab: {error}")
         run_dir = Path(run_dir)
         claimed, problem, finished = None, None, None
         if ranks.main:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.step.optimizer import LRSchedule
+from models.registry import flat
 
 # The keys (with everything under them) that may differ between a run and its resume: how the same steps are
 # computed, watched and saved, never what they compute.
@@ -69,17 +70,6 @@ class Difference(NamedTuple):
 def settings(cfg: DictConfig) -> dict[str, Any]:
     """Every setting of `cfg`, resolved, as a flat `{dotted key: value}` (lists are values)."""
     return flat(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
-
-
-def flat(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested mapping as `{dotted key: value}`."""
-    found: dict[str, Any] = {}
-    for key, value in node.items():
-        if isinstance(value, dict):
-            found.update(flat(value, f"{prefix}{key}."))
-        else:
-            found[f"{prefix}{key}"] = value
-    return found
 
 
 def declared_safe(key: str) -> bool:

@@ -25,8 +25,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from experiments.run.resume import described, differences, flat, length_change
-from models.registry import ConfigError
+from experiments.run.resume import described, differences, length_change
+from models.registry import ConfigError, flat
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -25,10 +25,8 @@ case $mode in
     for k in 0 1 2 3 4 5; do
       path=$($starts --path $k $recipe)
       sweep "deep_long_start$k" "$path" experiment=deep_long_starts "$@"
-      sweep "deep_long_wide_clip_start$k" "$path" experiment=deep_long_starts arm=gspo algo.clip_low=0.231 \
-        algo.clip_high=0.308 "$@"
       sweep "deep_long_matched_step_start$k" "$path" experiment=deep_long_starts arm=grpo trainer.lr=2.7e-4 "$@"
-      arms+=("multirun/recipe_claims/deep_long_start$k" "multirun/recipe_claims/deep_long_wide_clip_start$k")
+      arms+=("multirun/recipe_claims/deep_long_start$k")
       matched+=("multirun/recipe_claims/deep_long_matched_step_start$k")
     done
     python -m analysis.report "${arms[@]}" --out $out/deep_long
