@@ -13,7 +13,7 @@ SWEEP := multirun/quickstart/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 LOCK := constraints.txt
 
-.PHONY: install test run sft bench clean test-vllm constraints
+.PHONY: install test test-fast test-load run sft bench clean test-vllm constraints
 
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
+
+# The fast lane while working: every test but those marked slow (subprocesses, torchrun, the benchmarks' workers).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+
+# The thread budget against the machine's real load: alone, since another test process moves what it measures.
+test-load: $(STAMP)
+	MOE_LAB_REAL_LOAD=1 $(PY) -m pytest -q tests/test_threads.py
 
 $(COLD_START)/config.json: | $(STAMP)
 	$(PY) -m experiments.sft

@@ -16,6 +16,8 @@ from benchmarks.worker import Worker
 from benchmarks.workload import compose_workload
 from tests.conftest import MICRO_MODEL
 
+pytestmark = pytest.mark.slow  # the benchmarks' workers, tens of seconds each: not in the fast lane
+
 MICRO_OVERRIDES = [f"model.{key}={value}" for key, value in MICRO_MODEL.items() if key != "name"] + [
     "trainer.prompts_per_step=4",
     "trainer.group_size=4",

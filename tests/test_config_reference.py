@@ -85,6 +85,7 @@ def test_help_lists_the_groups_a_user_picks_and_points_to_the_reference(entry):
     assert ("\n  experiment       (none) " in text) == (entry == "train")
 
 
+@pytest.mark.slow
 def test_train_help_on_the_command_line():
     done = subprocess.run([sys.executable, "-m", "experiments.train", "--help"], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -49,6 +49,7 @@ def test_a_portable_cold_start_is_the_same_bits_whatever_kernels_the_environment
             != cold_start_sha(tmp_path, OTHER_KERNELS, "native")["weights_sha256"])
 
 
+@pytest.mark.slow
 def test_a_process_that_computed_with_other_kernels_is_refused(tmp_path):
     script = "import torch; torch.randn(8).exp(); from models import cpu_kernels; cpu_kernels.pin('portable')"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}

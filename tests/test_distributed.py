@@ -22,6 +22,8 @@ from tests.conftest import MICRO_RUN
 from tests.test_reliability import fault_in_the_checkpoint_writer
 from tests.test_train import compose_train
 
+pytestmark = pytest.mark.slow  # torchrun and subprocesses: not in the fast lane
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]  # a free port of its own
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
 

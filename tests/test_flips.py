@@ -118,6 +118,7 @@ def test_flips_reach_the_update_forwards_only_and_r2_removes_them(tmp_path):
     assert r2_flipped[1][REWARD] == pytest.approx(r2[1][REWARD])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", ["-0.1", "1.5", "nan"])
 def test_a_flip_rate_outside_0_1_is_refused_in_one_line(tmp_path, rate):
     import subprocess

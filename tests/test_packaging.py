@@ -28,6 +28,7 @@ def _interpreters() -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("python", _interpreters() or [None])
 def test_the_wheel_installs_and_the_sources_compile_on_newer_pythons(python, tmp_path):
     if python is None:

@@ -54,6 +54,7 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
     assert json.loads((tmp_path / "summary.json").read_text())["settings"][1]["lr"] == 3e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -37,6 +37,8 @@ from models.routing.hooks import record_routing, replay_routing
 from tests.conftest import MICRO_MODEL, MICRO_RUN
 from tests.test_train import compose_train, read_metrics
 
+pytestmark = pytest.mark.slow  # each test runs the CLI in a subprocess: not in the fast lane
+
 CLI = [sys.executable, "-m", "experiments.train"]
 
 

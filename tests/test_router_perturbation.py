@@ -100,6 +100,7 @@ def test_bad_perturbation_settings_are_refused_before_any_work(overrides, messag
         check_run(compose_train("routing.perturb_rate=0.1"), world=2)
 
 
+@pytest.mark.slow
 def test_a_perturbation_rate_of_one_is_refused_in_one_line_through_the_cli(tmp_path):
     overrides = [*MICRO_RUN, "routing.perturb_rate=1.0", f"hydra.run.dir={tmp_path}"]
     result = subprocess.run([sys.executable, "-m", "experiments.train", *overrides], capture_output=True, text=True)

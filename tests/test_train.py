@@ -263,6 +263,7 @@ def test_checkpoint_model_group_trains_a_local_checkpoint_with_transformers_kern
     assert trainer.step()[STEP] == 1
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_input_without_a_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", *MICRO_RUN, "trainer.minibatches=3", f"hydra.run.dir={tmp_path}"],
@@ -278,6 +279,7 @@ def test_misspelt_key_fails_at_composition():
         compose_train("algo.clip_hgh=0.3")
 
 
+@pytest.mark.slow
 def test_multirun_gives_one_directory_per_job(tmp_path):
     sweep = tmp_path / "sweep"
     result = subprocess.run(
@@ -368,6 +370,7 @@ def test_learning_rate_follows_the_schedule(tmp_path):
     assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 7.5e-3, 5e-3, 2.5e-3])
 
 
+@pytest.mark.slow
 def test_cli_lists_the_valid_algorithms_for_an_unknown_one(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", "algo=foo", f"hydra.run.dir={tmp_path}"],
