@@ -418,3 +418,17 @@ def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(r
     assert drift.tokens > 0 and drift.expert_change_frac == 0.0
     later = trainer.update(minibatches[1], old[1])
     assert later[DRIFT] > 0.0 or later[TOKEN_RATIO_VAR] > 0.0, "the test must see an update"
+
+
+def test_the_readme_example_step_hook_measures_every_update():
+    """`Add a step hook` in the README is code a newcomer copies: it runs as printed, at its fixed point, in the loop."""
+    readme = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    code = readme.split("## Add a step hook", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {"__name__": "readme"}
+    exec(compile(code, "README.md", "exec", dont_inherit=True), namespace)
+    trainer = RLTrainer(compose_train("trainer.lr=5e-2"))
+    trainer.hooks.append(namespace["LargeRatios"](above=1.0))  # any ratio above 1 counts
+    record = trainer.step()
+    shares = [mb["ratio/large_frac"] for mb in record["minibatches"]]
+    assert shares[0] == 0.0, "the on-policy minibatch's ratios are 1"
+    assert 0.0 < shares[1] < 1.0 and record["ratio/large_frac"] == pytest.approx(sum(shares) / len(shares))
