@@ -28,6 +28,8 @@ case $mode in
     done
     sweep map_qwen30b_l16_n8 8 hydra.sweeper.params.model=qwen30b_l16 "model.path=$PWD/$($starts --path 0 $softmax)" "$@"
     python -m analysis.report multirun/staleness/map_qwen30b_l16_n8 --out docs/results/staleness/map/qwen30b_l16_n8
+    python -m analysis.panels multirun/staleness/map_glm4_moe_l16_n* --by trainer.minibatches \
+      --out docs/results/staleness/map
     ;;
   cells)
     (($#)) || { echo "error: cells needs the N the rule chose (1, 2, 4 or 8)" >&2; exit 2; }
@@ -43,6 +45,7 @@ case $mode in
       done
       python -m analysis.report "${sweeps[@]}" --out "docs/results/staleness/n$n"
     done
+    python -m analysis.panels multirun/staleness/cells_n* --by trainer.minibatches --out docs/results/staleness
     ;;
   *) echo "error: mode '$mode' is not one of: map, cells N..." >&2; exit 2 ;;
 esac

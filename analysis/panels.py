@@ -1,0 +1,112 @@
+"""`python -m analysis.panels`: a sweep in the paper's form, one column of panels per value of the key it swept.
+
+    python -m analysis.panels multirun/staleness/map_* --by trainer.minibatches --out docs/results/staleness/map
+
+Qwen's "Stabilizing RL with LLMs" (arXiv 2512.01374) shows each off-policy setting N (mini-batches per rollout batch)
+in a panel of its own, the arms as lines within it. Here a column per value of `--by`, a row per measure: the training
+reward (per-seed EMA), the held-out greedy accuracy (as evaluated), and beside them what explains them: the experts
+changed after one update (the paper's drift), the clipped share of tokens and the mismatch KL k3 between the engine
+and the trainer at θ_old. A line per arm (`analysis.aggregate.arm_names`), the mean over its runs in that column with a
+±1 std band where two or more runs cover a point; a measure no run logged leaves its row out, said in the caption.
+Writes `<out>/panels.png` (and `.pdf` with `--pdf`) and prints what it drew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import matplotlib
+from matplotlib.ticker import MaxNLocator
+
+from analysis import aggregate as agg
+from analysis.cli import refusing, writable_out
+from analysis.figures import STEP_LABEL, TEXT_WIDTH_IN, _figure, _legend, _plot_band, _save, series_styles
+from analysis.load import RunSet, load_runs
+from analysis.style import RC_PARAMS
+from experiments.step import metrics as m
+
+# The rows, top to bottom: what the arms reach, then what explains it. (metric, y label, smoothed, log scale)
+ROWS = (
+    (m.REWARD, "training reward", True, False),
+    (m.EVAL_GREEDY, "held-out greedy accuracy", False, False),
+    (m.DRIFT_PER_UPDATE, "experts changed after one update", True, False),
+    (m.GATE_DRIFT_PER_UPDATE, "gate mass moved after one update (TV)", True, False),
+    ("clip/token_frac", "clipped tokens (fraction)", True, False),
+    (m.MISMATCH_K3, "mismatch KL k3 (engine vs trainer)", True, True),
+)
+
+
+def by_value(runset: RunSet, key: str) -> dict[float | str, RunSet]:
+    """The runs of each value of the config key `key`, each run labelled by its arm; `ValueError` naming the key when
+    no run has it."""
+    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    if not any(key in cfg for cfg in configs.values()):
+        raise ValueError(f"--by {key}: no run's config has this key (a swept key, e.g. trainer.minibatches)")
+    arms = agg.arm_names(configs)
+    runs = runset.runs.assign(label=runset.runs["run"].map(arms))
+    parts = {}
+    for value in sorted({cfg.get(key) for cfg in configs.values()}, key=lambda v: (v is None, str(v).zfill(12))):
+        chosen = [run for run, cfg in configs.items() if cfg.get(key) == value]
+        parts[value] = replace(runset, runs=runs[runs["run"].isin(chosen)],
+                               scalars=runset.scalars[runset.scalars["run"].isin(chosen)],
+                               minibatches=runset.minibatches[runset.minibatches["run"].isin(chosen)])
+    return parts
+
+
+def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False, alpha: float = agg.EMA_ALPHA
+         ) -> tuple[list[Path], list[str]]:
+    """The panels of `runset` by `key` into `out`: the files written and the rows left out (no run logged them)."""
+    parts = by_value(runset, key)
+    rows = [row for row in ROWS if runset.has(row[0])]
+    left_out = [label for metric, label, _, _ in ROWS if not runset.has(metric)]
+    everyone = replace(runset, runs=runset.runs.assign(label=runset.runs["run"].map(
+        agg.arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()}))))
+    styles = series_styles(everyone)
+    with matplotlib.rc_context(RC_PARAMS):
+        fig = _figure(max(TEXT_WIDTH_IN, 2.2 * len(parts)), 1.5 * len(rows) + 0.8)
+        grid = fig.subplots(len(rows), len(parts), squeeze=False, sharey="row")
+        for col, (value, part) in enumerate(parts.items()):
+            for row, (metric, label, smoothed, log) in enumerate(rows):
+                ax = grid[row][col]
+                table = agg.curve(part, metric, x="step", alpha=alpha if smoothed else None)
+                for arm in part.labels:
+                    curve = table[table["label"] == arm]
+                    if len(curve):
+                        _plot_band(ax, curve, styles[arm], marker=None if smoothed else "o")
+                if log:
+                    ax.set_yscale("log")
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                if row == 0:
+                    ax.set_title(f"{key.rsplit('.', 1)[-1]} = {value}")
+                if col == 0:
+                    ax.set_ylabel(label)
+                if row == len(rows) - 1:
+                    ax.set_xlabel(STEP_LABEL)
+        _legend(fig, everyone.labels, styles)
+        files = _save(fig, out, "panels", dpi, pdf)
+    return files, left_out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m analysis.panels", description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP_DIR", help="run or sweep directories")
+    parser.add_argument("--by", required=True, metavar="KEY", help="the swept config key, a column per value")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
+    parser.add_argument("--pdf", action="store_true", help="also a PDF")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    with refusing(ValueError, FileNotFoundError):
+        writable_out(args.out)
+        runset = load_runs(args.paths)
+        files, left_out = draw(runset, args.by, args.out, args.dpi, args.pdf)
+    print(f"panels: {', '.join(str(f) for f in files)}"
+          + (f" (no run logged: {', '.join(left_out)})" if left_out else ""))
+
+
+if __name__ == "__main__":
+    main()
