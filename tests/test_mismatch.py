@@ -293,17 +293,17 @@ def test_an_engine_without_log_probs_cannot_feed_a_correction(monkeypatch):
 
 
 def _readme_recipe(title: str) -> str:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text(encoding="utf-8")
     return readme.split(f"## {title}", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_readme_example_correction_weighs_by_the_untruncated_ratio_and_runs_in_the_loop(tmp_path):
-    """`Add a correction` in the README is code a newcomer copies: it must run as printed, and through the loop."""
+    """`Add a correction` in docs/extending.md is code a newcomer copies: it must run as printed, and through the loop."""
     from algos.corrections import CORRECTIONS
 
     try:
-        # dont_inherit: the README's module has no `from __future__ import annotations`, this one does
-        code = compile(_readme_recipe("Add a correction"), "README.md", "exec", dont_inherit=True)
+        # dont_inherit: the recipe's module has no `from __future__ import annotations`, this one does
+        code = compile(_readme_recipe("Add a correction"), "docs/extending.md", "exec", dont_inherit=True)
         exec(code, {"__name__": "readme"})
         inputs = inputs_from([[4.0, 0.5], [1.0, 30.0]], [1.0, -1.0])
         out = build_correction("plain_is")(inputs)

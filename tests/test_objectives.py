@@ -454,12 +454,12 @@ def test_every_yaml_only_selects_its_objective_whose_defaults_compose():
 
 
 def test_the_readme_example_objective_registers_and_has_the_documented_gradient():
-    """`Add an algorithm` in the README is code a newcomer copies: it must run as printed."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    """`Add an algorithm` in docs/extending.md is code a newcomer copies: it must run as printed."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text(encoding="utf-8")
     section = readme.split("## Add an algorithm", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     try:
-        exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+        exec(compile(code, "docs/extending.md", "exec"), {"__name__": "readme_example"})
         inputs = batch_from_ratios([[1.3, 0.7], [1.0]], [2.0, -1.0], width=2)  # ratios play no part
         out, grad = loss_and_grad(build_objective("reinforce"), inputs)
         torch.testing.assert_close(grad, torch.tensor([[-2 / 4, -2 / 4], [1 / 2, 0.0]]))  # -Â_i / (|y_i|·B)

@@ -129,16 +129,16 @@ def test_shared_prefill_changes_nothing_but_the_cost(micro_policy):
 
 
 def test_the_readme_example_engine_returns_text_only_and_the_run_adapts(tmp_path):
-    """`Add an engine` in the README is code a newcomer copies: it must run as printed. An engine that returns no
+    """`Add an engine` in docs/extending.md is code a newcomer copies: it must run as printed. An engine that returns no
     log-probs makes the run recompute π_old, and what reads μ_old is refused in one line."""
     from experiments.step.engines import ENGINES
     from experiments.train import train
     from tests.test_train import compose_train, read_metrics
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text(encoding="utf-8")
     code = readme.split("## Add an engine", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     try:
-        exec(compile(code, "README.md", "exec", dont_inherit=True), {"__name__": "readme"})
+        exec(compile(code, "docs/extending.md", "exec", dont_inherit=True), {"__name__": "readme"})
         summary = train(compose_train("rollout.engine=text_only", "trainer.steps=1"), tmp_path / "run")
         assert summary["engine"] == "text_only" and summary["pi_old"] == "decoupled"
         assert MISMATCH_K3 not in read_metrics(tmp_path / "run")[0], "no μ_old to measure the mismatch against"

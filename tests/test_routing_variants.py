@@ -411,17 +411,17 @@ def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_
 
 
 def test_the_readme_example_routing_variant_replays_the_first_layers_only(micro_policy):
-    """`Add a routing variant` in the README is code a newcomer copies: it must run as printed."""
+    """`Add a routing variant` in docs/extending.md is code a newcomer copies: it must run as printed."""
     from algos.routing_variants import build_routing_variant
     from models.registry import ConfigError
     from tests.test_routing import ExpertsSpy
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text(encoding="utf-8")
     section = readme.split("## Add a routing variant", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     try:
-        # dont_inherit: the README's module has no `from __future__ import annotations`, this one does
-        exec(compile(code, "README.md", "exec", dont_inherit=True), {"__name__": "readme_example"})
+        # dont_inherit: the recipe's module has no `from __future__ import annotations`, this one does
+        exec(compile(code, "docs/extending.md", "exec", dont_inherit=True), {"__name__": "readme_example"})
         variant = build_routing_variant("shallow_replay", layers=1)
         model, tokenizer = micro_policy
         ids, mask, old = _record_then_perturb(model, tokenizer)

@@ -421,11 +421,11 @@ def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(r
 
 
 def test_the_readme_example_step_hook_measures_every_update():
-    """`Add a step hook` in the README is code a newcomer copies: it runs as printed, at its fixed point, in the loop."""
-    readme = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    """`Add a step hook` in docs/extending.md is code a newcomer copies: it runs as printed, at its fixed point, in the loop."""
+    readme = (PROJECT_ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
     code = readme.split("## Add a step hook", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {"__name__": "readme"}
-    exec(compile(code, "README.md", "exec", dont_inherit=True), namespace)
+    exec(compile(code, "docs/extending.md", "exec", dont_inherit=True), namespace)
     trainer = RLTrainer(compose_train("trainer.lr=5e-2"))
     trainer.hooks.append(namespace["LargeRatios"](above=1.0))  # any ratio above 1 counts
     record = trainer.step()
