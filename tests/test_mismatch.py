@@ -297,7 +297,7 @@ def _readme_recipe(title: str) -> str:
     return readme.split(f"## {title}", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_example_correction_weighs_by_the_untruncated_ratio_and_runs_in_the_loop(tmp_path):
+def test_the_documented_example_correction_weighs_by_the_untruncated_ratio_and_runs_in_the_loop(tmp_path):
     """`Add a correction` in docs/extending.md is code a newcomer copies: it must run as printed, and through the loop."""
     from algos.corrections import CORRECTIONS
 

@@ -453,7 +453,7 @@ def test_every_yaml_only_selects_its_objective_whose_defaults_compose():
         assert OmegaConf.to_container(OmegaConf.structured(OBJECTIVES[name])) == defaults
 
 
-def test_the_readme_example_objective_registers_and_has_the_documented_gradient():
+def test_the_documented_example_objective_registers_and_has_the_documented_gradient():
     """`Add an algorithm` in docs/extending.md is code a newcomer copies: it must run as printed."""
     readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text(encoding="utf-8")
     section = readme.split("## Add an algorithm", 1)[1]

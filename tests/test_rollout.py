@@ -128,7 +128,7 @@ def test_shared_prefill_changes_nothing_but_the_cost(micro_policy):
     assert len(set(rollout.completions)) > 1, "a degenerate model would make this comparison vacuous"
 
 
-def test_the_readme_example_engine_returns_text_only_and_the_run_adapts(tmp_path):
+def test_the_documented_example_engine_returns_text_only_and_the_run_adapts(tmp_path):
     """`Add an engine` in docs/extending.md is code a newcomer copies: it must run as printed. An engine that returns no
     log-probs makes the run recompute π_old, and what reads μ_old is refused in one line."""
     from experiments.step.engines import ENGINES

@@ -410,7 +410,7 @@ def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_
                                                                                        "routing_variant.top_margin"}
 
 
-def test_the_readme_example_routing_variant_replays_the_first_layers_only(micro_policy):
+def test_the_documented_example_routing_variant_replays_the_first_layers_only(micro_policy):
     """`Add a routing variant` in docs/extending.md is code a newcomer copies: it must run as printed."""
     from algos.routing_variants import build_routing_variant
     from models.registry import ConfigError

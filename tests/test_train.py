@@ -420,7 +420,7 @@ def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(r
     assert later[DRIFT] > 0.0 or later[TOKEN_RATIO_VAR] > 0.0, "the test must see an update"
 
 
-def test_the_readme_example_step_hook_measures_every_update():
+def test_the_documented_example_step_hook_measures_every_update():
     """`Add a step hook` in docs/extending.md is code a newcomer copies: it runs as printed, at its fixed point, in the loop."""
     readme = (PROJECT_ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
     code = readme.split("## Add a step hook", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
