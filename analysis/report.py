@@ -314,7 +314,9 @@ def references_section(matched: pd.DataFrame, references: Sequence[Reference], a
               "cell: every setting either side varied at one value, a setting only this sweep varied taken at the "
               "schema's default in the reference (its table records only what it varied), a setting only the "
               "reference varied at the value every run here holds. **Sign**: whether the two estimates point the same "
-              "way, the one thing a few seeds can agree with or contradict; the reference's verdict is as committed."]
+              "way, the one thing a few seeds can agree with or contradict; the reference's verdict is as committed. "
+              "Its runs are not paired with these (they may come from another cold start of the recipe): only the "
+              "directions are compared."]
     for reference in references:
         if reference.path not in set(matched["reference"]):
             lines += ["", f"`{reference.path}`: no matching row; {no_match(reference)}."]
