@@ -5,17 +5,20 @@
 
 Writes into the output folder one PNG per figure (analysis/figures.py; a PDF beside it with `--pdf`, for a paper),
 `summary.csv` (the stability table, one row per series), `per_seed.csv`, `comparisons.csv`, `left_out.csv` and
-`report.md`, which embeds every PNG with a one-sentence caption, lists incomplete runs and loading problems, says
-which panels were left out and why (a metric not logged, a quantity the runs did not vary), defines every number in
-the tables, states the comparison the runs declared (`analysis.declaration`: the baseline, the primary summary, the
-family Holm's correction runs over, how early-stopped runs count) and names every seed the comparisons left out.
-Runs are paired by their cold start (the weights' sha256 each summary names) and seed; with runs from two or more
-starts each comparison also gets the two-level statistics across starts (`statistics.across_starts`).
-Bad input (no runs, a missing directory, a declaration that does not fit the runs, runs of one start and seed that
-differ beyond their arms) ends with a one-line `error:` message and exit code 2, before any figure is drawn. The
-report is written into a staging folder and put in place whole (`cli.staged`): an interrupt (SIGTERM, Ctrl-C) or a
-crash leaves the previous report untouched, or none, and the interrupt says which in one line. A report that fails
-removes the output folders it created while they are still empty.
+`report.md`, which opens on what ran and what it shows (analysis/headline.py: the figure of what the sweep varied, the
+declared comparisons' verdicts, each beside the committed result the runs declare they are a miniature of,
+analysis/references.py, and what the sweep cannot show), then embeds every other PNG with a one-sentence caption, lists
+incomplete runs and loading problems, says which panels were left out and why (a metric not logged, a quantity the runs
+did not vary), defines every number in the tables, states the comparison the runs declared (`analysis.declaration`: the
+baseline, the primary summary, the family Holm's correction runs over, how early-stopped runs count) and names every
+seed the comparisons left out.
+Runs are paired by their cold start (the weights' sha256 each summary names) and seed; with runs from two or more starts
+each comparison also gets the two-level statistics across starts (`statistics.across_starts`). Bad input (no runs, a
+missing directory, a declaration that does not fit the runs, a declared reference that is not a report's folder, runs of
+one start and seed that differ beyond their arms) ends with a one-line `error:` message and exit code 2, before any
+figure is drawn. The report is written into a staging folder and put in place whole (`cli.staged`): an interrupt
+(SIGTERM, Ctrl-C) or a crash leaves the previous report untouched, or none, and the interrupt says which in one line. A
+report that fails removes the output folders it created while they are still empty.
 """
 
 from __future__ import annotations
@@ -479,8 +482,7 @@ def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gai
     missing = agg.left_out(runset, gains, axes, declaration.early_stopped)
     missing.to_csv(out_dir / LEFT_OUT_FILE, index=False)
     held = held_settings(json.loads(config) for config in runset.runs["config"])
-    matched = beside(comparisons, axes, held, schema_defaults(), references) if len(comparisons) and references else \
-        beside(pd.DataFrame(columns=[*axes, "measure", "arm", "baseline"]), axes, {}, {}, [])
+    matched = beside(comparisons, axes, held, schema_defaults() if references else {}, references)
     n_incomplete = int(runset.runs["incomplete"].sum())
     lines = [
         "# moe-rl-lab report", "",
