@@ -48,8 +48,8 @@ $(COLD_START)/config.json: | $(STAMP)
 
 sft: $(COLD_START)/config.json
 
-# The main job: cold start (once), the quickstart sweep (GRPO, GRPO + r2, GSPO at 0, 20, 50% synthetic flips), then
-# its report.
+# The main job: cold start (once), the quickstart sweep (GRPO and GRPO + r2 on seeds 0-2, under SYNTHETIC flips and
+# under SYNTHETIC router noise), then its report, each comparison beside the committed result it is a miniature of.
 run: $(STAMP) $(COLD_START)/config.json
 	$(PY) -m experiments.train -m experiment=quickstart hydra.sweep.dir=$(SWEEP)
 	$(PY) -m analysis.report $(SWEEP) --out $(SWEEP)/report

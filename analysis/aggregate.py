@@ -25,7 +25,7 @@ from algos.objective import CLIP
 from algos.objective import SEQ_RATIO_VAR as SEQ_VAR
 from algos.objective import TOKEN_RATIO_VAR as TOKEN_VAR
 from analysis.load import (
-    INCOMPLETE, UNKNOWN_START, RunSet, _format_value, _short_key, ignored_key, method_name,
+    INCOMPLETE, SYNTHETIC_KEYS, UNKNOWN_START, RunSet, _format_value, _short_key, ignored_key, method_name,
 )
 from analysis.statistics import ALPHA, across_starts, compare, holm
 from experiments.config import EarlyStopped, RolloutConfig, Summary
@@ -654,6 +654,18 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
 
 def _cell_text(cell: dict) -> str:
     return "".join(f", {key}={_format_value(value)}" for key, value in cell.items())
+
+
+def cell_name(cell: dict) -> str:
+    """A cell of a sweep as a reader names it: a SYNTHETIC intervention by what it is and its dose where it is on
+    ("SYNTHETIC flips p=0.2"), any other setting as key=value; a cell whose interventions are all off and that sets
+    nothing else says so."""
+    parts = [f"{SYNTHETIC_KEYS[key]} p={_format_value(value)}" if key in SYNTHETIC_KEYS else
+             f"{key}={_format_value(value)}" for key, value in cell.items()
+             if key not in SYNTHETIC_KEYS or float(value)]
+    if parts:
+        return ", ".join(parts)
+    return "no SYNTHETIC intervention" if cell else "every run"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """What a report decides by: the comparison an experiment declares before its runs.
 
 An experiment file sets `comparison` (experiments.config.ComparisonConfig): the baseline arm, the one primary summary,
-the arms whose comparisons with the baseline form the family Holm's correction runs over, and how runs that ended
-themselves early count. Every run records it in its `.hydra/config.yaml`; `analysis.report` reads it from there, and
-every run of a report must declare the same (a report of runs recorded before `comparison` existed applies the
-schema's defaults and says that they were not declared). A command-line flag may override a field; the report names
-each field it took from the command line. Everything is checked against the arms the runs hold before any figure is
-drawn: a family or baseline naming an arm the sweep did not run, a primary measure that is not a summary the analysis
-computes, a rule that is not one, each ends the report with one line.
+the arms whose comparisons with the baseline form the family Holm's correction runs over, how runs that ended themselves
+early count, and the committed results the sweep is a miniature of (`analysis.references`). Every run records it in its
+`.hydra/config.yaml`; `analysis.report` reads it from there, and every run of a report must declare the same (a report
+of runs recorded before `comparison` existed applies the schema's defaults and says that they were not declared). A
+command-line flag may override a field; the report names each field it took from the command line. Everything is checked
+against the arms the runs hold before any figure is drawn: a family or baseline naming an arm the sweep did not run, a
+primary measure that is not a summary the analysis computes, a rule that is not one, a reference with no
+comparisons.csv, each ends the report with one line.
 """
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from analysis.aggregate import DEFAULT_BASELINE, GAIN_MEASURES
-from experiments.config import ComparisonConfig, EarlyStopped, Summary
+from analysis.references import Reference
+from analysis.references import load_all as load_references
+from experiments.config import PROJECT_ROOT, ComparisonConfig, EarlyStopped, Summary
 
 KEY = "comparison"  # the config node (`comparison.<field>` in a run's flat config)
 FIELDS = tuple(f.name for f in fields(ComparisonConfig))
 _UNDECLARED = object()  # what a run recorded before `comparison` existed declares
-FLAGS = {"baseline": "--baseline", "primary": "--primary", "family": "--family", "early_stopped": "--early-stopped"}
+FLAGS = {"baseline": "--baseline", "primary": "--primary", "family": "--family", "early_stopped": "--early-stopped",
+         "references": "--references"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Declaration:
     primary: str = ComparisonConfig.primary.value
     family: tuple[str, ...] = ()  # empty: every arm the runs hold
     early_stopped: str = ComparisonConfig.early_stopped.value
+    references: tuple[str, ...] = ()  # the committed results' folders, as declared (relative to the project)
     declared: bool = False  # the runs' configs declared it (else: the schema's defaults, or the command line)
     overridden: tuple[str, ...] = ()  # the fields the command line set
     read_from: str = "runs"  # runs (their configs), or tables (per-seed tables, which carry no declaration)
@@ -74,6 +80,11 @@ class Declaration:
         baseline = self.reference(arms)
         return list(self.family) or sorted(set(arms) - {baseline})
 
+    def read_references(self, root: Path = PROJECT_ROOT) -> list[Reference]:
+        """The declared references, each read through its comparisons.csv (`analysis.references.load`); one that is
+        not the folder of a report that compared arms is refused (`ValueError`, one line naming it)."""
+        return load_references(self.references, self._said("references"), root)
+
     def _said(self, name: str) -> str:
         return FLAGS[name] if name in self.overridden else f"{KEY}.{name}"
 
@@ -103,15 +114,17 @@ class Declaration:
             "verdict",
             f"- **runs that ended themselves early** (status diverged): {rule[EarlyStopped(self.early_stopped)]}; "
             "a run stopped from outside (crashed, killed, interrupted) never counts",
+            *([f"- **references** (the committed results these runs are a miniature of): "
+               f"{', '.join(f'`{path}`' for path in self.references)}"] if self.references else []),
             "", f"{origin}.",
         ]
 
 
 def _value(name: str, value: Any) -> Any:
     """A field as a run's flat config records it (a list as its JSON text) in the declaration's own types."""
-    if name == "family":
-        family = json.loads(value) if isinstance(value, str) else value
-        return tuple(family or ())
+    if name in ("family", "references"):
+        items = json.loads(value) if isinstance(value, str) else value
+        return tuple(items or ())
     return value
 
 
@@ -137,7 +150,7 @@ def read(configs: Mapping[str, Mapping[str, Any]], overrides: Mapping[str, Any] 
                                  f"{_declares(name, there)}, {b} {_declares(name, here)}; every run of a report "
                                  f"declares the same, or {FLAGS[name]} sets it for the report")
             fields_found[name] = next(iter(values.values()))
-    given = {name: tuple(value) if name == "family" else value for name, value in overrides.items()}
+    given = {name: tuple(value) if name in ("family", "references") else value for name, value in overrides.items()}
     return replace(Declaration(), **{**fields_found, **given}, declared=bool(fields_found),
                    overridden=tuple(name for name in FIELDS if name in given))
 
@@ -155,9 +168,10 @@ def _declares(name: str, value: Any) -> str:
     return f"declares {KEY}.{name}={shown!r}"
 
 
-def add_flags(parser: Any, baseline_help: str, early_stopped: bool = False) -> None:
+def add_flags(parser: Any, baseline_help: str, early_stopped: bool = False, references: bool = False) -> None:
     """The command-line flags that override a declaration's fields (analysis.report, analysis.compare; the rule for
-    early-stopped runs only where runs are read, not per-seed tables, which already applied it)."""
+    early-stopped runs only where runs are read, not per-seed tables, which already applied it; the references where
+    a report sets its comparisons beside them)."""
     parser.add_argument("--baseline", metavar="ARM", help=baseline_help)
     parser.add_argument("--primary", choices=list(Summary), metavar="SUMMARY",
                         help=f"the summary whose comparisons decide ({', '.join(Summary)}; default: the runs' "
@@ -169,6 +183,10 @@ def add_flags(parser: Any, baseline_help: str, early_stopped: bool = False) -> N
         parser.add_argument("--early-stopped", choices=list(EarlyStopped), dest="early_stopped",
                             help="how a run that ended itself early counts (default: the runs' declaration, else "
                                  f"{ComparisonConfig.early_stopped.value})")
+    if references:
+        parser.add_argument("--references", nargs="+", metavar="DIR",
+                            help="the committed results these runs are a miniature of: folders holding a report's "
+                                 "comparisons.csv (default: the runs' declaration, else none)")
 
 
 def overrides(args: Any, names: Sequence[str] = FIELDS) -> dict[str, Any]:

@@ -642,29 +642,37 @@ def _arm_color(arm: str) -> tuple[str, str]:
 
 
 def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False,
-                       early_stopped: str = agg.EarlyStopped.exclude) -> FigureOutput:
+                       early_stopped: str = agg.EarlyStopped.exclude,
+                       primary: str = agg.Summary.gain_area) -> FigureOutput:
     """Held-out greedy accuracy gained from each run's start against what the sweep varied: one line per arm for one
-    swept knob, a grid per arm (the phase diagram) for two. The runs the comparisons count (`agg.accuracy_gain`
-    under `early_stopped`): a run that did not finish is not drawn as if it had."""
+    swept knob, a grid per arm (the phase diagram) for two whose values fill a grid; a panel per cell with every
+    seed's `primary` summary per arm where the cells fill no grid (two interventions swept apart, not crossed) or
+    the sweep varied its arms alone. The runs the comparisons count (`agg.accuracy_gain` under `early_stopped`): a
+    run that did not finish is not drawn as if it had."""
     out = FigureOutput("0", "fig0_sweep_response", "Held-out accuracy gained, against what the sweep varied", "")
     gains = agg.accuracy_gain(runset, early_stopped)
     gains = gains[gains["counted"] != agg.EXCLUDED]
     axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
-    if gains.empty or not axes:
-        out.notes.append("The runs vary no numeric setting within an arm (or were not evaluated at start and end): "
-                         "there is no sweep axis to draw the gain against; Figure 1 compares the arms.")
+    arms = list(dict.fromkeys(sorted(gains["arm"], key=lambda a: (a.split(" ")[0] != "grpo", a))))
+    if gains.empty or (not axes and len(arms) < 2):
+        out.notes.append("The runs vary no numeric setting within an arm and hold one arm (or were not evaluated at "
+                         "start and end): nothing varied to draw the gain against; Figure 1 shows the runs.")
         return out
-    if len(axes) > 2:
+    cells = agg.cells(gains, axes)
+    a_grid = len(axes) >= 2 and len({tuple(cell[key] for key in axes[:2]) for cell, _ in cells}) == math.prod(
+        gains[key].nunique() for key in axes[:2])
+    if a_grid and len(axes) > 2:
         out.notes.append(f"The sweep varies {len(axes)} settings ({', '.join(axes)}); the first two are drawn, "
                          "averaging over the others.")
-    arms = list(dict.fromkeys(sorted(gains["arm"], key=lambda a: (a.split(" ")[0] != "grpo", a))))
-    synthetic = [key for key in axes[:2] if key in SYNTHETIC_KEYS]
     with matplotlib.rc_context(RC_PARAMS):
         if len(axes) == 1:
             _gain_lines(out, gains, axes[0], arms, out_dir, dpi, pdf)
-        else:
+        elif a_grid:
             _gain_grids(out, gains, axes[0], axes[1], arms, out_dir, dpi, pdf)
+        else:
+            _gain_cells(out, cells, arms, primary, out_dir, dpi, pdf)
     seeds = ", ".join(sorted(set(gains["seed"]), key=lambda s: (len(s), s)))
+    synthetic = [key for key in axes if key in SYNTHETIC_KEYS]
     out.caption += f" Seeds: {seeds}." + "".join(f" {SYNTHETIC_CAPTIONS[key]}" for key in synthetic)
     return out
 
@@ -728,12 +736,53 @@ def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str
                    f"{_axis_label(x_axis)} × {_axis_label(y_axis)}; blue gained, red lost.")
 
 
+def _gain_cells(out: FigureOutput, cells: list[tuple[dict, pd.DataFrame]], arms: list[str], measure: str,
+                out_dir: Path, dpi: int, pdf: bool) -> None:
+    """A panel per cell: each seed's `measure` per arm (a dot; one seed's runs joined across the arms, the pairs the
+    comparisons take) and each arm's mean (a bar), on one y scale."""
+    columns = min(len(cells), 4)
+    rows = math.ceil(len(cells) / columns)
+    width = COLUMN_WIDTH_IN if columns == 1 else TEXT_WIDTH_IN
+    fig = _figure(width, 0.6 + 1.9 * rows)
+    grid = fig.subplots(rows, columns, squeeze=False, sharey=True)
+    name = agg.GAIN_MEASURES[measure].split(":")[0]
+    for index, (cell, part) in enumerate(cells):
+        ax = grid[index // columns][index % columns]
+        for _, seed in part.groupby(["start_sha256", "seed"]):
+            values = seed.drop_duplicates("arm").set_index("arm").reindex(arms)[measure].to_numpy(float)
+            ax.plot(range(len(arms)), values, color="grey", linewidth=0.5, alpha=0.6, zorder=1)
+        for x, arm in enumerate(arms):
+            values = part.loc[part["arm"] == arm, measure].dropna()
+            if values.empty:
+                continue
+            color, style = _arm_color(arm)
+            ax.scatter(np.full(len(values), x), values, s=8, color=color, linewidths=0, zorder=2)
+            ax.hlines(values.mean(), x - 0.3, x + 0.3, color=color, linestyle=style, linewidth=1.5, zorder=3)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xlim(-0.5, len(arms) - 0.5)
+        ax.set_xticks(range(len(arms)), arms, rotation=30 if len(arms) > 2 else 0,
+                      ha="right" if len(arms) > 2 else "center")
+        ax.set_title(agg.cell_name(cell) if cell else "")
+        ax.grid(False, axis="x")
+        if index % columns == 0:
+            ax.set_ylabel(f"{name}\n(held-out greedy acc.)")
+    for index in range(len(cells), rows * columns):
+        grid[index // columns][index % columns].set_visible(False)
+    out.files = _save(fig, out_dir, out.name, dpi, pdf)
+    where = "Per cell of the sweep (a panel), each" if len(cells) > 1 else "Each"
+    out.caption = (f"{where} run's {name} of held-out greedy accuracy (`{measure}`, from the run's own start), per "
+                   "arm: a dot per seed, one seed's runs joined by a grey line (the pairs the comparisons take), a bar "
+                   "at the arm's mean (its line style the arm's replay).")
+
+
 def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
-                pdf: bool = False, early_stopped: str = agg.EarlyStopped.exclude) -> list[FigureOutput]:
-    """Every figure in report order (`early_stopped`: how the gain figure counts runs that ended themselves)."""
+                pdf: bool = False, early_stopped: str = agg.EarlyStopped.exclude,
+                primary: str = agg.Summary.gain_area) -> list[FigureOutput]:
+    """Every figure in report order (`early_stopped`: how the gain figure counts runs that ended themselves;
+    `primary`: the summary it shows per seed where it draws a panel per cell)."""
     out_dir = Path(out_dir)
     return [
-        fig_sweep_response(runset, out_dir, dpi=dpi, pdf=pdf, early_stopped=early_stopped),
+        fig_sweep_response(runset, out_dir, dpi=dpi, pdf=pdf, early_stopped=early_stopped, primary=primary),
         fig_reward_vs_compute(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),
         fig_clip_fraction(runset, out_dir, dpi=dpi, pdf=pdf),
         fig_replay_grpo(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf),

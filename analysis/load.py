@@ -418,15 +418,18 @@ def is_job_dir(path: Path, filenames: Sequence[str]) -> bool:
 
 
 def find_run_dirs(paths: Sequence[str | Path], problems: list[str] | None = None,
-                  unstarted: list[Path] | None = None) -> list[tuple[Path, Path]]:
+                  unstarted: list[Path] | None = None, skip: Sequence[Path] = ()) -> list[tuple[Path, Path]]:
     """All run directories under `paths`, as `(input_root, run_dir)` pairs in natural order (0, 1, ..., 10); the job
-    directories that hold no `metrics.jsonl` (a job refused before its first step) are added to `unstarted`.
+    directories that hold no `metrics.jsonl` (a job refused before its first step) are added to `unstarted`. The
+    folders `skip` and what they hold are passed over (a report's own output folder inside the sweep it reports:
+    `make run` writes the quickstart's report there, and a job of the sweep it is not).
 
     Raises FileNotFoundError for a path that does not exist, ValueError when nothing under `paths` is a run.
     """
     problems = [] if problems is None else problems
     found: list[tuple[Path, Path]] = []
     seen: set[Path] = set()
+    skipped = {Path(folder).resolve() for folder in skip}
     for given in paths:
         root = Path(given)
         if not root.exists():
@@ -435,6 +438,9 @@ def find_run_dirs(paths: Sequence[str | Path], problems: list[str] | None = None
             raise ValueError(f"not a directory: {root} (expected a run directory or a sweep directory)")
         for current, dirnames, filenames in os.walk(root):
             here = Path(current)
+            if here.resolve() in skipped:
+                dirnames[:] = []
+                continue
             if is_run_dir(here):
                 dirnames[:] = []  # checkpoints and W&B files below a run are not runs
                 if here.resolve() not in seen:
@@ -535,15 +541,16 @@ def _run_id(root: Path, run_dir: Path, taken: set[str]) -> str:
     return candidate
 
 
-def load_runs(paths: Sequence[str | Path]) -> RunSet:
-    """Load every run under `paths` (run or sweep directories, searched recursively) into a RunSet."""
+def load_runs(paths: Sequence[str | Path], skip: Sequence[Path] = ()) -> RunSet:
+    """Load every run under `paths` (run or sweep directories, searched recursively, passing over the folders
+    `skip`) into a RunSet."""
     problems: list[str] = []
     rows = _Rows(nulls_are_non_finite=True)
     run_rows: list[dict] = []
     taken: set[str] = set()
     defaults = schema_defaults()
     jobs: list[Path] = []
-    found = find_run_dirs(paths, problems, jobs)
+    found = find_run_dirs(paths, problems, jobs, skip)
     unstarted = [_read_unstarted(job, defaults, problems) for job in sorted(jobs, key=_natural_key)]
     for root, run_dir in found:
         try:

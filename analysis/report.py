@@ -5,17 +5,20 @@
 
 Writes into the output folder one PNG per figure (analysis/figures.py; a PDF beside it with `--pdf`, for a paper),
 `summary.csv` (the stability table, one row per series), `per_seed.csv`, `comparisons.csv`, `left_out.csv` and
-`report.md`, which embeds every PNG with a one-sentence caption, lists incomplete runs and loading problems, says
-which panels were left out and why (a metric not logged, a quantity the runs did not vary), defines every number in
-the tables, states the comparison the runs declared (`analysis.declaration`: the baseline, the primary summary, the
-family Holm's correction runs over, how early-stopped runs count) and names every seed the comparisons left out.
-Runs are paired by their cold start (the weights' sha256 each summary names) and seed; with runs from two or more
-starts each comparison also gets the two-level statistics across starts (`statistics.across_starts`).
-Bad input (no runs, a missing directory, a declaration that does not fit the runs, runs of one start and seed that
-differ beyond their arms) ends with a one-line `error:` message and exit code 2, before any figure is drawn. The
-report is written into a staging folder and put in place whole (`cli.staged`): an interrupt (SIGTERM, Ctrl-C) or a
-crash leaves the previous report untouched, or none, and the interrupt says which in one line. A report that fails
-removes the output folders it created while they are still empty.
+`report.md`, which opens on what ran and what it shows (analysis/headline.py: the figure of what the sweep varied, the
+declared comparisons' verdicts, each beside the committed result the runs declare they are a miniature of,
+analysis/references.py, and what the sweep cannot show), then embeds every other PNG with a one-sentence caption, lists
+incomplete runs and loading problems, says which panels were left out and why (a metric not logged, a quantity the runs
+did not vary), defines every number in the tables, states the comparison the runs declared (`analysis.declaration`: the
+baseline, the primary summary, the family Holm's correction runs over, how early-stopped runs count) and names every
+seed the comparisons left out.
+Runs are paired by their cold start (the weights' sha256 each summary names) and seed; with runs from two or more starts
+each comparison also gets the two-level statistics across starts (`statistics.across_starts`). Bad input (no runs, a
+missing directory, a declaration that does not fit the runs, a declared reference that is not a report's folder, runs of
+one start and seed that differ beyond their arms) ends with a one-line `error:` message and exit code 2, before any
+figure is drawn. The report is written into a staging folder and put in place whole (`cli.staged`): an interrupt
+(SIGTERM, Ctrl-C) or a crash leaves the previous report untouched, or none, and the interrupt says which in one line. A
+report that fails removes the output folders it created while they are still empty.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from analysis import declaration as declared
 from analysis import statistics
 from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
 from analysis.figures import FigureOutput, all_figures
+from analysis.headline import TITLE, difference, first_screen, headline_figure, no_match
 from analysis.load import (
     FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, UNKNOWN_START, RunSet, default_wandb_api, load_runs, load_wandb,
-    wandb_cache_dir,
+    schema_defaults, wandb_cache_dir,
 )
+from analysis.references import Reference, beside, held_settings
 from experiments.step.metrics import MISMATCH_K3
 
 REPORT_FILE = "report.md"
@@ -137,13 +142,17 @@ def _starts_sentence(runs: pd.DataFrame) -> str:
             f"summary names them): {said}" + (f"; {unnamed} runs name none (no summary)" if unnamed else "") + ".")
 
 
-def _figure_section(figures: Sequence[FigureOutput]) -> list[str]:
+def _figure_section(figures: Sequence[FigureOutput], shown: str | None = None) -> list[str]:
+    """Every figure with its caption and notes; the one the first screen shows (number `shown`) is named, not drawn
+    twice."""
     lines = ["## Figures"]
     for figure in figures:
         lines += ["", f"### Figure {figure.number}: {figure.title}", ""]
         pngs = [f for f in figure.files if f.suffix == ".png"]
         pdfs = [f for f in figure.files if f.suffix == ".pdf"]
-        if pngs:
+        if pngs and figure.number == shown:
+            lines.append(f"Shown first, under *{TITLE[3:]}*" + (f" ([PDF]({pdfs[0].name}))." if pdfs else "."))
+        elif pngs:
             lines += [f"![{figure.title}]({pngs[0].name})", ""]
             lines.append(figure.caption + (f" ([PDF]({pdfs[0].name}))" if pdfs else ""))
         else:
@@ -258,13 +267,18 @@ def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str
     statistics beside each, with one a sentence that says the numbers are that start's."""
     if comparisons.empty:
         return []
+    title = f"## Each arm against {baseline}, paired over shared seeds"
+    if "difference_estimate" not in comparisons or comparisons["difference_estimate"].isna().all():
+        shared = " or ".join(str(n) for n in sorted(set(comparisons["seeds"])))
+        return [title, "", f"None of the {len(comparisons)} comparisons (each arm against {baseline} in each cell, on "
+                           f"each summary; `{COMPARISONS_FILE}`) could be made: the two arms of each share {shared} "
+                           "seed(s) there, and a paired comparison needs 2."]
     records = comparisons.to_dict("records")
     across = any(row.get("starts", 1) >= 2 for row in records if not pd.isna(row.get("starts", math.nan)))
     primary = [row for row in records if row["role"] == agg.PRIMARY]
     secondary = [row for row in records if row["role"] == agg.SECONDARY]
     measure = primary[0]["measure"] if primary else "–"
-    lines = [f"## Each arm against {baseline}, paired over shared seeds", "",
-             f"### The family: `{measure}`, the primary summary", ""]
+    lines = [title, "", f"### The family: `{measure}`, the primary summary", ""]
     lines += [_comparison_table(primary, axes, baseline, across, family=True), ""] if primary else \
         ["No arm of the declared family was compared.", ""]
     lines += ["### Secondary: the other summaries and arms (not corrected for the family: suggestive at most)", "",
@@ -281,6 +295,34 @@ def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str
         "fewer than 6 units cannot reach 0.05; a row that does not separate names the smallest mean difference its "
         "pairs could have detected (a paired t-test at α = 0.05 with 80% power, given their spread). "
         "analysis/statistics.py says why these and not others.", "", _starts_note(records)]
+    return lines
+
+
+def references_section(matched: pd.DataFrame, references: Sequence[Reference], axes: list[str]) -> list[str]:
+    """Every comparison beside the row of each reference that matches it (`analysis.references.beside`), every
+    summary; the references with no matching row and what their tables hold."""
+    if not references:
+        return []
+    rows = [[*[_num(row["cell"].get(key), "g") for key in axes], row["arm"], row["measure"],
+             f"{difference(row, 'here')} ({row['here_seeds']})", f"`{row['reference']}`",
+             f"{difference(row, 'there')} ({row['there_seeds']})", row["there_verdict"], f"**{row['sign']}**"]
+            for row in matched.to_dict("records")]
+    lines = ["## Beside the committed results", ""]
+    if rows:
+        lines += [markdown_table([*[_axis_header(key) for key in axes], "arm", "measure",
+                                  "here: arm − baseline [95% CI] (seeds)", "reference",
+                                  "there: arm − baseline [95% CI] (seeds)", "its verdict", "sign"], rows), ""]
+    lines += [f"Each comparison here beside the row of a reference (`comparison.references`: the committed results "
+              "these runs are a miniature of, read from their comparisons.csv) of the same arm, baseline, measure and "
+              "cell: every setting either side varied at one value, a setting only this sweep varied taken at the "
+              "schema's default in the reference (its table records only what it varied), a setting only the "
+              "reference varied at the value every run here holds. **Sign**: whether the two estimates point the same "
+              "way, the one thing a few seeds can agree with or contradict; the reference's verdict is as committed. "
+              "Its runs are not paired with these (they may come from another cold start of the recipe): only the "
+              "directions are compared."]
+    for reference in references:
+        if reference.path not in set(matched["reference"]):
+            lines += ["", f"`{reference.path}`: no matching row; {no_match(reference)}."]
     return lines
 
 
@@ -390,17 +432,19 @@ def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[st
 
 
 def decide(runset: RunSet, overrides: dict[str, Any] | None = None
-           ) -> tuple[declared.Declaration, pd.DataFrame, list[str]]:
+           ) -> tuple[declared.Declaration, pd.DataFrame, list[str], list[Reference]]:
     """The runs' declared comparison (with the command line's `overrides`), checked against their arms, the per-run
-    gains it counts and the swept axes; `ValueError` (one line) for a declaration that does not fit the runs and for
-    runs of one cell, start and seed that differ beyond their arms. Everything a report refuses, before any figure."""
+    gains it counts, the swept axes and the declared references, read; `ValueError` (one line) for a declaration that
+    does not fit the runs, a reference that is not a report's folder, and runs of one cell, start and seed that
+    differ beyond their arms. Everything a report refuses, before any figure."""
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
     declaration = declared.read(configs, overrides)
     declaration.checked(agg.arm_names(configs).values())
+    references = declaration.read_references()
     gains = agg.accuracy_gain(runset, declaration.early_stopped)
     axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
     agg.check_pairable(runset, gains, axes)
-    return declaration, gains, axes
+    return declaration, gains, axes, references
 
 
 def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, drop: float = agg.COLLAPSE_DROP,
@@ -411,18 +455,34 @@ def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, dro
     folder (`cli.staged`); returns the path of report.md. `overrides`: the command line's fields of the declaration."""
     out_dir = Path(out_dir)
     overrides = {**(overrides or {}), **({"baseline": baseline} if baseline is not None else {})}
-    declaration, gains, axes = decide(runset, overrides)
+    declaration, gains, axes, references = decide(runset, overrides)
     with staged(out_dir, REPORT_OUTPUT.match, REPORT_FILE) as stage:
-        _write(runset, stage, declaration, gains, axes, last_n=last_n, drop=drop, alpha=alpha, dpi=dpi, pdf=pdf,
-               command=command)
+        _write(runset, stage, declaration, gains, axes, references, last_n=last_n, drop=drop, alpha=alpha, dpi=dpi,
+               pdf=pdf, command=command)
     return out_dir / REPORT_FILE
 
 
-def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gains: pd.DataFrame, axes: list[str], *,
-           last_n: int, drop: float, alpha: float, dpi: int, pdf: bool, command: str) -> None:
-    figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf, early_stopped=declaration.early_stopped)
+def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gains: pd.DataFrame, axes: list[str],
+           references: list[Reference], *, last_n: int, drop: float, alpha: float, dpi: int, pdf: bool,
+           command: str) -> None:
+    """report.md: the first screen (`analysis.headline`: what ran, the headline figure, the verdicts, the references,
+    what the sweep cannot show), then the tables behind it (the gains, the declared comparison, every comparison,
+    each beside its reference), then the long ones (runs, figures, seeds left out, stability, early warning)."""
+    figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf, early_stopped=declaration.early_stopped,
+                          primary=declaration.primary)
     table = agg.stability_table(runset, last_n=last_n, drop=drop, alpha=alpha)
     table.to_csv(out_dir / SUMMARY_FILE, index=False)
+    gains.to_csv(out_dir / PER_SEED_FILE, index=False)
+    counted = gains[gains["counted"] != agg.EXCLUDED]
+    arms = sorted(set(gains["arm"]))
+    comparisons, baseline = pd.DataFrame(), declaration.reference(arms) if arms else None
+    if len(set(counted["arm"])) > 1:
+        comparisons = agg.arm_comparisons(gains, baseline, axes, declaration.primary, declaration.family_of(arms))
+        comparisons.to_csv(out_dir / COMPARISONS_FILE, index=False)
+    missing = agg.left_out(runset, gains, axes, declaration.early_stopped)
+    missing.to_csv(out_dir / LEFT_OUT_FILE, index=False)
+    held = held_settings(json.loads(config) for config in runset.runs["config"])
+    matched = beside(comparisons, axes, held, schema_defaults() if references else {}, references)
     n_incomplete = int(runset.runs["incomplete"].sum())
     lines = [
         "# moe-rl-lab report", "",
@@ -432,24 +492,20 @@ def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gai
     ]
     if command:
         lines += ["", f"Made with `{command}`."]
-    lines += [""] + _runs_section(runset) + [""] + _figure_section(figures) + [""]
-    gains.to_csv(out_dir / PER_SEED_FILE, index=False)
-    counted = gains[gains["counted"] != agg.EXCLUDED]
+    lines += ["", *first_screen(runset, gains, axes, declaration, comparisons, matched, references, figures,
+                                missing)]
     sweep = _sweep_section(runset, counted)
     lines += sweep + ([""] if sweep else [])
-    arms = sorted(set(gains["arm"]))
     if len(set(counted["arm"])) > 1:
-        reference = declaration.reference(arms)
-        comparisons = agg.arm_comparisons(gains, reference, axes, declaration.primary, declaration.family_of(arms))
-        comparisons.to_csv(out_dir / COMPARISONS_FILE, index=False)
         size = int((comparisons["role"] == agg.PRIMARY).sum()) if not comparisons.empty else 0
-        lines += declaration.lines(arms, size) + [""] + comparison_section(comparisons, axes, reference) + [""]
+        lines += declaration.lines(arms, size) + [""] + comparison_section(comparisons, axes, baseline) + [""]
+        lines += references_section(matched, references, axes) + ([""] if references else [])
     elif len(set(counted["arm"])) == 1:
         lines += _one_arm_section(runset, counted) + [""] + declaration.lines(arms, 0) + [
             "", "One arm here, so the declared comparison is made where its baseline's runs are: `python -m "
                 "analysis.compare` with that report's per-seed table.", ""]
-    missing = agg.left_out(runset, gains, axes, declaration.early_stopped)
-    missing.to_csv(out_dir / LEFT_OUT_FILE, index=False)
+    shown = headline_figure(figures)
+    lines += _runs_section(runset) + [""] + _figure_section(figures, shown.number if shown else None) + [""]
     if not gains.empty or not runset.unstarted.empty:  # without any evaluated run there was nothing to compare
         lines += left_out_section(missing, axes) + [""]
     lines += _stability_section(runset, table, last_n, drop, alpha)
@@ -488,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="EMA smoothing weight of the newest point, 1 = none (default: %(default)s)")
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
     parser.add_argument("--pdf", action="store_true", help="also a PDF of every figure (for a paper)")
-    declared.add_flags(parser, early_stopped=True,
+    declared.add_flags(parser, early_stopped=True, references=True,
                        baseline_help=f"the arm every other is compared with, paired over seeds (default: the runs' "
                                      f"declaration, else {agg.DEFAULT_BASELINE} when the runs have it, else the first "
                                      "arm by name)")
@@ -543,7 +599,7 @@ def _report(args: argparse.Namespace, argv: Sequence[str], out: Path, wandb_api_
             runset = load_wandb(args.wandb, args.group, cache_root=args.cache_dir or out / ".cache",
                                 refresh=args.refresh, api_factory=wandb_api_factory)
         else:
-            runset = load_runs(args.paths)
+            runset = load_runs(args.paths, skip=[out])  # the report's own folder may lie inside the sweep
     command = command_line("analysis.report", argv)
     overrides = declared.overrides(args)
     with refusing(ValueError):

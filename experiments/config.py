@@ -68,6 +68,10 @@ class ComparisonConfig:
     # Holm's correction runs over; empty: every arm the sweep ran.
     family: list[str] = field(default_factory=list)
     early_stopped: EarlyStopped = EarlyStopped.exclude  # how a run that ended itself early counts: exclude or failed
+    # The committed results this sweep is a miniature of: folders holding a report's comparisons.csv, relative to the
+    # project ("docs/results/flip_dose_seeds"). The report sets each of its comparisons beside the reference's row of
+    # the same arm, baseline, measure and cell, and says whether the two estimates have the same sign; empty: none.
+    references: list[str] = field(default_factory=list)
 
 
 @dataclass

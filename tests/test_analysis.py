@@ -596,7 +596,9 @@ def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(
     assert "| grpo | 0 | 0.500 | +0.150 ± 0.071 | +0.075 ± 0.035 | – | 2 |" in text
     assert "| grpo | 0.3 | 0.500 | -0.400 | -0.200 | – | 1 |" in text
     assert "routing.flip_rate (SYNTHETIC)" in text and "(0.3) are SYNTHETIC" in text
-    assert "| 0 | grpo + r2 | gain | 1 | – | – | – | – | not compared: 1 shared seed(s) |" in text
+    # no two arms share 2 seeds in a cell: said once, not in a row per comparison
+    assert "None of the 9 comparisons (each arm against grpo in each cell, on each summary" in text
+    assert "not compared: 1 shared seed(s)" not in text and "no comparison and no interval here" in text
 
 
 def test_the_report_compares_each_arm_with_the_baseline_over_shared_seeds_and_says_what_ten_and_three_show(tmp_path):
@@ -660,9 +662,11 @@ def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_pa
     out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI))
     assert out.files and "phase diagram" in out.caption
     _evaluated_run(tmp_path / "flat" / "a", "grpo", 0, "none", 0.5, 0.6)
+    one_arm = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out2", dpi=int(DPI))
+    assert not one_arm.files and "nothing varied" in one_arm.notes[0]
     _evaluated_run(tmp_path / "flat" / "b", "gspo", 0, "none", 0.5, 0.6)
-    flat = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out2", dpi=int(DPI))
-    assert not flat.files and "no sweep axis" in flat.notes[0]
+    arms = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out3", dpi=int(DPI))
+    assert arms.files and arms.caption.startswith("Each run's mean gain over the run"), "arms alone: one panel"
 
 
 def test_figures_are_png_by_default_and_pdf_only_when_asked(tmp_path):
@@ -859,6 +863,124 @@ def test_a_declaration_that_does_not_fit_the_runs_is_refused_in_one_line_before_
     assert "--family" in refused(runs("flag"), "--family", "ppo")
 
 
+def _contrast(folder, references=(), flips=(0.10, 0.12, 0.14), noise=(-0.02, -0.04, -0.06)):
+    """The quickstart's shape: GRPO and GRPO + R2 on seeds 0-2 from one start in two cells, SYNTHETIC flips alone
+    (p = 0.2) and SYNTHETIC router noise alone (p = 0.1). R2's final gain over GRPO's is `flips` per seed in the first
+    cell and `noise` in the second (its mean gain over the run, a straight line from the start: half of it)."""
+    comparison = {"baseline": "grpo", "family": ["grpo + r2"], "references": [str(path) for path in references]}
+    for cell, (flip, perturb, effects) in enumerate([(0.2, 0.0, flips), (0.0, 0.1, noise)]):
+        for seed, effect in enumerate(effects):
+            grpo = 0.5 + 0.01 * seed - 0.2 * cell
+            for replay, end in (("none", grpo), ("r2", grpo + effect)):
+                _evaluated_run(folder / f"{cell}_{replay}_{seed}", "grpo", seed, replay, 0.5, end, sha=START_A,
+                               comparison=comparison, **{"routing.flip_rate": flip, "routing.perturb_rate": perturb})
+    return folder
+
+
+def _reference(folder, key, rows):
+    """A committed result's folder as analysis.report writes it: comparisons.csv with the cell's setting `key` first,
+    one row per (value, measure, arm against grpo, estimate, low, high, verdict)."""
+    folder.mkdir(parents=True)
+    pd.DataFrame([{key: value, "measure": measure, "arm": arm, "baseline": "grpo", "seeds": 10,
+                   "difference_estimate": estimate, "difference_low": low, "difference_high": high,
+                   "separates": verdict.startswith("separates"), "verdict": verdict}
+                  for value, measure, arm, estimate, low, high, verdict in rows]).to_csv(folder / "comparisons.csv",
+                                                                                          index=False)
+    return folder
+
+
+def test_the_first_screen_says_what_ran_the_verdicts_and_once_what_three_seeds_cannot_show(tmp_path, monkeypatch):
+    runset = load_runs([_contrast(tmp_path / "runs")])
+    monkeypatch.setattr("analysis.report.all_figures", lambda runset, out_dir, **kwargs: [
+        figures.fig_sweep_response(runset, out_dir, dpi=int(DPI), primary=kwargs["primary"])])
+    text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
+    first = text.split("## Held-out accuracy gained")[0]
+    assert len(first.splitlines()) < 30, "the first screen holds the summary, the long tables come after it"
+    assert ("**Ran**: 12 runs (all finished) of 2 arms (grpo, grpo + r2) in 2 cells (SYNTHETIC router noise p=0.1; "
+            "SYNTHETIC flips p=0.2), seeds 0, 1, 2; cold start (the weights' sha256) `aaaaaaaaaaaa` (12 runs)."
+            in first)
+    assert "![Held-out accuracy gained, against what the sweep varied](fig0_sweep_response.png)" in first
+    assert "Figure 0: Per cell of the sweep (a panel), each run's mean gain over the run" in first
+    assert ("**The declared comparisons**: grpo + r2 against grpo on `gain_area` (mean gain over the run), Holm's "
+            "correction over 2:" in first)
+    assert ("- SYNTHETIC flips p=0.2: grpo +0.005, grpo + r2 +0.065; grpo + r2 − grpo +0.060 [+0.050, +0.070] over 3 "
+            "seeds: **not distinguishable**\n") in first
+    assert ("- SYNTHETIC router noise p=0.1: grpo -0.095, grpo + r2 -0.115; grpo + r2 − grpo -0.020 [-0.030, -0.010] "
+            "over 3 seeds: **not distinguishable**\n") in first
+    said = "3 seeds: an exact sign-flip test on fewer than 6 cannot reach p < 0.05, so no verdict here can separate"
+    assert said in first and text.count(said) == 1
+    assert "- One cold start (`aaaaaaaaaaaa`)" in first and "SYNTHETIC flips and SYNTHETIC router noise" in first
+    assert "Shown first, under *What ran and what it shows*." in text, "Figure 0 is not drawn twice"
+    for section in ("## The declared comparison", "## Each arm against grpo", "## Runs", "## Figures",
+                    "## Seeds left out of the comparisons", "## Stability", "## Early warning"):
+        assert text.index(first) < text.index(section), section
+
+
+def test_the_miniature_is_set_beside_the_committed_results_with_the_sign_of_each(tmp_path, no_figures):
+    """R2 − GRPO here: +0.06 over the run under the flips, −0.02 under the router noise. The flips' reference ran no
+    noise, the noise's no flips (their tables vary only their own dose): each cell meets one reference's row."""
+    separated = "separates (95% CI of the difference excludes 0)"
+    flips = _reference(tmp_path / "flips", "routing.flip_rate", [
+        (0.0, "gain_area", "grpo + r2", -0.001, -0.010, 0.006, "not distinguishable (the smallest effect 0.014)"),
+        (0.2, "gain_area", "grpo + r2", 0.133, 0.110, 0.157, separated),
+        (0.2, "gain", "grpo + r2", 0.109, 0.080, 0.140, separated),
+        (0.2, "gain_area", "gspo", 0.052, 0.039, 0.065, separated)])
+    noise = _reference(tmp_path / "noise", "routing.perturb_rate", [
+        (0.0, "gain_area", "grpo + r2", 0.007, -0.002, 0.018, "not distinguishable"),
+        (0.1, "gain_area", "grpo + r2", 0.011, -0.005, 0.026, "not distinguishable (the smallest effect 0.026)")])
+    elsewhere = _reference(tmp_path / "elsewhere", "routing.flip_rate", [
+        (0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)])
+    runs = _contrast(tmp_path / "runs", references=(flips, noise, elsewhere))
+    text = write_report(load_runs([runs]), tmp_path / "report").read_text(encoding="utf-8")
+    first = text.split("## Held-out accuracy gained")[0]
+    assert (f"grpo + r2 − grpo +0.060 [+0.050, +0.070] over 3 seeds: **not distinguishable**; `{flips}` +0.133 "
+            "[+0.110, +0.157] over 10 seeds, separates: **same sign**\n") in first
+    assert (f"grpo + r2 − grpo -0.020 [-0.030, -0.010] over 3 seeds: **not distinguishable**; `{noise}` +0.011 "
+            "[-0.005, +0.026] over 10 seeds, not distinguishable: **opposite sign** (its interval holds 0)\n") in first
+    assert (f"- `{elsewhere}`: no matching row (its table holds grpo + r2 against grpo at routing.flip_rate = 0.5; "
+            "a setting its table does not vary is taken at the schema's default there)") in first
+    table = text.split("## Beside the committed results")[1].split("\n\n")[1]
+    assert len(table.splitlines()) == 2 + 3, "gain_area in both cells and the final gain under the flips; no more"
+    assert f"| 0.2 | 0 | grpo + r2 | gain | +0.120 [+0.100, +0.140] (3) | `{flips}` | +0.109 [+0.080, +0.140] (10) " \
+           f"| {separated} | **same sign** |" in table
+    assert "- **references** (the committed results these runs are a miniature of):" in text
+
+
+def test_a_report_written_inside_its_sweep_is_not_one_of_the_sweeps_jobs(tmp_path, no_figures):
+    """`make run` writes the quickstart's report into its sweep's folder: that folder is no job refused before its
+    first step, neither when the report first makes it nor when a second report finds the first one there."""
+    sweep = _contrast(tmp_path / "sweep")
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    for _ in range(2):
+        main([str(sweep), "--out", str(sweep / "report")])
+        assert pd.read_csv(sweep / "report" / "left_out.csv").empty
+    assert "left out" not in (sweep / "report" / "report.md").read_text(encoding="utf-8").split("## Held-out")[0]
+
+
+def test_a_reference_that_is_not_a_reports_folder_is_refused_in_one_line_before_any_figure(tmp_path, capsys):
+    def refused(name, references, *flags):
+        runs = _contrast(tmp_path / f"runs_{name}", references=references)
+        out = tmp_path / f"out_{name}"
+        with pytest.raises(SystemExit) as stop:
+            main([str(runs), "--out", str(out), "--dpi", DPI, *flags])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and not out.exists(), err
+        return err
+
+    missing = tmp_path / "docs" / "results" / "nowhere"
+    assert refused("missing", [missing]) == (
+        f"error: comparison.references names '{missing}', which is not a folder ({missing}); a reference is the "
+        "folder of a report that compared arms, holding its comparisons.csv\n")
+    (tmp_path / "empty").mkdir()
+    assert f"names '{tmp_path / 'empty'}', which holds no comparisons.csv" in refused("empty", [tmp_path / "empty"])
+    thin = tmp_path / "thin"
+    thin.mkdir()
+    pd.DataFrame({"measure": ["gain"], "arm": ["gspo"], "baseline": ["grpo"]}).to_csv(thin / "comparisons.csv")
+    assert "has no column seeds, difference_estimate, difference_low, difference_high, verdict" in refused(
+        "thin", [thin])
+    assert refused("flag", [], "--references", str(missing)).startswith("error: --references names")
+
+
 def test_a_command_line_flag_overrides_the_declaration_and_the_report_says_so(tmp_path, no_figures):
     folder = tmp_path / "runs"
     for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2"), ("gspo", "none")]):
@@ -996,9 +1118,10 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
             found = declaration.read(configs)
             assert found.declared, path.name
             found.checked(agg.arm_names(configs).values())  # refuses a family or baseline of no arm run
+            found.read_references()  # refuses a reference that is not a committed report's folder
             checked.append(path.stem)
     assert checked == ["deep_long_seeds", "deep_long_starts", "few_experts", "few_experts_starts", "flip_dose_seeds",
-                       "real_routers", "router_noise_dose", "staleness"]
+                       "quickstart", "real_routers", "router_noise_dose", "staleness"]
 
 
 def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without_history_is_left_out(tmp_path):

@@ -64,6 +64,25 @@ def test_experiments_start_from_the_cold_start_checkpoint():
     assert sft.sft.output_dir == str(PROJECT_ROOT / "checkpoints" / "cold_start" / "deep_moe-addition")
 
 
+def test_the_quickstart_runs_each_synthetic_drift_alone_with_each_arms_own_replay():
+    """`make run`'s sweep, as Hydra's sweeper splits it into jobs: GRPO and GRPO + R2 on seeds 0-2 in two cells, the
+    SYNTHETIC flips alone and the SYNTHETIC router noise alone, not their product. A cell is a dict merged into
+    `routing`; were it to replace the node, GRPO + R2 would lose its replay and each cell compare GRPO with itself."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        sweep = compose("train", overrides=["experiment=quickstart"], return_hydra_config=True)
+        params = OmegaConf.to_container(sweep.hydra.sweeper.params)
+        parsed = OverridesParser.create().parse_overrides([f"{key}={value}" for key, value in params.items()])
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        runs = [compose("train", overrides=["experiment=quickstart", *job]) for job in jobs]
+    ran = sorted((cfg.routing.replay.value, cfg.routing.flip_rate, cfg.routing.perturb_rate, cfg.seed) for cfg in runs)
+    cells = ((0.2, 0.0), (0.0, 0.1))  # (flip_rate, perturb_rate)
+    assert ran == sorted((replay, flip, noise, seed) for replay in ("none", "r2") for flip, noise in cells
+                         for seed in range(3))
+
+
 @pytest.mark.parametrize(
     "override, key",
     [("trainer.stpes=3", "stpes"), ("trainer.steps=many", "steps"), ("model.hiden_size=8", "hiden_size"),
