@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 from analysis.cli import command_line, refusing, writable_out
+from analysis.figures import save_png
 from analysis.statistics import accuracy_interval
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from experiments.step import metrics as m
@@ -90,8 +91,7 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
     loss.set(xlabel="SFT step", ylabel="loss (demonstration tokens)", yscale="log", title="training loss")
     accuracy.legend(fontsize=5)
     path = out / "cold_starts.png"
-    fig.savefig(path, dpi=dpi)
-    return path
+    return save_png(fig, path, dpi)
 
 
 def report(rows: list[dict], out: Path, command: str) -> Path:

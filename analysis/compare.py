@@ -165,8 +165,8 @@ def _assume_starts(rows: pd.DataFrame, axes: list[str]) -> list[str]:
     if not unnamed.any():
         return []
     if unnamed.all():
-        return [f"No table names its runs' start (they were written before per-seed tables recorded the weights' "
-                f"sha256): the runs of a seed are taken to share a start because their held-out start accuracy is "
+        return ["No table names its runs' start (they were written before per-seed tables recorded the weights' "
+                "sha256): the runs of a seed are taken to share a start because their held-out start accuracy is "
                 "the same, which two different starts can share (at 0, or on few evaluation prompts); the pairing "
                 "is not checked beyond that."]
     assumed = 0

@@ -43,6 +43,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from analysis.cli import command_line, refusing, writable_out
+from analysis.figures import save_png
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.step import metrics as m
@@ -301,8 +302,7 @@ def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
           title="(d) routing share against drift")
     d.legend(fontsize=5)
     path = out / "drift_law.png"
-    fig.savefig(path, dpi=dpi)
-    return path
+    return save_png(fig, path, dpi)
 
 
 def margin_figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
@@ -329,8 +329,7 @@ def margin_figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Pa
            ylabel="experts changed after one update", title="drift against how decisive the start's routers are")
     ax.legend(fontsize=5)
     path = out / "drift_margin.png"
-    fig.savefig(path, dpi=dpi)
-    return path
+    return save_png(fig, path, dpi)
 
 
 def knob_range(rows: pd.DataFrame, column: str) -> str:

@@ -92,14 +92,19 @@ def _figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _save(fig: Figure, out_dir: Path, name: str, dpi: int, pdf: bool = False) -> list[Path]:
-    """`<name>.png`, its colours reduced to a 256-colour palette (plots hold few colours: a third of the bytes, no
-    visible change), and `<name>.pdf` when asked (a paper's vector copy)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png = out_dir / f"{name}.png"
+def save_png(fig: Figure, png: Path, dpi: int) -> Path:
+    """`fig` as `png`, its colours reduced to a 256-colour palette (plots hold few colours: a third of the bytes, no
+    visible change). Every figure the analysis writes goes through it."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     Image.open(buffer).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(png, optimize=True)
+    return png
+
+
+def _save(fig: Figure, out_dir: Path, name: str, dpi: int, pdf: bool = False) -> list[Path]:
+    """`<name>.png` (`save_png`), and `<name>.pdf` when asked (a paper's vector copy)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = save_png(fig, out_dir / f"{name}.png", dpi)
     if not pdf:
         return [png]
     fig.savefig(out_dir / f"{name}.pdf")
@@ -551,6 +556,9 @@ def fig_early_warning(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPH
         out.notes.append("Needs the reward and at least one of entropy, mismatch KL, grad norm; figure not drawn.")
         return out
     warnings = agg.early_warning(runset, drop=drop, alpha=alpha)
+    if not warnings["collapsed"].fillna(False).astype(bool).any():  # a figure only of what the sweep showed
+        out.notes.append("No run collapsed, so there is no fall for a signal to precede; figure not drawn.")
+        return out
     order = warnings.sort_values(["collapsed", "run"], ascending=[False, True])["run"].tolist()
     shown = order[:EARLY_WARNING_RUNS]
     if len(order) > len(shown):

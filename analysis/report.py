@@ -312,7 +312,7 @@ def references_section(matched: pd.DataFrame, references: Sequence[Reference], a
         lines += [markdown_table([*[_axis_header(key) for key in axes], "arm", "measure",
                                   "here: arm − baseline [95% CI] (seeds)", "reference",
                                   "there: arm − baseline [95% CI] (seeds)", "its verdict", "sign"], rows), ""]
-    lines += [f"Each comparison here beside the row of a reference (`comparison.references`: the committed results "
+    lines += ["Each comparison here beside the row of a reference (`comparison.references`: the committed results "
               "these runs are a miniature of, read from their comparisons.csv) of the same arm, baseline, measure and "
               "cell: every setting either side varied at one value, a setting only this sweep varied taken at the "
               "schema's default in the reference (its table records only what it varied), a setting only the "

@@ -1133,3 +1133,12 @@ def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without
     assert rs.unstarted["seed"].tolist() == ["0"] and "W&B run without history" in rs.unstarted["why"].item()
     cached = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=_no_network)
     pd.testing.assert_frame_equal(cached.unstarted, rs.unstarted)
+
+
+def test_the_early_warning_figure_is_drawn_only_when_a_run_collapsed(tmp_path):
+    """A figure only of what the sweep showed: without a collapse there is no fall for a signal to precede."""
+    calm = load_runs([_mismatch_run(tmp_path / "a", 0), _mismatch_run(tmp_path / "b", 1)])
+    result = figures.fig_early_warning(calm, tmp_path / "out")
+    assert not result.files and "No run collapsed" in result.notes[0]
+    fallen = load_runs([_mismatch_run(tmp_path / "c", 0, collapse_at=20, kl_rises_at=12)])
+    assert figures.fig_early_warning(fallen, tmp_path / "out").files
