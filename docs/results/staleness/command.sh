@@ -5,6 +5,7 @@
 #                                                  mini-batches per rollout batch on the sigmoid + bias rung, and at
 #                                                  N = 8 on the balanced softmax rung (the control); a report per (rung, N)
 #   docs/results/staleness/command.sh cells N...   the cells the rule chose, from 6 starts x seeds 0, 1 of the MiniRL arms
+#                                                  (seed 0 on every start, then seed 1)
 # Sweeps run one job at a time on one thread (hydra.launcher.n_jobs=2 in the arguments runs two side by side).
 # Extra arguments after the mode's own are passed to every sweep.
 set -euo pipefail
@@ -36,12 +37,16 @@ case $mode in
     cells=()
     while (($#)) && [[ $1 =~ ^[1248]$ ]]; do cells+=("$1"); shift; done
     $starts --starts 6 $sigmoid
+    # RL seed outermost: the six starts on seed 0 first, then on seed 1, so that runs stopped part-way leave every
+    # start with the same seeds (the two-level interval resamples starts; a start with more seeds would weigh alike)
     for n in "${cells[@]}"; do
       sweeps=()
-      for k in 0 1 2 3 4 5; do
-        sweep "cells_n${n}_start$k" "$n" "model.path=$PWD/$($starts --path $k $sigmoid)" seed=0,1 \
-          arm=minirl_no_clip,minirl,minirl_r2,minirl_r3 "$@"
-        sweeps+=("multirun/staleness/cells_n${n}_start$k")
+      for seed in 0 1; do
+        for k in 0 1 2 3 4 5; do
+          sweep "cells_n${n}_start${k}_seed$seed" "$n" "model.path=$PWD/$($starts --path $k $sigmoid)" "seed=$seed" \
+            arm=minirl_no_clip,minirl,minirl_r2,minirl_r3 "$@"
+          sweeps+=("multirun/staleness/cells_n${n}_start${k}_seed$seed")
+        done
       done
       python -m analysis.report "${sweeps[@]}" --out "docs/results/staleness/n$n"
     done
