@@ -23,7 +23,7 @@ Steps, in order of worth (`STEPS`):
   gpu_tests     `pytest -m gpu tests/test_megablocks_gpu.py` in a subprocess: exit code and the report's tail.
   probe         `python -m experiments.probe` at lr 1e-4 on qwen30b_l16 built at Qwen3-30B-A3B's width: drift.
 Every step writes its entry (`seconds`, then `result`, or `error` and `traceback`) and the JSON is rewritten after
-it, so a run cut short keeps what finished. Without CUDA every step still runs: the GPU-only parts record why they
+it, and after each part of a step that has several (`partial`), so a run cut short keeps what finished. Without CUDA every step still runs: the GPU-only parts record why they
 were skipped (parity and replay run on CPU with the backends CPU has), which keeps the script testable anywhere.
 
 What travels to a GPU machine (`gpu_checks.sh`): the repository, the wheels of what the machine lacks in `.gpu/whl`
@@ -256,6 +256,7 @@ def step_parity(context: dict[str, Any]) -> dict[str, Any]:
         verdicts[family] = megablocks_verdict(
             by_setting["megablocks", torch.bfloat16], by_setting["hf", torch.bfloat16]
         )
+        context["progress"](family, verdicts[family])
     return {"rows": rows, "megablocks_bf16": verdicts}
 
 
@@ -418,6 +419,7 @@ def step_replay(context: dict[str, Any]) -> dict[str, Any]:
                 and r3["token_logp_max_abs_diff_vs_generate"] <= LOGP_ATOL_BF16
             )
             results[label] = entry
+            context["progress"](label, entry)
             print(label, json.dumps(entry), flush=True)
     return results
 
@@ -454,11 +456,12 @@ def step_rl_runs(context: dict[str, Any]) -> dict[str, Any]:
         return {"skipped": "needs a CUDA GPU"}
     tiny = ["arm=grpo_r2", "trainer.steps=3", "trainer.prompts_per_step=8", "trainer.eval_every=0",
             "trainer.eval_prompts=0"]
-    return {
-        backend: run_module("experiments.train", [*tiny, *gpu_overrides(backend)],
-                            context["work"] / f"train_{backend}", context["run_timeout"])
-        for backend in ("hf", "megablocks")
-    }
+    results = {}
+    for backend in ("hf", "megablocks"):
+        results[backend] = run_module("experiments.train", [*tiny, *gpu_overrides(backend)],
+                                      context["work"] / f"train_{backend}", context["run_timeout"])
+        context["progress"](backend, results[backend])
+    return results
 
 
 # -- expert kernels at Qwen3-30B-A3B's shapes -----------------------------------------------------------------------
@@ -522,6 +525,7 @@ def step_expert_speed(context: dict[str, Any]) -> dict[str, Any]:
             row["forward_backward_tflops"] = 3 * flops / (row["forward_backward_ms"] * 1e-3) / 1e12
             row["forward_backward_share_of_peak"] = row["forward_backward_tflops"] / peak
             rows.append(row)
+            context["progress"](f"{label}/{tokens}", row)
             print(json.dumps(row), flush=True)
         del experts, hf_experts
         torch.cuda.empty_cache()
@@ -573,6 +577,7 @@ def step_rl_step(context: dict[str, Any]) -> dict[str, Any]:
                 results[f"{label}/{backend}"] = time_rl_steps(workload, [*overrides, *gpu_overrides(backend)])
             except Exception as error:  # one workload's failure (memory, a refusal) must not hide the others
                 results[f"{label}/{backend}"] = failure(error)
+            context["progress"](f"{label}/{backend}", results[f"{label}/{backend}"])
             print(label, backend, json.dumps(results[f"{label}/{backend}"]), flush=True)
     return results
 
@@ -640,13 +645,19 @@ def write_json(path: Path, results: dict[str, Any]) -> None:
 def run_step(name: str, context: dict[str, Any], out: Path) -> None:
     """Run step `name`, recording its seconds and its result or failure in `out` (before and after it runs)."""
     results = context["results"]
-    results[name] = {"status": "running"}
+    results[name] = {"status": "running", "partial": {}}
     write_json(out, results)
+
+    def progress(part: str, value: Any) -> None:
+        results[name]["partial"][part] = value
+        write_json(out, results)
+
+    context["progress"] = progress
     start = time.perf_counter()
     try:
         entry: dict[str, Any] = {"status": "done", "result": STEPS[name](context)}
     except Exception as error:  # the next step still runs; this one's failure is its result
-        entry = {"status": "failed", **failure(error)}
+        entry = {"status": "failed", **failure(error), "partial": results[name]["partial"]}
     entry["seconds"] = time.perf_counter() - start
     results[name] = entry
     write_json(out, results)
@@ -658,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the JSON of results (steps already there are kept)")
     parser.add_argument("--step", action="append", choices=list(STEPS), help="run only these steps (repeatable)")
     parser.add_argument("--note", nargs=2, metavar=("STEP", "MESSAGE"),
-                        help="record MESSAGE as STEP's failure without running anything (a step killed by a timeout)")
+                        help="record MESSAGE as STEP's failure, keeping its finished parts, without running anything "
+                        "(a step killed by a timeout)")
     parser.add_argument("--build-log", type=Path, help="gpu_checks.sh's build log, reported by the versions step")
     parser.add_argument("--work", type=Path, help="where runs write their directories (default: a temporary one)")
     parser.add_argument("--run-timeout", type=int, default=240, help="seconds allowed to each subprocess")
@@ -667,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(args.out.read_text()) if args.out.is_file() else {}
     if args.note:
         step, message = args.note
-        results[step] = {"status": "failed", "error": message}
+        results[step] = {**results.get(step, {}), "status": "failed", "error": message}  # its parts done stay
         write_json(args.out, results)
         return 0
     context = {

@@ -52,9 +52,11 @@ if ls .gpu/built/*.whl >/dev/null 2>&1; then
   cp .gpu/built/*.whl /tmp/built/
   printf 'prebuilt\t0\t0\n' >>"$BUILD_LOG"
 else
-  # The two CUDA builds compile side by side (two translation units each); stanford-stk is pure Python.
-  for sdist in .gpu/src/*.tar.gz; do build "$sdist" & done
-  wait
+  # The two CUDA builds compile side by side (two translation units each); stanford-stk is pure Python. Wait for
+  # these by their ids: a bare `wait` would also wait for the log's tee, which never ends.
+  pids=()
+  for sdist in .gpu/src/*.tar.gz; do build "$sdist" & pids+=($!); done
+  wait "${pids[@]}"
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" /tmp/built/*.whl \
   || echo "built wheels failed to install"
@@ -65,7 +67,7 @@ python3 -c "import megablocks.ops, grouped_gemm.ops; print('megablocks and group
 
 # step name and its share of the budget in seconds, in order of worth; the GPU tests run before the probe, which
 # only runs in what is left
-STEPS="versions:30 parity:60 replay:60 rl_runs:150 expert_speed:90 rl_step:150 gpu_tests:90 probe:240"
+STEPS="versions:30 parity:60 replay:60 rl_runs:120 expert_speed:90 rl_step:180 gpu_tests:120 probe:240"
 for entry in $STEPS; do
   step=${entry%%:*}
   share=${entry##*:}

@@ -54,10 +54,16 @@ def test_a_failing_step_records_its_error_and_the_next_step_still_runs(tmp_path,
     assert results["versions"]["status"] == "done"
 
 
-def test_a_note_marks_a_step_cut_off_and_keeps_the_others(tmp_path):
+def test_a_note_marks_a_step_cut_off_and_keeps_the_others_and_its_finished_parts(tmp_path):
     out = tmp_path / "checks.json"
     gpu_checks.main(["--out", str(out), "--step=versions"])
     gpu_checks.main(["--out", str(out), "--note", "replay", "cut off at its limit of 60 s"])
     results = json.loads(out.read_text())
     assert results["replay"] == {"status": "failed", "error": "cut off at its limit of 60 s"}
+
+    results["rl_step"] = {"status": "running", "partial": {"bench-deep/hf": {"perf/step_s": [1.0]}}}
+    out.write_text(json.dumps(results))
+    gpu_checks.main(["--out", str(out), "--note", "rl_step", "cut off at its limit of 180 s"])
+    cut = json.loads(out.read_text())["rl_step"]
+    assert cut["status"] == "failed" and cut["partial"] == {"bench-deep/hf": {"perf/step_s": [1.0]}}
     assert results["versions"]["status"] == "done"
