@@ -11,7 +11,8 @@ Steps, in order of worth (`STEPS`):
                 family's DeepSeek-V3 and GLM-4.5 experts, routed with sigmoid gates renormalised x 2.5): each backend
                 (`hf`, `torch_dmoe`, `megablocks`) in float32 and bfloat16 against transformers' eager experts in
                 float32, output and every gradient (`relative_errors`), MegaBlocks judged by `BFLOAT16_FACTOR` and
-                `BFLOAT16_SLACK`; a backend that refuses a setting records its one-line refusal.
+                `BFLOAT16_SLACK`, also with experts that get no token (their gradients exactly zero); a backend
+                that refuses a setting records its one-line refusal.
   replay        routing record / replay / drift on one softmax model and one sigmoid + bias model, bfloat16, each
                 experts backend: R2 (a trace recorded in a teacher-forced forward, replayed on the same weights and
                 after the routers moved) and R3 (recorded across `generate`, replayed in a teacher-forced forward),
@@ -148,12 +149,13 @@ def make_hf_experts(
 
 
 def make_routing(
-    tokens: int, num_experts: int, top_k: int, hidden: int, seed: int, family: str = "qwen3_moe"
+    tokens: int, num_experts: int, top_k: int, hidden: int, seed: int, family: str = "qwen3_moe", idle_experts: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Hidden states [T, H], distinct experts per token [T, k], gate weights [T, k] as the family's router gives them
-    (softmax: rows sum to 1; sigmoid: sigmoid scores renormalised, times `ROUTED_SCALING`), upstream grad [T, H]."""
+    """Hidden states [T, H], distinct experts per token [T, k] (the last `idle_experts` get no token), gate weights
+    [T, k] as the family's router gives them (softmax: rows sum to 1; sigmoid: sigmoid scores renormalised, times
+    `ROUTED_SCALING`), upstream grad [T, H]."""
     generator = torch.Generator().manual_seed(seed)
-    top_k_index = torch.rand(tokens, num_experts, generator=generator).topk(top_k, dim=-1).indices
+    top_k_index = torch.rand(tokens, num_experts - idle_experts, generator=generator).topk(top_k, dim=-1).indices
     logits = torch.randn(tokens, top_k, generator=generator)
     if FAMILIES[family][4] == "softmax":
         weights = torch.softmax(logits, -1)
@@ -209,20 +211,23 @@ def experts_parity(
     tokens: int = 512,
     seed: int = 0,
     family: str = "qwen3_moe",
+    idle_experts: int = 0,
 ) -> dict[str, object]:
-    """Relative errors of `backend` in `dtype` on `device` against transformers' eager experts in float32.
+    """Relative errors of `backend` in `dtype` on `device` against transformers' eager experts in float32; with
+    `idle_experts`, that many experts get no token, and their weights' gradients must be exactly zero.
 
     Returns {"family", "backend", "dtype", "device", "errors": {out, d_hidden, d_weights, d_w1, d_v1, d_w2}} or, when
     the backend refuses this setting, {..., "refused": message}.
     """
     record: dict[str, object] = {
         "family": family, "backend": backend, "dtype": str(dtype).removeprefix("torch."), "device": device,
+        "idle_experts": idle_experts,
     }
     try:
         experts = backend_module(make_hf_experts(num_experts, top_k, hidden, width, seed, family).to(dtype), backend)
     except (ValueError, RuntimeError) as refusal:
         return record | {"refused": str(refusal)}
-    routing = make_routing(tokens, num_experts, top_k, hidden, seed, family)
+    routing = make_routing(tokens, num_experts, top_k, hidden, seed, family, idle_experts)
     routing = {name: tensor.to(device) for name, tensor in routing.items()}
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 parity means float32 products
@@ -257,6 +262,12 @@ def step_parity(context: dict[str, Any]) -> dict[str, Any]:
             by_setting["megablocks", torch.bfloat16], by_setting["hf", torch.bfloat16]
         )
         context["progress"](family, verdicts[family])
+    # Experts that receive no token: grouped_gemm's weight gradient is one GEMM per expert over its rows, and an
+    # expert without rows must come out exactly zero, not whatever its output buffer held.
+    idle = {backend: experts_parity(backend, torch.bfloat16, context["device"], idle_experts=2)
+            for backend in ("hf", "megablocks")}
+    rows += list(idle.values())
+    verdicts["qwen3_moe, 2 of 8 experts idle"] = megablocks_verdict(idle["megablocks"], idle["hf"])
     return {"rows": rows, "megablocks_bf16": verdicts}
 
 
