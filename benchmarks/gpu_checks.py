@@ -614,7 +614,7 @@ def step_gpu_tests(context: dict[str, Any]) -> dict[str, Any]:
 PROBE_OVERRIDES = ["model=qwen30b_l16", "model.path=null", "model.hidden_size=2048", "model.moe_intermediate_size=768",
                    "model.num_attention_heads=32", "model.num_key_value_heads=4", "model.head_dim=128",
                    "probe.lrs=[1e-4]", "probe.warm_steps=1", "probe.measure_steps=2", "probe.precisions=[]",
-                   "trainer.threads=0"]
+                   "trainer.threads=null"]
 
 
 def step_probe(context: dict[str, Any]) -> dict[str, Any]:
@@ -679,9 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON of results (steps already there are kept)")
     parser.add_argument("--step", action="append", choices=list(STEPS), help="run only these steps (repeatable)")
-    parser.add_argument("--note", nargs=2, metavar=("STEP", "MESSAGE"),
+    parser.add_argument("--note", nargs=2, action="append", metavar=("STEP", "MESSAGE"),
                         help="record MESSAGE as STEP's failure, keeping its finished parts, without running anything "
-                        "(a step killed by a timeout)")
+                        "(a step killed by a timeout, or left unrun); repeatable")
     parser.add_argument("--build-log", type=Path, help="gpu_checks.sh's build log, reported by the versions step")
     parser.add_argument("--work", type=Path, help="where runs write their directories (default: a temporary one)")
     parser.add_argument("--run-timeout", type=int, default=240, help="seconds allowed to each subprocess")
@@ -689,8 +689,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results = json.loads(args.out.read_text()) if args.out.is_file() else {}
     if args.note:
-        step, message = args.note
-        results[step] = {**results.get(step, {}), "status": "failed", "error": message}  # its parts done stay
+        for step, message in args.note:
+            results[step] = {**results.get(step, {}), "status": "failed", "error": message}  # its parts done stay
         write_json(args.out, results)
         return 0
     context = {

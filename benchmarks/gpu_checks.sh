@@ -27,6 +27,7 @@ command -v nvcc >/dev/null || export PATH=$PATH:/usr/local/cuda/bin  # torch's e
 : >"$BUILD_LOG"
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 exec > >(tee -a "$LOG") 2>&1
+TEE=$!
 
 left() { echo $((BUDGET - (SECONDS - START))); }
 
@@ -67,14 +68,16 @@ python3 -c "import megablocks.ops, grouped_gemm.ops; print('megablocks and group
 
 # step name and its share of the budget in seconds, in order of worth; the GPU tests run before the probe, which
 # only runs in what is left
+unrun=()
 STEPS="versions:30 parity:60 replay:60 rl_runs:120 expert_speed:90 rl_step:180 gpu_tests:120 probe:240"
 for entry in $STEPS; do
   step=${entry%%:*}
   share=${entry##*:}
-  remaining=$(left)
-  limit=$((share < remaining - 5 ? share : remaining - 5))
+  # 15 s kept back for the one call that records the steps left unrun
+  remaining=$(($(left) - 15))
+  limit=$((share < remaining ? share : remaining))
   if [ "$limit" -lt 10 ]; then
-    python3 -m benchmarks.gpu_checks --out "$JSON" --note "$step" "not run: the budget of ${BUDGET} s was spent"
+    unrun+=(--note "$step" "not run: the budget of ${BUDGET} s was spent")
     continue
   fi
   # the step's subprocesses (a training run, pytest) end before the step does; rl_runs starts two
@@ -87,4 +90,7 @@ for entry in $STEPS; do
     python3 -m benchmarks.gpu_checks --out "$JSON" --note "$step" "cut off at its limit of ${limit} s"
   fi
 done
+[ ${#unrun[@]} -eq 0 ] || python3 -m benchmarks.gpu_checks --out "$JSON" "${unrun[@]}"
 echo "== done in $((SECONDS - START)) s"
+exec >&- 2>&-  # the log's last lines reach the file before the script returns
+wait "$TEE"
