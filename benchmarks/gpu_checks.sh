@@ -40,7 +40,7 @@ build() {
   local sdist=$1 name
   name=$(basename "$sdist" .tar.gz)
   local t0=$SECONDS
-  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} python3 -m pip wheel -q --no-build-isolation --no-deps \
+  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} python3 -m pip wheel -q --no-index --no-build-isolation --no-deps \
     --no-cache-dir -w "/tmp/built" "$sdist" >"/tmp/build_$name.log" 2>&1
   local rc=$?
   printf '%s\t%s\t%s\n' "$name" $((SECONDS - t0)) "$rc" >>"$BUILD_LOG"
