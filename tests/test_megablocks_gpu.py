@@ -4,9 +4,8 @@ Every test is marked `gpu` and skipped, with the reason shown by `pytest -ra`, w
 `python -m benchmarks.gpu_checks` runs this file together with the micro-benchmark.
 
 Tolerances (relative error max|a - b| / max|b| against transformers' eager experts in float32, same weights and
-routing): float32 1e-5 (the PyTorch reference, TF32 off). bfloat16: MegaBlocks may be at most twice as far from
-that float32 truth as transformers' own experts run in bfloat16, plus 5e-3 (bfloat16 rounds at 4e-3; MegaBlocks
-also rounds the routing weights and the top-k sum to bfloat16, transformers keeps them in float32).
+routing) are `benchmarks.gpu_checks`'s, where they are explained: float32 1e-5 (the PyTorch reference, TF32 off);
+bfloat16 at most twice as far from that truth as transformers' own experts in bfloat16, plus 5e-3.
 """
 
 import json
@@ -17,13 +16,9 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from benchmarks.gpu_checks import experts_parity
+from benchmarks.gpu_checks import BFLOAT16_FACTOR, BFLOAT16_SLACK, FLOAT32_TOL, LOGP_ATOL_BF16, experts_parity
 from models.megablocks_experts import load_megablocks_kernels
 from models.moe_backend import apply_moe_backend, describe_experts_backend
-
-FLOAT32_TOL = 1e-5
-BFLOAT16_FACTOR, BFLOAT16_SLACK = 2.0, 5e-3
-LOGP_ATOL_BF16 = 5e-2
 
 
 def megablocks_unavailable() -> str | None:
