@@ -5,9 +5,11 @@
 Qwen's "Stabilizing RL with LLMs" (arXiv 2512.01374) shows each off-policy setting N (mini-batches per rollout batch)
 in a panel of its own, the arms as lines within it. Here a column per value of `--by`, a row per measure: the training
 reward (per-seed EMA), the held-out greedy accuracy (as evaluated), and beside them what explains them: the experts
-changed after one update (the paper's drift), the clipped share of tokens and the mismatch KL k3 between the engine
-and the trainer at θ_old. A line per arm (`analysis.aggregate.arm_names`), the mean over its runs in that column with a
-±1 std band where two or more runs cover a point; a measure no run logged leaves its row out, said in the caption.
+changed after one update (the paper's drift), the gate mass it moved (total variation), the clipped share of tokens
+and the mismatch KL k3 between the engine and the trainer at θ_old. A line per arm (`analysis.aggregate.arm_names`),
+the mean over its runs in that column with a ±1 std band where two or more runs cover a point. A measure no run logged,
+or only some runs of a column (runs made before it existed), leaves its row out, printed with why; a column none of
+whose runs logged a measure (at N = 1 no update follows another in a step) says "not logged" in its panel.
 Writes `<out>/panels.png` (and `.pdf` with `--pdf`) and prints what it drew.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -60,10 +63,22 @@ def by_value(runset: RunSet, key: str) -> dict[float | str, RunSet]:
 
 def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False, alpha: float = agg.EMA_ALPHA
          ) -> tuple[list[Path], list[str]]:
-    """The panels of `runset` by `key` into `out`: the files written and the rows left out (no run logged them)."""
+    """The panels of `runset` by `key` into `out`: the files written and the rows left out, each with why (no run
+    logged it, or only some runs of a column did)."""
     parts = by_value(runset, key)
-    rows = [row for row in ROWS if runset.has(row[0])]
-    left_out = [label for metric, label, _, _ in ROWS if not runset.has(metric)]
+    rows, left_out = [], []
+    for row in ROWS:
+        logged = set(runset.scalars.loc[runset.scalars["metric"] == row[0], "run"])
+        # a column shows a measure for all its runs or for none (at N = 1 no update follows another): a row that
+        # holds some runs of a column only would show those arms as if they were the column
+        partial = [value for value, part in parts.items() if 0 < len(logged & set(part.runs["run"])) < len(part.runs)]
+        if not logged:
+            left_out.append(f"{row[1]} (no run logged it)")
+        elif partial:
+            left_out.append(f"{row[1]} (only some runs logged it at {key.rsplit('.', 1)[-1]} = "
+                            f"{', '.join(map(str, partial))})")
+        else:
+            rows.append(row)
     everyone = replace(runset, runs=runset.runs.assign(label=runset.runs["run"].map(
         agg.arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()}))))
     styles = series_styles(everyone)
@@ -73,6 +88,9 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
         for col, (value, part) in enumerate(parts.items()):
             for row, (metric, label, smoothed, log) in enumerate(rows):
                 ax = grid[row][col]
+                if not part.has(metric):
+                    ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
+                    ax.tick_params(labelbottom=row == len(rows) - 1)
                 table = agg.curve(part, metric, x="step", alpha=alpha if smoothed else None)
                 for arm in part.labels:
                     curve = table[table["label"] == arm]
@@ -84,7 +102,7 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
                 if row == 0:
                     ax.set_title(f"{key.rsplit('.', 1)[-1]} = {value}")
                 if col == 0:
-                    ax.set_ylabel(label)
+                    ax.set_ylabel(textwrap.fill(label, 24))
                 if row == len(rows) - 1:
                     ax.set_xlabel(STEP_LABEL)
         _legend(fig, everyone.labels, styles)
@@ -105,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         runset = load_runs(args.paths)
         files, left_out = draw(runset, args.by, args.out, args.dpi, args.pdf)
     print(f"panels: {', '.join(str(f) for f in files)}"
-          + (f" (no run logged: {', '.join(left_out)})" if left_out else ""))
+          + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
 
 
 if __name__ == "__main__":
