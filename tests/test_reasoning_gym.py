@@ -19,7 +19,7 @@ from tests.conftest import MICRO_MODEL, MICRO_RUN
 
 needs_library = pytest.mark.skipif(
     importlib.util.find_spec("reasoning_gym") is None,
-    reason="reasoning-gym is the optional extra: pip install -c constraints.txt -e '.[reasoning]'",
+    reason="reasoning-gym is the extra make installs: pip install -c constraints.txt -e '.[reasoning]'",
 )
 
 CHAIN_SUM = {"task": "chain_sum", "params": {"max_terms": 2, "max_digits": 2}, "train_size": 300, "test_size": 50}

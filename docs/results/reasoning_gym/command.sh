@@ -5,7 +5,7 @@
 # 287 s stopped at 117 steps and 3.9% held-out greedy, where addition's tiny_moe start also stood below 10% until ~200
 # steps); then experiment=reasoning_gym and experiment=addition_cell (GRPO, GRPO + R2, GSPO on seeds 0-2, tiny_moe,
 # lr 1e-4, N = 4, 40 steps: 18 runs, two side by side on one thread each); then one report of both sweeps.
-# Needs the extra: pip install -c constraints.txt -e '.[reasoning]'.
+# Needs reasoning-gym, which make installs (the reasoning extra, at the lock's version).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 docs/results/router_starts.sh tiny_moe-reasoning_gym-basic_arithmetic tiny_moe-addition
