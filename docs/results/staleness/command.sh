@@ -25,10 +25,11 @@ case $mode in
     $starts $sigmoid $softmax
     for n in 1 2 4 8; do
       sweep "map_glm4_moe_l16_n$n" $n "$@"
-      python -m analysis.report "multirun/staleness/map_glm4_moe_l16_n$n" --out "docs/results/staleness/map/glm4_moe_l16_n$n"
+      python -m analysis.report "multirun/staleness/map_glm4_moe_l16_n$n" --out "docs/results/staleness/map/glm4_moe_l16_n$n" \
+        --dpi 100  # the map only picks cells: its figures at a lower resolution
     done
     sweep map_qwen30b_l16_n8 8 hydra.sweeper.params.model=qwen30b_l16 "model.path=$PWD/$($starts --path 0 $softmax)" "$@"
-    python -m analysis.report multirun/staleness/map_qwen30b_l16_n8 --out docs/results/staleness/map/qwen30b_l16_n8
+    python -m analysis.report multirun/staleness/map_qwen30b_l16_n8 --out docs/results/staleness/map/qwen30b_l16_n8 --dpi 100
     python -m analysis.panels multirun/staleness/map_glm4_moe_l16_n* --by trainer.minibatches \
       --out docs/results/staleness/map
     ;;
