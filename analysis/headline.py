@@ -93,8 +93,11 @@ def verdict_lines(comparisons: pd.DataFrame, declaration: Declaration, gains: pd
         part = counted[tuple(cell.values())]
         means = ", ".join(f"{arm} {part.loc[part['arm'] == arm, row['measure']].mean():+.3f}"
                           for arm in (baseline, row["arm"]))
-        line = (f"- {_cell_prefix(cell)}{means}; {row['arm']} − {baseline} {difference(row)} over {row['seeds']} "
-                f"seeds: **{_verdict_head(row['verdict'])}**")
+        starts = row.get("starts")
+        over = (f"{row['seeds']} (start, seed) pairs from {int(starts)} starts" if starts == starts and (starts or 0) >= 2
+                else f"{row['seeds']} seeds")  # starts == starts: not NaN (a table from before starts were counted)
+        line = (f"- {_cell_prefix(cell)}{means}; {row['arm']} − {baseline} {difference(row)} over {over}: "
+                f"**{_verdict_head(row['verdict'])}**")
         there = [match for match in beside.to_dict("records") if match["measure"] == row["measure"]
                  and match["arm"] == row["arm"] and match["cell"] == cell]
         line += "".join(f"; `{match['reference']}` {difference(match, 'there')} over {match['there_seeds']} seeds, "

@@ -166,9 +166,11 @@ def _short_key(key: str, all_keys: Iterable[str]) -> str:
     return key
 
 
-def _format_value(value: Any) -> str:
+def _format_value(value: Any, key: str = "") -> str:
     if isinstance(value, float):
         return f"{value:g}"
+    if key.endswith("path") and isinstance(value, str) and "/" in value:
+        return Path(value).name  # a start's own directory name: the same on every machine, unlike where it lives
     return str(value)
 
 
@@ -185,7 +187,7 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     ` + SYNTHETIC flips p=<p>` when `routing.flip_rate` is not 0 and ` + SYNTHETIC router noise p=<p>` when
     `routing.perturb_rate` is not 0. Then, in sorted key order, every
     config key that differs between runs (ignoring seeds, threads, checkpointing, output dirs, logger/W&B/Hydra
-    keys; a checkpoint or data path does count) and still
+    keys; a checkpoint or data path does count, shown by its last part: a start's directory name) and still
     splits runs sharing a label so far is appended to all labels as `key=value`, with the shortest unambiguous
     key suffix. Keys that only restate the algorithm (its clip range, say) therefore never clutter a label.
     """
@@ -194,16 +196,16 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     candidates = [
         k for k in all_keys
         if k not in ("algo.name", "routing.replay", "routing_variant.name", *SYNTHETIC_KEYS) and not ignored_key(k)
-        and len({_format_value(cfg.get(k, "—")) for cfg in configs.values()}) > 1
+        and len({_format_value(cfg.get(k, "—"), k) for cfg in configs.values()}) > 1
     ]
     for key in candidates:
         groups: dict[str, set[str]] = {}
         for run, cfg in configs.items():
-            groups.setdefault(labels[run], set()).add(_format_value(cfg.get(key, "—")))
+            groups.setdefault(labels[run], set()).add(_format_value(cfg.get(key, "—"), key))
         if any(len(values) > 1 for values in groups.values()):
             short = _short_key(key, all_keys)
             labels = {
-                run: f"{labels[run]}, {short}={_format_value(configs[run].get(key, '—'))}" for run in configs
+                run: f"{labels[run]}, {short}={_format_value(configs[run].get(key, '—'), key)}" for run in configs
             }
     return labels
 
