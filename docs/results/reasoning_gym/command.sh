@@ -4,7 +4,7 @@
 # digits and + or -, the dataset settings of conf/experiment/reasoning_gym.yaml, with a budget of 1,000 steps: one of
 # 287 s stopped at 117 steps and 3.9% held-out greedy, where addition's tiny_moe start also stood below 10% until ~200
 # steps); then experiment=reasoning_gym and experiment=addition_cell (GRPO, GRPO + R2, GSPO on seeds 0-2, tiny_moe,
-# lr 1e-4, N = 4, 40 steps: 18 runs, two side by side on one thread each); then one report of both sweeps.
+# lr 1e-4, N = 4, 40 steps: 18 runs, two side by side on one thread each); then a report of each.
 # Needs reasoning-gym, which make installs (the reasoning extra, at the lock's version).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -12,4 +12,7 @@ docs/results/router_starts.sh tiny_moe-reasoning_gym-basic_arithmetic tiny_moe-a
 out=multirun/reasoning_gym/$(date +%Y-%m-%d_%H-%M-%S)
 python -m experiments.train -m experiment=reasoning_gym hydra.sweep.dir=$out/reasoning_gym
 python -m experiments.train -m experiment=addition_cell hydra.sweep.dir=$out/addition
-python -m analysis.report $out/reasoning_gym $out/addition --out docs/results/reasoning_gym
+# one report per task: their runs start from different recipes' starts, which a report of both would pool as two
+# starts of one recipe
+python -m analysis.report $out/reasoning_gym --out docs/results/reasoning_gym --dpi 110
+python -m analysis.report $out/addition --out docs/results/reasoning_gym/addition --dpi 110
