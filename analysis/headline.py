@@ -94,9 +94,12 @@ def verdict_lines(comparisons: pd.DataFrame, declaration: Declaration, gains: pd
         means = ", ".join(f"{arm} {part.loc[part['arm'] == arm, row['measure']].mean():+.3f}"
                           for arm in (baseline, row["arm"]))
         starts = row.get("starts")
-        over = (f"{row['seeds']} (start, seed) pairs from {int(starts)} starts" if starts == starts and (starts or 0) >= 2
-                else f"{row['seeds']} seeds")  # starts == starts: not NaN (a table from before starts were counted)
-        line = (f"- {_cell_prefix(cell)}{means}; {row['arm']} − {baseline} {difference(row)} over {over}: "
+        if starts == starts and (starts or 0) >= 2:  # starts == starts: not NaN (a table from before starts were counted)
+            # several starts: the two-level interval decides, and it is the one said
+            said = f"{difference(row, 'starts_difference')} over {row['seeds']} (start, seed) pairs from {int(starts)} starts"
+        else:
+            said = f"{difference(row)} over {row['seeds']} seeds"
+        line = (f"- {_cell_prefix(cell)}{means}; {row['arm']} − {baseline} {said}: "
                 f"**{_verdict_head(row['verdict'])}**")
         there = [match for match in beside.to_dict("records") if match["measure"] == row["measure"]
                  and match["arm"] == row["arm"] and match["cell"] == cell]
