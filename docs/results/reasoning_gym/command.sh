@@ -14,5 +14,5 @@ python -m experiments.train -m experiment=reasoning_gym hydra.sweep.dir=$out/rea
 python -m experiments.train -m experiment=addition_cell hydra.sweep.dir=$out/addition
 # one report per task: their runs start from different recipes' starts, which a report of both would pool as two
 # starts of one recipe
-python -m analysis.report $out/reasoning_gym --out docs/results/reasoning_gym --dpi 110
-python -m analysis.report $out/addition --out docs/results/reasoning_gym/addition --dpi 110
+python -m analysis.report $out/reasoning_gym --out docs/results/reasoning_gym --dpi 72
+python -m analysis.report $out/addition --out docs/results/reasoning_gym/addition --dpi 72

@@ -3,7 +3,7 @@
 # the family and the stop rule before any of these runs.
 #   docs/results/staleness/command.sh map          the map on tuning seed 100 from start 0: every arm at N = 1, 2, 4, 8
 #                                                  mini-batches per rollout batch on the sigmoid + bias rung, and at
-#                                                  N = 8 on the balanced softmax rung (the control); a report per (rung, N)
+#                                                  N = 8 on the balanced softmax rung (the control); a report per rung
 #   docs/results/staleness/command.sh cells N...   the cells the rule chose, from 6 starts x seeds 0, 1 of the MiniRL arms
 #                                                  (seed 0 on every start, then seed 1)
 # Sweeps run one job at a time on one thread (hydra.launcher.n_jobs=2 in the arguments runs two side by side).
@@ -23,13 +23,12 @@ sweep() {  # sweep NAME N OVERRIDES...: the experiment at N mini-batches of 4 pr
 case $mode in
   map)
     $starts $sigmoid $softmax
-    for n in 1 2 4 8; do
-      sweep "map_glm4_moe_l16_n$n" $n "$@"
-      python -m analysis.report "multirun/staleness/map_glm4_moe_l16_n$n" --out "docs/results/staleness/map/glm4_moe_l16_n$n" \
-        --dpi 100  # the map only picks cells: its figures at a lower resolution
-    done
+    for n in 1 2 4 8; do sweep "map_glm4_moe_l16_n$n" $n "$@"; done
+    # one report of the four N (a cell each); the map only picks cells: its figures at a lower resolution
+    python -m analysis.report multirun/staleness/map_glm4_moe_l16_n{1,2,4,8} --out docs/results/staleness/map/glm4_moe_l16 \
+      --dpi 72
     sweep map_qwen30b_l16_n8 8 hydra.sweeper.params.model=qwen30b_l16 "model.path=$PWD/$($starts --path 0 $softmax)" "$@"
-    python -m analysis.report multirun/staleness/map_qwen30b_l16_n8 --out docs/results/staleness/map/qwen30b_l16_n8 --dpi 100
+    python -m analysis.report multirun/staleness/map_qwen30b_l16_n8 --out docs/results/staleness/map/qwen30b_l16_n8 --dpi 72
     python -m analysis.panels multirun/staleness/map_glm4_moe_l16_n* --by trainer.minibatches \
       --out docs/results/staleness/map
     ;;
@@ -49,7 +48,7 @@ case $mode in
           sweeps+=("multirun/staleness/cells_n${n}_start${k}_seed$seed")
         done
       done
-      python -m analysis.report "${sweeps[@]}" --out "docs/results/staleness/n$n"
+      python -m analysis.report "${sweeps[@]}" --out "docs/results/staleness/n$n" --dpi 80
     done
     python -m analysis.panels multirun/staleness/cells_n* --by trainer.minibatches --out docs/results/staleness
     ;;
