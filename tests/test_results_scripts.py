@@ -97,7 +97,13 @@ def test_the_reasoning_gym_result_makes_the_cold_start_its_experiment_starts_fro
     calls = [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
     runs = [call for call in calls if call[:2] == ["-m", "experiments.train"]]
     assert [run[3] for run in runs] == ["experiment=reasoning_gym", "experiment=addition_cell"]
-    assert calls[-1][:2] == ["-m", "analysis.report"] and calls[-1][-2:] == ["--out", "docs/results/reasoning_gym"]
+    reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
+    # a report per task: one of both would pool the two recipes' starts as two starts of one recipe
+    assert [report[report.index("--out") + 1] for report in reports] == [
+        "docs/results/reasoning_gym", "docs/results/reasoning_gym/addition"]
+    swept = [report[2:report.index("--out")] for report in reports]  # the sweeps each report reads
+    assert [len(sweeps) for sweeps in swept] == [1, 1]
+    assert swept[0][0].endswith("/reasoning_gym") and swept[1][0].endswith("/addition")
     register_configs()
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         experiment = compose("train", overrides=["experiment=reasoning_gym"])
