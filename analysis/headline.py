@@ -133,7 +133,8 @@ def limits(runset: RunSet, comparisons: pd.DataFrame, left_out: pd.DataFrame) ->
     compared = comparisons[comparisons["difference_estimate"].notna()] if "difference_estimate" in comparisons else \
         comparisons.iloc[0:0]
     if len(comparisons) and compared.empty:
-        lines.append("- Fewer than 2 seeds shared by two arms in any cell: no comparison and no interval here (a "
+        lines.append("- Fewer than 2 seeds shared by two arms in any cell: no comparison and no interval here: "
+                     "without a 95% interval no difference in it can be told from noise (a "
                      f"paired comparison needs 2 shared seeds, a verdict that can separate {UNITS_TO_SEPARATE}).")
     elif len(compared):
         across = compared["starts"].fillna(1) >= 2 if "starts" in compared else pd.Series(False, compared.index)
