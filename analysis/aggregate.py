@@ -624,9 +624,12 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
     objective and its settings, replay, routing variant, router switches, the engine's precision), the swept axes and
     what never changes a run's numbers (`load.ignored_key`); `model.path` too where the start's sha256 names it. A
     setting one of two runs lacks altogether was recorded by the other only (added since, to a node the older run
-    did not have): not compared. One arm holds at most one run there."""
+    did not have): not compared. One arm holds at most one run there. Across the starts a cell pools (the recipe's
+    view), the runs must agree in the same settings but `model.path`: starts of one recipe, never a start of another
+    task or model whose only difference is a categorical key (a dataset's name is no axis)."""
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
     counted = gains[gains["counted"] != EXCLUDED]
+    _check_one_recipe(configs, counted, axes)
     for (start, seed), part in counted.groupby(["start_sha256", "seed"], sort=True):
         for cell, runs in cells(part, axes):
             twice = runs[runs.duplicated("arm", keep=False)]
@@ -635,21 +638,52 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
                 raise ValueError(f"arm {arm!r} has {int((twice['arm'] == arm).sum())} runs at seed {seed} from start "
                                  f"{start[:12] or '(unnamed)'}{_cell_text(cell)} ({', '.join(twice['run'])}): a paired "
                                  "comparison takes one run per arm, cell, start and seed")
-            settings = {run: {key: _format_value(value) for key, value in configs[run].items()
-                              if not (key.startswith(_ARM_KEYS) or key in axes or ignored_key(key) or key in _NOT_AXES
-                                      or (key == "model.path" and start != UNKNOWN_START))}
-                        for run in runs["run"]}
             first, *others = runs["run"]
             for other in others:
-                for key in sorted(set(settings[first]) & set(settings[other])):
-                    here, there = settings[first][key], settings[other][key]
-                    if here != there:
-                        arm = dict(zip(runs["run"], runs["arm"]))
-                        raise ValueError(
-                            f"runs of seed {seed} from start {start[:12] or '(unnamed)'}{_cell_text(cell)} disagree in "
-                            f"{key} beyond their arms: {arm[first]} has {here} ({first}), {arm[other]} {there} "
-                            f"({other}); pairing them would compare that setting too: report them apart, or pair "
-                            "them with analysis.compare under names that say it")
+                key, here, there = _first_difference(configs, first, other, axes, path=start == UNKNOWN_START)
+                if key is not None:
+                    arm = dict(zip(runs["run"], runs["arm"]))
+                    raise ValueError(
+                        f"runs of seed {seed} from start {start[:12] or '(unnamed)'}{_cell_text(cell)} disagree in "
+                        f"{key} beyond their arms: {arm[first]} has {here} ({first}), {arm[other]} {there} "
+                        f"({other}); pairing them would compare that setting too: report them apart, or pair "
+                        "them with analysis.compare under names that say it")
+
+
+def _first_difference(configs: dict[str, dict], first: str, other: str, axes: list[str], path: bool
+                      ) -> tuple[str | None, str, str]:
+    """The first setting (in key order) two runs both recorded with different values, beyond their arms' own
+    settings, the swept axes and what never changes a run's numbers; `model.path` only where `path`. (None, "", "")
+    when they agree."""
+    def settings(run: str) -> dict[str, str]:
+        return {key: _format_value(value) for key, value in configs[run].items()
+                if not (key.startswith(_ARM_KEYS) or key in axes or ignored_key(key) or key in _NOT_AXES
+                        or (key == "model.path" and not path))}
+
+    mine, theirs = settings(first), settings(other)
+    for key in sorted(set(mine) & set(theirs)):
+        if mine[key] != theirs[key]:
+            return key, mine[key], theirs[key]
+    return None, "", ""
+
+
+def _check_one_recipe(configs: dict[str, dict], counted: pd.DataFrame, axes: list[str]) -> None:
+    """Refuse a cell whose named starts' runs differ beyond their arms and `model.path`: a two-level comparison
+    pools starts as draws of one recipe, and a start of another recipe (another task, model or SFT) is not one."""
+    named = counted[counted["start_sha256"] != UNKNOWN_START]
+    for cell, part in cells(named, axes):
+        first_runs = part.drop_duplicates("start_sha256")
+        if len(first_runs) < 2:
+            continue
+        first, *others = first_runs["run"]
+        start = dict(zip(first_runs["run"], first_runs["start_sha256"]))
+        for other in others:
+            key, here, there = _first_difference(configs, first, other, axes, path=False)
+            if key is not None:
+                raise ValueError(
+                    f"runs from starts {start[first][:12]} and {start[other][:12]}{_cell_text(cell)} disagree in {key}: "
+                    f"{here} ({first}), {there} ({other}); a comparison across starts pools them as starts of one "
+                    "recipe, which they are not: report each recipe's runs apart")
 
 
 def _cell_text(cell: dict) -> str:

@@ -1012,6 +1012,28 @@ def test_runs_of_one_start_and_seed_that_differ_beyond_their_arms_are_refused(tm
     assert not (tmp_path / "out").exists()
 
 
+def test_starts_of_two_recipes_are_never_pooled_as_starts_of_one(tmp_path, capsys):
+    """Addition's start and a reasoning-gym task's start in one report: the dataset's name is no axis (it is not a
+    number), so without the check the comparison across starts would pool two recipes as draws of one."""
+    def runs(folder, second_dataset):
+        for sha, dataset in ((START_A, "addition"), (START_B, second_dataset)):
+            for seed in (0, 1):
+                for algo in ("grpo", "gspo"):
+                    _evaluated_run(folder / f"{sha[0]}_{algo}{seed}", algo, seed, "none", 0.5, 0.6 + 0.01 * seed,
+                                   sha=sha, **{"dataset.name": dataset, "model.path": f"/starts/{sha[0]}"})
+        return str(folder)
+
+    with pytest.raises(SystemExit) as stop:
+        main([runs(tmp_path / "two_recipes", "reasoning_gym"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert "runs from starts aaaaaaaaaaaa and bbbbbbbbbbbb disagree in dataset.name: addition" in err
+    assert not (tmp_path / "out").exists()
+    # two starts of one recipe (only model.path differs): pooled, the comparison is across starts
+    main([runs(tmp_path / "one_recipe", "addition"), "--out", str(tmp_path / "out"), "--dpi", DPI])
+    assert set(pd.read_csv(tmp_path / "out" / "comparisons.csv")["starts"].dropna()) == {2}
+
+
 def test_arms_that_share_a_method_but_not_their_own_settings_are_two_arms():
     """MiniRL with and without its staleness mask (conf/arm/minirl_no_clip.yaml) share the method name; pooling
     them per seed would average two arms."""
