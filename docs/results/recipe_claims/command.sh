@@ -39,11 +39,11 @@ report() {  # the reports over every (start, seed) that ran
   shopt -s nullglob
   case $mode in
     deep_long)
-      python -m analysis.report $runs/deep_long_start* --out $out/deep_long
-      python -m analysis.report $runs/deep_long_matched_step_start* --out $out/deep_long_matched_step
+      python -m analysis.report $runs/deep_long_start* --out $out/deep_long --dpi 72
+      python -m analysis.report $runs/deep_long_matched_step_start* --out $out/deep_long_matched_step --dpi 72
       python -m analysis.compare $out/deep_long "$out/deep_long_matched_step:grpo=grpo-lr2.7e-4" \
         --baseline grpo-lr2.7e-4 --family "gspo (clip_high=0.0004)" --out $out/deep_long_step_compared ;;
-    few_experts) python -m analysis.report $runs/few_experts_start* --out $out/few_experts ;;
+    few_experts) python -m analysis.report $runs/few_experts_start* --out $out/few_experts --dpi 72 ;;
   esac
 }
 if [[ ${2:-} == report ]]; then
