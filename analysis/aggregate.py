@@ -815,8 +815,13 @@ def _verdict(row: pd.Series, family_size: int) -> str:
     else:
         test = f"{'start-level ' if starts >= 2 else ''}p = {row['decisive_p']:.3g}, uncorrected"
     interval = "two-level 95% CI" if starts >= 2 else "95% CI"
+    units = starts if starts >= 2 else int(row["seeds"])
     if row["separates"]:
         said = f"separates{where} ({interval} of the difference excludes 0; {test})"
+    elif row["role"] == PRIMARY and 2 / 2**units < ALPHA <= family_size * 2 / 2**units:
+        said = (f"not distinguishable{where} ({test}; with {units} {'starts' if starts >= 2 else 'seeds'} and a family "
+                f"of {family_size} the smallest Holm p any comparison can reach is {family_size * 2 / 2**units:.3g}: "
+                "this design cannot separate, whatever the data)")
     elif starts >= 2 and 2 / 2**starts >= ALPHA:
         said = (f"not distinguishable{where} ({test}; with {starts} starts no start-level test reaches p < "
                 f"{ALPHA:g}: at least 6 are needed)")

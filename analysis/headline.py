@@ -145,6 +145,13 @@ def limits(runset: RunSet, comparisons: pd.DataFrame, left_out: pd.DataFrame) ->
             lines.append(f"- {count} {unit}: an exact sign-flip test on fewer than {UNITS_TO_SEPARATE} cannot reach "
                          f"p < {ALPHA:g}, so no verdict here can separate; an estimate gives a direction, not a "
                          "finding.")
+        family = int((compared["role"] == agg.PRIMARY).sum()) if "role" in compared else 0
+        reachable = family * 2 / 2 ** units[compared["role"] == agg.PRIMARY].max() if family else 0.0
+        if units.max() >= UNITS_TO_SEPARATE and reachable >= ALPHA:
+            unit = "starts" if across.all() else "seeds"
+            lines.append(f"- {units.max()} {unit} and a declared family of {family}: the smallest Holm-adjusted p any "
+                         f"comparison of the family can reach is {reachable:.3g}, so none can separate, whatever the "
+                         "data; the intervals and each start's sign say what the runs show.")
     starts = set(runset.runs["start_sha256"]) - {UNKNOWN_START}
     if len(starts) == 1:
         lines.append(f"- One cold start (`{next(iter(starts))[:12]}`): how far another start of the same recipe would "

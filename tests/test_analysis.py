@@ -1034,6 +1034,22 @@ def test_starts_of_two_recipes_are_never_pooled_as_starts_of_one(tmp_path, capsy
     assert set(pd.read_csv(tmp_path / "out" / "comparisons.csv")["starts"].dropna()) == {2}
 
 
+def test_a_family_too_large_for_its_starts_says_it_cannot_separate_whatever_the_data(tmp_path, no_figures):
+    """Six starts give a smallest start-level p of 2/64; Holm over a family of 2 doubles it past 0.05. Every start
+    agrees in sign and the interval excludes 0, yet no verdict of the family can separate: the report says why."""
+    for k in range(6):
+        for algo, replay, end in (("grpo", "none", 0.5), ("gspo", "none", 0.7 + 0.01 * k), ("grpo", "r2", 0.6)):
+            _evaluated_run(tmp_path / "runs" / f"{algo}{replay}{k}", algo, 0, replay, 0.5, end, sha=f"{k}" * 64,
+                           **{"model.path": f"/starts/{k}"})
+    text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "out").read_text(encoding="utf-8")
+    comparisons = pd.read_csv(tmp_path / "out" / "comparisons.csv").query("role == 'primary'")
+    gspo = comparisons[comparisons["arm"] == "gspo"].iloc[0]
+    assert gspo["starts_difference_low"] > 0 and gspo["holm_p"] == pytest.approx(0.0625)
+    assert "with 6 starts and a family of 2 the smallest Holm p any comparison can reach is 0.0625" in gspo["verdict"]
+    assert ("- 6 starts and a declared family of 2: the smallest Holm-adjusted p any comparison of the family can "
+            "reach is 0.0625, so none can separate") in text
+
+
 def test_arms_that_share_a_method_but_not_their_own_settings_are_two_arms():
     """MiniRL with and without its staleness mask (conf/arm/minirl_no_clip.yaml) share the method name; pooling
     them per seed would average two arms."""
