@@ -27,7 +27,7 @@ from algos.objective import TOKEN_RATIO_VAR as TOKEN_VAR
 from analysis.load import (
     INCOMPLETE, SYNTHETIC_KEYS, UNKNOWN_START, RunSet, _format_value, _short_key, ignored_key, method_name,
 )
-from analysis.statistics import ALPHA, across_starts, compare, holm
+from analysis.statistics import ALPHA, across_starts, compare, holm, smallest_p
 from experiments.config import EarlyStopped, RolloutConfig, Summary
 from experiments.step.engines import EngineNumerics
 from experiments.step.metrics import (
@@ -818,11 +818,11 @@ def _verdict(row: pd.Series, family_size: int) -> str:
     units = starts if starts >= 2 else int(row["seeds"])
     if row["separates"]:
         said = f"separates{where} ({interval} of the difference excludes 0; {test})"
-    elif row["role"] == PRIMARY and 2 / 2**units < ALPHA <= family_size * 2 / 2**units:
+    elif row["role"] == PRIMARY and smallest_p(units) < ALPHA <= smallest_p(units, family_size):
         said = (f"not distinguishable{where} ({test}; with {units} {'starts' if starts >= 2 else 'seeds'} and a family "
-                f"of {family_size} the smallest Holm p any comparison can reach is {family_size * 2 / 2**units:.3g}: "
-                "this design cannot separate, whatever the data)")
-    elif starts >= 2 and 2 / 2**starts >= ALPHA:
+                f"of {family_size} the smallest Holm p any comparison can reach is "
+                f"{smallest_p(units, family_size):.3g}: this design cannot separate, whatever the data)")
+    elif starts >= 2 and smallest_p(starts) >= ALPHA:
         said = (f"not distinguishable{where} ({test}; with {starts} starts no start-level test reaches p < "
                 f"{ALPHA:g}: at least 6 are needed)")
     elif starts >= 2:

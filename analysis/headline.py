@@ -17,11 +17,11 @@ from analysis.declaration import Declaration
 from analysis.figures import FigureOutput
 from analysis.load import SYNTHETIC_KEYS, UNKNOWN_START, RunSet, _format_value
 from analysis.references import Reference
-from analysis.statistics import ALPHA
+from analysis.statistics import ALPHA, smallest_p
 
 TITLE = "## What ran and what it shows"
-# Fewer units than this and an exact paired sign-flip test cannot reach p < ALPHA: its smallest p is 2 / 2^n.
-UNITS_TO_SEPARATE = next(n for n in range(1, 64) if 2 / 2**n < ALPHA)
+# Fewer units than this and an exact paired sign-flip test cannot reach p < ALPHA (statistics.smallest_p).
+UNITS_TO_SEPARATE = next(n for n in range(1, 64) if smallest_p(n) < ALPHA)
 
 
 def _verdict_head(verdict: str) -> str:
@@ -146,7 +146,7 @@ def limits(runset: RunSet, comparisons: pd.DataFrame, left_out: pd.DataFrame) ->
                          f"p < {ALPHA:g}, so no verdict here can separate; an estimate gives a direction, not a "
                          "finding.")
         family = int((compared["role"] == agg.PRIMARY).sum()) if "role" in compared else 0
-        reachable = family * 2 / 2 ** units[compared["role"] == agg.PRIMARY].max() if family else 0.0
+        reachable = smallest_p(units[compared["role"] == agg.PRIMARY].max(), family) if family else 0.0
         if units.max() >= UNITS_TO_SEPARATE and reachable >= ALPHA:
             unit = "starts" if across.all() else "seeds"
             lines.append(f"- {units.max()} {unit} and a declared family of {family}: the smallest Holm-adjusted p any "

@@ -180,11 +180,18 @@ def holm(p_values: list[float] | np.ndarray) -> np.ndarray:
     return adjusted
 
 
+def smallest_p(units: int, family: int = 1) -> float:
+    """The smallest p an exact two-sided sign-flip test on `units` paired units can give (2 / 2^n: every sign alike),
+    Holm-adjusted over a `family` of comparisons (its smallest p times the family's size): at or above `ALPHA`, no
+    comparison of that design can separate, whatever the data."""
+    return family * 2 / 2**units
+
+
 def detectable_effect(seeds: int, spread: float) -> float:
     """The mean paired difference a two-sided paired t-test at `ALPHA` detects with `POWER` from `seeds` seeds whose
     differences have sample std `spread` (power from the noncentral t); inf where no exact sign-flip test on that
     many seeds can reach p < ALPHA (2/2^n ≥ ALPHA), 0 where the differences do not spread at all."""
-    if seeds < 2 or 2 / 2**seeds >= ALPHA:
+    if seeds < 2 or smallest_p(seeds) >= ALPHA:
         return math.inf
     if spread == 0:
         return 0.0
