@@ -29,6 +29,7 @@ from analysis.cli import command_line, refusing, writable_out
 from experiments.sft import MEDIAN_INTERVAL, routing_profile
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
 from experiments.tasks import build_task
+from models.cpu_kernels import weights_sha256
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
 from models.routing.families import has_selection_bias
@@ -53,6 +54,7 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
     profile = routing_profile(model, tokenizer, task.examples("test")[:prompts])
     return {
         "checkpoint": str(checkpoint),
+        "sha256": weights_sha256(model),  # the start's identity, as its cold_start.json and every RL run name it
         "family": f"{model.config.model_type} ({'sigmoid + bias' if sigmoid else 'softmax'})",
         "layers": len(routers),
         "experts": int(routers[0].num_experts),
@@ -94,13 +96,13 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
              "share near 1 and a last near 0 make a router one-hot in all but name: its changed experts, counted as the "
              "GSPO paper counts them, change almost nothing a token computes (the RL runs' `routing/gate_tv` measures "
              "it).", "",
-             "| checkpoint | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] | mean "
+             "| checkpoint | sha256 | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] | mean "
              "| share < 0.01 | median / anchor [95% CI] | best expert's lead | best score | gate mass, best / last "
              "| load entropy | max / mean load |",
-             "|" + "---|" * 14]
+             "|" + "---|" * 15]
     for row in rows:
         (low, high), (over_low, over_high) = row[MEDIAN_INTERVAL], row["median_over_anchor_interval"]
-        lines.append(f"| {Path(row['checkpoint']).name} | {row['family']} | {row['layers']} | {row['experts']} / "
+        lines.append(f"| {Path(row['checkpoint']).name} | `{row['sha256'][:12]}` | {row['family']} | {row['layers']} | {row['experts']} / "
                      f"{row['top_k']} | {row['task']} ({row['prompts']}) | {row[TOPK_MARGIN_MEDIAN]:.4f} "
                      f"[{low:.4f}, {high:.4f}] | {row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | "
                      f"{row['median_over_anchor']:.2f} [{over_low:.2f}, {over_high:.2f}] "

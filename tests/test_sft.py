@@ -165,7 +165,10 @@ def test_the_margin_table_holds_each_checkpoint_against_its_familys_anchor(tmp_p
     table = (tmp_path / "table" / "report.md").read_text()
     assert [within_two_fold(interval) for interval in ([0.6, 1.9], [2.1, 3.0], [0.4, 0.6])] == \
         ["within 2x", "outside 2x", "undecided"]
-    assert "| ckpt | qwen3_moe (softmax) | 2 | 8 / 2 |" in table and "| glm | glm4_moe (sigmoid + bias) |" in table
+    recorded = json.loads((tmp_path / "ckpt" / "cold_start.json").read_text())["weights_sha256"]
+    assert rows[0]["sha256"] == recorded, "the row names the start as its cold start and every RL run do"
+    assert f"| ckpt | `{recorded[:12]}` | qwen3_moe (softmax) | 2 | 8 / 2 |" in table
+    assert "| glm | `" in table and "` | glm4_moe (sigmoid + bias) |" in table
     with pytest.raises(SystemExit) as raised:
         margins([str(tmp_path / "nope"), "--out", str(tmp_path / "table")])
     assert raised.value.code == 2
