@@ -88,7 +88,7 @@ def measured_cells(tables: dict[str, list[dict[str, str]]]) -> tuple[str, dict[s
     return "final training reward (mean of the last logged steps)", cells
 
 
-def smallest_p(n: int, m: int) -> float:
+def smallest_unpaired_p(n: int, m: int) -> float:
     """The smallest two-sided p an exact unpaired permutation test of n against m seeds can give."""
     return 2 / math.comb(n + m, n)
 
@@ -105,7 +105,7 @@ def verdict(arm: Summary, base: Summary) -> tuple[str, str]:
     df = sum(variances) ** 2 / (variances[0] ** 2 / (arm.seeds - 1) + variances[1] ** 2 / (base.seeds - 1))
     half = stats.t.ppf(1 - (1 - CONFIDENCE) / 2, df) * error
     interval = f"{difference:+.3f} [{difference - half:+.3f}, {difference + half:+.3f}]"
-    floor = smallest_p(arm.seeds, base.seeds)
+    floor = smallest_unpaired_p(arm.seeds, base.seeds)
     if floor >= ALPHA:
         return interval, (f"not distinguishable ({arm.seeds} against {base.seeds} seeds: no exact test reaches "
                           f"p < {ALPHA:g}, its smallest p is {floor:.2g})")

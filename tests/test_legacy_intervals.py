@@ -8,7 +8,7 @@ import math
 import pytest
 from scipy import stats
 
-from analysis.legacy_intervals import SECTION, annotate, smallest_p
+from analysis.legacy_intervals import SECTION, annotate, smallest_unpaired_p
 
 GAIN_REPORT = """# moe-rl-lab report
 
@@ -45,4 +45,4 @@ def test_each_arm_gets_welchs_interval_against_grpo_in_its_cell_and_three_seeds_
 
 
 def test_enough_seeds_can_separate():
-    assert smallest_p(3, 3) == pytest.approx(0.1) and smallest_p(5, 5) < 0.05
+    assert smallest_unpaired_p(3, 3) == pytest.approx(0.1) and smallest_unpaired_p(5, 5) < 0.05
