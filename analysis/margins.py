@@ -96,14 +96,15 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
              "share near 1 and a last near 0 make a router one-hot in all but name: its changed experts, counted as the "
              "GSPO paper counts them, change almost nothing a token computes (the RL runs' `routing/gate_tv` measures "
              "it).", "",
-             "| checkpoint | sha256 | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] | mean "
-             "| share < 0.01 | median / anchor [95% CI] | best expert's lead | best score | gate mass, best / last "
-             "| load entropy | max / mean load |",
+             "| checkpoint | sha256 | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] "
+             "| mean | share < 0.01 | median / anchor [95% CI] | best expert's lead | best score "
+             "| gate mass, best / last | load entropy | max / mean load |",
              "|" + "---|" * 15]
     for row in rows:
         (low, high), (over_low, over_high) = row[MEDIAN_INTERVAL], row["median_over_anchor_interval"]
-        lines.append(f"| {Path(row['checkpoint']).name} | `{row['sha256'][:12]}` | {row['family']} | {row['layers']} | {row['experts']} / "
-                     f"{row['top_k']} | {row['task']} ({row['prompts']}) | {row[TOPK_MARGIN_MEDIAN]:.4f} "
+        lines.append(f"| {Path(row['checkpoint']).name} | `{row['sha256'][:12]}` | {row['family']} | "
+                     f"{row['layers']} | {row['experts']} / {row['top_k']} | {row['task']} ({row['prompts']}) | "
+                     f"{row[TOPK_MARGIN_MEDIAN]:.4f} "
                      f"[{low:.4f}, {high:.4f}] | {row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | "
                      f"{row['median_over_anchor']:.2f} [{over_low:.2f}, {over_high:.2f}] "
                      f"({within_two_fold(row['median_over_anchor_interval'])}) | {row['top_gap_share_median']:.2f} | "
