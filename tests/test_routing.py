@@ -15,11 +15,13 @@ from experiments.step.metrics import (
 )
 from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
+from models.policy import ModelConfig, build_policy
 from models.routing.families import replayed_gate_weights, route, router_logprobs, selection_scores
 from models.routing.hooks import record_routing, replay_routing, RouterCalls
 from models.routing.measures import MarginSummary, gate_shift, routing_drift, top_gap_share, topk_margin
 from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
 from models.statistics import median_interval, weighted_median
+from tests.conftest import MICRO_MODEL
 
 
 def _batch(tokenizer, texts=("12+34=5", "7+8=15", "99+1=100")):
@@ -124,6 +126,73 @@ def test_replayed_gates_follow_current_router_probabilities(micro_policy):
         replayed = _forward(model, ids, mask).logits
     valid = mask.bool()
     torch.testing.assert_close(replayed[valid], free[valid], rtol=0, atol=1e-5)
+
+
+# Every family that gathers gates at replayed experts: the softmax family renormalised (Qwen3-MoE) and not, and the
+# sigmoid family (GLM-4.5's grouped-query attention, DeepSeek-V3's latent attention).
+FAMILY_BUILDS = {
+    "softmax, renormalised": dict(architecture="qwen3_moe"),
+    "softmax, unnormalised": dict(architecture="qwen3_moe", norm_topk_prob=False),
+    "sigmoid (glm4_moe)": dict(architecture="glm4_moe", n_group=4, topk_group=2),
+    "sigmoid (deepseek_v3)": dict(architecture="deepseek_v3", n_group=4, topk_group=2, qk_rope_head_dim=4),
+}
+
+
+@pytest.mark.parametrize("gap", [0.0, 5.0, 60.0, 120.0, 400.0])
+@pytest.mark.parametrize("family", ["softmax, renormalised", "sigmoid (glm4_moe)"])
+def test_replayed_gates_are_the_quotient_whatever_the_logit_gap(family, gap):
+    """The replayed experts [1, 2] sit `gap` below expert 0. Their gates are p_e / (p_1 + p_2) (times the sigmoid
+    family's scaling, with its 1e-20), as float64 computes them, and their gradients finite: past a gap of ~100 the
+    softmax probabilities underflow in fp32 and the plain quotient is 0/0."""
+    router = (SimpleNamespace(top_k=2, norm_topk_prob=True) if family.startswith("softmax") else
+              SimpleNamespace(top_k=2, num_experts=4, e_score_correction_bias=torch.zeros(4), num_group=1,
+                              topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5))
+    logits = torch.tensor([[gap, 0.3, -0.2, -1.0]], requires_grad=True)
+    replayed = torch.tensor([[1, 2]])
+    weights = replayed_gate_weights(router, logits, replayed, logits)
+    exact = logits.detach().double()
+    if family.startswith("softmax"):
+        scores = torch.softmax(exact, -1)[0, [1, 2]]
+        expected = torch.softmax(exact[0, [1, 2]], -1)  # the global normaliser cancels: exact at any gap
+    else:
+        scores = torch.sigmoid(exact)[0, [1, 2]]
+        expected = scores / (scores.sum() + 1e-20) * 2.5
+    torch.testing.assert_close(weights[0].double(), expected, rtol=1e-6, atol=0)
+    (weights[0, 0] * 3 + weights[0, 1]).backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 1:3].abs().sum() > 0
+    if gap < 60 and family.startswith("softmax"):  # nothing underflows: transformers' own arithmetic, bit for bit
+        probs = torch.softmax(logits.detach(), -1)[0, [1, 2]]
+        assert torch.equal(weights[0].detach(), probs / probs.sum())
+
+
+@pytest.mark.parametrize("family", list(FAMILY_BUILDS))
+def test_replay_stays_finite_when_the_router_moved_past_the_replayed_experts(family):
+    """A recorded trace replayed after the routers moved far (perturbed, then scaled so that logit gaps reach the
+    hundreds): for tokens whose recorded experts the moved router ranks far below its best, their probabilities
+    underflow in fp32. The replayed forward's logits, its loss and every router's gradient stay finite, and the
+    recorded experts are still the ones computed with."""
+    model, tokenizer = build_policy(ModelConfig(**{**MICRO_MODEL, "experts_implementation": "eager",
+                                                   **FAMILY_BUILDS[family]}))
+    model.eval()
+    ids, mask, old = _record_then_perturb(model, tokenizer)
+    with torch.no_grad():
+        for router in find_routers(model).values():
+            router.weight.mul_(200.0)
+    with record_routing(model) as free:
+        _forward(model, ids, mask)
+    assert routing_drift(old, free.trace, mask).expert_change_frac > 0.3
+    spy = ExpertsSpy(model)
+    model.zero_grad()
+    with replay_routing(model, old):
+        out = _forward(model, ids, mask)
+        loss = out.logits[mask.bool()].log_softmax(-1)[:, 0].mean()
+        loss.backward()
+    spy.remove()
+    recorded, valid = _flat_recorded(old, mask)
+    assert torch.equal(spy.used()[:, valid], recorded[:, valid])
+    assert torch.isfinite(out.logits[mask.bool()]).all() and torch.isfinite(loss)
+    for router in find_routers(model).values():
+        assert torch.isfinite(router.weight.grad).all()
 
 
 def test_replay_holds_under_activation_checkpointing(micro_policy):

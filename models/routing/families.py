@@ -47,14 +47,39 @@ def replayed_gate_weights(
     renormalised when the family does (Qwen2/3-MoE and OLMoE when `norm_topk_prob`; Mixtral always; the sigmoid
     family when `norm_topk_prob`, with transformers' 1e-20 in the denominator, then times its
     `routed_scaling_factor`). The selection bias never enters. Cast like the router's own weights.
+
+    Replay exists for drift, and under large drift the softmax family's quotient fails: a router that moved far
+    enough gives every replayed expert a probability that underflows in fp32 (a logit gap past ~100 to the best
+    expert), and p_e / Σ p is 0/0. `_renormalised_softmax` takes those tokens in log space (the same quotient, finite
+    with finite gradients whatever the gap) and keeps transformers' own arithmetic, bit for bit, everywhere else.
+    The sigmoid family's quotient is finite as it stands: its denominator is at least 1e-20.
     """
     weights = gate_scores(router, router_logits).gather(-1, indices)
-    sigmoid = has_selection_bias(router)
     if getattr(router, "norm_topk_prob", True):
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
-    if sigmoid:
+        if has_selection_bias(router):
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights = _renormalised_softmax(weights, router_logits, indices)
+    if has_selection_bias(router):
         weights = weights * router.routed_scaling_factor
     return weights.to(like.dtype)
+
+
+# Below this sum of the replayed experts' probabilities the quotient p_e / Σ p is taken in log space. Above it the
+# quotient and its gradient (whose division term is (p_e / Σ p) / Σ p, at most 1e20) are finite and exact to fp32.
+_SMALLEST_DIRECT_TOTAL = 1e-20
+
+
+def _renormalised_softmax(probs: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """`probs [T, K]` (the softmax over all experts, gathered at `indices`) divided by their sum; where that sum is
+    below `_SMALLEST_DIRECT_TOTAL`, the softmax over the gathered logits instead, which is the same quotient (the
+    normaliser over all experts cancels) computed in log space. Both branches are finite everywhere, so `where`
+    passes finite gradients to each."""
+    total = probs.sum(dim=-1, keepdim=True)
+    direct = total >= _SMALLEST_DIRECT_TOTAL
+    quotient = probs / torch.where(direct, total, torch.ones_like(total))
+    in_log_space = torch.softmax(logits.float().gather(-1, indices), dim=-1)
+    return torch.where(direct, quotient, in_log_space)
 
 
 def route(router: torch.nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +94,6 @@ def router_logprobs(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tens
     """`[T, E]` fp32: the router's log-score of every expert, log-softmax(z) or, for the sigmoid family, log
     sigmoid(z)."""
     return F.logsigmoid(logits.float()) if has_selection_bias(router) else torch.log_softmax(logits.float(), dim=-1)
-
 
 
 def normalised_scores(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
