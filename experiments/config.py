@@ -117,6 +117,10 @@ class RolloutConfig(EngineNumerics):
     # The hf engine's KV cache: preallocated (written in place, the same numbers; cheaper) or concat (transformers'
     # own, grown by concatenation every step: the reference). vLLM pages its own cache and takes only the default.
     kv_cache: KVCache = KVCache.preallocated
+    # The exact lag (experiments.step.versions): step t's rollouts are sampled with the weights of this many versions
+    # before θ_old (a version: the weights after one RL step; the first steps sample with the start), so μ_old is
+    # that stale engine and π_old stays the trainer at θ_old. 0: the synchronous loop, bit for bit. docs/async.md.
+    lag: int = 0
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

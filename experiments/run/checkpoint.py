@@ -3,7 +3,8 @@
 `trainer.checkpoint_every=k` writes, after every k-th step's log line and after the run's last step,
 `checkpoints/step_<k>/` in the run directory:
     state/            model and optimizer, with `torch.distributed.checkpoint` (sharded over ranks under FSDP2,
-                      one process otherwise): its index (`.metadata`) and the optimizer's hyperparameters are
+                      one process otherwise), and under `rollout.lag` the weight versions the engine will still
+                      sample with (`experiments.step.versions`; full weights, the same on every rank): its index (`.metadata`) and the optimizer's hyperparameters are
                       pickles, read as data only (`read_index`, `_DataPlanner`): a checkpoint is never code
     trainer.json      step and token counters, skipped updates, the scheduler's state, every setting of the run
     rng_rank<r>.pt    every random generator of rank r (torch's, the prompt sampler's, the engine's router noise),
@@ -49,8 +50,10 @@ from torch.distributed.checkpoint.state_dict import (
 from experiments.run import provenance
 from experiments.run.resume import described, differences, length_change, settings
 from experiments.run.rundir import SUMMARY_FILE, StorageError, replace_file, sync_directory
+from experiments.step.engines import full_weights
 from experiments.step.metrics import STEP
 from experiments.step.ranks import Ranks, barrier, gather_objects
+from experiments.step.versions import version_key
 from models.registry import ConfigError
 
 DIRECTORY = "checkpoints"
@@ -59,6 +62,7 @@ PARTIAL = ".tmp"  # a checkpoint being written
 DAMAGED = ".damaged"  # set aside at resume: it does not load
 SUPERSEDED = ".superseded"  # set aside at resume: later than the checkpoint the run went back to
 DELETING = ".deleting"  # rotated out: renamed first, so that a kill while it is deleted leaves no checkpoint half gone
+ENGINE_VERSIONS = "engine_versions"  # under rollout.lag: the weight versions held, in trainer.json and the state
 
 
 def step_of(path: Path) -> int:
@@ -137,8 +141,10 @@ def _write(trainer: Any, partial: Path) -> None:
     """This rank's files of the checkpoint, each flushed to the disk (torch's writer flushes the state's own)."""
     ranks: Ranks = trainer.ranks
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial / "state"),
-             no_dist=not ranks.active)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if trainer.versions is not None:
+        state[ENGINE_VERSIONS] = trainer.versions.state()
+    dcp.save(state, checkpoint_id=str(partial / "state"), no_dist=not ranks.active)
     generators = io.BytesIO()
     torch.save(_generators(trainer), generators)
     replace_file(partial / f"rng_rank{ranks.rank}.pt", generators.getvalue())
@@ -153,6 +159,7 @@ def _write(trainer: Any, partial: Path) -> None:
             "experiment": settings(trainer.cfg),
             "world": ranks.world,
             "computed_under": computed_under(trainer),
+            **({} if trainer.versions is None else {ENGINE_VERSIONS: trainer.versions.versions()}),
         }, indent=1, default=str))
 
 
@@ -261,6 +268,11 @@ def damage(path: Path) -> str | None:
     missing = [key for key in TRAINER_KEYS if key not in saved] if isinstance(saved, dict) else list(TRAINER_KEYS)
     if missing:
         return f"{path / 'trainer.json'} lacks {', '.join(missing)}"
+    versions = saved.get(ENGINE_VERSIONS)
+    lagged = isinstance(saved["experiment"], dict) and saved["experiment"].get("rollout.lag", 0)
+    if lagged and not (isinstance(versions, list) and versions and all(isinstance(v, int) for v in versions)):
+        return (f"{path / 'trainer.json'} is of a run with rollout.lag={lagged} and does not list the weight versions "
+                f"its engine samples with ({ENGINE_VERSIONS})")
     for rank in range(saved["world"]):
         problem = _rank_damage(path, rank)
         if problem is not None:
@@ -433,6 +445,11 @@ def load(trainer: Any, path: Path) -> None:
     saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
+    if trainer.versions is not None:  # room for each version the checkpoint holds, shaped as the full weights
+        template = full_weights(trainer.model)
+        state[ENGINE_VERSIONS] = {version_key(version): {name: torch.empty_like(tensor, device="cpu")
+                                                         for name, tensor in template.items()}
+                                  for version in saved[ENGINE_VERSIONS]}
     dcp.load(state, storage_reader=_IndexReader(path / "state"), planner=_DataPlanner(), no_dist=not ranks.active)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
@@ -445,9 +462,12 @@ def load(trainer: Any, path: Path) -> None:
     torch.set_rng_state(generators["torch"])
     trainer.generator.set_state(generators["sampler"])
     trainer.engine.noise.set_state(generators["noise"])
-    state = json.loads((path / f"python_random_rank{ranks.rank}.json").read_text())
-    random.setstate((state[0], tuple(state[1]), state[2]))
-    trainer.engine.sync_weights(trainer.model)
+    python_random = json.loads((path / f"python_random_rank{ranks.rank}.json").read_text())
+    random.setstate((python_random[0], tuple(python_random[1]), python_random[2]))
+    if trainer.versions is not None:
+        trainer.engine.sync_weights(trainer.versions.restore(state[ENGINE_VERSIONS]))
+    elif not trainer.engine.shares_trainer_weights:
+        trainer.engine.sync_weights(full_weights(trainer.model))
     trainer.computed_under, differs = provenance.resumed_under(saved.get("computed_under"), saved["step"],
                                                                trainer.cfg.cpu_kernels)
     if differs and ranks.main:

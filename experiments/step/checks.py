@@ -80,6 +80,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     check_known_keys(cfg)
     check_logger(cfg.logger)
     check_trainer(cfg.trainer, moe, world)
+    check_lag(cfg.rollout.lag, cfg.trainer.steps)
     check_routing(cfg.routing, moe, cfg.model.name)
     if cfg.routing.perturb_rate and world > 1:
         raise ConfigError(f"routing.perturb_rate={cfg.routing.perturb_rate} sizes the router noise on one rank's "
@@ -143,6 +144,17 @@ def check_logger(logger: Any) -> None:
     timeout = logger.wandb.init_timeout
     if not (math.isfinite(timeout) and timeout > 0):
         raise ConfigError(f"logger.wandb.init_timeout={timeout} must be a finite number of seconds > 0")
+
+
+def check_lag(lag: int, steps: int) -> None:
+    """`rollout.lag` (`experiments.step.versions`): versions behind θ_old, reached within the run."""
+    if lag < 0:
+        raise ConfigError(f"rollout.lag={lag} must be >= 0: the weight versions the engine samples behind θ_old (0: "
+                          "the synchronous loop)")
+    if lag >= steps:
+        raise ConfigError(f"rollout.lag={lag} is never reached in trainer.steps={steps}: step t samples min(t - 1, "
+                          f"{lag}) versions behind θ_old, so the lag is first served at step {lag + 1}; use a lag "
+                          f"below {steps}, or more steps")
 
 
 def check_trainer(t: Any, moe: bool, world: int) -> None:

@@ -5,7 +5,7 @@ the tests) import them from here. The objectives' shared metrics (`ratio/*`, `cl
 named in `algos.objective`; a correction's, a routing variant's and MiniRL's in their own modules.
 Namespaces in `metrics.jsonl` and W&B: `train/*`, `reward/*`, `response/*`, `eval/*` (and `eval_start/*` for the
 starting policy), `ratio/*`, `clip/*`, `kl/*`, `loss/*`, `policy/*`, `optim/*`, `routing/*`, `mismatch/*`,
-`decompose/*`, `moe/*`, `perf/*`. Per-minibatch values sit under `minibatches` (index = updates since θ_old).
+`decompose/*`, `moe/*`, `perf/*`, `async/*`. Per-minibatch values sit under `minibatches` (index = updates since θ_old).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ TRAIN_TIME = "perf/train_s"
 ROLLOUT_TOKENS_PER_S = "perf/rollout_tokens_per_s"
 THREADS = "perf/threads"  # torch threads the step ran with (`experiments.run.threads`)
 ELAPSED = "perf/elapsed_s"  # since the run's first step
+ENGINE_VERSION = "async/engine_version"  # under rollout.lag: the weight version the step's rollouts were sampled with
+LAG = "async/lag"  # and how many versions that is behind θ_old (the lag served: rollout.lag once the run is that far)
 MINIBATCHES = "minibatches"  # the list of per-minibatch records
 MINIBATCH = "minibatch"  # the index of one: updates since θ_old
 # Held-out evaluation (`experiments.step.batch.evaluate`)

@@ -2,14 +2,15 @@
 
 Three policies are named in the step. μ_old is the rollout engine that sampled (its own log-probs and routing);
 π_old is the trainer at the weights θ_old the step started from; π_θ is the policy being updated. The token ratio
-the objectives clip is π_θ / π_old.
+the objectives clip is π_θ / π_old. With `rollout.lag=k` the engine samples with the weights of k versions before
+θ_old (`experiments.step.versions`): μ_old is that stale engine, π_old still the trainer at θ_old.
 
     rollout     = self.rollout()                             μ_old: tokens, log-probs, routing when asked; rewards
     advantages  = group_advantages(rollout.rewards)          Â_i = (r_i − mean_group) / (std_group + eps)
     minibatches = split_minibatches(rollout, advantages, order)   pure: whole groups or shuffled rows (GSPO §5.1)
     old         = [old_policy(mb) for mb in minibatches]      π_old (and the KL reference), before any update
     for mb, old: update(mb, old)                              π_θ: forward, objective, loss, backward, AdamW, measure
-    engine.sync_weights(model)
+    publish()                                                 the engine takes θ, or the version `rollout.lag` serves
 
 What the step is made of is decided once at start-up (`experiments.step.plan`, recorded in `summary.json`) and
 assembled into objects (`experiments.step.hooks.assemble`): where π_old comes from (`experiments.step.old_policy`:
@@ -41,13 +42,14 @@ from algos.objective import ObjectiveOutput, Totals, group_advantages, masked_me
 from experiments.step import metrics as m
 from experiments.step.batch import Minibatch, Rollout, collect_rollout, evaluate, minibatch_order, split_minibatches
 from experiments.step.checks import check_run
-from experiments.step.engines import HFEngine, KVCache, Sampling
+from experiments.step.engines import HFEngine, KVCache, Sampling, full_weights
 from experiments.step.hooks import ObjectiveInputs, Rows, Update, assemble
 from experiments.step.old_policy import OldPolicy
 from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout
 from experiments.step.ranks import Ranks, gather_rows, reduce_value, shard, summed
 from experiments.step.scoring import ScoreOptions, Scores, score_responses
+from experiments.step.versions import WeightVersions
 from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
 from models.registry import Diverged
@@ -85,6 +87,8 @@ class RLTrainer:
         # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks.
         self.engine = parts.engine.build(cfg, self.model, self.tokenizer, parts.numerics, ranks,
                                          self.plan.engine_records_routing)
+        # Under a lag, the versions the engine will still sample with, from the start (version 0) on.
+        self.versions = WeightVersions(cfg.rollout.lag, full_weights(self.model)) if cfg.rollout.lag else None
         if ranks.active:
             shard(self.model)
         reference = None
@@ -133,7 +137,8 @@ class RLTrainer:
         train_start = time.perf_counter()
         per_minibatch = [self.update(mb, old_policy) for mb, old_policy in zip(minibatches, old)]
         train_s = time.perf_counter() - train_start
-        self.engine.sync_weights(self.model)
+        sampled_with = self.versions.served if self.versions is not None else None
+        self.publish()
         step_s = time.perf_counter() - start
         # The whole step's rows, every rank's (groups stay whole, so they gather in group order).
         rewards = gather_rows(rollout.rewards, self.ranks)
@@ -156,7 +161,21 @@ class RLTrainer:
             m.TRAIN_TIME: train_s,
             m.ROLLOUT_TOKENS_PER_S: float(lengths.sum()) / max(rollout_s, 1e-9),
             m.MINIBATCHES: per_minibatch,
+            **({} if sampled_with is None else {m.ENGINE_VERSION: sampled_with,
+                                                m.LAG: self.step_index - 1 - sampled_with}),
         }
+
+    def publish(self) -> None:
+        """Hand the engine the weights its next rollouts are sampled with: the trainer's own after this step's
+        updates, or under `rollout.lag` the version that many behind them (nothing when the engine already holds it,
+        or samples with the trainer's module itself)."""
+        if self.engine.shares_trainer_weights:
+            return
+        weights = full_weights(self.model)
+        if self.versions is not None:
+            weights = self.versions.publish(self.step_index, weights)
+        if weights is not None:
+            self.engine.sync_weights(weights)
 
     def rollout(self) -> Rollout:
         """μ_old: `prompts_per_step` train prompts, `group_size` completions each, from the engine."""

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.step.ranks import Ranks
@@ -123,15 +125,16 @@ class RolloutEngine(ABC):
     returns_gate_weights: ClassVar[bool] = True  # and the gate weights it gave them (r3 with full replay)
 
     # Set by every engine when it is built:
-    shares_trainer_weights: bool  # it computes with the trainer's own module: sync has nothing to do
+    shares_trainer_weights: bool  # it computes with the trainer's own module: nothing to sync
     numerics: EngineNumerics  # how its numbers differ from the trainer's (summary.json records it)
     noise: torch.Generator  # its own random stream (router noise), saved in checkpoints and set by `reseed`
     min_new_tokens: int  # ban eos before this many tokens (the benchmark's fixed-length steps); 0: off
 
     @classmethod
-    def shares_weights_with_trainer(cls, numerics: EngineNumerics) -> bool:
-        """Whether the engine built for `numerics` samples with the trainer's own model, so that its numbers are
-        π_old's (start-up decides where π_old comes from on this)."""
+    def shares_weights_with_trainer(cls, numerics: EngineNumerics, lag: int = 0) -> bool:
+        """Whether the engine built for `numerics`, `lag` weight versions behind θ_old (`experiments.step.versions`),
+        samples with the trainer's own model, so that its numbers are π_old's (start-up decides where π_old comes from
+        on this). An engine behind the trainer never does: it holds older weights."""
         return False
 
     @classmethod
@@ -167,8 +170,10 @@ class RolloutEngine(ABC):
         """The completions of `prompts` that `sampling` asks for, laid out as the module docstring says."""
 
     @abstractmethod
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Take the trainer's current weights (after the step's optimizer updates, before the next sample)."""
+    def sync_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Take `weights`, a full (unsharded) state dict of the trainer's model (`full_weights`): the trainer's after
+        the step's updates, or an older version's under a lag. Never called on an engine that shares the trainer's
+        module (`shares_trainer_weights`)."""
 
     @abstractmethod
     def reseed(self, seed: int) -> None:
@@ -179,6 +184,12 @@ class RolloutEngine(ABC):
         """What `summary.json` records about this engine beyond its name and numerics (`engine_details`): for an
         external engine its build, the routing path that ran and its costs."""
         return {}
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full state dict, gathered from every rank when it is sharded (FSDP2): what `sync_weights` takes.
+    Of an unsharded model, its own tensors (no copy)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
 ENGINES: Registry[RolloutEngine] = Registry("rollout engine", RolloutEngine, fields_are_parameters=False)

@@ -3,8 +3,9 @@
 Each prompt is prefilled once and its KV cache copied to its G rows, then decoded with the cache; μ_old is the
 fp32 log-softmax of each step's raw logits under `logits / temperature`, gathered for the sampled token. By default
 it runs on the trainer's own model, so its weight sync is a no-op and its numbers are the trainer's own up to the
-KV-cache path's rounding (~1e-6). Given `EngineNumerics` that differ it holds its own copy of the weights, as an
-inference server does, and differs from the trainer on purpose (training–inference mismatch that a run can dial):
+KV-cache path's rounding (~1e-6). Given `EngineNumerics` that differ, or a lag (`rollout.lag`: it samples with older weights,
+`experiments.step.versions`), it holds its own copy of the weights, as an inference server does, and differs from
+the trainer on purpose (training–inference mismatch that a run can dial):
     precision     fp32 | bf16 | fp16: the copy's dtype (its log-probs are still taken in fp32 from its logits);
     weight_quant  none | int8 | fp8: fake quantization of every linear and expert weight of the decoder layers, per
                   output channel (symmetric, scale = max |w| / 127 for int8, / 448 for FP8 e4m3, quantize then
@@ -13,7 +14,8 @@ inference server does, and differs from the trainer on purpose (training–infer
     router_noise  σ: seeded Gaussian noise N(0, σ²) on the copy's router logits before its top-k (the family's own
                   routing of the noisy logits, `models.routing.families.route`), so that near-tied routes flip in the engine
                   and not in the trainer.
-The copy takes the trainer's weights after every step's updates (cast, then re-quantized): the engine never trains.
+The copy takes the trainer's weights after every step's updates, or under a lag the version it is to sample with
+(cast, then re-quantized): the engine never trains.
 The KV cache (`rollout.kv_cache`): transformers' `DynamicCache` grows each layer's keys and values by `torch.cat` at
 every decode step, copying the whole cache every step (on bench-deep, 256 rows x 16 layers x ~45 positions: 270 ms of
 a 1.9 s rollout). `preallocated`, the default, keeps them in buffers with room for the rollout's new tokens, writes
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -65,13 +68,14 @@ class HFEngine(RolloutEngine):
     """
 
     @classmethod
-    def shares_weights_with_trainer(cls, numerics: EngineNumerics) -> bool:
-        return not numerics.differs
+    def shares_weights_with_trainer(cls, numerics: EngineNumerics, lag: int = 0) -> bool:
+        return not numerics.differs and lag == 0
 
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
               ranks: Ranks, records_routing: bool) -> "HFEngine":
-        return cls(model, tokenizer, numerics=None if cls.shares_weights_with_trainer(numerics) else numerics,
+        shares = cls.shares_weights_with_trainer(numerics, cfg.rollout.lag)
+        return cls(model, tokenizer, numerics=None if shares else numerics,
                    seed=cfg.seed, synced=ranks.active, kv_cache=KVCache(cfg.rollout.kv_cache))
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0,
@@ -98,15 +102,10 @@ class HFEngine(RolloutEngine):
         """Set the router noise's generator (the loop does, every step, from (seed, step, rank))."""
         self.noise.manual_seed(seed)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         if self.shares_trainer_weights:
-            if model is not self.model:
-                raise ValueError("this HFEngine samples with the trainer's own module; it takes no other weights")
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # The full weights, gathered when the trainer's model is sharded over ranks (every rank holds a whole copy).
-        self.model.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+            raise ValueError("this HFEngine samples with the trainer's own module; it takes no other weights")
+        self.model.load_state_dict(weights)  # cast to the copy's dtype, then quantized again
         self._quantize()
 
     @torch.no_grad()

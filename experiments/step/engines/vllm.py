@@ -38,7 +38,8 @@ Routing (the experts every token used, for r3 and the mismatch metrics), laid ou
   path ran (`return_routed_experts` or `cpu_capture_hook`; None for a dense model).
 
 Weight sync (`sync_weights`, after every step, no restart, nothing written to disk): the trainer's full state
-dict (`get_model_state_dict(full_state_dict=True)`, which gathers an FSDP model), renamed to the checkpoint
+dict (`base.full_weights`, which gathers an FSDP model; under `rollout.lag` the version the engine is to sample
+with), renamed to the checkpoint
 names vLLM's loaders take (`checkpoint_weights`: transformers 5 keeps an MoE layer's experts fused,
 `mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`; checkpoints, and vLLM's loader, have one tensor
 per expert and projection), then `model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`,
@@ -74,6 +75,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -489,15 +491,12 @@ class VLLMEngine(RolloutEngine):
     # -- weight sync -----------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Take the trainer's current weights in place (module docstring): full state dict, checkpoint names,
-        vLLM's layerwise reload, and on CPU the MoE prepack that vLLM 0.32 skips."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+    def sync_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Take `weights` in place (module docstring): checkpoint names, vLLM's layerwise reload, and on CPU the MoE
+        prepack that vLLM 0.32 skips."""
         start = time.perf_counter()
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        weights = checkpoint_weights(state, self.family)
-        self._running().collective_rpc(_reload_weights, args=(weights, self.build_info.cpu))
+        self._running().collective_rpc(_reload_weights, args=(checkpoint_weights(weights, self.family),
+                                                               self.build_info.cpu))
         self.sync_s.append(time.perf_counter() - start)
 
 
@@ -536,7 +535,7 @@ _EXPERT_NAMES = {
 }
 
 
-def checkpoint_weights(state: dict[str, torch.Tensor], family: str) -> list[tuple[str, torch.Tensor]]:
+def checkpoint_weights(state: Mapping[str, torch.Tensor], family: str) -> list[tuple[str, torch.Tensor]]:
     """The trainer's state dict under the names a checkpoint of `family` has on disk (what vLLM's loader reads,
     and what `save_pretrained` writes): transformers 5's fused `<block>.mlp.experts.gate_up_proj [E, 2I, H]` becomes
     `<block>.<moe>.experts.{e}.<gate>.weight = [e, :I]` and `<up>.weight = [e, I:]`, `down_proj [E, H, I]` becomes

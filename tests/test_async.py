@@ -1,0 +1,120 @@
+"""Asynchronous RL on the micro MoE: the exact lag (`rollout.lag`, experiments/step/versions.py) serves the engine the
+weights of k versions before θ_old, R3 replays the stale engine's routes, and bad lags are refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.step.checks import check_run
+from experiments.step.engines import HFEngine
+from experiments.step.metrics import ENGINE_VERSION, LAG, STEP
+from experiments.step.old_policy import Recompute
+from experiments.step.trainer import RLTrainer
+from experiments.step.versions import WeightVersions
+from experiments.train import train
+from models.cpu_kernels import weights_sha256
+from models.registry import ConfigError
+from tests.test_train import compose_train, read_metrics
+
+
+class Watched:
+    """The sha256 of the trainer's weights after every step (version t after step t; version 0 the start) and of the
+    engine's weights at every rollout, by step."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.versions: dict[int, str] = {}
+        self.engine: dict[int, str] = {}
+        self.routes: dict[int, tuple] = {}  # step -> (the engine's recorded routes, what the π_old pass replayed)
+        watched = self
+        real_init, real_publish, real_sample = RLTrainer.__init__, RLTrainer.publish, HFEngine.sample
+
+        def init(trainer, *args, **kwargs):
+            real_init(trainer, *args, **kwargs)
+            watched.versions[0] = weights_sha256(trainer.model)
+            watched.trainer = trainer
+
+        def publish(trainer):
+            watched.versions[trainer.step_index] = weights_sha256(trainer.model)
+            real_publish(trainer)
+
+        def sample(engine, prompts, sampling):
+            if engine is watched.trainer.engine:
+                watched.engine[watched.trainer.step_index] = weights_sha256(engine.model)
+            return real_sample(engine, prompts, sampling)
+
+        monkeypatch.setattr(RLTrainer, "__init__", init)
+        monkeypatch.setattr(RLTrainer, "publish", publish)
+        monkeypatch.setattr(HFEngine, "sample", sample)
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_under_a_lag_the_engine_samples_with_the_trainers_weights_k_versions_before_theta_old(tmp_path, monkeypatch,
+                                                                                              lag):
+    watched = Watched(monkeypatch)
+    train(compose_train("trainer.steps=5", f"rollout.lag={lag}"), tmp_path / "run")
+    assert len(set(watched.versions.values())) == 6, "every step moved the weights: the versions are told apart"
+    for step, sha in watched.engine.items():
+        assert sha == watched.versions[max(0, step - 1 - lag)], f"step {step}"
+    logged = read_metrics(tmp_path / "run")
+    assert [row[LAG] for row in logged] == [min(lag, row[STEP] - 1) for row in logged]
+    assert [row[ENGINE_VERSION] for row in logged] == [max(0, row[STEP] - 1 - lag) for row in logged]
+
+
+def test_without_a_lag_the_engine_is_the_trainer_and_nothing_is_logged_of_one(tmp_path, monkeypatch):
+    watched = Watched(monkeypatch)
+    train(compose_train("trainer.steps=3"), tmp_path / "run")
+    assert watched.trainer.engine.shares_trainer_weights and watched.trainer.versions is None
+    assert all(sha == watched.versions[step - 1] for step, sha in watched.engine.items())
+    assert all(LAG not in row for row in read_metrics(tmp_path / "run"))
+
+
+def test_r3_under_a_lag_replays_the_stale_engines_recorded_routes(tmp_path, monkeypatch):
+    """The π_old recompute and the update replay exactly the routes the engine recorded while it sampled, k versions
+    behind, and those differ from what θ_old's routers choose (else the test could not tell them apart)."""
+    replayed = []
+    real_call = Recompute.__call__
+
+    def recompute(source, mb):
+        old = real_call(source, mb)
+        replayed.append((mb.engine_routes, old.replay, mb))
+        return old
+
+    monkeypatch.setattr(Recompute, "__call__", recompute)
+    train(compose_train("trainer.steps=4", "rollout.lag=2", "routing.replay=r3", "trainer.lr=3e-2"),
+          tmp_path / "run")
+    assert replayed
+    for engine_routes, replay, _ in replayed:
+        assert replay is engine_routes and engine_routes is not None
+    assert max(row["mismatch/expert_frac"] for row in read_metrics(tmp_path / "run")) > 0, \
+        "the stale engine's routes differ from θ_old's"
+
+
+def test_weight_versions_keep_what_the_engine_will_still_sample_with():
+    versions = WeightVersions(2, {"w": torch.zeros(1)})
+    served = [versions.publish(step, {"w": torch.full((1,), float(step))}) for step in range(1, 6)]
+    assert [None if s is None else int(s["w"]) for s in served] == [None, None, 1, 2, 3]
+    assert versions.versions() == [3, 4, 5] and versions.served == 3
+    with pytest.raises(RuntimeError, match="version 7 published after version 5"):
+        versions.publish(7, {"w": torch.zeros(1)})
+    restored = WeightVersions(2, {"w": torch.zeros(1)})
+    assert int(restored.restore(versions.state())["w"]) == 3 and restored.versions() == [3, 4, 5]
+    with pytest.raises(ValueError, match="not the consecutive versions"):
+        restored.restore({key: value for key, value in versions.state().items() if not key.endswith("4")})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.lag=-1"], "rollout.lag=-1 must be >= 0"),
+    (["rollout.lag=3"], "rollout.lag=3 is never reached in trainer.steps=3"),
+])
+def test_a_lag_the_run_cannot_serve_is_refused_before_any_work(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_run(compose_train(*overrides), memory=False)
+    with pytest.raises(SystemExit, match=message):
+        train(compose_train(*overrides), tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_non_integer_lag_is_refused_at_composition():
+    with pytest.raises(Exception, match="rollout.lag"):
+        compose_train("rollout.lag=1.5")
