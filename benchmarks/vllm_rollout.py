@@ -77,7 +77,7 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
     from omegaconf import OmegaConf
 
     from benchmarks.workload import compose_workload
-    from experiments.step.engines.base import Sampling
+    from experiments.step.engines.base import Sampling, full_weights
     from experiments.step.engines.hf import HFEngine
     from experiments.step.engines.vllm import VLLMEngine, derived_model_len
     from models.policy import ModelConfig, build_policy
@@ -123,7 +123,7 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
             for p in model.parameters():
                 p.add_(1e-3 * torch.randn_like(p))
             start = time.perf_counter()
-            vllm.sync_weights(model)
+            vllm.sync_weights(full_weights(model))
             sync.append(time.perf_counter() - start)
     vllm.close()
     bare = VLLMEngine(model, tokenizer, routing=False, **options)
@@ -195,6 +195,7 @@ def _compare(engine, model, prompts: list[str]) -> tuple[float, float | None]:
 def families_section() -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
+    from experiments.step.engines.base import full_weights
     from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine
     from models.routing.trace import find_routers
     from models.tokenizer import build_char_tokenizer
@@ -215,7 +216,7 @@ def families_section() -> list[dict[str, Any]]:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.05 * torch.randn_like(p))
-            engine.sync_weights(model)
+            engine.sync_weights(full_weights(model))
             row["synced_logp_diff"], row["synced_routing_agreement"] = _compare(engine, model, prompts)
             row["sync_s"] = engine.sync_s[-1]
         except Exception as error:  # noqa: BLE001 - the table reports each family's failure in one line

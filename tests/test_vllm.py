@@ -22,7 +22,7 @@ from algos.objective import POLICY_LOSS  # noqa: E402
 from algos.routers.bias_update import BIAS  # noqa: E402
 from benchmarks.vllm_rollout import family_config  # noqa: E402
 from experiments.step.checks import check_run  # noqa: E402
-from experiments.step.engines import HFEngine, Sampling  # noqa: E402
+from experiments.step.engines import HFEngine, Sampling, full_weights  # noqa: E402
 from experiments.step.engines.vllm import VLLMEngine, _installed_build, checkpoint_weights  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
     ENGINE_EXPERTS, GRAD_NORM, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP,
@@ -129,14 +129,14 @@ def test_sync_weights_in_place_matches_the_updated_model(served):
         for p in updated.parameters():
             p.add_(0.05 * torch.randn_like(p))
     try:
-        engine.sync_weights(updated)
+        engine.sync_weights(full_weights(updated))
         _check_against_transformers(engine, updated, tokenizer, seed=4)
         engine.reseed(4)
         samples = engine.sample(_prompts(), Sampling(G, NEW, TEMPERATURE, record_routing=True))
         stale, _, _ = _against(model, samples)
         assert stale > 1e-2, "the synced engine must not still compute with the old weights"
     finally:
-        engine.sync_weights(model)
+        engine.sync_weights(full_weights(model))
     assert len(engine.sync_s) >= 2
 
 
@@ -244,7 +244,7 @@ def test_r3_run_replays_the_engines_experts_and_the_mismatch_is_tiny_in_fp32(tmp
     print(f"mismatch/kl_k3 per step, bf16: {bf16}")
     assert min(bf16) > 10 * max(fp32), "a bf16 engine must differ from the fp32 trainer far more than an fp32 one"
     # The control: an engine that keeps its first weights drifts away from the trainer after the first step.
-    monkeypatch.setattr(VLLMEngine, "sync_weights", lambda self, model: None)
+    monkeypatch.setattr(VLLMEngine, "sync_weights", lambda self, weights: None)
     train(compose_train(*VLLM_RUN, *MOVING), tmp_path / "stale")
     stale = _kl_k3(tmp_path / "stale")
     print(f"mismatch/kl_k3 per step, never synced: {stale}")
@@ -317,7 +317,7 @@ def test_the_sigmoid_family_routes_as_transformers_before_and_after_a_sync(famil
             print(f"{family}: max |vLLM logp - HF fp32 logp| = {diff:.2e}, routing agreement {agreement:.4%}")
             assert diff < SIGMOID_ATOL[family] and agreement >= SIGMOID_AGREEMENT[family]
             _move_biases_and_weights(model, seed=2)
-            engine.sync_weights(model)
+            engine.sync_weights(full_weights(model))
     finally:
         engine.close()
 
