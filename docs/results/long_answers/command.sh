@@ -16,4 +16,9 @@
 #     --out docs/results/long_answers/portable_s4_9
 #   python -m analysis.compare docs/results/long_answers/portable docs/results/long_answers/portable_s4_9 \
 #     --out docs/results/long_answers/ten_seeds
-exec "$(dirname "$0")/../experiment.sh" long_answers checkpoints/cold_start/tiny_moe-scratchpad16 model=tiny_moe dataset=scratchpad dataset.digits=16 sft.output_dir=checkpoints/cold_start/tiny_moe-scratchpad16 sft.max_seconds=14400 "$@"
+#   docs/results/long_answers/command.sh -- RUN OVERRIDES...   other runs (e.g. -- seed=10,11), reported in reports/
+source "$(dirname "$0")/../args.sh"
+only_run_overrides "$@"
+exec "$(dirname "$0")/../experiment.sh" long_answers checkpoints/cold_start/tiny_moe-scratchpad16 model=tiny_moe \
+  dataset=scratchpad dataset.digits=16 sft.output_dir=checkpoints/cold_start/tiny_moe-scratchpad16 \
+  sft.max_seconds=14400 "$@"
