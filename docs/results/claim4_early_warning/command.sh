@@ -3,6 +3,8 @@
 # and those of the searches that collapsed (claim4_lr_sweep_partial was stopped after 12 of its 18 jobs; run whole it
 # adds GRPO + R2 at lr 3e-4 and 1e-3). Two jobs side by side on 2 cores.
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 test -f checkpoints/cold_start/paper_moe-addition/config.json || python -m experiments.sft model=paper_moe
 out=multirun/claim4_early_warning/$(date +%Y-%m-%d_%H-%M-%S)

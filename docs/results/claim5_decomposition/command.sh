@@ -2,6 +2,8 @@
 # Regenerates docs/results/claim5_decomposition (docs/reproduce.md): the cold starts at 2, 4 and 8 MoE layers, the
 # decomposition along depth (experiment=decomposition) and along N (experiment=decomposition_n), the report.
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 for m in paper_moe_l2 paper_moe_l4 paper_moe; do
   test -f checkpoints/cold_start/$m-addition/config.json || python -m experiments.sft model=$m

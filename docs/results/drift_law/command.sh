@@ -3,6 +3,8 @@
 # 16 to 128 experts; the scratchpad task at 16, 32 and 64 answer tokens), then the law fitted over them.
 # About 0.4 CPU-hours of probes, after the cold starts (docs/results/cold_starts/command.sh makes the deep ones).
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 C=checkpoints/cold_start
 ADDITION="paper_moe_l2 paper_moe_l4 paper_moe tiny_moe deep_moe granite1b_l16 granite1b_l32 granite1b_l48 qwen30b_l16 qwen30b_l32 qwen30b_l48"

@@ -3,6 +3,8 @@
 # 18 runs, one report per model. The reports were made before packed groups became the default layout:
 # trainer.minibatch_layout=rows reproduces them exactly.
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 for m in tiny_moe deep_moe; do
   test -f checkpoints/cold_start/$m-addition/config.json || python -m experiments.sft model=$m
