@@ -7,7 +7,8 @@
 #   softmax rung (qwen30b_l16) and its sigmoid + bias twin (glm4_moe_l16), each
 #     NAME-addition           today's recipe (the addition SFT alone)
 #     NAME-addition-balanced  balanced as its family trains (issue 31): Qwen3's global-batch auxiliary loss, or the bias
-#                             update and sequence-wise loss, after 200 pretraining steps on the mixture of the lab's tasks
+#                             update and sequence-wise loss, after 200 pretraining steps on the mixture of the lab's
+#                             tasks
 #     NAME-addition-tied      routers near-tied at init (router_init_std 0.03, a tenth of the default)
 #   glm4_moe_l16-addition-balanced-target, the balanced sigmoid start with the SFT budget raised from 600 to 1,200
 #     steps, so that it can reach the 45% target that 600 did not (29.7% on the machine of real_routers' results);

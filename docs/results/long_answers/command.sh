@@ -9,7 +9,8 @@
 # start apart):
 #   python -m experiments.train -m experiment=long_answers seed=0,1 hydra.sweep.dir=multirun/long_answers/s01
 #   python -m experiments.train -m experiment=long_answers seed=2,3 hydra.sweep.dir=multirun/long_answers/s23
-#   python -m analysis.report multirun/long_answers/s01 multirun/long_answers/s23 --out docs/results/long_answers/portable
+#   python -m analysis.report multirun/long_answers/s01 multirun/long_answers/s23 \
+#     --out docs/results/long_answers/portable
 #   for s in 4,5 6,7 8,9; do python -m experiments.train -m experiment=long_answers seed=$s hydra.launcher.n_jobs=1 \
 #     hydra.sweep.dir=multirun/long_answers/s${s/,/}; done
 #   python -m analysis.report multirun/long_answers/s45 multirun/long_answers/s67 multirun/long_answers/s89 \
