@@ -1,17 +1,30 @@
 """docs/results/experiment.sh hands its arguments to the right commands: SFT overrides to the cold start, the ones
 after `--` to the runs (other seeds), and a report of other seeds never overwrites the committed result;
 docs/results/router_starts.sh refuses a start it has no recipe for before making any; docs/results/reasoning_gym/
-command.sh makes the cold start its experiment starts from."""
+command.sh makes the cold start its experiment starts from. Every command file under docs/results answers --help with
+its usage and does nothing; a bad argument is refused in one line before any cold start, sweep or report; runs that
+overrides make other than the documented ones are reported in reports/, never over the committed result."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import subprocess
+import tempfile
 from pathlib import Path
+
+import pytest
 
 from experiments.config import PROJECT_ROOT
 
-SCRIPT = PROJECT_ROOT / "docs" / "results" / "experiment.sh"
+RESULTS = PROJECT_ROOT / "docs" / "results"
+SCRIPT = RESULTS / "experiment.sh"
+SCRIPTS = sorted(RESULTS.rglob("*.sh"))  # every command file, and args.sh, the checks they source
+COMMANDS = [script for script in SCRIPTS if script.name != "args.sh"]
+# The results' commands over experiment.sh: their cold start's recipe is their own, other runs go after `--`.
+OVER_EXPERIMENT_SH = ["claim1_deep", "deep_long", "deep_long_seeds", "few_experts", "flip_dose", "flip_dose_seeds",
+                      "long_answers", "replay_variants", "router_noise_dose"]
 
 
 def recording_python(tmp_path) -> tuple[dict[str, str], Path]:
@@ -24,12 +37,17 @@ def recording_python(tmp_path) -> tuple[dict[str, str], Path]:
     return {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}, log
 
 
+def calls_in(log: Path) -> list[list[str]]:
+    """The calls a recording `python` made, each its arguments (none when it was never called)."""
+    return [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()] if log.exists() else []
+
+
 def run_with_a_recording_python(tmp_path, *args: str) -> list[list[str]]:
     """Run experiment.sh with a recording `python` (`recording_python`): the calls it made, each its arguments."""
     env, log = recording_python(tmp_path)
     done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    return [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
+    return calls_in(log)
 
 
 def test_overrides_after_the_separator_reach_the_runs_and_the_report_goes_elsewhere(tmp_path):
@@ -68,7 +86,7 @@ def test_k_starts_of_a_recipe_draw_its_seeds_and_start_0_is_the_documented_one(t
     done = subprocess.run(["bash", str(script), "--starts", "3", "tiny_moe-addition"], env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
-    calls = [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
+    calls = calls_in(log)
     assert calls == [["-m", "experiments.sft", "model=tiny_moe", f"sft.output_dir={tmp_path}/starts/tiny_moe-addition"],
                      *[["-m", "experiments.sft", "model=tiny_moe", f"model.init_seed={k}", f"seed={k}",
                         f"sft.output_dir={tmp_path}/starts/tiny_moe-addition-start{k}"] for k in (1, 2)]]
@@ -91,10 +109,10 @@ def test_the_reasoning_gym_result_makes_the_cold_start_its_experiment_starts_fro
 
     env, log = recording_python(tmp_path)
     env["COLD_STARTS"] = str(tmp_path / "starts")  # a folder without starts: both are made
-    script = PROJECT_ROOT / "docs" / "results" / "reasoning_gym" / "command.sh"
+    script = RESULTS / "reasoning_gym" / "command.sh"
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    calls = [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()]
+    calls = calls_in(log)
     runs = [call for call in calls if call[:2] == ["-m", "experiments.train"]]
     assert [run[3] for run in runs] == ["experiment=reasoning_gym", "experiment=addition_cell"]
     reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
@@ -114,3 +132,121 @@ def test_the_reasoning_gym_result_makes_the_cold_start_its_experiment_starts_fro
     name = "tiny_moe-reasoning_gym-basic_arithmetic"
     assert made.sft.output_dir == f"{tmp_path}/starts/{name}"
     assert experiment.model.path == str(PROJECT_ROOT / "checkpoints" / "cold_start" / name)
+
+
+def run_script(tmp_path, script: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """Run a command file with a recording `python` and the cold starts in a folder of its own: what it printed, and
+    every call it made (any cold start, sweep or report is a call)."""
+    own = Path(tempfile.mkdtemp(dir=tmp_path))
+    env, log = recording_python(own)
+    env["COLD_STARTS"] = str(own / "starts")
+    done = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True)
+    return done, calls_in(log)
+
+
+def files_under_results() -> dict[Path, tuple[int, int]]:
+    return {path: (path.stat().st_mtime_ns, path.stat().st_size) for path in RESULTS.rglob("*") if path.is_file()}
+
+
+@pytest.fixture
+def results_untouched():
+    """docs/results after the test as before it: no file written, made or removed."""
+    before = files_under_results()
+    yield
+    assert files_under_results() == before
+
+
+def usage_comment(script: Path) -> str:
+    """The comment at the top of a command file, after its #! line, without the '#'s."""
+    comment = itertools.takewhile(lambda line: line.startswith("#"), script.read_text().splitlines()[1:])
+    return "".join(re.sub(r"^# ?", "", line) + "\n" for line in comment)
+
+
+def script_id(script: Path) -> str:
+    return str(script.relative_to(RESULTS))
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
+def test_help_prints_the_usage_at_the_top_of_the_file_and_does_nothing(tmp_path, results_untouched, script, flag):
+    done, calls = run_script(tmp_path, script, flag)
+    assert (done.returncode, done.stderr, calls) == (0, "", [])
+    assert done.stdout == usage_comment(script) and done.stdout.strip()
+
+
+def assert_refused(tmp_path, script: Path, args: list[str], named: str) -> None:
+    """The command exits 2 with one line that names the bad value, having made no call (no cold start, sweep or
+    report)."""
+    done, calls = run_script(tmp_path, script, *args)
+    assert (done.returncode, done.stdout, calls) == (2, "", []), done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: "), done.stderr
+    assert named in done.stderr and "unbound variable" not in done.stderr
+
+
+@pytest.mark.parametrize("script", COMMANDS, ids=script_id)
+def test_an_argument_no_command_takes_is_refused_in_one_line_before_any_work(tmp_path, results_untouched, script):
+    assert_refused(tmp_path, script, ["no-such-argument"], "'no-such-argument'")
+
+
+@pytest.mark.parametrize("name", OVER_EXPERIMENT_SH)
+def test_a_run_override_without_its_separator_is_refused_not_dropped(tmp_path, results_untouched, name):
+    """seed=10,11 before `--` was taken as an SFT setting, dropped when the start existed, and the default seeds
+    written over the committed result."""
+    assert_refused(tmp_path, RESULTS / name / "command.sh", ["seed=10,11"], "'seed=10,11'")
+    assert_refused(tmp_path, RESULTS / name / "command.sh", ["--", "10,11"], "'10,11'")
+
+
+@pytest.mark.parametrize(("script", "args", "named"), [
+    ("staleness/command.sh", ["cells", "3"], "'3'"),  # ran no cell, yet made six cold starts and rewrote the panels
+    ("staleness/command.sh", ["cells", "0"], "'0'"),
+    ("staleness/command.sh", ["cells", "2", "3"], "'3'"),
+    ("staleness/command.sh", ["cells"], "cells needs the N"),
+    ("staleness/command.sh", ["map", "8"], "'8'"),
+    ("router_starts.sh", ["--starts"], "--starts needs a value"),  # exited 1 without a word
+    ("router_starts.sh", ["--path"], "--path needs a value"),
+    ("router_starts.sh", ["--start", "2", "tiny_moe-addition"], "'--start'"),
+    ("experiment.sh", [], "expected NAME CHECKPOINT"),  # bash's "unbound variable"
+    ("experiment.sh", ["flip_dose", "checkpoints/cold_start/tiny_moe-addition", "seed=10,11"], "'seed=10,11'"),
+    ("experiment.sh", ["no_such_experiment", "checkpoints/cold_start/tiny_moe-addition"], "'no_such_experiment'"),
+    ("experiment.sh", ["flip_dose", "model=tiny_moe"], "'model=tiny_moe'"),
+    ("claims.sh", [], "claim ''"),  # bash's "unbound variable"
+    ("claims.sh", ["claim4_early_warning"], "'claim4_early_warning'"),  # a part of claim 4 over its whole report
+    ("claims.sh", ["claim1_fig3", "seed=3"], "'seed=3'"),
+    ("recipe_claims/command.sh", ["deep_long", "report", "seed=3"], "'seed=3'"),
+    ("real_routers/command.sh", ["seed=3"], "'seed=3'"),
+])
+def test_a_bad_argument_is_refused_in_one_line_before_any_work(tmp_path, results_untouched, script, args, named):
+    assert_refused(tmp_path, RESULTS / script, args, named)
+
+
+def outputs(calls: list[list[str]]) -> list[str]:
+    """Where each report and panel a command made went."""
+    return [call[call.index("--out") + 1] for call in calls if "--out" in call]
+
+
+def test_overridden_runs_are_reported_elsewhere_and_runs_side_by_side_in_place(tmp_path, results_untouched):
+    done, calls = run_script(tmp_path, RESULTS / "staleness" / "command.sh", "cells", "2", "trainer.lr=3e-4")
+    assert done.returncode == 0, done.stderr
+    sweeps = [arg for call in calls for arg in call if arg.startswith("hydra.sweep.dir=")]
+    assert len(sweeps) == 12 and all(sweep.startswith("hydra.sweep.dir=multirun/staleness/other-") for sweep in sweeps)
+    cell, panels = outputs(calls)
+    assert re.fullmatch(r"reports/staleness-[0-9_-]+/n2", cell) and panels == cell.removesuffix("/n2")
+    # one thread each (the experiment pins them), two runs side by side compute what one alone does
+    done, calls = run_script(tmp_path, RESULTS / "staleness" / "command.sh", "cells", "2", "hydra.launcher.n_jobs=2")
+    assert done.returncode == 0 and outputs(calls) == ["docs/results/staleness/n2", "docs/results/staleness"]
+    done, calls = run_script(tmp_path, RESULTS / "real_routers" / "command.sh", "trainer.lr=3e-4")
+    assert done.returncode == 0 and len(outputs(calls)) == 3  # a report per start
+    assert all(re.fullmatch(r"reports/real_routers-[0-9_-]+/\w+", out) for out in outputs(calls))
+
+
+def test_other_seeds_of_the_dose_response_run_without_the_pilot_and_are_reported_elsewhere(tmp_path,
+                                                                                           results_untouched):
+    script = RESULTS / "router_noise_dose" / "command.sh"
+    done, calls = run_script(tmp_path, script, "--", "seed=10,11")
+    assert done.returncode == 0, done.stderr
+    assert not any("search=router_noise_pilot" in call for call in calls)
+    assert [call for call in calls if "seed=10,11" in call][0][3] == "experiment=router_noise_dose"
+    assert len(outputs(calls)) == 1 and outputs(calls)[0].startswith("reports/router_noise_dose-")
+    done, calls = run_script(tmp_path, script)
+    assert done.returncode == 0 and outputs(calls) == ["docs/results/router_noise_dose/pilot",
+                                                       "docs/results/router_noise_dose"]

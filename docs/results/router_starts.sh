@@ -7,7 +7,8 @@
 #   softmax rung (qwen30b_l16) and its sigmoid + bias twin (glm4_moe_l16), each
 #     NAME-addition           today's recipe (the addition SFT alone)
 #     NAME-addition-balanced  balanced as its family trains (issue 31): Qwen3's global-batch auxiliary loss, or the bias
-#                             update and sequence-wise loss, after 200 pretraining steps on the mixture of the lab's tasks
+#                             update and sequence-wise loss, after 200 pretraining steps on the mixture of the lab's
+#                             tasks
 #     NAME-addition-tied      routers near-tied at init (router_init_std 0.03, a tenth of the default)
 #   glm4_moe_l16-addition-balanced-target, the balanced sigmoid start with the SFT budget raised from 600 to 1,200
 #     steps, so that it can reach the 45% target that 600 did not (29.7% on the machine of real_routers' results);
@@ -15,12 +16,14 @@
 #     (few_experts), tiny_moe-addition (the quickstart, flip_dose_seeds, router_noise_dose, addition_cell);
 #   tiny_moe-reasoning_gym-basic_arithmetic, a reasoning-gym task's (experiment=reasoning_gym; its dataset settings
 #     are the experiment's, and its budget 1,000 steps).
-# One thread each, 3-15 CPU-minutes a start. An unknown name or a bad K is refused before any start is made.
+# One thread each, 3-15 CPU-minutes a start. An unknown name or option, or a bad K, is refused before any start is
+# made.
 #   docs/results/router_starts.sh                                            # the rung's six, start 0 each
 #   docs/results/router_starts.sh qwen30b_l16-addition-balanced              # only the named ones
 #   docs/results/router_starts.sh --starts 6 glm4_moe_l16-addition-balanced-target   # starts 0-5 of a recipe
 #   docs/results/router_starts.sh --path 3 qwen30b_l16-scratchpad            # print where start 3 lives, make nothing
 set -euo pipefail -f  # -f: the recipes' overrides hold brackets, never globs
+source "$(dirname "$0")/args.sh"
 cd "$(dirname "$0")/../.."
 C=${COLD_STARTS:-checkpoints/cold_start}  # where the starts live (a test's own folder)
 recipe() {  # the SFT overrides of recipe $1
@@ -40,7 +43,7 @@ recipe() {  # the SFT overrides of recipe $1
       echo "model=tiny_moe dataset=reasoning_gym dataset.task=basic_arithmetic +dataset.params.max_terms=2" \
         "+dataset.params.max_digits=2 +dataset.params.operators=[+,-] +dataset.params.allow_parentheses=false" \
         "+dataset.params.allow_negation=false sft.max_steps=1000" ;;
-    *) echo "error: no cold-start recipe named '$1' (allowed: the eleven listed in $0)" >&2; return 2 ;;
+    *) refuse "no cold-start recipe named '$1' (allowed: the eleven listed in $command_file)" ;;
   esac
 }
 start_dir() {  # where start $2 of recipe $1 lives
@@ -49,17 +52,18 @@ start_dir() {  # where start $2 of recipe $1 lives
 starts=1 path=
 while (($#)); do
   case $1 in
-    --starts) starts=${2:-}; shift 2 ;;
-    --path) path=${2:-}; shift 2 ;;
+    --starts | --path)
+      (($# >= 2)) ||
+        refuse "$1 needs a value (--starts K: starts 0 .. K-1 of each recipe; --path K: where start K lives)"
+      if [[ $1 == --starts ]]; then starts=$2; else path=$2; fi
+      shift 2 ;;
+    -*) refuse "option '$1' is not one of: --starts K, --path K, --help" ;;
     *) break ;;
   esac
 done
-if ! [[ $starts =~ ^[1-9][0-9]*$ ]]; then
-  echo "error: --starts '$starts' must be a whole number >= 1 (the starts 0 .. K-1 of each recipe)" >&2; exit 2
-fi
-if [[ -n $path ]] && ! [[ $path =~ ^[0-9]+$ ]]; then
-  echo "error: --path '$path' must be a start's number (0, 1, ...)" >&2; exit 2
-fi
+[[ $starts =~ ^[1-9][0-9]*$ ]] ||
+  refuse "--starts '$starts' must be a whole number >= 1 (the starts 0 .. K-1 of each recipe)"
+[[ -z $path || $path =~ ^[0-9]+$ ]] || refuse "--path '$path' must be a start's number (0, 1, ...)"
 names=("$@")
 ((${#names[@]})) || names=(qwen30b_l16-addition qwen30b_l16-addition-balanced qwen30b_l16-addition-tied
                            glm4_moe_l16-addition glm4_moe_l16-addition-balanced glm4_moe_l16-addition-tied)

@@ -1,3 +1,5 @@
 #!/usr/bin/env bash
 # Regenerates docs/results/claim2_onpolicy (docs/reproduce.md): its runs on seeds 0-2 and the report.
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 exec "$(dirname "$0")/../claims.sh" claim2_onpolicy

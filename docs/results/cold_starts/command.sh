@@ -3,6 +3,8 @@
 # thread each: the same checkpoint on any machine with this torch build and instruction set), then their report.
 # About 1.3 CPU-hours in all; the deep ladder alone (qwen30b_l*, granite1b_l*) about 40 CPU-minutes.
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 C=checkpoints/cold_start
 for m in tiny_moe paper_moe_l2 paper_moe_l4 paper_moe deep_moe granite1b_l16 granite1b_l32 granite1b_l48 \

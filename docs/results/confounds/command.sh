@@ -4,6 +4,8 @@
 # seeds 0-9, each compared with deep_long_seeds' other arm on the same seeds from the same portable cold start.
 #   docs/results/confounds/command.sh            # after docs/results/deep_long_seeds/command.sh
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 C=multirun/confounds
 python -m experiments.train -m search=matched_step hydra.sweep.dir=$C/matched_step

@@ -11,4 +11,8 @@
 #   all_arms/       the three arms paired over the seeds:
 #     python -m analysis.compare docs/results/deep_long_seeds docs/results/deep_long_seeds/r2 \
 #       --out docs/results/deep_long_seeds/all_arms
-exec "$(dirname "$0")/../experiment.sh" deep_long_seeds checkpoints/cold_start/qwen30b_l16-scratchpad model=qwen30b_l16 dataset=scratchpad sft.batch_size=32 "$@"
+#   docs/results/deep_long_seeds/command.sh -- RUN OVERRIDES...   other runs (e.g. -- seed=10,11), reported in reports/
+source "$(dirname "$0")/../args.sh"
+only_run_overrides "$@"
+exec "$(dirname "$0")/../experiment.sh" deep_long_seeds checkpoints/cold_start/qwen30b_l16-scratchpad \
+  model=qwen30b_l16 dataset=scratchpad sft.batch_size=32 "$@"

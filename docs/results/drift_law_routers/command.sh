@@ -9,6 +9,8 @@
 # (lr ≤ 1e-4 on this rung: phase_diagram, deep_long), by the margin it says that needs at lr 1e-4, against the
 # margins the recipes reach.
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 C=checkpoints/cold_start
 docs/results/router_starts.sh

@@ -5,4 +5,8 @@
 # (`python -m experiments.train -m experiment=few_experts seed=0,1 hydra.sweep.dir=multirun/few_experts/s01
 # trainer.threads=1`, ... s89; the first also ran GRPO + R2, the experiment's arms then), then
 # `python -m analysis.report multirun/few_experts/s01 ... multirun/few_experts/s89 --out docs/results/few_experts`.
-exec "$(dirname "$0")/../experiment.sh" few_experts checkpoints/cold_start/qwen30b_l16_e16-scratchpad model=qwen30b_l16_e16 dataset=scratchpad sft.batch_size=32 "$@"
+#   docs/results/few_experts/command.sh -- RUN OVERRIDES...   other runs (e.g. -- seed=10,11), reported in reports/
+source "$(dirname "$0")/../args.sh"
+only_run_overrides "$@"
+exec "$(dirname "$0")/../experiment.sh" few_experts checkpoints/cold_start/qwen30b_l16_e16-scratchpad \
+  model=qwen30b_l16_e16 dataset=scratchpad sft.batch_size=32 "$@"

@@ -7,6 +7,8 @@
 # deep_long's recipe (deep_long_seeds, the confounds, recipe_claims' claims (a) and (b)) and of its 16-expert top-2
 # twin (few_experts, recipe_claims' claim (c)).
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 S=docs/results/router_starts.sh
 $S tiny_moe-addition qwen30b_l16-addition-balanced

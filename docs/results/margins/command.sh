@@ -3,6 +3,8 @@
 # the softmax rung qwen30b_l16 and its sigmoid + bias twin glm4_moe_l16, each by today's recipe, balanced as its
 # family trains, and with near-tied routers at init) against the anchors of real checkpoints.
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 C=checkpoints/cold_start
 docs/results/router_starts.sh

@@ -7,6 +7,8 @@
 # lr 1e-4, N = 4, 40 steps: 18 runs, two side by side on one thread each); then a report of each.
 # Needs reasoning-gym, which make installs (the reasoning extra, at the lock's version).
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 docs/results/router_starts.sh tiny_moe-reasoning_gym-basic_arithmetic tiny_moe-addition
 out=multirun/reasoning_gym/$(date +%Y-%m-%d_%H-%M-%S)

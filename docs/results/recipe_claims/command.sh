@@ -11,6 +11,7 @@
 # with the same seeds (the two-level interval weighs every start alike). One sweep per (start, seed), one job at a
 # time on one thread.
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
 cd "$(dirname "$0")/../../.."
 starts=docs/results/router_starts.sh
 out=docs/results/recipe_claims
@@ -19,7 +20,7 @@ mode=${1:-}
 case $mode in
   deep_long) recipe=qwen30b_l16-scratchpad ;;
   few_experts) recipe=qwen30b_l16_e16-scratchpad ;;
-  *) echo "error: mode '$mode' is not one of: deep_long, few_experts" >&2; exit 2 ;;
+  *) refuse "mode '$mode' is not one of: deep_long, few_experts" ;;
 esac
 sweep() {  # sweep NAME START SEED OVERRIDES...
   local name=$1 k=$2 seed=$3
@@ -46,13 +47,11 @@ report() {  # the reports over every (start, seed) that ran
     few_experts) python -m analysis.report $runs/few_experts_start* --out $out/few_experts --dpi 72 ;;
   esac
 }
-if [[ ${2:-} == report ]]; then
+if (($# == 2)) && [[ $2 == report ]]; then
   report
 elif (($# == 3)); then
-  if ! [[ $2 =~ ^[0-5]$ && $3 =~ ^[01]$ ]]; then
-    echo "error: start '$2' and seed '$3' must be one of starts 0-5 and seeds 0, 1 (the pre-registered units)" >&2
-    exit 2
-  fi
+  [[ $2 =~ ^[0-5]$ && $3 =~ ^[01]$ ]] ||
+    refuse "start '$2' and seed '$3' must be one of starts 0-5 and seeds 0, 1 (the pre-registered units)"
   unit "$2" "$3"
 elif (($# == 1)); then
   $starts --starts 6 $recipe
@@ -61,6 +60,5 @@ elif (($# == 1)); then
   done
   report
 else
-  echo "error: expected MODE, MODE K SEED or MODE report; got: $*" >&2
-  exit 2
+  refuse "expected MODE, MODE K SEED or MODE report; got: $*"
 fi

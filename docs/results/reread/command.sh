@@ -3,6 +3,8 @@
 # primary measure (the mean gain over the run), the family the experiment file now declares, Holm's correction over
 # it, from each result's committed per-seed table (no run is made again). One folder per result.
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+takes_no_arguments "$@"
 cd "$(dirname "$0")/../../.."
 R=docs/results
 out=$R/reread

@@ -4,10 +4,15 @@
 # report was made as five sweeps of two seeds, two side by side on one thread each (`python -m experiments.train -m
 # experiment=router_noise_dose seed=0,1 hydra.sweep.dir=multirun/router_noise_dose/s01 trainer.threads=1`, ... s89),
 # then `python -m analysis.report multirun/router_noise_dose/s01 ... s89 --out docs/results/router_noise_dose`.
+#   docs/results/router_noise_dose/command.sh -- RUN OVERRIDES...   other runs of the dose-response (e.g.
+#     -- seed=10,11), without the pilot, reported in reports/ (docs/results/experiment.sh)
 set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+only_run_overrides "$@"
 cd "$(dirname "$0")/../../.."
-test -f checkpoints/cold_start/tiny_moe-addition/config.json || python -m experiments.sft
-stamp=$(date +%Y-%m-%d_%H-%M-%S)
-python -m experiments.train -m search=router_noise_pilot hydra.sweep.dir=multirun/router_noise_pilot/$stamp
-python -m analysis.report multirun/router_noise_pilot/$stamp --out docs/results/router_noise_dose/pilot
+if (($# == 0)); then
+  test -f checkpoints/cold_start/tiny_moe-addition/config.json || python -m experiments.sft
+  python -m experiments.train -m search=router_noise_pilot hydra.sweep.dir=multirun/router_noise_pilot/$stamp
+  python -m analysis.report multirun/router_noise_pilot/$stamp --out docs/results/router_noise_dose/pilot
+fi
 exec docs/results/experiment.sh router_noise_dose checkpoints/cold_start/tiny_moe-addition "$@"
