@@ -8,7 +8,7 @@ import torch
 
 from experiments.step.checks import check_run
 from experiments.step.engines import HFEngine
-from experiments.step.metrics import ENGINE_VERSION, LAG, STEP
+from experiments.step.metrics import ENGINE_EXPERTS, ENGINE_GATES, ENGINE_VERSION, LAG, STEP
 from experiments.step.old_policy import Recompute
 from experiments.step.trainer import RLTrainer
 from experiments.step.versions import WeightVersions
@@ -86,8 +86,10 @@ def test_r3_under_a_lag_replays_the_stale_engines_recorded_routes(tmp_path, monk
     assert replayed
     for engine_routes, replay, _ in replayed:
         assert replay is engine_routes and engine_routes is not None
-    assert max(row["mismatch/expert_frac"] for row in read_metrics(tmp_path / "run")) > 0, \
-        "the stale engine's routes differ from θ_old's"
+    logged = read_metrics(tmp_path / "run")
+    assert logged[0][ENGINE_EXPERTS] == 0 and logged[0][ENGINE_GATES] < 1e-5, "step 1 samples with θ_old itself"
+    assert all(row[ENGINE_EXPERTS] > 0 and row[ENGINE_GATES] > 0 for row in logged[1:]), \
+        "the stale engine's routes differ from θ_old's, in experts and in gate mass"
 
 
 def test_weight_versions_keep_what_the_engine_will_still_sample_with():
@@ -118,3 +120,16 @@ def test_a_lag_the_run_cannot_serve_is_refused_before_any_work(tmp_path, overrid
 def test_a_non_integer_lag_is_refused_at_composition():
     with pytest.raises(Exception, match="rollout.lag"):
         compose_train("rollout.lag=1.5")
+
+
+@pytest.mark.parametrize("arm, pi_old, first_on_policy, correction", [
+    ("grpo_naive_async", "bypass", False, "none"),  # π_old := μ_old, the stale engine's: no minibatch is on-policy
+    ("grpo_decoupled", "decoupled", True, "tis"),  # π_old recomputed at θ_old, π_old/μ_old capped
+    ("minirl", "decoupled", True, "none"),  # the weight against μ_old inside the objective, the mask against π_old
+])
+def test_the_async_arms_name_their_three_policies_under_a_lag(arm, pi_old, first_on_policy, correction):
+    parts = check_run(compose_train(f"arm={arm}", "rollout.lag=2"), memory=False)
+    assert parts.plan.pi_old == pi_old and not parts.plan.engine_is_trainer
+    assert parts.plan.first_minibatch_on_policy == first_on_policy
+    assert parts.correction.name == correction
+    assert "2 versions behind θ_old" in parts.plan.why

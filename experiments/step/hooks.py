@@ -206,8 +206,10 @@ class RoutingMeasures(StepHook):
         metrics.update(margin_stats(rows(margins, dim=1), rows(weights)))  # medians: of every rank's tokens
         trainer = {AtOld.forward: own, AtOld.recompute: old.routes, AtOld.nowhere: None}[old.at_old]  # at θ_old
         if mb.engine_routes is not None and trainer is not None:
-            trainer = trainer if trainer is own else rows.routes(trainer)
-            metrics.update(m.routing_mismatch(rows.routes(mb.engine_routes), trainer, token_mask))
+            trainer, engine = trainer if trainer is own else rows.routes(trainer), rows.routes(mb.engine_routes)
+            metrics.update(m.routing_mismatch(engine, trainer, token_mask))
+            if engine.weights is not None and trainer.weights is not None:  # and the gate mass they moved
+                metrics.update(m.gate_mismatch_metrics(gate_shift(trainer, engine, token_mask)))
         return metrics
 
 

@@ -81,6 +81,7 @@ TOPK_MARGIN_SMALL = "routing/topk_margin_small_frac"
 # The engine against the trainer at θ_old: routing, then log-probs (ρ = π_old/μ_old)
 ENGINE_EXPERTS = "mismatch/expert_frac"
 ENGINE_TOKENS = "mismatch/token_any_expert_frac"
+ENGINE_GATES = "mismatch/gate_tv"  # the gate mass the engine's routing moves against the trainer's at θ_old
 MISMATCH_K1 = "mismatch/kl_k1"
 MISMATCH_K3 = "mismatch/kl_k3"
 CHI2_TOKEN = "mismatch/chi2_token"
@@ -152,6 +153,13 @@ def routing_mismatch(engine: RoutingTrace, trainer: RoutingTrace, mask: torch.Te
     engine chose that the trainer did not (per layer too), and the share of tokens routed differently in any layer
     (R3's router disagreement, train against inference)."""
     return drift_metrics(routing_drift(trainer, engine, mask), ENGINE_EXPERTS, ENGINE_TOKENS)
+
+
+def gate_mismatch_metrics(shift: GateShift) -> dict[str, float]:
+    """A `gate_shift` of the engine's routing against the trainer's at θ_old under `ENGINE_GATES` (and per layer): the
+    share of a token's gate mass on experts the two do not share, or weigh differently (`routing_mismatch` counts the
+    experts alone). Under `rollout.lag` it is how far the stale engine's routes are from θ_old's."""
+    return {ENGINE_GATES: shift.mean, **{per_layer(ENGINE_GATES, i): v for i, v in enumerate(shift.per_layer.tolist())}}
 
 
 @torch.no_grad()

@@ -127,17 +127,19 @@ def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, engine_return
             f"trainer.pi_old=bypass with routing_variant={reads_old_router}: it compares the router with θ_old's, whose "
             "log-probabilities only the trainer's own π_old pass records; use trainer.pi_old=decoupled or auto"
         )
+    behind = f"; the engine samples {lag} versions behind θ_old" if lag else ""
     if asked == PiOld.decoupled:
-        return asked, "asked: the trainer recomputes π_old at θ_old"
+        return asked, "asked: the trainer recomputes π_old at θ_old" + behind
     if asked == PiOld.bypass:
         return asked, "asked: π_old := μ_old, the engine's log-probs" + (
-            f", {lag} versions behind θ_old (naive asynchronous RL)" if lag else "")
+            f" (naive asynchronous RL){behind}" if lag else "")
     if replay == Replay.r2:
-        return PiOld.decoupled, "r2 records θ_old's routing in the trainer's π_old pass"
+        return PiOld.decoupled, "r2 records θ_old's routing in the trainer's π_old pass" + behind
     if replay == Replay.r3:
-        return PiOld.decoupled, "r3 replays the engine's routing in the trainer's π_old pass"
+        return PiOld.decoupled, "r3 replays the engine's routing in the trainer's π_old pass" + behind
     if reads_old_router:
-        return PiOld.decoupled, f"routing_variant={reads_old_router} reads θ_old's router in the trainer's π_old pass"
+        return PiOld.decoupled, (f"routing_variant={reads_old_router} reads θ_old's router in the trainer's π_old pass"
+                                 + behind)
     if lag:
         return PiOld.decoupled, f"the engine samples {lag} versions behind θ_old: its numbers are not π_old's"
     if not engine_is_trainer:
