@@ -136,14 +136,17 @@ def _command(ranks: int, run_dir: Path, *extra: str) -> list[str]:
             *extra]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks):
-    whole = subprocess.run(_command(ranks, tmp_path / "whole"), capture_output=True, text=True, cwd=PROJECT_ROOT,
-                           env=ENV, timeout=600)
+@pytest.mark.parametrize("ranks, lag", [(1, 0), (2, 0), (2, 3)])
+def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
+    """Under a lag the engine's weight versions are in the checkpoint: the resumed run samples what the whole one
+    sampled, on each of two ranks."""
+    lagged = (f"rollout.lag={lag}",) if lag else ()
+    whole = subprocess.run(_command(ranks, tmp_path / "whole", *lagged), capture_output=True, text=True,
+                           cwd=PROJECT_ROOT, env=ENV, timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_command(ranks, killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=PROJECT_ROOT, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(_command(ranks, killed, *lagged), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, cwd=PROJECT_ROOT, env=ENV, start_new_session=True)
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step_000020").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
@@ -152,8 +155,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks):
     proc.wait()
     time.sleep(0.5)
     assert not (killed / "summary.json").exists(), "the kill came after the end: nothing was tested"
-    resumed = subprocess.run(_command(ranks, killed, "resume=auto"), capture_output=True, text=True, cwd=PROJECT_ROOT,
-                             env=ENV, timeout=600)
+    resumed = subprocess.run(_command(ranks, killed, *lagged, "resume=auto"), capture_output=True, text=True,
+                             cwd=PROJECT_ROOT, env=ENV, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr and "step_000020" in resumed.stderr
     assert _without_timings(_metrics(killed)) == _without_timings(_metrics(tmp_path / "whole"))
