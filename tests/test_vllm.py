@@ -25,7 +25,7 @@ from experiments.step.checks import check_run  # noqa: E402
 from experiments.step.engines import HFEngine, Sampling, full_weights  # noqa: E402
 from experiments.step.engines.vllm import VLLMEngine, _installed_build, checkpoint_weights  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
-    ENGINE_EXPERTS, GRAD_NORM, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP,
+    ENGINE_EXPERTS, ENGINE_VERSION, GRAD_NORM, LAG, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP,
 )
 from experiments.step.scoring import FED, score_responses  # noqa: E402
 from models.shared_prefix import SharedPrefix  # noqa: E402
@@ -249,6 +249,20 @@ def test_r3_run_replays_the_engines_experts_and_the_mismatch_is_tiny_in_fp32(tmp
     stale = _kl_k3(tmp_path / "stale")
     print(f"mismatch/kl_k3 per step, never synced: {stale}")
     assert stale[0] < 1e-4 and min(stale[1:]) > 100 * max(fp32[1:] + [1e-7])
+
+
+def test_under_a_lag_vllm_samples_with_the_lagged_version_and_r3_replays_its_experts(tmp_path, monkeypatch):
+    """rollout.lag=1: the sync pushes the version one behind θ_old. Step 1 samples with θ_old itself (the start), so
+    the mismatch is fp32's; from step 2 on the engine is a version behind, as far off as an engine never synced, and
+    the updates replay the stale engine's experts."""
+    checked = _replay_checked(monkeypatch)
+    summary = train(compose_train(*VLLM_RUN, *MOVING, "rollout.lag=1"), tmp_path / "lagged")
+    assert summary["status"] == "finished" and len(checked) == 3 * 2 and min(checked) > 0
+    lines = read_metrics(tmp_path / "lagged")
+    assert [line[LAG] for line in lines] == [0, 1, 1] and [line[ENGINE_VERSION] for line in lines] == [0, 0, 1]
+    lagged = _kl_k3(tmp_path / "lagged")
+    print(f"mismatch/kl_k3 per step, lag 1: {lagged}")
+    assert lagged[0] < 1e-4 and min(lagged[1:]) > 100 * max(lagged[0], 1e-7)
 
 
 def test_a_resumed_run_samples_exactly_what_the_uninterrupted_one_sampled(tmp_path, monkeypatch):
