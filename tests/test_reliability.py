@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from experiments.config import PROJECT_ROOT, TrainerConfig
 from experiments.run.checkpoint import find as find_checkpoint
 from experiments.run.resume import SAFE_TO_CHANGE
-from experiments.step.metrics import STEP
-from experiments.train import train
+from experiments.step.metrics import STEP, THREADS
+from experiments.train import RLTrainer, train
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
 from models.routing.hooks import record_routing, replay_routing
@@ -630,7 +630,6 @@ def test_a_value_stored_as_bytes_that_is_code_is_refused_before_any_loads(killed
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     from experiments.run.checkpoint import load, read_index
-    from experiments.train import RLTrainer
 
     run_dir = tmp_path / "run"
     shutil.copytree(killed_after_three_checkpoints, run_dir)
@@ -732,7 +731,6 @@ def test_the_whole_split_is_evaluated_in_batches_that_the_memory_check_counts(tm
     """The whole-split evaluation handed every test prompt to one rollout, which the memory check did not count:
     dataset=gsm8k's 1,319 test prompts took 22 GB and the kernel killed the run before its first step."""
     from experiments.step.engines import HFEngine
-    from experiments.train import RLTrainer
 
     cfg = gsm8k_run(tmp_path, [f"{i % 10}+{i % 7}-{i % 5}*{i % 3}?" for i in range(200)])
     trainer = RLTrainer(cfg)
@@ -792,7 +790,7 @@ def test_a_summary_names_its_versions_and_its_start_and_a_resume_under_other_ver
     here = provenance.versions()
     monkeypatch.setattr(provenance, "versions", lambda: {**here, "torch": "9.9.9"})
     extended = train(compose_train(*settings, "trainer.steps=4", "resume=auto"), run_dir)
-    assert (f"warning: step_000003 was computed under other libraries or kernels than this process (torch "
+    assert (f"warning: step_000003 was computed under other libraries, kernels or threads than this process (torch "
             f"{torch.__version__} there, 9.9.9 here)") in capsys.readouterr().err
     assert [(part["first_step"], part["versions"]["torch"]) for part in extended["computed_under"]] == [
         (1, torch.__version__), (4, "9.9.9")]
@@ -814,6 +812,63 @@ def test_a_resume_under_other_kernels_is_recorded_as_such(tmp_path):
     assert [(part["first_step"], part["kernels"]["mode"]) for part in summary["computed_under"]] == [
         (1, "native"), (4, "portable")]
     assert summary["kernels"]["mode"] == "portable", "the kernels of the process that wrote the summary"
+
+
+def _but_timings(lines: list[dict]) -> list[dict]:
+    """Each line's numbers but the times it took (`perf/threads` stays: it is how the step computed)."""
+    return [{key: value for key, value in line.items() if not key.startswith("perf/") or key == THREADS}
+            for line in lines]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the budget reads Linux's /proc/stat")
+def test_a_run_killed_and_resumed_under_another_load_computes_what_the_uninterrupted_run_did(tmp_path, monkeypatch):
+    """By default the thread budget followed the machine's load, and another thread count rounds reductions
+    differently: a run killed after step 2 and resumed while another process kept a core busy went on with another
+    count (`perf/threads` 1 where the uninterrupted run had 2), and with other bits wherever the count changes them.
+    The load is injected into the budget's measurement, not made."""
+    from experiments.run.threads import ThreadBudget
+
+    torch.set_num_threads(2)  # torch's own default on 2 cores: the most a budget that follows the load would use
+    busy_elsewhere = len(os.sched_getaffinity(0)) - 1.0  # every core but one
+    run = ["trainer.steps=4", "trainer.checkpoint_every=2"]
+    monkeypatch.setattr(ThreadBudget, "other_load", lambda self: 0.0)  # an idle machine
+    train(compose_train(*run), tmp_path / "whole")
+    step = RLTrainer.step
+
+    def dies_after_step_2(self):
+        if self.step_index == 2:
+            raise RuntimeError("killed after step 2")
+        return step(self)
+
+    monkeypatch.setattr(RLTrainer, "step", dies_after_step_2)
+    with pytest.raises(RuntimeError, match="killed after step 2"):
+        train(compose_train(*run), tmp_path / "cut")
+    monkeypatch.setattr(RLTrainer, "step", step)
+    monkeypatch.setattr(ThreadBudget, "other_load", lambda self: busy_elsewhere)
+    resumed = train(compose_train(*run, "resume=auto"), tmp_path / "cut")
+    whole = read_metrics(tmp_path / "whole")
+    assert [line[STEP] for line in read_metrics(tmp_path / "cut")] == [1, 2, 3, 4]
+    assert _but_timings(read_metrics(tmp_path / "cut")) == _but_timings(whole)
+    assert {line[THREADS] for line in whole} == {1}
+    assert [(part["first_step"], part["threads"]) for part in resumed["computed_under"]] == [(1, 1)]
+
+
+def test_a_resume_under_another_thread_count_is_recorded_as_such(tmp_path, capsys):
+    """`trainer.threads` may change on resume (the same steps, other rounding), as the CPU kernels may: the summary
+    named no thread count at all, as if the run's bits did not depend on it."""
+    from experiments.run import provenance
+
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3", "trainer.threads=2"), run_dir)
+    extended = train(compose_train("trainer.checkpoint_every=3", "trainer.steps=4", "trainer.threads=null",
+                                   "resume=auto"), run_dir)
+    assert ("warning: step_000003 was computed under other libraries, kernels or threads than this process "
+            "(trainer.threads 2 there, null (the free cores) here): the steps after 3 are not the bits an "
+            "uninterrupted run would give") in capsys.readouterr().err
+    assert [(part["first_step"], part["threads"]) for part in extended["computed_under"]] == [(1, 2), (4, None)]
+    recorded_before_threads = {"versions": provenance.versions(), "kernels": extended["kernels"]}
+    _, differs = provenance.resumed_under([{"first_step": 1, **recorded_before_threads}], 3, "native", 1)
+    assert differs == ["trainer.threads unknown there, 1 here"]
 
 
 def test_the_lock_pins_every_dependency_within_its_range_and_make_installs_from_it():

@@ -157,10 +157,10 @@ def _write(trainer: Any, partial: Path) -> None:
 
 
 def computed_under(trainer: Any) -> list[dict[str, Any]]:
-    """The environments (versions, kernels) the trainer's steps were computed under, from which step on
+    """The environments (versions, kernels, threads) the trainer's steps were computed under, from which step on
     (`experiments.run.provenance`): those its checkpoint recorded and this process's, when it resumed (`load`), or
     this process's alone."""
-    return trainer.computed_under or provenance.from_the_start(trainer.cfg.cpu_kernels)
+    return trainer.computed_under or provenance.from_the_start(trainer.cfg.cpu_kernels, trainer.cfg.trainer.threads)
 
 
 def _publish(partial: Path, final: Path, keep: int) -> str | None:
@@ -449,11 +449,11 @@ def load(trainer: Any, path: Path) -> None:
     random.setstate((state[0], tuple(state[1]), state[2]))
     trainer.engine.sync_weights(trainer.model)
     trainer.computed_under, differs = provenance.resumed_under(saved.get("computed_under"), saved["step"],
-                                                               trainer.cfg.cpu_kernels)
+                                                               trainer.cfg.cpu_kernels, trainer.cfg.trainer.threads)
     if differs and ranks.main:
-        print(f"moe-rl-lab: warning: {path.name} was computed under other libraries or kernels than this process "
-              f"({'; '.join(differs)}): the steps after {saved['step']} are not the bits an uninterrupted run would "
-              f"give; {SUMMARY_FILE}'s computed_under records both", file=sys.stderr)
+        print(f"moe-rl-lab: warning: {path.name} was computed under other libraries, kernels or threads than this "
+              f"process ({'; '.join(differs)}): the steps after {saved['step']} are not the bits an uninterrupted run "
+              f"would give; {SUMMARY_FILE}'s computed_under records both", file=sys.stderr)
 
 
 def saved_step(path: Path) -> int:
