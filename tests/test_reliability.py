@@ -602,6 +602,31 @@ class _Code:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("computed_under", {"first_step": 1}, 'computed_under={"first_step": 1}, not a list of environments'),
+    ("computed_under", ["torch"], 'computed_under=["torch"], not a list of environments (each an object with'),
+    ("computed_under", [{"first_step": 0, "versions": None, "kernels": None}], "computed_under=[{"),
+    ("world", "1", 'world="1", not a number of ranks (an integer >= 1)'),
+    ("step", -3, "step=-3, not a count (an integer >= 0)"),
+    ("experiment", [], "experiment as a list, not an object"),
+])
+def test_a_malformed_value_in_trainer_json_is_damage_in_one_line(killed_after_three_checkpoints, tmp_path, key, value,
+                                                                 message):
+    """A malformed computed_under passed the damage check (which looked for the keys alone) and crashed the resume
+    with `KeyError: -1` in experiments.run.provenance."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    saved = json.loads((newest / "trainer.json").read_text())
+    (newest / "trainer.json").write_text(json.dumps({**saved, key: value}))
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3", f"resume={newest}"), run_dir)
+    line = str(raised.value)
+    assert f"is a damaged checkpoint: {newest / 'trainer.json'} holds {message}" in line and "\n" not in line
+    found, passed_over = find_checkpoint(run_dir, "auto")
+    assert found == run_dir / "checkpoints" / "step_000002" and passed_over[0].startswith(str(newest / "trainer.json"))
+
+
 def test_a_checkpoint_index_that_is_code_is_refused_unread_on_resume_and_passed_over_by_auto(
         killed_after_three_checkpoints, tmp_path):
     """torch reads the state's .metadata with plain pickle.load: resume=<checkpoint>, and resume=auto's scan, ran the

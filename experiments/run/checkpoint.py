@@ -17,13 +17,13 @@ deleted one. A write that fails (a full disk, also inside `torch.save`) removes 
 
 `resume=auto` continues from the newest intact checkpoint in the run directory (a fresh start when there is none),
 saying which newer ones it passed over and why; `resume=/path/to/step_<k>` from that one. Every file a checkpoint is
-loaded from is checked before any is loaded (`damage`): a deleted or truncated file (a copy cut short, a full disk)
-is refused in one line naming it, and never leaves a trainer half restored. A checkpoint of another experiment (any
-setting but the few `experiments.run.resume` declares safe to change) is refused, naming what differs. Checkpoints
-later than the one a run resumes from are set aside, never deleted, under names no scan reads as a checkpoint: a
-damaged one as `step_<k>.damaged`, an intact one (of the continuation that a resume from an earlier checkpoint
-abandons) as `step_<k>.superseded`. The run's `metrics.jsonl` is cut back to the checkpoint's step, so no line is
-logged twice, and W&B continues the same run.
+loaded from is checked before any is loaded (`damage`): a deleted or truncated file (a copy cut short, a full disk),
+or a `trainer.json` whose values are not what a checkpoint records, is refused in one line naming it, and never
+leaves a trainer half restored. A checkpoint of another experiment (any setting but the few `experiments.run.resume`
+declares safe to change) is refused, naming what differs. Checkpoints later than the one a run resumes from are set
+aside, never deleted, under names no scan reads as a checkpoint: a damaged one as `step_<k>.damaged`, an intact one
+(of the continuation that a resume from an earlier checkpoint abandons) as `step_<k>.superseded`. The run's
+`metrics.jsonl` is cut back to the checkpoint's step, so no line is logged twice, and W&B continues the same run.
 """
 
 from __future__ import annotations
@@ -251,9 +251,10 @@ def find(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
 
 
 def damage(path: Path) -> str | None:
-    """What makes the checkpoint at `path` unloadable, naming the file, or None when it is intact: every file `load`
-    reads is there and reads, and every tensor file is as long as the state's index needs. Checked before anything is
-    loaded, so that a damaged checkpoint never leaves a trainer half restored."""
+    """What makes the checkpoint at `path` unloadable, naming the file, or None when it is intact: `trainer.json`
+    holds what a checkpoint records, every file `load` reads is there and reads, and every tensor file is as long as
+    the state's index needs. Checked before anything is loaded, so that a damaged checkpoint never leaves a trainer
+    half restored, and `resume=auto` passes over it."""
     try:
         saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
@@ -261,11 +262,50 @@ def damage(path: Path) -> str | None:
     missing = [key for key in TRAINER_KEYS if key not in saved] if isinstance(saved, dict) else list(TRAINER_KEYS)
     if missing:
         return f"{path / 'trainer.json'} lacks {', '.join(missing)}"
+    problem = _trainer_damage(saved)
+    if problem is not None:
+        return f"{path / 'trainer.json'} holds {problem}"
     for rank in range(saved["world"]):
         problem = _rank_damage(path, rank)
         if problem is not None:
             return problem
     return _state_damage(path / "state")
+
+
+def _is_count(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _trainer_damage(saved: dict[str, Any]) -> str | None:
+    """Which value of `trainer.json` is not what a checkpoint records, and what it must be; or None."""
+    wrong = next((key for key in ("step", "tokens_seen", "skipped_updates", "consecutive_skips")
+                  if not _is_count(saved[key])), None)
+    if wrong is not None:
+        return f"{wrong}={_shown(saved[wrong])}, not a count (an integer >= 0)"
+    if not _is_count(saved["world"], least=1):
+        return f"world={_shown(saved['world'])}, not a number of ranks (an integer >= 1)"
+    wrong = next((key for key in ("scheduler", "experiment") if not isinstance(saved[key], dict)), None)
+    if wrong is not None:
+        return f"{wrong} as a {type(saved[wrong]).__name__}, not an object"
+    environments = saved.get("computed_under")
+    if environments is not None and not (isinstance(environments, list) and environments
+                                         and all(map(_is_environment, environments))):
+        return (f"computed_under={_shown(environments)}, not a list of environments (each an object with first_step, "
+                "an integer >= 1, versions and kernels, each an object or null, and threads, an integer >= 1 or null)")
+    return None
+
+
+def _is_environment(part: Any) -> bool:
+    """Whether `part` is an environment `experiments.run.provenance` records (threads: absent before recorded)."""
+    return (isinstance(part, dict) and _is_count(part.get("first_step"), least=1)
+            and all(isinstance(part.get(key), (dict, type(None))) for key in ("versions", "kernels"))
+            and (part.get("threads") is None or _is_count(part["threads"], least=1)))
+
+
+def _shown(value: Any) -> str:
+    """`value` as `trainer.json` holds it, cut to a line's share."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _rank_damage(path: Path, rank: int) -> str | None:
