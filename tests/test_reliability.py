@@ -602,6 +602,62 @@ class _Code:
         return os.system, (f"touch {self.marker}",)
 
 
+def _overwrite_a_tensor(state: Path, how: str, marker: Path) -> Path:
+    """Overwrite bytes of the first weight tensor of the state's shard in place, its length kept: with a pickle that
+    would run a command (`payload`), or with one float's bits flipped in the middle of its data (`flipped`)."""
+    from experiments.run.checkpoint import read_index
+
+    index = read_index(state / ".metadata")
+    stored = next(info for key, info in index.storage_data.items()
+                  if key.fqn.startswith("model.") and info.length > 1024)
+    shard = state / stored.relative_path
+    data = bytearray(shard.read_bytes())
+    if how == "payload":
+        payload = pickle.dumps(_Code(marker))
+        data[stored.offset: stored.offset + len(payload)] = payload
+    else:
+        middle = stored.offset + stored.length // 2
+        data[middle] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+@pytest.mark.parametrize("how", ["payload", "flipped"])
+def test_a_tensor_whose_bytes_changed_in_place_is_damage_and_auto_falls_back(killed_after_three_checkpoints, tmp_path,
+                                                                             how):
+    """The damage check measured the tensor files' lengths alone: a payload in a tensor's bytes passed it and failed
+    inside the checkpoint's load in a 24-frame traceback, and resume=auto took that checkpoint every time instead of
+    the intact one before it; a flipped bit in a weight resumed silently with another weight."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    marker = tmp_path / "code_ran"
+    shard = _overwrite_a_tensor(newest / "state", how, marker)
+    with pytest.raises(ConfigError) as raised:
+        find_checkpoint(run_dir, str(newest))
+    line = str(raised.value)
+    assert f"is a damaged checkpoint: {shard} is not the file the checkpoint was written with: its sha256 is" in line
+    assert "\n" not in line
+    settings = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"]
+    summary = train(compose_train(*settings, "resume=auto"), run_dir)
+    assert summary["status"] == "finished" and [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "step_000003.damaged").is_dir(), "set aside, for inspection"
+    assert not marker.exists(), "the checkpoint's code ran"
+
+
+def test_a_checkpoint_written_before_its_files_hashes_were_recorded_still_resumes(killed_after_three_checkpoints,
+                                                                                 tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    saved = json.loads((newest / "trainer.json").read_text())
+    assert set(saved["files"]) == {"rng_rank0.pt", "python_random_rank0.json", "state/.metadata",
+                                   "state/__0_0.distcp"}, "every file the load reads"
+    del saved["files"]
+    (newest / "trainer.json").write_text(json.dumps(saved))
+    assert find_checkpoint(run_dir, str(newest)) == (newest, [])
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("computed_under", {"first_step": 1}, 'computed_under={"first_step": 1}, not a list of environments'),
     ("computed_under", ["torch"], 'computed_under=["torch"], not a list of environments (each an object with'),
