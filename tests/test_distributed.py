@@ -245,9 +245,10 @@ def test_a_checkpoint_of_one_rank_is_refused_on_every_rank_of_two_before_any_col
 
 
 def test_torchrun_refuses_what_the_ranks_cannot_share(tmp_path):
-    """Every rank meets the refusal; rank 0 alone prints it (torchrun's own report of the failed ranks follows)."""
+    """Every rank meets the refusal; rank 0 alone prints it, and the refusal's exit code 1 is torchrun's. Its own
+    report of the failed ranks follows: torchrun reports every exit code but 0, which a refusal must not use."""
     done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "trainer.prompts_per_step=3", f"hydra.run.dir={tmp_path}")
-    assert done.returncode != 0 and "trainer.prompts_per_step=3 does not split over the 2 ranks" in done.stderr
+    assert done.returncode == 1 and "trainer.prompts_per_step=3 does not split over the 2 ranks" in done.stderr
     assert done.stderr.count("moe-rl-lab:") == 1, done.stderr[-3000:]
     done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "device=cuda", f"hydra.run.dir={tmp_path / 'c'}")
     assert done.returncode != 0 and "this machine has none: device=cpu" in done.stderr

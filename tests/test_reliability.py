@@ -409,6 +409,31 @@ def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path)
     assert done.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in done.stderr
 
 
+def test_a_job_of_several_ranks_refuses_its_run_directory_and_checkpoint_before_torchrun_starts(tmp_path):
+    """Rank 0 alone checked the run directory and the checkpoint to resume, once torchrun had started the ranks: the
+    one line was followed by torchrun's own 40-line report of the failed ranks (ChildFailedError), which no rank can
+    silence (docs/reliability.md)."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3"), run_dir)
+    again = run_cli(*MICRO_RUN, "launch.nproc_per_node=2", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 1 and "already holds a run (3 logged steps, status 'finished')" in one_line(again.stderr)
+    assert again.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in again.stderr
+    (run_dir / "summary.json").unlink()  # as a kill after the last checkpoint leaves it
+    resumed = run_cli(*MICRO_RUN, "trainer.checkpoint_every=3", "launch.nproc_per_node=2", "resume=auto",
+                      f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 1
+    assert "step_000003 was written by 1 ranks, this run has 2" in one_line(resumed.stderr)
+    assert resumed.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in resumed.stderr
+    assert not (run_dir / "checkpoints" / "step_000003.superseded").exists(), "the check changed nothing"
+    # the check leaves the directory to the ranks: a job of two ranks runs, and resumes, as before
+    two_ranks = [*MICRO_RUN, "trainer.checkpoint_every=3", "launch.nproc_per_node=2",
+                 f"hydra.run.dir={tmp_path / 'two'}"]
+    assert run_cli(*two_ranks).returncode == 0
+    (tmp_path / "two" / "summary.json").unlink()
+    done = run_cli(*two_ranks, "resume=auto")
+    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+
+
 # -- crashes late that a start-up check catches -------------------------------------------------------------------
 
 @pytest.mark.parametrize(
