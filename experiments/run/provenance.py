@@ -58,6 +58,7 @@ _UNRECORDED = object()  # an environment's part it was recorded without (written
 
 
 def _threads(value: Any) -> str:
+    """A recorded `trainer.threads` as a line names it."""
     return "unknown" if value is _UNRECORDED else "null (the free cores)" if value is None else str(value)
 
 
