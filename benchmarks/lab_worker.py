@@ -52,14 +52,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--overrides", default="[]", help="JSON list of Hydra overrides on top of the workload")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny", help="bench-tiny or bench-deep")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: the trainer's default, the cores left free)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: follow the cores left free, trainer.threads=null)")
     parser.add_argument("--probe-generate", action="store_true", help="also time model.generate on each batch")
     parser.add_argument("--profile", action="store_true", help="also report self time per part of the model")
     args = parser.parse_args()
     channel = Channel()
     overrides = json.loads(args.overrides)
-    if args.threads:
-        overrides.append(f"trainer.threads={args.threads}")
+    overrides.append(f"trainer.threads={args.threads or 'null'}")
     cfg = compose_workload(overrides, args.workload)
     threads = ThreadBudget(cfg.trainer.threads)
     trainer = RLTrainer(cfg)

@@ -416,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="tiny: the TRL peer benchmark's step; deep: the deep_long cell's (benchmarks.workload)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration before those")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads everywhere (0: default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads everywhere (0: torch's default; our loop follows the free cores)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                         help="loops of the main section (default: all; none when --compare is given alone)")
     parser.add_argument("--vs-trl", action="store_true", help="step TRL's GRPOTrainer alternately (bench extra)")

@@ -5,10 +5,10 @@
 
 Sections (each a ratio measured side by side in one run, since absolute times on a shared machine are not stable):
   --contention  the bench workload's grpo step (benchmarks.workload) under four thread policies, quiet and while
-                another process keeps one core busy: the default (threads follow the free cores,
+                another process keeps one core busy: threads that follow the free cores (trainer.threads=null,
                 experiments/run/threads.py), every core with OpenMP's default spin-wait (torch's own default), every
                 core with OMP_WAIT_POLICY=PASSIVE, and one thread. Workers step round robin in two blocks, quiet then
-                busy, each block's first round untimed (the default needs one step to see the load).
+                busy, each block's first round untimed (the budget needs one step to see the load).
   --sweep       a sweep of the same jobs (tiny_moe, 3 arms x 2 seeds, --sweep-steps steps each) with Hydra's joblib
                 launcher, 2 jobs x 1 thread, against the sequential launcher with 1 job x 2 threads: wall seconds of
                 each whole sweep, run one after the other.
@@ -39,7 +39,7 @@ from experiments.step.metrics import STEP_TIME
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 POLICIES = {
     # label: (trainer.threads, extra environment)
-    "threads follow the free cores (default)": (0, {}),
+    "threads follow the free cores (trainer.threads=null)": (0, {}),
     f"{CORES} threads, OpenMP spin-wait (torch's default)": (CORES, {}),
     f"{CORES} threads, OMP_WAIT_POLICY=PASSIVE": (CORES, {"OMP_WAIT_POLICY": "PASSIVE"}),
     "1 thread": (1, {}),

@@ -166,7 +166,10 @@ class TrainerConfig:
     save_checkpoint: bool = False  # save_pretrained + tokenizer into the run directory at the end
     checkpoint_every: int = 0  # steps between resumable checkpoints (experiments.run.checkpoint; 0: none)
     keep_checkpoints: int = 2  # the newest this many checkpoints stay on disk
-    threads: int | None = None  # torch CPU threads; null: the cores other processes leave free (run/threads.py)
+    # torch CPU threads: one, so that a run and its resume compute the same bits on any machine whatever its load
+    # (another count rounds reductions differently). null: the cores other processes leave free, measured after every
+    # step, faster on a loaded machine and not bitwise repeatable (run/threads.py).
+    threads: int | None = 1
 
 
 @dataclass

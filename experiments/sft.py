@@ -261,20 +261,25 @@ def train_cold_start(life: Life, cfg: DictConfig, model: PreTrainedModel, tokeni
     accuracy, step, loss_value, out_of_time = 0.0, 0, float("nan"), False
 
     def summary(status: str) -> dict[str, Any]:
-        """What the cold start is so far: how it ended and its numbers (the finished one adds the checkpoint's)."""
+        """What the cold start is so far: how it ended and its numbers (the finished one adds the checkpoint's), read
+        from its committed steps (`life.records`): a stop or divergence never counts the step it cut, whose loss and
+        evaluation the loop may already hold."""
+        done = life.records
+        evaluated = [record[m.EVAL_GREEDY] for record in done if m.EVAL_GREEDY in record]
+        last_accuracy = evaluated[-1] if evaluated else 0.0
         return {
             "status": status,
             "run": name,
             "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),  # nested settings too (a dict of them)
-            "steps": step,
-            "pretrain_steps": min(step, s.pretrain_steps),
+            "steps": len(done),
+            "pretrain_steps": min(len(done), s.pretrain_steps),
             "routers": [switch.name for switch in switches],
             "wall_s": time.perf_counter() - start,
             "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
-            "final_loss": loss_value,
-            "eval_greedy_accuracy": accuracy,
+            "final_loss": done[-1][m.SFT_LOSS] if done else float("nan"),
+            "eval_greedy_accuracy": last_accuracy,
             "target_accuracy": s.target_accuracy,
-            "reached_target": accuracy >= s.target_accuracy,
+            "reached_target": last_accuracy >= s.target_accuracy,
             "threads": s.threads,
             "kernels": cpu_kernels.describe(cfg.cpu_kernels),
             "versions": provenance.versions(),

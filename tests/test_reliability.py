@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from experiments.config import PROJECT_ROOT, TrainerConfig
 from experiments.run.checkpoint import find as find_checkpoint
 from experiments.run.resume import SAFE_TO_CHANGE
-from experiments.step.metrics import STEP
-from experiments.train import train
+from experiments.step.metrics import STEP, THREADS
+from experiments.train import RLTrainer, train
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
 from models.routing.hooks import record_routing, replay_routing
@@ -409,6 +409,31 @@ def test_a_job_of_several_ranks_is_refused_once_before_torchrun_starts(tmp_path)
     assert done.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in done.stderr
 
 
+def test_a_job_of_several_ranks_refuses_its_run_directory_and_checkpoint_before_torchrun_starts(tmp_path):
+    """Rank 0 alone checked the run directory and the checkpoint to resume, once torchrun had started the ranks: the
+    one line was followed by torchrun's own 40-line report of the failed ranks (ChildFailedError), which no rank can
+    silence (docs/reliability.md)."""
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3"), run_dir)
+    again = run_cli(*MICRO_RUN, "launch.nproc_per_node=2", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 1 and "already holds a run (3 logged steps, status 'finished')" in one_line(again.stderr)
+    assert again.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in again.stderr
+    (run_dir / "summary.json").unlink()  # as a kill after the last checkpoint leaves it
+    resumed = run_cli(*MICRO_RUN, "trainer.checkpoint_every=3", "launch.nproc_per_node=2", "resume=auto",
+                      f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 1
+    assert "step_000003 was written by 1 ranks, this run has 2" in one_line(resumed.stderr)
+    assert resumed.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in resumed.stderr
+    assert not (run_dir / "checkpoints" / "step_000003.superseded").exists(), "the check changed nothing"
+    # the check leaves the directory to the ranks: a job of two ranks runs, and resumes, as before
+    two_ranks = [*MICRO_RUN, "trainer.checkpoint_every=3", "launch.nproc_per_node=2",
+                 f"hydra.run.dir={tmp_path / 'two'}"]
+    assert run_cli(*two_ranks).returncode == 0
+    (tmp_path / "two" / "summary.json").unlink()
+    done = run_cli(*two_ranks, "resume=auto")
+    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+
+
 # -- crashes late that a start-up check catches -------------------------------------------------------------------
 
 @pytest.mark.parametrize(
@@ -602,6 +627,87 @@ class _Code:
         return os.system, (f"touch {self.marker}",)
 
 
+def _overwrite_a_tensor(state: Path, how: str, marker: Path) -> Path:
+    """Overwrite bytes of the first weight tensor of the state's shard in place, its length kept: with a pickle that
+    would run a command (`payload`), or with one float's bits flipped in the middle of its data (`flipped`)."""
+    from experiments.run.checkpoint import read_index
+
+    index = read_index(state / ".metadata")
+    stored = next(info for key, info in index.storage_data.items()
+                  if key.fqn.startswith("model.") and info.length > 1024)
+    shard = state / stored.relative_path
+    data = bytearray(shard.read_bytes())
+    if how == "payload":
+        payload = pickle.dumps(_Code(marker))
+        data[stored.offset: stored.offset + len(payload)] = payload
+    else:
+        middle = stored.offset + stored.length // 2
+        data[middle] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+@pytest.mark.parametrize("how", ["payload", "flipped"])
+def test_a_tensor_whose_bytes_changed_in_place_is_damage_and_auto_falls_back(killed_after_three_checkpoints, tmp_path,
+                                                                             how):
+    """The damage check measured the tensor files' lengths alone: a payload in a tensor's bytes passed it and failed
+    inside the checkpoint's load in a 24-frame traceback, and resume=auto took that checkpoint every time instead of
+    the intact one before it; a flipped bit in a weight resumed silently with another weight."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    marker = tmp_path / "code_ran"
+    shard = _overwrite_a_tensor(newest / "state", how, marker)
+    with pytest.raises(ConfigError) as raised:
+        find_checkpoint(run_dir, str(newest))
+    line = str(raised.value)
+    assert f"is a damaged checkpoint: {shard} is not the file the checkpoint was written with: its sha256 is" in line
+    assert "\n" not in line
+    settings = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"]
+    summary = train(compose_train(*settings, "resume=auto"), run_dir)
+    assert summary["status"] == "finished" and [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "step_000003.damaged").is_dir(), "set aside, for inspection"
+    assert not marker.exists(), "the checkpoint's code ran"
+
+
+def test_a_checkpoint_written_before_its_files_hashes_were_recorded_still_resumes(killed_after_three_checkpoints,
+                                                                                 tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    saved = json.loads((newest / "trainer.json").read_text())
+    assert set(saved["files"]) == {"rng_rank0.pt", "python_random_rank0.json", "state/.metadata",
+                                   "state/__0_0.distcp"}, "every file the load reads"
+    del saved["files"]
+    (newest / "trainer.json").write_text(json.dumps(saved))
+    assert find_checkpoint(run_dir, str(newest)) == (newest, [])
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("computed_under", {"first_step": 1}, 'computed_under={"first_step": 1}, not a list of environments'),
+    ("computed_under", ["torch"], 'computed_under=["torch"], not a list of environments (each an object with'),
+    ("computed_under", [{"first_step": 0, "versions": None, "kernels": None}], "computed_under=[{"),
+    ("world", "1", 'world="1", not a number of ranks (an integer >= 1)'),
+    ("step", -3, "step=-3, not a count (an integer >= 0)"),
+    ("experiment", [], "experiment as a list, not an object"),
+])
+def test_a_malformed_value_in_trainer_json_is_damage_in_one_line(killed_after_three_checkpoints, tmp_path, key, value,
+                                                                 message):
+    """A malformed computed_under passed the damage check (which looked for the keys alone) and crashed the resume
+    with `KeyError: -1` in experiments.run.provenance."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_after_three_checkpoints, run_dir)
+    newest = run_dir / "checkpoints" / "step_000003"
+    saved = json.loads((newest / "trainer.json").read_text())
+    (newest / "trainer.json").write_text(json.dumps({**saved, key: value}))
+    with pytest.raises(SystemExit) as raised:
+        train(compose_train("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3", f"resume={newest}"), run_dir)
+    line = str(raised.value)
+    assert f"is a damaged checkpoint: {newest / 'trainer.json'} holds {message}" in line and "\n" not in line
+    found, passed_over = find_checkpoint(run_dir, "auto")
+    assert found == run_dir / "checkpoints" / "step_000002" and passed_over[0].startswith(str(newest / "trainer.json"))
+
+
 def test_a_checkpoint_index_that_is_code_is_refused_unread_on_resume_and_passed_over_by_auto(
         killed_after_three_checkpoints, tmp_path):
     """torch reads the state's .metadata with plain pickle.load: resume=<checkpoint>, and resume=auto's scan, ran the
@@ -630,7 +736,6 @@ def test_a_value_stored_as_bytes_that_is_code_is_refused_before_any_loads(killed
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     from experiments.run.checkpoint import load, read_index
-    from experiments.train import RLTrainer
 
     run_dir = tmp_path / "run"
     shutil.copytree(killed_after_three_checkpoints, run_dir)
@@ -732,7 +837,6 @@ def test_the_whole_split_is_evaluated_in_batches_that_the_memory_check_counts(tm
     """The whole-split evaluation handed every test prompt to one rollout, which the memory check did not count:
     dataset=gsm8k's 1,319 test prompts took 22 GB and the kernel killed the run before its first step."""
     from experiments.step.engines import HFEngine
-    from experiments.train import RLTrainer
 
     cfg = gsm8k_run(tmp_path, [f"{i % 10}+{i % 7}-{i % 5}*{i % 3}?" for i in range(200)])
     trainer = RLTrainer(cfg)
@@ -792,7 +896,7 @@ def test_a_summary_names_its_versions_and_its_start_and_a_resume_under_other_ver
     here = provenance.versions()
     monkeypatch.setattr(provenance, "versions", lambda: {**here, "torch": "9.9.9"})
     extended = train(compose_train(*settings, "trainer.steps=4", "resume=auto"), run_dir)
-    assert (f"warning: step_000003 was computed under other libraries or kernels than this process (torch "
+    assert (f"warning: step_000003 was computed under other libraries, kernels or threads than this process (torch "
             f"{torch.__version__} there, 9.9.9 here)") in capsys.readouterr().err
     assert [(part["first_step"], part["versions"]["torch"]) for part in extended["computed_under"]] == [
         (1, torch.__version__), (4, "9.9.9")]
@@ -814,6 +918,63 @@ def test_a_resume_under_other_kernels_is_recorded_as_such(tmp_path):
     assert [(part["first_step"], part["kernels"]["mode"]) for part in summary["computed_under"]] == [
         (1, "native"), (4, "portable")]
     assert summary["kernels"]["mode"] == "portable", "the kernels of the process that wrote the summary"
+
+
+def _but_timings(lines: list[dict]) -> list[dict]:
+    """Each line's numbers but the times it took (`perf/threads` stays: it is how the step computed)."""
+    return [{key: value for key, value in line.items() if not key.startswith("perf/") or key == THREADS}
+            for line in lines]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the budget reads Linux's /proc/stat")
+def test_a_run_killed_and_resumed_under_another_load_computes_what_the_uninterrupted_run_did(tmp_path, monkeypatch):
+    """By default the thread budget followed the machine's load, and another thread count rounds reductions
+    differently: a run killed after step 2 and resumed while another process kept a core busy went on with another
+    count (`perf/threads` 1 where the uninterrupted run had 2), and with other bits wherever the count changes them.
+    The load is injected into the budget's measurement, not made."""
+    from experiments.run.threads import ThreadBudget
+
+    torch.set_num_threads(2)  # torch's own default on 2 cores: the most a budget that follows the load would use
+    busy_elsewhere = len(os.sched_getaffinity(0)) - 1.0  # every core but one
+    run = ["trainer.steps=4", "trainer.checkpoint_every=2"]
+    monkeypatch.setattr(ThreadBudget, "other_load", lambda self: 0.0)  # an idle machine
+    train(compose_train(*run), tmp_path / "whole")
+    step = RLTrainer.step
+
+    def dies_after_step_2(self):
+        if self.step_index == 2:
+            raise RuntimeError("killed after step 2")
+        return step(self)
+
+    monkeypatch.setattr(RLTrainer, "step", dies_after_step_2)
+    with pytest.raises(RuntimeError, match="killed after step 2"):
+        train(compose_train(*run), tmp_path / "cut")
+    monkeypatch.setattr(RLTrainer, "step", step)
+    monkeypatch.setattr(ThreadBudget, "other_load", lambda self: busy_elsewhere)
+    resumed = train(compose_train(*run, "resume=auto"), tmp_path / "cut")
+    whole = read_metrics(tmp_path / "whole")
+    assert [line[STEP] for line in read_metrics(tmp_path / "cut")] == [1, 2, 3, 4]
+    assert _but_timings(read_metrics(tmp_path / "cut")) == _but_timings(whole)
+    assert {line[THREADS] for line in whole} == {1}
+    assert [(part["first_step"], part["threads"]) for part in resumed["computed_under"]] == [(1, 1)]
+
+
+def test_a_resume_under_another_thread_count_is_recorded_as_such(tmp_path, capsys):
+    """`trainer.threads` may change on resume (the same steps, other rounding), as the CPU kernels may: the summary
+    named no thread count at all, as if the run's bits did not depend on it."""
+    from experiments.run import provenance
+
+    run_dir = tmp_path / "run"
+    train(compose_train("trainer.checkpoint_every=3", "trainer.threads=2"), run_dir)
+    extended = train(compose_train("trainer.checkpoint_every=3", "trainer.steps=4", "trainer.threads=null",
+                                   "resume=auto"), run_dir)
+    assert ("warning: step_000003 was computed under other libraries, kernels or threads than this process "
+            "(trainer.threads 2 there, null (the free cores) here): the steps after 3 are not the bits an "
+            "uninterrupted run would give") in capsys.readouterr().err
+    assert [(part["first_step"], part["threads"]) for part in extended["computed_under"]] == [(1, 2), (4, None)]
+    recorded_before_threads = {"versions": provenance.versions(), "kernels": extended["kernels"]}
+    _, differs = provenance.resumed_under([{"first_step": 1, **recorded_before_threads}], 3, "native", 1)
+    assert differs == ["trainer.threads unknown there, 1 here"]
 
 
 def test_the_lock_pins_every_dependency_within_its_range_and_make_installs_from_it():

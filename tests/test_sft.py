@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from algos.routers.bias_update import BIAS
 from experiments.config import PROJECT_ROOT
 from experiments.sft import IGNORE, cold_start, demonstration_batch, routing_profile
-from experiments.step.metrics import LR, SFT_LOSS, SFT_PRETRAINING, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
+from experiments.step.metrics import EVAL_GREEDY, LR, SFT_LOSS, SFT_PRETRAINING, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
 from experiments.step.scoring import position_ids
 from experiments.tasks import Example, build_task
 from models.policy import ModelConfig, build_policy
@@ -76,6 +78,30 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
     cold_starts([str(tmp_path / "run"), "--out", str(tmp_path / "report")])
     row = next(line for line in (tmp_path / "report" / "report.md").read_text().splitlines() if "micro_moe" in line)
     assert row.startswith("| micro_moe | addition digits=2 | 2 | 8 / 2 | 32 |") and "| 6 |" in row
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_cold_start_counts_the_steps_its_log_holds(tmp_path, monkeypatch, signum):
+    """A stop that cut a step: summary.json counted that step (4 where metrics.jsonl held 3), with its loss."""
+    import experiments.sft as sft
+
+    batch, made = sft.demonstration_batch, []
+
+    def stopped_in_step_4(*args, **kwargs):
+        made.append(1)
+        if len(made) == 4:
+            os.kill(os.getpid(), signum)
+        return batch(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "demonstration_batch", stopped_in_step_4)
+    with pytest.raises(SystemExit) as raised:
+        cold_start(_sft_config(tmp_path), tmp_path / "run")
+    assert raised.value.code == 128 + signum
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and len(lines) == 3
+    assert summary["steps"] == 3 and summary["final_loss"] == lines[-1][SFT_LOSS]
+    assert summary["eval_greedy_accuracy"] == lines[2][EVAL_GREEDY], "step 3's evaluation, the last committed"
 
 
 def test_the_routing_profile_of_routers_that_tie_by_hand(micro_policy):

@@ -6,9 +6,11 @@
                       one process otherwise), and under `rollout.lag` the weight versions the engine will still
                       sample with (`experiments.step.versions`; full weights, the same on every rank): its index (`.metadata`) and the optimizer's hyperparameters are
                       pickles, read as data only (`read_index`, `_DataPlanner`): a checkpoint is never code
-    trainer.json      step and token counters, skipped updates, the scheduler's state, every setting of the run
     rng_rank<r>.pt    every random generator of rank r (torch's, the prompt sampler's, the engine's router noise),
                       loaded with `weights_only=True`
+    trainer.json      step and token counters, skipped updates, the scheduler's state, every setting of the run,
+                      the environments its steps were computed under, and the sha256 of every other file `load`
+                      reads (`files`), written last, by rank 0, once every rank's files are written
 It is written into `step_<k>.tmp/`, every file flushed to the disk, checked whole (`damage`), and only then renamed
 into place; only then are older checkpoints rotated out: of the intact ones older than it, those beyond the newest
 `trainer.keep_checkpoints` (it counted among them), each renamed to `step_<k>.deleting` before it is deleted. A kill
@@ -18,17 +20,19 @@ deleted one. A write that fails (a full disk, also inside `torch.save`) removes 
 
 `resume=auto` continues from the newest intact checkpoint in the run directory (a fresh start when there is none),
 saying which newer ones it passed over and why; `resume=/path/to/step_<k>` from that one. Every file a checkpoint is
-loaded from is checked before any is loaded (`damage`): a deleted or truncated file (a copy cut short, a full disk)
-is refused in one line naming it, and never leaves a trainer half restored. A checkpoint of another experiment (any
-setting but the few `experiments.run.resume` declares safe to change) is refused, naming what differs. Checkpoints
-later than the one a run resumes from are set aside, never deleted, under names no scan reads as a checkpoint: a
-damaged one as `step_<k>.damaged`, an intact one (of the continuation that a resume from an earlier checkpoint
-abandons) as `step_<k>.superseded`. The run's `metrics.jsonl` is cut back to the checkpoint's step, so no line is
-logged twice, and W&B continues the same run.
+loaded from is checked before any is loaded (`damage`): a deleted or truncated file (a copy cut short, a full disk),
+one whose bytes are not those it was written with (its sha256), or a `trainer.json` whose values are not what a
+checkpoint records, is refused in one line naming it, and never leaves a trainer half restored. A checkpoint of
+another experiment (any setting but the few `experiments.run.resume` declares safe to change) is refused, naming what
+differs. Checkpoints later than the one a run resumes from are set aside, never deleted, under names no scan reads as
+a checkpoint: a damaged one as `step_<k>.damaged`, an intact one (of the continuation that a resume from an earlier
+checkpoint abandons) as `step_<k>.superseded`. The run's `metrics.jsonl` is cut back to the checkpoint's step, so no
+line is logged twice, and W&B continues the same run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
@@ -86,7 +90,7 @@ def save(trainer: Any, run_dir: Path, keep: int) -> Path:
     together = _Together(ranks, final, partial)
     together(lambda: _empty_directory(partial) if ranks.main else None)
     together(lambda: _write(trainer, partial))
-    together(lambda: _publish(partial, final, keep) if ranks.main else None)
+    together(lambda: _publish(trainer, partial, final, keep) if ranks.main else None)
     return final
 
 
@@ -138,7 +142,8 @@ def _empty_directory(path: Path) -> None:
 
 
 def _write(trainer: Any, partial: Path) -> None:
-    """This rank's files of the checkpoint, each flushed to the disk (torch's writer flushes the state's own)."""
+    """This rank's files of the checkpoint but `trainer.json`, each flushed to the disk (torch's writer flushes the
+    state's own)."""
     ranks: Ranks = trainer.ranks
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
@@ -149,29 +154,35 @@ def _write(trainer: Any, partial: Path) -> None:
     torch.save(_generators(trainer), generators)
     replace_file(partial / f"rng_rank{ranks.rank}.pt", generators.getvalue())
     replace_file(partial / f"python_random_rank{ranks.rank}.json", json.dumps(random.getstate()))
-    if ranks.main:
-        replace_file(partial / "trainer.json", json.dumps({
-            "step": trainer.step_index,
-            "tokens_seen": trainer.tokens_seen,
-            "skipped_updates": trainer.skipped_updates,
-            "consecutive_skips": trainer.consecutive_skips,
-            "scheduler": trainer.scheduler.state_dict(),
-            "experiment": settings(trainer.cfg),
-            "world": ranks.world,
-            "computed_under": computed_under(trainer),
-            **({} if trainer.versions is None else {ENGINE_VERSIONS: trainer.versions.versions()}),
-        }, indent=1, default=str))
+
+
+def _write_trainer(trainer: Any, partial: Path) -> None:
+    """(rank 0, once every rank's files are written) `trainer.json`, with the sha256 of every file `load` reads."""
+    replace_file(partial / "trainer.json", json.dumps({
+        "step": trainer.step_index,
+        "tokens_seen": trainer.tokens_seen,
+        "skipped_updates": trainer.skipped_updates,
+        "consecutive_skips": trainer.consecutive_skips,
+        "scheduler": trainer.scheduler.state_dict(),
+        "experiment": settings(trainer.cfg),
+        "world": trainer.ranks.world,
+        "computed_under": computed_under(trainer),
+        "files": {name: _sha256(partial / name) for name in files_read(partial, trainer.ranks.world)},
+        **({} if trainer.versions is None else {ENGINE_VERSIONS: trainer.versions.versions()}),
+    }, indent=1, default=str))
 
 
 def computed_under(trainer: Any) -> list[dict[str, Any]]:
-    """The environments (versions, kernels) the trainer's steps were computed under, from which step on
+    """The environments (versions, kernels, threads) the trainer's steps were computed under, from which step on
     (`experiments.run.provenance`): those its checkpoint recorded and this process's, when it resumed (`load`), or
     this process's alone."""
-    return trainer.computed_under or provenance.from_the_start(trainer.cfg.cpu_kernels)
+    return trainer.computed_under or provenance.from_the_start(trainer.cfg.cpu_kernels, trainer.cfg.trainer.threads)
 
 
-def _publish(partial: Path, final: Path, keep: int) -> str | None:
-    """Check the written checkpoint whole, rename it into place, then rotate out the older ones; or say why not."""
+def _publish(trainer: Any, partial: Path, final: Path, keep: int) -> str | None:
+    """Write `trainer.json`, check the written checkpoint whole, rename it into place, then rotate out the older ones;
+    or say why not."""
+    _write_trainer(trainer, partial)
     problem = damage(partial)
     if problem is not None:
         return f"it does not read back: {problem}"
@@ -258,9 +269,12 @@ def find(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
 
 
 def damage(path: Path) -> str | None:
-    """What makes the checkpoint at `path` unloadable, naming the file, or None when it is intact: every file `load`
-    reads is there and reads, and every tensor file is as long as the state's index needs. Checked before anything is
-    loaded, so that a damaged checkpoint never leaves a trainer half restored."""
+    """What makes the checkpoint at `path` unloadable, naming the file, or None when it is intact: `trainer.json`
+    holds what a checkpoint records, every file `load` reads is there and reads, every tensor file is as long as the
+    state's index needs, and every file has the bytes it was written with (its sha256, recorded in `trainer.json`: a
+    payload in a tensor's bytes keeps every length; a checkpoint written before the hashes were recorded is checked
+    without them). Checked before anything is loaded, so that a damaged checkpoint never leaves a trainer half
+    restored, and `resume=auto` passes over it."""
     try:
         saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
@@ -268,16 +282,90 @@ def damage(path: Path) -> str | None:
     missing = [key for key in TRAINER_KEYS if key not in saved] if isinstance(saved, dict) else list(TRAINER_KEYS)
     if missing:
         return f"{path / 'trainer.json'} lacks {', '.join(missing)}"
-    versions = saved.get(ENGINE_VERSIONS)
-    lagged = isinstance(saved["experiment"], dict) and saved["experiment"].get("rollout.lag", 0)
-    if lagged and not (isinstance(versions, list) and versions and all(isinstance(v, int) for v in versions)):
-        return (f"{path / 'trainer.json'} is of a run with rollout.lag={lagged} and does not list the weight versions "
-                f"its engine samples with ({ENGINE_VERSIONS})")
+    problem = _trainer_damage(saved)
+    if problem is not None:
+        return f"{path / 'trainer.json'} holds {problem}"
     for rank in range(saved["world"]):
         problem = _rank_damage(path, rank)
         if problem is not None:
             return problem
-    return _state_damage(path / "state")
+    problem = _state_damage(path / "state")
+    if problem is not None or "files" not in saved:
+        return problem
+    return _contents_damage(path, saved["files"], saved["world"])
+
+
+def _is_count(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _trainer_damage(saved: dict[str, Any]) -> str | None:
+    """Which value of `trainer.json` is not what a checkpoint records, and what it must be; or None."""
+    wrong = next((key for key in ("step", "tokens_seen", "skipped_updates", "consecutive_skips")
+                  if not _is_count(saved[key])), None)
+    if wrong is not None:
+        return f"{wrong}={_shown(saved[wrong])}, not a count (an integer >= 0)"
+    if not _is_count(saved["world"], least=1):
+        return f"world={_shown(saved['world'])}, not a number of ranks (an integer >= 1)"
+    wrong = next((key for key in ("scheduler", "experiment") if not isinstance(saved[key], dict)), None)
+    if wrong is not None:
+        return f"{wrong} as a {type(saved[wrong]).__name__}, not an object"
+    environments = saved.get("computed_under")
+    if environments is not None and not (isinstance(environments, list) and environments
+                                         and all(map(_is_environment, environments))):
+        return (f"computed_under={_shown(environments)}, not a list of environments (each an object with first_step, "
+                "an integer >= 1, versions and kernels, each an object or null, and threads, an integer >= 1 or null)")
+    files = saved.get("files")
+    if files is not None and not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
+        return f"files={_shown(files)}, not an object of each file's sha256"
+    lag, versions = saved["experiment"].get("rollout.lag", 0), saved.get(ENGINE_VERSIONS)
+    if lag and not (isinstance(versions, list) and versions and all(map(_is_count, versions))):
+        return (f"{ENGINE_VERSIONS}={_shown(versions)} of a run with rollout.lag={_shown(lag)}, not the list of weight "
+                "versions its engine samples with (integers >= 0)")
+    return None
+
+
+def _is_environment(part: Any) -> bool:
+    """Whether `part` is an environment `experiments.run.provenance` records (threads: absent before recorded)."""
+    return (isinstance(part, dict) and _is_count(part.get("first_step"), least=1)
+            and all(isinstance(part.get(key), (dict, type(None))) for key in ("versions", "kernels"))
+            and (part.get("threads") is None or _is_count(part["threads"], least=1)))
+
+
+def _shown(value: Any) -> str:
+    """`value` as `trainer.json` holds it, cut to a line's share."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def files_read(path: Path, world: int) -> list[str]:
+    """Every file `load` reads from the checkpoint at `path` (of `world` ranks) but `trainer.json`, relative to it:
+    each rank's generators, the state's index and every file the index points into."""
+    index = read_index(path / "state" / INDEX)
+    state_files = sorted({item.relative_path for item in index.storage_data.values()})
+    return [*(name for rank in range(world) for name in (f"rng_rank{rank}.pt", f"python_random_rank{rank}.json")),
+            f"state/{INDEX}", *(f"state/{name}" for name in state_files)]
+
+
+def _sha256(file: Path) -> str:
+    with open(file, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _contents_damage(path: Path, recorded: dict[str, str], world: int) -> str | None:
+    """Which file `load` reads is not recorded in `trainer.json`, or has other bytes than those it was written with
+    (its sha256); or None."""
+    for name in files_read(path, world):
+        if name not in recorded:
+            return f"{path / name} is not among the files {path / 'trainer.json'} records"
+        try:
+            held = _sha256(path / name)
+        except OSError as error:
+            return f"{path / name} does not read ({_reason(error)})"
+        if held != recorded[name]:
+            return (f"{path / name} is not the file the checkpoint was written with: its sha256 is {held[:12]}, "
+                    f"{path / 'trainer.json'} records {recorded[name][:12]}")
+    return None
 
 
 def _rank_damage(path: Path, rank: int) -> str | None:
@@ -469,11 +557,11 @@ def load(trainer: Any, path: Path) -> None:
     elif not trainer.engine.shares_trainer_weights:
         trainer.engine.sync_weights(full_weights(trainer.model))
     trainer.computed_under, differs = provenance.resumed_under(saved.get("computed_under"), saved["step"],
-                                                               trainer.cfg.cpu_kernels)
+                                                               trainer.cfg.cpu_kernels, trainer.cfg.trainer.threads)
     if differs and ranks.main:
-        print(f"moe-rl-lab: warning: {path.name} was computed under other libraries or kernels than this process "
-              f"({'; '.join(differs)}): the steps after {saved['step']} are not the bits an uninterrupted run would "
-              f"give; {SUMMARY_FILE}'s computed_under records both", file=sys.stderr)
+        print(f"moe-rl-lab: warning: {path.name} was computed under other libraries, kernels or threads than this "
+              f"process ({'; '.join(differs)}): the steps after {saved['step']} are not the bits an uninterrupted run "
+              f"would give; {SUMMARY_FILE}'s computed_under records both", file=sys.stderr)
 
 
 def saved_step(path: Path) -> int:

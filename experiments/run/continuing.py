@@ -43,17 +43,26 @@ class Found:
 
 
 def own_checkpoint(cfg: DictConfig, run_dir: Path, world: int, finished: dict[str, Any] | None) -> Found:
-    """(rank 0) The checkpoint `resume` asks for, intact and this run's own (`checkpoint.check`), with the later ones
-    set aside; `ConfigError` when there is none to take."""
+    """(rank 0) The checkpoint `resume` asks for (`resumable_checkpoint`), with the later ones set aside."""
+    path, passed_over = resumable_checkpoint(cfg, run_dir, world, finished)
+    if path is None:
+        return Found(None, [], [])
+    return Found(path, passed_over, checkpoint.set_aside_after(run_dir, checkpoint.saved_step(path)))
+
+
+def resumable_checkpoint(cfg: DictConfig, run_dir: Path, world: int,
+                         finished: dict[str, Any] | None) -> tuple[Path | None, list[str]]:
+    """The checkpoint `resume` asks for, intact and this run's own on `world` ranks (`checkpoint.check`), and why
+    each newer one `auto` passed over does not load; None from the start; `ConfigError` when there is none to take.
+    It changes nothing in `run_dir`."""
     path, passed_over = checkpoint.find(run_dir, cfg.resume)
     if path is None and finished is not None:
         raise ConfigError(f"{run_dir} holds this run, finished after {finished['steps']} steps, and no checkpoint to "
                           "extend it from (it ran with trainer.checkpoint_every=0): run the longer one in a new "
                           "directory")
-    if path is None:
-        return Found(None, [], [])
-    checkpoint.check(path, cfg, world)
-    return Found(path, passed_over, checkpoint.set_aside_after(run_dir, checkpoint.saved_step(path)))
+    if path is not None:
+        checkpoint.check(path, cfg, world)
+    return path, passed_over
 
 
 def continue_log(run_dir: Path, step: int, found: Found, finished: dict[str, Any] | None) -> list[dict[str, Any]]:

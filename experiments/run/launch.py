@@ -4,8 +4,10 @@
 under torchrun) starts N ranks; `start` joins them into a process group (gloo on CPU, nccl on CUDA) and returns this
 process's `Ranks`. What each rank computes, and how the step's numbers combine over ranks, is the step's
 (`experiments.step.trainer`); here are the run-level pieces: the group, the one line a refusal prints (rank 0 alone),
-ranks that die with their parent, and work done on rank 0 alone whose refusal every rank raises. The collectives
-themselves are `experiments.step.ranks`'.
+ranks that die with their parent, work done on rank 0 alone whose refusal every rank raises, and a job of several
+ranks that checks, before torchrun starts them, all they would refuse (settings, run directory, checkpoint), since
+torchrun follows a refusal of its ranks with its own report (`exit_once`). The collectives themselves are
+`experiments.step.ranks`'.
 """
 
 from __future__ import annotations
@@ -57,7 +59,14 @@ def _leave_group() -> None:
 def exit_once(message: str) -> NoReturn:
     """End this process with `message` as its one line (exit code 1), printed by rank 0 alone: under torchrun every
     rank meets the same refusal, and N copies of one line would bury it. The other ranks end with the same code,
-    silently (torchrun's `RANK`; a process without torchrun is rank 0)."""
+    silently (torchrun's `RANK`; a process without torchrun is rank 0).
+
+    Plain torchrun then prints its own report of the failed ranks after the line (a traceback of its own process and
+    a table of every rank's exit, some 40 lines), and no rank can keep it quiet without hiding a failure: torchrun's
+    agent raises `ChildFailedError` for every rank that ends other than with exit code 0, whatever the rank wrote
+    before (an error file only fills the table), and exit code 0 would tell a shell, SLURM or a sweep that a refused
+    job finished. A refusal keeps its exit code 1; a job that starts its ranks itself (`launch.nproc_per_node` > 1,
+    every `cluster=slurm` job) refuses before torchrun starts instead (`launch_ranks`)."""
     raise SystemExit(message if int(os.environ.get("RANK", "0")) == 0 else 1) from None
 
 
@@ -105,13 +114,15 @@ def torchrun_command(cfg: DictConfig, hydra_cfg: Any) -> list[str]:
 
 
 def launch_ranks(cfg: DictConfig, hydra_cfg: Any) -> float | None:
-    """Run the job as `launch.nproc_per_node` ranks under torchrun; its exit code is the job's."""
+    """Run the job as `launch.nproc_per_node` ranks under torchrun, once what they would refuse has been refused here
+    in one line; its exit code is the job's."""
     if cfg.launch.nproc_per_node < 1:
         raise SystemExit(f"moe-rl-lab: launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
     # What every rank would refuse is refused here, once, before torchrun starts ranks and adds its own traceback to
     # their exit. Not the memory: measuring a GPU's creates a CUDA context this process would hold while the ranks run.
     try:
         check_run(cfg, cfg.launch.nproc_per_node, memory=False)
+        check_run_directory(cfg, hydra_cfg)
     except ConfigError as error:
         raise SystemExit(f"moe-rl-lab: {error}") from None
     done = subprocess.run(torchrun_command(cfg, hydra_cfg))
@@ -119,3 +130,22 @@ def launch_ranks(cfg: DictConfig, hydra_cfg: Any) -> float | None:
         raise SystemExit(done.returncode)
     summary = rundir.finished_summary(Path(hydra_cfg.runtime.output_dir))
     return summary["reward_last"] if summary else None
+
+
+def check_run_directory(cfg: DictConfig, hydra_cfg: Any) -> None:
+    """What rank 0 alone checks once the ranks have started, checked here first: that the run directory can be this
+    run's (`rundir.claim`, whose lock is released again for rank 0 to take), and with `resume` the checkpoint the run
+    continues from (`continuing.resumable_checkpoint`, on `launch.nproc_per_node` ranks), unless the run is finished
+    and there is nothing to resume. A directory that changes between this check and the ranks' own is refused by
+    the ranks, with torchrun's report after the line."""
+    from experiments.run.continuing import resumable_checkpoint  # continuing imports this module
+
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    resuming = cfg.resume is not None
+    claimed = rundir.claim(run_dir, cfg, hydra_cfg, resume=resuming)
+    try:
+        finished = rundir.finished_summary(run_dir) if resuming else None
+        if resuming and (finished is None or finished["steps"] < cfg.trainer.steps):
+            resumable_checkpoint(cfg, run_dir, cfg.launch.nproc_per_node, finished)
+    finally:
+        claimed.release()

@@ -5,9 +5,10 @@ Every run's `summary.json` (and every cold start's, with its `cold_start.json`) 
 the libraries that compute (`LIBRARIES`, each where installed) beside the CPU kernels (`models.cpu_kernels`). A run
 that resumes may be computed by another process than the one that began it, on another machine or after an upgrade:
 each checkpoint's `trainer.json` keeps the environments its steps were computed under (`computed_under`: from which
-step on, which versions, which kernels), a resume under another one adds it and says so in one line, and the summary
-lists them all, so a result never reads as if one environment made the whole of it. An RL run's summary also gives
-its start's environment, read from the cold start's own summary (`cold_start.json` beside its weights).
+step on, which versions, which kernels, how many torch threads: `trainer.threads`, whose count decides how
+reductions round, `experiments.run.threads`), a resume under another one adds it and says so in one line, and the
+summary lists them all, so a result never reads as if one environment made the whole of it. An RL run's summary
+also gives its start's environment, read from the cold start's own summary (`cold_start.json` beside its weights).
 
 `python -m experiments.run.provenance` prints the lock of the project's dependencies as this environment holds them
 (`make constraints` writes it into `constraints.txt`): every distribution the project's requirements (with the `dev`
@@ -47,9 +48,18 @@ def versions() -> dict[str, str]:
     return found
 
 
-def environment(kernels: cpu_kernels.CpuKernels | str) -> dict[str, Any]:
-    """This process's versions and CPU kernels (`kernels`: the mode it pinned)."""
-    return {"versions": versions(), "kernels": cpu_kernels.describe(kernels)}
+def environment(kernels: cpu_kernels.CpuKernels | str, threads: int | None) -> dict[str, Any]:
+    """This process's versions, CPU kernels (`kernels`: the mode it pinned) and torch threads (`threads`: the run's
+    `trainer.threads`; None: following the free cores, each step's count logged as `perf/threads`)."""
+    return {"versions": versions(), "kernels": cpu_kernels.describe(kernels), "threads": threads}
+
+
+_UNRECORDED = object()  # an environment's part it was recorded without (written before the part was recorded)
+
+
+def _threads(value: Any) -> str:
+    """A recorded `trainer.threads` as a line names it."""
+    return "unknown" if value is _UNRECORDED else "null (the free cores)" if value is None else str(value)
 
 
 def changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -60,23 +70,26 @@ def changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
         for key in sorted(set(there) | set(here)):
             if there.get(key) != here.get(key):
                 found.append(f"{label}{key} {there.get(key, 'unknown')} there, {here.get(key, 'absent')} here")
+    there = before.get("threads", _UNRECORDED)
+    if there is _UNRECORDED or there != now["threads"]:
+        found.append(f"trainer.threads {_threads(there)} there, {_threads(now['threads'])} here")
     return found
 
 
-def from_the_start(kernels: cpu_kernels.CpuKernels | str) -> list[dict[str, Any]]:
+def from_the_start(kernels: cpu_kernels.CpuKernels | str, threads: int | None) -> list[dict[str, Any]]:
     """The environments of a run this process computes from its first step: its own."""
-    return [{"first_step": 1, **environment(kernels)}]
+    return [{"first_step": 1, **environment(kernels, threads)}]
 
 
 def resumed_under(saved: list[dict[str, Any]] | None, step: int, kernels: cpu_kernels.CpuKernels | str,
-                  ) -> tuple[list[dict[str, Any]], list[str]]:
+                  threads: int | None) -> tuple[list[dict[str, Any]], list[str]]:
     """The environments of a run resumed after `step` from a checkpoint that recorded `saved` (None: one written
     before they were recorded), with this process's added when it differs from the last; and what differs (empty:
     the same)."""
-    here = {"first_step": step + 1, **environment(kernels)}
+    here = {"first_step": step + 1, **environment(kernels, threads)}
     if not saved:
         return [{"first_step": 1, "versions": None, "kernels": None}, here], [
-            "the checkpoint does not record its versions and kernels (written before they were recorded)"]
+            "the checkpoint does not record its versions, kernels and threads (written before they were recorded)"]
     differs = changes(saved[-1], here)
     return [*saved, here] if differs else list(saved), differs
 
@@ -97,7 +110,7 @@ def run_fields(cfg: Any, computed_under: list[dict[str, Any]] | None) -> dict[st
     """The summary's record of what computed the run: this process's versions and kernels (the process that wrote
     the summary), every environment its steps were computed under (`computed_under`; None: this process's alone,
     from step 1) and its start's (`start_environment`)."""
-    here = environment(cfg.cpu_kernels)
+    here = environment(cfg.cpu_kernels, cfg.trainer.threads)
     return {
         "versions": here["versions"],
         "kernels": here["kernels"],

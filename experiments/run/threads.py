@@ -1,18 +1,30 @@
-"""How many CPU threads a run's torch ops use: `trainer.threads` when set, else the cores other processes leave free,
-measured again after every step.
+"""How many CPU threads a run's torch ops use: `trainer.threads`, one by default; with `trainer.threads=null`, the
+cores other processes leave free, measured again after every step.
 
-Why not torch's default (one thread per core): an OpenMP op splits its work over every thread and waits for the
-slowest, so on 2 cores with one of them kept busy by another process every op waits for the thread that shares a
-core (measured here: a step 3.4x slower, 10-18x under heavier load), while one thread on the free core costs about
-1.1-1.4x. `OMP_WAIT_POLICY=PASSIVE` stops the spinning but makes a quiet step 2.4x slower. So the budget follows
-the load: over each step, the CPU time the machine spent outside this process (busy time in /proc/stat minus this
-process's own), in cores, is taken from the cores this process may run on (its affinity mask), and the next step
-uses what is left, at least one thread and never more than torch's default. Only the steps are watched: what runs
-while this process waits (another benchmark worker, say) is not load that competed with it.
+A run's numbers depend on its thread count: a floating-point reduction split over another number of threads adds in
+another order and may round differently (torch's `parallel_reduce` keeps one partial sum per thread; a BLAS library
+may split a product's sums by thread too), and over a run's steps the last bits grow into other numbers. So the
+default is one fixed count, the same on every machine: two runs of one seed, and a run killed and resumed, compute
+the same bits whatever the machine's load and however many cores it has, given the same CPU, libraries and kernels
+(`experiments.run.provenance`). Bitwise repeatable by default, because a run whose numbers follow the machine's load
+can be neither repeated nor resumed exactly: each of its steps depends on the load while it ran. One thread, not all
+the cores: it is the one count every machine has, the fastest beside another busy process (docs/scaling.md: a step
+of 1.51 s, against 1.57 s following the load and 3.65 s on torch's default of two threads), 1.55x torch's default on
+two quiet cores, and what the lab's committed results ran with.
 
-The price: floating-point reductions split over a different number of threads may round differently, so two runs
-of one seed on a machine whose load differs can drift apart in the last bits. Set `trainer.threads` for bitwise
-repeatable runs (the tests do). Outside Linux there is no /proc to read, and torch's default is kept.
+`trainer.threads=null` trades that for speed on a machine whose load changes: an OpenMP op splits its work over every
+thread and waits for the slowest, so on 2 cores with one of them kept busy by another process every op waits for the
+thread that shares a core (measured here: a step 3.4x slower, 10-18x under heavier load), while one thread on the
+free core costs about 1.1-1.4x. `OMP_WAIT_POLICY=PASSIVE` stops the spinning but makes a quiet step 2.4x slower. So
+the budget follows the load: over each step, the CPU time the machine spent outside this process (busy time in
+/proc/stat minus this process's own), in cores, is taken from the cores this process may run on (its affinity mask),
+and the next step uses what is left, at least one thread and never more than torch's default. Only the steps are
+watched: what runs while this process waits (another benchmark worker, say) is not load that competed with it. Such
+a run is not bitwise repeatable, uninterrupted or resumed; each step logs its count (`perf/threads`) and every
+checkpoint and summary records that the count followed the load (`computed_under`). A fixed count changed on resume
+(`trainer.threads` may change, as the CPU kernels may) is recorded there too, with a warning: the steps after the
+resume are not the bits an uninterrupted run would give. Outside Linux there is no /proc to read, and torch's
+default is kept.
 """
 
 from __future__ import annotations
