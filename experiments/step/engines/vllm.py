@@ -112,6 +112,11 @@ _CPU_MOE_ALIGNMENT = 32
 # vLLM 0.32's CPU latent attention (DeepSeek-V3's MLA, `CPUMLABackend`) decodes a latent of kv_lora_rank +
 # qk_rope_head_dim = 576 only (DeepSeek-V3's 512 + 64); another width fails in its decode kernel.
 _CPU_MLA_LATENT = 576
+_LATENT_ATTENTION = ("deepseek_v3",)  # the supported families with latent attention
+# The latent attention that takes every engine dtype on CPU: vLLM's reference backend, which vLLM 0.32 itself picks
+# on an x86 CPU without AMX. With AMX it picks `AMXMLABackend`, which declares bf16 only and refuses fp32 weights
+# when it packs them ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"); `_cpu_latent_attention`.
+_CPU_MLA_FALLBACK = "CPU_MLA"
 _MODEL_LEN_STEP = 16  # max_model_len, when derived, is rounded up to a multiple of this
 _SEED_SPACE = 2**62  # row seeds stay far below vLLM's 64-bit limit
 # The engines started in this process and not closed yet (at most one: see `VLLMEngine.__init__`).
@@ -213,7 +218,7 @@ class VLLMEngine(RolloutEngine):
                     f"workaround verified for {build.package} {', '.join(_CPU_MOE_REPACK_VERSIONS)} only "
                     f"(docs/vllm.md); install {build.package}=={_CPU_MOE_REPACK_VERSIONS[-1]}"
                 )
-            if config.model_type == "deepseek_v3":  # latent attention: vLLM caches the latent, not heads
+            if config.model_type in _LATENT_ATTENTION:  # vLLM caches the latent, not heads
                 latent = config.kv_lora_rank + config.qk_rope_head_dim
                 if latent != _CPU_MLA_LATENT:
                     raise ConfigError(
@@ -221,6 +226,7 @@ class VLLMEngine(RolloutEngine):
                         f"{latent}, which vLLM 0.32's CPU latent attention does not run: it runs DeepSeek-V3's "
                         f"{_CPU_MLA_LATENT} only (512 + 64); use rollout.engine=hf"
                     )
+                _cpu_latent_attention(Precision(rollout.precision))
             else:
                 head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
                 sizes = _cpu_head_sizes()
@@ -315,6 +321,13 @@ class VLLMEngine(RolloutEngine):
             enable_prefix_caching=not (routers and on_cpu),
             enable_return_routed_experts=bool(routers) and not on_cpu,
         )
+        # On CPU the latent attention is the one vLLM picks when that one takes the engine's dtype, else vLLM's
+        # reference backend, asked for by name (`_cpu_latent_attention`); recorded in `describe`.
+        self.latent_attention = None
+        if on_cpu and self.family in _LATENT_ATTENTION:
+            self.latent_attention, vllms_pick = _cpu_latent_attention(self.numerics.precision)
+            if self.latent_attention != vllms_pick:
+                options["attention_config"] = {"backend": self.latent_attention}
         if on_cpu:
             options["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         else:
@@ -342,6 +355,7 @@ class VLLMEngine(RolloutEngine):
             "vllm": f"{self.build_info.package} {self.build_info.version}",
             "routing_source": self.routing_source,
             "dtype": VLLM_DTYPE[self.numerics.precision],
+            "latent_attention": self.latent_attention,
             "max_model_len": self.max_model_len,
             "startup_s": self.startup_s,
             "sync_s_mean": sum(self.sync_s) / len(self.sync_s) if self.sync_s else None,
@@ -715,6 +729,35 @@ def _cpu_head_sizes() -> list[int]:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def _cpu_latent_attention(precision: Precision) -> tuple[str, str]:
+    """(the latent attention backend the engine runs on this CPU in `precision`, the one vLLM picks itself), by name.
+
+    vLLM 0.32's CPU platform picks its latent attention by the CPU alone, not by the model's dtype
+    (`CpuPlatform.get_attn_backend_cls`): `AMX_MLA` wherever the x86 CPU has AMX tiles, and that backend takes bf16
+    only (its `supported_dtypes`; fp32 weights fail when it packs them). So vLLM's own selection is asked, and only
+    when its pick does not take the dtype is `CPU_MLA` named instead, the backend vLLM picks on a CPU without AMX:
+    where vLLM's pick works it runs, and a CPU with AMX runs an fp32 engine on the kernels of a CPU without.
+    Refused in one line where neither backend takes the dtype."""
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    dtype = getattr(torch, VLLM_DTYPE[precision])
+    selector = AttentionSelectorConfig(head_size=_CPU_MLA_LATENT, dtype=dtype, kv_cache_dtype="auto", block_size=None,
+                                       use_mla=True)
+    picked = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(None, selector))
+    if picked.supports_dtype(dtype):
+        return picked.get_name(), picked.get_name()
+    fallback = AttentionBackendEnum[_CPU_MLA_FALLBACK].get_class()
+    if not fallback.supports_dtype(dtype):
+        raise ConfigError(
+            f"rollout.precision={precision}: neither vLLM's latent attention on this CPU ({picked.get_name()}) nor "
+            f"{_CPU_MLA_FALLBACK} takes {dtype}; use another rollout.precision or rollout.engine=hf"
+        )
+    return _CPU_MLA_FALLBACK, picked.get_name()
 
 
 @contextlib.contextmanager
