@@ -24,9 +24,8 @@ import pandas as pd
 from algos.objective import CLIP
 from algos.objective import SEQ_RATIO_VAR as SEQ_VAR
 from algos.objective import TOKEN_RATIO_VAR as TOKEN_VAR
-from analysis.load import (
-    INCOMPLETE, SYNTHETIC_KEYS, UNKNOWN_START, RunSet, _format_value, _short_key, ignored_key, method_name,
-)
+from analysis.configs import SYNTHETIC_KEYS, format_value, ignored_key, method_name, short_key
+from analysis.records import INCOMPLETE, UNKNOWN_START, RunSet
 from analysis.statistics import ALPHA, across_starts, compare, holm, smallest_p
 from experiments.config import EarlyStopped, RolloutConfig, Summary
 from experiments.step.engines import EngineNumerics
@@ -439,10 +438,10 @@ def arm_names(configs: dict[str, dict]) -> dict[str, str]:
     for key in (k for k in all_keys if k.startswith(_ARM_KEYS)):
         values: dict[str, set[str]] = {}
         for run, cfg in configs.items():
-            values.setdefault(name(run), set()).add(_format_value(cfg.get(key, "—")))
+            values.setdefault(name(run), set()).add(format_value(cfg.get(key, "—")))
         split = {run for run in configs if len(values[name(run)]) > 1}
         for run in split:
-            parts[run].append(f"{_short_key(key, all_keys)}={_format_value(configs[run].get(key, '—'))}")
+            parts[run].append(f"{short_key(key, all_keys)}={format_value(configs[run].get(key, '—'))}")
     return {run: name(run) for run in configs}
 
 
@@ -656,7 +655,7 @@ def _first_difference(configs: dict[str, dict], first: str, other: str, axes: li
     settings, the swept axes and what never changes a run's numbers; `model.path` only where `path`. (None, "", "")
     when they agree."""
     def settings(run: str) -> dict[str, str]:
-        return {key: _format_value(value) for key, value in configs[run].items()
+        return {key: format_value(value) for key, value in configs[run].items()
                 if not (key.startswith(_ARM_KEYS) or key in axes or ignored_key(key) or key in _NOT_AXES
                         or (key == "model.path" and not path))}
 
@@ -687,15 +686,15 @@ def _check_one_recipe(configs: dict[str, dict], counted: pd.DataFrame, axes: lis
 
 
 def _cell_text(cell: dict) -> str:
-    return "".join(f", {key}={_format_value(value)}" for key, value in cell.items())
+    return "".join(f", {key}={format_value(value)}" for key, value in cell.items())
 
 
 def cell_name(cell: dict) -> str:
     """A cell of a sweep as a reader names it: a SYNTHETIC intervention by what it is and its dose where it is on
     ("SYNTHETIC flips p=0.2"), any other setting as key=value; a cell whose interventions are all off and that sets
     nothing else says so."""
-    parts = [f"{SYNTHETIC_KEYS[key]} p={_format_value(value)}" if key in SYNTHETIC_KEYS else
-             f"{key}={_format_value(value)}" for key, value in cell.items()
+    parts = [f"{SYNTHETIC_KEYS[key]} p={format_value(value)}" if key in SYNTHETIC_KEYS else
+             f"{key}={format_value(value)}" for key, value in cell.items()
              if key not in SYNTHETIC_KEYS or float(value)]
     if parts:
         return ", ".join(parts)

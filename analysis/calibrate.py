@@ -25,7 +25,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.cli import command_line, refusing, writable_out
-from analysis.load import RunSet, load_runs
+from analysis.load import load_runs
+from analysis.records import RunSet
 
 
 def per_run_measure(runset: RunSet, metric: str, steps: int) -> pd.Series:

@@ -40,7 +40,7 @@ import pandas as pd
 from analysis import aggregate as agg
 from analysis import declaration as declared
 from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
-from analysis.load import UNKNOWN_START
+from analysis.records import UNKNOWN_START
 from analysis.report import (
     COMPARISONS_FILE, LEFT_OUT_FILE, PER_SEED_FILE, REPORT_FILE, comparison_section, left_out_section, markdown_table,
 )

@@ -34,7 +34,8 @@ from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
 from analysis import aggregate as agg
-from analysis.load import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, RunSet
+from analysis.configs import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS
+from analysis.records import RunSet
 from analysis.style import (
     COLUMN_WIDTH_IN, RC_PARAMS, TEXT_WIDTH_IN, algo_color, replay_hatch, replay_linestyle, shade,
 )

@@ -15,7 +15,8 @@ import pandas as pd
 from analysis import aggregate as agg
 from analysis.declaration import Declaration
 from analysis.figures import FigureOutput
-from analysis.load import SYNTHETIC_KEYS, UNKNOWN_START, RunSet, _format_value
+from analysis.configs import SYNTHETIC_KEYS, format_value
+from analysis.records import UNKNOWN_START, RunSet
 from analysis.references import Reference
 from analysis.statistics import ALPHA, smallest_p
 
@@ -120,7 +121,7 @@ def _cell_prefix(cell: dict) -> str:
 def no_match(reference: Reference) -> str:
     """What a reference's table does hold, for a reader to see why nothing here matched it."""
     table = reference.table
-    held = "; ".join(f"{key} = {', '.join(map(_format_value, sorted(set(table[key]))))}" for key in reference.axes)
+    held = "; ".join(f"{key} = {', '.join(map(format_value, sorted(set(table[key]))))}" for key in reference.axes)
     arms, baselines = (", ".join(sorted(set(table[column]))) for column in ("arm", "baseline"))
     return (f"its table holds {arms} against {baselines}" + (f" at {held}" if held else " in one cell")
             + "; a setting its table does not vary is taken at the schema's default there")

@@ -29,7 +29,8 @@ from matplotlib.ticker import MaxNLocator
 from analysis import aggregate as agg
 from analysis.cli import refusing, writable_out
 from analysis.figures import STEP_LABEL, TEXT_WIDTH_IN, _figure, _legend, _plot_band, _save, series_styles
-from analysis.load import RunSet, load_runs
+from analysis.load import load_runs
+from analysis.records import RunSet
 from analysis.style import RC_PARAMS
 from experiments.step import metrics as m
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from analysis import aggregate as agg
-from analysis.load import _short_key, ignored_key, load_runs, schema_defaults
+from analysis.configs import ignored_key, schema_defaults, short_key
+from analysis.load import load_runs
 from analysis.report import markdown_table, _num
 from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3
 
@@ -147,7 +148,7 @@ def regimes_table(found: list[RunOutcome]) -> str:
     all_keys = sorted({k for run in found for k in run.config})
     groups: dict[tuple, list[RunOutcome]] = {}
     for run in found:
-        regime = tuple(f"{_short_key(k, all_keys)}={run.config.get(k, '–')}" for k in keys)
+        regime = tuple(f"{short_key(k, all_keys)}={run.config.get(k, '–')}" for k in keys)
         groups.setdefault((run.search, regime, _arm_name(run, found)), []).append(run)
     rows = []
     for (search, regime, arm), runs in groups.items():

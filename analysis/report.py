@@ -40,10 +40,10 @@ from analysis import statistics
 from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
 from analysis.figures import FigureOutput, all_figures
 from analysis.headline import TITLE, difference, first_screen, headline_figure, no_match
-from analysis.load import (
-    FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, UNKNOWN_START, RunSet, default_wandb_api, load_runs, load_wandb,
-    schema_defaults, wandb_cache_dir,
-)
+from analysis.configs import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, schema_defaults
+from analysis.load import load_runs
+from analysis.records import UNKNOWN_START, RunSet
+from analysis.wandb_runs import default_wandb_api, load_wandb, wandb_cache_dir
 from analysis.references import Reference, beside, held_settings
 from experiments.step.metrics import MISMATCH_K3
 

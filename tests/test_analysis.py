@@ -27,9 +27,10 @@ import synthetic_runs as syn  # noqa: E402
 
 from algos.objective import TOKEN_RATIO_VAR  # noqa: E402
 from analysis import aggregate as agg, figures, statistics  # noqa: E402
-from analysis.load import (  # noqa: E402
-    INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS, label_runs, load_runs, load_wandb, schema_defaults,
-)
+from analysis.configs import label_runs, schema_defaults  # noqa: E402
+from analysis.load import load_runs  # noqa: E402
+from analysis.records import INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS  # noqa: E402
+from analysis.wandb_runs import load_wandb  # noqa: E402
 from analysis.report import main, write_report  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
     CHI2_TOKEN, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, GRAD_NORM, MISMATCH_K3, REWARD, ROUTING_SHARE, TOKENS,
@@ -1138,7 +1139,7 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
     from omegaconf import OmegaConf
 
     from analysis import declaration
-    from analysis.load import flatten_config
+    from analysis.configs import flatten_config
     from experiments.config import PROJECT_ROOT, register_configs
 
     register_configs()
