@@ -33,7 +33,14 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
-from analysis import aggregate as agg
+from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
+from analysis.arms import arm_order, cell_name, sweep_axes, sweep_cells
+from analysis.diagnostics import (
+    MISMATCH_ROUNDING, drift_by_depth, drift_layer_by_minibatch, drift_layer_by_step, early_warning, layer_counts, mismatch_is_rounding,
+)
+from analysis.gains import EXCLUDED, GAIN_MEASURES, accuracy_gain
+from analysis.summaries import COLLAPSE_DROP, EMA_ALPHA, clip_fraction_by_label, curve, per_run_series
+from experiments.config import EarlyStopped, Summary
 from analysis.configs import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS
 from analysis.records import RunSet
 from analysis.style import (
@@ -171,13 +178,13 @@ def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str
     """Rows = metrics, columns = x axes (steps, and tokens when logged); shared by Figures 1 and 3."""
     notes = []
     axes_x = ["step"]
-    if runset.has(agg.TOKENS):
+    if runset.has(m.TOKENS):
         axes_x.append("tokens")
-        without = [lab for lab in labels if lab in runset.labels_without(agg.TOKENS)]
+        without = [lab for lab in labels if lab in runset.labels_without(m.TOKENS)]
         if without:
-            notes.append(f"`{agg.TOKENS}` is missing for {', '.join(without)}, left out of the token axis.")
+            notes.append(f"`{m.TOKENS}` is missing for {', '.join(without)}, left out of the token axis.")
     else:
-        notes.append(f"`{agg.TOKENS}` was not logged, so the token axis is left out.")
+        notes.append(f"`{m.TOKENS}` was not logged, so the token axis is left out.")
     width = TEXT_WIDTH_IN if len(axes_x) == 2 else COLUMN_WIDTH_IN
     fig = _figure(width, 1.6 * len(metrics) + 0.2 + _legend_rows_in(labels, width))
     grid = fig.subplots(len(metrics), len(axes_x), squeeze=False)
@@ -185,7 +192,7 @@ def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str
         is_eval = metric in EVAL_METRICS
         for col, x in enumerate(axes_x):
             ax = grid[row][col]
-            table = agg.curve(runset, metric, x=x, alpha=None if is_eval else alpha)
+            table = curve(runset, metric, x=x, alpha=None if is_eval else alpha)
             for label in labels:
                 part = table[table["label"] == label]
                 if len(part):
@@ -200,14 +207,14 @@ def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str
     return fig, notes
 
 
-def fig_reward_vs_compute(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA,
+def fig_reward_vs_compute(runset: RunSet, out_dir: Path, alpha: float = EMA_ALPHA,
                           dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Paper Fig. 1: training reward, and held-out accuracy when evaluated, against steps and tokens."""
     out = FigureOutput("1", "fig1_reward_vs_compute", "Reward and held-out accuracy against training compute", "")
-    if not runset.has(agg.REWARD):
-        out.notes.append(f"No run logged `{agg.REWARD}`; figure not drawn.")
+    if not runset.has(m.REWARD):
+        out.notes.append(f"No run logged `{m.REWARD}`; figure not drawn.")
         return out
-    metrics = [agg.REWARD] + [name for name in EVAL_METRICS if runset.has(name)]
+    metrics = [m.REWARD] + [name for name in EVAL_METRICS if runset.has(name)]
     if len(metrics) == 1:
         out.notes.append(f"No run logged `{m.EVAL_ACCURACY}` or `{m.EVAL_GREEDY}`; only training reward is shown.")
     styles = series_styles(runset)
@@ -229,13 +236,13 @@ def fig_reward_vs_compute(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_
 def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Paper Fig. 2: average fraction of clipped tokens per series, bars ± std across seeds, log y."""
     out = FigureOutput("2", "fig2_clip_fraction", "Average fraction of clipped tokens", "")
-    table = agg.clip_fraction_by_label(runset)
+    table = clip_fraction_by_label(runset)
     if table.empty:
-        out.notes.append(f"No run logged `{agg.CLIP}`; figure not drawn.")
+        out.notes.append(f"No run logged `{CLIP}`; figure not drawn.")
         return out
-    missing = runset.labels_without(agg.CLIP)
+    missing = runset.labels_without(CLIP)
     if missing:
-        out.notes.append(f"`{agg.CLIP}` is missing for {', '.join(missing)} (no bar).")
+        out.notes.append(f"`{CLIP}` is missing for {', '.join(missing)} (no bar).")
     styles = series_styles(runset)
     algos = runset.runs.drop_duplicates("label").set_index("label")["algo"]
     means = table["mean"].to_numpy(float)
@@ -274,14 +281,14 @@ def fig_clip_fraction(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool =
         out.files = _save(fig, out_dir, out.name, dpi, pdf)
     floor_note = f"means below {CLIP_FLOOR:g} are drawn at {CLIP_FLOOR:g} and labelled <{CLIP_FLOOR:g}"
     out.caption = (
-        f"Mean over training of `{agg.CLIP}` (for sequence-level objectives, the tokens of clipped responses; value "
+        f"Mean over training of `{CLIP}` (for sequence-level objectives, the tokens of clipped responses; value "
         f"next to each name), averaged over seeds with ±1 sample-std error bars on a log scale ({floor_note}), with "
         "the paper's ≈0.15 (GSPO) and ≈0.0013 (GRPO) as dashed segments where those algorithms ran."
     )
     return out
 
 
-def fig_replay_grpo(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
+def fig_replay_grpo(runset: RunSet, out_dir: Path, alpha: float = EMA_ALPHA, dpi: int = 150,
                     pdf: bool = False) -> FigureOutput:
     """Paper Fig. 3: GRPO with vs without Routing Replay, training reward against compute."""
     out = FigureOutput("3", "fig3_grpo_routing_replay", "GRPO with and without Routing Replay", "")
@@ -293,12 +300,12 @@ def fig_replay_grpo(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA,
         out.notes.append(f"Needs GRPO runs both without and with Routing Replay (found replay modes: {found}); "
                          "figure not drawn.")
         return out
-    if not runset.has(agg.REWARD):
-        out.notes.append(f"No run logged `{agg.REWARD}`; figure not drawn.")
+    if not runset.has(m.REWARD):
+        out.notes.append(f"No run logged `{m.REWARD}`; figure not drawn.")
         return out
     styles = series_styles(runset)
     with matplotlib.rc_context(RC_PARAMS):
-        fig, notes = _compute_panels(runset, grpo, [agg.REWARD], alpha, styles)
+        fig, notes = _compute_panels(runset, grpo, [m.REWARD], alpha, styles)
         _legend(fig, grpo, styles)
         out.files = _save(fig, out_dir, out.name, dpi, pdf)
     out.notes += notes
@@ -373,7 +380,7 @@ def fig_drift_layer_minibatch(runset: RunSet, out_dir: Path, dpi: int = 150, pdf
     """Routing drift per layer against the number of optimizer updates since θ_old (per-minibatch records)."""
     out = FigureOutput("4a", "fig4a_drift_layer_minibatch", "Routing drift: layer × updates since θ_old", "")
     return _drift_heatmap_figure(
-        runset, out, agg.drift_layer_by_minibatch(runset), "per-minibatch",
+        runset, out, drift_layer_by_minibatch(runset), "per-minibatch",
         "optimizer updates since θ_old (minibatch index)", out_dir, dpi, pdf,
         "Share of activated (token, layer, slot) experts under θ that were not activated under θ_old, per layer and "
         "per number of updates since θ_old, averaged over steps within each seed and then over seeds.",
@@ -385,7 +392,7 @@ def fig_drift_layer_step(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: boo
     """Routing drift per layer over training (after one update: the per-minibatch record with index 1)."""
     out = FigureOutput("4b", "fig4b_drift_layer_step", "Routing drift: layer × step", "")
     return _drift_heatmap_figure(
-        runset, out, agg.drift_layer_by_step(runset), "after-one-update (minibatch 1)", STEP_LABEL, out_dir, dpi,
+        runset, out, drift_layer_by_step(runset), "after-one-update (minibatch 1)", STEP_LABEL, out_dir, dpi,
         pdf,
         "Per-layer share of activated experts that changed after one optimizer update since θ_old (minibatch index "
         "1) at each RL step, averaged over seeds.",
@@ -395,7 +402,7 @@ def fig_drift_layer_step(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: boo
 def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False) -> FigureOutput:
     """Routing drift against depth, with the paper's ~10% per update as a reference where it fits the scale."""
     out = FigureOutput("4c", "fig4c_drift_depth", "Routing drift against depth", "")
-    table, basis = agg.drift_by_depth(runset)
+    table, basis = drift_by_depth(runset)
     if table.empty:
         out.notes.append("No `routing/expert_change_frac/layer_<i>` values (dense model, or not logged); "
                          "figure not drawn.")
@@ -423,7 +430,7 @@ def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = F
         ax.set_ylabel(DRIFT_LABEL)
         _legend(fig, labels, styles, extra)
         out.files = _save(fig, out_dir, out.name, dpi, pdf)
-    counts = agg.layer_counts(runset)
+    counts = layer_counts(runset)
     depth = ", ".join(sorted({str(n) for n in counts.values()})) or "unknown"
     reference = (f"the dotted line is the paper's ≈10% per update on a {PAPER_LAYERS}-layer MoE"
                  if show_reference else
@@ -434,13 +441,13 @@ def fig_drift_depth(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = F
     return out
 
 
-def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
+def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = EMA_ALPHA, dpi: int = 150,
                        pdf: bool = False) -> FigureOutput:
     """Token-level vs sequence-level importance-ratio variance per series against step, log y."""
     out = FigureOutput("5", "fig5_ratio_variance", "Importance-ratio variance, token vs sequence level", "")
-    panels = [(name, title) for name, title in ((agg.TOKEN_VAR, "token-level ratio r_t"),
-                                                 (agg.SEQ_VAR, "sequence-level ratio s_i")) if runset.has(name)]
-    for metric in (agg.TOKEN_VAR, agg.SEQ_VAR):
+    panels = [(name, title) for name, title in ((TOKEN_RATIO_VAR, "token-level ratio r_t"),
+                                                 (SEQ_RATIO_VAR, "sequence-level ratio s_i")) if runset.has(name)]
+    for metric in (TOKEN_RATIO_VAR, SEQ_RATIO_VAR):
         if not runset.has(metric):
             out.notes.append(f"No run logged `{metric}`; its panel is left out.")
     if not panels:
@@ -454,7 +461,7 @@ def fig_ratio_variance(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALP
         fig = _figure(width, 2.0 + _legend_rows_in(runset.labels, width))
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
         for ax, (metric, title) in zip(axes, panels):
-            table = agg.curve(runset, metric, x="step", alpha=alpha)
+            table = curve(runset, metric, x="step", alpha=alpha)
             below_floor |= bool((table["mean"] < VARIANCE_FLOOR).any())
             for label in runset.labels:
                 part = table[table["label"] == label]
@@ -497,7 +504,7 @@ MISMATCH_PANELS = [
 ]
 
 
-def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
+def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = EMA_ALPHA, dpi: int = 150,
                  pdf: bool = False) -> FigureOutput:
     """Training–inference mismatch against step: k3 KL, χ² (token) and the IS weights' effective sample size."""
     out = FigureOutput("6", "fig6_mismatch", "Training–inference mismatch", "")
@@ -505,17 +512,17 @@ def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dp
     if not panels:
         out.notes.append("No run logged `mismatch/*` (runs from before the mismatch metrics); figure not drawn.")
         return out
-    if agg.mismatch_is_rounding(runset):
+    if mismatch_is_rounding(runset):
         out.notes.append("Every run sampled with the trainer's own model (no rollout.precision, weight_quant or "
                          f"router_noise): the mismatch is the KV-cache path's rounding (k3 below "
-                         f"{agg.MISMATCH_ROUNDING:g}), not a quantity these runs varied; figure not drawn.")
+                         f"{MISMATCH_ROUNDING:g}), not a quantity these runs varied; figure not drawn.")
         return out
     styles = series_styles(runset)
     with matplotlib.rc_context(RC_PARAMS):
         fig = _figure(TEXT_WIDTH_IN, 2.0 + _legend_rows_in(runset.labels, TEXT_WIDTH_IN))
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
         for ax, (metric, title, log) in zip(axes, panels):
-            table = agg.curve(runset, metric, x="step", alpha=alpha)
+            table = curve(runset, metric, x="step", alpha=alpha)
             for label in runset.labels:
                 part = table[table["label"] == label]
                 if len(part):
@@ -538,7 +545,7 @@ def fig_mismatch(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dp
 
 
 EARLY_WARNING_ROWS = [
-    (agg.REWARD, "reward"),
+    (m.REWARD, "reward"),
     (m.ENTROPY, "entropy"),
     (m.MISMATCH_K3, "mismatch k3"),
     (m.GRAD_NORM, "grad norm"),
@@ -546,17 +553,17 @@ EARLY_WARNING_ROWS = [
 EARLY_WARNING_RUNS = 8
 
 
-def fig_early_warning(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
-                      drop: float = agg.COLLAPSE_DROP, pdf: bool = False) -> FigureOutput:
+def fig_early_warning(runset: RunSet, out_dir: Path, alpha: float = EMA_ALPHA, dpi: int = 150,
+                      drop: float = COLLAPSE_DROP, pdf: bool = False) -> FigureOutput:
     """Per run, on one step axis: training reward, policy entropy, mismatch KL and gradient norm; collapsed runs
-    first, with the step their reward fell and the steps their signals moved (`agg.early_warning`)."""
+    first, with the step their reward fell and the steps their signals moved (`early_warning`)."""
     out = FigureOutput("7", "fig7_early_warning", "Early warning: what moves before the reward falls", "")
     rows = [(metric, name) for metric, name in EARLY_WARNING_ROWS if runset.has(metric)
-            and not (metric == m.MISMATCH_K3 and agg.mismatch_is_rounding(runset))]
-    if not runset.has(agg.REWARD) or len(rows) < 2:
+            and not (metric == m.MISMATCH_K3 and mismatch_is_rounding(runset))]
+    if not runset.has(m.REWARD) or len(rows) < 2:
         out.notes.append("Needs the reward and at least one of entropy, mismatch KL, grad norm; figure not drawn.")
         return out
-    warnings = agg.early_warning(runset, drop=drop, alpha=alpha)
+    warnings = early_warning(runset, drop=drop, alpha=alpha)
     if not warnings["collapsed"].fillna(False).astype(bool).any():  # a figure only of what the sweep showed
         out.notes.append("No run collapsed, so there is no fall for a signal to precede; figure not drawn.")
         return out
@@ -573,7 +580,7 @@ def fig_early_warning(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPH
             info = warnings.set_index("run").loc[run]
             for row, (metric, name) in enumerate(rows):
                 ax = grid[row][col]
-                series = agg.per_run_series(runset, metric, alpha=alpha)
+                series = per_run_series(runset, metric, alpha=alpha)
                 part = series[series["run"] == run]
                 ax.plot(part["x"], part["y"], color=styles[labels[run]].color, linewidth=0.9)
                 if bool(info["collapsed"]) and not math.isnan(info["collapse_step"]):
@@ -651,23 +658,23 @@ def _arm_color(arm: str) -> tuple[str, str]:
 
 
 def fig_sweep_response(runset: RunSet, out_dir: Path, dpi: int = 150, pdf: bool = False,
-                       early_stopped: str = agg.EarlyStopped.exclude,
-                       primary: str = agg.Summary.gain_area) -> FigureOutput:
+                       early_stopped: str = EarlyStopped.exclude,
+                       primary: str = Summary.gain_area) -> FigureOutput:
     """Held-out greedy accuracy gained from each run's start against what the sweep varied: one line per arm for one
     swept knob, a grid per arm (the phase diagram) for two whose values fill a grid; a panel per cell with every
     seed's `primary` summary per arm where the cells fill no grid (two interventions swept apart, not crossed) or
-    the sweep varied its arms alone. The runs the comparisons count (`agg.accuracy_gain` under `early_stopped`): a
+    the sweep varied its arms alone. The runs the comparisons count (`accuracy_gain` under `early_stopped`): a
     run that did not finish is not drawn as if it had."""
     out = FigureOutput("0", "fig0_sweep_response", "Held-out accuracy gained, against what the sweep varied", "")
-    gains = agg.accuracy_gain(runset, early_stopped)
-    gains = gains[gains["counted"] != agg.EXCLUDED]
-    axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
-    arms = list(dict.fromkeys(sorted(gains["arm"], key=lambda a: (a.split(" ")[0] != "grpo", a))))
+    gains = accuracy_gain(runset, early_stopped)
+    gains = gains[gains["counted"] != EXCLUDED]
+    axes = [key for key in sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
+    arms = list(dict.fromkeys(sorted(gains["arm"], key=arm_order)))
     if gains.empty or (not axes and len(arms) < 2):
         out.notes.append("The runs vary no numeric setting within an arm and hold one arm (or were not evaluated at "
                          "start and end): nothing varied to draw the gain against; Figure 1 shows the runs.")
         return out
-    cells = agg.cells(gains, axes)
+    cells = sweep_cells(gains, axes)
     a_grid = len(axes) >= 2 and len({tuple(cell[key] for key in axes[:2]) for cell, _ in cells}) == math.prod(
         gains[key].nunique() for key in axes[:2])
     if a_grid and len(axes) > 2:
@@ -754,7 +761,7 @@ def _gain_cells(out: FigureOutput, cells: list[tuple[dict, pd.DataFrame]], arms:
     width = COLUMN_WIDTH_IN if columns == 1 else TEXT_WIDTH_IN
     fig = _figure(width, 0.6 + 1.9 * rows)
     grid = fig.subplots(rows, columns, squeeze=False, sharey=True)
-    name = agg.GAIN_MEASURES[measure].split(":")[0]
+    name = GAIN_MEASURES[measure].split(":")[0]
     for index, (cell, part) in enumerate(cells):
         ax = grid[index // columns][index % columns]
         for _, seed in part.groupby(["start_sha256", "seed"]):
@@ -771,7 +778,7 @@ def _gain_cells(out: FigureOutput, cells: list[tuple[dict, pd.DataFrame]], arms:
         ax.set_xlim(-0.5, len(arms) - 0.5)
         ax.set_xticks(range(len(arms)), arms, rotation=30 if len(arms) > 2 else 0,
                       ha="right" if len(arms) > 2 else "center")
-        ax.set_title(agg.cell_name(cell) if cell else "")
+        ax.set_title(cell_name(cell) if cell else "")
         ax.grid(False, axis="x")
         if index % columns == 0:
             ax.set_ylabel(f"{name}\n(held-out greedy acc.)")
@@ -784,9 +791,9 @@ def _gain_cells(out: FigureOutput, cells: list[tuple[dict, pd.DataFrame]], arms:
                    "at the arm's mean (its line style the arm's replay).")
 
 
-def all_figures(runset: RunSet, out_dir: Path, alpha: float = agg.EMA_ALPHA, dpi: int = 150,
-                pdf: bool = False, early_stopped: str = agg.EarlyStopped.exclude,
-                primary: str = agg.Summary.gain_area) -> list[FigureOutput]:
+def all_figures(runset: RunSet, out_dir: Path, alpha: float = EMA_ALPHA, dpi: int = 150,
+                pdf: bool = False, early_stopped: str = EarlyStopped.exclude,
+                primary: str = Summary.gain_area) -> list[FigureOutput]:
     """Every figure in report order (`early_stopped`: how the gain figure counts runs that ended themselves;
     `primary`: the summary it shows per seed where it draws a panel per cell)."""
     out_dir = Path(out_dir)

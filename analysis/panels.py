@@ -26,12 +26,13 @@ from pathlib import Path
 import matplotlib
 from matplotlib.ticker import MaxNLocator
 
-from analysis import aggregate as agg
+from analysis.arms import arm_names
 from analysis.cli import refusing, writable_out
 from analysis.figures import STEP_LABEL, TEXT_WIDTH_IN, _figure, _legend, _plot_band, _save, series_styles
 from analysis.load import load_runs
 from analysis.records import RunSet
 from analysis.style import RC_PARAMS
+from analysis.summaries import EMA_ALPHA, curve
 from experiments.step import metrics as m
 
 # The rows, top to bottom: what the arms reach, then what explains it. (metric, y label, smoothed, log scale)
@@ -51,7 +52,7 @@ def by_value(runset: RunSet, key: str) -> dict[float | str, RunSet]:
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
     if not any(key in cfg for cfg in configs.values()):
         raise ValueError(f"--by {key}: no run's config has this key (a swept key, e.g. trainer.minibatches)")
-    arms = agg.arm_names(configs)
+    arms = arm_names(configs)
     runs = runset.runs.assign(label=runset.runs["run"].map(arms))
     parts = {}
     for value in sorted({cfg.get(key) for cfg in configs.values()}, key=lambda v: (v is None, str(v).zfill(12))):
@@ -62,7 +63,7 @@ def by_value(runset: RunSet, key: str) -> dict[float | str, RunSet]:
     return parts
 
 
-def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False, alpha: float = agg.EMA_ALPHA
+def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False, alpha: float = EMA_ALPHA
          ) -> tuple[list[Path], list[str]]:
     """The panels of `runset` by `key` into `out`: the files written and the rows left out, each with why (no run
     logged it, or only some runs of a column did)."""
@@ -81,7 +82,7 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
         else:
             rows.append(row)
     everyone = replace(runset, runs=runset.runs.assign(label=runset.runs["run"].map(
-        agg.arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()}))))
+        arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()}))))
     styles = series_styles(everyone)
     with matplotlib.rc_context(RC_PARAMS):
         fig = _figure(max(TEXT_WIDTH_IN, 2.2 * len(parts)), 1.5 * len(rows) + 0.8)
@@ -92,11 +93,11 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
                 if not part.has(metric):
                     ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
                     ax.tick_params(labelbottom=row == len(rows) - 1)
-                table = agg.curve(part, metric, x="step", alpha=alpha if smoothed else None)
+                table = curve(part, metric, x="step", alpha=alpha if smoothed else None)
                 for arm in part.labels:
-                    curve = table[table["label"] == arm]
-                    if len(curve):
-                        _plot_band(ax, curve, styles[arm], marker=None if smoothed else "o")
+                    arm_curve = table[table["label"] == arm]
+                    if len(arm_curve):
+                        _plot_band(ax, arm_curve, styles[arm], marker=None if smoothed else "o")
                 if log:
                     ax.set_yscale("log")
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import aggregate as agg
 from analysis.configs import ignored_key, schema_defaults, short_key
 from analysis.load import load_runs
-from analysis.report import markdown_table, _num
-from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3
+from analysis.report import _num, markdown_table
+from analysis.summaries import collapse_flag
+from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3, REWARD
 
 # what makes an arm (the label's base), never a regime's knob
 _ARM_PREFIXES = ("algo.", "routing.replay")
@@ -64,7 +64,7 @@ def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
         runset = load_runs([directory])
         defaults = schema_defaults()
         greedy = runset.metric(EVAL_GREEDY)
-        reward = runset.metric(agg.REWARD)
+        reward = runset.metric(REWARD)
         for row in runset.runs.itertuples():
             config = defaults | json.loads(row.config)
             arm = row.algo if row.replay == "none" else f"{row.algo} + {row.replay}"
@@ -78,7 +78,7 @@ def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
                 config=config | {"_arm_settings": json.dumps({k: config[k] for k in arm_settings}, default=str)},
                 start=float(start.iloc[0]) if len(start) else None, start_borrowed=False,
                 end=float(trained["value"].iloc[-1]) if len(trained) else None,
-                collapsed=agg.collapse_flag(rewards) if len(rewards) else None,
+                collapsed=collapse_flag(rewards) if len(rewards) else None,
                 drift=_mean_metric(runset, row.run, DRIFT_PER_UPDATE),
                 mismatch=_mean_metric(runset, row.run, MISMATCH_K3),
             ))

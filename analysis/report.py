@@ -34,7 +34,15 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import aggregate as agg
+from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
+from analysis.arms import arm_names, arm_order, seed_order, sweep_axes, sweep_cells
+from analysis.diagnostics import WARNING_SIGNALS, WARNING_SUSTAIN, early_warning
+from analysis.gains import EXCLUDED, GAIN_MEASURES, accuracy_gain, how_it_ended, left_out
+from analysis.summaries import (
+    COLLAPSE_DROP, COLLAPSE_MIN_TAIL, COLLAPSE_TAIL_FRACTION, EMA_ALPHA, LAST_N, stability_table,
+)
+from analysis.verdicts import DEFAULT_BASELINE, PRIMARY, SECONDARY, arm_comparisons, check_pairable
+from experiments.step.metrics import DRIFT, FRAGILE, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME
 from analysis import declaration as declared
 from analysis import statistics
 from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
@@ -56,10 +64,10 @@ LEFT_OUT_FILE = "left_out.csv"  # every (arm, cell, start, seed) the comparisons
 REPORT_OUTPUT = re.compile(r"^(fig\w*\.(png|pdf)|report\.md|(summary|per_seed|comparisons|left_out)\.csv)$")
 # Stability-table columns whose source metric may be absent, with the metric named in the note.
 _TABLE_METRICS = {
-    "clip_frac_mean": agg.CLIP,
-    "ratio_token_var_mean": agg.TOKEN_VAR,
-    "ratio_seq_var_mean": agg.SEQ_VAR,
-    "skipped_steps": agg.SKIPPED,
+    "clip_frac_mean": CLIP,
+    "ratio_token_var_mean": TOKEN_RATIO_VAR,
+    "ratio_seq_var_mean": SEQ_RATIO_VAR,
+    "skipped_steps": SKIPPED,
 }
 
 
@@ -102,17 +110,12 @@ def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
     return markdown_table(header, rows)
 
 
-def _seed_order(seed: str) -> tuple[bool, int, str]:
-    """Numeric seeds in numeric order (a sweep's parts can land in any order), then any other label."""
-    return (not seed.isdigit(), int(seed) if seed.isdigit() else 0, seed)
-
-
 def _runs_section(runset: RunSet) -> list[str]:
     runs = runset.runs
     rows = []
     for label in runset.labels:
         group = runs[runs["label"] == label]
-        seeds = ", ".join(sorted((s for s in group["seed"] if s), key=_seed_order)) or "–"
+        seeds = ", ".join(sorted((s for s in group["seed"] if s), key=seed_order)) or "–"
         rows.append([label, len(group), seeds, int(group["incomplete"].sum()), int(group["last_step"].max()),
                      ", ".join(sorted(set(group["model"]) - {""})) or "–"])
     lines = ["## Runs", "", markdown_table(["series", "runs", "seeds", "incomplete", "last step", "model"], rows)]
@@ -122,7 +125,7 @@ def _runs_section(runset: RunSet) -> list[str]:
         lines += ["", "Runs that did not finish, drawn up to their last valid line (the comparisons count them only as "
                       "the declared rule says: see *Seeds left out*):", ""]
         lines += [f"- `{r.run}` ({r.label}): last step {r.last_step}, "
-                  f"{agg.how_it_ended(r.status, r.last_step, json.loads(r.config))}" for r in incomplete.itertuples()]
+                  f"{how_it_ended(r.status, r.last_step, json.loads(r.config))}" for r in incomplete.itertuples()]
     if runset.problems:
         lines += ["", "Problems found while loading (each also printed to stderr):", ""]
         lines += [f"- {problem}" for problem in runset.problems]
@@ -163,11 +166,11 @@ def _figure_section(figures: Sequence[FigureOutput], shown: str | None = None) -
 
 
 def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: float, alpha: float) -> list[str]:
-    tail = f"K = max({agg.COLLAPSE_MIN_TAIL}, ⌈{agg.COLLAPSE_TAIL_FRACTION:g}·T⌉)"
+    tail = f"K = max({COLLAPSE_MIN_TAIL}, ⌈{COLLAPSE_TAIL_FRACTION:g}·T⌉)"
     lines = [
         "## Stability", "", stability_markdown(table, last_n), "",
         f"Also in `{SUMMARY_FILE}` (full precision, one row per series). Definitions:", "",
-        f"- **final reward**: per seed, the mean of `{agg.REWARD}` over its last {last_n} logged steps; then mean "
+        f"- **final reward**: per seed, the mean of `{REWARD}` over its last {last_n} logged steps; then mean "
         "± sample std (ddof = 1) across seeds (no ± with one seed).",
         f"- **best reward**: per seed, the maximum of the EMA-smoothed reward (α = {alpha:g}); mean across seeds.",
         f"- **collapse**: a seed collapsed when its EMA-smoothed reward (α = {alpha:g}) is more than {drop:g} "
@@ -175,18 +178,18 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
         "steps): it fell and stayed down until the end. Seeds with T < 2K are not evaluated. The cell shows "
         "collapsed / evaluated seeds.",
         f"- **clip frac**, **ratio var**: per seed, the mean over all logged steps of "
-        f"`{agg.CLIP}`, `{agg.TOKEN_VAR}` and `{agg.SEQ_VAR}`; then mean across seeds.",
-        f"- **experts changed per update**: per seed, the mean over steps of `{agg.DRIFT}` after one optimizer "
+        f"`{CLIP}`, `{TOKEN_RATIO_VAR}` and `{SEQ_RATIO_VAR}`; then mean across seeds.",
+        f"- **experts changed per update**: per seed, the mean over steps of `{DRIFT}` after one optimizer "
         "update since θ_old (the per-minibatch record with index 1: the GSPO paper's statistic); then mean across "
         "seeds. **… mean over minibatches**: the same over every minibatch record of a step (index 0, on-policy, "
         "is 0 by construction; later ones have seen more updates).",
         f"- **mismatch k3**, **fragile tokens**: per seed, the mean over logged steps of `{MISMATCH_K3}` (k3 of "
-        f"KL(μ_old ‖ π_old)) and `{agg.FRAGILE}` (share of tokens whose k-th and (k+1)-th expert probabilities are "
+        f"KL(μ_old ‖ π_old)) and `{FRAGILE}` (share of tokens whose k-th and (k+1)-th expert probabilities are "
         "within `routing.margin_threshold`); then mean across seeds.",
-        f"- **routing share**: per seed, the mean over off-policy minibatch records of `{agg.ROUTING_SHARE}`, the "
+        f"- **routing share**: per seed, the mean over off-policy minibatch records of `{ROUTING_SHARE}`, the "
         "routing part's share of the variance of log π_θ/π_old (runs with `routing.decompose_every` > 0).",
-        f"- **skipped steps**: last value of the cumulative `{agg.SKIPPED}`, summed over seeds.",
-        f"- **s / step**: mean `{agg.STEP_TIME}` (else the finished run's wall time / steps), mean across seeds.",
+        f"- **skipped steps**: last value of the cumulative `{SKIPPED}`, summed over seeds.",
+        f"- **s / step**: mean `{STEP_TIME}` (else the finished run's wall time / steps), mean across seeds.",
         "- **incomplete**: runs whose `summary.json` does not say finished (none: crashed or still running; or "
         "diverged, interrupted, failed); their numbers here use the steps they logged.",
     ]
@@ -194,10 +197,10 @@ def _stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: f
         missing = runset.labels_without(metric)
         if missing:
             lines += ["", f"> Note: `{metric}` was not logged by {', '.join(missing)}; `{column}` is empty there."]
-    drifting = set(runset.minibatches.loc[runset.minibatches["metric"] == agg.DRIFT, "run"])
+    drifting = set(runset.minibatches.loc[runset.minibatches["metric"] == DRIFT, "run"])
     missing = [lab for lab in runset.labels if not set(runset.runs.loc[runset.runs["label"] == lab, "run"]) & drifting]
     if missing:
-        lines += ["", f"> Note: `{agg.DRIFT}` was not logged by {', '.join(missing)}; the experts-changed columns are "
+        lines += ["", f"> Note: `{DRIFT}` was not logged by {', '.join(missing)}; the experts-changed columns are "
                       "empty there."]
     return lines
 
@@ -243,8 +246,8 @@ def _sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
     `GAIN_MEASURES` side by side (Figure 0's numbers)."""
     if gains.empty:
         return []
-    axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1]
-    order = {arm: i for i, arm in enumerate(sorted(gains["arm"].unique(), key=lambda a: (a.split(" ")[0] != "grpo", a)))}
+    axes = [key for key in sweep_axes(runset) if gains[key].nunique() > 1]
+    order = {arm: i for i, arm in enumerate(sorted(gains["arm"].unique(), key=arm_order))}
     rows = []
     for (arm, *values), part in gains.groupby(["arm", *axes], sort=False):
         rows.append((order[arm], values, [arm, *[f"{v:g}" for v in values], f"{part['start'].mean():.3f}",
@@ -253,10 +256,10 @@ def _sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
     rows.sort(key=lambda row: (row[0], row[1]))
     header = ["arm", *[_axis_header(key) for key in axes], "start (greedy)",
               "final gain", "mean gain over the run", "final gain, whole test split", "seeds"]
-    definitions = [f"- **{name.replace('_', ' ')}** (`{name}`): {text}." for name, text in agg.GAIN_MEASURES.items()]
+    definitions = [f"- **{name.replace('_', ' ')}** (`{name}`): {text}." for name, text in GAIN_MEASURES.items()]
     return ["## Held-out accuracy gained", "", markdown_table(header, [row[2] for row in rows]), "",
             f"Per run, from its own start on the same prompts; mean ± sample std over seeds "
-            f"({', '.join(sorted(set(gains['seed']), key=_seed_order))}). Per-seed values: `{PER_SEED_FILE}`. An arm is the "
+            f"({', '.join(sorted(set(gains['seed']), key=seed_order))}). Per-seed values: `{PER_SEED_FILE}`. An arm is the "
             "objective, its replay and, when it is not the trainer's own fp32 model, the engine's precision."
             + _synthetic_note(runset), "", "The measures:", "", *definitions]
 
@@ -275,8 +278,8 @@ def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str
                            "seed(s) there, and a paired comparison needs 2."]
     records = comparisons.to_dict("records")
     across = any(row.get("starts", 1) >= 2 for row in records if not pd.isna(row.get("starts", math.nan)))
-    primary = [row for row in records if row["role"] == agg.PRIMARY]
-    secondary = [row for row in records if row["role"] == agg.SECONDARY]
+    primary = [row for row in records if row["role"] == PRIMARY]
+    secondary = [row for row in records if row["role"] == SECONDARY]
     measure = primary[0]["measure"] if primary else "–"
     lines = [title, "", f"### The family: `{measure}`, the primary summary", ""]
     lines += [_comparison_table(primary, axes, baseline, across, family=True), ""] if primary else \
@@ -391,14 +394,14 @@ def _one_arm_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
     """With one arm there is nothing to compare: its mean gain per measure (and swept cell) with the 95% interval of
     that mean over its counted seeds (`statistics.mean_interval`); `analysis.compare` pairs it with arms of other
     reports."""
-    axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1]
+    axes = [key for key in sweep_axes(runset) if gains[key].nunique() > 1]
     rows = []
-    for cell, part in agg.cells(gains, axes):
-        values = [part[measure].dropna() for measure in agg.GAIN_MEASURES]
+    for cell, part in sweep_cells(gains, axes):
+        values = [part[measure].dropna() for measure in GAIN_MEASURES]
         rows.append([*[f"{cell[key]:g}" for key in axes], len(part),
                      *[statistics.mean_interval(v).text() if len(v) >= 2 else "–" for v in values]])
     header = [*[_axis_header(key) for key in axes], "seeds",
-              *[f"{name.replace('_', ' ')}, mean [95% CI]" for name in agg.GAIN_MEASURES]]
+              *[f"{name.replace('_', ' ')}, mean [95% CI]" for name in GAIN_MEASURES]]
     return [f"## {gains['arm'].iloc[0]}: its mean gain with a 95% interval", "", markdown_table(header, rows), "",
             "One arm, so nothing to compare it with here: each mean over seeds with its 95% percentile bootstrap "
             f"interval ({statistics.RESAMPLES:,} resamples), how far other seeds could move it. To pair it with the "
@@ -407,10 +410,10 @@ def _one_arm_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
 
 def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[str]:
     """The runs that collapsed, with the step each signal first moved and its lead over the reward's fall."""
-    table = agg.early_warning(runset, drop=drop, alpha=alpha)
+    table = early_warning(runset, drop=drop, alpha=alpha)
     if table.empty or not table["collapsed"].any():
         return ["## Early warning", "", "No run collapsed, so there is no fall for a signal to precede."]
-    signals = [m for m in agg.WARNING_SIGNALS if f"{m}_moved_step" in table]
+    signals = [m for m in WARNING_SIGNALS if f"{m}_moved_step" in table]
     rows = []
     for _, row in table[table["collapsed"]].iterrows():
         cells = [f"{row['label']} (`{row['run']}`)", _num(row["collapse_step"], ".0f")]
@@ -424,7 +427,7 @@ def _early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[st
         "## Early warning", "", markdown_table(header, rows), "",
         "The reward fell at the first step of the final stretch where its EMA stayed more than the collapse drop below "
         "its best. A signal moved at the first step, after the first fifth of the run, from which its EMA stayed "
-        f"for {agg.WARNING_SUSTAIN} logged steps outside its early band (the first fifth's mean ± max(3 std, 20% of "
+        f"for {WARNING_SUSTAIN} logged steps outside its early band (the first fifth's mean ± max(3 std, 20% of "
         "|mean|)); the lead is the fall's step minus that step (positive: the signal moved first). In the runs that "
         "did not collapse the same test fired (false alarms) for "
         + ", ".join(f"`{m}` in {n} of {int((~table['collapsed']).sum())}" for m, n in alarms.items()) + ".",
@@ -439,16 +442,16 @@ def decide(runset: RunSet, overrides: dict[str, Any] | None = None
     differ beyond their arms. Everything a report refuses, before any figure."""
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
     declaration = declared.read(configs, overrides)
-    declaration.checked(agg.arm_names(configs).values())
+    declaration.checked(arm_names(configs).values())
     references = declaration.read_references()
-    gains = agg.accuracy_gain(runset, declaration.early_stopped)
-    axes = [key for key in agg.sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
-    agg.check_pairable(runset, gains, axes)
+    gains = accuracy_gain(runset, declaration.early_stopped)
+    axes = [key for key in sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
+    check_pairable(runset, gains, axes)
     return declaration, gains, axes, references
 
 
-def write_report(runset: RunSet, out_dir: Path, *, last_n: int = agg.LAST_N, drop: float = agg.COLLAPSE_DROP,
-                 alpha: float = agg.EMA_ALPHA, dpi: int = 150, pdf: bool = False, command: str = "",
+def write_report(runset: RunSet, out_dir: Path, *, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
+                 alpha: float = EMA_ALPHA, dpi: int = 150, pdf: bool = False, command: str = "",
                  baseline: str | None = None, overrides: dict[str, Any] | None = None) -> Path:
     """Write every figure (PNG; and PDF with `pdf`), summary.csv, per_seed.csv, comparisons.csv (every arm against
     the baseline: the declared one, `baseline`, or GRPO), left_out.csv and report.md into `out_dir`, through a staging
@@ -470,16 +473,16 @@ def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gai
     each beside its reference), then the long ones (runs, figures, seeds left out, stability, early warning)."""
     figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf, early_stopped=declaration.early_stopped,
                           primary=declaration.primary)
-    table = agg.stability_table(runset, last_n=last_n, drop=drop, alpha=alpha)
+    table = stability_table(runset, last_n=last_n, drop=drop, alpha=alpha)
     table.to_csv(out_dir / SUMMARY_FILE, index=False)
     gains.to_csv(out_dir / PER_SEED_FILE, index=False)
-    counted = gains[gains["counted"] != agg.EXCLUDED]
+    counted = gains[gains["counted"] != EXCLUDED]
     arms = sorted(set(gains["arm"]))
     comparisons, baseline = pd.DataFrame(), declaration.reference(arms) if arms else None
     if len(set(counted["arm"])) > 1:
-        comparisons = agg.arm_comparisons(gains, baseline, axes, declaration.primary, declaration.family_of(arms))
+        comparisons = arm_comparisons(gains, baseline, axes, declaration.primary, declaration.family_of(arms))
         comparisons.to_csv(out_dir / COMPARISONS_FILE, index=False)
-    missing = agg.left_out(runset, gains, axes, declaration.early_stopped)
+    missing = left_out(runset, gains, axes, declaration.early_stopped)
     missing.to_csv(out_dir / LEFT_OUT_FILE, index=False)
     held = held_settings(json.loads(config) for config in runset.runs["config"])
     matched = beside(comparisons, axes, held, schema_defaults() if references else {}, references)
@@ -497,7 +500,7 @@ def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gai
     sweep = _sweep_section(runset, counted)
     lines += sweep + ([""] if sweep else [])
     if len(set(counted["arm"])) > 1:
-        size = int((comparisons["role"] == agg.PRIMARY).sum()) if not comparisons.empty else 0
+        size = int((comparisons["role"] == PRIMARY).sum()) if not comparisons.empty else 0
         lines += declaration.lines(arms, size) + [""] + comparison_section(comparisons, axes, baseline) + [""]
         lines += references_section(matched, references, axes) + ([""] if references else [])
     elif len(set(counted["arm"])) == 1:
@@ -536,17 +539,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", type=Path,
                         help="with --wandb: where the parquet cache lives (default: OUT/.cache)")
     parser.add_argument("--refresh", action="store_true", help="with --wandb: ignore the cache and fetch again")
-    parser.add_argument("--last-n", type=int, default=agg.LAST_N,
+    parser.add_argument("--last-n", type=int, default=LAST_N,
                         help="steps averaged for the final reward (default: %(default)s)")
-    parser.add_argument("--collapse-drop", type=float, default=agg.COLLAPSE_DROP,
+    parser.add_argument("--collapse-drop", type=float, default=COLLAPSE_DROP,
                         help="absolute reward drop below the best that counts as collapse (default: %(default)s)")
-    parser.add_argument("--ema-alpha", type=float, default=agg.EMA_ALPHA,
+    parser.add_argument("--ema-alpha", type=float, default=EMA_ALPHA,
                         help="EMA smoothing weight of the newest point, 1 = none (default: %(default)s)")
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
     parser.add_argument("--pdf", action="store_true", help="also a PDF of every figure (for a paper)")
     declared.add_flags(parser, early_stopped=True, references=True,
                        baseline_help=f"the arm every other is compared with, paired over seeds (default: the runs' "
-                                     f"declaration, else {agg.DEFAULT_BASELINE} when the runs have it, else the first "
+                                     f"declaration, else {DEFAULT_BASELINE} when the runs have it, else the first "
                                      "arm by name)")
     return parser
 

@@ -26,7 +26,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import synthetic_runs as syn  # noqa: E402
 
 from algos.objective import TOKEN_RATIO_VAR  # noqa: E402
-from analysis import aggregate as agg, figures, statistics  # noqa: E402
+from analysis import figures, statistics  # noqa: E402
+from analysis.arms import arm_names, sweep_axes  # noqa: E402
+from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, early_warning  # noqa: E402
+from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # noqa: E402
+from analysis.summaries import (  # noqa: E402
+    STABILITY_COLUMNS, aggregate_curves, collapse_flag, curve, ema, per_run_series, stability_table,
+)
+from analysis.verdicts import arm_comparisons  # noqa: E402
+from experiments.step.metrics import REWARD  # noqa: E402
 from analysis.configs import label_runs, schema_defaults  # noqa: E402
 from analysis.load import load_runs  # noqa: E402
 from analysis.records import INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS  # noqa: E402
@@ -120,7 +128,7 @@ def test_the_starting_evaluation_is_the_eval_curves_point_at_step_0(tmp_path):
     assert greedy[["step", "value"]].values.tolist() == [[0, 0.25], [1, 0.5]]
     tokens = rs.metric(TOKENS)
     assert tokens[tokens["step"] == 0]["value"].tolist() == [0]
-    assert rs.metric(agg.REWARD)["step"].tolist() == [1, 2, 3], "no training reward at the start"
+    assert rs.metric(REWARD)["step"].tolist() == [1, 2, 3], "no training reward at the start"
     assert rs.runs["last_step"].tolist() == [3]
 
 
@@ -197,14 +205,14 @@ def test_empty_directory_is_a_one_line_error_with_exit_code_2(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_ema_by_hand():
-    assert agg.ema(np.array([0.0, 1.0, 1.0]), 0.5) == pytest.approx([0.0, 0.5, 0.75])
-    assert agg.ema(np.array([3.0, 1.0]), 1.0) == pytest.approx([3.0, 1.0])
+    assert ema(np.array([0.0, 1.0, 1.0]), 0.5) == pytest.approx([0.0, 0.5, 0.75])
+    assert ema(np.array([3.0, 1.0]), 1.0) == pytest.approx([3.0, 1.0])
     with pytest.raises(ValueError, match="alpha"):
-        agg.ema(np.array([1.0]), 0.0)
+        ema(np.array([1.0]), 0.0)
 
 
 def test_curve_means_and_bands_by_hand(runset):
-    table = agg.curve(runset, REWARD, x="step", alpha=None).set_index(["label", "x"])
+    table = curve(runset, REWARD, x="step", alpha=None).set_index(["label", "x"])
     # grpo at step 10: 0.2, 0.3, 0.4 → mean 0.3, sample std 0.1.
     assert table.loc[("grpo", 10.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.3, 0.1, 3])
     # grpo at step 5: seed 1's line is malformed → seeds 0 and 2: 0.1, 0.3.
@@ -212,13 +220,13 @@ def test_curve_means_and_bands_by_hand(runset):
     # gspo at step 15: the crashed seed 2 ended at step 12 → 0.45, 0.55.
     assert table.loc[("gspo", 15.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.5, math.sqrt(0.005), 2])
     # Smoothing happens per seed: grpo seed 0 is 0.02·t, EMA(0.5) at t = 2 is 0.5·0.02 + 0.5·0.04.
-    smoothed = agg.per_run_series(runset, REWARD, alpha=0.5).query("run == 'sweep/0'")
+    smoothed = per_run_series(runset, REWARD, alpha=0.5).query("run == 'sweep/0'")
     assert smoothed["y"].iloc[1] == pytest.approx(0.03)
 
 
 def test_token_axis_interpolates_each_seed_inside_its_own_range(runset):
-    series = agg.per_run_series(runset, REWARD, x="tokens")
-    table = agg.aggregate_curves(series, grid=np.array([250.0, 1000.0, 2000.0])).set_index(["label", "x"])
+    series = per_run_series(runset, REWARD, x="tokens")
+    table = aggregate_curves(series, grid=np.array([250.0, 1000.0, 2000.0])).set_index(["label", "x"])
     # 100 tokens per step: 250 tokens is step 2.5, where grpo seed s has 0.05 + 0.1·s.
     assert table.loc[("grpo", 250.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.15, 0.1, 3])
     assert table.loc[("grpo", 1000.0), "mean"] == pytest.approx(0.3)
@@ -227,7 +235,7 @@ def test_token_axis_interpolates_each_seed_inside_its_own_range(runset):
 
 
 def test_stability_table_by_hand(runset):
-    table = agg.stability_table(runset, last_n=5).set_index("label")
+    table = stability_table(runset, last_n=5).set_index("label")
     grpo, gspo = table.loc["grpo"], table.loc["gspo"]
     # grpo: last 5 steps (16..20) average 0.02·18 + 0.1·s → 0.36, 0.46, 0.56.
     assert grpo["final_reward_mean"] == pytest.approx(0.46)
@@ -247,10 +255,10 @@ def test_stability_table_by_hand(runset):
 
 
 def test_drift_tables_by_hand(runset):
-    by_minibatch = agg.drift_layer_by_minibatch(runset)
+    by_minibatch = drift_layer_by_minibatch(runset)
     assert by_minibatch["grpo"].loc[1, 2] == pytest.approx(0.4)
     assert by_minibatch["gspo"].loc[0, 0] == pytest.approx(0.0)
-    depth, basis = agg.drift_by_depth(runset)
+    depth, basis = drift_by_depth(runset)
     assert "minibatch index 1" in basis
     # After one update the drift is 0.05·(l+1): 0.05 and 0.1, identical across seeds.
     grpo = depth[depth["label"] == "grpo"]
@@ -274,13 +282,13 @@ RISE = list(np.linspace(0.0, 0.8, 30))
     ([0.8, 0.1, 0.1, 0.1, 0.1], None),              # five steps: too short to judge
 ])
 def test_collapse_flag(values, expected):
-    assert agg.collapse_flag(np.array(values)) is expected
+    assert collapse_flag(np.array(values)) is expected
 
 
 def test_collapse_flag_in_the_stability_table(tmp_path):
     syn.curve_run(tmp_path / "bad", "gspo", 0, RISE + [0.1] * 15)
     syn.curve_run(tmp_path / "good", "grpo", 0, list(np.linspace(0.0, 0.8, 45)))
-    table = agg.stability_table(load_runs([tmp_path])).set_index("label")
+    table = stability_table(load_runs([tmp_path])).set_index("label")
     assert table.loc["gspo", "collapse"] and table.loc["gspo", "collapsed_seeds"] == 1
     assert not table.loc["grpo", "collapse"]
     assert table.loc["gspo", "final_reward_mean"] == pytest.approx(0.1)
@@ -316,7 +324,7 @@ def test_report_references_each_figure_and_lists_problems(report_out, sweep):
     assert "| grpo | 3 | 0 | 0.460 ± 0.100 |" in text
     summary = pd.read_csv(report_out / "summary.csv")
     assert summary["label"].tolist() == ["grpo", "gspo"]
-    assert list(summary.columns) == agg.STABILITY_COLUMNS
+    assert list(summary.columns) == STABILITY_COLUMNS
 
 
 def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
@@ -339,7 +347,7 @@ def test_missing_routing_metrics_leave_panels_out_with_a_note(tmp_path):
         out = draw(rs, tmp_path / "out")
         assert out.files == [] and "dense model" in out.notes[0]
     assert not (tmp_path / "out").exists()
-    table = agg.stability_table(rs)
+    table = stability_table(rs)
     assert math.isnan(table.loc[0, "expert_change_per_update_mean"])
 
 
@@ -473,7 +481,7 @@ def test_early_warning_finds_the_fall_and_the_lead_of_a_signal(tmp_path):
     runs = [_mismatch_run(tmp_path / "collapsing", 0, collapse_at=20, kl_rises_at=12),
             _mismatch_run(tmp_path / "healthy", 1)]
     rs = load_runs(runs)
-    table = agg.early_warning(rs, alpha=1.0).set_index("run")
+    table = early_warning(rs, alpha=1.0).set_index("run")
     collapsing = table.loc[[r for r in table.index if "collapsing" in r][0]]
     assert collapsing["collapsed"] and collapsing["collapse_step"] == 20
     assert collapsing[MISMATCH_K3 + "_moved_step"] == 12 and collapsing[MISMATCH_K3 + "_lead"] == 8
@@ -489,7 +497,7 @@ def test_mismatch_early_warning_and_decomposition_figures_and_table(tmp_path):
     for draw in (figures.fig_mismatch, figures.fig_early_warning, figures.fig_decomposition):
         result = draw(rs, out, pdf=True)
         assert [p.suffix for p in result.files] == [".png", ".pdf"] and result.caption, result.notes
-    row = agg.stability_table(rs).iloc[0]
+    row = stability_table(rs).iloc[0]
     assert row["mismatch_kl_k3_mean"] > 1e-3 and row["routing_share_mean"] == pytest.approx(0.15)
     report = write_report(rs, out / "report")
     text = report.read_text(encoding="utf-8")
@@ -501,7 +509,7 @@ def test_a_series_is_dotted_where_not_all_its_seeds_have_data(tmp_path):
     short = syn.curve_run(tmp_path / "short", "grpo", 0, [0.1] * 5)
     long = syn.curve_run(tmp_path / "long", "grpo", 1, [0.3] * 10)
     rs = load_runs([short, long])
-    table = agg.curve(rs, REWARD, alpha=1.0)
+    table = curve(rs, REWARD, alpha=1.0)
     style = figures.series_styles(rs)["grpo"]
     fig = figures._figure(3, 2)
     ax = fig.subplots()
@@ -584,8 +592,8 @@ def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(
         _evaluated_run(runs / str(i), algo, seed, replay, 0.5, end, **{"routing.flip_rate": flip})
     rs = load_runs([runs])
     # the flip rate varies within arms; the clip range (an algorithm's own setting) does not, so it is no axis
-    assert agg.sweep_axes(rs) == ["routing.flip_rate"]
-    gains = agg.accuracy_gain(rs)
+    assert sweep_axes(rs) == ["routing.flip_rate"]
+    gains = accuracy_gain(rs)
     grpo = gains[gains["arm"] == "grpo"].sort_values(["routing.flip_rate", "seed"])
     assert grpo["gain"].round(6).tolist() == [0.1, 0.2, -0.4]
     assert set(gains["arm"]) == {"grpo", "grpo + r2", "gspo"}
@@ -659,7 +667,7 @@ def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_pa
             _evaluated_run(tmp_path / "grid" / f"{algo}{i}", algo, 0, "none", 0.5, 0.5 - lr * layers * 50,
                            **{"trainer.lr": lr, "model.num_hidden_layers": layers})
     rs = load_runs([tmp_path / "grid"])
-    assert agg.sweep_axes(rs) == ["model.num_hidden_layers", "trainer.lr"]
+    assert sweep_axes(rs) == ["model.num_hidden_layers", "trainer.lr"]
     out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI))
     assert out.files and "phase diagram" in out.caption
     _evaluated_run(tmp_path / "flat" / "a", "grpo", 0, "none", 0.5, 0.6)
@@ -700,7 +708,7 @@ def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(t
     out = figures.fig_mismatch(same, tmp_path / "out")
     assert out.files == [] and "trainer's own model" in out.notes[0]
     assert "not a quantity these runs varied" in out.notes[0]
-    assert f"{MISMATCH_K3}_moved_step" not in agg.early_warning(same).columns
+    assert f"{MISMATCH_K3}_moved_step" not in early_warning(same).columns
     bf16 = load_runs([run(tmp_path / "bf16", 1e-8, {"engine": "hf", "precision": "bf16"})])
     assert figures.fig_mismatch(bf16, tmp_path / "out2").files, "an engine that differs: its mismatch is the result"
 
@@ -759,12 +767,12 @@ def test_a_crashed_seed_is_never_paired_and_every_seed_left_out_is_named(tmp_pat
     (refused / ".lock").touch()
     runset = load_runs([runs])
     assert runset.unstarted["where"].tolist() == [str(refused)] and runset.unstarted["seed"].tolist() == ["3"]
-    gains = agg.accuracy_gain(runset)
-    assert gains.set_index("run").loc["sweep/gspo_s1", "counted"] == agg.EXCLUDED
-    comparisons = agg.arm_comparisons(gains, "grpo", [])
+    gains = accuracy_gain(runset)
+    assert gains.set_index("run").loc["sweep/gspo_s1", "counted"] == EXCLUDED
+    comparisons = arm_comparisons(gains, "grpo", [])
     assert set(comparisons.query("measure != 'split_gain'")["seeds"]) == {2}, "the crashed seed is not paired"
     assert comparisons.query("measure == 'gain'")["difference_estimate"].item() == pytest.approx(0.02)
-    left = agg.left_out(runset, gains, []).set_index("seed")
+    left = left_out(runset, gains, []).set_index("seed")
     assert list(left.index) == ["1", "3", "4"] and set(left["arm"]) == {"gspo"}
     assert left.loc["1", "why"] == ("no summary.json after step 2 of 3 (crashed, killed or still running): stopped "
                                     "from outside, so it never counts")
@@ -793,13 +801,13 @@ def test_a_run_that_ended_itself_counts_as_the_declared_rule_says(tmp_path, no_f
         return runs
 
     excluded = load_runs([sweep("exclude")])
-    assert agg.accuracy_gain(excluded).set_index("run").loc["runs_exclude/s2", "counted"] == agg.EXCLUDED
-    assert agg.left_out(excluded, agg.accuracy_gain(excluded), [])["why"].item() == (
+    assert accuracy_gain(excluded).set_index("run").loc["runs_exclude/s2", "counted"] == EXCLUDED
+    assert left_out(excluded, accuracy_gain(excluded), [])["why"].item() == (
         "diverged at step 2 of 3 (ended itself): excluded by the declared rule (comparison.early_stopped=exclude)")
     out = tmp_path / "failed"
     text = write_report(load_runs([sweep("failed")]), out).read_text(encoding="utf-8")
     scored = pd.read_csv(out / "per_seed.csv").set_index("run").loc["runs_failed/s2"]
-    assert scored["counted"] == agg.SCORED_FAILED and (scored["end"], scored["gain"]) == pytest.approx((0.0, -0.5))
+    assert scored["counted"] == SCORED_FAILED and (scored["end"], scored["gain"]) == pytest.approx((0.0, -0.5))
     # the curve 0.5 (step 0), 0.6 (step 2), 0 (step 3, not reached): area (2·1.1/2 + 1·0.6/2) / 3 − 0.5
     assert scored["gain_area"] == pytest.approx((1.1 + 0.3) / 3 - 0.5)
     assert set(pd.read_csv(out / "comparisons.csv").query("measure != 'split_gain'")["seeds"]) == {3}
@@ -1057,7 +1065,7 @@ def test_arms_that_share_a_method_but_not_their_own_settings_are_two_arms():
     def cfg(mask, seed):
         return {"algo.name": "minirl", "algo.mask_stale": mask, "routing.replay": "none", "seed": seed}
 
-    names = agg.arm_names({"a": cfg(True, 0), "b": cfg(False, 0), "c": cfg(True, 1), "d": {**cfg(True, 0),
+    names = arm_names({"a": cfg(True, 0), "b": cfg(False, 0), "c": cfg(True, 1), "d": {**cfg(True, 0),
                                                                                            "algo.name": "grpo"}})
     assert names == {"a": "minirl (mask_stale=True)", "b": "minirl (mask_stale=False)",
                      "c": "minirl (mask_stale=True)", "d": "grpo"}
@@ -1156,7 +1164,7 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
                 compose("train", overrides=[f"experiment={path.stem}", f"arm={arm}"]), resolve=False)) for arm in arms}
             found = declaration.read(configs)
             assert found.declared, path.name
-            found.checked(agg.arm_names(configs).values())  # refuses a family or baseline of no arm run
+            found.checked(arm_names(configs).values())  # refuses a family or baseline of no arm run
             found.read_references()  # refuses a reference that is not a committed report's folder
             checked.append(path.stem)
     assert checked == ["deep_long_seeds", "deep_long_starts", "few_experts", "few_experts_starts", "flip_dose_seeds",
