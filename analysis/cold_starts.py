@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 from analysis.cli import command_line, refusing, writable_out
-from analysis.figures import save_png
+from analysis.plotting import save_png
 from analysis.statistics import accuracy_interval
 from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from experiments.step import metrics as m

@@ -42,10 +42,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis.cli import command_line, refusing, writable_out
-from analysis.figures import save_png
-from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
+from analysis.cli import command_line, refusing, writable_out
+from analysis.plotting import save_png
+from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from experiments.step import metrics as m
 from models.policy import SIGMOID_FAMILIES
 from models.routing.measures import MARGIN_ANCHORS

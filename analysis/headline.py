@@ -15,8 +15,8 @@ import pandas as pd
 from analysis.arms import arm_order, cell_name, seed_order, sweep_cells
 from analysis.configs import SYNTHETIC_KEYS, format_value
 from analysis.declaration import Declaration
-from analysis.figures import FigureOutput
 from analysis.gains import EXCLUDED, GAIN_MEASURES
+from analysis.plotting import FigureOutput
 from analysis.records import UNKNOWN_START, RunSet
 from analysis.references import Reference
 from analysis.statistics import ALPHA, smallest_p

@@ -28,10 +28,10 @@ from matplotlib.ticker import MaxNLocator
 
 from analysis.arms import arm_names
 from analysis.cli import refusing, writable_out
-from analysis.figures import STEP_LABEL, TEXT_WIDTH_IN, _figure, _legend, _plot_band, _save, series_styles
 from analysis.load import load_runs
+from analysis.plotting import STEP_LABEL, legend, new_figure, plot_band, save, series_styles
 from analysis.records import RunSet
-from analysis.style import RC_PARAMS
+from analysis.style import RC_PARAMS, TEXT_WIDTH_IN
 from analysis.summaries import EMA_ALPHA, curve
 from experiments.step import metrics as m
 
@@ -85,7 +85,7 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
         arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()}))))
     styles = series_styles(everyone)
     with matplotlib.rc_context(RC_PARAMS):
-        fig = _figure(max(TEXT_WIDTH_IN, 2.2 * len(parts)), 1.5 * len(rows) + 0.8)
+        fig = new_figure(max(TEXT_WIDTH_IN, 2.2 * len(parts)), 1.5 * len(rows) + 0.8)
         grid = fig.subplots(len(rows), len(parts), squeeze=False, sharey="row")
         for col, (value, part) in enumerate(parts.items()):
             for row, (metric, label, smoothed, log) in enumerate(rows):
@@ -97,7 +97,7 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
                 for arm in part.labels:
                     arm_curve = table[table["label"] == arm]
                     if len(arm_curve):
-                        _plot_band(ax, arm_curve, styles[arm], marker=None if smoothed else "o")
+                        plot_band(ax, arm_curve, styles[arm], marker=None if smoothed else "o")
                 if log:
                     ax.set_yscale("log")
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -107,8 +107,8 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
                     ax.set_ylabel(textwrap.fill(label, 24))
                 if row == len(rows) - 1:
                     ax.set_xlabel(STEP_LABEL)
-        _legend(fig, everyone.labels, styles)
-        files = _save(fig, out, "panels", dpi, pdf)
+        legend(fig, everyone.labels, styles)
+        files = save(fig, out, "panels", dpi, pdf)
     return files, left_out
 
 

@@ -35,25 +35,25 @@ from typing import Any
 import pandas as pd
 
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
+from analysis import declaration as declared
+from analysis import statistics
 from analysis.arms import arm_names, arm_order, seed_order, sweep_axes, sweep_cells
+from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
+from analysis.configs import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, schema_defaults
 from analysis.diagnostics import WARNING_SIGNALS, WARNING_SUSTAIN, early_warning
+from analysis.figures import all_figures
 from analysis.gains import EXCLUDED, GAIN_MEASURES, accuracy_gain, how_it_ended, left_out
+from analysis.headline import TITLE, difference, first_screen, headline_figure, no_match
+from analysis.load import load_runs
+from analysis.plotting import FigureOutput, FigureSettings
+from analysis.records import UNKNOWN_START, RunSet
+from analysis.references import Reference, beside, held_settings
 from analysis.summaries import (
     COLLAPSE_DROP, COLLAPSE_MIN_TAIL, COLLAPSE_TAIL_FRACTION, EMA_ALPHA, LAST_N, stability_table,
 )
 from analysis.verdicts import DEFAULT_BASELINE, PRIMARY, SECONDARY, arm_comparisons, check_pairable
-from experiments.step.metrics import DRIFT, FRAGILE, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME
-from analysis import declaration as declared
-from analysis import statistics
-from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
-from analysis.figures import FigureOutput, all_figures
-from analysis.headline import TITLE, difference, first_screen, headline_figure, no_match
-from analysis.configs import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS, schema_defaults
-from analysis.load import load_runs
-from analysis.records import UNKNOWN_START, RunSet
 from analysis.wandb_runs import default_wandb_api, load_wandb, wandb_cache_dir
-from analysis.references import Reference, beside, held_settings
-from experiments.step.metrics import MISMATCH_K3
+from experiments.step.metrics import DRIFT, FRAGILE, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME
 
 REPORT_FILE = "report.md"
 SUMMARY_FILE = "summary.csv"
@@ -471,8 +471,8 @@ def _write(runset: RunSet, out_dir: Path, declaration: declared.Declaration, gai
     """report.md: the first screen (`analysis.headline`: what ran, the headline figure, the verdicts, the references,
     what the sweep cannot show), then the tables behind it (the gains, the declared comparison, every comparison,
     each beside its reference), then the long ones (runs, figures, seeds left out, stability, early warning)."""
-    figures = all_figures(runset, out_dir, alpha=alpha, dpi=dpi, pdf=pdf, early_stopped=declaration.early_stopped,
-                          primary=declaration.primary)
+    figures = all_figures(runset, FigureSettings(out_dir, dpi, pdf, alpha, declaration.early_stopped,
+                                                 declaration.primary))
     table = stability_table(runset, last_n=last_n, drop=drop, alpha=alpha)
     table.to_csv(out_dir / SUMMARY_FILE, index=False)
     gains.to_csv(out_dir / PER_SEED_FILE, index=False)

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 import synthetic_runs as syn  # noqa: E402
 
 from algos.objective import TOKEN_RATIO_VAR  # noqa: E402
-from analysis import figures, statistics  # noqa: E402
+from analysis import statistics  # noqa: E402
+from analysis.curve_figures import (  # noqa: E402
+    fig_early_warning, fig_mismatch, fig_replay_grpo,
+)
+from analysis.plotting import (  # noqa: E402
+    FigureSettings, SeriesStyle, legend, legend_rows_in, new_figure, plot_band, series_styles,
+)
+from analysis.routing_figures import (  # noqa: E402
+    fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, heatmaps,
+)
+from analysis.sweep_figure import fig_sweep_response  # noqa: E402
 from analysis.arms import arm_names, sweep_axes  # noqa: E402
 from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, early_warning  # noqa: E402
 from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # noqa: E402
@@ -332,10 +343,10 @@ def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
     syn.curve_run(tmp_path / "runs" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
     rs = load_runs([tmp_path / "runs"])
     assert rs.labels == ["grpo", "grpo + r2"]
-    out = figures.fig_replay_grpo(rs, tmp_path / "out", dpi=int(DPI), pdf=True)
+    out = fig_replay_grpo(rs, FigureSettings(tmp_path / "out", dpi=int(DPI), pdf=True))
     assert [f.name for f in out.files] == ["fig3_grpo_routing_replay.png", "fig3_grpo_routing_replay.pdf"]
     assert all(f.stat().st_size > 1000 for f in out.files)
-    styles = figures.series_styles(rs)
+    styles = series_styles(rs)
     assert styles["grpo"].color == styles["grpo + r2"].color
     assert styles["grpo"].linestyle != styles["grpo + r2"].linestyle
 
@@ -343,8 +354,8 @@ def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
 def test_missing_routing_metrics_leave_panels_out_with_a_note(tmp_path):
     syn.curve_run(tmp_path / "dense", "grpo", 0, lambda t: 0.02 * t, routing=False)
     rs = load_runs([tmp_path / "dense"])
-    for draw in (figures.fig_drift_layer_minibatch, figures.fig_drift_layer_step, figures.fig_drift_depth):
-        out = draw(rs, tmp_path / "out")
+    for draw in (fig_drift_layer_minibatch, fig_drift_layer_step, fig_drift_depth):
+        out = draw(rs, FigureSettings(tmp_path / "out"))
         assert out.files == [] and "dense model" in out.notes[0]
     assert not (tmp_path / "out").exists()
     table = stability_table(rs)
@@ -352,13 +363,11 @@ def test_missing_routing_metrics_leave_panels_out_with_a_note(tmp_path):
 
 
 @pytest.mark.parametrize("layers", [4, 16, 48])
-def test_the_drift_heat_maps_put_layer_ticks_on_whole_layers(tmp_path, monkeypatch, layers):
+def test_the_drift_heat_maps_put_layer_ticks_on_whole_layers(layers):
     """At some panel heights matplotlib's own ticks fell between layers (0.0, 2.5, 5.0, ...): at none may they."""
-    drawn = []
-    monkeypatch.setattr(figures, "_save", lambda fig, *args, **kwargs: drawn.append(fig) or [])
     table = pd.DataFrame(np.full((layers, 3), 0.1), index=range(layers), columns=[0, 1, 2])
-    figures._heatmaps({"grpo": table}, "updates", tmp_path, "heat", 60, False, integer_x=True)
-    fig, ax = drawn[0], drawn[0].axes[0]
+    fig = heatmaps({"grpo": table}, "updates", integer_x=True)
+    ax = fig.axes[0]
     low, high = ax.get_ylim()
     for height in np.linspace(1.0, 8.0, 29):  # inches: from a crowded grid of panels to one tall panel
         fig.set_size_inches(fig.get_size_inches()[0], height)
@@ -494,8 +503,8 @@ def test_mismatch_early_warning_and_decomposition_figures_and_table(tmp_path):
     runs = [_mismatch_run(tmp_path / "a", 0, collapse_at=20, kl_rises_at=12), _mismatch_run(tmp_path / "b", 1)]
     rs = load_runs(runs)
     out = tmp_path / "out"
-    for draw in (figures.fig_mismatch, figures.fig_early_warning, figures.fig_decomposition):
-        result = draw(rs, out, pdf=True)
+    for draw in (fig_mismatch, fig_early_warning, fig_decomposition):
+        result = draw(rs, FigureSettings(out, pdf=True))
         assert [p.suffix for p in result.files] == [".png", ".pdf"] and result.caption, result.notes
     row = stability_table(rs).iloc[0]
     assert row["mismatch_kl_k3_mean"] > 1e-3 and row["routing_share_mean"] == pytest.approx(0.15)
@@ -510,10 +519,10 @@ def test_a_series_is_dotted_where_not_all_its_seeds_have_data(tmp_path):
     long = syn.curve_run(tmp_path / "long", "grpo", 1, [0.3] * 10)
     rs = load_runs([short, long])
     table = curve(rs, REWARD, alpha=1.0)
-    style = figures.series_styles(rs)["grpo"]
-    fig = figures._figure(3, 2)
+    style = series_styles(rs)["grpo"]
+    fig = new_figure(3, 2)
     ax = fig.subplots()
-    figures._plot_band(ax, table.rename(columns={}), style)
+    plot_band(ax, table, style)
     solid, dotted = ax.get_lines()
     solid_y = np.asarray(solid.get_ydata(), dtype=float)
     assert np.isfinite(solid_y[:5]).all() and np.isnan(solid_y[5:]).all(), "the one-seed tail is not drawn solid"
@@ -555,15 +564,15 @@ def test_a_legend_of_long_labels_stays_inside_the_figure():
     from analysis.style import COLUMN_WIDTH_IN, RC_PARAMS
 
     labels = [f"grpo + r2, model.name=paper_moe_l{depth}, minibatches={n}" for depth in (2, 4) for n in (2, 4, 8)]
-    styles = {label: figures.SeriesStyle(color="C0", linestyle="-", hatch="") for label in labels}
+    styles = {label: SeriesStyle(color="C0", linestyle="-", hatch="") for label in labels}
     with matplotlib.rc_context(RC_PARAMS):
-        fig = figures._figure(COLUMN_WIDTH_IN, 2.1 + figures._legend_rows_in(labels, COLUMN_WIDTH_IN))
+        fig = new_figure(COLUMN_WIDTH_IN, 2.1 + legend_rows_in(labels, COLUMN_WIDTH_IN))
         fig.subplots()
-        figures._legend(fig, labels, styles)
+        legend(fig, labels, styles)
         fig.canvas.draw()
-    box, legend = fig.bbox, fig.legends[0].get_window_extent()
-    assert box.x0 <= legend.x0 and legend.x1 <= box.x1, "the legend is cut off at the figure's sides"
-    assert box.y0 <= legend.y0, "the legend is cut off at the bottom"
+    box, drawn = fig.bbox, fig.legends[0].get_window_extent()
+    assert box.x0 <= drawn.x0 and drawn.x1 <= box.x1, "the legend is cut off at the figure's sides"
+    assert box.y0 <= drawn.y0, "the legend is cut off at the bottom"
 
 
 def _evaluated_run(run_dir, algo, seed, replay, start, end, *, sha=None, status="finished", logged=3,
@@ -597,7 +606,7 @@ def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(
     grpo = gains[gains["arm"] == "grpo"].sort_values(["routing.flip_rate", "seed"])
     assert grpo["gain"].round(6).tolist() == [0.1, 0.2, -0.4]
     assert set(gains["arm"]) == {"grpo", "grpo + r2", "gspo"}
-    out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI), pdf=True)
+    out = fig_sweep_response(rs, FigureSettings(tmp_path / "out", dpi=int(DPI), pdf=True))
     assert [f.name for f in out.files] == ["fig0_sweep_response.png", "fig0_sweep_response.pdf"]
     assert "SYNTHETIC" in out.caption and "Seeds: 0, 1." in out.caption
     text = write_report(rs, tmp_path / "report").read_text(encoding="utf-8")
@@ -668,13 +677,13 @@ def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_pa
                            **{"trainer.lr": lr, "model.num_hidden_layers": layers})
     rs = load_runs([tmp_path / "grid"])
     assert sweep_axes(rs) == ["model.num_hidden_layers", "trainer.lr"]
-    out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI))
+    out = fig_sweep_response(rs, FigureSettings(tmp_path / "out", dpi=int(DPI)))
     assert out.files and "phase diagram" in out.caption
     _evaluated_run(tmp_path / "flat" / "a", "grpo", 0, "none", 0.5, 0.6)
-    one_arm = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out2", dpi=int(DPI))
+    one_arm = fig_sweep_response(load_runs([tmp_path / "flat"]), FigureSettings(tmp_path / "out2", dpi=int(DPI)))
     assert not one_arm.files and "nothing varied" in one_arm.notes[0]
     _evaluated_run(tmp_path / "flat" / "b", "gspo", 0, "none", 0.5, 0.6)
-    arms = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out3", dpi=int(DPI))
+    arms = fig_sweep_response(load_runs([tmp_path / "flat"]), FigureSettings(tmp_path / "out3", dpi=int(DPI)))
     assert arms.files and arms.caption.startswith("Each run's mean gain over the run"), "arms alone: one panel"
 
 
@@ -683,7 +692,7 @@ def test_figures_are_png_by_default_and_pdf_only_when_asked(tmp_path):
     syn.curve_run(tmp_path / "runs" / "plain", "grpo", 0, syn.STEPS * [0.2])
     syn.curve_run(tmp_path / "runs" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
     rs = load_runs([tmp_path / "runs"])
-    out = figures.fig_replay_grpo(rs, tmp_path / "out", dpi=int(DPI))
+    out = fig_replay_grpo(rs, FigureSettings(tmp_path / "out", dpi=int(DPI)))
     assert [f.name for f in out.files] == ["fig3_grpo_routing_replay.png"]
     assert not list((tmp_path / "out").glob("*.pdf"))
     from PIL import Image
@@ -705,12 +714,12 @@ def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(t
         return syn.write_run(directory, {**syn.config("grpo", 0), "rollout": rollout}, records)
 
     same = load_runs([run(tmp_path / "same", 1e-8, {"engine": "hf", "precision": "fp32"})])
-    out = figures.fig_mismatch(same, tmp_path / "out")
+    out = fig_mismatch(same, FigureSettings(tmp_path / "out"))
     assert out.files == [] and "trainer's own model" in out.notes[0]
     assert "not a quantity these runs varied" in out.notes[0]
     assert f"{MISMATCH_K3}_moved_step" not in early_warning(same).columns
     bf16 = load_runs([run(tmp_path / "bf16", 1e-8, {"engine": "hf", "precision": "bf16"})])
-    assert figures.fig_mismatch(bf16, tmp_path / "out2").files, "an engine that differs: its mismatch is the result"
+    assert fig_mismatch(bf16, FigureSettings(tmp_path / "out2")).files, "an engine that differs: its mismatch is the result"
 
 
 def test_a_sweep_straddling_an_added_and_a_retired_setting_is_one_series(tmp_path):
@@ -900,8 +909,8 @@ def _reference(folder, key, rows):
 
 def test_the_first_screen_says_what_ran_the_verdicts_and_once_what_three_seeds_cannot_show(tmp_path, monkeypatch):
     runset = load_runs([_contrast(tmp_path / "runs")])
-    monkeypatch.setattr("analysis.report.all_figures", lambda runset, out_dir, **kwargs: [
-        figures.fig_sweep_response(runset, out_dir, dpi=int(DPI), primary=kwargs["primary"])])
+    monkeypatch.setattr("analysis.report.all_figures", lambda runset, settings: [
+        fig_sweep_response(runset, replace(settings, dpi=int(DPI)))])
     text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
     first = text.split("## Held-out accuracy gained")[0]
     assert len(first.splitlines()) < 30, "the first screen holds the summary, the long tables come after it"
@@ -1079,8 +1088,8 @@ def _report_twice(tmp_path, monkeypatch, second):
         _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
     out = tmp_path / "out"
 
-    def draw(runset, out_dir, **kwargs):
-        (out_dir / "fig1_reward_vs_compute.png").write_bytes(b"\x89PNG a whole figure")
+    def draw(runset, settings):
+        (settings.out_dir / "fig1_reward_vs_compute.png").write_bytes(b"\x89PNG a whole figure")
         return []
 
     monkeypatch.setattr("analysis.report.all_figures", draw)
@@ -1089,9 +1098,9 @@ def _report_twice(tmp_path, monkeypatch, second):
         (out / "command.sh").write_text("# not the report's\n")
     before = {path.name: path.read_bytes() for path in out.iterdir()} if out.exists() else {}
 
-    def interrupted(runset, out_dir, **kwargs):
-        (out_dir / "fig1_reward_vs_compute.png").write_bytes(b"")  # half-written
-        (second or (lambda directory: os.kill(os.getpid(), signal.SIGTERM)))(out_dir)
+    def interrupted(runset, settings):
+        (settings.out_dir / "fig1_reward_vs_compute.png").write_bytes(b"")  # half-written
+        (second or (lambda directory: os.kill(os.getpid(), signal.SIGTERM)))(settings.out_dir)
         return []
 
     monkeypatch.setattr("analysis.report.all_figures", interrupted)
@@ -1185,7 +1194,7 @@ def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without
 def test_the_early_warning_figure_is_drawn_only_when_a_run_collapsed(tmp_path):
     """A figure only of what the sweep showed: without a collapse there is no fall for a signal to precede."""
     calm = load_runs([_mismatch_run(tmp_path / "a", 0), _mismatch_run(tmp_path / "b", 1)])
-    result = figures.fig_early_warning(calm, tmp_path / "out")
+    result = fig_early_warning(calm, FigureSettings(tmp_path / "out"))
     assert not result.files and "No run collapsed" in result.notes[0]
     fallen = load_runs([_mismatch_run(tmp_path / "c", 0, collapse_at=20, kl_rises_at=12)])
-    assert figures.fig_early_warning(fallen, tmp_path / "out").files
+    assert fig_early_warning(fallen, FigureSettings(tmp_path / "out")).files
