@@ -67,7 +67,6 @@ def sweep_axes(runset: RunSet) -> list[str]:
     return axes
 
 
-
 def arm_order(arm: str) -> tuple[bool, str]:
     """GRPO's arms first, then by name."""
     return (arm.split(" ")[0] != "grpo", arm)
@@ -91,7 +90,6 @@ def cell_name(cell: dict) -> str:
     if parts:
         return ", ".join(parts)
     return "no SYNTHETIC intervention" if cell else "every run"
-
 
 
 def seed_order(seed: str) -> tuple[bool, int, str]:

@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-from analysis.cli import command_line, refusing, writable_out
-from analysis.plotting import save_png
+from analysis.cli import Command, writable_out
+from analysis.plotting import in_style, new_figure, save_png
 from analysis.statistics import accuracy_interval
-from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
+from analysis.style import TEXT_WIDTH_IN, shade
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEDIAN
 
@@ -73,9 +70,10 @@ def parameter_count(checkpoint: Path) -> int:
     return total
 
 
+@in_style
 def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
-    matplotlib.rcParams.update(RC_PARAMS)
-    fig = Figure(figsize=(TEXT_WIDTH_IN, 2.4), layout="constrained")
+    """`cold_starts.png`: held-out greedy accuracy and training loss against SFT step, a line per cold start."""
+    fig = new_figure(TEXT_WIDTH_IN, 2.4)
     accuracy, loss = fig.subplots(1, 2)
     ranks: dict[str, int] = {}
     for row in rows:
@@ -136,20 +134,27 @@ def _start(summary: dict) -> str:
             f"MKL {kernels['mkl_branch']})")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.cold_starts", description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="+", metavar="SFT_RUN_DIR", help="cold-start run directories, searched recursively")
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The cold starts' run directories and where the table goes."""
+    parser.add_argument("paths", nargs="+", metavar="SFT_RUN_DIR",
+                        help="cold-start run directories, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    args = parser.parse_args(argv)
-    with refusing():
-        rows = [describe(run_dir) for run_dir in find_cold_starts(args.paths)]
-        writable_out(args.out)
-    rows.sort(key=lambda r: (r["task"], r["experts"] or 0, r["layers"] or 0, r["model"]))
-    figure(rows, args.out)
-    command = command_line("analysis.cold_starts", argv)
-    print(f"report: {report(rows, args.out, command)}")
 
+
+def read(args: argparse.Namespace) -> list[dict]:
+    """Every finished cold start described (`describe`), in table order; the output folder proved writable."""
+    rows = [describe(run_dir) for run_dir in find_cold_starts(args.paths)]
+    writable_out(args.out)
+    return sorted(rows, key=lambda r: (r["task"], r["experts"] or 0, r["layers"] or 0, r["model"]))
+
+
+def write(rows: list[dict], args: argparse.Namespace, command: str) -> str:
+    """The figure and the table; the line saying where."""
+    figure(rows, args.out)
+    return f"report: {report(rows, args.out, command)}"
+
+
+main = Command("analysis.cold_starts", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
     main()

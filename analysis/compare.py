@@ -29,7 +29,6 @@ Bad input ends with one `error:` line and exit code 2.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -38,10 +37,10 @@ from typing import NamedTuple
 import pandas as pd
 
 from analysis import declaration as declared
-from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
+from analysis.cli import Command, publishing, staged, writable_out
 from analysis.gains import COUNTED, EXCLUDED, GAIN_MEASURES, LEFT_OUT_COLUMNS, with_missing_units
 from analysis.records import UNKNOWN_START
-from analysis.report import (
+from analysis.tables import (
     COMPARISONS_FILE, LEFT_OUT_FILE, PER_SEED_FILE, REPORT_FILE, comparison_section, left_out_section, markdown_table,
 )
 from analysis.verdicts import DEFAULT_BASELINE, PRIMARY, arm_comparisons, baseline_arm
@@ -238,31 +237,37 @@ def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, 
     return out_dir / REPORT_FILE
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.compare",
-                                     description="Paired comparisons of arms pooled from reports' per-seed tables.")
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The per-seed tables (each with the arms to take from it), the declaration's fields, where the report goes."""
     parser.add_argument("inputs", nargs="+", metavar="REPORT_OR_CSV[:ARM[=NAME],...]",
                         help=f"report folders (their {PER_SEED_FILE}) or per-seed CSVs, each optionally with the arms "
                              "to take from it, renamed where =NAME says")
     declared.add_flags(parser, baseline_help=f"the arm every other is compared with (default: {DEFAULT_BASELINE} "
                                              "when present, else the first)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    args = parser.parse_args(argv)
-    with refusing():
-        rows, axes, notes = pool([Source.parse(text) for text in args.inputs])
-        declaration = replace(declared.read({}, declared.overrides(args, ("baseline", "primary", "family"))),
-                              read_from="tables")
-        declaration.checked(rows["arm"])
-        baseline_arm(rows, args.baseline)
-        writable_out(args.out)
-    command = command_line("analysis.compare", argv)
-    try:
-        report = write_comparison(rows, axes, args.baseline, args.out, command, declaration, notes)
-    except Interrupted as error:
-        raise stopped(error, args.out, REPORT_FILE) from None
-    print(f"report: {report}")
 
+
+def read(args: argparse.Namespace) -> tuple[pd.DataFrame, list[str], list[str], declared.Declaration]:
+    """The pooled rows checked to pair (`pool`), their axes and what was said of their starts, the command line's
+    declaration checked against their arms; the output folder proved writable."""
+    rows, axes, notes = pool([Source.parse(text) for text in args.inputs])
+    declaration = replace(declared.read({}, declared.overrides(args, ("baseline", "primary", "family"))),
+                          read_from="tables")
+    declaration.checked(rows["arm"])
+    baseline_arm(rows, args.baseline)
+    writable_out(args.out)
+    return rows, axes, notes, declaration
+
+
+def write(pooled: tuple[pd.DataFrame, list[str], list[str], declared.Declaration], args: argparse.Namespace,
+          command: str) -> str:
+    """The comparison of what `read` pooled; the line saying where its report is."""
+    rows, axes, notes, declaration = pooled
+    return f"report: {write_comparison(rows, axes, args.baseline, args.out, command, declaration, notes)}"
+
+
+main = Command("analysis.compare", __doc__, arguments, read, write,
+               around=lambda args: publishing(args.out, REPORT_FILE)).main
 
 if __name__ == "__main__":
     main()

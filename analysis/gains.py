@@ -154,4 +154,3 @@ def with_missing_units(named: pd.DataFrame, gains: pd.DataFrame, axes: list[str]
                 rows.append({"arm": arm, "seed": seed, **cell, "start_sha256": start, "run": "–",
                              "why": "missing: no run of this arm at this seed from this start (another arm has one)"})
     return pd.DataFrame(rows, columns=named.columns)
-

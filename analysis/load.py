@@ -196,4 +196,3 @@ def load_runs(paths: Sequence[str | Path], skip: Sequence[Path] = ()) -> RunSet:
     scalars, minibatches, repeated = frames(rows)
     note_dropped(problems, rows.non_finite, repeated)
     return finish(run_rows, scalars, minibatches, ", ".join(str(p) for p in paths), problems, unstarted)
-

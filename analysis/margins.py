@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.cli import command_line, refusing, writable_out
+from analysis.cli import Command, writable_out
 from experiments.sft import MEDIAN_INTERVAL, routing_profile
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
 from experiments.tasks import build_task
@@ -117,22 +116,29 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.margins", description=__doc__.split("\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoints, where the table goes, the task of a checkpoint that names none, how many prompts."""
     parser.add_argument("checkpoints", nargs="+", type=Path, metavar="CHECKPOINT", help="local checkpoint directories")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--dataset", default="addition", help="the task of a checkpoint without a cold_start.json")
     parser.add_argument("--prompts", type=int, default=256, help="held-out demonstrations measured per checkpoint")
-    args = parser.parse_args(argv)
-    with refusing():
-        if args.prompts < 1:
-            raise ConfigError(f"--prompts={args.prompts} must be >= 1")
-        rows = [measure(checkpoint, args.dataset, args.prompts) for checkpoint in args.checkpoints]
-        writable_out(args.out)
-    command = command_line("analysis.margins", argv)
-    print(f"report: {report(rows, args.out, command)}")
 
+
+def read(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every checkpoint measured (`measure`), once the prompts are a count and before the output folder is made."""
+    if args.prompts < 1:
+        raise ConfigError(f"--prompts={args.prompts} must be >= 1")
+    rows = [measure(checkpoint, args.dataset, args.prompts) for checkpoint in args.checkpoints]
+    writable_out(args.out)
+    return rows
+
+
+def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
+    """The table and margins.json; the line saying where."""
+    return f"report: {report(rows, args.out, command)}"
+
+
+main = Command("analysis.margins", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
     main()

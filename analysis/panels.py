@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import textwrap
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import matplotlib
 from matplotlib.ticker import MaxNLocator
 
 from analysis.arms import arm_names
-from analysis.cli import refusing, writable_out
+from analysis.cli import Command, writable_out
 from analysis.load import load_runs
-from analysis.plotting import STEP_LABEL, legend, new_figure, plot_band, save, series_styles
+from analysis.plotting import STEP_LABEL, in_style, legend, new_figure, plot_band, save, series_styles
 from analysis.records import RunSet
-from analysis.style import RC_PARAMS, TEXT_WIDTH_IN
+from analysis.style import TEXT_WIDTH_IN
 from analysis.summaries import EMA_ALPHA, curve
 from experiments.step import metrics as m
 
@@ -63,6 +60,7 @@ def by_value(runset: RunSet, key: str) -> dict[float | str, RunSet]:
     return parts
 
 
+@in_style
 def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False, alpha: float = EMA_ALPHA
          ) -> tuple[list[Path], list[str]]:
     """The panels of `runset` by `key` into `out`: the files written and the rows left out, each with why (no run
@@ -84,49 +82,58 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
     everyone = replace(runset, runs=runset.runs.assign(label=runset.runs["run"].map(
         arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()}))))
     styles = series_styles(everyone)
-    with matplotlib.rc_context(RC_PARAMS):
-        fig = new_figure(max(TEXT_WIDTH_IN, 2.2 * len(parts)), 1.5 * len(rows) + 0.8)
-        grid = fig.subplots(len(rows), len(parts), squeeze=False, sharey="row")
-        for col, (value, part) in enumerate(parts.items()):
-            for row, (metric, label, smoothed, log) in enumerate(rows):
-                ax = grid[row][col]
-                if not part.has(metric):
-                    ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
-                    ax.tick_params(labelbottom=row == len(rows) - 1)
-                table = curve(part, metric, x="step", alpha=alpha if smoothed else None)
-                for arm in part.labels:
-                    arm_curve = table[table["label"] == arm]
-                    if len(arm_curve):
-                        plot_band(ax, arm_curve, styles[arm], marker=None if smoothed else "o")
-                if log:
-                    ax.set_yscale("log")
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-                if row == 0:
-                    ax.set_title(f"{key.rsplit('.', 1)[-1]} = {value}")
-                if col == 0:
-                    ax.set_ylabel(textwrap.fill(label, 24))
-                if row == len(rows) - 1:
-                    ax.set_xlabel(STEP_LABEL)
-        legend(fig, everyone.labels, styles)
-        files = save(fig, out, "panels", dpi, pdf)
+    fig = new_figure(max(TEXT_WIDTH_IN, 2.2 * len(parts)), 1.5 * len(rows) + 0.8)
+    grid = fig.subplots(len(rows), len(parts), squeeze=False, sharey="row")
+    for col, (value, part) in enumerate(parts.items()):
+        for row, (metric, label, smoothed, log) in enumerate(rows):
+            ax = grid[row][col]
+            if not part.has(metric):
+                ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
+                ax.tick_params(labelbottom=row == len(rows) - 1)
+            table = curve(part, metric, x="step", alpha=alpha if smoothed else None)
+            for arm in part.labels:
+                arm_curve = table[table["label"] == arm]
+                if len(arm_curve):
+                    plot_band(ax, arm_curve, styles[arm], marker=None if smoothed else "o")
+            if log:
+                ax.set_yscale("log")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if row == 0:
+                ax.set_title(f"{key.rsplit('.', 1)[-1]} = {value}")
+            if col == 0:
+                ax.set_ylabel(textwrap.fill(label, 24))
+            if row == len(rows) - 1:
+                ax.set_xlabel(STEP_LABEL)
+    legend(fig, everyone.labels, styles)
+    files = save(fig, out, "panels", dpi, pdf)
     return files, left_out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m analysis.panels", description=__doc__.split("\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The runs, the swept key a column each, where the panels go and how."""
     parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP_DIR", help="run or sweep directories")
     parser.add_argument("--by", required=True, metavar="KEY", help="the swept config key, a column per value")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
     parser.add_argument("--pdf", action="store_true", help="also a PDF")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    with refusing(ValueError, FileNotFoundError):
-        writable_out(args.out)
-        runset = load_runs(args.paths)
-        files, left_out = draw(runset, args.by, args.out, args.dpi, args.pdf)
-    print(f"panels: {', '.join(str(f) for f in files)}"
-          + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
 
+
+def read(args: argparse.Namespace) -> RunSet:
+    """The runs, once the output folder proved writable; a key no run has is refused (`by_value`)."""
+    writable_out(args.out)
+    runset = load_runs(args.paths)
+    by_value(runset, args.by)
+    return runset
+
+
+def write(runset: RunSet, args: argparse.Namespace, command: str) -> str:
+    """The panels; the line saying what was drawn and which rows were left out."""
+    files, left_out = draw(runset, args.by, args.out, args.dpi, args.pdf)
+    return (f"panels: {', '.join(str(f) for f in files)}"
+            + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
+
+
+main = Command("analysis.panels", __doc__, arguments, read, write, refuses=(ValueError, FileNotFoundError)).main
 
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import matplotlib
 import numpy as np
@@ -48,7 +49,6 @@ class FigureOutput:
     notes: list[str] = field(default_factory=list)
 
 
-
 @dataclass(frozen=True)
 class FigureSettings:
     """Where and how the report's figures are written, and the report's settings some of them read: the EMA weight of
@@ -64,6 +64,17 @@ class FigureSettings:
 
 
 Draw = Callable[[RunSet, FigureSettings, FigureOutput], "Figure | None"]
+T = TypeVar("T")
+
+
+def in_style(draw: Callable[..., T]) -> Callable[..., T]:
+    """`draw`, run with the lab's rc parameters (analysis/style.py) from its first artist to its saved file: every
+    figure the analysis writes is drawn so, the report's (`figure`) and the commands' own."""
+    @functools.wraps(draw)
+    def styled(*args: Any, **kwargs: Any) -> T:
+        with matplotlib.rc_context(RC_PARAMS):
+            return draw(*args, **kwargs)
+    return styled
 
 
 def figure(number: str, name: str, title: str) -> Callable[[Draw], Callable[[RunSet, FigureSettings], FigureOutput]]:
@@ -71,12 +82,12 @@ def figure(number: str, name: str, title: str) -> Callable[[Draw], Callable[[Run
     called with the runs and the settings, it returns the figure's record with the files it wrote."""
     def made_by(draw: Draw) -> Callable[[RunSet, FigureSettings], FigureOutput]:
         @functools.wraps(draw)
+        @in_style
         def made(runset: RunSet, settings: FigureSettings) -> FigureOutput:
             out = FigureOutput(number, name, title, "")
-            with matplotlib.rc_context(RC_PARAMS):
-                drawn = draw(runset, settings, out)
-                if drawn is not None:
-                    out.files = save(drawn, settings.out_dir, name, settings.dpi, settings.pdf)
+            drawn = draw(runset, settings, out)
+            if drawn is not None:
+                out.files = save(drawn, settings.out_dir, name, settings.dpi, settings.pdf)
             return out
         return made
     return made_by
@@ -102,8 +113,6 @@ def series_styles(runset: RunSet) -> dict[str, SeriesStyle]:
         seen[(algo, replay)] = rank + 1
         styles[label] = SeriesStyle(shade(algo_color(algo), rank), replay_linestyle(replay), replay_hatch(replay))
     return styles
-
-
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -179,7 +188,6 @@ def plot_band(ax: Axes, table: pd.DataFrame, style: SeriesStyle, floor: float | 
     has_band = ~np.isnan(std) & full
     if has_band.any():
         ax.fill_between(x, lower, upper, where=has_band, color=style.color, alpha=0.18, linewidth=0)
-
 
 
 def smoothing_text(alpha: float) -> str:

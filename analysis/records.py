@@ -86,7 +86,6 @@ def warn(problems: list[str], message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-
 def _as_float(value: Any) -> float | None:
     """Numbers and booleans as float; anything else (strings, media, nested objects) is not a metric."""
     if isinstance(value, (bool, int, float)):
@@ -254,12 +253,10 @@ def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
     return kept
 
 
-
 def unstarted_row(where: str, flat: Mapping[str, Any], why: str) -> dict[str, Any]:
     seed = flat.get("seed")
     return {"where": where, "seed": format_value(seed) if seed is not None else "",
             "config": json.dumps(dict(flat), sort_keys=True, default=str) if flat else "", "why": why}
-
 
 
 def summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str]:
@@ -270,11 +267,9 @@ def summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str]:
             start if isinstance(start, str) else UNKNOWN_START)
 
 
-
 def note_dropped(problems: list[str], non_finite: int, repeated: int) -> None:
     if non_finite:
         warn(problems, f"{non_finite} non-finite metric values (NaN/inf, or null in metrics.jsonl) left out of the "
                         "figures and tables")
     if repeated:
         warn(problems, f"{repeated} metric values logged twice for the same step; the last one is used")
-

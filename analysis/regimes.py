@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from analysis.cli import Command
 from analysis.configs import ignored_key, schema_defaults, short_key
 from analysis.load import load_runs
-from analysis.report import _num, markdown_table
 from analysis.summaries import collapse_flag
+from analysis.tables import markdown_table, num
 from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3, REWARD
 
 # what makes an arm (the label's base), never a regime's knob
@@ -154,7 +154,7 @@ def regimes_table(found: list[RunOutcome]) -> str:
     for (search, regime, arm), runs in groups.items():
         runs.sort(key=lambda r: r.seed)
         per_seed = ", ".join(
-            f"{_num(r.start, '.2f')}{'*' if r.start_borrowed else ''}→{_num(r.end, '.2f')}" for r in runs
+            f"{num(r.start, '.2f')}{'*' if r.start_borrowed else ''}→{num(r.end, '.2f')}" for r in runs
         )
 
         def mean(field: str, runs=runs) -> float | None:
@@ -163,7 +163,7 @@ def regimes_table(found: list[RunOutcome]) -> str:
 
         rows.append([
             search, ", ".join(regime) or "–", arm, ",".join(r.seed for r in runs), per_seed,
-            _num(mean("drift"), ".2%") if mean("drift") is not None else "–", _num(mean("mismatch"), ".3g"),
+            num(mean("drift"), ".2%") if mean("drift") is not None else "–", num(mean("mismatch"), ".3g"),
             verdict(runs),
         ])
     header = ["search", "regime", "arm", "seeds", "held-out greedy start→end per seed", "drift after one update",
@@ -171,31 +171,35 @@ def regimes_table(found: list[RunOutcome]) -> str:
     return markdown_table(header, rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.regimes", description=__doc__.split("\n\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The searches (a sweep directory each), where the table goes and its heading."""
     parser.add_argument("directories", nargs="+", type=Path, help="sweep directories, one search each")
     parser.add_argument("--out", type=Path, help="write the markdown here (default: print it)")
     parser.add_argument("--title", default="Regimes tried", help="the heading above the table")
-    args = parser.parse_args(argv)
+
+
+def read(args: argparse.Namespace) -> list[RunOutcome]:
+    """Every run's outcome under the searches; a path that is not a directory is refused."""
     missing = [str(d) for d in args.directories if not d.is_dir()]
     if missing:
-        print(f"error: not a directory: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    found = outcomes(args.directories)
-    if not found:
-        print(f"error: no run directories under {', '.join(map(str, args.directories))}", file=sys.stderr)
-        return 2
-    command = "python -m analysis.regimes " + " ".join(str(d) for d in args.directories)
-    text = (f"# {args.title}\n\nMade by `{command}`. Starts marked * are borrowed from a run of the same checkpoint "
-            f"and held-out prompts (greedy decoding does not depend on the seed).\n\n{regimes_table(found)}\n")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
-        print(f"regimes: {args.out}")
-    else:
-        print(text, end="")
-    return 0
+        raise ValueError(f"not a directory: {', '.join(missing)}")
+    return outcomes(args.directories)
 
+
+def write(found: list[RunOutcome], args: argparse.Namespace, command: str) -> str:
+    """The table, into `--out` (the line saying where) or as what is printed. It names the searches it was made from,
+    not where it was written."""
+    made_by = "python -m analysis.regimes " + " ".join(str(d) for d in args.directories)
+    text = (f"# {args.title}\n\nMade by `{made_by}`. Starts marked * are borrowed from a run of the same checkpoint "
+            f"and held-out prompts (greedy decoding does not depend on the seed).\n\n{regimes_table(found)}")
+    if not args.out:
+        return text
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n", encoding="utf-8")
+    return f"regimes: {args.out}"
+
+
+main = Command("analysis.regimes", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

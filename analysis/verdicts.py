@@ -106,7 +106,6 @@ def _cell_text(cell: dict) -> str:
     return "".join(f", {key}={format_value(value)}" for key, value in cell.items())
 
 
-
 def _by_unit(rows: pd.DataFrame, measure: str) -> pd.Series:
     """One arm's values of `measure` in one cell, indexed by (start, seed)."""
     values = rows.dropna(subset=[measure]).set_index(["start_sha256", "seed"])[measure]

@@ -554,8 +554,11 @@ def test_regimes_table_names_each_knob_setting_and_judges_each_arm(tmp_path):
     assert "0,1" in healthy and "0.50→0.60, 0.50→0.60" in healthy and healthy.endswith("| improves |")
     assert collapsed.endswith("| collapsed 2/2 |")
     out = tmp_path / "regimes.md"
-    assert regimes.main([str(search), "--out", str(out)]) == 0 and "| search | regime |" in out.read_text()
-    assert regimes.main([str(tmp_path / "nowhere")]) == 2
+    regimes.main([str(search), "--out", str(out)])
+    assert "| search | regime |" in out.read_text()
+    with pytest.raises(SystemExit) as refused:
+        regimes.main([str(tmp_path / "nowhere")])
+    assert refused.value.code == 2
 
 
 def test_a_legend_of_long_labels_stays_inside_the_figure():

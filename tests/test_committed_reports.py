@@ -30,6 +30,7 @@ import pytest
 from PIL import Image
 
 from analysis import compare, drift_law, legacy_intervals, margins
+from analysis.drift_fit import fit_law, fit_record
 from experiments.config import PROJECT_ROOT
 
 RESULTS = Path("docs") / "results"
@@ -73,7 +74,8 @@ def copy_of_results(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("folder, arguments", [pair for pair in made_with("analysis.compare") if pair[0] not in EARLIER])
+@pytest.mark.parametrize("folder, arguments",
+                         [pair for pair in made_with("analysis.compare") if pair[0] not in EARLIER])
 def test_a_comparison_is_made_again_from_the_per_seed_tables_it_names(copy_of_results, capsys, folder, arguments):
     compare.main(shlex.split(arguments))
     for name in COMPARE_FILES:
@@ -111,12 +113,8 @@ def test_the_drift_law_is_fitted_drawn_and_reported_again_from_its_rows(tmp_path
                                for profile in rows["drift_per_layer"]]
     precision = pd.read_csv(committed / "precision.csv")
     command = re.search(r"Made with `(.*?)`\.", (committed / "report.md").read_text(encoding="utf-8")).group(1)
-    fit = drift_law.fit_law(rows)
-    result = {**fit.as_dict(), "lr_for_paper_drift": drift_law.lr_for_paper_drift(fit, rows)}
-    if "margin" in fit.regressors:
-        result["margin_for_target_drift"] = {f"{lr:g}": drift_law.margin_for_drift(fit, rows, lr)
-                                             for lr in sorted(rows["lr"].unique())}
-    assert json.dumps(result, indent=2) + "\n" == (committed / "fit.json").read_text(encoding="utf-8")
+    fit = fit_law(rows)
+    assert json.dumps(fit_record(fit, rows), indent=2) + "\n" == (committed / "fit.json").read_text(encoding="utf-8")
     drift_law.report(rows, precision, fit, tmp_path, command, drift_law.figure(rows, fit, tmp_path))
     for png in committed.glob("*.png"):
         assert same_pixels(tmp_path / png.name, png), f"{folder}/{png.name}"
