@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from safetensors import safe_open
 
 from analysis.cli import Command, writable_out
 from analysis.plotting import in_style, new_figure, save_png
@@ -61,8 +62,6 @@ def describe(run_dir: Path) -> dict:
 
 def parameter_count(checkpoint: Path) -> int:
     """Parameters in the checkpoint's safetensors files, read from their headers (no tensor is loaded)."""
-    from safetensors import safe_open
-
     total = 0
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(file, framework="pt") as weights:
