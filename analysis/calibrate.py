@@ -8,8 +8,9 @@ ones: the first minibatch of a step is on-policy, where KL and clipping are 0 by
 the runs that match every `--target` condition (a config key and its value, e.g. `algo.name=gspo trainer.lr=0.0003`);
 the grid, the runs that match every `--grid` condition, one setting per value of `--knob`, a numeric config key. The
 matched knob interpolates log measure against log knob between the two grid points that bracket the target (a grid
-that does not bracket it is reported as such, never extrapolated), rounded to two significant digits. Writes `calibration.md` and `calibration.json` into --out and prints the matched value.
-Exit code 2 and one `error:` line on bad input.
+that does not bracket it is reported as such, never extrapolated), rounded to two significant digits. Writes
+`calibration.md` and `calibration.json` into --out and prints the matched value. Exit code 2 and one `error:` line on
+bad input.
 """
 
 from __future__ import annotations

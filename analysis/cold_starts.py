@@ -6,7 +6,8 @@ its parameters, the task, the router switches it trained with, the steps (pretra
 the held-out greedy accuracy it stopped at and what stopped it, and how it routes its held-out demonstrations:
 expert-load entropy over log E, max load / mean load, the median scale-free top-k margin; `–` for cold starts from
 before these were measured) and `cold_starts.png` (held-out greedy accuracy and loss against SFT step, one line per
-cold start). When a checkpoint was written more than once, the newest run counts. Exit code 2 and one `error:` line on bad input.
+cold start). When a checkpoint was written more than once, the newest run counts. Exit code 2 and one `error:` line
+on bad input.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def describe(run_dir: Path) -> dict:
     task = cfg.dataset.name + "".join(f" {k}={cfg.dataset[k]}" for k in ("digits", "length") if k in cfg.dataset)
     return {
         "model": cfg.model.name, "task": task, "layers": shape.get("num_hidden_layers"),
-        "experts": shape.get("num_experts", shape.get("num_local_experts")), "top_k": shape.get("num_experts_per_tok"), "hidden": shape.get("hidden_size"),
+        "experts": shape.get("num_experts", shape.get("num_local_experts")), "top_k": shape.get("num_experts_per_tok"),
+        "hidden": shape.get("hidden_size"),
         "params": params, "summary": summary, "batch": cfg.sft.batch_size, "lr": cfg.sft.lr, "curve": curve,
         "eval_prompts": cfg.sft.eval_prompts,
     }
@@ -93,9 +95,9 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
 
 def report(rows: list[dict], out: Path, command: str) -> Path:
     lines = ["# Cold starts", "", f"Made with `{command}`.", "", "![cold starts](cold_starts.png)", "",
-             "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | wall | "
-             "CPU | held-out greedy [95% CI] | stopped by | load entropy | max / mean load | top-k margin | weights sha256 | "
-             "CPU kernels |", "|" + "---|" * 18]
+             "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | "
+             "wall | CPU | held-out greedy [95% CI] | stopped by | load entropy | max / mean load | top-k margin | "
+             "weights sha256 | CPU kernels |", "|" + "---|" * 18]
     for row in rows:
         s = row["summary"]
         experts = f"{row['experts']} / {row['top_k']}" if row["experts"] else "dense"

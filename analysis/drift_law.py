@@ -119,7 +119,8 @@ def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
     """(a) drift against lr per cold start, (b) against depth per lr, (c) per-layer profiles, (d) routing share."""
     fig = new_figure(TEXT_WIDTH_IN, 4.6)
     (a, b), (c, d) = fig.subplots(2, 2)
-    models = list(dict.fromkeys(rows.sort_values(["experts_per_slot", "layers"])[["model", "task"]].itertuples(index=False)))
+    ordered = rows.sort_values(["experts_per_slot", "layers"])[["model", "task"]]
+    models = list(dict.fromkeys(ordered.itertuples(index=False)))
     lrs = sorted(rows["lr"].unique())
     for i, (model, task) in enumerate(models):
         part = rows[(rows["model"] == model) & (rows["task"] == task)].sort_values("lr")
@@ -201,9 +202,9 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
         if isinstance(r.get("diverged"), str):
             lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | | |")
             continue
-        lines.append(shape + f"{r['answer_tokens']:.1f} | {num(r['drift'], '.2%')} | {num(r['token_any_change'], '.2%')} | "
-                     f"{num(r['routing_share'], '.2%')} | {r['logit_margin']:.3f} | {num(r['token_ratio_var'])} | "
-                     f"{num(r['seq_ratio_var'])} |")
+        lines.append(shape + f"{r['answer_tokens']:.1f} | {num(r['drift'], '.2%')} | "
+                     f"{num(r['token_any_change'], '.2%')} | {num(r['routing_share'], '.2%')} | "
+                     f"{r['logit_margin']:.3f} | {num(r['token_ratio_var'])} | {num(r['seq_ratio_var'])} |")
     lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x (an indicator enters as itself) over "
               f"{', '.join(fit.regressors)}; n = {fit.n} rows, "
               f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
@@ -252,7 +253,8 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
                                                if needed_margin is None else f"m ≈ {needed_margin:.2g}"))
     if not precision.empty:
         lines += ["", "## Engine precision against the fp32 trainer, at the cold start's weights", "",
-                  "| model | task | precision | experts that differ | tokens with a difference | k3 |", "|---|---|---|---|---|---|"]
+                  "| model | task | precision | experts that differ | tokens with a difference | k3 |",
+                  "|---|---|---|---|---|---|"]
         for r in precision.itertuples():
             lines.append(f"| {r.model} | {r.task} | {r.precision} | {num(r.expert_mismatch, '.2%')} | "
                          f"{num(r.token_any_mismatch, '.2%')} | {r.kl_k3:.2g} |")

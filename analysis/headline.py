@@ -97,9 +97,11 @@ def verdict_lines(comparisons: pd.DataFrame, declaration: Declaration, gains: pd
         means = ", ".join(f"{arm} {part.loc[part['arm'] == arm, row['measure']].mean():+.3f}"
                           for arm in (baseline, row["arm"]))
         starts = row.get("starts")
-        if starts == starts and (starts or 0) >= 2:  # starts == starts: not NaN (a table from before starts were counted)
+        # starts == starts: not NaN (a table from before starts were counted)
+        if starts == starts and (starts or 0) >= 2:
             # several starts: the two-level interval decides, and it is the one said
-            said = f"{difference(row, 'starts_difference')} over {row['seeds']} (start, seed) pairs from {int(starts)} starts"
+            said = (f"{difference(row, 'starts_difference')} over {row['seeds']} (start, seed) pairs from "
+                    f"{int(starts)} starts")
         else:
             said = f"{difference(row)} over {row['seeds']} seeds"
         line = (f"- {_cell_prefix(cell)}{means}; {row['arm']} − {baseline} {said}: "

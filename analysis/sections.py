@@ -43,8 +43,8 @@ def _collapse_cell(row: pd.Series) -> str:
 def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
     """The stability table as markdown, numbers rounded for reading (summary.csv keeps full precision)."""
     header = ["series", "seeds", "incomplete", f"final reward (last {last_n})", "best reward", "collapse",
-              "clip frac", "experts changed per update", "… mean over minibatches", "ratio var (token)", "ratio var (seq)",
-              "mismatch k3", "fragile tokens", "routing share", "skipped steps", "s / step"]
+              "clip frac", "experts changed per update", "… mean over minibatches", "ratio var (token)",
+              "ratio var (seq)", "mismatch k3", "fragile tokens", "routing share", "skipped steps", "s / step"]
     rows = []
     for _, row in table.iterrows():
         std = row["final_reward_std"]
@@ -206,8 +206,8 @@ def sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
     definitions = [f"- **{name.replace('_', ' ')}** (`{name}`): {text}." for name, text in GAIN_MEASURES.items()]
     return ["## Held-out accuracy gained", "", markdown_table(header, [row[2] for row in rows]), "",
             f"Per run, from its own start on the same prompts; mean ± sample std over seeds "
-            f"({', '.join(sorted(set(gains['seed']), key=seed_order))}). Per-seed values: `{PER_SEED_FILE}`. An arm is the "
-            "objective, its replay and, when it is not the trainer's own fp32 model, the engine's precision."
+            f"({', '.join(sorted(set(gains['seed']), key=seed_order))}). Per-seed values: `{PER_SEED_FILE}`. An arm "
+            "is the objective, its replay and, when it is not the trainer's own fp32 model, the engine's precision."
             + _synthetic_note(runset), "", "The measures:", "", *definitions]
 
 

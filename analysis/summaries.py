@@ -156,8 +156,8 @@ def run_stats(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
     reward; collapsed: `collapse_flag`; means over all logged steps of clip fraction and ratio variances;
     expert_change_per_update: mean over steps of the drift after one update (the per-minibatch record with index 1,
     the GSPO paper's "experts changed per update"), expert_change_over_minibatches: mean over every minibatch
-    record, whose index 0 is 0 by construction; skipped_steps: last value of the cumulative counter; step_s: mean `perf/step_s`, else the summary's
-    wall time divided by the last step.
+    record, whose index 0 is 0 by construction; skipped_steps: last value of the cumulative counter; step_s: mean
+    `perf/step_s`, else the summary's wall time divided by the last step.
     """
     if last_n < 1:
         raise ValueError(f"last_n must be at least 1, got {last_n}")

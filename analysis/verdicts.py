@@ -97,9 +97,9 @@ def _check_one_recipe(configs: dict[str, dict], counted: pd.DataFrame, axes: lis
             key, here, there = _first_difference(configs, first, other, axes, path=False)
             if key is not None:
                 raise ValueError(
-                    f"runs from starts {start[first][:12]} and {start[other][:12]}{_cell_text(cell)} disagree in {key}: "
-                    f"{here} ({first}), {there} ({other}); a comparison across starts pools them as starts of one "
-                    "recipe, which they are not: report each recipe's runs apart")
+                    f"runs from starts {start[first][:12]} and {start[other][:12]}{_cell_text(cell)} disagree in "
+                    f"{key}: {here} ({first}), {there} ({other}); a comparison across starts pools them as starts of "
+                    "one recipe, which they are not: report each recipe's runs apart")
 
 
 def _cell_text(cell: dict) -> str:

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import yaml
 
 from tests import synthetic_runs as syn
@@ -74,9 +75,7 @@ def mismatch_run(run_dir, seed, collapse_at=None, kl_rises_at=None, steps=30):
 
 
 def reference(folder, key, rows):
-    """A committed result's comparisons.csv: one row per (value of `key`, measure, arm, estimate, low, high, verdict)."""
-    import pandas as pd
-
+    """A committed result's comparisons.csv: a row per (value of `key`, measure, arm, estimate, low, high, verdict)."""
     folder.mkdir(parents=True)
     pd.DataFrame([{key: value, "measure": measure, "arm": arm, "baseline": "grpo", "seeds": 10,
                    "difference_estimate": estimate, "difference_low": low, "difference_high": high,
@@ -134,7 +133,8 @@ def build(inputs: Path) -> None:
         reference(inputs / "references" / "elsewhere", "routing.flip_rate", [
             (0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)])]
     comparison = {"baseline": "grpo", "family": ["grpo + r2"], "references": [str(path) for path in references]}
-    for cell, (flip, perturb, effects) in enumerate([(0.2, 0.0, (0.10, 0.12, 0.14)), (0.0, 0.1, (-0.02, -0.04, -0.06))]):
+    doses = [(0.2, 0.0, (0.10, 0.12, 0.14)), (0.0, 0.1, (-0.02, -0.04, -0.06))]  # (flip, noise, R2's effect per seed)
+    for cell, (flip, perturb, effects) in enumerate(doses):
         for seed, effect in enumerate(effects):
             grpo = 0.5 + 0.01 * seed - 0.2 * cell
             for replay, end in (("none", grpo), ("r2", grpo + effect)):
@@ -142,7 +142,8 @@ def build(inputs: Path) -> None:
                           comparison=comparison, **{"routing.flip_rate": flip, "routing.perturb_rate": perturb})
     for start, effect in ((SHA_A, 0.1), (SHA_B, 0.1), (SHA_C, -0.05)):
         for seed in (0, 1):
-            evaluated(inputs / "starts" / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed, sha=start)
+            evaluated(inputs / "starts" / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed,
+                      sha=start)
             evaluated(inputs / "starts" / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5,
                       0.6 + 0.01 * seed + effect, sha=start)
     crashed = inputs / "crashed"

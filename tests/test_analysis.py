@@ -443,7 +443,8 @@ def test_cli_wandb_on_a_dense_model_caches_and_notes_the_missing_routing_panels(
     assert re.search(r"Source: W&B ent/proj \(groups: sweepA\)", text)
     assert "](fig1_reward_vs_compute.png)" in text and "](fig5_ratio_variance.png)" in text
     assert "> Note: No per-minibatch `routing/expert_change_frac/layer_<i>` values (dense model" in text
-    assert "> Note: `routing/expert_change_frac` was not logged by grpo; the experts-changed columns are empty there." in text
+    assert ("> Note: `routing/expert_change_frac` was not logged by grpo; the experts-changed columns are empty "
+            "there.") in text
     assert not (out / "fig4c_drift_depth.png").exists()
     assert capsys.readouterr().out == f"report: {out / 'report.md'}\n"
 
@@ -510,7 +511,8 @@ def test_mismatch_early_warning_and_decomposition_figures_and_table(tmp_path):
     assert row["mismatch_kl_k3_mean"] > 1e-3 and row["routing_share_mean"] == pytest.approx(0.15)
     report = write_report(rs, out / "report")
     text = report.read_text(encoding="utf-8")
-    assert "## Early warning" in text and re.search(r"\| \d+ \| – \| \d+ \(\+\d+\) \| – \|", text), "a positive lead for k3"
+    assert "## Early warning" in text
+    assert re.search(r"\| \d+ \| – \| \d+ \(\+\d+\) \| – \|", text), "a positive lead for k3"
     assert "`mismatch/kl_k3` in 0 of 1" in text
 
 
@@ -722,7 +724,8 @@ def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(t
     assert "not a quantity these runs varied" in out.notes[0]
     assert f"{MISMATCH_K3}_moved_step" not in early_warning(same).columns
     bf16 = load_runs([run(tmp_path / "bf16", 1e-8, {"engine": "hf", "precision": "bf16"})])
-    assert fig_mismatch(bf16, FigureSettings(tmp_path / "out2")).files, "an engine that differs: its mismatch is the result"
+    drawn = fig_mismatch(bf16, FigureSettings(tmp_path / "out2"))
+    assert drawn.files, "an engine that differs: its mismatch is the result"
 
 
 def test_a_sweep_straddling_an_added_and_a_retired_setting_is_one_series(tmp_path):

@@ -19,10 +19,12 @@ CONSTANT = 50.0
 
 
 def law(layers: int, lr: float, experts: int, top_k: int) -> float:
-    return CONSTANT * layers ** EXPONENTS["layers"] * lr ** EXPONENTS["lr"] * (experts / top_k) ** EXPONENTS["experts_per_slot"]
+    return (CONSTANT * layers ** EXPONENTS["layers"] * lr ** EXPONENTS["lr"]
+            * (experts / top_k) ** EXPONENTS["experts_per_slot"])
 
 
-def write_probe(root, name, layers, experts, top_k, lrs, diverged_lr=None, drift=None, cold_start=None, model_type=None):
+def write_probe(root, name, layers, experts, top_k, lrs, diverged_lr=None, drift=None, cold_start=None,
+                model_type=None):
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("model:\n  name: m\n  path: null\n  hidden_size: 64\n")
@@ -81,8 +83,9 @@ def test_the_cli_writes_its_report_and_refuses_a_folder_without_probes(tmp_path,
 
 
 def test_the_cold_starts_margin_and_the_family_enter_the_law_and_give_the_margin_a_drift_needs(tmp_path):
-    """drift = 0.02 · (lr / 1e-4)^0.9 · (m / 0.01)^-0.5 · e^{0.7 · sigmoid}: the fit recovers the margin's exponent and the
-    family's factor, and the margin it says 5% drift needs at lr 1e-4 on a softmax start gives 5% under the true law."""
+    """drift = 0.02 · (lr / 1e-4)^0.9 · (m / 0.01)^-0.5 · e^{0.7 · sigmoid}: the fit recovers the margin's exponent and
+    the family's factor, and the margin it says 5% drift needs at lr 1e-4 on a softmax start gives 5% under the true
+    law."""
     def truth(lr, margin, sigmoid):
         return 0.02 * (lr / 1e-4) ** 0.9 * (margin / 0.01) ** -0.5 * math.exp(0.7 * sigmoid)
 
@@ -91,7 +94,8 @@ def test_the_cold_starts_margin_and_the_family_enter_the_law_and_give_the_margin
     for i, (family, margin) in enumerate(starts):
         sigmoid = float(family == "glm4_moe")
         write_probe(tmp_path, f"s{i}", 16, 128, 8, lrs, drift=lambda lr, m=margin, s=sigmoid: truth(lr, m, s),
-                    cold_start={"eval_greedy_accuracy": 0.5, "routing": {TOPK_MARGIN_MEDIAN: margin}}, model_type=family)
+                    cold_start={"eval_greedy_accuracy": 0.5, "routing": {TOPK_MARGIN_MEDIAN: margin}},
+                    model_type=family)
     rows, _ = drift_law.load_probes([tmp_path])
     fit = drift_fit.fit_law(rows)
     assert fit.regressors == ["lr", "margin", "sigmoid"]
