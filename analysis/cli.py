@@ -159,6 +159,7 @@ class Command:
     around: Callable[[argparse.Namespace], ContextManager[None]] | None = None
 
     def main(self, argv: Sequence[str] | None = None, **context: Any) -> None:
+        """The command on `argv` (default: the process's arguments)."""
         argv = list(sys.argv[1:] if argv is None else argv)
         parser = argparse.ArgumentParser(prog=f"python -m {self.module}", description=self.doc.split("\n")[0])
         self.arguments(parser)

@@ -94,6 +94,7 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
 
 
 def report(rows: list[dict], out: Path, command: str) -> Path:
+    """report.md: a row per cold start, what it cost and reached and how it routes."""
     lines = ["# Cold starts", "", f"Made with `{command}`.", "", "![cold starts](cold_starts.png)", "",
              "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | "
              "wall | CPU | held-out greedy [95% CI] | stopped by | load entropy | max / mean load | top-k margin | "

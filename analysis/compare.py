@@ -8,7 +8,7 @@
 Each input is a report folder (its `per_seed.csv`) or a per-seed CSV that `analysis.report` wrote, optionally
 followed by the arms to take from it, each renamed where `=NAME` says (two inputs holding one arm name under
 different settings, GRPO at two learning rates say, are told apart by renaming one). Their rows are pooled and every
-arm is compared with the baseline arm exactly as a report compares the arms of one sweep (`aggregate.arm_comparisons`:
+arm is compared with the baseline arm exactly as a report compares the arms of one sweep (`verdicts.arm_comparisons`:
 paired over shared cold starts and seeds, per cell of the swept axes and per gain measure; the primary summary and the
 family Holm's correction runs over as `--primary` and `--family` say, by default the mean gain over the run and every
 arm). This is how arms run in different sweeps, sessions or machines meet — a new arm against a committed result, an
@@ -191,6 +191,8 @@ def _arms_section(rows: pd.DataFrame) -> list[str]:
         table.append([arm, len(part), *[f"{part[m].mean():+.3f} ± {part[m].std():.3f}" for m in GAIN_MEASURES],
                       ", ".join(f"`{source}`" for source in dict.fromkeys(part["source"]))])
     return ["## Arms", "", markdown_table(["arm", "runs", *GAIN_MEASURES, "from"], table), "",
+            # The committed comparisons hold this sentence as written, before GAIN_MEASURES moved to analysis/gains.py:
+            # a new wording is a regeneration of every committed comparison (tests/test_committed_reports.py).
             "Mean ± sample std over each arm's runs; the measures are those of analysis.report "
             "(analysis/aggregate.py `GAIN_MEASURES`)."]
 

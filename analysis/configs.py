@@ -76,6 +76,7 @@ def short_key(key: str, all_keys: Iterable[str]) -> str:
 
 
 def format_value(value: Any, key: str = "") -> str:
+    """A config value as a label or table shows it: floats short, a path by its last part."""
     if isinstance(value, float):
         return f"{value:g}"
     if key.endswith("path") and isinstance(value, str) and "/" in value:

@@ -36,6 +36,7 @@ def _natural_key(path: Path) -> list:
 
 
 def is_run_dir(path: Path) -> bool:
+    """Whether `path` holds a run: its metrics.jsonl and its recorded config."""
     return (path / METRICS_FILE).is_file() and (path / CONFIG_FILE).is_file()
 
 

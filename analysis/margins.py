@@ -80,6 +80,7 @@ def within_two_fold(interval: Sequence[float]) -> str:
 
 
 def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
+    """report.md (a row per checkpoint against its family's anchor) and margins.json (the rows)."""
     (softmax_name, softmax), (sigmoid_name, sigmoid) = SOFTMAX_ANCHOR, SIGMOID_ANCHOR
     lines = ["# Top-k margins against real routers", "", f"Made with `{command}`.", "",
              f"The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest selection scores "

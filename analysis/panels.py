@@ -6,7 +6,7 @@ Qwen's "Stabilizing RL with LLMs" (arXiv 2512.01374) shows each off-policy setti
 in a panel of its own, the arms as lines within it. Here a column per value of `--by`, a row per measure: the training
 reward (per-seed EMA), the held-out greedy accuracy (as evaluated), and beside them what explains them: the experts
 changed after one update (the paper's drift), the gate mass it moved (total variation), the clipped share of tokens
-and the mismatch KL k3 between the engine and the trainer at θ_old. A line per arm (`analysis.aggregate.arm_names`),
+and the mismatch KL k3 between the engine and the trainer at θ_old. A line per arm (`analysis.arms.arm_names`),
 the mean over its runs in that column with a ±1 std band where two or more runs cover a point. A measure no run logged,
 or only some runs of a column (runs made before it existed), leaves its row out, printed with why; a column none of
 whose runs logged a measure (at N = 1 no update follows another in a step) says "not logged" in its panel.

@@ -82,6 +82,7 @@ def _label_sort_key(row: pd.Series) -> tuple:
 
 
 def warn(problems: list[str], message: str) -> None:
+    """Keep `message` among the run set's problems and print it as a warning on stderr."""
     problems.append(message)
     print(f"warning: {message}", file=sys.stderr)
 
@@ -131,6 +132,7 @@ class Rows:
 
 
 def step_of(record: Mapping[str, Any]) -> int | None:
+    """A record's integer RL step, or None where it has none (a truncated or foreign line)."""
     step = record.get(STEP)
     if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
         return None
@@ -192,6 +194,7 @@ def frames(rows: Rows) -> tuple[pd.DataFrame, pd.DataFrame, int]:
 
 def run_row(run: str, cfg: Mapping[str, Any], status: str, wall_s: float, start_sha256: str,
              source: str) -> dict[str, Any]:
+    """One row of `RunSet.runs` (without its label and last step, which `finish` adds)."""
     seed = cfg.get("seed")
     layers = cfg.get("model.num_hidden_layers")
     return {
@@ -254,12 +257,15 @@ def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
 
 
 def unstarted_row(where: str, flat: Mapping[str, Any], why: str) -> dict[str, Any]:
+    """One row of `RunSet.unstarted`: where the job was, its seed and config, and why it logged nothing."""
     seed = flat.get("seed")
     return {"where": where, "seed": format_value(seed) if seed is not None else "",
             "config": json.dumps(dict(flat), sort_keys=True, default=str) if flat else "", "why": why}
 
 
 def summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str]:
+    """How a run ended, its wall time and its start's sha256, from its summary (`INCOMPLETE`, NaN and
+    `UNKNOWN_START` where the summary does not say)."""
     status = summary.get("status")
     wall = _as_float(summary.get("wall_s"))
     start = summary.get("start_sha256")
@@ -268,6 +274,7 @@ def summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str]:
 
 
 def note_dropped(problems: list[str], non_finite: int, repeated: int) -> None:
+    """Say how many values reading left out: non-finite ones, and ones logged twice for a step."""
     if non_finite:
         warn(problems, f"{non_finite} non-finite metric values (NaN/inf, or null in metrics.jsonl) left out of the "
                         "figures and tables")

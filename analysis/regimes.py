@@ -5,7 +5,7 @@
 A regime is the setting of every config key that differs between the runs read (seeds, logging, paths and the arm
 aside); an arm is the objective with its own settings and the Routing Replay mode. Each (search, regime, arm) row
 gives its seeds, the held-out greedy accuracy at the start and the end of each seed, how many seeds collapsed
-(`analysis.aggregate.collapse_flag` on the training reward), the drift after one update and the training–inference
+(`analysis.summaries.collapse_flag` on the training reward), the drift after one update and the training–inference
 mismatch (mean over steps), and a verdict: `collapsed k/n` when a seed collapsed, else `improves` / `declines` when
 every seed ends above / below where it started on held-out prompts, else `mixed`.
 

@@ -61,6 +61,8 @@ def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
 
 
 def runs_section(runset: RunSet) -> list[str]:
+    """What ran: per series its runs, seeds and model, the cold starts, the runs that did not finish and
+    every problem met while loading."""
     runs = runset.runs
     rows = []
     for label in runset.labels:
@@ -116,6 +118,8 @@ def figure_section(figures: Sequence[FigureOutput], shown: str | None = None) ->
 
 
 def stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: float, alpha: float) -> list[str]:
+    """The stability table and the definition of every number in it, with the columns a series left
+    empty."""
     tail = f"K = max({COLLAPSE_MIN_TAIL}, ⌈{COLLAPSE_TAIL_FRACTION:g}·T⌉)"
     lines = [
         "## Stability", "", stability_markdown(table, last_n), "",

@@ -25,12 +25,14 @@ LEFT_OUT_FILE = "left_out.csv"  # every (arm, cell, start, seed) the comparisons
 
 
 def num(value: Any, fmt: str = ".3g") -> str:
+    """A number as a table shows it (`fmt`), a dash where there is none."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     return format(value, fmt)
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table of `header` and `rows` (a `|` inside a cell escaped)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
     return "\n".join(lines)
