@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import yaml
 
 from tests import synthetic_runs as syn
@@ -41,48 +40,6 @@ from experiments.step.metrics import (
 SHA_A, SHA_B, SHA_C = "a" * 64, "b" * 64, "c" * 64
 PROGRESS = re.compile(r"\d+(\.\d+)?(it|step)/s")
 LEGACY = ("claim1_deep", "flip_dose", "phase_diagram")  # committed reports made before per-seed values were kept
-
-
-def evaluated(run_dir, algo, seed, replay, start, end, *, sha=None, status="finished", logged=3, comparison=None,
-              **settings):
-    """A run of 3 planned steps evaluated at its start and at its last logged step (of `logged`)."""
-    records = [syn.step_record(algo, seed, t, 0.5) for t in range(1, logged + 1)]
-    records[0][started(EVAL_GREEDY)] = start
-    records[-1][EVAL_GREEDY] = end
-    cfg = syn.config(algo, seed, replay=replay, steps=3, eval_every=0)
-    for key, value in settings.items():
-        group, name = key.split(".")
-        cfg.setdefault(group, {})[name] = value
-    if comparison is not None:
-        cfg["comparison"] = comparison
-    return syn.write_run(run_dir, cfg, records, finished=status is not None, start=sha, status=status or "")
-
-
-def mismatch_run(run_dir, seed, collapse_at=None, kl_rises_at=None, steps=30):
-    """Reward that climbs and (from `collapse_at`) falls for good, a mismatch KL that jumps ten-fold at `kl_rises_at`,
-    the routing share of the ratio's variance on every off-policy minibatch."""
-    records = []
-    for t in range(1, steps + 1):
-        reward = 0.02 * t if collapse_at is None or t < collapse_at else 0.02 * collapse_at - 0.5
-        record = syn.step_record("grpo", seed, t, reward)
-        record[MISMATCH_K3] = 1e-3 if kl_rises_at is None or t < kl_rises_at else 1e-2
-        record[CHI2_TOKEN], record[ESS], record[ENTROPY], record[GRAD_NORM] = 2 * record[MISMATCH_K3], 0.99, 1.0, 0.5
-        for entry in record["minibatches"]:
-            if entry["minibatch"] > 0:
-                entry[ROUTING_SHARE] = 0.1 * entry["minibatch"]
-        records.append(record)
-    return syn.write_run(run_dir, syn.config("grpo", seed), records)
-
-
-def reference(folder, key, rows):
-    """A committed result's comparisons.csv: a row per (value of `key`, measure, arm, estimate, low, high, verdict)."""
-    folder.mkdir(parents=True)
-    pd.DataFrame([{key: value, "measure": measure, "arm": arm, "baseline": "grpo", "seeds": 10,
-                   "difference_estimate": estimate, "difference_low": low, "difference_high": high,
-                   "separates": verdict.startswith("separates"), "verdict": verdict}
-                  for value, measure, arm, estimate, low, high, verdict in rows]).to_csv(folder / "comparisons.csv",
-                                                                                          index=False)
-    return folder
 
 
 def probe(root, name, layers, experts, lrs, drift, cold_start=None, model_type=None, diverged_lr=None):
@@ -106,10 +63,11 @@ def probe(root, name, layers, experts, lrs, drift, cold_start=None, model_type=N
 
 def build(inputs: Path) -> None:
     """Every input the commands read, under `inputs`."""
+    evaluated = syn.evaluated_run  # a run evaluated at its start and at its end: what the comparisons read
     rng = np.random.default_rng(0)
     syn.make_sweep(inputs / "sweep")
     for seed, (collapse, rise) in enumerate([(20, 12), (None, None), (24, None)]):
-        mismatch_run(inputs / "mismatch" / f"run{seed}", seed, collapse_at=collapse, kl_rises_at=rise)
+        syn.mismatch_run(inputs / "mismatch" / f"run{seed}", seed, collapse_at=collapse, kl_rises_at=rise)
     syn.curve_run(inputs / "replay" / "plain", "grpo", 0, syn.STEPS * [0.2])
     syn.curve_run(inputs / "replay" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
     syn.curve_run(inputs / "replay" / "r3", "grpo", 1, lambda t: 0.01 * t, replay="r3", routing=False)
@@ -124,13 +82,13 @@ def build(inputs: Path) -> None:
                           0.5 - lr * layers * 50 + 0.01 * seed, **{"trainer.lr": lr, "model.num_hidden_layers": layers})
     separated = "separates (95% CI of the difference excludes 0)"
     references = [
-        reference(inputs / "references" / "flips", "routing.flip_rate", [
+        syn.reference_folder(inputs / "references" / "flips", "routing.flip_rate", [
             (0.0, "gain_area", "grpo + r2", -0.001, -0.010, 0.006, "not distinguishable"),
             (0.2, "gain_area", "grpo + r2", 0.133, 0.110, 0.157, separated),
             (0.2, "gain", "grpo + r2", 0.109, 0.080, 0.140, separated)]),
-        reference(inputs / "references" / "noise", "routing.perturb_rate", [
+        syn.reference_folder(inputs / "references" / "noise", "routing.perturb_rate", [
             (0.1, "gain_area", "grpo + r2", 0.011, -0.005, 0.026, "not distinguishable")]),
-        reference(inputs / "references" / "elsewhere", "routing.flip_rate", [
+        syn.reference_folder(inputs / "references" / "elsewhere", "routing.flip_rate", [
             (0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)])]
     comparison = {"baseline": "grpo", "family": ["grpo + r2"], "references": [str(path) for path in references]}
     doses = [(0.2, 0.0, (0.10, 0.12, 0.14)), (0.0, 0.1, (-0.02, -0.04, -0.06))]  # (flip, noise, R2's effect per seed)
@@ -249,31 +207,13 @@ def cold_start(inputs: Path) -> None:
         train(cfg, inputs / "sft")
 
 
-class FakeRun:
-    """A W&B run as the loader reads it, from the synthetic curves."""
-
-    def __init__(self, algo, seed, state, steps, summary=None):
-        self.id, self.name, self.group, self.state = f"{algo}{seed}", f"{algo}-s{seed}", "sweepA", state
-        self.config = {**syn.config(algo, seed), "_wandb": {"cli_version": "0"}}
-        if summary is not None:
-            self.summary = summary
-        self._rows = []
-        for t in range(1, steps + 1):
-            record = syn.step_record(algo, seed, t, syn.reward(algo, seed, t))
-            for entry in record.pop("minibatches"):
-                j = entry.pop("minibatch")
-                record.update({f"minibatch/{j}/{k}": v for k, v in entry.items()})
-            self._rows.append({**record, "_step": t - 1, "_runtime": 1.5 * t})
-
-    def scan_history(self):
-        return iter(self._rows)
-
-
-class FakeApi:
-    def runs(self, path, filters=None):
-        return [FakeRun("grpo", 0, "finished", 6), FakeRun("gspo", 0, "running", 4),
-                FakeRun("grpo", 1, "crashed", 5, summary={"status": "diverged", "start_sha256": SHA_A, "wall_s": 8.0}),
-                FakeRun("gspo", 1, "failed", 0)]
+def wandb_project() -> syn.FakeApi:
+    """A W&B project of four runs: finished, still running, diverged (its summary names its start), and one that
+    logged nothing."""
+    return syn.FakeApi([
+        syn.FakeRun("grpo", 0, "finished", 6), syn.FakeRun("gspo", 0, "running", 4),
+        syn.FakeRun("grpo", 1, "crashed", 5, summary={"status": "diverged", "start_sha256": SHA_A, "wall_s": 8.0}),
+        syn.FakeRun("gspo", 1, "failed", 0)])
 
 
 # (name, module, arguments): each a command as typed, from the folder where `inputs` is the built inputs
@@ -332,7 +272,7 @@ def command(work: Path, name: str, module: str, argv: list[str]) -> None:
     with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
         try:
             main = importlib.import_module(f"analysis.{module}").main
-            result = main(argv, wandb_api_factory=FakeApi) if name == "wandb" else main(argv)
+            result = main(argv, wandb_api_factory=wandb_project) if name == "wandb" else main(argv)
             code = result or 0
         except SystemExit as stop:
             code = stop.code

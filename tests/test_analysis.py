@@ -28,32 +28,28 @@ import synthetic_runs as syn  # noqa: E402
 
 from algos.objective import TOKEN_RATIO_VAR  # noqa: E402
 from analysis import statistics  # noqa: E402
-from analysis.curve_figures import (  # noqa: E402
-    fig_early_warning, fig_mismatch, fig_replay_grpo,
-)
+from analysis.arms import arm_names, sweep_axes  # noqa: E402
+from analysis.configs import label_runs, schema_defaults  # noqa: E402
+from analysis.curve_figures import fig_early_warning, fig_mismatch, fig_replay_grpo  # noqa: E402
+from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, early_warning  # noqa: E402
+from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # noqa: E402
+from analysis.load import load_runs  # noqa: E402
 from analysis.plotting import (  # noqa: E402
     FigureSettings, SeriesStyle, legend, legend_rows_in, new_figure, plot_band, series_styles,
 )
+from analysis.records import INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS  # noqa: E402
+from analysis.report import main, write_report  # noqa: E402
 from analysis.routing_figures import (  # noqa: E402
     fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, heatmaps,
 )
-from analysis.sweep_figure import fig_sweep_response  # noqa: E402
-from analysis.arms import arm_names, sweep_axes  # noqa: E402
-from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, early_warning  # noqa: E402
-from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # noqa: E402
 from analysis.summaries import (  # noqa: E402
     STABILITY_COLUMNS, aggregate_curves, collapse_flag, curve, ema, per_run_series, stability_table,
 )
+from analysis.sweep_figure import fig_sweep_response  # noqa: E402
 from analysis.verdicts import arm_comparisons  # noqa: E402
-from experiments.step.metrics import REWARD  # noqa: E402
-from analysis.configs import label_runs, schema_defaults  # noqa: E402
-from analysis.load import load_runs  # noqa: E402
-from analysis.records import INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS  # noqa: E402
 from analysis.wandb_runs import load_wandb  # noqa: E402
-from analysis.report import main, write_report  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
-    CHI2_TOKEN, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, GRAD_NORM, MISMATCH_K3, REWARD, ROUTING_SHARE, TOKENS,
-    started,
+    CHI2_TOKEN, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, MISMATCH_K3, REWARD, TOKENS, started,
 )
 
 DPI = "60"
@@ -379,39 +375,12 @@ def test_the_drift_heat_maps_put_layer_ticks_on_whole_layers(layers):
 # W&B
 # ---------------------------------------------------------------------------------------------------------------
 
-class FakeRun:
-    """Stands in for `wandb.apis.public.Run`: the attributes and method the loader uses."""
-
-    def __init__(self, algo: str, seed: int, state: str, steps: int, routing: bool = True):
-        self.id, self.name, self.group, self.state = f"{algo}{seed}", f"{algo}-s{seed}", "sweepA", state
-        self.config = {**syn.config(algo, seed), "_wandb": {"cli_version": "0"}}
-        self._rows = []
-        for t in range(1, steps + 1):
-            record = syn.step_record(algo, seed, t, syn.reward(algo, seed, t), routing=routing)
-            for entry in record.pop("minibatches"):
-                j = entry.pop("minibatch")
-                record.update({f"minibatch/{j}/{k}": v for k, v in entry.items()})
-            self._rows.append({**record, "_step": t - 1, "_runtime": 1.5 * t})
-
-    def scan_history(self):
-        return iter(self._rows)
-
-
-class FakeApi:
-    def __init__(self, runs):
-        self._runs, self.calls = runs, []
-
-    def runs(self, path, filters=None):
-        self.calls.append((path, filters))
-        return list(self._runs)
-
-
 def _no_network():
     raise AssertionError("the W&B API was used although the parquet cache should have served this call")
 
 
 def test_wandb_loader_with_fake_api_and_parquet_cache(tmp_path):
-    api = FakeApi([FakeRun("grpo", 0, "finished", 6), FakeRun("gspo", 0, "running", 4)])
+    api = syn.FakeApi([syn.FakeRun("grpo", 0, "finished", 6), syn.FakeRun("gspo", 0, "running", 4)])
     rs = load_wandb("ent/proj", ["sweepA"], cache_root=tmp_path, api_factory=lambda: api)
     assert api.calls == [("ent/proj", {"group": {"$in": ["sweepA"]}})]
     assert rs.runs["run"].tolist() == ["grpo0", "gspo0"]
@@ -434,7 +403,7 @@ def test_wandb_loader_with_fake_api_and_parquet_cache(tmp_path):
 
 
 def test_cli_wandb_on_a_dense_model_caches_and_notes_the_missing_routing_panels(tmp_path, capsys):
-    api = FakeApi([FakeRun("grpo", 0, "finished", 6, routing=False)])
+    api = syn.FakeApi([syn.FakeRun("grpo", 0, "finished", 6, routing=False)])
     out = tmp_path / "out"
     main(["--wandb", "ent/proj", "--group", "sweepA", "--out", str(out), "--dpi", DPI],
          wandb_api_factory=lambda: api)
@@ -451,7 +420,7 @@ def test_cli_wandb_on_a_dense_model_caches_and_notes_the_missing_routing_panels(
 
 def test_empty_wandb_project_is_a_one_line_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--wandb", "ent/proj", "--out", str(tmp_path)], wandb_api_factory=lambda: FakeApi([]))
+        main(["--wandb", "ent/proj", "--out", str(tmp_path)], wandb_api_factory=lambda: syn.FakeApi([]))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: no W&B runs with history found in ent/proj\n"
 
@@ -468,28 +437,9 @@ def test_a_crashed_run_and_its_rerun_count_once_and_the_report_says_so(tmp_path,
     assert "repeats run" in capsys.readouterr().err
 
 
-def _mismatch_run(run_dir, seed, collapse_at=None, kl_rises_at=None, steps=30, decompose=True):
-    """A run whose reward climbs, then (from `collapse_at`) falls by 0.5 for good, and whose mismatch KL jumps ten-fold
-    at `kl_rises_at`; entropy and grad norm stay flat."""
-    records = []
-    for t in range(1, steps + 1):
-        reward = 0.02 * t if collapse_at is None or t < collapse_at else 0.02 * collapse_at - 0.5
-        record = syn.step_record("grpo", seed, t, reward)
-        record[MISMATCH_K3] = 1e-3 if kl_rises_at is None or t < kl_rises_at else 1e-2
-        record[CHI2_TOKEN] = 2 * record[MISMATCH_K3]
-        record[ESS] = 0.99
-        record[ENTROPY], record[GRAD_NORM] = 1.0, 0.5
-        if decompose:
-            for entry in record["minibatches"]:
-                if entry["minibatch"] > 0:
-                    entry[ROUTING_SHARE] = 0.1 * entry["minibatch"]
-        records.append(record)
-    return syn.write_run(run_dir, syn.config("grpo", seed), records)
-
-
 def test_early_warning_finds_the_fall_and_the_lead_of_a_signal(tmp_path):
-    runs = [_mismatch_run(tmp_path / "collapsing", 0, collapse_at=20, kl_rises_at=12),
-            _mismatch_run(tmp_path / "healthy", 1)]
+    runs = [syn.mismatch_run(tmp_path / "collapsing", 0, collapse_at=20, kl_rises_at=12),
+            syn.mismatch_run(tmp_path / "healthy", 1)]
     rs = load_runs(runs)
     table = early_warning(rs, alpha=1.0).set_index("run")
     collapsing = table.loc[[r for r in table.index if "collapsing" in r][0]]
@@ -501,7 +451,7 @@ def test_early_warning_finds_the_fall_and_the_lead_of_a_signal(tmp_path):
 
 
 def test_mismatch_early_warning_and_decomposition_figures_and_table(tmp_path):
-    runs = [_mismatch_run(tmp_path / "a", 0, collapse_at=20, kl_rises_at=12), _mismatch_run(tmp_path / "b", 1)]
+    runs = [syn.mismatch_run(tmp_path / "a", 0, collapse_at=20, kl_rises_at=12), syn.mismatch_run(tmp_path / "b", 1)]
     rs = load_runs(runs)
     out = tmp_path / "out"
     for draw in (fig_mismatch, fig_early_warning, fig_decomposition):
@@ -580,30 +530,13 @@ def test_a_legend_of_long_labels_stays_inside_the_figure():
     assert box.y0 <= drawn.y0, "the legend is cut off at the bottom"
 
 
-def _evaluated_run(run_dir, algo, seed, replay, start, end, *, sha=None, status="finished", logged=3,
-                   comparison=None, **settings):
-    """A run of 3 planned steps evaluated at its start (logged in step 1's record) and at its last logged step (of
-    `logged`), with `settings` in its config; its summary says `status` and names its start `sha` (None: no summary
-    when `status` is None), and its config declares `comparison` where given."""
-    records = [syn.step_record(algo, seed, t, 0.5) for t in range(1, logged + 1)]
-    records[0].update({started(EVAL_GREEDY): start})
-    records[-1].update({EVAL_GREEDY: end})
-    cfg = syn.config(algo, seed, replay=replay, steps=3, eval_every=0)
-    for key, value in settings.items():
-        group, name = key.split(".")
-        cfg.setdefault(group, {})[name] = value
-    if comparison is not None:
-        cfg["comparison"] = comparison
-    return syn.write_run(run_dir, cfg, records, finished=status is not None, start=sha, status=status or "")
-
-
 def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(tmp_path):
     runs = tmp_path / "runs"
     for i, (algo, replay, flip, seed, end) in enumerate([
         ("grpo", "none", 0.0, 0, 0.6), ("grpo", "none", 0.0, 1, 0.7), ("grpo", "none", 0.3, 0, 0.1),
         ("grpo", "r2", 0.0, 0, 0.6), ("grpo", "r2", 0.3, 0, 0.55), ("gspo", "none", 0.3, 0, 0.5),
     ]):
-        _evaluated_run(runs / str(i), algo, seed, replay, 0.5, end, **{"routing.flip_rate": flip})
+        syn.evaluated_run(runs / str(i), algo, seed, replay, 0.5, end, **{"routing.flip_rate": flip})
     rs = load_runs([runs])
     # the flip rate varies within arms; the clip range (an algorithm's own setting) does not, so it is no axis
     assert sweep_axes(rs) == ["routing.flip_rate"]
@@ -630,9 +563,9 @@ def test_the_report_compares_each_arm_with_the_baseline_over_shared_seeds_and_sa
         runs = tmp_path / f"runs{seeds}"
         for seed in range(seeds):
             base = 0.5 + rng.normal(0.0, 0.3)
-            _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, base)
-            _evaluated_run(runs / f"r{seed}", "grpo", seed, "r2", 0.5, base + rng.normal(0.2, 0.1))
-            _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, base + rng.normal(0.0, 0.1))
+            syn.evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, base)
+            syn.evaluated_run(runs / f"r{seed}", "grpo", seed, "r2", 0.5, base + rng.normal(0.2, 0.1))
+            syn.evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, base + rng.normal(0.0, 0.1))
         out = tmp_path / f"report{seeds}"
         text = write_report(load_runs([runs]), out).read_text(encoding="utf-8")
         comparisons = pd.read_csv(out / "comparisons.csv")
@@ -659,14 +592,14 @@ def test_the_report_compares_each_arm_with_the_baseline_over_shared_seeds_and_sa
 
 def test_a_flip_rate_no_run_varied_is_still_labelled_synthetic(tmp_path):
     for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2")]):
-        _evaluated_run(tmp_path / "runs" / str(i), algo, 0, replay, 0.5, 0.6, **{"routing.flip_rate": 0.2})
+        syn.evaluated_run(tmp_path / "runs" / str(i), algo, 0, replay, 0.5, 0.6, **{"routing.flip_rate": 0.2})
     text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "report").read_text(encoding="utf-8")
     assert "| grpo + SYNTHETIC flips p=0.2 |" in text and "(0.2) are SYNTHETIC" in text
 
 
 def test_router_noise_runs_are_labelled_synthetic_with_what_the_noise_can_show(tmp_path):
     for i, rate in enumerate([0.0, 0.1]):
-        _evaluated_run(tmp_path / "runs" / str(i), "grpo", 0, "none", 0.5, 0.6, **{"routing.perturb_rate": rate})
+        syn.evaluated_run(tmp_path / "runs" / str(i), "grpo", 0, "none", 0.5, 0.6, **{"routing.perturb_rate": rate})
     runset = load_runs([tmp_path / "runs"])
     assert set(runset.labels) == {"grpo", "grpo + SYNTHETIC router noise p=0.1"}
     text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
@@ -678,16 +611,16 @@ def test_router_noise_runs_are_labelled_synthetic_with_what_the_noise_can_show(t
 def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_path):
     for i, (lr, layers) in enumerate([(1e-4, 2), (1e-4, 4), (1e-3, 2), (1e-3, 4)]):
         for algo in ("grpo", "gspo"):
-            _evaluated_run(tmp_path / "grid" / f"{algo}{i}", algo, 0, "none", 0.5, 0.5 - lr * layers * 50,
+            syn.evaluated_run(tmp_path / "grid" / f"{algo}{i}", algo, 0, "none", 0.5, 0.5 - lr * layers * 50,
                            **{"trainer.lr": lr, "model.num_hidden_layers": layers})
     rs = load_runs([tmp_path / "grid"])
     assert sweep_axes(rs) == ["model.num_hidden_layers", "trainer.lr"]
     out = fig_sweep_response(rs, FigureSettings(tmp_path / "out", dpi=int(DPI)))
     assert out.files and "phase diagram" in out.caption
-    _evaluated_run(tmp_path / "flat" / "a", "grpo", 0, "none", 0.5, 0.6)
+    syn.evaluated_run(tmp_path / "flat" / "a", "grpo", 0, "none", 0.5, 0.6)
     one_arm = fig_sweep_response(load_runs([tmp_path / "flat"]), FigureSettings(tmp_path / "out2", dpi=int(DPI)))
     assert not one_arm.files and "nothing varied" in one_arm.notes[0]
-    _evaluated_run(tmp_path / "flat" / "b", "gspo", 0, "none", 0.5, 0.6)
+    syn.evaluated_run(tmp_path / "flat" / "b", "gspo", 0, "none", 0.5, 0.6)
     arms = fig_sweep_response(load_runs([tmp_path / "flat"]), FigureSettings(tmp_path / "out3", dpi=int(DPI)))
     assert arms.files and arms.caption.startswith("Each run's mean gain over the run"), "arms alone: one panel"
 
@@ -746,7 +679,7 @@ def test_a_sweep_straddling_an_added_and_a_retired_setting_is_one_series(tmp_pat
 
 def test_seeds_are_listed_in_numeric_order_in_every_table_and_sentence(tmp_path):
     for seed in (10, 2, 1):
-        _evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6)
+        syn.evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6)
     text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "report").read_text(encoding="utf-8")
     assert "| grpo | 3 | 1, 2, 10 |" in text
     assert "(1, 2, 10)" in text and "10, 1" not in text
@@ -772,10 +705,10 @@ def test_a_crashed_seed_is_never_paired_and_every_seed_left_out_is_named(tmp_pat
     (runs / "multirun.yaml").parent.mkdir(parents=True)
     (runs / "multirun.yaml").write_text("hydra: {}\n")
     for seed in range(5):
-        _evaluated_run(runs / f"grpo_s{seed}", "grpo", seed, "none", 0.5, 0.5 + 0.01 * seed, sha=START_A)
+        syn.evaluated_run(runs / f"grpo_s{seed}", "grpo", seed, "none", 0.5, 0.5 + 0.01 * seed, sha=START_A)
     for seed in (0, 2):
-        _evaluated_run(runs / f"gspo_s{seed}", "gspo", seed, "none", 0.5, 0.52 + 0.01 * seed, sha=START_A)
-    _evaluated_run(runs / "gspo_s1", "gspo", 1, "none", 0.5, 0.95, status=None, logged=2)
+        syn.evaluated_run(runs / f"gspo_s{seed}", "gspo", seed, "none", 0.5, 0.52 + 0.01 * seed, sha=START_A)
+    syn.evaluated_run(runs / "gspo_s1", "gspo", 1, "none", 0.5, 0.95, status=None, logged=2)
     refused = runs / "gspo_s3"
     (refused / ".hydra").mkdir(parents=True)
     (refused / ".hydra" / "config.yaml").write_text(yaml.safe_dump(syn.config("gspo", 3)))
@@ -806,12 +739,12 @@ def test_a_run_that_ended_itself_counts_as_the_declared_rule_says(tmp_path, no_f
     def sweep(rule):
         runs = tmp_path / f"runs_{rule}"
         for seed in range(3):
-            _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.7, sha=START_A,
+            syn.evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.7, sha=START_A,
                            comparison={"early_stopped": rule})
         for seed in range(2):
-            _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.8, sha=START_A,
+            syn.evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.8, sha=START_A,
                            comparison={"early_stopped": rule})
-        _evaluated_run(runs / "s2", "gspo", 2, "none", 0.5, 0.6, sha=START_A, status="diverged", logged=2,
+        syn.evaluated_run(runs / "s2", "gspo", 2, "none", 0.5, 0.6, sha=START_A, status="diverged", logged=2,
                        comparison={"early_stopped": rule})
         return runs
 
@@ -835,8 +768,8 @@ def test_runs_are_paired_by_their_start_and_several_starts_get_the_two_level_sta
     runs = tmp_path / "runs"
     for start, effect in ((START_A, 0.1), (START_B, 0.1), (START_C, -0.05)):
         for seed in (0, 1):
-            _evaluated_run(runs / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed, sha=start)
-            _evaluated_run(runs / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5, 0.6 + 0.01 * seed + effect,
+            syn.evaluated_run(runs / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed, sha=start)
+            syn.evaluated_run(runs / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5, 0.6 + 0.01 * seed + effect,
                            sha=start)
     runset = load_runs([runs])
     assert len(runset.runs) == 12, "runs of one config and seed from other starts are not repeats"
@@ -863,7 +796,7 @@ def test_a_declaration_that_does_not_fit_the_runs_is_refused_in_one_line_before_
         folder = tmp_path / name
         for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2")]):
             for seed in (0, 1):
-                _evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6, sha=START_A,
+                syn.evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6, sha=START_A,
                                comparison=comparison_of.get(f"{algo}{replay}", {"family": ["gspo"]}))
         return folder
 
@@ -896,20 +829,8 @@ def _contrast(folder, references=(), flips=(0.10, 0.12, 0.14), noise=(-0.02, -0.
         for seed, effect in enumerate(effects):
             grpo = 0.5 + 0.01 * seed - 0.2 * cell
             for replay, end in (("none", grpo), ("r2", grpo + effect)):
-                _evaluated_run(folder / f"{cell}_{replay}_{seed}", "grpo", seed, replay, 0.5, end, sha=START_A,
+                syn.evaluated_run(folder / f"{cell}_{replay}_{seed}", "grpo", seed, replay, 0.5, end, sha=START_A,
                                comparison=comparison, **{"routing.flip_rate": flip, "routing.perturb_rate": perturb})
-    return folder
-
-
-def _reference(folder, key, rows):
-    """A committed result's folder as analysis.report writes it: comparisons.csv with the cell's setting `key` first,
-    one row per (value, measure, arm against grpo, estimate, low, high, verdict)."""
-    folder.mkdir(parents=True)
-    pd.DataFrame([{key: value, "measure": measure, "arm": arm, "baseline": "grpo", "seeds": 10,
-                   "difference_estimate": estimate, "difference_low": low, "difference_high": high,
-                   "separates": verdict.startswith("separates"), "verdict": verdict}
-                  for value, measure, arm, estimate, low, high, verdict in rows]).to_csv(folder / "comparisons.csv",
-                                                                                          index=False)
     return folder
 
 
@@ -944,15 +865,15 @@ def test_the_miniature_is_set_beside_the_committed_results_with_the_sign_of_each
     """R2 − GRPO here: +0.06 over the run under the flips, −0.02 under the router noise. The flips' reference ran no
     noise, the noise's no flips (their tables vary only their own dose): each cell meets one reference's row."""
     separated = "separates (95% CI of the difference excludes 0)"
-    flips = _reference(tmp_path / "flips", "routing.flip_rate", [
+    flips = syn.reference_folder(tmp_path / "flips", "routing.flip_rate", [
         (0.0, "gain_area", "grpo + r2", -0.001, -0.010, 0.006, "not distinguishable (the smallest effect 0.014)"),
         (0.2, "gain_area", "grpo + r2", 0.133, 0.110, 0.157, separated),
         (0.2, "gain", "grpo + r2", 0.109, 0.080, 0.140, separated),
         (0.2, "gain_area", "gspo", 0.052, 0.039, 0.065, separated)])
-    noise = _reference(tmp_path / "noise", "routing.perturb_rate", [
+    noise = syn.reference_folder(tmp_path / "noise", "routing.perturb_rate", [
         (0.0, "gain_area", "grpo + r2", 0.007, -0.002, 0.018, "not distinguishable"),
         (0.1, "gain_area", "grpo + r2", 0.011, -0.005, 0.026, "not distinguishable (the smallest effect 0.026)")])
-    elsewhere = _reference(tmp_path / "elsewhere", "routing.flip_rate", [
+    elsewhere = syn.reference_folder(tmp_path / "elsewhere", "routing.flip_rate", [
         (0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)])
     runs = _contrast(tmp_path / "runs", references=(flips, noise, elsewhere))
     text = write_report(load_runs([runs]), tmp_path / "report").read_text(encoding="utf-8")
@@ -1009,7 +930,7 @@ def test_a_command_line_flag_overrides_the_declaration_and_the_report_says_so(tm
     folder = tmp_path / "runs"
     for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2"), ("gspo", "none")]):
         for seed in (0, 1):
-            _evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6 + 0.1 * i, sha=START_A,
+            syn.evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6 + 0.1 * i, sha=START_A,
                            comparison={"family": ["gspo"], "primary": "gain"})
     main([str(folder), "--out", str(tmp_path / "out"), "--family", "grpo + r2", "gspo"])
     text = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
@@ -1024,9 +945,9 @@ def test_runs_of_one_start_and_seed_that_differ_beyond_their_arms_are_refused(tm
     """GRPO at lr 2.7e-4 and GSPO at 3e-4: the lr is no axis (it does not vary within an arm), so a report would pair
     them as if only the objective differed."""
     for seed in (0, 1):
-        _evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A,
+        syn.evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A,
                        **{"trainer.lr": 2.7e-4})
-        _evaluated_run(tmp_path / "runs" / f"s{seed}", "gspo", seed, "none", 0.5, 0.6, sha=START_A,
+        syn.evaluated_run(tmp_path / "runs" / f"s{seed}", "gspo", seed, "none", 0.5, 0.6, sha=START_A,
                        **{"trainer.lr": 3e-4})
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
@@ -1043,7 +964,7 @@ def test_starts_of_two_recipes_are_never_pooled_as_starts_of_one(tmp_path, capsy
         for sha, dataset in ((START_A, "addition"), (START_B, second_dataset)):
             for seed in (0, 1):
                 for algo in ("grpo", "gspo"):
-                    _evaluated_run(folder / f"{sha[0]}_{algo}{seed}", algo, seed, "none", 0.5, 0.6 + 0.01 * seed,
+                    syn.evaluated_run(folder / f"{sha[0]}_{algo}{seed}", algo, seed, "none", 0.5, 0.6 + 0.01 * seed,
                                    sha=sha, **{"dataset.name": dataset, "model.path": f"/starts/{sha[0]}"})
         return str(folder)
 
@@ -1063,7 +984,7 @@ def test_a_family_too_large_for_its_starts_says_it_cannot_separate_whatever_the_
     agrees in sign and the interval excludes 0, yet no verdict of the family can separate: the report says why."""
     for k in range(6):
         for algo, replay, end in (("grpo", "none", 0.5), ("gspo", "none", 0.7 + 0.01 * k), ("grpo", "r2", 0.6)):
-            _evaluated_run(tmp_path / "runs" / f"{algo}{replay}{k}", algo, 0, replay, 0.5, end, sha=f"{k}" * 64,
+            syn.evaluated_run(tmp_path / "runs" / f"{algo}{replay}{k}", algo, 0, replay, 0.5, end, sha=f"{k}" * 64,
                            **{"model.path": f"/starts/{k}"})
     text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "out").read_text(encoding="utf-8")
     comparisons = pd.read_csv(tmp_path / "out" / "comparisons.csv").query("role == 'primary'")
@@ -1090,8 +1011,8 @@ def _report_twice(tmp_path, monkeypatch, second):
     """A report in `out`, then a second one whose figures run `second(out_dir)` before they are 'drawn'."""
     runs = tmp_path / "runs"
     for seed in (0, 1):
-        _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
-        _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
+        syn.evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
+        syn.evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
     out = tmp_path / "out"
 
     def draw(runset, settings):
@@ -1143,8 +1064,8 @@ def test_a_first_report_interrupted_leaves_none_and_says_so(tmp_path, monkeypatc
 
 def test_a_new_report_replaces_the_old_ones_files_and_no_others(tmp_path, no_figures):
     for seed in (0, 1):
-        _evaluated_run(tmp_path / "two" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
-        _evaluated_run(tmp_path / "two" / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
+        syn.evaluated_run(tmp_path / "two" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
+        syn.evaluated_run(tmp_path / "two" / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
     out = tmp_path / "out"
     write_report(load_runs([tmp_path / "two"]), out)
     (out / "fig9_from_an_older_report.png").write_bytes(b"old")
@@ -1187,10 +1108,9 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
 
 
 def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without_history_is_left_out(tmp_path):
-    ended = FakeRun("grpo", 0, "crashed", 4)
-    ended.summary = {"status": "diverged", "start_sha256": START_A, "wall_s": 8.0}
-    silent = FakeRun("gspo", 0, "failed", 0)
-    rs = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=lambda: FakeApi([ended, silent]))
+    ended = syn.FakeRun("grpo", 0, "crashed", 4, summary={"status": "diverged", "start_sha256": START_A, "wall_s": 8.0})
+    silent = syn.FakeRun("gspo", 0, "failed", 0)
+    rs = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=lambda: syn.FakeApi([ended, silent]))
     assert rs.runs[["status", "start_sha256", "incomplete"]].values.tolist() == [["diverged", START_A, True]]
     assert rs.unstarted["seed"].tolist() == ["0"] and "W&B run without history" in rs.unstarted["why"].item()
     cached = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=_no_network)
@@ -1199,8 +1119,8 @@ def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without
 
 def test_the_early_warning_figure_is_drawn_only_when_a_run_collapsed(tmp_path):
     """A figure only of what the sweep showed: without a collapse there is no fall for a signal to precede."""
-    calm = load_runs([_mismatch_run(tmp_path / "a", 0), _mismatch_run(tmp_path / "b", 1)])
+    calm = load_runs([syn.mismatch_run(tmp_path / "a", 0), syn.mismatch_run(tmp_path / "b", 1)])
     result = fig_early_warning(calm, FigureSettings(tmp_path / "out"))
     assert not result.files and "No run collapsed" in result.notes[0]
-    fallen = load_runs([_mismatch_run(tmp_path / "c", 0, collapse_at=20, kl_rises_at=12)])
+    fallen = load_runs([syn.mismatch_run(tmp_path / "c", 0, collapse_at=20, kl_rises_at=12)])
     assert fig_early_warning(fallen, FigureSettings(tmp_path / "out")).files
