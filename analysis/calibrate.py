@@ -6,10 +6,11 @@ Per run, the measure is the mean of `METRIC` over its per-minibatch records afte
 ones: the first minibatch of a step is on-policy, where KL and clipping are 0 by construction) in steps 1 to
 `--steps` (default 10); per setting, its mean over the tuning seeds, with the standard error over them. The target is
 the runs that match every `--target` condition (a config key and its value, e.g. `algo.name=gspo trainer.lr=0.0003`);
-the grid, the runs that match every `--grid` condition, one setting per value of `--knob`, a numeric config key. The matched knob interpolates log measure against log knob between the two grid
-points that bracket the target (a grid that does not bracket it is reported as such, never extrapolated), rounded to
-two significant digits. Writes `calibration.md` and `calibration.json` into --out and prints the matched value.
-Exit code 2 and one `error:` line on bad input.
+the grid, the runs that match every `--grid` condition, one setting per value of `--knob`, a numeric config key. The
+matched knob interpolates log measure against log knob between the two grid points that bracket the target (a grid
+that does not bracket it is reported as such, never extrapolated), rounded to two significant digits. Writes
+`calibration.md` and `calibration.json` into --out and prints the matched value. Exit code 2 and one `error:` line on
+bad input.
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from analysis.cli import command_line, refusing, writable_out
-from analysis.load import RunSet, load_runs
+from analysis.cli import Command, writable_out
+from analysis.load import load_runs
+from analysis.records import RunSet
 
 
 def per_run_measure(runset: RunSet, metric: str, steps: int) -> pd.Series:
@@ -76,9 +76,8 @@ def matching(table: pd.DataFrame, wanted: dict[str, str]) -> pd.Series:
     return keep
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.calibrate", description=__doc__.split("\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The runs, the knob and the measure, which runs are the target and which the grid, how many steps, where."""
     parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP_DIR")
     parser.add_argument("--knob", required=True, help="the numeric config key of the grid (e.g. trainer.lr)")
     parser.add_argument("--measure", required=True, help="the per-minibatch metric matched (e.g. kl/old_k3)")
@@ -88,20 +87,29 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the runs of the knob's grid (e.g. algo.name=grpo)")
     parser.add_argument("--steps", type=int, default=10, help="steps 1..N are measured (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    with refusing():
-        target_of, grid_of = conditions(args.target, "--target"), conditions(args.grid, "--grid")
-        runset = load_runs(args.paths)
-        keys = list(dict.fromkeys([*target_of, *grid_of, args.knob]))
-        table = settings_table(runset, args.measure, args.steps, keys)
-        is_target, in_grid = matching(table, target_of), matching(table, grid_of)
-        if is_target.sum() != 1 or in_grid.sum() < 2:
-            raise ValueError(f"--target must match one setting and --grid at least two; they match {is_target.sum()} "
-                             f"and {in_grid.sum()} of {len(table)}")
-        writable_out(args.out)
+
+
+def read(args: argparse.Namespace) -> tuple[pd.DataFrame, list[str], pd.Series, pd.Series]:
+    """The settings' table over the keys the conditions and the knob name, and which rows are the target and the
+    grid: one target and at least two grid points, or the command is refused."""
+    target_of, grid_of = conditions(args.target, "--target"), conditions(args.grid, "--grid")
+    runset = load_runs(args.paths)
+    keys = list(dict.fromkeys([*target_of, *grid_of, args.knob]))
+    table = settings_table(runset, args.measure, args.steps, keys)
+    is_target, in_grid = matching(table, target_of), matching(table, grid_of)
+    if is_target.sum() != 1 or in_grid.sum() < 2:
+        raise ValueError(f"--target must match one setting and --grid at least two; they match {is_target.sum()} "
+                         f"and {in_grid.sum()} of {len(table)}")
+    writable_out(args.out)
+    return table, keys, is_target, in_grid
+
+
+def write(settings: tuple[pd.DataFrame, list[str], pd.Series, pd.Series], args: argparse.Namespace,
+          command: str) -> str:
+    """calibration.md and calibration.json; the verdict line."""
+    table, keys, is_target, in_grid = settings
     target, grid = table[is_target].iloc[0], table[in_grid]
     matched = matched_value(grid, args.knob, float(target["mean"]))
-    command = command_line("analysis.calibrate", argv)
     lines = ["# Calibration", "", f"Made with `{command}`.", "",
              f"`{args.measure}` per run: its mean over the minibatch records after ≥ 1 update in steps 1-{args.steps}; "
              "per setting: mean ± standard error over the seeds.", "",
@@ -112,15 +120,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         lines.append("| " + " | ".join(cells) + f" | {row['mean']:.4g}{sem} | {row['seeds']} |")
     named = " ".join(args.target)
     verdict = (f"The target ({named}) is {target['mean']:.4g}; "
-               + (f"the grid ({' '.join(args.grid)}) matches it at **{args.knob} = {matched:g}**." if matched is not None
+               + (f"the grid ({' '.join(args.grid)}) matches it at **{args.knob} = {matched:g}**."
+                  if matched is not None
                   else "no two neighbouring grid points bracket it: extend the grid (nothing is extrapolated)."))
     lines += ["", verdict]
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (args.out / "calibration.json").write_text(json.dumps(
         {"knob": args.knob, "measure": args.measure, "target": args.target, "grid": args.grid,
          "target_value": float(target["mean"]), "matched": matched, "steps": args.steps}, indent=2) + "\n")
-    print(verdict)
+    return verdict
 
+
+main = Command("analysis.calibrate", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
     main()

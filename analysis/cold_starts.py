@@ -6,7 +6,8 @@ its parameters, the task, the router switches it trained with, the steps (pretra
 the held-out greedy accuracy it stopped at and what stopped it, and how it routes its held-out demonstrations:
 expert-load entropy over log E, max load / mean load, the median scale-free top-k margin; `–` for cold starts from
 before these were measured) and `cold_starts.png` (held-out greedy accuracy and loss against SFT step, one line per
-cold start). When a checkpoint was written more than once, the newest run counts. Exit code 2 and one `error:` line on bad input.
+cold start). When a checkpoint was written more than once, the newest run counts. Exit code 2 and one `error:` line
+on bad input.
 """
 
 from __future__ import annotations
@@ -14,18 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-from matplotlib.figure import Figure
 from omegaconf import OmegaConf
+from safetensors import safe_open
 
-from analysis.cli import command_line, refusing, writable_out
-from analysis.figures import save_png
+from analysis.cli import Command, writable_out
+from analysis.plotting import in_style, new_figure, save_png
 from analysis.statistics import accuracy_interval
-from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
+from analysis.style import TEXT_WIDTH_IN, shade
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEDIAN
 
@@ -56,7 +55,8 @@ def describe(run_dir: Path) -> dict:
     task = cfg.dataset.name + "".join(f" {k}={cfg.dataset[k]}" for k in ("digits", "length") if k in cfg.dataset)
     return {
         "model": cfg.model.name, "task": task, "layers": shape.get("num_hidden_layers"),
-        "experts": shape.get("num_experts", shape.get("num_local_experts")), "top_k": shape.get("num_experts_per_tok"), "hidden": shape.get("hidden_size"),
+        "experts": shape.get("num_experts", shape.get("num_local_experts")), "top_k": shape.get("num_experts_per_tok"),
+        "hidden": shape.get("hidden_size"),
         "params": params, "summary": summary, "batch": cfg.sft.batch_size, "lr": cfg.sft.lr, "curve": curve,
         "eval_prompts": cfg.sft.eval_prompts,
     }
@@ -64,8 +64,6 @@ def describe(run_dir: Path) -> dict:
 
 def parameter_count(checkpoint: Path) -> int:
     """Parameters in the checkpoint's safetensors files, read from their headers (no tensor is loaded)."""
-    from safetensors import safe_open
-
     total = 0
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(file, framework="pt") as weights:
@@ -73,9 +71,10 @@ def parameter_count(checkpoint: Path) -> int:
     return total
 
 
+@in_style
 def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
-    matplotlib.rcParams.update(RC_PARAMS)
-    fig = Figure(figsize=(TEXT_WIDTH_IN, 2.4), layout="constrained")
+    """`cold_starts.png`: held-out greedy accuracy and training loss against SFT step, a line per cold start."""
+    fig = new_figure(TEXT_WIDTH_IN, 2.4)
     accuracy, loss = fig.subplots(1, 2)
     ranks: dict[str, int] = {}
     for row in rows:
@@ -95,10 +94,11 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
 
 
 def report(rows: list[dict], out: Path, command: str) -> Path:
+    """report.md: a row per cold start, what it cost and reached and how it routes."""
     lines = ["# Cold starts", "", f"Made with `{command}`.", "", "![cold starts](cold_starts.png)", "",
-             "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | wall | "
-             "CPU | held-out greedy [95% CI] | stopped by | load entropy | max / mean load | top-k margin | weights sha256 | "
-             "CPU kernels |", "|" + "---|" * 18]
+             "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | "
+             "wall | CPU | held-out greedy [95% CI] | stopped by | load entropy | max / mean load | top-k margin | "
+             "weights sha256 | CPU kernels |", "|" + "---|" * 18]
     for row in rows:
         s = row["summary"]
         experts = f"{row['experts']} / {row['top_k']}" if row["experts"] else "dense"
@@ -136,20 +136,27 @@ def _start(summary: dict) -> str:
             f"MKL {kernels['mkl_branch']})")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.cold_starts", description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="+", metavar="SFT_RUN_DIR", help="cold-start run directories, searched recursively")
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The cold starts' run directories and where the table goes."""
+    parser.add_argument("paths", nargs="+", metavar="SFT_RUN_DIR",
+                        help="cold-start run directories, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    args = parser.parse_args(argv)
-    with refusing():
-        rows = [describe(run_dir) for run_dir in find_cold_starts(args.paths)]
-        writable_out(args.out)
-    rows.sort(key=lambda r: (r["task"], r["experts"] or 0, r["layers"] or 0, r["model"]))
-    figure(rows, args.out)
-    command = command_line("analysis.cold_starts", argv)
-    print(f"report: {report(rows, args.out, command)}")
 
+
+def read(args: argparse.Namespace) -> list[dict]:
+    """Every finished cold start described (`describe`), in table order; the output folder proved writable."""
+    rows = [describe(run_dir) for run_dir in find_cold_starts(args.paths)]
+    writable_out(args.out)
+    return sorted(rows, key=lambda r: (r["task"], r["experts"] or 0, r["layers"] or 0, r["model"]))
+
+
+def write(rows: list[dict], args: argparse.Namespace, command: str) -> str:
+    """The figure and the table; the line saying where."""
+    figure(rows, args.out)
+    return f"report: {report(rows, args.out, command)}"
+
+
+main = Command("analysis.cold_starts", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,7 @@
 Each input is a report folder (its `per_seed.csv`) or a per-seed CSV that `analysis.report` wrote, optionally
 followed by the arms to take from it, each renamed where `=NAME` says (two inputs holding one arm name under
 different settings, GRPO at two learning rates say, are told apart by renaming one). Their rows are pooled and every
-arm is compared with the baseline arm exactly as a report compares the arms of one sweep (`aggregate.arm_comparisons`:
+arm is compared with the baseline arm exactly as a report compares the arms of one sweep (`verdicts.arm_comparisons`:
 paired over shared cold starts and seeds, per cell of the swept axes and per gain measure; the primary summary and the
 family Holm's correction runs over as `--primary` and `--family` say, by default the mean gain over the run and every
 arm). This is how arms run in different sweeps, sessions or machines meet — a new arm against a committed result, an
@@ -29,7 +29,6 @@ Bad input ends with one `error:` line and exit code 2.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -37,13 +36,14 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from analysis import aggregate as agg
 from analysis import declaration as declared
-from analysis.cli import Interrupted, command_line, refusing, staged, stopped, writable_out
-from analysis.load import UNKNOWN_START
-from analysis.report import (
+from analysis.cli import Command, publishing, staged, writable_out
+from analysis.gains import COUNTED, EXCLUDED, GAIN_MEASURES, LEFT_OUT_COLUMNS, with_missing_units
+from analysis.records import UNKNOWN_START
+from analysis.tables import (
     COMPARISONS_FILE, LEFT_OUT_FILE, PER_SEED_FILE, REPORT_FILE, comparison_section, left_out_section, markdown_table,
 )
+from analysis.verdicts import DEFAULT_BASELINE, PRIMARY, arm_comparisons, baseline_arm
 
 START_TOLERANCE = 1e-9  # starts are the same evaluation of the same weights: equal up to the CSV's printing
 _LEADING = ["run", "arm", "seed"]  # a per-seed table's first columns; the swept axes follow, then "start"
@@ -82,7 +82,7 @@ def read_per_seed(path: Path) -> tuple[pd.DataFrame, list[str]]:
     between `seed` and `start`. A table from before per-seed tables named the start and said what counted gets
     `start_sha256` = unknown and `counted` from `incomplete` (an incomplete run: excluded)."""
     table = pd.read_csv(path, dtype={"seed": str, "start_sha256": str})
-    required = [*_LEADING, "start", *agg.GAIN_MEASURES]
+    required = [*_LEADING, "start", *GAIN_MEASURES]
     missing = [column for column in required if column not in table.columns]
     if missing or list(table.columns[:3]) != _LEADING:
         lacks = ", ".join(missing) if missing else f"the leading columns {_LEADING}"
@@ -94,7 +94,7 @@ def read_per_seed(path: Path) -> tuple[pd.DataFrame, list[str]]:
     table["start_sha256"] = table["start_sha256"].fillna(UNKNOWN_START)
     if "counted" not in table:
         incomplete = table["incomplete"].astype(bool) if "incomplete" in table else False
-        table["counted"] = pd.Series(agg.COUNTED, index=table.index).where(~incomplete, agg.EXCLUDED)
+        table["counted"] = pd.Series(COUNTED, index=table.index).where(~incomplete, EXCLUDED)
     return table, axes
 
 
@@ -119,7 +119,7 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
         tables.append(table.assign(source=str(path)))
     rows = pd.concat(tables, ignore_index=True)
     notes = _assume_starts(rows, axes)
-    counted = rows[rows["counted"] != agg.EXCLUDED]
+    counted = rows[rows["counted"] != EXCLUDED]
     key = ["arm", *axes, "start_sha256", "seed"]
     twice = counted[counted.duplicated(key, keep=False)]
     if not twice.empty:
@@ -188,9 +188,11 @@ def _arms_section(rows: pd.DataFrame) -> list[str]:
     """Each arm's seeds and mean ± sample std per measure, with where its rows came from."""
     table = []
     for arm, part in rows.groupby("arm", sort=True):
-        table.append([arm, len(part), *[f"{part[m].mean():+.3f} ± {part[m].std():.3f}" for m in agg.GAIN_MEASURES],
+        table.append([arm, len(part), *[f"{part[m].mean():+.3f} ± {part[m].std():.3f}" for m in GAIN_MEASURES],
                       ", ".join(f"`{source}`" for source in dict.fromkeys(part["source"]))])
-    return ["## Arms", "", markdown_table(["arm", "runs", *agg.GAIN_MEASURES, "from"], table), "",
+    return ["## Arms", "", markdown_table(["arm", "runs", *GAIN_MEASURES, "from"], table), "",
+            # The committed comparisons hold this sentence as written, before GAIN_MEASURES moved to analysis/gains.py:
+            # a new wording is a regeneration of every committed comparison (tests/test_committed_reports.py).
             "Mean ± sample std over each arm's runs; the measures are those of analysis.report "
             "(analysis/aggregate.py `GAIN_MEASURES`)."]
 
@@ -202,19 +204,19 @@ def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, 
     path of report.md. `declaration`: the command line's baseline, primary summary and family (default: the schema's);
     `notes`: what `pool` said of the starts."""
     declaration = (declaration or declared.Declaration(read_from="tables")).checked(rows["arm"])
-    reference = agg.baseline_arm(rows, baseline or declaration.baseline)
+    reference = baseline_arm(rows, baseline or declaration.baseline)
     arms = sorted(set(rows["arm"]))
     declaration = replace(declaration, baseline=reference)
     varied = [key for key in axes if rows[key].nunique() > 1]
-    comparisons = agg.arm_comparisons(rows, reference, varied, declaration.primary, declaration.family_of(arms))
-    excluded = rows[rows["counted"] == agg.EXCLUDED]
+    comparisons = arm_comparisons(rows, reference, varied, declaration.primary, declaration.family_of(arms))
+    excluded = rows[rows["counted"] == EXCLUDED]
     status = excluded["status"] if "status" in excluded else pd.Series("incomplete", index=excluded.index)
     named = pd.DataFrame({"arm": excluded["arm"], "seed": excluded["seed"], **{key: excluded[key] for key in varied},
                           "start_sha256": excluded["start_sha256"], "run": excluded["run"],
                           "why": [f"did not finish ({state}, in {source}): a run that did not finish never counts"
                                   for source, state in zip(excluded["source"], status)]},
-                         columns=[*agg.LEFT_OUT_COLUMNS[:2], *varied, *agg.LEFT_OUT_COLUMNS[2:]])
-    left_out = agg.with_missing_units(named, rows, varied)
+                         columns=[*LEFT_OUT_COLUMNS[:2], *varied, *LEFT_OUT_COLUMNS[2:]])
+    left_out = with_missing_units(named, rows, varied)
     checked = ("checked to pair: one run per arm, cell, start and seed; at each seed, arms from a shared cold start "
                "(its weights' sha256), with one held-out start accuracy per start" if not notes else
                "checked: one run per arm, cell and seed, with one held-out start accuracy at each seed; what the "
@@ -226,7 +228,7 @@ def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, 
         lines += ["", note]
     if command:
         lines += ["", f"Made with `{command}`."]
-    size = int((comparisons["role"] == agg.PRIMARY).sum()) if not comparisons.empty else 0
+    size = int((comparisons["role"] == PRIMARY).sum()) if not comparisons.empty else 0
     lines += ["", *_arms_section(rows), "", *declaration.lines(arms, size), "",
               *comparison_section(comparisons, varied, reference), "", *left_out_section(left_out, varied)]
     with staged(out_dir, _OUTPUT.__contains__, REPORT_FILE) as stage:
@@ -237,31 +239,37 @@ def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, 
     return out_dir / REPORT_FILE
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.compare",
-                                     description="Paired comparisons of arms pooled from reports' per-seed tables.")
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The per-seed tables (each with the arms to take from it), the declaration's fields, where the report goes."""
     parser.add_argument("inputs", nargs="+", metavar="REPORT_OR_CSV[:ARM[=NAME],...]",
                         help=f"report folders (their {PER_SEED_FILE}) or per-seed CSVs, each optionally with the arms "
                              "to take from it, renamed where =NAME says")
-    declared.add_flags(parser, baseline_help=f"the arm every other is compared with (default: {agg.DEFAULT_BASELINE} "
+    declared.add_flags(parser, baseline_help=f"the arm every other is compared with (default: {DEFAULT_BASELINE} "
                                              "when present, else the first)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    args = parser.parse_args(argv)
-    with refusing():
-        rows, axes, notes = pool([Source.parse(text) for text in args.inputs])
-        declaration = replace(declared.read({}, declared.overrides(args, ("baseline", "primary", "family"))),
-                              read_from="tables")
-        declaration.checked(rows["arm"])
-        agg.baseline_arm(rows, args.baseline)
-        writable_out(args.out)
-    command = command_line("analysis.compare", argv)
-    try:
-        report = write_comparison(rows, axes, args.baseline, args.out, command, declaration, notes)
-    except Interrupted as error:
-        raise stopped(error, args.out, REPORT_FILE) from None
-    print(f"report: {report}")
 
+
+def read(args: argparse.Namespace) -> tuple[pd.DataFrame, list[str], list[str], declared.Declaration]:
+    """The pooled rows checked to pair (`pool`), their axes and what was said of their starts, the command line's
+    declaration checked against their arms; the output folder proved writable."""
+    rows, axes, notes = pool([Source.parse(text) for text in args.inputs])
+    declaration = replace(declared.read({}, declared.overrides(args, ("baseline", "primary", "family"))),
+                          read_from="tables")
+    declaration.checked(rows["arm"])
+    baseline_arm(rows, args.baseline)
+    writable_out(args.out)
+    return rows, axes, notes, declaration
+
+
+def write(pooled: tuple[pd.DataFrame, list[str], list[str], declared.Declaration], args: argparse.Namespace,
+          command: str) -> str:
+    """The comparison of what `read` pooled; the line saying where its report is."""
+    rows, axes, notes, declaration = pooled
+    return f"report: {write_comparison(rows, axes, args.baseline, args.out, command, declaration, notes)}"
+
+
+main = Command("analysis.compare", __doc__, arguments, read, write,
+               around=lambda args: publishing(args.out, REPORT_FILE)).main
 
 if __name__ == "__main__":
     main()

@@ -19,9 +19,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from analysis.aggregate import DEFAULT_BASELINE, GAIN_MEASURES
+from analysis.gains import GAIN_MEASURES
 from analysis.references import Reference
 from analysis.references import load_all as load_references
+from analysis.verdicts import DEFAULT_BASELINE
 from experiments.config import PROJECT_ROOT, ComparisonConfig, EarlyStopped, Summary
 
 KEY = "comparison"  # the config node (`comparison.<field>` in a run's flat config)

@@ -4,26 +4,12 @@ Reads the `summary.json` of every probe run (`python -m experiments.probe`) unde
 (cold start, learning rate) with the model's shape (MoE layers L, experts E, top-k k, hidden width), the task and its
 answer length, and what the probe measured there (drift after one update, its per-layer profile, the routing
 share of Var(log π_θ/π_old), router margins, fragility, ratio variance); one row per (cold start, engine precision)
-with the routing disagreement of that engine with the fp32 trainer.
+with the routing disagreement of that engine with the fp32 trainer. Fits the law to the rows and extrapolates it to
+the GSPO paper's model (analysis/drift_fit.py says how).
 
-The law is a power law fitted by least squares on logarithms,
-
-    log drift = c + a_L log L + a_lr log lr + a_E log(E/k) + a_T log T + a_H log H + a_m log m + b · sigmoid,
-
-with T the task's answer length by design (the sampled length is an outcome: a breaking update changes it), m the
-cold start's top-k margin median (its `cold_start.json`: how decisive the routers are before any update, a property
-of the start, not of the probe) and `sigmoid` 1 for the sigmoid + bias family, 0 for the softmax one (a factor e^b,
-not a power), over the regressors that vary among the rows with every known regressor known (a constant one would
-make the fit singular; the report names the ones used). Each coefficient comes with its standard error (ordinary least squares), the fit with R² and its residual
-spread. The extrapolation evaluates the fit at Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8) at each probed
-learning rate, the answer length and width held at the fitted rows' medians (and, on a line of its own, at its width
-2048), a softmax router at the softmax anchor's margin when the margin is fitted (Qwen3.6-35B-A3B's: the nearest
-real softmax router measured), and solves for the learning rate at which the law reaches the GSPO paper's ~10%
-there; with the margin fitted it also solves for the margin a start of the probed ladder would need for a drift of
-`TARGET_DRIFT` at each probed learning rate.
-
-Writes `drift_law.csv` (the rows), `fit.json`, `drift_law.png` and `report.md` into --out; exit code 2 and one
-`error:` line on bad input (no probe found, an empty fit).
+Writes `drift_law.csv` (the rows), `precision.csv`, `fit.json`, `drift_law.png` (and, with the margin fitted,
+`drift_margin.png`) and `report.md` into --out; exit code 2 and one `error:` line on bad input (no probe found, an
+empty fit).
 """
 
 from __future__ import annotations
@@ -31,41 +17,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
 import matplotlib.ticker
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
+from omegaconf import OmegaConf
 
-from analysis.cli import command_line, refusing, writable_out
-from analysis.figures import save_png
-from analysis.style import RC_PARAMS, TEXT_WIDTH_IN, shade
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
+from analysis.cli import Command, writable_out
+from analysis.drift_fit import (
+    PAPER_DRIFT, PAPER_MARGIN, PAPER_SHAPE, REGRESSORS, TARGET_DRIFT, Fit, fit_law, fit_record, fitted_rows,
+    held_at_median, knob_effects, knob_range, ladder_point, lr_for_paper_drift, margin_for_drift, paper_point,
+)
+from analysis.plotting import in_style, new_figure, save_png
+from analysis.style import TEXT_WIDTH_IN, shade
+from analysis.tables import num
 from experiments.step import metrics as m
 from models.policy import SIGMOID_FAMILIES
 from models.routing.measures import MARGIN_ANCHORS
 
-PAPER_DRIFT = 0.10  # GSPO paper §5.3: ~10% of activated experts change per update (Qwen3-30B-A3B, 48 layers)
-PAPER_SHAPE = {"layers": 48, "experts": 128, "top_k": 8, "hidden": 2048}  # Qwen3-30B-A3B
-PAPER_MARGIN = MARGIN_ANCHORS["Qwen3.6-35B-A3B (softmax)"]  # the softmax anchor stands in for the paper's router
-TARGET_DRIFT = 0.05  # drift per update of the paper's order (issue 31's goal)
-LOG, INDICATOR = "log", "indicator"
-# Regressor name -> (column, axis label, kind): a LOG one enters the fit as its logarithm (a power law), an
-# INDICATOR one (0 or 1) as itself (a factor e^b where it is 1).
-REGRESSORS = {
-    "layers": ("layers", "MoE layers L", LOG),
-    "lr": ("lr", "learning rate", LOG),
-    "experts_per_slot": ("experts_per_slot", "experts per top-k slot E/k", LOG),
-    "length": ("answer_tokens", "answer tokens T (the task's, by design)", LOG),
-    "hidden": ("hidden", "hidden width H", LOG),
-    "margin": ("start_margin", "cold start's top-k margin median m", LOG),
-    "sigmoid": ("sigmoid_family", "sigmoid + bias family (1) against softmax (0)", INDICATOR),
-}
 ROW_METRICS = {
     "drift": m.DRIFT_PER_UPDATE,
     "token_any_change": m.TOKEN_DRIFT_PER_UPDATE,
@@ -132,8 +104,6 @@ def load_probes(paths: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame
 
 def hidden_width(run_dir: Path) -> int | None:
     """The hidden width of the probed model, from the config the probe composed (`.hydra/config.yaml`)."""
-    from omegaconf import OmegaConf
-
     config = run_dir / ".hydra" / "config.yaml"
     if not config.is_file():
         return None
@@ -144,126 +114,13 @@ def hidden_width(run_dir: Path) -> int | None:
     return cfg.model.get("hidden_size")
 
 
-@dataclass
-class Fit:
-    regressors: list[str]  # in the order of `coef[1:]`
-    coef: np.ndarray  # [c, a_1, ...]
-    stderr: np.ndarray
-    r2: float
-    residual_std: float  # of log drift
-    n: int
-
-    def predict(self, point: dict[str, float]) -> float:
-        x = np.array([1.0] + [_term(r, point[r]) for r in self.regressors])
-        return float(math.exp(x @ self.coef))
-
-    def exponent(self, name: str) -> float:
-        return float(self.coef[1 + self.regressors.index(name)])
-
-    def as_dict(self) -> dict:
-        return {"regressors": self.regressors, "intercept": float(self.coef[0]),
-                "exponents": {r: float(c) for r, c in zip(self.regressors, self.coef[1:])},
-                "stderr": {r: float(s) for r, s in zip(["intercept", *self.regressors], self.stderr)},
-                "r2": self.r2, "residual_std_log": self.residual_std, "n": self.n}
-
-
-def _term(name: str, value: float) -> float:
-    """What regressor `name` at `value` contributes to the design: its logarithm, or the indicator itself."""
-    return float(value) if REGRESSORS[name][2] == INDICATOR else math.log(value)
-
-
-def fitted_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows the law is fitted on: a positive drift, not diverged, and every regressor known that any row knows
-    (probes of cold starts made before margins were recorded know no margin: then no row is fitted on it)."""
-    known = [column for column, *_ in REGRESSORS.values() if column in rows and rows[column].notna().any()]
-    usable = rows[(rows["drift"] > 0) & rows[known].notna().all(axis=1)]
-    return usable[usable["diverged"].isna()] if "diverged" in usable else usable
-
-
-def fit_law(rows: pd.DataFrame) -> Fit:
-    """Least squares of log drift on every regressor that varies (`_term`; rows with a positive drift only)."""
-    usable = fitted_rows(rows)
-    names = [name for name, (column, *_) in REGRESSORS.items() if column in usable and usable[column].nunique() > 1]
-    if len(usable) <= len(names) + 1:
-        raise ValueError(f"{len(usable)} probe rows with a positive drift cannot fit {len(names) + 1} coefficients "
-                         f"({', '.join(['constant', *names])}): probe more settings")
-    x = np.column_stack([np.ones(len(usable))] + [[_term(n, v) for v in usable[REGRESSORS[n][0]]] for n in names])
-    y = np.log(usable["drift"].astype(float).to_numpy())
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    residual = y - x @ coef
-    dof = len(y) - x.shape[1]
-    sigma2 = float(residual @ residual) / dof
-    stderr = np.sqrt(np.diag(sigma2 * np.linalg.pinv(x.T @ x)))
-    r2 = 1.0 - float(residual @ residual) / float(((y - y.mean()) ** 2).sum())
-    return Fit(names, coef, stderr, r2, math.sqrt(sigma2), len(y))
-
-
-def held_at_median(rows: pd.DataFrame, own_width: bool) -> dict[str, float]:
-    """The regressors the extrapolation does not take from Qwen3-30B-A3B, at the fitted rows' medians: the answer
-    length always (the paper's answers are thousands of tokens, far beyond any probed), the width unless `own_width`
-    (its 2048 is 8x beyond the widest probed model)."""
-    usable = fitted_rows(rows)
-    held = ["length"] + ([] if own_width else ["hidden"])
-    return {name: float(usable[REGRESSORS[name][0]].median()) for name in held}
-
-
-def ladder_point(rows: pd.DataFrame, lr: float) -> dict[str, float]:
-    """The fitted rows' median of every regressor, the softmax family, at `lr`: a start of the probed ladder."""
-    usable = fitted_rows(rows)
-    point = {name: float(usable[column].median()) for name, (column, *_) in REGRESSORS.items() if column in usable}
-    point.update(lr=lr, sigmoid=0.0)
-    return point
-
-
-def paper_point(fit: Fit, rows: pd.DataFrame, lr: float, own_width: bool = False) -> dict[str, float]:
-    """Qwen3-30B-A3B's routing (and, with `own_width`, its hidden width) at `lr`, a softmax router at the softmax
-    anchor's margin; the rest `held_at_median`."""
-    point = ladder_point(rows, lr)
-    point.update(held_at_median(rows, own_width), layers=PAPER_SHAPE["layers"], margin=PAPER_MARGIN,
-                 experts_per_slot=PAPER_SHAPE["experts"] / PAPER_SHAPE["top_k"])
-    if own_width:
-        point["hidden"] = PAPER_SHAPE["hidden"]
-    return point
-
-
-def lr_for_paper_drift(fit: Fit, rows: pd.DataFrame, own_width: bool = False) -> float | None:
-    """The learning rate at which the law gives the paper's drift at its routing (None without an lr exponent)."""
-    if "lr" not in fit.regressors:
-        return None
-    exponent = fit.exponent("lr")
-    if exponent <= 0:
-        return None
-    at_one = fit.predict(paper_point(fit, rows, 1.0, own_width))
-    return float((PAPER_DRIFT / at_one) ** (1.0 / exponent))
-
-
-def margin_for_drift(fit: Fit, rows: pd.DataFrame, lr: float, drift: float = TARGET_DRIFT) -> float | None:
-    """The cold-start margin at which the law gives `drift` at `lr` on a start of the probed ladder (`ladder_point`):
-    None without a margin exponent, or with one that is not negative (drift that does not fall as routers grow more
-    decisive: no margin answers)."""
-    if "margin" not in fit.regressors or fit.exponent("margin") >= 0:
-        return None
-    at_one = fit.predict({**ladder_point(rows, lr), "margin": 1.0})
-    return float((drift / at_one) ** (1.0 / fit.exponent("margin")))
-
-
-def knob_effects(fit: Fit, rows: pd.DataFrame) -> list[tuple[str, float, float, float]]:
-    """(knob, smallest, largest value probed, factor) per fitted knob, largest move first: the factor by which the law
-    moves drift from the knob's smallest to its largest value fitted, the others held (exponent × log of the range)."""
-    effects, usable = [], fitted_rows(rows)
-    for name, coef in zip(fit.regressors, fit.coef[1:]):
-        values = usable[REGRESSORS[name][0]].astype(float)
-        low, high = float(values.min()), float(values.max())
-        effects.append((name, low, high, math.exp(coef * (_term(name, high) - _term(name, low)))))
-    return sorted(effects, key=lambda effect: -abs(math.log(effect[3])))
-
-
+@in_style
 def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
     """(a) drift against lr per cold start, (b) against depth per lr, (c) per-layer profiles, (d) routing share."""
-    matplotlib.rcParams.update(RC_PARAMS)
-    fig = Figure(figsize=(TEXT_WIDTH_IN, 4.6), layout="constrained")
+    fig = new_figure(TEXT_WIDTH_IN, 4.6)
     (a, b), (c, d) = fig.subplots(2, 2)
-    models = list(dict.fromkeys(rows.sort_values(["experts_per_slot", "layers"])[["model", "task"]].itertuples(index=False)))
+    ordered = rows.sort_values(["experts_per_slot", "layers"])[["model", "task"]]
+    models = list(dict.fromkeys(ordered.itertuples(index=False)))
     lrs = sorted(rows["lr"].unique())
     for i, (model, task) in enumerate(models):
         part = rows[(rows["model"] == model) & (rows["task"] == task)].sort_values("lr")
@@ -305,11 +162,11 @@ def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
     return save_png(fig, path, dpi)
 
 
+@in_style
 def margin_figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
     """Drift against the cold start's margin, one colour per learning rate, one marker per family; the law's line
     for the softmax family at each lr, and the anchors of real checkpoints."""
-    matplotlib.rcParams.update(RC_PARAMS)
-    fig = Figure(figsize=(TEXT_WIDTH_IN / 2, 2.6), layout="constrained")
+    fig = new_figure(TEXT_WIDTH_IN / 2, 2.6)
     ax = fig.subplots()
     usable = fitted_rows(rows)
     grid = np.geomspace(min(usable["start_margin"].min(), min(MARGIN_ANCHORS.values())) / 2,
@@ -332,22 +189,9 @@ def margin_figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Pa
     return save_png(fig, path, dpi)
 
 
-def knob_range(rows: pd.DataFrame, column: str) -> str:
-    """'low to high' of a column over the fitted rows."""
-    values = fitted_rows(rows)[column].astype(float)
-    return f"{values.min():.2g} to {values.max():.2g}"
-
-
 def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, command: str, figure_path: Path) -> Path:
-    def missing(v) -> bool:
-        return v is None or (isinstance(v, float) and math.isnan(v))
-
-    def pct(v):
-        return "–" if missing(v) else f"{v:.2%}"
-
-    def num(v):
-        return "–" if missing(v) else f"{v:.3g}"
-
+    """report.md: the probed settings, the fit, which knob moves drift most, the law at the paper's routing, the margin
+    a start would need (with the margin fitted) and the engines' disagreement with the trainer."""
     lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
              f"![drift law]({figure_path.name})", "", "## Probed settings", "",
              "| probe | model | task | L | E / k | start margin | lr | answer tokens | drift after one update | tokens "
@@ -358,9 +202,9 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
         if isinstance(r.get("diverged"), str):
             lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | | |")
             continue
-        lines.append(shape + f"{r['answer_tokens']:.1f} | {pct(r['drift'])} | {pct(r['token_any_change'])} | "
-                     f"{pct(r['routing_share'])} | {r['logit_margin']:.3f} | {num(r['token_ratio_var'])} | "
-                     f"{num(r['seq_ratio_var'])} |")
+        lines.append(shape + f"{r['answer_tokens']:.1f} | {num(r['drift'], '.2%')} | "
+                     f"{num(r['token_any_change'], '.2%')} | {num(r['routing_share'], '.2%')} | "
+                     f"{r['logit_margin']:.3f} | {num(r['token_ratio_var'])} | {num(r['seq_ratio_var'])} |")
     lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x (an indicator enters as itself) over "
               f"{', '.join(fit.regressors)}; n = {fit.n} rows, "
               f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
@@ -388,7 +232,7 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
               f"The law{shape}{anchored}, with {held} (the paper's own answers and "
               f"width lie far outside the probed ranges: an extrapolation, not a measurement).{shape_note}", ""]
     for lr in sorted(rows["lr"].unique()):
-        lines.append(f"- lr {lr:.0e}: the law gives {pct(fit.predict(paper_point(fit, rows, lr)))} "
+        lines.append(f"- lr {lr:.0e}: the law gives {num(fit.predict(paper_point(fit, rows, lr)), '.2%')} "
                      f"(paper: ~{PAPER_DRIFT:.0%}).")
     needed = lr_for_paper_drift(fit, rows)
     if needed is not None:
@@ -409,35 +253,41 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
                                                if needed_margin is None else f"m ≈ {needed_margin:.2g}"))
     if not precision.empty:
         lines += ["", "## Engine precision against the fp32 trainer, at the cold start's weights", "",
-                  "| model | task | precision | experts that differ | tokens with a difference | k3 |", "|---|---|---|---|---|---|"]
+                  "| model | task | precision | experts that differ | tokens with a difference | k3 |",
+                  "|---|---|---|---|---|---|"]
         for r in precision.itertuples():
-            lines.append(f"| {r.model} | {r.task} | {r.precision} | {pct(r.expert_mismatch)} | "
-                         f"{pct(r.token_any_mismatch)} | {r.kl_k3:.2g} |")
+            lines.append(f"| {r.model} | {r.task} | {r.precision} | {num(r.expert_mismatch, '.2%')} | "
+                         f"{num(r.token_any_mismatch, '.2%')} | {r.kl_k3:.2g} |")
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.drift_law", description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="+", metavar="PROBE_DIR", help="probe run or sweep directories, searched recursively")
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The probes' directories and where the law goes."""
+    parser.add_argument("paths", nargs="+", metavar="PROBE_DIR",
+                        help="probe run or sweep directories, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    args = parser.parse_args(argv)
-    with refusing():
-        rows, precision = load_probes(args.paths)
-        fit = fit_law(rows)
-        writable_out(args.out)
+
+
+def read(args: argparse.Namespace) -> tuple[pd.DataFrame, pd.DataFrame, Fit]:
+    """The probes' rows and the law fitted to them; the output folder proved writable."""
+    rows, precision = load_probes(args.paths)
+    fit = fit_law(rows)
+    writable_out(args.out)
+    return rows, precision, fit
+
+
+def write(law: tuple[pd.DataFrame, pd.DataFrame, Fit], args: argparse.Namespace, command: str) -> str:
+    """The rows, the fit, the figures and the report; the line saying where."""
+    rows, precision, fit = law
     rows.to_csv(args.out / "drift_law.csv", index=False)
     precision.to_csv(args.out / "precision.csv", index=False)
-    result = {**fit.as_dict(), "lr_for_paper_drift": lr_for_paper_drift(fit, rows)}
-    if "margin" in fit.regressors:
-        result["margin_for_target_drift"] = {f"{lr:g}": margin_for_drift(fit, rows, lr) for lr in sorted(rows["lr"].unique())}
-    (args.out / "fit.json").write_text(json.dumps(result, indent=2) + "\n")
-    command = command_line("analysis.drift_law", argv)
-    path = report(rows, precision, fit, args.out, command, figure(rows, fit, args.out))
-    print(f"report: {path}")
+    (args.out / "fit.json").write_text(json.dumps(fit_record(fit, rows), indent=2) + "\n")
+    return f"report: {report(rows, precision, fit, args.out, command, figure(rows, fit, args.out))}"
 
+
+main = Command("analysis.drift_law", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
     main()

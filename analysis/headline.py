@@ -12,12 +12,15 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from analysis import aggregate as agg
+from analysis.arms import arm_order, cell_name, seed_order, sweep_cells
+from analysis.configs import SYNTHETIC_KEYS, format_value
 from analysis.declaration import Declaration
-from analysis.figures import FigureOutput
-from analysis.load import SYNTHETIC_KEYS, UNKNOWN_START, RunSet, _format_value
+from analysis.gains import EXCLUDED, GAIN_MEASURES
+from analysis.plotting import FigureOutput
+from analysis.records import UNKNOWN_START, RunSet
 from analysis.references import Reference
 from analysis.statistics import ALPHA, smallest_p
+from analysis.verdicts import PRIMARY
 
 TITLE = "## What ran and what it shows"
 # Fewer units than this and an exact paired sign-flip test cannot reach p < ALPHA (statistics.smallest_p).
@@ -40,9 +43,9 @@ def difference(row: dict, prefix: str = "difference") -> str:
 def what_ran(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> str:
     """Arms, cells, seeds and cold starts, in one paragraph."""
     runs = runset.runs
-    arms = sorted(set(gains["arm"]) if not gains.empty else set(runs["label"]), key=agg.arm_order)
-    seeds = sorted({seed for seed in runs["seed"] if seed}, key=agg._seed_key)
-    cells = [agg.cell_name(cell) for cell, _ in agg.cells(gains, axes)] if axes and not gains.empty else []
+    arms = sorted(set(gains["arm"]) if not gains.empty else set(runs["label"]), key=arm_order)
+    seeds = sorted({seed for seed in runs["seed"] if seed}, key=seed_order)
+    cells = [cell_name(cell) for cell, _ in sweep_cells(gains, axes)] if axes and not gains.empty else []
     starts = runs.loc[runs["start_sha256"] != UNKNOWN_START].groupby("start_sha256").size()
     started = (f"cold start{'s' * (len(starts) > 1)} (the weights' sha256) "
                + ", ".join(f"`{start[:12]}` ({n} runs)" for start, n in starts.items()) if len(starts) else
@@ -78,25 +81,27 @@ def verdict_lines(comparisons: pd.DataFrame, declaration: Declaration, gains: pd
         return ["**Compared**: nothing here (one arm); `python -m analysis.compare` pairs it with the arms of another "
                 "report."]
     baseline, family = declaration.reference(arms), declaration.family_of(arms)
-    primary = [row for row in comparisons.to_dict("records") if row["role"] == agg.PRIMARY] if len(comparisons) else []
+    primary = [row for row in comparisons.to_dict("records") if row["role"] == PRIMARY] if len(comparisons) else []
     said = (f"**The declared comparisons**: {', '.join(family)} against {baseline} on `{declaration.primary}` "
-            f"({agg.GAIN_MEASURES[declaration.primary].split(':')[0]}), Holm's correction over {len(primary)}")
+            f"({GAIN_MEASURES[declaration.primary].split(':')[0]}), Holm's correction over {len(primary)}")
     if not any(not pd.isna(row.get("difference_estimate", math.nan)) for row in primary):
         return [f"{said}: none could be compared (each holds fewer than 2 seeds both arms ran)."]
     if references:
         said += ("; each beside the row of the committed result it is a miniature of (same arm, measure and cell; "
                  "every measure under *Beside the committed results*)")
     lines = [f"{said}:", ""]
-    counted = {tuple(cell.values()): part for cell, part in agg.cells(gains[gains["counted"] != agg.EXCLUDED], axes)}
+    counted = {tuple(cell.values()): part for cell, part in sweep_cells(gains[gains["counted"] != EXCLUDED], axes)}
     for row in primary:
         cell = {key: row[key] for key in axes}
         part = counted[tuple(cell.values())]
         means = ", ".join(f"{arm} {part.loc[part['arm'] == arm, row['measure']].mean():+.3f}"
                           for arm in (baseline, row["arm"]))
         starts = row.get("starts")
-        if starts == starts and (starts or 0) >= 2:  # starts == starts: not NaN (a table from before starts were counted)
+        # starts == starts: not NaN (a table from before starts were counted)
+        if starts == starts and (starts or 0) >= 2:
             # several starts: the two-level interval decides, and it is the one said
-            said = f"{difference(row, 'starts_difference')} over {row['seeds']} (start, seed) pairs from {int(starts)} starts"
+            said = (f"{difference(row, 'starts_difference')} over {row['seeds']} (start, seed) pairs from "
+                    f"{int(starts)} starts")
         else:
             said = f"{difference(row)} over {row['seeds']} seeds"
         line = (f"- {_cell_prefix(cell)}{means}; {row['arm']} − {baseline} {said}: "
@@ -114,13 +119,13 @@ def verdict_lines(comparisons: pd.DataFrame, declaration: Declaration, gains: pd
 
 
 def _cell_prefix(cell: dict) -> str:
-    return f"{agg.cell_name(cell)}: " if cell else ""
+    return f"{cell_name(cell)}: " if cell else ""
 
 
 def no_match(reference: Reference) -> str:
     """What a reference's table does hold, for a reader to see why nothing here matched it."""
     table = reference.table
-    held = "; ".join(f"{key} = {', '.join(map(_format_value, sorted(set(table[key]))))}" for key in reference.axes)
+    held = "; ".join(f"{key} = {', '.join(map(format_value, sorted(set(table[key]))))}" for key in reference.axes)
     arms, baselines = (", ".join(sorted(set(table[column]))) for column in ("arm", "baseline"))
     return (f"its table holds {arms} against {baselines}" + (f" at {held}" if held else " in one cell")
             + "; a setting its table does not vary is taken at the schema's default there")
@@ -145,8 +150,8 @@ def limits(runset: RunSet, comparisons: pd.DataFrame, left_out: pd.DataFrame) ->
             lines.append(f"- {count} {unit}: an exact sign-flip test on fewer than {UNITS_TO_SEPARATE} cannot reach "
                          f"p < {ALPHA:g}, so no verdict here can separate; an estimate gives a direction, not a "
                          "finding.")
-        family = int((compared["role"] == agg.PRIMARY).sum()) if "role" in compared else 0
-        reachable = smallest_p(units[compared["role"] == agg.PRIMARY].max(), family) if family else 0.0
+        family = int((compared["role"] == PRIMARY).sum()) if "role" in compared else 0
+        reachable = smallest_p(units[compared["role"] == PRIMARY].max(), family) if family else 0.0
         if units.max() >= UNITS_TO_SEPARATE and reachable >= ALPHA:
             unit = "starts" if across.all() else "seeds"
             lines.append(f"- {units.max()} {unit} and a declared family of {family}: the smallest Holm-adjusted p any "

@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from scipy import stats
 
-from analysis.cli import command_line, refusing
+from analysis.cli import Command, command_line
 from analysis.statistics import ALPHA, CONFIDENCE
 
 SECTION = "## Intervals from the recorded means"
@@ -140,19 +138,27 @@ def annotate(report: Path, command: str) -> Path:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.legacy_intervals", description=__doc__.split("\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The result folders, each holding a report.md."""
     parser.add_argument("results", nargs="+", type=Path, metavar="RESULT_DIR", help="folders holding a report.md")
-    args = parser.parse_args(argv)
-    missing = [str(folder) for folder in args.results if not (folder / "report.md").is_file()]
-    with refusing():
-        if missing:
-            raise ValueError(f"no report.md in {', '.join(missing)}")
-    for folder in args.results:
-        command = command_line("analysis.legacy_intervals", [folder])
-        print(f"report: {annotate(folder / 'report.md', command)}")
 
+
+def read(args: argparse.Namespace) -> list[Path]:
+    """The reports, every folder holding one."""
+    missing = [str(folder) for folder in args.results if not (folder / "report.md").is_file()]
+    if missing:
+        raise ValueError(f"no report.md in {', '.join(missing)}")
+    return [folder / "report.md" for folder in args.results]
+
+
+def write(reports: list[Path], args: argparse.Namespace, command: str) -> str:
+    """Each report with its section; a line per report. Each names the command that annotates its own folder, the
+    line that makes it again."""
+    return "\n".join(f"report: {annotate(report, command_line('analysis.legacy_intervals', [report.parent]))}"
+                     for report in reports)
+
+
+main = Command("analysis.legacy_intervals", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
     main()

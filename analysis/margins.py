@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.cli import command_line, refusing, writable_out
+from analysis.cli import Command, writable_out
 from experiments.sft import MEDIAN_INTERVAL, routing_profile
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL
 from experiments.tasks import build_task
@@ -81,21 +80,22 @@ def within_two_fold(interval: Sequence[float]) -> str:
 
 
 def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
+    """report.md (a row per checkpoint against its family's anchor) and margins.json (the rows)."""
     (softmax_name, softmax), (sigmoid_name, sigmoid) = SOFTMAX_ANCHOR, SIGMOID_ANCHOR
     lines = ["# Top-k margins against real routers", "", f"Made with `{command}`.", "",
              f"The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest selection scores "
              f"(softmax probabilities; sigmoid + bias), over tokens and layers of the held-out demonstrations. "
              f"Anchors (colibri issue #119, medians over tokens and layers): {softmax_name} {softmax}, {sigmoid_name} "
-             f"{sigmoid}. Brackets: the 95% interval over draws of as many held-out sequences (a bootstrap that resamples "
-             "whole sequences; models.statistics.median_interval). Within 2x of its family's anchor when the whole "
-             "interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided. Best expert's "
-             "lead: (s[0] − s[1]) / (s[0] − s[2k−1]), the share of the margin's denominator the best expert's lead "
-             "takes (median): near 1, every gap below it is a small fraction of the spread. Gate mass, best / last: "
-             "the share of a token's gate weights (renormalised over its chosen experts) on its best and on its last "
-             "chosen expert (medians): what an expert change at the cut can move of what the token computes. A best "
-             "share near 1 and a last near 0 make a router one-hot in all but name: its changed experts, counted as the "
-             "GSPO paper counts them, change almost nothing a token computes (the RL runs' `routing/gate_tv` measures "
-             "it).", "",
+             f"{sigmoid}. Brackets: the 95% interval over draws of as many held-out sequences (a bootstrap that "
+             "resamples whole sequences; models.statistics.median_interval). Within 2x of its family's anchor when the "
+             "whole interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided. Best "
+             "expert's lead: (s[0] − s[1]) / (s[0] − s[2k−1]), the share of the margin's denominator the best expert's "
+             "lead takes (median): near 1, every gap below it is a small fraction of the spread. Gate mass, best / "
+             "last: the share of a token's gate weights (renormalised over its chosen experts) on its best and on its "
+             "last chosen expert (medians): what an expert change at the cut can move of what the token computes. A "
+             "best share near 1 and a last near 0 make a router one-hot in all but name: its changed experts, counted "
+             "as the GSPO paper counts them, change almost nothing a token computes (the RL runs' `routing/gate_tv` "
+             "measures it).", "",
              "| checkpoint | sha256 | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] "
              "| mean | share < 0.01 | median / anchor [95% CI] | best expert's lead | best score "
              "| gate mass, best / last | load entropy | max / mean load |",
@@ -117,22 +117,29 @@ def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis.margins", description=__doc__.split("\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoints, where the table goes, the task of a checkpoint that names none, how many prompts."""
     parser.add_argument("checkpoints", nargs="+", type=Path, metavar="CHECKPOINT", help="local checkpoint directories")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--dataset", default="addition", help="the task of a checkpoint without a cold_start.json")
     parser.add_argument("--prompts", type=int, default=256, help="held-out demonstrations measured per checkpoint")
-    args = parser.parse_args(argv)
-    with refusing():
-        if args.prompts < 1:
-            raise ConfigError(f"--prompts={args.prompts} must be >= 1")
-        rows = [measure(checkpoint, args.dataset, args.prompts) for checkpoint in args.checkpoints]
-        writable_out(args.out)
-    command = command_line("analysis.margins", argv)
-    print(f"report: {report(rows, args.out, command)}")
 
+
+def read(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every checkpoint measured (`measure`), once the prompts are a count and before the output folder is made."""
+    if args.prompts < 1:
+        raise ConfigError(f"--prompts={args.prompts} must be >= 1")
+    rows = [measure(checkpoint, args.dataset, args.prompts) for checkpoint in args.checkpoints]
+    writable_out(args.out)
+    return rows
+
+
+def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
+    """The table and margins.json; the line saying where."""
+    return f"report: {report(rows, args.out, command)}"
+
+
+main = Command("analysis.margins", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
     main()

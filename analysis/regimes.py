@@ -5,7 +5,7 @@
 A regime is the setting of every config key that differs between the runs read (seeds, logging, paths and the arm
 aside); an arm is the objective with its own settings and the Routing Replay mode. Each (search, regime, arm) row
 gives its seeds, the held-out greedy accuracy at the start and the end of each seed, how many seeds collapsed
-(`analysis.aggregate.collapse_flag` on the training reward), the drift after one update and the training–inference
+(`analysis.summaries.collapse_flag` on the training reward), the drift after one update and the training–inference
 mismatch (mean over steps), and a verdict: `collapsed k/n` when a seed collapsed, else `improves` / `declines` when
 every seed ends above / below where it started on held-out prompts, else `mixed`.
 
@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from analysis import aggregate as agg
-from analysis.load import _short_key, ignored_key, load_runs, schema_defaults
-from analysis.report import markdown_table, _num
-from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3
+from analysis.cli import Command
+from analysis.configs import ignored_key, schema_defaults, short_key
+from analysis.load import load_runs
+from analysis.summaries import collapse_flag
+from analysis.tables import markdown_table, num
+from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3, REWARD
 
 # what makes an arm (the label's base), never a regime's knob
 _ARM_PREFIXES = ("algo.", "routing.replay")
@@ -63,7 +64,7 @@ def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
         runset = load_runs([directory])
         defaults = schema_defaults()
         greedy = runset.metric(EVAL_GREEDY)
-        reward = runset.metric(agg.REWARD)
+        reward = runset.metric(REWARD)
         for row in runset.runs.itertuples():
             config = defaults | json.loads(row.config)
             arm = row.algo if row.replay == "none" else f"{row.algo} + {row.replay}"
@@ -77,7 +78,7 @@ def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
                 config=config | {"_arm_settings": json.dumps({k: config[k] for k in arm_settings}, default=str)},
                 start=float(start.iloc[0]) if len(start) else None, start_borrowed=False,
                 end=float(trained["value"].iloc[-1]) if len(trained) else None,
-                collapsed=agg.collapse_flag(rewards) if len(rewards) else None,
+                collapsed=collapse_flag(rewards) if len(rewards) else None,
                 drift=_mean_metric(runset, row.run, DRIFT_PER_UPDATE),
                 mismatch=_mean_metric(runset, row.run, MISMATCH_K3),
             ))
@@ -147,13 +148,13 @@ def regimes_table(found: list[RunOutcome]) -> str:
     all_keys = sorted({k for run in found for k in run.config})
     groups: dict[tuple, list[RunOutcome]] = {}
     for run in found:
-        regime = tuple(f"{_short_key(k, all_keys)}={run.config.get(k, '–')}" for k in keys)
+        regime = tuple(f"{short_key(k, all_keys)}={run.config.get(k, '–')}" for k in keys)
         groups.setdefault((run.search, regime, _arm_name(run, found)), []).append(run)
     rows = []
     for (search, regime, arm), runs in groups.items():
         runs.sort(key=lambda r: r.seed)
         per_seed = ", ".join(
-            f"{_num(r.start, '.2f')}{'*' if r.start_borrowed else ''}→{_num(r.end, '.2f')}" for r in runs
+            f"{num(r.start, '.2f')}{'*' if r.start_borrowed else ''}→{num(r.end, '.2f')}" for r in runs
         )
 
         def mean(field: str, runs=runs) -> float | None:
@@ -162,7 +163,7 @@ def regimes_table(found: list[RunOutcome]) -> str:
 
         rows.append([
             search, ", ".join(regime) or "–", arm, ",".join(r.seed for r in runs), per_seed,
-            _num(mean("drift"), ".2%") if mean("drift") is not None else "–", _num(mean("mismatch"), ".3g"),
+            num(mean("drift"), ".2%") if mean("drift") is not None else "–", num(mean("mismatch"), ".3g"),
             verdict(runs),
         ])
     header = ["search", "regime", "arm", "seeds", "held-out greedy start→end per seed", "drift after one update",
@@ -170,31 +171,35 @@ def regimes_table(found: list[RunOutcome]) -> str:
     return markdown_table(header, rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.regimes", description=__doc__.split("\n\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The searches (a sweep directory each), where the table goes and its heading."""
     parser.add_argument("directories", nargs="+", type=Path, help="sweep directories, one search each")
     parser.add_argument("--out", type=Path, help="write the markdown here (default: print it)")
     parser.add_argument("--title", default="Regimes tried", help="the heading above the table")
-    args = parser.parse_args(argv)
+
+
+def read(args: argparse.Namespace) -> list[RunOutcome]:
+    """Every run's outcome under the searches; a path that is not a directory is refused."""
     missing = [str(d) for d in args.directories if not d.is_dir()]
     if missing:
-        print(f"error: not a directory: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    found = outcomes(args.directories)
-    if not found:
-        print(f"error: no run directories under {', '.join(map(str, args.directories))}", file=sys.stderr)
-        return 2
-    command = "python -m analysis.regimes " + " ".join(str(d) for d in args.directories)
-    text = (f"# {args.title}\n\nMade by `{command}`. Starts marked * are borrowed from a run of the same checkpoint "
-            f"and held-out prompts (greedy decoding does not depend on the seed).\n\n{regimes_table(found)}\n")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
-        print(f"regimes: {args.out}")
-    else:
-        print(text, end="")
-    return 0
+        raise ValueError(f"not a directory: {', '.join(missing)}")
+    return outcomes(args.directories)
 
+
+def write(found: list[RunOutcome], args: argparse.Namespace, command: str) -> str:
+    """The table, into `--out` (the line saying where) or as what is printed. It names the searches it was made from,
+    not where it was written."""
+    made_by = "python -m analysis.regimes " + " ".join(str(d) for d in args.directories)
+    text = (f"# {args.title}\n\nMade by `{made_by}`. Starts marked * are borrowed from a run of the same checkpoint "
+            f"and held-out prompts (greedy decoding does not depend on the seed).\n\n{regimes_table(found)}")
+    if not args.out:
+        return text
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n", encoding="utf-8")
+    return f"regimes: {args.out}"
+
+
+main = Command("analysis.regimes", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -77,7 +77,7 @@ class Comparison:
     difference: Interval  # mean of arm − baseline over the seeds, with its 95% bootstrap interval
     p_value: float  # the exact paired sign-flip test, two-sided
     pairs_ahead: float  # the share of the pairs in which the arm is ahead (a tie counts ½)
-    improvement: Interval  # rliable's unpaired P(arm > baseline) over all cross-seed pairs, with its 95% bootstrap interval
+    improvement: Interval  # rliable's unpaired P(arm > baseline) over all cross-seed pairs, with its 95% interval
     arm_iqm: Interval | None  # from IQM_FROM seeds on
     baseline_iqm: Interval | None
     detectable: float  # the smallest mean difference these seeds could detect (inf: none)
@@ -163,7 +163,8 @@ def sign_flip_p(differences: np.ndarray | list[float]) -> float:
 
 
 def share_ahead(differences: np.ndarray | list[float]) -> float:
-    """The share of paired differences above 0, a tie (|d| ≤ `TIE`) counting ½: the paired probability of improvement."""
+    """The share of paired differences above 0, a tie (|d| ≤ `TIE`) counting ½: the paired probability of
+    improvement."""
     differences = np.asarray(differences, dtype=float)
     return float(np.mean((differences > TIE) + 0.5 * (np.abs(differences) <= TIE)))
 

@@ -3,7 +3,9 @@
 `make_sweep` builds a Hydra-multirun-like folder: two algorithms (grpo, gspo) × three seeds, 20 steps each, where
 every metric is a simple closed form of (algorithm, seed, step, layer, minibatch) so tests can check aggregates by
 hand. Planted defects: the gspo seed-2 run crashed after step 12 (no summary.json), and line 5 of the grpo seed-1
-metrics.jsonl is not JSON.
+metrics.jsonl is not JSON. Beside it, the shapes the report's tests and tests/analysis_outputs.py build on: a run
+evaluated at its start and end (`evaluated_run`), a run whose reward may collapse after its mismatch rises
+(`mismatch_run`), a committed result's comparisons table (`reference_folder`) and a W&B project (`FakeApi`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from algos.objective import CLIP as CLIP_METRIC, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.step.metrics import (
-    DRIFT, DRIFT_OVER_MINIBATCHES, DRIFT_PER_UPDATE, EVAL_ACCURACY, REWARD, SKIPPED, STEP, STEP_TIME, TOKENS, per_layer,
+    CHI2_TOKEN, DRIFT, DRIFT_OVER_MINIBATCHES, DRIFT_PER_UPDATE, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, GRAD_NORM,
+    MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP, STEP_TIME, TOKENS, per_layer, started,
 )
 
 STEPS = 20
@@ -123,3 +127,87 @@ def make_sweep(root: Path) -> Path:
                       malformed_line=malformed)
             job += 1
     return root
+
+
+def evaluated_run(run_dir: Path, algo: str, seed: int, replay: str, start: float, end: float, *, sha: str | None = None,
+                  status: str | None = "finished", logged: int = 3, comparison: dict | None = None,
+                  **settings: object) -> Path:
+    """A run of 3 planned steps evaluated at its start (logged in step 1's record) and at its last logged step (of
+    `logged`), with `settings` in its config; its summary says `status` and names its start `sha` (None: no summary
+    when `status` is None), and its config declares `comparison` where given."""
+    records = [step_record(algo, seed, t, 0.5) for t in range(1, logged + 1)]
+    records[0].update({started(EVAL_GREEDY): start})
+    records[-1].update({EVAL_GREEDY: end})
+    cfg = config(algo, seed, replay=replay, steps=3, eval_every=0)
+    for key, value in settings.items():
+        group, name = key.split(".")
+        cfg.setdefault(group, {})[name] = value
+    if comparison is not None:
+        cfg["comparison"] = comparison
+    return write_run(run_dir, cfg, records, finished=status is not None, start=sha, status=status or "")
+
+
+def mismatch_run(run_dir: Path, seed: int, collapse_at: int | None = None, kl_rises_at: int | None = None,
+                 steps: int = 30, decompose: bool = True) -> Path:
+    """A run whose reward climbs, then (from `collapse_at`) falls by 0.5 for good, and whose mismatch KL jumps ten-fold
+    at `kl_rises_at`; entropy and grad norm stay flat; with `decompose`, every off-policy minibatch logs its routing
+    share of the ratio's variance."""
+    records = []
+    for t in range(1, steps + 1):
+        reward = 0.02 * t if collapse_at is None or t < collapse_at else 0.02 * collapse_at - 0.5
+        record = step_record("grpo", seed, t, reward)
+        record[MISMATCH_K3] = 1e-3 if kl_rises_at is None or t < kl_rises_at else 1e-2
+        record[CHI2_TOKEN] = 2 * record[MISMATCH_K3]
+        record[ESS] = 0.99
+        record[ENTROPY], record[GRAD_NORM] = 1.0, 0.5
+        if decompose:
+            for entry in record["minibatches"]:
+                if entry["minibatch"] > 0:
+                    entry[ROUTING_SHARE] = 0.1 * entry["minibatch"]
+        records.append(record)
+    return write_run(run_dir, config("grpo", seed), records)
+
+
+def reference_folder(folder: Path, key: str, rows: list[tuple]) -> Path:
+    """A committed result's folder as analysis.report writes it: comparisons.csv with the cell's setting `key` first,
+    one row per (value, measure, arm against grpo, estimate, low, high, verdict)."""
+    folder.mkdir(parents=True)
+    pd.DataFrame([{key: value, "measure": measure, "arm": arm, "baseline": "grpo", "seeds": 10,
+                   "difference_estimate": estimate, "difference_low": low, "difference_high": high,
+                   "separates": verdict.startswith("separates"), "verdict": verdict}
+                  for value, measure, arm, estimate, low, high, verdict in rows]).to_csv(folder / "comparisons.csv",
+                                                                                          index=False)
+    return folder
+
+
+class FakeRun:
+    """Stands in for `wandb.apis.public.Run`: the attributes and method the loader uses; `summary`, where given, is
+    the run's summary.json."""
+
+    def __init__(self, algo: str, seed: int, state: str, steps: int, routing: bool = True,
+                 summary: dict | None = None):
+        self.id, self.name, self.group, self.state = f"{algo}{seed}", f"{algo}-s{seed}", "sweepA", state
+        self.config = {**config(algo, seed), "_wandb": {"cli_version": "0"}}
+        if summary is not None:
+            self.summary = summary
+        self._rows = []
+        for t in range(1, steps + 1):
+            record = step_record(algo, seed, t, reward(algo, seed, t), routing=routing)
+            for entry in record.pop("minibatches"):
+                j = entry.pop("minibatch")
+                record.update({f"minibatch/{j}/{k}": v for k, v in entry.items()})
+            self._rows.append({**record, "_step": t - 1, "_runtime": 1.5 * t})
+
+    def scan_history(self):
+        return iter(self._rows)
+
+
+class FakeApi:
+    """Stands in for `wandb.Api`: its project holds `runs`; `calls` records every query."""
+
+    def __init__(self, runs: list[FakeRun]):
+        self._runs, self.calls = runs, []
+
+    def runs(self, path, filters=None):
+        self.calls.append((path, filters))
+        return list(self._runs)

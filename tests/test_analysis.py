@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +27,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 import synthetic_runs as syn  # noqa: E402
 
 from algos.objective import TOKEN_RATIO_VAR  # noqa: E402
-from analysis import aggregate as agg, figures, statistics  # noqa: E402
-from analysis.load import (  # noqa: E402
-    INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS, label_runs, load_runs, load_wandb, schema_defaults,
+from analysis import statistics  # noqa: E402
+from analysis.arms import arm_names, sweep_axes  # noqa: E402
+from analysis.configs import label_runs, schema_defaults  # noqa: E402
+from analysis.curve_figures import fig_early_warning, fig_mismatch, fig_replay_grpo  # noqa: E402
+from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, early_warning  # noqa: E402
+from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # noqa: E402
+from analysis.load import load_runs  # noqa: E402
+from analysis.plotting import (  # noqa: E402
+    FigureSettings, SeriesStyle, legend, legend_rows_in, new_figure, plot_band, series_styles,
 )
+from analysis.records import INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS  # noqa: E402
 from analysis.report import main, write_report  # noqa: E402
+from analysis.routing_figures import (  # noqa: E402
+    fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, heatmaps,
+)
+from analysis.summaries import (  # noqa: E402
+    STABILITY_COLUMNS, aggregate_curves, collapse_flag, curve, ema, per_run_series, stability_table,
+)
+from analysis.sweep_figure import fig_sweep_response  # noqa: E402
+from analysis.verdicts import arm_comparisons  # noqa: E402
+from analysis.wandb_runs import load_wandb  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
-    CHI2_TOKEN, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, GRAD_NORM, MISMATCH_K3, REWARD, ROUTING_SHARE, TOKENS,
-    started,
+    CHI2_TOKEN, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, MISMATCH_K3, REWARD, TOKENS, started,
 )
 
 DPI = "60"
@@ -119,7 +135,7 @@ def test_the_starting_evaluation_is_the_eval_curves_point_at_step_0(tmp_path):
     assert greedy[["step", "value"]].values.tolist() == [[0, 0.25], [1, 0.5]]
     tokens = rs.metric(TOKENS)
     assert tokens[tokens["step"] == 0]["value"].tolist() == [0]
-    assert rs.metric(agg.REWARD)["step"].tolist() == [1, 2, 3], "no training reward at the start"
+    assert rs.metric(REWARD)["step"].tolist() == [1, 2, 3], "no training reward at the start"
     assert rs.runs["last_step"].tolist() == [3]
 
 
@@ -196,14 +212,14 @@ def test_empty_directory_is_a_one_line_error_with_exit_code_2(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_ema_by_hand():
-    assert agg.ema(np.array([0.0, 1.0, 1.0]), 0.5) == pytest.approx([0.0, 0.5, 0.75])
-    assert agg.ema(np.array([3.0, 1.0]), 1.0) == pytest.approx([3.0, 1.0])
+    assert ema(np.array([0.0, 1.0, 1.0]), 0.5) == pytest.approx([0.0, 0.5, 0.75])
+    assert ema(np.array([3.0, 1.0]), 1.0) == pytest.approx([3.0, 1.0])
     with pytest.raises(ValueError, match="alpha"):
-        agg.ema(np.array([1.0]), 0.0)
+        ema(np.array([1.0]), 0.0)
 
 
 def test_curve_means_and_bands_by_hand(runset):
-    table = agg.curve(runset, REWARD, x="step", alpha=None).set_index(["label", "x"])
+    table = curve(runset, REWARD, x="step", alpha=None).set_index(["label", "x"])
     # grpo at step 10: 0.2, 0.3, 0.4 → mean 0.3, sample std 0.1.
     assert table.loc[("grpo", 10.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.3, 0.1, 3])
     # grpo at step 5: seed 1's line is malformed → seeds 0 and 2: 0.1, 0.3.
@@ -211,13 +227,13 @@ def test_curve_means_and_bands_by_hand(runset):
     # gspo at step 15: the crashed seed 2 ended at step 12 → 0.45, 0.55.
     assert table.loc[("gspo", 15.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.5, math.sqrt(0.005), 2])
     # Smoothing happens per seed: grpo seed 0 is 0.02·t, EMA(0.5) at t = 2 is 0.5·0.02 + 0.5·0.04.
-    smoothed = agg.per_run_series(runset, REWARD, alpha=0.5).query("run == 'sweep/0'")
+    smoothed = per_run_series(runset, REWARD, alpha=0.5).query("run == 'sweep/0'")
     assert smoothed["y"].iloc[1] == pytest.approx(0.03)
 
 
 def test_token_axis_interpolates_each_seed_inside_its_own_range(runset):
-    series = agg.per_run_series(runset, REWARD, x="tokens")
-    table = agg.aggregate_curves(series, grid=np.array([250.0, 1000.0, 2000.0])).set_index(["label", "x"])
+    series = per_run_series(runset, REWARD, x="tokens")
+    table = aggregate_curves(series, grid=np.array([250.0, 1000.0, 2000.0])).set_index(["label", "x"])
     # 100 tokens per step: 250 tokens is step 2.5, where grpo seed s has 0.05 + 0.1·s.
     assert table.loc[("grpo", 250.0), ["mean", "std", "n"]].tolist() == pytest.approx([0.15, 0.1, 3])
     assert table.loc[("grpo", 1000.0), "mean"] == pytest.approx(0.3)
@@ -226,7 +242,7 @@ def test_token_axis_interpolates_each_seed_inside_its_own_range(runset):
 
 
 def test_stability_table_by_hand(runset):
-    table = agg.stability_table(runset, last_n=5).set_index("label")
+    table = stability_table(runset, last_n=5).set_index("label")
     grpo, gspo = table.loc["grpo"], table.loc["gspo"]
     # grpo: last 5 steps (16..20) average 0.02·18 + 0.1·s → 0.36, 0.46, 0.56.
     assert grpo["final_reward_mean"] == pytest.approx(0.46)
@@ -246,10 +262,10 @@ def test_stability_table_by_hand(runset):
 
 
 def test_drift_tables_by_hand(runset):
-    by_minibatch = agg.drift_layer_by_minibatch(runset)
+    by_minibatch = drift_layer_by_minibatch(runset)
     assert by_minibatch["grpo"].loc[1, 2] == pytest.approx(0.4)
     assert by_minibatch["gspo"].loc[0, 0] == pytest.approx(0.0)
-    depth, basis = agg.drift_by_depth(runset)
+    depth, basis = drift_by_depth(runset)
     assert "minibatch index 1" in basis
     # After one update the drift is 0.05·(l+1): 0.05 and 0.1, identical across seeds.
     grpo = depth[depth["label"] == "grpo"]
@@ -273,13 +289,13 @@ RISE = list(np.linspace(0.0, 0.8, 30))
     ([0.8, 0.1, 0.1, 0.1, 0.1], None),              # five steps: too short to judge
 ])
 def test_collapse_flag(values, expected):
-    assert agg.collapse_flag(np.array(values)) is expected
+    assert collapse_flag(np.array(values)) is expected
 
 
 def test_collapse_flag_in_the_stability_table(tmp_path):
     syn.curve_run(tmp_path / "bad", "gspo", 0, RISE + [0.1] * 15)
     syn.curve_run(tmp_path / "good", "grpo", 0, list(np.linspace(0.0, 0.8, 45)))
-    table = agg.stability_table(load_runs([tmp_path])).set_index("label")
+    table = stability_table(load_runs([tmp_path])).set_index("label")
     assert table.loc["gspo", "collapse"] and table.loc["gspo", "collapsed_seeds"] == 1
     assert not table.loc["grpo", "collapse"]
     assert table.loc["gspo", "final_reward_mean"] == pytest.approx(0.1)
@@ -315,7 +331,7 @@ def test_report_references_each_figure_and_lists_problems(report_out, sweep):
     assert "| grpo | 3 | 0 | 0.460 ± 0.100 |" in text
     summary = pd.read_csv(report_out / "summary.csv")
     assert summary["label"].tolist() == ["grpo", "gspo"]
-    assert list(summary.columns) == agg.STABILITY_COLUMNS
+    assert list(summary.columns) == STABILITY_COLUMNS
 
 
 def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
@@ -323,10 +339,10 @@ def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
     syn.curve_run(tmp_path / "runs" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
     rs = load_runs([tmp_path / "runs"])
     assert rs.labels == ["grpo", "grpo + r2"]
-    out = figures.fig_replay_grpo(rs, tmp_path / "out", dpi=int(DPI), pdf=True)
+    out = fig_replay_grpo(rs, FigureSettings(tmp_path / "out", dpi=int(DPI), pdf=True))
     assert [f.name for f in out.files] == ["fig3_grpo_routing_replay.png", "fig3_grpo_routing_replay.pdf"]
     assert all(f.stat().st_size > 1000 for f in out.files)
-    styles = figures.series_styles(rs)
+    styles = series_styles(rs)
     assert styles["grpo"].color == styles["grpo + r2"].color
     assert styles["grpo"].linestyle != styles["grpo + r2"].linestyle
 
@@ -334,22 +350,20 @@ def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
 def test_missing_routing_metrics_leave_panels_out_with_a_note(tmp_path):
     syn.curve_run(tmp_path / "dense", "grpo", 0, lambda t: 0.02 * t, routing=False)
     rs = load_runs([tmp_path / "dense"])
-    for draw in (figures.fig_drift_layer_minibatch, figures.fig_drift_layer_step, figures.fig_drift_depth):
-        out = draw(rs, tmp_path / "out")
+    for draw in (fig_drift_layer_minibatch, fig_drift_layer_step, fig_drift_depth):
+        out = draw(rs, FigureSettings(tmp_path / "out"))
         assert out.files == [] and "dense model" in out.notes[0]
     assert not (tmp_path / "out").exists()
-    table = agg.stability_table(rs)
+    table = stability_table(rs)
     assert math.isnan(table.loc[0, "expert_change_per_update_mean"])
 
 
 @pytest.mark.parametrize("layers", [4, 16, 48])
-def test_the_drift_heat_maps_put_layer_ticks_on_whole_layers(tmp_path, monkeypatch, layers):
+def test_the_drift_heat_maps_put_layer_ticks_on_whole_layers(layers):
     """At some panel heights matplotlib's own ticks fell between layers (0.0, 2.5, 5.0, ...): at none may they."""
-    drawn = []
-    monkeypatch.setattr(figures, "_save", lambda fig, *args, **kwargs: drawn.append(fig) or [])
     table = pd.DataFrame(np.full((layers, 3), 0.1), index=range(layers), columns=[0, 1, 2])
-    figures._heatmaps({"grpo": table}, "updates", tmp_path, "heat", 60, False, integer_x=True)
-    fig, ax = drawn[0], drawn[0].axes[0]
+    fig = heatmaps({"grpo": table}, "updates", integer_x=True)
+    ax = fig.axes[0]
     low, high = ax.get_ylim()
     for height in np.linspace(1.0, 8.0, 29):  # inches: from a crowded grid of panels to one tall panel
         fig.set_size_inches(fig.get_size_inches()[0], height)
@@ -361,39 +375,12 @@ def test_the_drift_heat_maps_put_layer_ticks_on_whole_layers(tmp_path, monkeypat
 # W&B
 # ---------------------------------------------------------------------------------------------------------------
 
-class FakeRun:
-    """Stands in for `wandb.apis.public.Run`: the attributes and method the loader uses."""
-
-    def __init__(self, algo: str, seed: int, state: str, steps: int, routing: bool = True):
-        self.id, self.name, self.group, self.state = f"{algo}{seed}", f"{algo}-s{seed}", "sweepA", state
-        self.config = {**syn.config(algo, seed), "_wandb": {"cli_version": "0"}}
-        self._rows = []
-        for t in range(1, steps + 1):
-            record = syn.step_record(algo, seed, t, syn.reward(algo, seed, t), routing=routing)
-            for entry in record.pop("minibatches"):
-                j = entry.pop("minibatch")
-                record.update({f"minibatch/{j}/{k}": v for k, v in entry.items()})
-            self._rows.append({**record, "_step": t - 1, "_runtime": 1.5 * t})
-
-    def scan_history(self):
-        return iter(self._rows)
-
-
-class FakeApi:
-    def __init__(self, runs):
-        self._runs, self.calls = runs, []
-
-    def runs(self, path, filters=None):
-        self.calls.append((path, filters))
-        return list(self._runs)
-
-
 def _no_network():
     raise AssertionError("the W&B API was used although the parquet cache should have served this call")
 
 
 def test_wandb_loader_with_fake_api_and_parquet_cache(tmp_path):
-    api = FakeApi([FakeRun("grpo", 0, "finished", 6), FakeRun("gspo", 0, "running", 4)])
+    api = syn.FakeApi([syn.FakeRun("grpo", 0, "finished", 6), syn.FakeRun("gspo", 0, "running", 4)])
     rs = load_wandb("ent/proj", ["sweepA"], cache_root=tmp_path, api_factory=lambda: api)
     assert api.calls == [("ent/proj", {"group": {"$in": ["sweepA"]}})]
     assert rs.runs["run"].tolist() == ["grpo0", "gspo0"]
@@ -416,7 +403,7 @@ def test_wandb_loader_with_fake_api_and_parquet_cache(tmp_path):
 
 
 def test_cli_wandb_on_a_dense_model_caches_and_notes_the_missing_routing_panels(tmp_path, capsys):
-    api = FakeApi([FakeRun("grpo", 0, "finished", 6, routing=False)])
+    api = syn.FakeApi([syn.FakeRun("grpo", 0, "finished", 6, routing=False)])
     out = tmp_path / "out"
     main(["--wandb", "ent/proj", "--group", "sweepA", "--out", str(out), "--dpi", DPI],
          wandb_api_factory=lambda: api)
@@ -425,14 +412,15 @@ def test_cli_wandb_on_a_dense_model_caches_and_notes_the_missing_routing_panels(
     assert re.search(r"Source: W&B ent/proj \(groups: sweepA\)", text)
     assert "](fig1_reward_vs_compute.png)" in text and "](fig5_ratio_variance.png)" in text
     assert "> Note: No per-minibatch `routing/expert_change_frac/layer_<i>` values (dense model" in text
-    assert "> Note: `routing/expert_change_frac` was not logged by grpo; the experts-changed columns are empty there." in text
+    assert ("> Note: `routing/expert_change_frac` was not logged by grpo; the experts-changed columns are empty "
+            "there.") in text
     assert not (out / "fig4c_drift_depth.png").exists()
     assert capsys.readouterr().out == f"report: {out / 'report.md'}\n"
 
 
 def test_empty_wandb_project_is_a_one_line_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--wandb", "ent/proj", "--out", str(tmp_path)], wandb_api_factory=lambda: FakeApi([]))
+        main(["--wandb", "ent/proj", "--out", str(tmp_path)], wandb_api_factory=lambda: syn.FakeApi([]))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: no W&B runs with history found in ent/proj\n"
 
@@ -449,30 +437,11 @@ def test_a_crashed_run_and_its_rerun_count_once_and_the_report_says_so(tmp_path,
     assert "repeats run" in capsys.readouterr().err
 
 
-def _mismatch_run(run_dir, seed, collapse_at=None, kl_rises_at=None, steps=30, decompose=True):
-    """A run whose reward climbs, then (from `collapse_at`) falls by 0.5 for good, and whose mismatch KL jumps ten-fold
-    at `kl_rises_at`; entropy and grad norm stay flat."""
-    records = []
-    for t in range(1, steps + 1):
-        reward = 0.02 * t if collapse_at is None or t < collapse_at else 0.02 * collapse_at - 0.5
-        record = syn.step_record("grpo", seed, t, reward)
-        record[MISMATCH_K3] = 1e-3 if kl_rises_at is None or t < kl_rises_at else 1e-2
-        record[CHI2_TOKEN] = 2 * record[MISMATCH_K3]
-        record[ESS] = 0.99
-        record[ENTROPY], record[GRAD_NORM] = 1.0, 0.5
-        if decompose:
-            for entry in record["minibatches"]:
-                if entry["minibatch"] > 0:
-                    entry[ROUTING_SHARE] = 0.1 * entry["minibatch"]
-        records.append(record)
-    return syn.write_run(run_dir, syn.config("grpo", seed), records)
-
-
 def test_early_warning_finds_the_fall_and_the_lead_of_a_signal(tmp_path):
-    runs = [_mismatch_run(tmp_path / "collapsing", 0, collapse_at=20, kl_rises_at=12),
-            _mismatch_run(tmp_path / "healthy", 1)]
+    runs = [syn.mismatch_run(tmp_path / "collapsing", 0, collapse_at=20, kl_rises_at=12),
+            syn.mismatch_run(tmp_path / "healthy", 1)]
     rs = load_runs(runs)
-    table = agg.early_warning(rs, alpha=1.0).set_index("run")
+    table = early_warning(rs, alpha=1.0).set_index("run")
     collapsing = table.loc[[r for r in table.index if "collapsing" in r][0]]
     assert collapsing["collapsed"] and collapsing["collapse_step"] == 20
     assert collapsing[MISMATCH_K3 + "_moved_step"] == 12 and collapsing[MISMATCH_K3 + "_lead"] == 8
@@ -482,17 +451,18 @@ def test_early_warning_finds_the_fall_and_the_lead_of_a_signal(tmp_path):
 
 
 def test_mismatch_early_warning_and_decomposition_figures_and_table(tmp_path):
-    runs = [_mismatch_run(tmp_path / "a", 0, collapse_at=20, kl_rises_at=12), _mismatch_run(tmp_path / "b", 1)]
+    runs = [syn.mismatch_run(tmp_path / "a", 0, collapse_at=20, kl_rises_at=12), syn.mismatch_run(tmp_path / "b", 1)]
     rs = load_runs(runs)
     out = tmp_path / "out"
-    for draw in (figures.fig_mismatch, figures.fig_early_warning, figures.fig_decomposition):
-        result = draw(rs, out, pdf=True)
+    for draw in (fig_mismatch, fig_early_warning, fig_decomposition):
+        result = draw(rs, FigureSettings(out, pdf=True))
         assert [p.suffix for p in result.files] == [".png", ".pdf"] and result.caption, result.notes
-    row = agg.stability_table(rs).iloc[0]
+    row = stability_table(rs).iloc[0]
     assert row["mismatch_kl_k3_mean"] > 1e-3 and row["routing_share_mean"] == pytest.approx(0.15)
     report = write_report(rs, out / "report")
     text = report.read_text(encoding="utf-8")
-    assert "## Early warning" in text and re.search(r"\| \d+ \| – \| \d+ \(\+\d+\) \| – \|", text), "a positive lead for k3"
+    assert "## Early warning" in text
+    assert re.search(r"\| \d+ \| – \| \d+ \(\+\d+\) \| – \|", text), "a positive lead for k3"
     assert "`mismatch/kl_k3` in 0 of 1" in text
 
 
@@ -500,11 +470,11 @@ def test_a_series_is_dotted_where_not_all_its_seeds_have_data(tmp_path):
     short = syn.curve_run(tmp_path / "short", "grpo", 0, [0.1] * 5)
     long = syn.curve_run(tmp_path / "long", "grpo", 1, [0.3] * 10)
     rs = load_runs([short, long])
-    table = agg.curve(rs, REWARD, alpha=1.0)
-    style = figures.series_styles(rs)["grpo"]
-    fig = figures._figure(3, 2)
+    table = curve(rs, REWARD, alpha=1.0)
+    style = series_styles(rs)["grpo"]
+    fig = new_figure(3, 2)
     ax = fig.subplots()
-    figures._plot_band(ax, table.rename(columns={}), style)
+    plot_band(ax, table, style)
     solid, dotted = ax.get_lines()
     solid_y = np.asarray(solid.get_ydata(), dtype=float)
     assert np.isfinite(solid_y[:5]).all() and np.isnan(solid_y[5:]).all(), "the one-seed tail is not drawn solid"
@@ -536,8 +506,11 @@ def test_regimes_table_names_each_knob_setting_and_judges_each_arm(tmp_path):
     assert "0,1" in healthy and "0.50→0.60, 0.50→0.60" in healthy and healthy.endswith("| improves |")
     assert collapsed.endswith("| collapsed 2/2 |")
     out = tmp_path / "regimes.md"
-    assert regimes.main([str(search), "--out", str(out)]) == 0 and "| search | regime |" in out.read_text()
-    assert regimes.main([str(tmp_path / "nowhere")]) == 2
+    regimes.main([str(search), "--out", str(out)])
+    assert "| search | regime |" in out.read_text()
+    with pytest.raises(SystemExit) as refused:
+        regimes.main([str(tmp_path / "nowhere")])
+    assert refused.value.code == 2
 
 
 def test_a_legend_of_long_labels_stays_inside_the_figure():
@@ -546,32 +519,15 @@ def test_a_legend_of_long_labels_stays_inside_the_figure():
     from analysis.style import COLUMN_WIDTH_IN, RC_PARAMS
 
     labels = [f"grpo + r2, model.name=paper_moe_l{depth}, minibatches={n}" for depth in (2, 4) for n in (2, 4, 8)]
-    styles = {label: figures.SeriesStyle(color="C0", linestyle="-", hatch="") for label in labels}
+    styles = {label: SeriesStyle(color="C0", linestyle="-", hatch="") for label in labels}
     with matplotlib.rc_context(RC_PARAMS):
-        fig = figures._figure(COLUMN_WIDTH_IN, 2.1 + figures._legend_rows_in(labels, COLUMN_WIDTH_IN))
+        fig = new_figure(COLUMN_WIDTH_IN, 2.1 + legend_rows_in(labels, COLUMN_WIDTH_IN))
         fig.subplots()
-        figures._legend(fig, labels, styles)
+        legend(fig, labels, styles)
         fig.canvas.draw()
-    box, legend = fig.bbox, fig.legends[0].get_window_extent()
-    assert box.x0 <= legend.x0 and legend.x1 <= box.x1, "the legend is cut off at the figure's sides"
-    assert box.y0 <= legend.y0, "the legend is cut off at the bottom"
-
-
-def _evaluated_run(run_dir, algo, seed, replay, start, end, *, sha=None, status="finished", logged=3,
-                   comparison=None, **settings):
-    """A run of 3 planned steps evaluated at its start (logged in step 1's record) and at its last logged step (of
-    `logged`), with `settings` in its config; its summary says `status` and names its start `sha` (None: no summary
-    when `status` is None), and its config declares `comparison` where given."""
-    records = [syn.step_record(algo, seed, t, 0.5) for t in range(1, logged + 1)]
-    records[0].update({started(EVAL_GREEDY): start})
-    records[-1].update({EVAL_GREEDY: end})
-    cfg = syn.config(algo, seed, replay=replay, steps=3, eval_every=0)
-    for key, value in settings.items():
-        group, name = key.split(".")
-        cfg.setdefault(group, {})[name] = value
-    if comparison is not None:
-        cfg["comparison"] = comparison
-    return syn.write_run(run_dir, cfg, records, finished=status is not None, start=sha, status=status or "")
+    box, drawn = fig.bbox, fig.legends[0].get_window_extent()
+    assert box.x0 <= drawn.x0 and drawn.x1 <= box.x1, "the legend is cut off at the figure's sides"
+    assert box.y0 <= drawn.y0, "the legend is cut off at the bottom"
 
 
 def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(tmp_path):
@@ -580,15 +536,15 @@ def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(
         ("grpo", "none", 0.0, 0, 0.6), ("grpo", "none", 0.0, 1, 0.7), ("grpo", "none", 0.3, 0, 0.1),
         ("grpo", "r2", 0.0, 0, 0.6), ("grpo", "r2", 0.3, 0, 0.55), ("gspo", "none", 0.3, 0, 0.5),
     ]):
-        _evaluated_run(runs / str(i), algo, seed, replay, 0.5, end, **{"routing.flip_rate": flip})
+        syn.evaluated_run(runs / str(i), algo, seed, replay, 0.5, end, **{"routing.flip_rate": flip})
     rs = load_runs([runs])
     # the flip rate varies within arms; the clip range (an algorithm's own setting) does not, so it is no axis
-    assert agg.sweep_axes(rs) == ["routing.flip_rate"]
-    gains = agg.accuracy_gain(rs)
+    assert sweep_axes(rs) == ["routing.flip_rate"]
+    gains = accuracy_gain(rs)
     grpo = gains[gains["arm"] == "grpo"].sort_values(["routing.flip_rate", "seed"])
     assert grpo["gain"].round(6).tolist() == [0.1, 0.2, -0.4]
     assert set(gains["arm"]) == {"grpo", "grpo + r2", "gspo"}
-    out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI), pdf=True)
+    out = fig_sweep_response(rs, FigureSettings(tmp_path / "out", dpi=int(DPI), pdf=True))
     assert [f.name for f in out.files] == ["fig0_sweep_response.png", "fig0_sweep_response.pdf"]
     assert "SYNTHETIC" in out.caption and "Seeds: 0, 1." in out.caption
     text = write_report(rs, tmp_path / "report").read_text(encoding="utf-8")
@@ -607,9 +563,9 @@ def test_the_report_compares_each_arm_with_the_baseline_over_shared_seeds_and_sa
         runs = tmp_path / f"runs{seeds}"
         for seed in range(seeds):
             base = 0.5 + rng.normal(0.0, 0.3)
-            _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, base)
-            _evaluated_run(runs / f"r{seed}", "grpo", seed, "r2", 0.5, base + rng.normal(0.2, 0.1))
-            _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, base + rng.normal(0.0, 0.1))
+            syn.evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, base)
+            syn.evaluated_run(runs / f"r{seed}", "grpo", seed, "r2", 0.5, base + rng.normal(0.2, 0.1))
+            syn.evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, base + rng.normal(0.0, 0.1))
         out = tmp_path / f"report{seeds}"
         text = write_report(load_runs([runs]), out).read_text(encoding="utf-8")
         comparisons = pd.read_csv(out / "comparisons.csv")
@@ -636,14 +592,14 @@ def test_the_report_compares_each_arm_with_the_baseline_over_shared_seeds_and_sa
 
 def test_a_flip_rate_no_run_varied_is_still_labelled_synthetic(tmp_path):
     for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2")]):
-        _evaluated_run(tmp_path / "runs" / str(i), algo, 0, replay, 0.5, 0.6, **{"routing.flip_rate": 0.2})
+        syn.evaluated_run(tmp_path / "runs" / str(i), algo, 0, replay, 0.5, 0.6, **{"routing.flip_rate": 0.2})
     text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "report").read_text(encoding="utf-8")
     assert "| grpo + SYNTHETIC flips p=0.2 |" in text and "(0.2) are SYNTHETIC" in text
 
 
 def test_router_noise_runs_are_labelled_synthetic_with_what_the_noise_can_show(tmp_path):
     for i, rate in enumerate([0.0, 0.1]):
-        _evaluated_run(tmp_path / "runs" / str(i), "grpo", 0, "none", 0.5, 0.6, **{"routing.perturb_rate": rate})
+        syn.evaluated_run(tmp_path / "runs" / str(i), "grpo", 0, "none", 0.5, 0.6, **{"routing.perturb_rate": rate})
     runset = load_runs([tmp_path / "runs"])
     assert set(runset.labels) == {"grpo", "grpo + SYNTHETIC router noise p=0.1"}
     text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
@@ -655,17 +611,17 @@ def test_router_noise_runs_are_labelled_synthetic_with_what_the_noise_can_show(t
 def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_path):
     for i, (lr, layers) in enumerate([(1e-4, 2), (1e-4, 4), (1e-3, 2), (1e-3, 4)]):
         for algo in ("grpo", "gspo"):
-            _evaluated_run(tmp_path / "grid" / f"{algo}{i}", algo, 0, "none", 0.5, 0.5 - lr * layers * 50,
+            syn.evaluated_run(tmp_path / "grid" / f"{algo}{i}", algo, 0, "none", 0.5, 0.5 - lr * layers * 50,
                            **{"trainer.lr": lr, "model.num_hidden_layers": layers})
     rs = load_runs([tmp_path / "grid"])
-    assert agg.sweep_axes(rs) == ["model.num_hidden_layers", "trainer.lr"]
-    out = figures.fig_sweep_response(rs, tmp_path / "out", dpi=int(DPI))
+    assert sweep_axes(rs) == ["model.num_hidden_layers", "trainer.lr"]
+    out = fig_sweep_response(rs, FigureSettings(tmp_path / "out", dpi=int(DPI)))
     assert out.files and "phase diagram" in out.caption
-    _evaluated_run(tmp_path / "flat" / "a", "grpo", 0, "none", 0.5, 0.6)
-    one_arm = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out2", dpi=int(DPI))
+    syn.evaluated_run(tmp_path / "flat" / "a", "grpo", 0, "none", 0.5, 0.6)
+    one_arm = fig_sweep_response(load_runs([tmp_path / "flat"]), FigureSettings(tmp_path / "out2", dpi=int(DPI)))
     assert not one_arm.files and "nothing varied" in one_arm.notes[0]
-    _evaluated_run(tmp_path / "flat" / "b", "gspo", 0, "none", 0.5, 0.6)
-    arms = figures.fig_sweep_response(load_runs([tmp_path / "flat"]), tmp_path / "out3", dpi=int(DPI))
+    syn.evaluated_run(tmp_path / "flat" / "b", "gspo", 0, "none", 0.5, 0.6)
+    arms = fig_sweep_response(load_runs([tmp_path / "flat"]), FigureSettings(tmp_path / "out3", dpi=int(DPI)))
     assert arms.files and arms.caption.startswith("Each run's mean gain over the run"), "arms alone: one panel"
 
 
@@ -674,7 +630,7 @@ def test_figures_are_png_by_default_and_pdf_only_when_asked(tmp_path):
     syn.curve_run(tmp_path / "runs" / "plain", "grpo", 0, syn.STEPS * [0.2])
     syn.curve_run(tmp_path / "runs" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
     rs = load_runs([tmp_path / "runs"])
-    out = figures.fig_replay_grpo(rs, tmp_path / "out", dpi=int(DPI))
+    out = fig_replay_grpo(rs, FigureSettings(tmp_path / "out", dpi=int(DPI)))
     assert [f.name for f in out.files] == ["fig3_grpo_routing_replay.png"]
     assert not list((tmp_path / "out").glob("*.pdf"))
     from PIL import Image
@@ -696,12 +652,13 @@ def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(t
         return syn.write_run(directory, {**syn.config("grpo", 0), "rollout": rollout}, records)
 
     same = load_runs([run(tmp_path / "same", 1e-8, {"engine": "hf", "precision": "fp32"})])
-    out = figures.fig_mismatch(same, tmp_path / "out")
+    out = fig_mismatch(same, FigureSettings(tmp_path / "out"))
     assert out.files == [] and "trainer's own model" in out.notes[0]
     assert "not a quantity these runs varied" in out.notes[0]
-    assert f"{MISMATCH_K3}_moved_step" not in agg.early_warning(same).columns
+    assert f"{MISMATCH_K3}_moved_step" not in early_warning(same).columns
     bf16 = load_runs([run(tmp_path / "bf16", 1e-8, {"engine": "hf", "precision": "bf16"})])
-    assert figures.fig_mismatch(bf16, tmp_path / "out2").files, "an engine that differs: its mismatch is the result"
+    drawn = fig_mismatch(bf16, FigureSettings(tmp_path / "out2"))
+    assert drawn.files, "an engine that differs: its mismatch is the result"
 
 
 def test_a_sweep_straddling_an_added_and_a_retired_setting_is_one_series(tmp_path):
@@ -722,7 +679,7 @@ def test_a_sweep_straddling_an_added_and_a_retired_setting_is_one_series(tmp_pat
 
 def test_seeds_are_listed_in_numeric_order_in_every_table_and_sentence(tmp_path):
     for seed in (10, 2, 1):
-        _evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6)
+        syn.evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6)
     text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "report").read_text(encoding="utf-8")
     assert "| grpo | 3 | 1, 2, 10 |" in text
     assert "(1, 2, 10)" in text and "10, 1" not in text
@@ -748,22 +705,22 @@ def test_a_crashed_seed_is_never_paired_and_every_seed_left_out_is_named(tmp_pat
     (runs / "multirun.yaml").parent.mkdir(parents=True)
     (runs / "multirun.yaml").write_text("hydra: {}\n")
     for seed in range(5):
-        _evaluated_run(runs / f"grpo_s{seed}", "grpo", seed, "none", 0.5, 0.5 + 0.01 * seed, sha=START_A)
+        syn.evaluated_run(runs / f"grpo_s{seed}", "grpo", seed, "none", 0.5, 0.5 + 0.01 * seed, sha=START_A)
     for seed in (0, 2):
-        _evaluated_run(runs / f"gspo_s{seed}", "gspo", seed, "none", 0.5, 0.52 + 0.01 * seed, sha=START_A)
-    _evaluated_run(runs / "gspo_s1", "gspo", 1, "none", 0.5, 0.95, status=None, logged=2)
+        syn.evaluated_run(runs / f"gspo_s{seed}", "gspo", seed, "none", 0.5, 0.52 + 0.01 * seed, sha=START_A)
+    syn.evaluated_run(runs / "gspo_s1", "gspo", 1, "none", 0.5, 0.95, status=None, logged=2)
     refused = runs / "gspo_s3"
     (refused / ".hydra").mkdir(parents=True)
     (refused / ".hydra" / "config.yaml").write_text(yaml.safe_dump(syn.config("gspo", 3)))
     (refused / ".lock").touch()
     runset = load_runs([runs])
     assert runset.unstarted["where"].tolist() == [str(refused)] and runset.unstarted["seed"].tolist() == ["3"]
-    gains = agg.accuracy_gain(runset)
-    assert gains.set_index("run").loc["sweep/gspo_s1", "counted"] == agg.EXCLUDED
-    comparisons = agg.arm_comparisons(gains, "grpo", [])
+    gains = accuracy_gain(runset)
+    assert gains.set_index("run").loc["sweep/gspo_s1", "counted"] == EXCLUDED
+    comparisons = arm_comparisons(gains, "grpo", [])
     assert set(comparisons.query("measure != 'split_gain'")["seeds"]) == {2}, "the crashed seed is not paired"
     assert comparisons.query("measure == 'gain'")["difference_estimate"].item() == pytest.approx(0.02)
-    left = agg.left_out(runset, gains, []).set_index("seed")
+    left = left_out(runset, gains, []).set_index("seed")
     assert list(left.index) == ["1", "3", "4"] and set(left["arm"]) == {"gspo"}
     assert left.loc["1", "why"] == ("no summary.json after step 2 of 3 (crashed, killed or still running): stopped "
                                     "from outside, so it never counts")
@@ -782,23 +739,23 @@ def test_a_run_that_ended_itself_counts_as_the_declared_rule_says(tmp_path, no_f
     def sweep(rule):
         runs = tmp_path / f"runs_{rule}"
         for seed in range(3):
-            _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.7, sha=START_A,
+            syn.evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.7, sha=START_A,
                            comparison={"early_stopped": rule})
         for seed in range(2):
-            _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.8, sha=START_A,
+            syn.evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.8, sha=START_A,
                            comparison={"early_stopped": rule})
-        _evaluated_run(runs / "s2", "gspo", 2, "none", 0.5, 0.6, sha=START_A, status="diverged", logged=2,
+        syn.evaluated_run(runs / "s2", "gspo", 2, "none", 0.5, 0.6, sha=START_A, status="diverged", logged=2,
                        comparison={"early_stopped": rule})
         return runs
 
     excluded = load_runs([sweep("exclude")])
-    assert agg.accuracy_gain(excluded).set_index("run").loc["runs_exclude/s2", "counted"] == agg.EXCLUDED
-    assert agg.left_out(excluded, agg.accuracy_gain(excluded), [])["why"].item() == (
+    assert accuracy_gain(excluded).set_index("run").loc["runs_exclude/s2", "counted"] == EXCLUDED
+    assert left_out(excluded, accuracy_gain(excluded), [])["why"].item() == (
         "diverged at step 2 of 3 (ended itself): excluded by the declared rule (comparison.early_stopped=exclude)")
     out = tmp_path / "failed"
     text = write_report(load_runs([sweep("failed")]), out).read_text(encoding="utf-8")
     scored = pd.read_csv(out / "per_seed.csv").set_index("run").loc["runs_failed/s2"]
-    assert scored["counted"] == agg.SCORED_FAILED and (scored["end"], scored["gain"]) == pytest.approx((0.0, -0.5))
+    assert scored["counted"] == SCORED_FAILED and (scored["end"], scored["gain"]) == pytest.approx((0.0, -0.5))
     # the curve 0.5 (step 0), 0.6 (step 2), 0 (step 3, not reached): area (2·1.1/2 + 1·0.6/2) / 3 − 0.5
     assert scored["gain_area"] == pytest.approx((1.1 + 0.3) / 3 - 0.5)
     assert set(pd.read_csv(out / "comparisons.csv").query("measure != 'split_gain'")["seeds"]) == {3}
@@ -811,8 +768,8 @@ def test_runs_are_paired_by_their_start_and_several_starts_get_the_two_level_sta
     runs = tmp_path / "runs"
     for start, effect in ((START_A, 0.1), (START_B, 0.1), (START_C, -0.05)):
         for seed in (0, 1):
-            _evaluated_run(runs / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed, sha=start)
-            _evaluated_run(runs / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5, 0.6 + 0.01 * seed + effect,
+            syn.evaluated_run(runs / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed, sha=start)
+            syn.evaluated_run(runs / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5, 0.6 + 0.01 * seed + effect,
                            sha=start)
     runset = load_runs([runs])
     assert len(runset.runs) == 12, "runs of one config and seed from other starts are not repeats"
@@ -839,7 +796,7 @@ def test_a_declaration_that_does_not_fit_the_runs_is_refused_in_one_line_before_
         folder = tmp_path / name
         for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2")]):
             for seed in (0, 1):
-                _evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6, sha=START_A,
+                syn.evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6, sha=START_A,
                                comparison=comparison_of.get(f"{algo}{replay}", {"family": ["gspo"]}))
         return folder
 
@@ -872,27 +829,15 @@ def _contrast(folder, references=(), flips=(0.10, 0.12, 0.14), noise=(-0.02, -0.
         for seed, effect in enumerate(effects):
             grpo = 0.5 + 0.01 * seed - 0.2 * cell
             for replay, end in (("none", grpo), ("r2", grpo + effect)):
-                _evaluated_run(folder / f"{cell}_{replay}_{seed}", "grpo", seed, replay, 0.5, end, sha=START_A,
+                syn.evaluated_run(folder / f"{cell}_{replay}_{seed}", "grpo", seed, replay, 0.5, end, sha=START_A,
                                comparison=comparison, **{"routing.flip_rate": flip, "routing.perturb_rate": perturb})
-    return folder
-
-
-def _reference(folder, key, rows):
-    """A committed result's folder as analysis.report writes it: comparisons.csv with the cell's setting `key` first,
-    one row per (value, measure, arm against grpo, estimate, low, high, verdict)."""
-    folder.mkdir(parents=True)
-    pd.DataFrame([{key: value, "measure": measure, "arm": arm, "baseline": "grpo", "seeds": 10,
-                   "difference_estimate": estimate, "difference_low": low, "difference_high": high,
-                   "separates": verdict.startswith("separates"), "verdict": verdict}
-                  for value, measure, arm, estimate, low, high, verdict in rows]).to_csv(folder / "comparisons.csv",
-                                                                                          index=False)
     return folder
 
 
 def test_the_first_screen_says_what_ran_the_verdicts_and_once_what_three_seeds_cannot_show(tmp_path, monkeypatch):
     runset = load_runs([_contrast(tmp_path / "runs")])
-    monkeypatch.setattr("analysis.report.all_figures", lambda runset, out_dir, **kwargs: [
-        figures.fig_sweep_response(runset, out_dir, dpi=int(DPI), primary=kwargs["primary"])])
+    monkeypatch.setattr("analysis.report.all_figures", lambda runset, settings: [
+        fig_sweep_response(runset, replace(settings, dpi=int(DPI)))])
     text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
     first = text.split("## Held-out accuracy gained")[0]
     assert len(first.splitlines()) < 30, "the first screen holds the summary, the long tables come after it"
@@ -920,15 +865,15 @@ def test_the_miniature_is_set_beside_the_committed_results_with_the_sign_of_each
     """R2 − GRPO here: +0.06 over the run under the flips, −0.02 under the router noise. The flips' reference ran no
     noise, the noise's no flips (their tables vary only their own dose): each cell meets one reference's row."""
     separated = "separates (95% CI of the difference excludes 0)"
-    flips = _reference(tmp_path / "flips", "routing.flip_rate", [
+    flips = syn.reference_folder(tmp_path / "flips", "routing.flip_rate", [
         (0.0, "gain_area", "grpo + r2", -0.001, -0.010, 0.006, "not distinguishable (the smallest effect 0.014)"),
         (0.2, "gain_area", "grpo + r2", 0.133, 0.110, 0.157, separated),
         (0.2, "gain", "grpo + r2", 0.109, 0.080, 0.140, separated),
         (0.2, "gain_area", "gspo", 0.052, 0.039, 0.065, separated)])
-    noise = _reference(tmp_path / "noise", "routing.perturb_rate", [
+    noise = syn.reference_folder(tmp_path / "noise", "routing.perturb_rate", [
         (0.0, "gain_area", "grpo + r2", 0.007, -0.002, 0.018, "not distinguishable"),
         (0.1, "gain_area", "grpo + r2", 0.011, -0.005, 0.026, "not distinguishable (the smallest effect 0.026)")])
-    elsewhere = _reference(tmp_path / "elsewhere", "routing.flip_rate", [
+    elsewhere = syn.reference_folder(tmp_path / "elsewhere", "routing.flip_rate", [
         (0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)])
     runs = _contrast(tmp_path / "runs", references=(flips, noise, elsewhere))
     text = write_report(load_runs([runs]), tmp_path / "report").read_text(encoding="utf-8")
@@ -985,7 +930,7 @@ def test_a_command_line_flag_overrides_the_declaration_and_the_report_says_so(tm
     folder = tmp_path / "runs"
     for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2"), ("gspo", "none")]):
         for seed in (0, 1):
-            _evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6 + 0.1 * i, sha=START_A,
+            syn.evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6 + 0.1 * i, sha=START_A,
                            comparison={"family": ["gspo"], "primary": "gain"})
     main([str(folder), "--out", str(tmp_path / "out"), "--family", "grpo + r2", "gspo"])
     text = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
@@ -1000,9 +945,9 @@ def test_runs_of_one_start_and_seed_that_differ_beyond_their_arms_are_refused(tm
     """GRPO at lr 2.7e-4 and GSPO at 3e-4: the lr is no axis (it does not vary within an arm), so a report would pair
     them as if only the objective differed."""
     for seed in (0, 1):
-        _evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A,
+        syn.evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A,
                        **{"trainer.lr": 2.7e-4})
-        _evaluated_run(tmp_path / "runs" / f"s{seed}", "gspo", seed, "none", 0.5, 0.6, sha=START_A,
+        syn.evaluated_run(tmp_path / "runs" / f"s{seed}", "gspo", seed, "none", 0.5, 0.6, sha=START_A,
                        **{"trainer.lr": 3e-4})
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
@@ -1019,7 +964,7 @@ def test_starts_of_two_recipes_are_never_pooled_as_starts_of_one(tmp_path, capsy
         for sha, dataset in ((START_A, "addition"), (START_B, second_dataset)):
             for seed in (0, 1):
                 for algo in ("grpo", "gspo"):
-                    _evaluated_run(folder / f"{sha[0]}_{algo}{seed}", algo, seed, "none", 0.5, 0.6 + 0.01 * seed,
+                    syn.evaluated_run(folder / f"{sha[0]}_{algo}{seed}", algo, seed, "none", 0.5, 0.6 + 0.01 * seed,
                                    sha=sha, **{"dataset.name": dataset, "model.path": f"/starts/{sha[0]}"})
         return str(folder)
 
@@ -1039,7 +984,7 @@ def test_a_family_too_large_for_its_starts_says_it_cannot_separate_whatever_the_
     agrees in sign and the interval excludes 0, yet no verdict of the family can separate: the report says why."""
     for k in range(6):
         for algo, replay, end in (("grpo", "none", 0.5), ("gspo", "none", 0.7 + 0.01 * k), ("grpo", "r2", 0.6)):
-            _evaluated_run(tmp_path / "runs" / f"{algo}{replay}{k}", algo, 0, replay, 0.5, end, sha=f"{k}" * 64,
+            syn.evaluated_run(tmp_path / "runs" / f"{algo}{replay}{k}", algo, 0, replay, 0.5, end, sha=f"{k}" * 64,
                            **{"model.path": f"/starts/{k}"})
     text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "out").read_text(encoding="utf-8")
     comparisons = pd.read_csv(tmp_path / "out" / "comparisons.csv").query("role == 'primary'")
@@ -1056,7 +1001,7 @@ def test_arms_that_share_a_method_but_not_their_own_settings_are_two_arms():
     def cfg(mask, seed):
         return {"algo.name": "minirl", "algo.mask_stale": mask, "routing.replay": "none", "seed": seed}
 
-    names = agg.arm_names({"a": cfg(True, 0), "b": cfg(False, 0), "c": cfg(True, 1), "d": {**cfg(True, 0),
+    names = arm_names({"a": cfg(True, 0), "b": cfg(False, 0), "c": cfg(True, 1), "d": {**cfg(True, 0),
                                                                                            "algo.name": "grpo"}})
     assert names == {"a": "minirl (mask_stale=True)", "b": "minirl (mask_stale=False)",
                      "c": "minirl (mask_stale=True)", "d": "grpo"}
@@ -1066,12 +1011,12 @@ def _report_twice(tmp_path, monkeypatch, second):
     """A report in `out`, then a second one whose figures run `second(out_dir)` before they are 'drawn'."""
     runs = tmp_path / "runs"
     for seed in (0, 1):
-        _evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
-        _evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
+        syn.evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
+        syn.evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
     out = tmp_path / "out"
 
-    def draw(runset, out_dir, **kwargs):
-        (out_dir / "fig1_reward_vs_compute.png").write_bytes(b"\x89PNG a whole figure")
+    def draw(runset, settings):
+        (settings.out_dir / "fig1_reward_vs_compute.png").write_bytes(b"\x89PNG a whole figure")
         return []
 
     monkeypatch.setattr("analysis.report.all_figures", draw)
@@ -1080,9 +1025,9 @@ def _report_twice(tmp_path, monkeypatch, second):
         (out / "command.sh").write_text("# not the report's\n")
     before = {path.name: path.read_bytes() for path in out.iterdir()} if out.exists() else {}
 
-    def interrupted(runset, out_dir, **kwargs):
-        (out_dir / "fig1_reward_vs_compute.png").write_bytes(b"")  # half-written
-        (second or (lambda directory: os.kill(os.getpid(), signal.SIGTERM)))(out_dir)
+    def interrupted(runset, settings):
+        (settings.out_dir / "fig1_reward_vs_compute.png").write_bytes(b"")  # half-written
+        (second or (lambda directory: os.kill(os.getpid(), signal.SIGTERM)))(settings.out_dir)
         return []
 
     monkeypatch.setattr("analysis.report.all_figures", interrupted)
@@ -1119,8 +1064,8 @@ def test_a_first_report_interrupted_leaves_none_and_says_so(tmp_path, monkeypatc
 
 def test_a_new_report_replaces_the_old_ones_files_and_no_others(tmp_path, no_figures):
     for seed in (0, 1):
-        _evaluated_run(tmp_path / "two" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
-        _evaluated_run(tmp_path / "two" / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
+        syn.evaluated_run(tmp_path / "two" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A)
+        syn.evaluated_run(tmp_path / "two" / f"s{seed}", "gspo", seed, "none", 0.5, 0.7, sha=START_A)
     out = tmp_path / "out"
     write_report(load_runs([tmp_path / "two"]), out)
     (out / "fig9_from_an_older_report.png").write_bytes(b"old")
@@ -1138,7 +1083,7 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
     from omegaconf import OmegaConf
 
     from analysis import declaration
-    from analysis.load import flatten_config
+    from analysis.configs import flatten_config
     from experiments.config import PROJECT_ROOT, register_configs
 
     register_configs()
@@ -1155,7 +1100,7 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
                 compose("train", overrides=[f"experiment={path.stem}", f"arm={arm}"]), resolve=False)) for arm in arms}
             found = declaration.read(configs)
             assert found.declared, path.name
-            found.checked(agg.arm_names(configs).values())  # refuses a family or baseline of no arm run
+            found.checked(arm_names(configs).values())  # refuses a family or baseline of no arm run
             found.read_references()  # refuses a reference that is not a committed report's folder
             checked.append(path.stem)
     assert checked == ["deep_long_seeds", "deep_long_starts", "few_experts", "few_experts_starts", "flip_dose_seeds",
@@ -1163,10 +1108,9 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
 
 
 def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without_history_is_left_out(tmp_path):
-    ended = FakeRun("grpo", 0, "crashed", 4)
-    ended.summary = {"status": "diverged", "start_sha256": START_A, "wall_s": 8.0}
-    silent = FakeRun("gspo", 0, "failed", 0)
-    rs = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=lambda: FakeApi([ended, silent]))
+    ended = syn.FakeRun("grpo", 0, "crashed", 4, summary={"status": "diverged", "start_sha256": START_A, "wall_s": 8.0})
+    silent = syn.FakeRun("gspo", 0, "failed", 0)
+    rs = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=lambda: syn.FakeApi([ended, silent]))
     assert rs.runs[["status", "start_sha256", "incomplete"]].values.tolist() == [["diverged", START_A, True]]
     assert rs.unstarted["seed"].tolist() == ["0"] and "W&B run without history" in rs.unstarted["why"].item()
     cached = load_wandb("ent/proj", [], cache_root=tmp_path, api_factory=_no_network)
@@ -1175,8 +1119,8 @@ def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without
 
 def test_the_early_warning_figure_is_drawn_only_when_a_run_collapsed(tmp_path):
     """A figure only of what the sweep showed: without a collapse there is no fall for a signal to precede."""
-    calm = load_runs([_mismatch_run(tmp_path / "a", 0), _mismatch_run(tmp_path / "b", 1)])
-    result = figures.fig_early_warning(calm, tmp_path / "out")
+    calm = load_runs([syn.mismatch_run(tmp_path / "a", 0), syn.mismatch_run(tmp_path / "b", 1)])
+    result = fig_early_warning(calm, FigureSettings(tmp_path / "out"))
     assert not result.files and "No run collapsed" in result.notes[0]
-    fallen = load_runs([_mismatch_run(tmp_path / "c", 0, collapse_at=20, kl_rises_at=12)])
-    assert figures.fig_early_warning(fallen, tmp_path / "out").files
+    fallen = load_runs([syn.mismatch_run(tmp_path / "c", 0, collapse_at=20, kl_rises_at=12)])
+    assert fig_early_warning(fallen, FigureSettings(tmp_path / "out")).files

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import aggregate as agg
+from analysis.verdicts import arm_comparisons
 from analysis.compare import main, pool, write_comparison
 
 
@@ -52,9 +52,9 @@ def test_the_pooled_comparison_equals_the_one_report_of_the_same_runs(tmp_path):
     table = pd.concat([per_seed("grpo", [0.1, -0.2, 0.3, 0.0, 0.05, -0.1]),
                        per_seed("gspo", [0.2, 0.0, 0.25, 0.1, 0.2, 0.0])])
     table["seed"] = table["seed"].astype(str)
-    whole = agg.arm_comparisons(table, "grpo", [])
+    whole = arm_comparisons(table, "grpo", [])
     rows, axes, _ = pool_from(tmp_path, table[table["arm"] == "grpo"], table[table["arm"] == "gspo"])
-    split = agg.arm_comparisons(rows, "grpo", axes)
+    split = arm_comparisons(rows, "grpo", axes)
     pd.testing.assert_frame_equal(whole, split)
 
 
