@@ -36,7 +36,7 @@ class WandbMode(StrEnum):
     disabled = "disabled"
 
 
-class Summary(StrEnum):
+class AccuracySummary(StrEnum):
     """The summaries of a run's held-out greedy accuracy that `analysis.report` compares (each from the run's own
     start; `analysis.aggregate.GAIN_MEASURES` defines them)."""
 
@@ -63,7 +63,8 @@ class ComparisonConfig:
     # The arm every other is compared with, as reports name arms ("grpo", "grpo + r2", "grpo + r3 (bf16 engine)");
     # null: grpo when the runs have it, else the first arm by name.
     baseline: str | None = None
-    primary: Summary = Summary.gain_area  # the one summary whose comparisons decide; the others are secondary
+    # the one summary whose comparisons decide; the others are secondary
+    primary: AccuracySummary = AccuracySummary.gain_area
     # The arms whose comparison with the baseline on the primary summary, in every cell of the sweep, forms the family
     # Holm's correction runs over; empty: every arm the sweep ran.
     family: list[str] = field(default_factory=list)

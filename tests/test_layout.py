@@ -137,3 +137,15 @@ def test_the_update_asks_no_part_whether_it_is_on():
     update = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "update")
     branches = [f"line {node.lineno}" for node in ast.walk(update) if isinstance(node, (ast.If, ast.IfExp, ast.Match))]
     assert not branches, f"RLTrainer.update branches at {', '.join(branches)}: a switch belongs in a hook"
+
+
+def test_every_class_name_is_defined_once():
+    """A class name means one thing in the project: two modules defining `Replay` (a step's setting and a routing
+    handle, say) mislead a reader, a search and an import that picks the wrong one."""
+    defined: dict[str, list[str]] = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(f"{path.relative_to(PROJECT_ROOT)}:{node.lineno}")
+    twice = [f"{name}: {', '.join(places)}" for name, places in sorted(defined.items()) if len(places) > 1]
+    assert not twice, "class names defined more than once:\n" + "\n".join(twice)

@@ -1,7 +1,7 @@
 """One run's life, the same for an RL run, a cold start and a probe: its directory claimed, its stops turned into a
 summary, its records committed whole, and one line however it ends.
 
-    with stop_signals():                                   SIGTERM, Ctrl-C: `Interrupted`, raised where it is safe
+    with stop_signals():                                   SIGTERM, Ctrl-C: `StopRequested`, raised where it is safe
         life, _ = Life.begin(run_dir, cfg, hydra_cfg, what)  kernels pinned, checks, the directory claimed (rank 0)
         with life.starting():                              what a bad setting or a stop does before the first step
             ...build the job...
@@ -39,7 +39,7 @@ from models import cpu_kernels
 from models.registry import ConfigError, Diverged
 
 
-class Interrupted(BaseException):
+class StopRequested(BaseException):
     """The run was asked to stop (SIGTERM, or SIGINT / Ctrl-C). A BaseException, as KeyboardInterrupt: the
     `except Exception` of a library the signal lands in (W&B's logging, say) must not swallow it."""
 
@@ -56,11 +56,11 @@ class _Deferral:
 
     active = False
     joint = False
-    pending: Interrupted | None = None
+    pending: StopRequested | None = None
     stopping = False
 
 
-def _stop(interrupted: Interrupted) -> NoReturn:
+def _stop(interrupted: StopRequested) -> NoReturn:
     """Raise the stop. Later signals change nothing while the run ends: a launcher that sees one rank end signals the
     others, which must still finish their summary."""
     _Deferral.pending, _Deferral.stopping = None, True
@@ -69,15 +69,15 @@ def _stop(interrupted: Interrupted) -> NoReturn:
 
 @contextmanager
 def stop_signals() -> Iterator[None]:
-    """Turn SIGTERM and SIGINT into `Interrupted` for the run inside; the previous handlers come back after."""
+    """Turn SIGTERM and SIGINT into `StopRequested` for the run inside; the previous handlers come back after."""
 
     def stop(signum: int, frame: Any) -> None:
         if _Deferral.stopping:
             return
         if _Deferral.active or _Deferral.joint:  # raised after the block, or where the ranks decide together
-            _Deferral.pending = _Deferral.pending or Interrupted(signum)
+            _Deferral.pending = _Deferral.pending or StopRequested(signum)
             return
-        _stop(Interrupted(signum))
+        _stop(StopRequested(signum))
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -92,7 +92,7 @@ def stop_signals() -> Iterator[None]:
 def stop_deferred() -> Iterator[None]:
     """Run the block whole: a stop that arrives meanwhile is raised after it. A record's commit needs this (its log
     line written, then counted: never a line the summary does not count; then a checkpoint, whose writer,
-    `torch.distributed.checkpoint`, catches whatever is raised inside it, `Interrupted` included, and raises its own
+    `torch.distributed.checkpoint`, catches whatever is raised inside it, `StopRequested` included, and raises its own
     `CheckpointException` instead), and so does the log's cut on resume. Blocking the signals on this thread is not
     enough: the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python
     then runs the handler on this thread at its next instruction, so the handler itself defers while a block is
@@ -114,7 +114,7 @@ def stop_together(ranks: Ranks) -> None:
         return
     signums = gather_objects(_Deferral.pending.signum if _Deferral.pending else 0, ranks)
     if any(signums):
-        _stop(Interrupted(max(signums)))
+        _stop(StopRequested(max(signums)))
 
 
 class _Unstarted:
@@ -189,7 +189,7 @@ class Life:
             self.release()
             if isinstance(error, ConfigError):
                 exit_once(f"moe-rl-lab: {error}")
-            if isinstance(error, Interrupted):
+            if isinstance(error, StopRequested):
                 if self.ranks.main:
                     print(f"moe-rl-lab: {self.what} was interrupted by {error.signal_name} before its first step",
                           file=sys.stderr)
@@ -208,7 +208,7 @@ class Life:
         of the job as it stands; `total` the records it was to commit."""
         try:
             yield
-        except Interrupted as stop:
+        except StopRequested as stop:
             try:
                 self.logger.finish(summary("interrupted"), exit_code=stop.exit_code)
             except rundir.StorageError as error:
