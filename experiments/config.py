@@ -14,20 +14,24 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from algos import OBJECTIVES
+from algos.corrections import CORRECTIONS
+from algos.routers import ROUTER_SWITCHES
+from algos.routing_variants import ROUTING_VARIANTS
+from experiments.conf_files import PROJECT_ROOT, help_text
 from experiments.step.engines import EngineNumerics, KVCache, Precision
 from experiments.step.optimizer import LRSchedule
 from experiments.step.plan import Layout, PiOld, Replay
+from experiments.tasks import TASKS
 from models.cpu_kernels import CpuKernels
 from models.policy import ModelConfig
 from models.registry import Registry
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class WandbMode(StrEnum):
@@ -313,14 +317,6 @@ def _store_group(cs: ConfigStore, group: str, registry: Registry, extra) -> None
 
 def register_configs() -> None:
     """Store every schema; idempotent (Hydra's ConfigStore overwrites entries of the same name)."""
-    from algos import OBJECTIVES
-    from algos.corrections import CORRECTIONS
-    from algos.routers import ROUTER_SWITCHES
-    from algos.routing_variants import ROUTING_VARIANTS
-    from experiments.tasks import TASKS
-
-    from experiments.config_reference import help_text
-
     # `${project_root:}` in yaml: checkpoints and reports resolve against the project, not the working directory.
     OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
     # `${lab_help:train}` in conf/hydra/help/lab.yaml: the entry point's --help, the groups a user picks.

@@ -4,8 +4,9 @@
 under torchrun) starts N ranks; `start` joins them into a process group (gloo on CPU, nccl on CUDA) and returns this
 process's `Ranks`. What each rank computes, and how the step's numbers combine over ranks, is the step's
 (`experiments.step.trainer`); here are the run-level pieces: the group, the one line a refusal prints (rank 0 alone),
-ranks that die with their parent, and work done on rank 0 alone whose refusal every rank raises. The collectives
-themselves are `experiments.step.ranks`'.
+ranks that die with their parent, work done on rank 0 alone whose refusal every rank raises, and the Hydra callback
+that refuses an output directory in one line before Hydra writes there and gives every rank rank 0's
+(`DirectoryGuard`). The collectives themselves are `experiments.step.ranks`'.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, read_write
 
 from experiments.run import rundir
 from experiments.step.checks import check_run
@@ -91,6 +93,41 @@ def on_rank0(work: Callable[[], Any], ranks: Ranks) -> Any:
     if refusal is not None:
         raise ConfigError(refusal)
     return result
+
+
+# -- the run's directory, before Hydra writes there --------------------------------------------------------------------
+
+def _refuse_unwritable(key: str, path: str) -> list[Path]:
+    try:
+        return rundir.make_writable_dir(path)
+    except OSError as error:
+        exit_once(f"moe-rl-lab: {key}={path!r} cannot be created: {error.strerror}")
+
+
+class DirectoryGuard(Callback):
+    """Hydra creates its output directory before the task runs, with a traceback when it cannot: refuse such a
+    directory first, in one line (`hydra.callbacks` in conf/train.yaml and conf/sft.yaml). Under torchrun every
+    rank composes its own config, and a run directory named by the clock would differ from rank to rank: rank 0's
+    is every rank's."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            try:
+                ranks = start(config.get("device", "cpu"))
+            except ConfigError as error:
+                exit_once(f"moe-rl-lab: {error}")
+            chosen = broadcast_object(str(config.hydra.run.dir), ranks)
+            with read_write(config.hydra.run):
+                config.hydra.run.dir = chosen
+        _refuse_unwritable("hydra.run.dir", config.hydra.run.dir)
+
+    created: list[Path] = []  # the directories the sweep's start created (`on_multirun_start`)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            exit_once("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the sweep "
+                      "itself with cluster=slurm, or torchrun one run at a time")
+        self.created = _refuse_unwritable("hydra.sweep.dir", config.hydra.sweep.dir)
 
 
 # -- a job of several ranks on this node: the job runs itself again under torchrun -----------------------------------
