@@ -1,15 +1,18 @@
 """One run's life, the same for an RL run, a cold start and a probe: its directory claimed, its stops turned into a
-summary, its records committed whole, and one line however it ends.
+summary, its records committed whole, and one line however it ends. Each door enters it in one call, `live(job, ...)`,
+with its `Job`: what it is called, its start-up checks, what builds it and what runs it.
 
-    with stop_signals():                                   SIGTERM, Ctrl-C: `StopRequested`, raised where it is safe
-        life, _ = Life.begin(run_dir, cfg, hydra_cfg, what)  kernels pinned, checks, the directory claimed (rank 0)
-        with life.starting():                              what a bad setting or a stop does before the first step
-            ...build the job...
-        life.start_logging(cfg, name, tags, group)         metrics.jsonl and W&B (rank 0)
-        with life.running(summary):                        how the job ends when it cannot go on
-            for ...: life.commit(record, then=...)         a record logged and counted whole, a stop after it
-        life.finish(summary(...))                          summary.json, W&B finished
-        life.release()
+    live(job, run_dir, cfg, hydra_cfg):
+        with stop_signals():                               SIGTERM, Ctrl-C: `StopRequested`, raised where it is safe
+            life = Life.begin(...)                         kernels pinned, `job.prepare`, the directory claimed (rank 0)
+            with life.starting():                          what a bad setting or a stop does before the first step
+                built = job.build(life)
+            job.run(life, built):
+                life.start_logging(cfg, name, tags, group) metrics.jsonl and W&B (rank 0)
+                with life.running(summary):                how the job ends when it cannot go on
+                    for ...: life.commit(record, then=...) a record logged and counted whole, a stop after it
+                life.finish(summary(...))                  summary.json, W&B finished
+            life.release()                                 however it ended
 
 How it ends: bad settings are refused before any work, in one line (`ConfigError`, exit code 1); any other exception
 is a bug and keeps its traceback (the run directory keeps every committed record and no summary); SIGTERM or Ctrl-C
@@ -26,8 +29,9 @@ import signal
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Generic, Iterator, NoReturn, TypeVar
 
 from omegaconf import DictConfig
 
@@ -142,13 +146,16 @@ class _Unstarted:
 
 class Life:
     """The life cycle of the job in `run_dir` on `ranks` (module docstring); `what` names the job in its lines (an RL
-    run, a cold start, a probe)."""
+    run, a cold start, a probe); `finished`, the summary of the finished run a resumed job's directory holds (None:
+    none)."""
 
-    def __init__(self, run_dir: Path, ranks: Ranks, claimed: rundir.RunDirectory | None, what: str) -> None:
+    def __init__(self, run_dir: Path, ranks: Ranks, claimed: rundir.RunDirectory | None, what: str,
+                 finished: dict[str, Any] | None = None) -> None:
         self.run_dir = run_dir
         self.ranks = ranks
         self.claimed = claimed
         self.what = what
+        self.finished = finished
         self.logger: Any = _Unstarted(run_dir if ranks.main else None)
         self.records: list[dict[str, Any]] = []  # every record committed (a resumed run's earlier ones first)
         _Deferral.joint = ranks.active
@@ -156,11 +163,11 @@ class Life:
     @classmethod
     def begin(cls, run_dir: str | Path, cfg: DictConfig, hydra_cfg: Any, what: str,
               prepare: Callable[[], Ranks | None] = lambda: None,
-              resume: bool = False) -> tuple["Life", dict[str, Any] | None]:
+              resume: bool = False) -> "Life":
         """Begin the job in `run_dir`: pin the CPU kernels before anything computes (the libraries fix their choice
         then), `prepare` (the job's own start-up checks, or the start of its ranks: their `Ranks`), then claim the
-        directory (rank 0; every rank meets its refusal, in one line). The life, and with `resume` the summary of the
-        finished run the directory holds (None: none)."""
+        directory (rank 0; every rank meets its refusal, in one line); with `resume`, read the summary of the
+        finished run the directory holds."""
         try:
             cpu_kernels.pin(cfg.cpu_kernels)
             ranks = prepare() or Ranks()
@@ -177,7 +184,7 @@ class Life:
         problem, finished = broadcast_object((problem, finished), ranks)  # every rank does what rank 0 found
         if problem:
             exit_once(f"moe-rl-lab: {problem}")
-        return cls(run_dir, ranks, claimed, what), finished
+        return cls(run_dir, ranks, claimed, what, finished)
 
     @contextmanager
     def starting(self) -> Iterator[None]:
@@ -268,3 +275,41 @@ class Life:
         if self.claimed is not None:
             self.claimed.release()
             self.claimed = None
+
+
+Built = TypeVar("Built")
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class Job(Generic[Built, Result]):
+    """A job as `live` runs it. `what` names it in its lines ("the run", "the cold start", "the probe"); `prepare` is
+    its own start-up checks, or the start of its ranks (their `Ranks`), before its directory is claimed; `build`
+    makes what it runs with (a refusal or a stop there ends it in one line, `Life.starting`); `run` commits its
+    records and returns its result. A job that may `resume` is told the summary of the finished run its directory
+    holds, and `done` says whether that run is already this job (a re-launched sweep skips it)."""
+
+    what: str
+    run: Callable[[Life, Built], Result]
+    build: Callable[[Life], Built] = lambda life: None
+    prepare: Callable[[], Ranks | None] = lambda: None
+    resume: bool = False
+    done: Callable[[dict[str, Any]], bool] = lambda finished: False
+
+
+def live(job: Job[Built, Result], run_dir: str | Path, cfg: DictConfig, hydra_cfg: Any) -> Result | dict[str, Any]:
+    """Run `job` in `run_dir` as every job lives (module docstring); its result, or the summary of the finished run
+    the directory already holds when that run is `job.done`. The directory is released however the job ends."""
+    with stop_signals():
+        life = Life.begin(run_dir, cfg, hydra_cfg, job.what, job.prepare, resume=job.resume)
+        try:
+            if life.finished is not None and job.done(life.finished):
+                if life.claimed is not None:
+                    print(f"moe-rl-lab: {life.run_dir} already holds this {job.what.removeprefix('the ')}, finished "
+                          f"after {life.finished['steps']} steps; nothing to resume", file=sys.stderr)
+                return life.finished
+            with life.starting():
+                built = job.build(life)
+            return job.run(life, built)
+        finally:
+            life.release()
