@@ -35,7 +35,6 @@ import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -46,7 +45,7 @@ from algos.corrections import CORRECTIONS
 from algos.routers import ROUTER_SWITCHES
 from algos.routing_variants import ROUTING_VARIANTS
 from experiments.conf_files import (
-    CONF, PROJECT_ROOT, REFERENCE_COMMAND, choices, default_choice, first_sentence, picked_groups, yaml_description,
+    CONF, PROJECT_ROOT, REFERENCE_COMMAND, choices, default_choice, picked_groups, yaml_description,
 )
 from experiments.config import ProbeConfig, SFTConfig, TrainConfig, register_configs
 from experiments.tasks import TASKS

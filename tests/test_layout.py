@@ -222,3 +222,14 @@ def test_every_function_local_import_of_the_project_says_why():
                     unexplained.append(f"{where}:{node.lineno} imports {', '.join(ours)} inside {function.name}")
     assert not unexplained, (f"function-local imports of the project without `{LOCAL_IMPORT_REASON} <reason>`:\n"
                              + "\n".join(sorted(set(unexplained))))
+
+
+@pytest.mark.parametrize("door", ["train.py", "sft.py", "probe.py"])
+def test_each_door_enters_the_life_cycle_in_one_call(door):
+    """The run's life (stop signals, the claimed directory, one-line refusals, the release) is `life.live`'s: a door
+    describes its job and calls `live` once, and writes none of the life's own steps around it."""
+    tree = ast.parse((PROJECT_ROOT / "experiments" / door).read_text(encoding="utf-8"))
+    names = [ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    assert names.count("live") == 1, f"experiments/{door} calls live {names.count('live')} times"
+    own = sorted({"Life.begin", "stop_signals", "life.starting", "life.release"} & set(names))
+    assert not own, f"experiments/{door} writes the life's own steps: {own}"
