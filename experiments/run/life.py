@@ -286,8 +286,8 @@ class Job(Generic[Built, Result]):
     """A job as `live` runs it. `what` names it in its lines ("the run", "the cold start", "the probe"); `prepare` is
     its own start-up checks, or the start of its ranks (their `Ranks`), before its directory is claimed; `build`
     makes what it runs with (a refusal or a stop there ends it in one line, `Life.starting`); `run` commits its
-    records and returns its result. A job that may `resume` is told the summary of the finished run its directory
-    holds, and `done` says whether that run is already this job (a re-launched sweep skips it)."""
+    records and returns its result. A job that may `resume` finds the summary of the finished run its directory holds
+    in `Life.finished`, and `done` says whether that run is already this job (a re-launched sweep skips it)."""
 
     what: str
     run: Callable[[Life, Built], Result]
