@@ -22,7 +22,7 @@ import yaml
 
 from analysis.configs import as_today, flatten_config, schema_defaults
 from analysis.records import (
-    INCOMPLETE, UNKNOWN_START, RunSet, Rows, add_record, finish, frames, note_dropped, run_row, step_of,
+    INCOMPLETE, UNKNOWN_START, RunSet, RecordRows, add_record, finish, frames, note_dropped, run_row, step_of,
     summary_fields, unstarted_row, warn,
 )
 from experiments.run.rundir import LOCK_FILE, METRICS_FILE, SUMMARY_FILE
@@ -161,7 +161,7 @@ def load_runs(paths: Sequence[str | Path], skip: Sequence[Path] = ()) -> RunSet:
     """Load every run under `paths` (run or sweep directories, searched recursively, passing over the folders
     `skip`) into a RunSet."""
     problems: list[str] = []
-    rows = Rows(nulls_are_non_finite=True)
+    rows = RecordRows(nulls_are_non_finite=True)
     run_rows: list[dict] = []
     taken: set[str] = set()
     defaults = schema_defaults()

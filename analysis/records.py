@@ -98,7 +98,7 @@ _NUMERIC_TYPES = frozenset((int, float, bool))
 
 
 @dataclass
-class Rows:
+class RecordRows:
     """Wide records, one dict per step and per (step, minibatch), turned into long frames once at the end.
 
     Keeping the identifiers in separate lists means a metric can never collide with the `run`/`step` columns.
@@ -141,7 +141,7 @@ def step_of(record: Mapping[str, Any]) -> int | None:
     return int(step)
 
 
-def add_record(rows: Rows, run: str, step: int, record: Mapping[str, Any]) -> int:
+def add_record(rows: RecordRows, run: str, step: int, record: Mapping[str, Any]) -> int:
     """Add one step's record (local `minibatches` list or W&B `minibatch/<j>/<name>` keys).
 
     Returns how many per-minibatch entries were unusable (no integer `minibatch` index).
@@ -184,7 +184,7 @@ def _long(ids: list[tuple], values: list[dict[str, Any]], id_columns: list[str])
     return long.sort_values([*id_columns, "metric"], kind="stable").reset_index(drop=True)
 
 
-def frames(rows: Rows) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+def frames(rows: RecordRows) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     """Long scalar and minibatch frames, and how many step-level values were logged twice for the same step."""
     seen = sum(len(v) for v in rows.step_values)
     scalars = _long(rows.step_ids, rows.step_values, ["run", "step"])

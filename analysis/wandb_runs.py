@@ -18,8 +18,8 @@ import pandas as pd
 
 from analysis.configs import as_today, flatten_config, schema_defaults
 from analysis.records import (
-    FINISHED, INCOMPLETE, RUN_COLUMNS, UNKNOWN_START, UNSTARTED_COLUMNS, RunSet, Rows, add_record, finish, frames,
-    note_dropped, run_row, step_of, summary_fields, unstarted_row, warn,
+    FINISHED, INCOMPLETE, RUN_COLUMNS, UNKNOWN_START, UNSTARTED_COLUMNS, RecordRows, RunSet, add_record, finish,
+    frames, note_dropped, run_row, step_of, summary_fields, unstarted_row, warn,
 )
 
 def default_wandb_api() -> Any:
@@ -69,7 +69,7 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
                          "(`wandb login` or WANDB_API_KEY) and a connection, or a cache from an earlier run") from None
     filters = {"group": {"$in": list(groups)}} if groups else None
     problems: list[str] = []
-    rows = Rows(nulls_are_non_finite=False)
+    rows = RecordRows(nulls_are_non_finite=False)
     run_rows: list[dict] = []
     unstarted: list[dict] = []
     defaults = schema_defaults()

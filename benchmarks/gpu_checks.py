@@ -55,8 +55,16 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+from benchmarks.workload import compose_workload, fixed_length
+from experiments.step import metrics as m
+from experiments.step.scoring import position_ids
+from experiments.step.trainer import RLTrainer
 from models.moe_backend import DroplessGLUExperts, apply_moe_backend, hf_to_megablocks
 from models.megablocks_experts import load_megablocks_kernels
+from models.policy import ModelConfig, build_policy
+from models.routing.hooks import record_routing, replay_routing
+from models.routing.measures import routing_drift
+from models.routing.trace import find_routers
 
 BACKENDS = ("hf", "torch_dmoe", "megablocks")
 PACKAGES = ("torch", "transformers", "megablocks", "grouped_gemm", "stanford-stk", "triton", "hydra-core")
@@ -283,8 +291,6 @@ REPLAY_MODELS = {
 
 def replay_policy(architecture: dict[str, Any], backend: str, device: str):
     """A small random policy of `architecture` (16 experts, top-2, hidden 256, 4 layers) in bfloat16 on `device`."""
-    from models.policy import ModelConfig, build_policy
-
     experts = "grouped_mm" if device == "cuda" else "eager"
     cfg = ModelConfig(**architecture, dtype="bfloat16", moe_backend=backend, experts_implementation=experts)
     model, tokenizer = build_policy(cfg)
@@ -295,8 +301,6 @@ class ExpertsSpy:
     """The `top_k_index` each experts module received in each call: what the layer computed with."""
 
     def __init__(self, model: nn.Module) -> None:
-        from models.routing.trace import find_routers
-
         self.calls: dict[str, list[torch.Tensor]] = {}
         self.handles = []
         for name in find_routers(model):
@@ -325,11 +329,6 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def r2_check(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
     """R2: a teacher-forced forward's trace replayed on the same weights, then after every router moved."""
-    from experiments.step.scoring import position_ids
-    from models.routing.hooks import record_routing, replay_routing
-    from models.routing.measures import routing_drift
-    from models.routing.trace import find_routers
-
     def forward() -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
 
@@ -374,9 +373,6 @@ def r2_check(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[st
 
 def r3_check(model: nn.Module, tokenizer, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int = 8) -> dict[str, Any]:
     """R3: a trace recorded across `generate` replayed in one teacher-forced forward of the sampled sequences."""
-    from experiments.step.scoring import position_ids
-    from models.routing.hooks import record_routing, replay_routing
-
     torch.manual_seed(0)
     with torch.no_grad():
         with record_routing(model, generate=True, gates=True) as recording:
@@ -558,10 +554,6 @@ RL_STEP_WORKLOADS = {  # label -> (workload, overrides on top of it, backends)
 
 def time_rl_steps(workload: str, overrides: list[str], steps: int = 2) -> dict[str, Any]:
     """One warm-up RL step, then `steps` timed ones, of `workload` with `overrides` (in this process)."""
-    from benchmarks.workload import compose_workload, fixed_length
-    from experiments.step import metrics as m
-    from experiments.step.trainer import RLTrainer
-
     build_start = time.perf_counter()
     trainer = RLTrainer(compose_workload(overrides, workload))
     fixed_length(trainer)

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from analysis.report import markdown_table
@@ -66,6 +67,8 @@ from benchmarks.roofline import ModelShape, matmul_gflops, matmul_peak, rl_step_
 from benchmarks.worker import Worker
 from benchmarks.workload import VARIANTS, WORKLOADS, compose_workload
 from experiments.config import PROJECT_ROOT
+from models.policy import ModelConfig, config_in_code
+from models.tokenizer import build_char_tokenizer
 
 TRL_ALGO = {"grpo": "grpo", "gspo": "gspo", "grpo+r2": "grpo"}
 
@@ -222,10 +225,6 @@ def spread(values: list[float]) -> str:
 
 def step_flops(overrides: list[str], workload: str, prompt_width: int) -> dict[str, float]:
     """Model FLOPs of one RL step of `workload` with `overrides` (see `benchmarks.roofline`)."""
-    from models.policy import ModelConfig, config_in_code
-    from models.tokenizer import build_char_tokenizer
-    from omegaconf import OmegaConf
-
     cfg = compose_workload(overrides, workload)
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     if model_cfg.path is not None:

@@ -44,8 +44,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from analysis.report import markdown_table
+from benchmarks.workload import compose_workload
+from experiments.step.engines.base import Sampling, full_weights
+from experiments.step.engines.hf import HFEngine
+from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine, derived_model_len
+from experiments.step.scoring import FED, score_responses
+from experiments.tasks import build_task
+from models.policy import ModelConfig, build_policy
+from models.routing.hooks import record_routing
+from models.routing.trace import find_routers
+from models.tokenizer import build_char_tokenizer
 
 MOE64 = [
     "model.hidden_size=512",
@@ -62,10 +73,6 @@ MOE64 = [
 
 def _prompts(cfg, count: int) -> list[str]:
     """`count` train prompts picked as the trainer picks them (its seed's generator)."""
-    from omegaconf import OmegaConf
-
-    from experiments.tasks import build_task
-
     dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     examples = build_task(dataset.pop("name"), **dataset).examples("train")
     picks = torch.randint(len(examples), (count,), generator=torch.Generator().manual_seed(cfg.seed))
@@ -74,14 +81,6 @@ def _prompts(cfg, count: int) -> list[str]:
 
 def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, Any]:
     """HF engine vs vLLM engine on one model, alternating (module docstring)."""
-    from omegaconf import OmegaConf
-
-    from benchmarks.workload import compose_workload
-    from experiments.step.engines.base import Sampling, full_weights
-    from experiments.step.engines.hf import HFEngine
-    from experiments.step.engines.vllm import VLLMEngine, derived_model_len
-    from models.policy import ModelConfig, build_policy
-
     cfg = compose_workload(overrides)
     t = cfg.trainer
     model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
@@ -174,11 +173,6 @@ def family_config(family: str, tokenizer) -> Any:
 
 def _compare(engine, model, prompts: list[str]) -> tuple[float, float | None]:
     """(max |μ_old − fp32 transformers|, routing agreement or None for a dense model) on one fresh sample."""
-    from experiments.step.engines.base import Sampling
-    from experiments.step.scoring import FED, score_responses
-    from models.routing.hooks import record_routing
-    from models.routing.trace import find_routers
-
     moe = bool(find_routers(model))
     samples = engine.sample(prompts, Sampling(4, 6, 0.7, record_routing=moe))
     with torch.no_grad(), record_routing(model) if moe else contextlib.nullcontext() as recording:
@@ -194,11 +188,6 @@ def _compare(engine, model, prompts: list[str]) -> tuple[float, float | None]:
 
 def families_section() -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
-
-    from experiments.step.engines.base import full_weights
-    from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine
-    from models.routing.trace import find_routers
-    from models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     prompts = ["12+34=", "7+8=", "100+23=", "5+61=", "9+9=", "40+2="]

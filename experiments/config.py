@@ -14,20 +14,24 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from algos import OBJECTIVES
+from algos.corrections import CORRECTIONS
+from algos.routers import ROUTER_SWITCHES
+from algos.routing_variants import ROUTING_VARIANTS
+from experiments.conf_files import PROJECT_ROOT, help_text
 from experiments.step.engines import EngineNumerics, KVCache, Precision
 from experiments.step.optimizer import LRSchedule
 from experiments.step.plan import Layout, PiOld, Replay
+from experiments.tasks import TASKS
 from models.cpu_kernels import CpuKernels
 from models.policy import ModelConfig
 from models.registry import Registry
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class WandbMode(StrEnum):
@@ -36,13 +40,18 @@ class WandbMode(StrEnum):
     disabled = "disabled"
 
 
-class Summary(StrEnum):
+class AccuracySummary(StrEnum):
     """The summaries of a run's held-out greedy accuracy that `analysis.report` compares (each from the run's own
     start; `analysis.aggregate.GAIN_MEASURES` defines them)."""
 
     gain = "gain"  # final gain: accuracy at the last evaluation − at the start, on the eval_prompts
     gain_area = "gain_area"  # mean gain over the run: the area under the held-out curve above its start, per step
     split_gain = "split_gain"  # final gain on the whole test split (eval_split)
+
+
+# The name analysis/ imports until its rebuild (another branch) reads `AccuracySummary`: `Summary` is also
+# analysis.legacy_intervals' class, and one name should mean one thing.
+Summary = AccuracySummary
 
 
 class EarlyStopped(StrEnum):
@@ -63,7 +72,8 @@ class ComparisonConfig:
     # The arm every other is compared with, as reports name arms ("grpo", "grpo + r2", "grpo + r3 (bf16 engine)");
     # null: grpo when the runs have it, else the first arm by name.
     baseline: str | None = None
-    primary: Summary = Summary.gain_area  # the one summary whose comparisons decide; the others are secondary
+    # the one summary whose comparisons decide; the others are secondary
+    primary: AccuracySummary = AccuracySummary.gain_area
     # The arms whose comparison with the baseline on the primary summary, in every cell of the sweep, forms the family
     # Holm's correction runs over; empty: every arm the sweep ran.
     family: list[str] = field(default_factory=list)
@@ -314,14 +324,6 @@ def _store_group(cs: ConfigStore, group: str, registry: Registry, extra) -> None
 
 def register_configs() -> None:
     """Store every schema; idempotent (Hydra's ConfigStore overwrites entries of the same name)."""
-    from algos import OBJECTIVES
-    from algos.corrections import CORRECTIONS
-    from algos.routers import ROUTER_SWITCHES
-    from algos.routing_variants import ROUTING_VARIANTS
-    from experiments.tasks import TASKS
-
-    from experiments.config_reference import help_text
-
     # `${project_root:}` in yaml: checkpoints and reports resolve against the project, not the working directory.
     OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
     # `${lab_help:train}` in conf/hydra/help/lab.yaml: the entry point's --help, the groups a user picks.

@@ -1,6 +1,6 @@
 """`python -m experiments.config_reference` writes docs/configuration.md: every config key in one place (group, key,
-type, default, meaning), generated from the dataclasses that declare the keys; `help_text` is the same in brief for
-the entry points' `--help`.
+type, default, meaning), generated from the dataclasses that declare the keys; its brief for the entry points' `--help`
+is `experiments.conf_files.help_text`.
 
 Nothing in it is written twice. A key, its type and its default are the schema's: the dataclasses of
 `experiments.config`, and for a group whose choices are parts (objectives, rollout corrections, routing variants,
@@ -14,9 +14,9 @@ schema are listed after its keys. `tests/test_config_reference.py` fails when th
 module writes.
 
 The `--help` of `python -m experiments.train` (and sft, probe) is Hydra's `hydra/help` config `conf/hydra/help/
-lab.yaml`, whose template asks `help_text` (the `lab_help` resolver, registered with the schemas) for the groups a
-user picks, their choices, and where every key is explained: Hydra's default help listed every config group, the
-internal `schema/*` ones included, and no meaning.
+lab.yaml`, whose template asks `experiments.conf_files.help_text` (the `lab_help` resolver, registered with the
+schemas) for the groups a user picks, their choices, and where every key is explained: Hydra's default help listed
+every config group, the internal `schema/*` ones included, and no meaning.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -45,20 +44,18 @@ from algos import OBJECTIVES
 from algos.corrections import CORRECTIONS
 from algos.routers import ROUTER_SWITCHES
 from algos.routing_variants import ROUTING_VARIANTS
-from experiments.config import PROJECT_ROOT, ProbeConfig, SFTConfig, TrainConfig, register_configs
+from experiments.conf_files import (
+    CONF, PROJECT_ROOT, REFERENCE_COMMAND, choices, default_choice, picked_groups, yaml_description,
+)
+from experiments.config import ProbeConfig, SFTConfig, TrainConfig, register_configs
 from experiments.tasks import TASKS
 from models.registry import flat
 
-CONF = PROJECT_ROOT / "conf"
 REFERENCE = PROJECT_ROOT / "docs" / "configuration.md"
-COMMAND = "python -m experiments.config_reference"
 ENTRY_POINTS = {"train": TrainConfig, "sft": SFTConfig, "probe": ProbeConfig}
 # The groups whose choices are registered parts: each choice's keys are its schema's (`schema/<group>/<choice>`).
 PART_GROUPS = {"algo": OBJECTIVES, "correction": CORRECTIONS, "routing_variant": ROUTING_VARIANTS,
                "routers": ROUTER_SWITCHES, "dataset": TASKS}
-HELP_WIDTH = 100  # columns of the --help text
-# Words after which a period does not end the sentence that describes a choice.
-ABBREVIATIONS = {"Dr", "Drs", "eq", "eqs", "Eq", "Eqs", "Fig", "Figs", "al", "vs", "cf", "e.g", "i.e", "approx"}
 
 
 # --- the source: field comments, docstrings, yaml comments ----------------------------------------------------
@@ -102,44 +99,7 @@ def docstring(cls: type) -> str:
     return " ".join(inspect.cleandoc(own).split()) if own and not own.startswith(f"{cls.__name__}(") else ""
 
 
-def first_sentence(text: str) -> str:
-    """The first sentence of `text` (a period followed by a capital ends it, unless it ends an abbreviation)."""
-    for match in re.finditer(r"\.\s+(?=[A-Z`(])", text):
-        word = re.findall(r"[\w.]+$", text[: match.start()])
-        if not word or word[0] not in ABBREVIATIONS:
-            return text[: match.start() + 1]
-    return text
-
-
-def yaml_description(path: Path) -> str:
-    """What a yaml is: the first sentence of its leading comment (after `# @package`, before its command lines)."""
-    lines = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.startswith("#") or line.startswith("#   "):
-            break
-        if not line.startswith("# @package"):
-            lines.append(line.lstrip("#").strip())
-    sentence = first_sentence(" ".join(lines))
-    return sentence[:-1] + "." if sentence.endswith(":") else sentence  # one that leads into a command line
-
-
 # --- the groups an entry point picks --------------------------------------------------------------------------
-
-def picked_groups(entry: str) -> dict[str, Any]:
-    """The groups of `conf/<entry>.yaml`'s defaults list, each with its default choice (None: none, [] for a set);
-    not Hydra's own (`override hydra/...`)."""
-    groups = {}
-    for item in OmegaConf.to_container(OmegaConf.load(CONF / f"{entry}.yaml"))["defaults"]:
-        if isinstance(item, dict):
-            ((group, choice),) = item.items()
-            if not group.startswith("override "):
-                groups[group] = choice
-    return groups
-
-
-def choices(group: str) -> list[str]:
-    return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
-
 
 def entry_values(entry: str) -> dict[str, Any]:
     """What `conf/<entry>.yaml` sets over its schema (its keys other than the defaults list and Hydra's), flattened."""
@@ -272,14 +232,6 @@ def _table(rows: tuple[Row, ...]) -> list[str]:
     return lines
 
 
-def _default_choice(choice: Any) -> str:
-    if choice is None:
-        return "none"
-    if isinstance(choice, list):
-        return "`[" + ",".join(choice) + "]`"
-    return f"`{choice}`"
-
-
 def groups_table() -> list[str]:
     """Every group an entry point picks: which entry points pick it, their defaults, the choices."""
     picks: dict[str, dict[str, Any]] = {}
@@ -288,11 +240,11 @@ def groups_table() -> list[str]:
             picks.setdefault(group, {})[entry] = choice
     lines = ["| group | default | choices |", "|---|---|---|"]
     for group, by_entry in picks.items():
-        defaults = {_default_choice(choice) for choice in by_entry.values()}
+        defaults = {default_choice(choice) for choice in by_entry.values()}
         if len(defaults) == 1:
             default = f"{defaults.pop()} ({', '.join(by_entry)})"
         else:
-            default = ", ".join(f"{entry} {_default_choice(choice)}" for entry, choice in by_entry.items())
+            default = ", ".join(f"{entry} {default_choice(choice)}" for entry, choice in by_entry.items())
         listed = " ".join(f"`{choice}`" for choice in choices(group))
         if isinstance(next(iter(by_entry.values())), list):
             listed = f"any set of {listed}"
@@ -324,9 +276,9 @@ def reference() -> str:
     out = [
         "# Configuration reference",
         "",
-        f"Generated by `{COMMAND}` from the dataclasses that declare each key and from their own field comments: edit "
-        "those, then run the command (`tests/test_config_reference.py` fails when this file is stale, or when a "
-        "field has no comment). `python -m experiments.train --help` lists the groups in brief.",
+        f"Generated by `{REFERENCE_COMMAND}` from the dataclasses that declare each key and from their own field "
+        "comments: edit those, then run the command (`tests/test_config_reference.py` fails when this file is stale, "
+        "or when a field has no comment). `python -m experiments.train --help` lists the groups in brief.",
         "",
         "Hydra composes a run from groups (`algo=gspo` picks a part) and keys (`trainer.lr=1e-4` sets a value; "
         "`-m key=a,b` sweeps). A misspelt key, a wrong type or a value outside an enum's values fails at composition; "
@@ -366,34 +318,6 @@ def reference() -> str:
             out += ["", f"`conf/{entry}.yaml` sets, over these defaults: "
                     + "; ".join(f"`{key}` = `{value_text(value)}`" for key, value in values.items()) + "."]
     return "\n".join(out) + "\n"
-
-
-# --- the brief, for --help ------------------------------------------------------------------------------------
-
-def help_text(entry: str) -> str:
-    """`python -m experiments.<entry> --help`: what the entry point does, the groups a user picks with their choices
-    (the default first), and where every key is explained. No `$`: Hydra substitutes the template's `$NAMES`."""
-    command = f"python -m experiments.{entry}"
-    lines = [*textwrap.wrap(yaml_description(CONF / f"{entry}.yaml"), HELP_WIDTH, break_on_hyphens=False), "",
-             f"Usage: {command} [group=choice ...] [key=value ...]",
-             f"       {command} -m [group=a,b ...] [key=a,b ...]      (a sweep: one run per combination)",
-             "", "Groups (group=choice; the default first):"]
-    for group, default in picked_groups(entry).items():
-        names = choices(group)
-        if isinstance(default, list):
-            shown = f"any set, e.g. {group}=[{names[0]}]; default {_default_choice(default).strip('`')}: "
-            shown += " ".join(names)
-        else:
-            first = [default] if default is not None else ["(none)"]
-            shown = " ".join(first + [name for name in names if name != default])
-        lines += textwrap.wrap(shown, HELP_WIDTH, initial_indent=f"  {group:<16} ", subsequent_indent=" " * 19,
-                               break_on_hyphens=False)
-    lines += ["",
-              "Every key, its type, default and meaning: docs/configuration.md (written by "
-              f"`{COMMAND}`).",
-              f"The composed config, without running: python -m experiments.{entry} [overrides] --cfg job",
-              "Hydra's own flags: --hydra-help"]
-    return "\n".join(lines).replace("$", "")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,7 +50,7 @@ from tqdm import tqdm
 from algos.objective import CLIP, KL_OLD, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.config import register_configs
 from experiments.run import provenance
-from experiments.run.life import Life, stop_signals
+from experiments.run.life import Job, Life, live
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics
 from experiments.step.checks import check_cold_start, check_run
@@ -156,13 +156,10 @@ def measure(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str, Any]:
     """Every setting of the probe, logged into `run_dir`; returns the summary. It lives and ends as every run does
-    (`experiments.run.life`): a stop keeps its log whole and says so in `summary.json` and one line."""
-    with stop_signals():
-        life, _ = Life.begin(run_dir, cfg, hydra_cfg, "the probe", lambda: check_probe(cfg))
-        try:
-            return probe(life, cfg)
-        finally:
-            life.release()
+    (`experiments.run.life`): a stop keeps its log whole and says so in `summary.json` and one line. Its settings'
+    trainers are built as it goes, each after the last one's records."""
+    return live(Job("the probe", lambda life, _: probe(life, cfg), prepare=lambda: check_probe(cfg)), run_dir, cfg,
+                hydra_cfg)
 
 
 def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:

@@ -30,6 +30,8 @@ import json
 import math
 import time
 import warnings
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from experiments.config import register_configs
 from experiments.run import provenance, rundir
-from experiments.run.life import Life, stop_signals
+from experiments.run.life import Job, Life, live
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
@@ -51,10 +53,10 @@ from experiments.step.checks import (
     check_device, check_logger, check_training_dtype, check_vocabulary, longest_tokens, unknown_keys,
 )
 from experiments.step.engines import HFEngine
-from experiments.step.optimizer import lr_lambda
+from experiments.step.optimizer import cold_start_optimizer
 from experiments.step.scoring import margin_stats, position_ids, router_fragility
 from experiments.step.batch import evaluate
-from experiments.tasks import Example, build_task
+from experiments.tasks import Example, Task, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
 from models.registry import ConfigError
@@ -218,157 +220,220 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     budget; save the checkpoint; return the model and a summary. It lives and ends as every run does
     (`experiments.run.life`): a stop or divergence keeps its log whole, says so in `summary.json` and one line, and
     saves no checkpoint."""
-    s = cfg.sft
-    with stop_signals():
-        life, _ = Life.begin(run_dir, cfg, hydra_cfg, "the cold start", lambda: check_settings(cfg))
-        with life.starting():
-            model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
-            switches = router_switches(cfg, model_cfg)
-            model, tokenizer = build_policy(model_cfg)
-            dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
-            task = build_task(dataset.pop("name"), **dataset)
-            check_vocabulary(tokenizer, task, task.examples("train") + task.examples("test"))
-            if s.eval_prompts > len(task.examples("test")):
-                raise ConfigError(f"sft.eval_prompts={s.eval_prompts} is more than the {len(task.examples('test'))} "
-                                  f"held-out examples of dataset {task.name!r}")
-            mixture = pretraining_mixture(cfg, task.examples("train"))
-        try:
-            return train_cold_start(life, cfg, model, tokenizer, task, mixture, switches)
-        finally:
-            life.release()
+    return live(Job("the cold start", lambda life, parts: train_cold_start(life, cfg, parts),
+                    lambda life: ColdStartParts.build(cfg), prepare=lambda: check_settings(cfg)), run_dir, cfg,
+                hydra_cfg)
 
 
-def train_cold_start(life: Life, cfg: DictConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                     task: Any, mixture: Any, switches: list[RouterSwitch]) -> tuple[PreTrainedModel, dict[str, Any]]:
+@dataclass(frozen=True)
+class ColdStartParts:
+    """What a cold start trains (the policy, its tokenizer, the task) and with what: the pretraining mixture
+    (`pretraining_mixture`) and the router switches that balance it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    task: Task
+    mixture: list[list[Example]]
+    switches: list[RouterSwitch]
+
+    @classmethod
+    def build(cls, cfg: DictConfig) -> "ColdStartParts":
+        """The parts the settings name, each refused in one line when it cannot serve (before the first step)."""
+        model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+        switches = router_switches(cfg, model_cfg)
+        model, tokenizer = build_policy(model_cfg)
+        dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+        task = build_task(dataset.pop("name"), **dataset)
+        check_vocabulary(tokenizer, task, task.examples("train") + task.examples("test"))
+        if cfg.sft.eval_prompts > len(task.examples("test")):
+            raise ConfigError(f"sft.eval_prompts={cfg.sft.eval_prompts} is more than the "
+                              f"{len(task.examples('test'))} held-out examples of dataset {task.name!r}")
+        return cls(model, tokenizer, task, pretraining_mixture(cfg, task.examples("train")), switches)
+
+
+@dataclass
+class Progress:
+    """Where a cold start stands: steps taken, the last step's loss, the last held-out greedy accuracy, whether
+    `sft.max_seconds` ran out; and its clocks, started with its first step."""
+
+    step: int = 0
+    loss: float = float("nan")
+    accuracy: float = 0.0
+    out_of_time: bool = False
+    start: float = field(default_factory=time.perf_counter)
+    cpu_start: float = field(default_factory=time.process_time)
+
+
+def train_cold_start(life: Life, cfg: DictConfig, parts: ColdStartParts) -> tuple[PreTrainedModel, dict[str, Any]]:
     """The cold start's steps, its checkpoint and its summary (`cold_start`)."""
-    s = cfg.sft
+    s, model = cfg.sft, parts.model
     threads = ThreadBudget(s.threads)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
     model.to(device)
-    for switch in switches:
+    for switch in parts.switches:
         switch.start(model)
-    train, test = task.examples("train"), task.examples("test")[: s.eval_prompts]
+    test = parts.task.examples("test")[: s.eval_prompts]
     # Room for the longest held-out demonstration and its eos: a longer completion is wrong whatever it says.
-    eval_tokens = longest_tokens(tokenizer, [example.demonstration for example in test]) + 1
+    eval_tokens = longest_tokens(parts.tokenizer, [example.demonstration for example in test]) + 1
     total = s.pretrain_steps + s.max_steps
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s.lr_schedule, s.warmup_steps, total))
-    generator = torch.Generator().manual_seed(cfg.seed)
-    mixer = torch.Generator().manual_seed(cfg.seed + MIXTURE_STREAM)
+    optimizer, scheduler = cold_start_optimizer(model, s, total)
+    batches = DemonstrationBatches(cfg, parts)
     name = f"sft-{cfg.model.name}-{cfg.dataset.name}"
-    start, cpu_start = time.perf_counter(), time.process_time()
-    accuracy, step, loss_value, out_of_time = 0.0, 0, float("nan"), False
-
-    def summary(status: str) -> dict[str, Any]:
-        """What the cold start is so far: how it ended and its numbers (the finished one adds the checkpoint's), read
-        from its committed steps (`life.records`): a stop or divergence never counts the step it cut, whose loss and
-        evaluation the loop may already hold."""
-        done = life.records
-        evaluated = [record[m.EVAL_GREEDY] for record in done if m.EVAL_GREEDY in record]
-        last_accuracy = evaluated[-1] if evaluated else 0.0
-        return {
-            "status": status,
-            "run": name,
-            "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),  # nested settings too (a dict of them)
-            "steps": len(done),
-            "pretrain_steps": min(len(done), s.pretrain_steps),
-            "routers": [switch.name for switch in switches],
-            "wall_s": time.perf_counter() - start,
-            "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
-            "final_loss": done[-1][m.SFT_LOSS] if done else float("nan"),
-            "eval_greedy_accuracy": last_accuracy,
-            "target_accuracy": s.target_accuracy,
-            "reached_target": last_accuracy >= s.target_accuracy,
-            "threads": s.threads,
-            "kernels": cpu_kernels.describe(cfg.cpu_kernels),
-            "versions": provenance.versions(),
-        }
+    progress = Progress()
+    summary = partial(cold_start_summary, cfg, name, parts.switches, progress, life.records)
 
     with life.running(summary, total), tqdm(total=total, desc=name, unit="step", dynamic_ncols=True) as bar:
         life.start_logging(cfg, name, ["sft", f"model:{cfg.model.name}"])
-        while step < total:
-            step += 1
-            pretraining = step <= s.pretrain_steps
+        while progress.step < total:
+            progress.step += 1
             threads.begin()
             model.train()
-            if pretraining:
-                batch = demonstration_batch(tokenizer, mixture_batch(mixture, s.batch_size, mixer), every_token=True)
-            else:
-                picks = torch.randint(len(train), (s.batch_size,), generator=generator).tolist()
-                batch = demonstration_batch(tokenizer, [train[i] for i in picks])
-            input_ids, attention_mask, labels = batch
-            with router_calls(model) if switches else contextlib.nullcontext(RouterCapture()) as calls:
-                out = model(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    position_ids=position_ids(attention_mask).to(device),
-                    labels=labels.to(device),
-                    use_cache=False,
-                )
-            routers = RouterCalls.of(calls, attention_mask.to(device))
-            loss = out.loss + sum(switch.loss(routers, None) for switch in switches)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            lr = scheduler.get_last_lr()[0]  # the rate this step's update used
-            optimizer.step()
-            scheduler.step()
-            loss_value = float(out.loss.detach())
-            record = {m.STEP: step, m.SFT_LOSS: loss_value, m.LR: lr}
-            for switch in switches:  # the balancing of the family between updates (the selection bias)
-                record.update(switch.after_update(model, routers, lambda tensor: tensor))
+            record = {m.STEP: progress.step, **update(parts, batches.next(progress.step), optimizer, scheduler,
+                                                     device)}
+            progress.loss = record[m.SFT_LOSS]
             threads.end()
-            elapsed = time.perf_counter() - start
-            out_of_time = elapsed >= s.max_seconds
+            elapsed = time.perf_counter() - progress.start
+            progress.out_of_time = elapsed >= s.max_seconds
             record[m.ELAPSED] = elapsed
             if s.pretrain_steps:
-                record[m.SFT_PRETRAINING] = float(pretraining)
-            task_step = step - s.pretrain_steps
-            if task_step > 0 and (task_step % s.eval_every == 0 or out_of_time or step == total):
+                record[m.SFT_PRETRAINING] = float(progress.step <= s.pretrain_steps)
+            task_step = progress.step - s.pretrain_steps
+            if task_step > 0 and (task_step % s.eval_every == 0 or progress.out_of_time or progress.step == total):
                 model.eval()
-                metrics = evaluate(HFEngine(model, tokenizer), task, test, samples=0, max_new_tokens=eval_tokens,
-                                   temperature=1.0)
-                accuracy = metrics[m.EVAL_GREEDY]
+                metrics = evaluate(HFEngine(model, parts.tokenizer), parts.task, test, samples=0,
+                                   max_new_tokens=eval_tokens, temperature=1.0)
+                progress.accuracy = metrics[m.EVAL_GREEDY]
                 record.update(metrics)
             life.commit(record)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", greedy_acc=f"{accuracy:.2f}")
-            if accuracy >= s.target_accuracy or out_of_time:
+            bar.set_postfix(loss=f"{progress.loss:.3f}", greedy_acc=f"{progress.accuracy:.2f}")
+            if progress.accuracy >= s.target_accuracy or progress.out_of_time:
                 break
         bar.close()  # before the checkpoint's lines
         model.eval()
         output_dir = Path(s.output_dir)
         model.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
+        parts.tokenizer.save_pretrained(output_dir)
+    result = finished_summary(summary("finished"), progress, parts, output_dir, test)
+    life.finish(result)
+    say_how_it_ended(cfg, progress, result)
+    return model, result
+
+
+class DemonstrationBatches:
+    """The cold start's batches, step by step: during pretraining (`sft.pretrain_steps`) every token of draws from the
+    mixture, then the task's demonstrations, each from its own generator so that the task's draws do not depend on
+    whether the cold start pretrained."""
+
+    def __init__(self, cfg: DictConfig, parts: ColdStartParts) -> None:
+        self.s, self.parts = cfg.sft, parts
+        self.train = parts.task.examples("train")
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.mixer = torch.Generator().manual_seed(cfg.seed + MIXTURE_STREAM)
+
+    def next(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if step <= self.s.pretrain_steps:
+            examples = mixture_batch(self.parts.mixture, self.s.batch_size, self.mixer)
+            return demonstration_batch(self.parts.tokenizer, examples, every_token=True)
+        picks = torch.randint(len(self.train), (self.s.batch_size,), generator=self.generator).tolist()
+        return demonstration_batch(self.parts.tokenizer, [self.train[i] for i in picks])
+
+
+def update(parts: ColdStartParts, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+           device: torch.device) -> dict[str, Any]:
+    """One optimizer update on `batch`: the next-token loss plus the router switches' own, then the balancing the
+    switches do between updates (the sigmoid family's selection bias); the step's record."""
+    model, switches = parts.model, parts.switches
+    input_ids, attention_mask, labels = batch
+    with router_calls(model) if switches else contextlib.nullcontext(RouterCapture()) as calls:
+        out = model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids(attention_mask).to(device),
+            labels=labels.to(device),
+            use_cache=False,
+        )
+    routers = RouterCalls.of(calls, attention_mask.to(device))
+    loss = out.loss + sum(switch.loss(routers, None) for switch in switches)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    lr = scheduler.get_last_lr()[0]  # the rate this step's update used
+    optimizer.step()
+    scheduler.step()
+    record = {m.SFT_LOSS: float(out.loss.detach()), m.LR: lr}
+    for switch in switches:
+        record.update(switch.after_update(model, routers, lambda tensor: tensor))
+    return record
+
+
+def cold_start_summary(cfg: DictConfig, name: str, switches: list[RouterSwitch], progress: Progress,
+                       done: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """What the cold start is so far: how it ended and its numbers (the finished one adds the checkpoint's), read
+    from its committed steps (`done`, the life's records): a stop or divergence never counts the step it cut, whose
+    loss and evaluation `progress` may already hold."""
+    s = cfg.sft
+    evaluated = [record[m.EVAL_GREEDY] for record in done if m.EVAL_GREEDY in record]
+    accuracy = evaluated[-1] if evaluated else 0.0
+    return {
+        "status": status,
+        "run": name,
+        "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),  # nested settings too (a dict of them)
+        "steps": len(done),
+        "pretrain_steps": min(len(done), s.pretrain_steps),
+        "routers": [switch.name for switch in switches],
+        "wall_s": time.perf_counter() - progress.start,
+        "cpu_s": time.process_time() - progress.cpu_start,  # this process's CPU time over the job: what it cost
+        "final_loss": done[-1][m.SFT_LOSS] if done else float("nan"),
+        "eval_greedy_accuracy": accuracy,
+        "target_accuracy": s.target_accuracy,
+        "reached_target": accuracy >= s.target_accuracy,
+        "threads": s.threads,
+        "kernels": cpu_kernels.describe(cfg.cpu_kernels),
+        "versions": provenance.versions(),
+    }
+
+
+def finished_summary(summary: dict[str, Any], progress: Progress, parts: ColdStartParts, output_dir: Path,
+                     test: list[Example]) -> dict[str, Any]:
+    """The finished cold start's summary: what ended it, its checkpoint and how it routes; written beside the
+    checkpoint too (`cold_start.json`), where RL runs and the analysis read it."""
+    reached = progress.accuracy >= summary["target_accuracy"]
     result = {
-        **summary("finished"),
+        **summary,
         # what ended it: the target (or max_steps) are the recipe; the time limit is not, and the summary says so
-        "stopped_by": "max_seconds" if out_of_time else "target_accuracy" if accuracy >= s.target_accuracy else "max_steps",
+        "stopped_by": "max_seconds" if progress.out_of_time else "target_accuracy" if reached else "max_steps",
         "checkpoint": str(output_dir),
-        "weights_sha256": cpu_kernels.weights_sha256(model),  # the start's identity, also in every RL run's summary
-        "routing": routing_profile(model, tokenizer, test),  # on the held-out demonstrations, after training
-        "policy": describe_policy(model),  # the experts and attention implementations computed with, among others
+        "weights_sha256": cpu_kernels.weights_sha256(parts.model),  # the start's identity, also in every RL run's
+        "routing": routing_profile(parts.model, parts.tokenizer, test),  # on the held-out demonstrations, trained
+        "policy": describe_policy(parts.model),  # the experts and attention implementations computed with, and more
     }
     (output_dir / "cold_start.json").write_text(json.dumps(result, indent=2) + "\n")
-    life.finish(result)
-    if out_of_time:
+    return result
+
+
+def say_how_it_ended(cfg: DictConfig, progress: Progress, result: dict[str, Any]) -> None:
+    """A warning for a checkpoint the command alone does not make (the time limit ended it) or that RL will learn
+    little from (below the target accuracy); then the cold start in one line."""
+    s = cfg.sft
+    if progress.out_of_time:
         warnings.warn(
-            f"cold start stopped by sft.max_seconds={s.max_seconds:g} after {step} steps: this checkpoint depends on "
-            "the machine's speed, not only on the command; raise sft.max_seconds to get the documented one"
+            f"cold start stopped by sft.max_seconds={s.max_seconds:g} after {progress.step} steps: this checkpoint "
+            "depends on the machine's speed, not only on the command; raise sft.max_seconds to get the documented one"
         )
     if not result["reached_target"]:
         warnings.warn(
-            f"cold start stopped at {accuracy:.1%} held-out accuracy, below sft.target_accuracy={s.target_accuracy}: "
-            "RL from this checkpoint will see little reward variance; raise sft.max_steps"
+            f"cold start stopped at {progress.accuracy:.1%} held-out accuracy, below sft.target_accuracy="
+            f"{s.target_accuracy}: RL from this checkpoint will see little reward variance; raise sft.max_steps"
         )
     profile = result["routing"]
     routing = "" if profile is None else (
         f"; load entropy {profile['load_entropy']:.3f}, max / mean load {profile['load_max_over_mean']:.2f}, top-k "
         f"margin median {profile[TOPK_MARGIN_MEDIAN]:.4f}")
-    print(f"{name}: {step} steps in {result['wall_s']:.0f} s, loss {loss_value:.3f}, held-out greedy accuracy "
-          f"{accuracy:.1%} (target {s.target_accuracy:.0%}){routing}. Checkpoint: {output_dir} (weights sha256 "
-          f"{result['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)")
-    return model, result
+    print(f"{result['run']}: {progress.step} steps in {result['wall_s']:.0f} s, loss {progress.loss:.3f}, held-out "
+          f"greedy accuracy {progress.accuracy:.1%} (target {s.target_accuracy:.0%}){routing}. Checkpoint: "
+          f"{result['checkpoint']} (weights sha256 {result['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="sft")

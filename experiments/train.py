@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 from algos.objective import CLIP
 from experiments.config import register_configs
-from experiments.run import checkpoint, launch
+from experiments.run import checkpoint, launch, relaunch
 from experiments.run.continuing import restore
-from experiments.run.life import Life, stop_signals
+from experiments.run.life import Job, Life, live
 from experiments.run.logger import sweep_group
 from experiments.run.summary import run_name, summarize, summary_paragraph
 from experiments.run.sweep import as_sweep_job
@@ -47,26 +47,19 @@ register_configs()
 
 def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[str, Any]:
     """Run the configured RL job in `run_dir` (on every rank under torchrun); return its summary (rank 0 also
-    writes it to `summary.json`)."""
-    with stop_signals():
-        life, finished = Life.begin(run_dir, cfg, hydra_cfg, "the run", lambda: launch.start(cfg.device),
-                                    resume=cfg.resume is not None)
-        if finished is not None and finished["steps"] >= cfg.trainer.steps:  # a re-launched sweep skips what is done
-            if life.claimed is not None:
-                print(f"moe-rl-lab: {life.run_dir} already holds this run, finished after {finished['steps']} steps; "
-                      "nothing to resume", file=sys.stderr)
-            life.release()
-            return finished
-        with life.starting():
-            threads = ThreadBudget(cfg.trainer.threads)
-            trainer = RLTrainer(cfg, life.ranks)
-            history = restore(trainer, cfg, life.run_dir, finished)
-            if cfg.resume is not None:  # the run goes on: the directory's record becomes this run's settings
-                life.on_rank0(lambda: life.claimed.record(cfg, hydra_cfg))
-        try:
-            return run_steps(life, trainer, threads, history, hydra_cfg)
-        finally:
-            life.release()
+    writes it to `summary.json`). A resumed run whose directory holds it finished is left as it is."""
+
+    def build(life: Life) -> tuple[RLTrainer, ThreadBudget, list[dict[str, Any]]]:
+        threads = ThreadBudget(cfg.trainer.threads)
+        trainer = RLTrainer(cfg, life.ranks)
+        history = restore(trainer, cfg, life.run_dir, life.finished)
+        if cfg.resume is not None:  # the run goes on: the directory's record becomes this run's settings
+            life.on_rank0(lambda: life.claimed.record(cfg, hydra_cfg))
+        return trainer, threads, history
+
+    return live(Job("the run", lambda life, built: run_steps(life, *built, hydra_cfg), build,
+                    prepare=lambda: launch.start(cfg.device), resume=cfg.resume is not None,
+                    done=lambda finished: finished["steps"] >= cfg.trainer.steps), run_dir, cfg, hydra_cfg)
 
 
 def run_steps(life: Life, trainer: RLTrainer, threads: ThreadBudget, history: list[dict[str, Any]],
@@ -136,7 +129,7 @@ def say_once_per_run(trainer: RLTrainer, life: Life) -> None:
 def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     if cfg.launch.nproc_per_node != 1 and "WORLD_SIZE" not in os.environ:
-        return launch.launch_ranks(cfg, hydra_cfg)
+        return relaunch.launch_ranks(cfg, hydra_cfg)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg)["reward_last"]
     return as_sweep_job(lambda: train(cfg, hydra_cfg.runtime.output_dir, hydra_cfg))

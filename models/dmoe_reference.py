@@ -17,6 +17,7 @@ and summed over the k slots of each token. No token is dropped: there is no capa
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -68,21 +69,29 @@ def megablocks_to_hf(
     return gate_up_proj, down_proj
 
 
-def dmoe_glu_reference(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    w1: torch.Tensor,
-    v1: torch.Tensor,
-    w2: torch.Tensor,
-    num_experts: int,
-    act_fn: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """Dropless GLU experts on given routing decisions, differentiable in every floating input.
+@dataclass(frozen=True)
+class RoutedGLU:
+    """One call of dropless GLU experts on routing decisions already made: what every implementation of the
+    computation takes (`dmoe_glu_reference`, `models.megablocks_experts.megablocks_glu_forward`).
 
-    hidden_states [T, H], top_k_index [T, k] (expert ids in [0, E)), top_k_weights [T, k];
-    w1, v1, w2 [E*F, H]. Returns [T, H] in the dtype of `hidden_states`.
+    hidden_states [T, H], top_k_index [T, k] (expert ids in [0, E)), top_k_weights [T, k]; w1, v1, w2 [E*F, H]
+    (`num_experts` E: the stacked matrices do not say where one expert ends); `act_fn` the gate's activation.
     """
+
+    hidden_states: torch.Tensor
+    top_k_index: torch.Tensor
+    top_k_weights: torch.Tensor
+    w1: torch.Tensor
+    v1: torch.Tensor
+    w2: torch.Tensor
+    num_experts: int
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+def dmoe_glu_reference(call: RoutedGLU) -> torch.Tensor:
+    """Dropless GLU experts on given routing decisions, differentiable in every floating input. Returns [T, H] in the
+    dtype of `hidden_states`."""
+    hidden_states, top_k_index, num_experts = call.hidden_states, call.top_k_index, call.num_experts
     num_tokens, top_k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     if num_tokens == 0:
@@ -93,12 +102,12 @@ def dmoe_glu_reference(
     tokens_per_expert = torch.bincount(slot_experts, minlength=num_experts).tolist()
     routed = hidden_states.index_select(0, slot_order // top_k)  # [T*k, H], grouped by expert
 
-    gate, up, down = (w.view(num_experts, -1, hidden) for w in (w1, v1, w2))
+    gate, up, down = (w.view(num_experts, -1, hidden) for w in (call.w1, call.v1, call.w2))
     segments = []
     for expert, rows in enumerate(routed.split(tokens_per_expert)):
         if rows.shape[0] == 0:
             continue
-        glu = act_fn(rows @ gate[expert].T) * (rows @ up[expert].T)
+        glu = call.act_fn(rows @ gate[expert].T) * (rows @ up[expert].T)
         segments.append(glu @ down[expert])
     expert_out = torch.cat(segments)  # [T*k, H], still grouped by expert
 
@@ -106,5 +115,5 @@ def dmoe_glu_reference(
     inverse[slot_order] = torch.arange(slot_order.numel(), device=slot_order.device)
     per_slot = expert_out[inverse].view(num_tokens, top_k, hidden)
     # The weights join at the scatter (as in MegaBlocks), so the router's gradient flows through them only.
-    weighted = per_slot * top_k_weights.unsqueeze(-1)
+    weighted = per_slot * call.top_k_weights.unsqueeze(-1)
     return weighted.sum(dim=1).to(hidden_states.dtype)

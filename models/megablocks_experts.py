@@ -43,6 +43,8 @@ from typing import NamedTuple
 
 import torch
 
+from models.dmoe_reference import RoutedGLU
+
 INSTALL_HINT = (
     "on a CUDA machine run `pip install --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1 "
     "grouped_gemm==0.3.0` (README 'MegaBlocks (CUDA)'; plain `pip install -e '.[megablocks]'` "
@@ -105,42 +107,20 @@ def require_megablocks(hidden_size: int, expert_width: int, dtype: torch.dtype) 
     return kernels
 
 
-def megablocks_glu_forward(
-    kernels: MegaBlocksKernels,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    w1: torch.Tensor,
-    v1: torch.Tensor,
-    w2: torch.Tensor,
-    num_experts: int,
-    act_fn: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """Dropless GLU experts with MegaBlocks' kernels; same contract as `dmoe_glu_reference`.
-
-    hidden_states [T, H] (CUDA, bfloat16), top_k_index [T, k], top_k_weights [T, k]; w1, v1, w2 [E*F, H].
-    """
-    if not hidden_states.is_cuda or hidden_states.dtype != torch.bfloat16 or w1.dtype != torch.bfloat16:
+def megablocks_glu_forward(kernels: MegaBlocksKernels, call: RoutedGLU) -> torch.Tensor:
+    """Dropless GLU experts with MegaBlocks' kernels; same contract as `dmoe_glu_reference`, on CUDA bfloat16."""
+    if not call.hidden_states.is_cuda or call.hidden_states.dtype != torch.bfloat16 or call.w1.dtype != torch.bfloat16:
         raise ValueError(
             "moe_backend=megablocks runs on CUDA bfloat16 tensors, got hidden states "
-            f"{hidden_states.dtype} on {hidden_states.device} and experts {w1.dtype} on {w1.device}"
+            f"{call.hidden_states.dtype} on {call.hidden_states.device} and experts {call.w1.dtype} on {call.w1.device}"
         )
-    return grouped_glu(kernels, hidden_states, top_k_index, top_k_weights, w1, v1, w2, num_experts, act_fn)
+    return grouped_glu(kernels, call)
 
 
-def grouped_glu(
-    kernels: MegaBlocksKernels,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    w1: torch.Tensor,
-    v1: torch.Tensor,
-    w2: torch.Tensor,
-    num_experts: int,
-    act_fn: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
+def grouped_glu(kernels: MegaBlocksKernels, call: RoutedGLU) -> torch.Tensor:
     """The grouped dMoE GLU written against MegaBlocks' op interface, whatever implements it (no checks)."""
     ops = kernels.ops
+    hidden_states, top_k_index, num_experts = call.hidden_states, call.top_k_index, call.num_experts
     num_tokens, top_k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     slot_experts = top_k_index.reshape(-1).int()
@@ -152,12 +132,12 @@ def grouped_glu(
         batch_sizes = tokens_per_expert.cpu().to(torch.long)
 
     routed = ops.gather(hidden_states.contiguous(), slot_order, bin_ids, bins, top_k)  # [T*k, H] by expert
-    gate, up, down = (w.view(num_experts, -1, hidden) for w in (w1, v1, w2))
-    glu = act_fn(kernels.gmm(routed, gate, batch_sizes, trans_b=True)) * kernels.gmm(
+    gate, up, down = (w.view(num_experts, -1, hidden) for w in (call.w1, call.v1, call.w2))
+    glu = call.act_fn(kernels.gmm(routed, gate, batch_sizes, trans_b=True)) * kernels.gmm(
         routed, up, batch_sizes, trans_b=True
     )
     expert_out = kernels.gmm(glu, down, batch_sizes)
     # The scatter kernel reads the weights in the activations' dtype (Mixtral's router hands over float32).
-    weights = top_k_weights.reshape(-1).to(expert_out.dtype)
+    weights = call.top_k_weights.reshape(-1).to(expert_out.dtype)
     out = ops.scatter(expert_out, slot_order, bin_ids, weights, bins, top_k)
     return out.view(num_tokens, hidden)

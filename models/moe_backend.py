@@ -25,7 +25,7 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from models.dmoe_reference import dmoe_glu_reference, hf_to_megablocks, megablocks_to_hf
+from models.dmoe_reference import RoutedGLU, dmoe_glu_reference, hf_to_megablocks, megablocks_to_hf
 from models.megablocks_experts import load_megablocks_kernels, megablocks_glu_forward, require_megablocks
 
 __all__ = [
@@ -87,12 +87,11 @@ class DroplessGLUExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k] -> [T, H], as transformers' experts."""
-        routing = (hidden_states, top_k_index, top_k_weights)
-        weights = (self.w1, self.v1, self.w2)
+        call = RoutedGLU(hidden_states, top_k_index, top_k_weights, self.w1, self.v1, self.w2, self.num_experts,
+                         self.act_fn)
         if self.backend == "megablocks":
-            kernels = load_megablocks_kernels()
-            return megablocks_glu_forward(kernels, *routing, *weights, self.num_experts, self.act_fn)
-        return dmoe_glu_reference(*routing, *weights, self.num_experts, self.act_fn)
+            return megablocks_glu_forward(load_megablocks_kernels(), call)
+        return dmoe_glu_reference(call)
 
     def to_hf(self) -> nn.Module:
         """A transformers experts module of the original class holding these weights (converted back)."""

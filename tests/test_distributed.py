@@ -264,7 +264,7 @@ def test_the_slurm_cluster_config_composes_and_each_job_starts_torchrun_per_gpu(
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from experiments.run.launch import torchrun_command
+    from experiments.run.relaunch import torchrun_command
 
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["cluster=slurm", "hydra.launcher.gpus_per_node=4", "seed=3"],

@@ -106,6 +106,9 @@ def test_flips_reach_the_update_forwards_only_and_r2_removes_them(tmp_path):
     # Not in the rollout: the same samples and rewards. In the updates: minibatch 0's ratios are no longer exactly 1,
     # and about the asked share of activated experts is flipped.
     assert flipped[0][REWARD] == plain[0][REWARD]
+    # Without flips minibatch 0 is on-policy: its π_old is its own update forward, so its ratios are 1 and their
+    # variance 0 by the hooks' wiring (the baseline, not a finding). The flipped run is the measurement: the flips
+    # make minibatch 0 off-policy, and its ratios move.
     assert plain[0]["minibatches"][0][TOKEN_RATIO_VAR] == 0.0
     assert flipped[0]["minibatches"][0][TOKEN_RATIO_VAR] > 1e-6
     assert 0.2 < flipped[0][FLIP_FRAC] < 0.4

@@ -27,7 +27,7 @@ from transformers import (
 import models.megablocks_experts as megablocks_experts
 import models.moe_backend as moe_backend
 
-from models.dmoe_reference import dmoe_glu_reference
+from models.dmoe_reference import RoutedGLU, dmoe_glu_reference
 from models.moe_backend import (
     DroplessGLUExperts, MOE_BACKENDS, apply_moe_backend, describe_experts_backend, find_moe_experts,
     hf_to_megablocks, megablocks_to_hf,
@@ -240,11 +240,11 @@ def test_megablocks_glue_matches_the_reference_when_the_ops_follow_megablocks_co
         x = hidden_states.clone().requires_grad_(True)
         w = top_k_weights.clone().requires_grad_(True)
         dmoe.zero_grad()
-        out = forward(x, top_k_index, w, dmoe.w1, dmoe.v1, dmoe.w2, 8, dmoe.act_fn)
+        out = forward(RoutedGLU(x, top_k_index, w, dmoe.w1, dmoe.v1, dmoe.w2, 8, dmoe.act_fn))
         out.square().sum().backward()
         return [out, x.grad, w.grad] + [p.grad.clone() for p in (dmoe.w1, dmoe.v1, dmoe.w2)]
 
-    glue = run(lambda *args: megablocks_experts.grouped_glu(kernels, *args))
+    glue = run(lambda call: megablocks_experts.grouped_glu(kernels, call))
     reference = run(dmoe_glu_reference)
     for got, expected in zip(glue, reference):
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
@@ -468,7 +468,7 @@ def test_megablocks_refuses_float32_experts_at_apply_time(monkeypatch):
 def test_megablocks_forward_refuses_tensors_off_cuda():
     dmoe = DroplessGLUExperts(experts_of(qwen3_moe())[0], "megablocks").to(torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA bfloat16"):
-        megablocks_experts.megablocks_glu_forward(
-            None, torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.long),
-            torch.ones(2, 2), dmoe.w1, dmoe.v1, dmoe.w2, 8, dmoe.act_fn,
-        )
+        megablocks_experts.megablocks_glu_forward(None, RoutedGLU(
+            torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2),
+            dmoe.w1, dmoe.v1, dmoe.w2, 8, dmoe.act_fn,
+        ))

@@ -77,9 +77,11 @@ def test_the_policy_carries_the_noise_and_replay_meets_it(tmp_path):
     assert noisy[0][REWARD] == plain[0][REWARD]
     assert noisy[0][DRIFT_PER_UPDATE] > plain[0][DRIFT_PER_UPDATE] + 0.1
     assert 0.2 <= noisy[0]["minibatches"][0][PERTURB_FRAC] < 0.25
-    # step 2 samples with the perturbed routers (unlike the flips, which never reach a rollout) and still starts
-    # on-policy: θ_old is the perturbed policy itself, its first minibatch's ratios exactly 1
+    # step 2 samples with the perturbed routers (unlike the flips, which never reach a rollout)
     assert noisy[1][ENTROPY] != plain[1][ENTROPY]
+    # and still starts on-policy: θ_old is the perturbed policy itself, so minibatch 0's π_old is its own update
+    # forward and its ratios are exactly 1 by the hooks' wiring. The zero guards that wiring (the noise lands between
+    # steps, never between π_old and the first update); it measures nothing.
     assert noisy[1]["minibatches"][0]["ratio/token_var"] == 0.0
     # R2 replays θ_old's experts within the step, but the next rollout is the perturbed policy's as for every arm
     assert r2[0][DRIFT_PER_UPDATE] > 0.1 and r2[1][ENTROPY] != plain[1][ENTROPY]

@@ -231,6 +231,9 @@ def _loop(tmp_path, architecture: str, *overrides: str) -> None:
     lines = read_metrics(tmp_path)
     assert all(math.isfinite(line[POLICY_LOSS]) and math.isfinite(line[GRAD_NORM]) for line in lines)
     first = lines[0]
+    # 0 by the hooks' wiring, not a measurement: the on-policy minibatch's θ_old routing is its own update forward's.
+    # It guards that the family's selection (its bias, its groups) leaves minibatch 0 on-policy; the drift measured is
+    # DRIFT_PER_UPDATE's, after minibatch 0's update.
     assert first["minibatches"][0][DRIFT] == 0.0 and DRIFT_PER_UPDATE in first
     assert 0.0 <= first[TOPK_MARGIN_MEDIAN] <= 1.0 and per_layer(TOPK_MARGIN_SMALL, 1) in first
     if "routing.replay=r3" in overrides:

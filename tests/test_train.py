@@ -138,6 +138,9 @@ def test_r2_replays_recorded_experts_while_drift_stays_measurable(layout):
         assert torch.equal(routed.reshape(L, B * S, K)[:, valid], recorded[:, valid])
     for handle in handles:
         handle.remove()
+    # Minibatch 0 is on-policy (asserted above): the hooks take θ_old's routing from its own update forward, so its
+    # drift compares that forward with itself and is 0 by the wiring. Exactly 0 guards the wiring (a π_old recomputed
+    # for it would give float noise, not 0); the measurement is the later minibatches'.
     assert drifts[0] == 0.0
     assert max(drifts[1:]) > 0.0, "with a large learning rate the router's own choice must drift from θ_old's"
 

@@ -4,8 +4,9 @@
 `checkpoints/step_<k>/` in the run directory:
     state/            model and optimizer, with `torch.distributed.checkpoint` (sharded over ranks under FSDP2,
                       one process otherwise), and under `rollout.lag` the weight versions the engine will still
-                      sample with (`experiments.step.versions`; full weights, the same on every rank): its index (`.metadata`) and the optimizer's hyperparameters are
-                      pickles, read as data only (`read_index`, `_DataPlanner`): a checkpoint is never code
+                      sample with (`experiments.step.versions`; full weights, the same on every rank): its index
+                      (`.metadata`) and the optimizer's hyperparameters are pickles, read as data only
+                      (`read_index`, `_DataPlanner`): a checkpoint is never code
     rng_rank<r>.pt    every random generator of rank r (torch's, the prompt sampler's, the engine's router noise),
                       loaded with `weights_only=True`
     trainer.json      step and token counters, skipped updates, the scheduler's state, every setting of the run,
@@ -233,7 +234,8 @@ def set_aside_after(run_dir: Path, step: int) -> list[str]:
 
 
 def _generators(trainer: Any) -> dict[str, torch.Tensor]:
-    return {"torch": torch.get_rng_state(), "sampler": trainer.generator.get_state(), "noise": trainer.engine.noise.get_state()}
+    return {"torch": torch.get_rng_state(), "sampler": trainer.generator.get_state(),
+            "noise": trainer.engine.noise.get_state()}
 
 
 TRAINER_KEYS = ("step", "tokens_seen", "skipped_updates", "consecutive_skips", "scheduler", "experiment", "world")

@@ -4,16 +4,16 @@
 under torchrun) starts N ranks; `start` joins them into a process group (gloo on CPU, nccl on CUDA) and returns this
 process's `Ranks`. What each rank computes, and how the step's numbers combine over ranks, is the step's
 (`experiments.step.trainer`); here are the run-level pieces: the group, the one line a refusal prints (rank 0 alone),
-ranks that die with their parent, work done on rank 0 alone whose refusal every rank raises, and a job of several
-ranks that checks, before torchrun starts them, all they would refuse (settings, run directory, checkpoint), since
-torchrun follows a refusal of its ranks with its own report (`exit_once`). The collectives themselves are
-`experiments.step.ranks`'.
+ranks that die with their parent, work done on rank 0 alone whose refusal every rank raises, a job of several ranks
+that checks, before torchrun starts them, all they would refuse (settings, run directory, checkpoint), since torchrun
+follows a refusal of its ranks with its own report (`exit_once`), and the Hydra callback that refuses an output
+directory in one line before Hydra writes there and gives every rank rank 0's (`DirectoryGuard`). The collectives
+themselves are `experiments.step.ranks`'.
 """
 
 from __future__ import annotations
 
 import atexit
-import subprocess
 import ctypes
 import os
 import signal
@@ -23,10 +23,10 @@ from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, read_write
 
 from experiments.run import rundir
-from experiments.step.checks import check_run
 from experiments.step.ranks import Ranks, broadcast_object
 from models.registry import ConfigError
 
@@ -66,7 +66,7 @@ def exit_once(message: str) -> NoReturn:
     agent raises `ChildFailedError` for every rank that ends other than with exit code 0, whatever the rank wrote
     before (an error file only fills the table), and exit code 0 would tell a shell, SLURM or a sweep that a refused
     job finished. A refusal keeps its exit code 1; a job that starts its ranks itself (`launch.nproc_per_node` > 1,
-    every `cluster=slurm` job) refuses before torchrun starts instead (`launch_ranks`)."""
+    every `cluster=slurm` job) refuses before torchrun starts instead (`relaunch.launch_ranks`)."""
     raise SystemExit(message if int(os.environ.get("RANK", "0")) == 0 else 1) from None
 
 
@@ -102,50 +102,36 @@ def on_rank0(work: Callable[[], Any], ranks: Ranks) -> Any:
     return result
 
 
-# -- a job of several ranks on this node: the job runs itself again under torchrun -----------------------------------
+# -- the run's directory, before Hydra writes there --------------------------------------------------------------------
 
-def torchrun_command(cfg: DictConfig, hydra_cfg: Any) -> list[str]:
-    """The command that runs this job again as `launch.nproc_per_node` ranks on this node, into this job's
-    directory (a SLURM job's, under `cluster=slurm`)."""
-    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith(("launch.", "hydra.run.dir="))]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={cfg.launch.nproc_per_node}", "-m", "experiments.train", *overrides,
-            f"hydra.run.dir={hydra_cfg.runtime.output_dir}"]
-
-
-def launch_ranks(cfg: DictConfig, hydra_cfg: Any) -> float | None:
-    """Run the job as `launch.nproc_per_node` ranks under torchrun, once what they would refuse has been refused here
-    in one line; its exit code is the job's."""
-    if cfg.launch.nproc_per_node < 1:
-        raise SystemExit(f"moe-rl-lab: launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
-    # What every rank would refuse is refused here, once, before torchrun starts ranks and adds its own traceback to
-    # their exit. Not the memory: measuring a GPU's creates a CUDA context this process would hold while the ranks run.
+def _refuse_unwritable(key: str, path: str) -> list[Path]:
     try:
-        check_run(cfg, cfg.launch.nproc_per_node, memory=False)
-        check_run_directory(cfg, hydra_cfg)
-    except ConfigError as error:
-        raise SystemExit(f"moe-rl-lab: {error}") from None
-    done = subprocess.run(torchrun_command(cfg, hydra_cfg))
-    if done.returncode:
-        raise SystemExit(done.returncode)
-    summary = rundir.finished_summary(Path(hydra_cfg.runtime.output_dir))
-    return summary["reward_last"] if summary else None
+        return rundir.make_writable_dir(path)
+    except OSError as error:
+        exit_once(f"moe-rl-lab: {key}={path!r} cannot be created: {error.strerror}")
 
 
-def check_run_directory(cfg: DictConfig, hydra_cfg: Any) -> None:
-    """What rank 0 alone checks once the ranks have started, checked here first: that the run directory can be this
-    run's (`rundir.claim`, whose lock is released again for rank 0 to take), and with `resume` the checkpoint the run
-    continues from (`continuing.resumable_checkpoint`, on `launch.nproc_per_node` ranks), unless the run is finished
-    and there is nothing to resume. A directory that changes between this check and the ranks' own is refused by
-    the ranks, with torchrun's report after the line."""
-    from experiments.run.continuing import resumable_checkpoint  # continuing imports this module
+class DirectoryGuard(Callback):
+    """Hydra creates its output directory before the task runs, with a traceback when it cannot: refuse such a
+    directory first, in one line (`hydra.callbacks` in conf/train.yaml and conf/sft.yaml). Under torchrun every
+    rank composes its own config, and a run directory named by the clock would differ from rank to rank: rank 0's
+    is every rank's."""
 
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    resuming = cfg.resume is not None
-    claimed = rundir.claim(run_dir, cfg, hydra_cfg, resume=resuming)
-    try:
-        finished = rundir.finished_summary(run_dir) if resuming else None
-        if resuming and (finished is None or finished["steps"] < cfg.trainer.steps):
-            resumable_checkpoint(cfg, run_dir, cfg.launch.nproc_per_node, finished)
-    finally:
-        claimed.release()
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            try:
+                ranks = start(config.get("device", "cpu"))
+            except ConfigError as error:
+                exit_once(f"moe-rl-lab: {error}")
+            chosen = broadcast_object(str(config.hydra.run.dir), ranks)
+            with read_write(config.hydra.run):
+                config.hydra.run.dir = chosen
+        _refuse_unwritable("hydra.run.dir", config.hydra.run.dir)
+
+    created: list[Path] = []  # the directories the sweep's start created (`on_multirun_start`)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            exit_once("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the sweep "
+                      "itself with cluster=slurm, or torchrun one run at a time")
+        self.created = _refuse_unwritable("hydra.sweep.dir", config.hydra.sweep.dir)

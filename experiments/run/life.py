@@ -1,15 +1,18 @@
 """One run's life, the same for an RL run, a cold start and a probe: its directory claimed, its stops turned into a
-summary, its records committed whole, and one line however it ends.
+summary, its records committed whole, and one line however it ends. Each door enters it in one call, `live(job, ...)`,
+with its `Job`: what it is called, its start-up checks, what builds it and what runs it.
 
-    with stop_signals():                                   SIGTERM, Ctrl-C: `Interrupted`, raised where it is safe
-        life, _ = Life.begin(run_dir, cfg, hydra_cfg, what)  kernels pinned, checks, the directory claimed (rank 0)
-        with life.starting():                              what a bad setting or a stop does before the first step
-            ...build the job...
-        life.start_logging(cfg, name, tags, group)         metrics.jsonl and W&B (rank 0)
-        with life.running(summary):                        how the job ends when it cannot go on
-            for ...: life.commit(record, then=...)         a record logged and counted whole, a stop after it
-        life.finish(summary(...))                          summary.json, W&B finished
-        life.release()
+    live(job, run_dir, cfg, hydra_cfg):
+        with stop_signals():                               SIGTERM, Ctrl-C: `StopRequested`, raised where it is safe
+            life = Life.begin(...)                         kernels pinned, `job.prepare`, the directory claimed (rank 0)
+            with life.starting():                          what a bad setting or a stop does before the first step
+                built = job.build(life)
+            job.run(life, built):
+                life.start_logging(cfg, name, tags, group) metrics.jsonl and W&B (rank 0)
+                with life.running(summary):                how the job ends when it cannot go on
+                    for ...: life.commit(record, then=...) a record logged and counted whole, a stop after it
+                life.finish(summary(...))                  summary.json, W&B finished
+            life.release()                                 however it ended
 
 How it ends: bad settings are refused before any work, in one line (`ConfigError`, exit code 1); any other exception
 is a bug and keeps its traceback (the run directory keeps every committed record and no summary); SIGTERM or Ctrl-C
@@ -26,8 +29,9 @@ import signal
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Generic, Iterator, NoReturn, TypeVar
 
 from omegaconf import DictConfig
 
@@ -39,7 +43,7 @@ from models import cpu_kernels
 from models.registry import ConfigError, Diverged
 
 
-class Interrupted(BaseException):
+class StopRequested(BaseException):
     """The run was asked to stop (SIGTERM, or SIGINT / Ctrl-C). A BaseException, as KeyboardInterrupt: the
     `except Exception` of a library the signal lands in (W&B's logging, say) must not swallow it."""
 
@@ -56,11 +60,11 @@ class _Deferral:
 
     active = False
     joint = False
-    pending: Interrupted | None = None
+    pending: StopRequested | None = None
     stopping = False
 
 
-def _stop(interrupted: Interrupted) -> NoReturn:
+def _stop(interrupted: StopRequested) -> NoReturn:
     """Raise the stop. Later signals change nothing while the run ends: a launcher that sees one rank end signals the
     others, which must still finish their summary."""
     _Deferral.pending, _Deferral.stopping = None, True
@@ -69,15 +73,15 @@ def _stop(interrupted: Interrupted) -> NoReturn:
 
 @contextmanager
 def stop_signals() -> Iterator[None]:
-    """Turn SIGTERM and SIGINT into `Interrupted` for the run inside; the previous handlers come back after."""
+    """Turn SIGTERM and SIGINT into `StopRequested` for the run inside; the previous handlers come back after."""
 
     def stop(signum: int, frame: Any) -> None:
         if _Deferral.stopping:
             return
         if _Deferral.active or _Deferral.joint:  # raised after the block, or where the ranks decide together
-            _Deferral.pending = _Deferral.pending or Interrupted(signum)
+            _Deferral.pending = _Deferral.pending or StopRequested(signum)
             return
-        _stop(Interrupted(signum))
+        _stop(StopRequested(signum))
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -92,7 +96,7 @@ def stop_signals() -> Iterator[None]:
 def stop_deferred() -> Iterator[None]:
     """Run the block whole: a stop that arrives meanwhile is raised after it. A record's commit needs this (its log
     line written, then counted: never a line the summary does not count; then a checkpoint, whose writer,
-    `torch.distributed.checkpoint`, catches whatever is raised inside it, `Interrupted` included, and raises its own
+    `torch.distributed.checkpoint`, catches whatever is raised inside it, `StopRequested` included, and raises its own
     `CheckpointException` instead), and so does the log's cut on resume. Blocking the signals on this thread is not
     enough: the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python
     then runs the handler on this thread at its next instruction, so the handler itself defers while a block is
@@ -114,7 +118,7 @@ def stop_together(ranks: Ranks) -> None:
         return
     signums = gather_objects(_Deferral.pending.signum if _Deferral.pending else 0, ranks)
     if any(signums):
-        _stop(Interrupted(max(signums)))
+        _stop(StopRequested(max(signums)))
 
 
 class _Unstarted:
@@ -142,13 +146,16 @@ class _Unstarted:
 
 class Life:
     """The life cycle of the job in `run_dir` on `ranks` (module docstring); `what` names the job in its lines (an RL
-    run, a cold start, a probe)."""
+    run, a cold start, a probe); `finished`, the summary of the finished run a resumed job's directory holds (None:
+    none)."""
 
-    def __init__(self, run_dir: Path, ranks: Ranks, claimed: rundir.RunDirectory | None, what: str) -> None:
+    def __init__(self, run_dir: Path, ranks: Ranks, claimed: rundir.RunDirectory | None, what: str,
+                 finished: dict[str, Any] | None = None) -> None:
         self.run_dir = run_dir
         self.ranks = ranks
         self.claimed = claimed
         self.what = what
+        self.finished = finished
         self.logger: Any = _Unstarted(run_dir if ranks.main else None)
         self.records: list[dict[str, Any]] = []  # every record committed (a resumed run's earlier ones first)
         _Deferral.joint = ranks.active
@@ -156,11 +163,11 @@ class Life:
     @classmethod
     def begin(cls, run_dir: str | Path, cfg: DictConfig, hydra_cfg: Any, what: str,
               prepare: Callable[[], Ranks | None] = lambda: None,
-              resume: bool = False) -> tuple["Life", dict[str, Any] | None]:
+              resume: bool = False) -> "Life":
         """Begin the job in `run_dir`: pin the CPU kernels before anything computes (the libraries fix their choice
         then), `prepare` (the job's own start-up checks, or the start of its ranks: their `Ranks`), then claim the
-        directory (rank 0; every rank meets its refusal, in one line). The life, and with `resume` the summary of the
-        finished run the directory holds (None: none)."""
+        directory (rank 0; every rank meets its refusal, in one line); with `resume`, read the summary of the
+        finished run the directory holds."""
         try:
             cpu_kernels.pin(cfg.cpu_kernels)
             ranks = prepare() or Ranks()
@@ -177,7 +184,7 @@ class Life:
         problem, finished = broadcast_object((problem, finished), ranks)  # every rank does what rank 0 found
         if problem:
             exit_once(f"moe-rl-lab: {problem}")
-        return cls(run_dir, ranks, claimed, what), finished
+        return cls(run_dir, ranks, claimed, what, finished)
 
     @contextmanager
     def starting(self) -> Iterator[None]:
@@ -189,7 +196,7 @@ class Life:
             self.release()
             if isinstance(error, ConfigError):
                 exit_once(f"moe-rl-lab: {error}")
-            if isinstance(error, Interrupted):
+            if isinstance(error, StopRequested):
                 if self.ranks.main:
                     print(f"moe-rl-lab: {self.what} was interrupted by {error.signal_name} before its first step",
                           file=sys.stderr)
@@ -208,7 +215,7 @@ class Life:
         of the job as it stands; `total` the records it was to commit."""
         try:
             yield
-        except Interrupted as stop:
+        except StopRequested as stop:
             try:
                 self.logger.finish(summary("interrupted"), exit_code=stop.exit_code)
             except rundir.StorageError as error:
@@ -268,3 +275,41 @@ class Life:
         if self.claimed is not None:
             self.claimed.release()
             self.claimed = None
+
+
+Built = TypeVar("Built")
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class Job(Generic[Built, Result]):
+    """A job as `live` runs it. `what` names it in its lines ("the run", "the cold start", "the probe"); `prepare` is
+    its own start-up checks, or the start of its ranks (their `Ranks`), before its directory is claimed; `build`
+    makes what it runs with (a refusal or a stop there ends it in one line, `Life.starting`); `run` commits its
+    records and returns its result. A job that may `resume` finds the summary of the finished run its directory holds
+    in `Life.finished`, and `done` says whether that run is already this job (a re-launched sweep skips it)."""
+
+    what: str
+    run: Callable[[Life, Built], Result]
+    build: Callable[[Life], Built] = lambda life: None
+    prepare: Callable[[], Ranks | None] = lambda: None
+    resume: bool = False
+    done: Callable[[dict[str, Any]], bool] = lambda finished: False
+
+
+def live(job: Job[Built, Result], run_dir: str | Path, cfg: DictConfig, hydra_cfg: Any) -> Result | dict[str, Any]:
+    """Run `job` in `run_dir` as every job lives (module docstring); its result, or the summary of the finished run
+    the directory already holds when that run is `job.done`. The directory is released however the job ends."""
+    with stop_signals():
+        life = Life.begin(run_dir, cfg, hydra_cfg, job.what, job.prepare, resume=job.resume)
+        try:
+            if life.finished is not None and job.done(life.finished):
+                if life.claimed is not None:
+                    print(f"moe-rl-lab: {life.run_dir} already holds this {job.what.removeprefix('the ')}, finished "
+                          f"after {life.finished['steps']} steps; nothing to resume", file=sys.stderr)
+                return life.finished
+            with life.starting():
+                built = job.build(life)
+            return job.run(life, built)
+        finally:
+            life.release()

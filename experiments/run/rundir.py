@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.run.resume import described, differences, length_change
 from models.registry import ConfigError, flat
@@ -235,43 +234,3 @@ def remove_if_empty(created: list[Path]) -> None:
             directory.rmdir()
         except OSError:
             return  # not empty (or gone): what holds something stays, and so do its parents
-
-
-def _refuse_unwritable(key: str, path: str) -> list[Path]:
-    from experiments.run.launch import exit_once
-
-    try:
-        return make_writable_dir(path)
-    except OSError as error:
-        exit_once(f"moe-rl-lab: {key}={path!r} cannot be created: {error.strerror}")
-
-
-class DirectoryGuard(Callback):
-    """Hydra creates its output directory before the task runs, with a traceback when it cannot: refuse such a
-    directory first, in one line (`hydra.callbacks` in conf/train.yaml and conf/sft.yaml). Under torchrun every
-    rank composes its own config, and a run directory named by the clock would differ from rank to rank: rank 0's
-    is every rank's."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from experiments.run import launch
-            from experiments.step.ranks import broadcast_object
-
-            try:
-                ranks = launch.start(config.get("device", "cpu"))
-            except ConfigError as error:
-                launch.exit_once(f"moe-rl-lab: {error}")
-            chosen = broadcast_object(str(config.hydra.run.dir), ranks)
-            with read_write(config.hydra.run):
-                config.hydra.run.dir = chosen
-        _refuse_unwritable("hydra.run.dir", config.hydra.run.dir)
-
-    created: list[Path] = []  # the directories the sweep's start created (`on_multirun_start`)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from experiments.run.launch import exit_once
-
-            exit_once("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the sweep "
-                      "itself with cluster=slurm, or torchrun one run at a time")
-        self.created = _refuse_unwritable("hydra.sweep.dir", config.hydra.sweep.dir)

@@ -109,7 +109,7 @@ def sweep_jobs(cfg: DictConfig) -> list[list[str]]:
     return [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
-class RunGuard(rundir.DirectoryGuard):
+class RunGuard(launch.DirectoryGuard):
     """Hydra's output directory checked before Hydra writes there; in a sweep, every job checked before the first
     starts, and the sweep failed at the end if any job failed."""
 

@@ -35,7 +35,7 @@ from algos.routing_variants import RoutingVariant
 from experiments.step import metrics as m
 from experiments.step.batch import Minibatch
 from experiments.step.old_policy import (
-    AtOld, Bypass, EngineRoutes, FirstOnPolicy, NothingElse, OldPolicy, OlderWeights, Recompute, Reference, Score,
+    AtOld, Bypass, EngineRoutes, FirstOnPolicy, NothingElse, OldPolicy, OlderWeights, Recompute, ReferencePolicy, Score,
 )
 from experiments.step.plan import PiOld, Replay, StepPlan
 from experiments.step.ranks import Ranks, gather_rows, reduce_value, reshard, summed
@@ -382,7 +382,7 @@ def assemble(plan: StepPlan, cfg: Any, model: torch.nn.Module, reference: torch.
         replay_from = OlderWeights(switches, score)
     else:
         replay_from = NothingElse()
-    common = dict(replay_from=replay_from, reference=Reference(reference, score), flips=bool(plan.flip_rate))
+    common = dict(replay_from=replay_from, reference=ReferencePolicy(reference, score), flips=bool(plan.flip_rate))
     if plan.pi_old == PiOld.bypass:
         source = Bypass(**common, track=plan.track_routing)
     else:

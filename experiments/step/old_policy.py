@@ -104,7 +104,7 @@ class OlderWeights(ReplayFrom):
 
 
 @dataclass(frozen=True)
-class Reference:
+class ReferencePolicy:
     """The frozen reference policy of the KL term (`model` None: no KL term, no reference log-probs)."""
 
     model: torch.nn.Module | None
@@ -122,7 +122,7 @@ class OldPolicySource(ABC):
     so none of them is the trainer at θ_old."""
 
     replay_from: ReplayFrom
-    reference: Reference
+    reference: ReferencePolicy
     flips: bool
 
     @abstractmethod

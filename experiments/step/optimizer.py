@@ -1,4 +1,4 @@
-"""AdamW and its learning-rate schedule, for RL runs and cold starts alike."""
+"""AdamW and its learning-rate schedule, for RL runs (`rl_optimizer`) and cold starts (`cold_start_optimizer`)."""
 
 from __future__ import annotations
 
@@ -51,4 +51,15 @@ def rl_optimizer(model: torch.nn.Module, t: Any) -> tuple[torch.optim.Optimizer,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps,
                                                                        t.steps * t.minibatches))
+    return optimizer, scheduler
+
+
+def cold_start_optimizer(model: torch.nn.Module, s: Any,
+                         updates: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over every parameter of `model` with the cold start's settings (`sft`, `s`): one learning rate, torch's
+    default betas and its loop over the parameters, as every committed cold start was made (`rl_optimizer`'s fused
+    kernel is another implementation, with no promise of the same bits), and its schedule over the cold start's
+    `updates` (pretraining and task steps)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s.lr_schedule, s.warmup_steps, updates))
     return optimizer, scheduler

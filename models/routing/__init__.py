@@ -35,8 +35,8 @@ otherwise per router call (the routing variants of `algos.routing_variants`: the
 the replayed experts the current router still ranks high). Positions marked `NO_ROUTE` keep the router's own
 choice: they are padding (masked out of attention) or the last token of a sequence, whose hidden state feeds no
 scored log-probability. The router's own top-k is still computed during a replayed forward and exposed as
-`Replay.router_choice`, so drift against the replayed routing costs no extra forward; with `score_replayed=True` the
-current router's log-probabilities of the trace's experts come back too (`Replay.replayed_logprobs`). Replay data is
+`Replaying.router_choice`, so drift against the replayed routing costs no extra forward; with `score_replayed=True` the
+current router's log-probabilities of the trace's experts come back too (`Replaying.replayed_logprobs`). Replay data is
 keyed by router module, not by call count, so it holds when activation checkpointing re-runs a layer in backward —
 as long as backward runs inside the `replay_routing` context.
 

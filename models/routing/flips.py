@@ -49,7 +49,7 @@ class _FlipHook:
         return logits, weights, flipped
 
 
-class Flips:
+class Flipping:
     """Handle yielded by `flip_routing`: `.share` is the realised share of activated experts that were flipped."""
 
     def __init__(self, hooks: list[_FlipHook]) -> None:
@@ -62,7 +62,7 @@ class Flips:
 
 
 @contextmanager
-def flip_routing(model: torch.nn.Module, rate: float, generator: torch.Generator) -> Iterator[Flips]:
+def flip_routing(model: torch.nn.Module, rate: float, generator: torch.Generator) -> Iterator[Flipping]:
     """SYNTHETIC routing drift: in the forwards run inside the context, each activated (token, layer, slot) expert is
     replaced, independently with probability `rate`, by the expert its router ranks next after the top-k
     (`next_ranked` on the family's selection scores). The gate weights of a token with a flipped slot come from the
@@ -83,7 +83,7 @@ def flip_routing(model: torch.nn.Module, rate: float, generator: torch.Generator
     hooks = [_FlipHook(rate, generator) for _ in routers] if rate > 0 else []
     handles = [router.register_forward_hook(hook) for router, hook in zip(routers.values(), hooks)]
     try:
-        yield Flips(hooks)
+        yield Flipping(hooks)
     finally:
         for handle in handles:
             handle.remove()

@@ -197,7 +197,7 @@ def record_routing(model: torch.nn.Module, generate: bool = False, gates: bool =
         yield Recording(hooks, expert_count(model), generate)
 
 
-class Replay:
+class Replaying:
     """Handle yielded by `replay_routing`; `.router_choice` is the router's own top-k during the replayed forward."""
 
     def __init__(self, hooks: list[_RouterHook], num_experts: int) -> None:
@@ -278,11 +278,11 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
 def replay_routing(
     model: torch.nn.Module, trace: RoutingTrace, rule: ReplayRule | None = None, score_replayed: bool = False,
     gates: bool = False,
-) -> Iterator[Replay]:
+) -> Iterator[Replaying]:
     """Force the forward passes inside the context (and their backward) to use the experts of `trace`, as `rule`
     decides at each router call (default: ID replay, `ReplayRule`); `score_replayed`: also keep the current
-    router's log-probabilities of the trace's experts (`Replay.replayed_logprobs`); `gates`: the router's own choice
-    comes with its gate weights (`Replay.router_choice`).
+    router's log-probabilities of the trace's experts (`Replaying.replayed_logprobs`); `gates`: the router's own choice
+    comes with its gate weights (`Replaying.router_choice`).
 
     The trace must match the batch fed to the model: `[L, B, S, K]` with `[B, S]` the input ids' shape; a
     mismatch raises `ValueError` at the forward that does not fit. Keep backward inside the context when activation
@@ -319,7 +319,7 @@ def replay_routing(
             hook.gates = [] if gates else None
             hook.scored = [] if score_replayed else None
         try:
-            yield Replay(hooks, trace.num_experts)
+            yield Replaying(hooks, trace.num_experts)
         finally:
             handle.remove()
             for hook in hooks:
