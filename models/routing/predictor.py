@@ -33,7 +33,9 @@ def add_predictors(model: torch.nn.Module) -> None:
         if hasattr(router, PREDICTOR):
             raise ValueError(f"router {name} already has a predictor")
         experts, hidden = router.weight.shape
-        predictor = torch.nn.Linear(hidden, experts, bias=False, dtype=router.weight.dtype, device=router.weight.device)
+        # skip_init: no draw from the global generator, which the rest of the run's start goes on drawing from
+        predictor = torch.nn.utils.skip_init(torch.nn.Linear, hidden, experts, bias=False, dtype=router.weight.dtype,
+                                             device=router.weight.device)
         torch.nn.init.zeros_(predictor.weight)
         router.add_module(PREDICTOR, predictor)
 
