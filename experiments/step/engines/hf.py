@@ -16,6 +16,9 @@ the trainer on purpose (training–inference mismatch that a run can dial):
                   and not in the trainer.
 The copy takes the trainer's weights after every step's updates, or under a lag the version it is to sample with
 (cast, then re-quantized): the engine never trains.
+Predictive Routing Replay (`Sampling.predict_routes`, `routing_variant=predictive`): while it samples, and only then,
+its routers route by their predictors (`models.routing.predictor.route_by_predictors`, after the router noise), and
+the routing it records carries each router's input and logits, on which the trainer fits the predictors.
 The KV cache (`rollout.kv_cache`): transformers' `DynamicCache` grows each layer's keys and values by `torch.cat` at
 every decode step, copying the whole cache every step (on bench-deep, 256 rows x 16 layers x ~45 positions: 270 ms of
 a 1.9 s rollout). `preallocated`, the default, keeps them in buffers with room for the rollout's new tokens, writes
