@@ -101,7 +101,7 @@ def test_an_engine_with_zero_predictors_samples_bit_for_bit_as_without_them(arch
     assert torch.equal(plain.input_ids, predicted.input_ids) and torch.equal(plain.logp, predicted.logp)
     for part in ("experts", "weights", "logprobs"):
         assert torch.equal(getattr(plain.routes, part), getattr(predicted.routes, part)), part
-    assert plain.routes.inputs is None and predicted.routes.has_states
+    assert plain.routes.inputs is None and predicted.routes.inputs is not None and predicted.routes.logits is not None
     # Where the predicted experts are the router's own, its output stays as it is: in its slot order (the sigmoid
     # family's top-k is unsorted, CUDA's in an order of its own) and with its own gate arithmetic.
     router = next(iter(find_routers(model).values()))

@@ -37,10 +37,6 @@ class RoutingTrace:
     def has_gates(self) -> bool:
         return self.weights is not None and self.logprobs is not None
 
-    @property
-    def has_states(self) -> bool:
-        return self.inputs is not None and self.logits is not None
-
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "RoutingTrace":
         """The trace with `fn` applied to its experts and to whatever else it recorded (all laid out alike)."""
         recorded = {name: fn(getattr(self, name)) for name in OPTIONAL_PARTS if getattr(self, name) is not None}
