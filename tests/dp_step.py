@@ -1,7 +1,7 @@
 """Run by tests/test_distributed.py under `torchrun --nproc_per_node=W`: the updates of one RL step on a fixed rollout
 batch, split over the W ranks by whole groups, for several objectives, aggregations, replay modes and routing
-variants. Rank 0 saves, per case, the global metrics of every update, the gradients of the first update and the
-parameters after the step.
+variants. Rank 0 saves, per case, the global metrics of every update, the gradients of the first update (of the
+first that gives a parameter one, for PR2's predictors) and the parameters after the step.
 
     torchrun --nproc_per_node=2 tests/dp_step.py OUT.pt
 
@@ -49,6 +49,8 @@ CASES = {
     # the decomposition's extra forwards run between the backward and the optimizer step: on FSDP2 shards too
     "grpo + decomposition": ["algo=grpo", "routing.decompose_every=1"],
     "grpo + r2 + decomposition": ["algo=grpo", "routing.replay=r2", "routing.decompose_every=1"],
+    # the predictors and their routers are FSDP2 units of their own, called outside the layers' forwards
+    "grpo + pr2": ["algo=grpo", "routing.replay=r3", "routing_variant=predictive"],
 }
 
 
@@ -72,10 +74,12 @@ def run_case(overrides: list[str], ranks: Ranks) -> dict:
                         "trainer.steps=1")
     trainer = RLTrainer(cfg, ranks)
     unsharded, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+    trainer.variant.start(unsharded)
     torch.manual_seed(123)
     examples = trainer.train_examples[:PROMPTS]
     sampling = Sampling(GROUP, cfg.trainer.max_new_tokens, cfg.trainer.temperature,
-                        record_routing=trainer.plan.engine_records_routing)
+                        record_routing=trainer.plan.engine_records_routing,
+                        predict_routes=trainer.plan.engine_predicts_routes)
     full = collect_rollout(HFEngine(unsharded.eval(), tokenizer), trainer.task, examples, sampling)
     # A random model earns no reward on addition: fixed made-up rewards give every group an advantage to learn.
     full = replace(full, rewards=torch.rand(full.size, generator=torch.Generator().manual_seed(7)))
@@ -97,8 +101,9 @@ def run_case(overrides: list[str], ranks: Ranks) -> dict:
     optimizer_step = trainer._optimizer_step
 
     def first_grads(finite: bool, update) -> dict[str, float]:
-        if not grads:
-            for name, param in trainer.model.named_parameters():
+        for name, param in trainer.model.named_parameters():
+            # each parameter's gradient of the first update that gives it one: PR2's predictors', the second's
+            if name not in grads and param.grad is not None:
                 grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
                 grads[name] = grad.detach().clone()
         return optimizer_step(finite, update)

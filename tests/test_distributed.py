@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from algos.routing_variants.predictive import LOSS as PREDICTIVE_LOSS
 from algos.routing_variants.soft_replay import KEPT as SOFT_REPLAY_KEPT
 from experiments.config import PROJECT_ROOT
 from experiments.step.metrics import STEP
@@ -45,12 +46,15 @@ def one_and_two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("case", ["grpo seq-mean-token-mean", "grpo token-mean", "dr_grpo seq-mean-token-sum-norm",
                                   "gspo", "grpo + r2", "gspo + r2", "grpo + load-balancing loss",
                                   "grpo + r2 full replay", "gspo + r2 soft replay", "grpo + router shift",
-                                  "grpo + decomposition", "grpo + r2 + decomposition"])
+                                  "grpo + decomposition", "grpo + r2 + decomposition", "grpo + pr2"])
 def test_two_ranks_make_the_update_one_process_makes(one_and_two_ranks, case):
     one, two = (result[case] for result in one_and_two_ranks)
     assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3, "the batch must carry a gradient"
     if case == "gspo + r2 soft replay":
         assert 0.0 < one["metrics"][1][SOFT_REPLAY_KEPT] < 1.0, "the ranks must keep and drop experts"
+    if case == "grpo + pr2":
+        assert one["metrics"][1][PREDICTIVE_LOSS] > 0, "the second update trains the predictors"
+        assert any(grad.any() for name, grad in one["grads"].items() if "predictor" in name)
     for name, grad in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
     for name, param in one["params"].items():

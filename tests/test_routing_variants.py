@@ -20,6 +20,7 @@ from algos import OBJECTIVES, build_objective
 from algos.objective import POLICY_LOSS, TOKEN_RATIO_VAR
 from algos.routing_variants import ROUTING_VARIANTS
 from algos.routing_variants.full_replay import GateReplay
+from algos.routing_variants.predictive import LOSS as PREDICTIVE_LOSS, PREDICTED_ACC
 from algos.routing_variants.router_shift import (
     DEVIATION as SHIFT_DEVIATION, FLOOR_FRAC as SHIFT_FLOOR_FRAC, KeepOwnRouting, WEIGHT as SHIFT_WEIGHT,
     router_shift,
@@ -307,7 +308,8 @@ def test_router_shift_hands_the_objective_pi_old_over_the_factor_recomputed_from
 
 @pytest.mark.parametrize("overrides", [("routing.replay=r2", "routing_variant=full_replay"),
                                        ("routing.replay=r3", "routing_variant=soft_replay"),
-                                       ("routing_variant=router_shift",)])
+                                       ("routing_variant=router_shift",),
+                                       ("routing.replay=r3", "routing_variant=predictive")])
 def test_every_objective_composes_with_every_variant(overrides):
     trainer = RLTrainer(compose_train("trainer.lr=5e-2", *overrides))
     _, _, minibatches, old = first_step_inputs(trainer)
@@ -324,6 +326,8 @@ def test_every_objective_composes_with_every_variant(overrides):
             assert 0.0 < metrics[SOFT_REPLAY_KEPT] <= 1.0
         if variant == "router_shift":
             assert 0.8 <= metrics[SHIFT_WEIGHT] <= 1.0
+        if variant == "predictive":
+            assert math.isfinite(metrics[PREDICTIVE_LOSS]) and 0.0 <= metrics[PREDICTED_ACC] <= 1.0
 
 
 # -- configuration and refusals -----------------------------------------------------------------------------------

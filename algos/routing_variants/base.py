@@ -7,7 +7,9 @@ registered in `ROUTING_VARIANTS` with its formula, source and defaults. A varian
   `full_replay` replays the recorded gate weights too, `soft_replay` keeps only the replayed experts the current
   router still ranks high;
 - on the ratio the objective clips, without replay: `router_shift` (RSPO) multiplies each token's π_θ/π_old by a
-  stop-gradient factor from how far the router moved on θ_old's experts.
+  stop-gradient factor from how far the router moved on θ_old's experts;
+- in the engine and beside the routers: `predictive` (PR2) gives every router a trained predictor of its logits'
+  change, and the engine routes by it (what r3 then replays).
 
 What a variant cannot serve is refused at start-up in one line (`check`): the replay modes it needs, a dense model;
 an engine that cannot report what it replays is refused by the engine's own check.
@@ -44,6 +46,8 @@ class RoutingVariant(ABC):
     # Its replayed forwards compute with other experts or gates than ID replay's (the ratio decomposition then
     # replays θ_old's experts by ID in a forward of its own).
     changes_replay: ClassVar[bool] = False
+    # The engine routes by the routers' predictors and records their inputs and logits, on which they are trained.
+    predicts_routes: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_fields(self, f"routing_variant {self.name}")
@@ -51,6 +55,15 @@ class RoutingVariant(ABC):
 
     def validate(self) -> None:
         """Raise ConfigError for parameter values this variant cannot use."""
+
+    def start(self, model: torch.nn.Module) -> None:
+        """What the variant adds to the policy before the engine copies it and the optimizer takes its parameters (after
+        the start's sha256 is taken)."""
+
+    @property
+    def predictor_lr_scale(self) -> float:
+        """The learning rate of the parameters `start` added, as a multiple of `trainer.lr`."""
+        return 1.0
 
     def replay_rule(self) -> ReplayRule:
         """A fresh rule for one replayed forward (it may count what it did there)."""

@@ -60,6 +60,7 @@ from experiments.step.metrics import STEP
 from experiments.step.ranks import Ranks, barrier, gather_objects
 from experiments.step.versions import version_key
 from models.registry import ConfigError
+from models.routing.predictor import without_predictors
 
 DIRECTORY = "checkpoints"
 PREFIX = "step_"
@@ -592,10 +593,11 @@ def cut_log(metrics: Path, step: int) -> int:
 
 
 def export(trainer: Any, directory: Path) -> Path:
-    """`save_pretrained` of the policy and its tokenizer (the full weights, gathered from every rank under FSDP2)."""
+    """`save_pretrained` of the policy and its tokenizer (the full weights, gathered from every rank under FSDP2), as
+    transformers loads it: without the routers' predictors (`routing_variant=predictive`), which only the run uses."""
     state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.ranks.main:
-        trainer.model.save_pretrained(directory, state_dict=state)
+        trainer.model.save_pretrained(directory, state_dict=without_predictors(state))
         trainer.tokenizer.save_pretrained(directory)
     barrier(trainer.ranks)
     return directory

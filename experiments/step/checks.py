@@ -92,6 +92,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     engine.check(cfg, world, engine_needs(plan, objective, correction))
     check_agreement(objective, correction)
     variant.check(plan.replay, cfg.model.name, moe)
+    check_predictors(variant, cfg.trainer.minibatches)
     t = cfg.trainer
     check_switches(switches, RunFacts(cfg.model.name, hf_config.model_type in SIGMOID_FAMILIES, plan.replay,
                                       variant.name, t.router_lr_scale, world, t.checkpoint_every,
@@ -201,6 +202,14 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
                           "less than float32 can add to any weight larger than 1e-3, so the run would train nothing")
 
 
+def check_predictors(variant: RoutingVariant, minibatches: int) -> None:
+    """A routing variant that trains route predictors trains them from the second minibatch of a step on (PR2's
+    Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them."""
+    if variant.predicts_routes and minibatches < 2:
+        raise ConfigError(f"routing_variant={variant.name} trains its predictors from the second minibatch of a step "
+                          f"on, and trainer.minibatches={minibatches} has none: use trainer.minibatches >= 2")
+
+
 def check_switches(switches: list[RouterSwitch], run: RunFacts, moe: bool) -> None:
     """The router switches that are on: a dense model has no router to switch, and each refuses what it cannot
     serve (`algos.routers`)."""
@@ -283,6 +292,8 @@ def engine_needs(plan: StepPlan, objective: Objective, correction: Correction) -
         routing="routing.replay=r3 replays the engine's experts" if plan.replay == Replay.r3 else None,
         gate_weights=(f"routing_variant={plan.routing_variant} with routing.replay=r3 replays the engine's gate weights"
                       if plan.engine_records_gates else None),
+        predicted_routes=(f"routing_variant={plan.routing_variant} routes the engine by its routers' predictors"
+                          if plan.engine_predicts_routes else None),
     )
 
 

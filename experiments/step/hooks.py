@@ -7,7 +7,7 @@ every hook at each fixed point, in that order; a hook that has nothing to do the
     options(update, options)          what the update's forward computes (replay, recording, router calls, ...)
     around_forward(update)            a context held around the update's forward (SYNTHETIC flips, router inputs)
     objective_inputs(update, inputs)  what the objective is given (RSPO's shifted π_old, a correction's weights)
-    loss(update)                      a term added to the update's loss (load balancing)
+    loss(update)                      a term added to the update's loss (load balancing, PR2's predictors)
     before_step(update)               after the backward, before the optimizer step: metrics of θ before it moves
                                       (the ratio decomposition's extra forwards)
     after_step(update)                after an applied optimizer step: what acts on the weights between updates
@@ -43,7 +43,7 @@ from experiments.step.scoring import FED, ScoreOptions, Scores, margin_stats
 from models.routing.flips import flip_routing
 from models.routing.measures import gate_shift, load_max_violation, routing_drift
 from models.routing.perturbation import perturb_routers, router_inputs
-from models.routing.trace import NO_ROUTE, RoutingTrace
+from models.routing.trace import NO_ROUTE, RoutingTrace, find_routers
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,10 @@ class Rows:
 
     def routes(self, trace: RoutingTrace) -> RoutingTrace:
         """A trace's experts, and its gate weights where it carries them, over every rank's rows (its router
-        log-scores are not measured)."""
+        log-scores and states are not measured)."""
         weights = self(trace.weights, dim=1) if trace.weights is not None else None
-        return replace(trace, experts=self(trace.experts, dim=1, fill=NO_ROUTE), weights=weights, logprobs=None)
+        return replace(trace.without_states(), experts=self(trace.experts, dim=1, fill=NO_ROUTE), weights=weights,
+                       logprobs=None)
 
     def gathered(self, output: Any) -> Any:
         """An output that gathers itself (`.gathered(rows)`: the objective's, a correction's), over every rank's rows."""
@@ -173,6 +174,28 @@ class RouterShiftHook(StepHook):
         metrics = self.variant.rule_metrics(update.held[self, "rule"], self.summed) if (
             (self, "rule") in update.held) else {}
         return {**metrics, **update.held[self, "shift"].gathered(rows).metrics(rows.mask)}
+
+
+@dataclass(eq=False)
+class RoutePredictors(StepHook):
+    """Predictive Routing Replay (`routing_variant=predictive`): each router's predictor is fitted to the current router
+    on the engine's recorded inputs and logits of the minibatch (`Predictive.fit`), its loss added to the update's
+    from the second update of a step on; measured at every update: the loss, and the predicted and unpredicted routes'
+    agreement with the current router's own top-k."""
+
+    variant: RoutingVariant
+    routers: list[torch.nn.Module]  # the trainer's, in layer order
+    ranks: Ranks
+
+    def loss(self, update: Update) -> torch.Tensor | float:
+        states = update.mb.engine_routes
+        tokens = reduce_value(float(states.recorded()[0].sum()), self.ranks)
+        update.held[self] = fit = self.variant.fit(self.routers, states, train=update.mb.index > 0, tokens=tokens,
+                                                   ranks=self.ranks.world)
+        return fit.loss
+
+    def measure(self, update: Update, rows: Rows) -> dict[str, float]:
+        return update.held[self].metrics(lambda tensor: summed(tensor, self.ranks))
 
 
 @dataclass(eq=False)
@@ -396,6 +419,8 @@ def assemble(plan: StepPlan, cfg: Any, model: torch.nn.Module, reference: torch.
         hooks.append(RouterShiftHook(variant, device, layers, over_all))
     if plan.replay != Replay.none:
         hooks.append(ReplayHook(variant, device, over_all))
+    if variant.predicts_routes:
+        hooks.append(RoutePredictors(variant, list(find_routers(model).values()), ranks))
     if plan.track_routing:
         hooks.append(RoutingMeasures(cfg.routing.margin_threshold, ranks))
     if switches:

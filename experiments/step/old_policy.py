@@ -82,10 +82,11 @@ class NothingElse(ReplayFrom):
 
 
 class EngineRoutes(ReplayFrom):
-    """R3: the engine's experts, recorded while it sampled."""
+    """R3: the engine's experts, recorded while it sampled (without the routers' states it may have recorded with
+    them, which no replayed forward reads)."""
 
     def __call__(self, mb: Minibatch) -> RoutingTrace | None:
-        return mb.engine_routes
+        return mb.engine_routes.without_states() if mb.engine_routes is not None else None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 
+from models.routing.predictor import predictors
 from models.routing.trace import find_routers
 
 
@@ -33,17 +34,22 @@ def lr_lambda(schedule: LRSchedule, warmup: int, total: int) -> Callable[[int], 
     return factor
 
 
-def rl_optimizer(model: torch.nn.Module, t: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def rl_optimizer(model: torch.nn.Module, t: Any, predictor_lr_scale: float = 1.0
+                 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters of `model` with the settings of `trainer` (`t`), the routers at
-    `lr × router_lr_scale` (frozen routers, `routers=[freeze]`, are left out), and its schedule over every optimizer
+    `lr × router_lr_scale` (frozen routers, `routers=[freeze]`, are left out), the routers' predictors (Predictive
+    Routing Replay, `models.routing.predictor`) at `lr × predictor_lr_scale`, and its schedule over every optimizer
     update of the run (steps × minibatches)."""
     routers = {id(router.weight) for router in find_routers(model).values()}
+    predicting = {id(p) for predictor in predictors(model) for p in predictor.parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [[p for p in trainable if id(p) not in routers], [p for p in trainable if id(p) in routers]]
+    rest = [p for p in trainable if id(p) not in routers and id(p) not in predicting]
+    scaled = [([p for p in trainable if id(p) in routers], t.router_lr_scale),
+              ([p for p in trainable if id(p) in predicting], predictor_lr_scale)]
     # fused: one kernel for all parameters instead of a Python loop over them (4x faster on the tiny MoE's CPU
     # update); the same AdamW.
     optimizer = torch.optim.AdamW(
-        [{"params": groups[0]}] + ([{"params": groups[1], "lr": t.lr * t.router_lr_scale}] if groups[1] else []),
+        [{"params": rest}] + [{"params": group, "lr": t.lr * scale} for group, scale in scaled if group],
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         weight_decay=t.weight_decay,

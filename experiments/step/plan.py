@@ -56,6 +56,8 @@ class StepPlan:
     first_minibatch_on_policy: bool
     engine_records_routing: bool  # r3 replays it; under bypass it is θ_old's routing; else compared with the trainer's
     engine_records_gates: bool  # r3 replays the engine's gate weights too (full replay)
+    # the engine routes by the routers' predictors and records their inputs and logits (Predictive Routing Replay)
+    engine_predicts_routes: bool
     # the engine's routing, where it is θ_old's (bypass) or compared with it, comes with its gate weights when the
     # engine reports them: the drift by gate mass reads them (`metrics.GATE_DRIFT`)
     engine_gates_measured: bool
@@ -101,6 +103,7 @@ def plan_step(cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any,
         engine_records_routing=replay == Replay.r3 or (
             track_routing and engine.returns_routing and (pi_old == PiOld.bypass or not engine_is_trainer)),
         engine_records_gates=variant.replays_gates and replay == Replay.r3,
+        engine_predicts_routes=variant.predicts_routes,
         engine_gates_measured=track_routing and engine.returns_routing and engine.returns_gate_weights,
         pi_old_records_gates=r2_gates or variant.reads_old_router,
         flip_rate=flip_rate,

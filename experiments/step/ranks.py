@@ -12,6 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.routing.predictor import PREDICTOR, predictors
+from models.routing.trace import find_routers
+
 
 @dataclass(frozen=True)
 class Ranks:
@@ -30,9 +33,16 @@ class Ranks:
 
 
 def shard(model: torch.nn.Module) -> None:
-    """FSDP2: each decoder layer its own unit, then the root (embeddings, final norm, LM head)."""
+    """FSDP2: each decoder layer its own unit, then the root (embeddings, final norm, LM head). A router with a
+    predictor (Predictive Routing Replay) is a unit of its own, and so is the predictor: the step calls both outside
+    the layer's forward, to fit the predictor to the router."""
     from torch.distributed.fsdp import fully_shard
 
+    for predictor in predictors(model):
+        fully_shard(predictor)
+    for router in find_routers(model).values():
+        if hasattr(router, PREDICTOR):
+            fully_shard(router)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)

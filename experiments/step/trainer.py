@@ -53,6 +53,7 @@ from experiments.step.versions import WeightVersions
 from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
 from models.registry import Diverged
+from models.routing.predictor import policy_parameters
 from models.routing.trace import find_routers
 
 FLIP_STREAM = 0x5EED  # offsets the flips' seed from the step's: their draws are not the sampler's draws
@@ -84,6 +85,7 @@ class RLTrainer:
         self.model.to(self.device).eval()
         for switch in self.switches:  # before the engine copies the model and the optimizer takes its parameters
             switch.start(self.model)
+        self.variant.start(self.model)  # likewise, and after the switches: a frozen router leaves its predictor trained
         # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks.
         self.engine = parts.engine.build(cfg, self.model, self.tokenizer, parts.numerics, ranks,
                                          self.plan.engine_records_routing)
@@ -95,7 +97,8 @@ class RLTrainer:
         if self.objective.kl_coef > 0:
             reference, _ = build_policy(parts.model_cfg)
             reference.to(self.device).eval().requires_grad_(False)
-        self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer)
+        self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer, self.variant.predictor_lr_scale)
+        self.clipped = policy_parameters(self.model)  # the gradient clip bounds the policy's, not a predictor's
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.flip_generator = torch.Generator()  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
         self.perturb_generator = torch.Generator()  # the synthetic router noise's (routing.perturb_rate), likewise
@@ -184,7 +187,8 @@ class RLTrainer:
         sampling = Sampling(t.group_size, t.max_new_tokens, t.temperature,
                             record_routing=self.plan.engine_records_routing,
                             record_gates=self.plan.engine_records_gates or (self.plan.engine_records_routing
-                                                                             and self.plan.engine_gates_measured))
+                                                                             and self.plan.engine_gates_measured),
+                            predict_routes=self.plan.engine_predicts_routes)
         return collect_rollout(self.engine, self.task, [self.train_examples[i] for i in picks.tolist()], sampling)
 
     def score(self, model: torch.nn.Module, mb: Minibatch, options: ScoreOptions = ScoreOptions()) -> Scores:
@@ -233,12 +237,12 @@ class RLTrainer:
         return metrics
 
     def _backward(self, loss: torch.Tensor) -> float:
-        """Backpropagate `loss` and clip the gradient; its norm, or NaN when the loss is non-finite on any rank (no
-        backward then: one bad batch must not poison every parameter)."""
+        """Backpropagate `loss` and clip the policy's gradient; its norm, or NaN when the loss is non-finite on any rank
+        (no backward then: one bad batch must not poison every parameter)."""
         if reduce_value(float(torch.isfinite(loss)), self.ranks) != self.ranks.world:
             return float("nan")
         loss.backward()
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip))
+        return float(torch.nn.utils.clip_grad_norm_(self.clipped, self.cfg.trainer.grad_clip))
 
     def _optimizer_step(self, finite: bool, update: Update) -> dict[str, float]:
         """Take the optimizer step of the update, then what the hooks do to the weights between updates (their

@@ -9,6 +9,7 @@ Everything hooks the router module of each MoE block (transformers 5.x `*TopKRou
     measures.py     what routing is measured by: drift between two traces, expert load, the margin at the top-k cut
     flips.py        SYNTHETIC drift in the forwards run inside a context (the flips)
     perturbation.py SYNTHETIC drift the policy carries (noise on the routers' weights)
+    predictor.py    route predictors beside the routers and the engine's routing by them (Predictive Routing Replay)
 
 Trace layout. A `RoutingTrace` holds `experts: [L, B, S, K]` (MoE layer, batch row, token position, top-k slot),
 laid out exactly like the token ids of the batch it was recorded on (left padding included). Positions without a

@@ -87,6 +87,7 @@ class _RouterHook:
         self.call = call
         self.recording: list[torch.Tensor] | None = None  # one [B, S, K] block per forward call
         self.gates: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (weights, logprobs) blocks, when asked
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (inputs, logits) blocks, when asked
         self.replay: RoutingTrace | None = None  # this layer's [B, S, K] share of the replayed trace
         self.rule = ReplayRule()
         self.scored: list[torch.Tensor] | None = None  # current log-probs of the replayed experts, when asked
@@ -100,6 +101,10 @@ class _RouterHook:
             logprobs = router_logprobs(router, logits).gather(-1, indices)
             self.gates.append((_layout(weights, self.call, 0.0, torch.float32),
                                _layout(logprobs, self.call, 0.0, torch.float32)))
+        if self.states is not None:
+            inputs = args[0].reshape(-1, args[0].shape[-1])
+            self.states.append((_layout(inputs, self.call, 0.0, inputs.dtype), _layout(logits, self.call, 0.0,
+                                                                                        logits.dtype)))
         if self.replay is None:
             return None
         replayed = self._flat(indices.device)
@@ -144,11 +149,14 @@ def _assemble(hooks: list[_RouterHook], num_experts: int) -> RoutingTrace:
         raise RuntimeError("no forward pass ran inside record_routing/replay_routing: the trace is empty")
     layers = [torch.cat(hook.recording, dim=1) for hook in hooks]
     trace = RoutingTrace(torch.stack(layers), tuple(hook.name for hook in hooks), num_experts)
-    if hooks[0].gates is None:
-        return trace
-    weights, logprobs = (torch.stack([torch.cat([gates[part] for gates in hook.gates], dim=1) for hook in hooks])
-                         for part in (0, 1))
-    return replace(trace, weights=weights, logprobs=logprobs)
+    recorded = {}
+    for kept, names in (("gates", ("weights", "logprobs")), ("states", ("inputs", "logits"))):
+        if getattr(hooks[0], kept) is None:
+            continue
+        for part, name in enumerate(names):
+            recorded[name] = torch.stack([torch.cat([pair[part] for pair in getattr(hook, kept)], dim=1)
+                                          for hook in hooks])
+    return replace(trace, **recorded)
 
 
 
@@ -181,19 +189,21 @@ class Recording:
 
 
 @contextmanager
-def record_routing(model: torch.nn.Module, generate: bool = False, gates: bool = False) -> Iterator[Recording]:
+def record_routing(model: torch.nn.Module, generate: bool = False, gates: bool = False,
+                   states: bool = False) -> Iterator[Recording]:
     """Record every MoE layer's selected experts for the forward passes run inside the context.
 
     For a plain forward the trace has the shape of the input ids. With `generate=True` the prefill and every
     decode step are assembled into one trace with the width of the returned sequences (prompt + new tokens); the
     last column is `NO_ROUTE` because the last sampled token never goes through the model. `gates`: also record each
-    chosen expert's gate weight and router log-probability (`RoutingTrace.weights`, `.logprobs`). Run one forward
-    (or one `generate`) per context.
+    chosen expert's gate weight and router log-probability (`RoutingTrace.weights`, `.logprobs`); `states`: each
+    router's input and logits (`RoutingTrace.inputs`, `.logits`). Run one forward (or one `generate`) per context.
     """
     with _hooks(model) as hooks:
         for hook in hooks:
             hook.recording = []
             hook.gates = [] if gates else None
+            hook.states = [] if states else None
         yield Recording(hooks, expert_count(model), generate)
 
 

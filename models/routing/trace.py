@@ -9,19 +9,25 @@ import torch
 
 NO_ROUTE = -1
 TRACE_DTYPE = torch.int16  # expert ids < 32768; a quarter of int64's memory for long rollouts
+# What a trace may carry beside its experts, each laid out `[L, B, S, ...]` like them.
+OPTIONAL_PARTS = ("weights", "logprobs", "inputs", "logits")
 
 
 @dataclass
 class RoutingTrace:
     """Selected experts of every MoE layer for every token: `experts [L, B, S, K]`, `NO_ROUTE` where none; when
     recorded with gates, `weights` and `logprobs [L, B, S, K]` (fp32, 0 where `NO_ROUTE`): the gate weight each chosen
-    expert got and the router's log-score of it (`router_logprobs`)."""
+    expert got and the router's log-score of it (`router_logprobs`); when recorded with the routers' states (what
+    Predictive Routing Replay trains its predictors on), `inputs [L, B, S, H]` and `logits [L, B, S, E]`: each
+    router's input and logits, in their own dtypes (0 where `NO_ROUTE`)."""
 
     experts: torch.Tensor
     layer_names: tuple[str, ...]
     num_experts: int
     weights: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    inputs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -32,10 +38,13 @@ class RoutingTrace:
         return self.weights is not None and self.logprobs is not None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "RoutingTrace":
-        """The trace with `fn` applied to its experts and, when recorded, its gates (all laid out alike)."""
-        gates = {name: fn(value) for name, value in (("weights", self.weights), ("logprobs", self.logprobs))
-                 if value is not None}
-        return replace(self, experts=fn(self.experts), **gates)
+        """The trace with `fn` applied to its experts and to whatever else it recorded (all laid out alike)."""
+        recorded = {name: fn(getattr(self, name)) for name in OPTIONAL_PARTS if getattr(self, name) is not None}
+        return replace(self, experts=fn(self.experts), **recorded)
+
+    def without_states(self) -> "RoutingTrace":
+        """The trace without the routers' states: what a replayed forward reads, not carried into it."""
+        return replace(self, inputs=None, logits=None) if self.inputs is not None or self.logits is not None else self
 
     def rows(self, index: torch.Tensor | slice) -> "RoutingTrace":
         """The trace of a subset of batch rows (a minibatch), in the given order."""

@@ -103,6 +103,9 @@ class Sampling:
     greedy: bool = False  # greedy decoding (no log-probs); the held-out evaluation's
     record_routing: bool = False  # also the engine's experts per token (`Samples.routes`)
     record_gates: bool = False  # and their gate weights and router log-probabilities (`RoutingTrace.weights`...)
+    # route by the routers' predictors (PR2, `models.routing.predictor`), and record the routers' inputs and logits
+    # with the routes (`RoutingTrace.inputs`, `.logits`)
+    predict_routes: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class Needs:
     logprobs: str | None = None  # μ_old's log-probs: bypass, a rollout correction, MiniRL's IS weight
     routing: str | None = None  # the engine's experts per token: r3 replays them
     gate_weights: str | None = None  # and the gate weights it gave them: r3 with full replay
+    predicted_routes: str | None = None  # routing by the routers' predictors, with their states: PR2
 
 
 class RolloutEngine(ABC):
@@ -123,6 +127,7 @@ class RolloutEngine(ABC):
     returns_logprobs: ClassVar[bool] = True  # samples carry μ_old's log-probs (bypass, corrections, MiniRL read them)
     returns_routing: ClassVar[bool] = True  # it can report its experts per token (what r3 replays)
     returns_gate_weights: ClassVar[bool] = True  # and the gate weights it gave them (r3 with full replay)
+    routes_by_predictors: ClassVar[bool] = False  # it can route by the routers' predictors and record their states
 
     # Set by every engine when it is built:
     shares_trainer_weights: bool  # it computes with the trainer's own module: nothing to sync
@@ -156,6 +161,9 @@ class RolloutEngine(ABC):
         if needs.gate_weights and not cls.returns_gate_weights:
             raise ConfigError(f"{needs.gate_weights}, and rollout.engine={cls.name} reports the experts' ids only: use "
                               "rollout.engine=hf or routing.replay=r2")
+        if needs.predicted_routes and not cls.routes_by_predictors:
+            raise ConfigError(f"{needs.predicted_routes}, and rollout.engine={cls.name} routes inside its own kernels: "
+                              "use rollout.engine=hf")
 
     @classmethod
     @abstractmethod

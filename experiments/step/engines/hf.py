@@ -16,6 +16,9 @@ the trainer on purpose (training–inference mismatch that a run can dial):
                   and not in the trainer.
 The copy takes the trainer's weights after every step's updates, or under a lag the version it is to sample with
 (cast, then re-quantized): the engine never trains.
+Predictive Routing Replay (`Sampling.predict_routes`, `routing_variant=predictive`): while it samples, and only then,
+its routers route by their predictors (`models.routing.predictor.route_by_predictors`, after the router noise), and
+the routing it records carries each router's input and logits, on which the trainer fits the predictors.
 The KV cache (`rollout.kv_cache`): transformers' `DynamicCache` grows each layer's keys and values by `torch.cat` at
 every decode step, copying the whole cache every step (on bench-deep, 256 rows x 16 layers x ~45 positions: 270 ms of
 a 1.9 s rollout). `preallocated`, the default, keeps them in buffers with room for the rollout's new tokens, writes
@@ -48,7 +51,8 @@ from experiments.step.ranks import Ranks
 from models.registry import ConfigError, Diverged
 from models.routing.families import route
 from models.routing.hooks import record_routing
-from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
+from models.routing.predictor import route_by_predictors
+from models.routing.trace import find_routers, NO_ROUTE, OPTIONAL_PARTS, RoutingTrace
 
 DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 QUANT_RANGE = {WeightQuant.int8: 127.0, WeightQuant.fp8: 448.0}  # largest magnitude each format holds
@@ -66,6 +70,8 @@ class HFEngine(RolloutEngine):
     (FSDP2), so every rank runs as many decode steps as the longest rank's (`generate`'s `synced_gpus`): a rank whose
     rows are done must still take part in the others' all-gathers.
     """
+
+    routes_by_predictors = True
 
     @classmethod
     def shares_weights_with_trainer(cls, numerics: EngineNumerics, lag: int = 0) -> bool:
@@ -110,11 +116,12 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def _quantize(self) -> None:
-        """Fake-quantize the copy's decoder-layer linear and expert weights in place (module docstring)."""
+        """Fake-quantize the copy's decoder-layer linear and expert weights in place (module docstring); the routers'
+        own and their predictors' keep their precision."""
         kind = self.numerics.weight_quant
         if kind == WeightQuant.none:
             return
-        routers = {id(router.weight) for router in find_routers(self.model).values()}
+        routers = {id(weight) for router in find_routers(self.model).values() for weight in router.parameters()}
         for name, weight in self.model.named_parameters():
             if ".layers." in name and weight.dim() >= 2 and id(weight) not in routers:
                 weight.copy_(fake_quantize(weight, kind))
@@ -123,6 +130,7 @@ class HFEngine(RolloutEngine):
     def sample(self, prompts: list[str], sampling: Sampling) -> Samples:
         group_size, max_new_tokens, temperature = sampling.group_size, sampling.max_new_tokens, sampling.temperature
         greedy, record_routing, record_gates = sampling.greedy, sampling.record_routing, sampling.record_gates
+        predict = sampling.predict_routes
         model, tokenizer = self.model, self.tokenizer
         device = next(model.parameters()).device
         unique = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -144,12 +152,14 @@ class HFEngine(RolloutEngine):
             options["synced_gpus"] = True
         prefix_trace = None
         options["cache"] = rollout_cache(model, self.kv_cache, reserve=max_new_tokens)
-        if group_size > 1 and prompt_width > 1:
-            prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing, record_gates,
-                                                    options["cache"])
-        sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
-        with sampled as logprobs, record_routing_if(model, record_routing, record_gates) as recording:
-            sequences = model.generate(**encoded, **options)
+        # By the predictors only while it samples: an engine on the trainer's own module leaves its forwards alone.
+        with route_by_predictors(model) if predict else contextlib.nullcontext():
+            if group_size > 1 and prompt_width > 1:
+                prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing, record_gates,
+                                                        predict, options["cache"])
+            sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
+            with sampled as logprobs, record_routing_if(model, record_routing, record_gates, predict) as recording:
+                sequences = model.generate(**encoded, **options)
         if logits_watch.seen(device, self.synced):
             numerics = self.numerics
             sampler = "the trainer's model" if self.shares_trainer_weights else (
@@ -234,9 +244,11 @@ class _RouterNoise:
         return noisy, gates.to(weights.dtype), chosen.to(indices.dtype)
 
 
-def record_routing_if(model: PreTrainedModel, record: bool, gates: bool = False) -> contextlib.AbstractContextManager:
-    """`record_routing(model, generate=True, gates=gates)` when `record`, else a context that yields None."""
-    return record_routing(model, generate=True, gates=gates) if record else contextlib.nullcontext()
+def record_routing_if(model: PreTrainedModel, record: bool, gates: bool = False,
+                      states: bool = False) -> contextlib.AbstractContextManager:
+    """`record_routing(model, generate=True, gates=gates, states=states)` when `record`, else a context that yields
+    None."""
+    return record_routing(model, generate=True, gates=gates, states=states) if record else contextlib.nullcontext()
 
 
 def _without_last_call(block: torch.Tensor) -> torch.Tensor:
@@ -248,10 +260,9 @@ def _without_last_call(block: torch.Tensor) -> torch.Tensor:
 
 
 def _joined(head: RoutingTrace, tail: RoutingTrace) -> RoutingTrace:
-    """The trace of `head`'s positions followed by `tail`'s (the prefill's, then `generate`'s), gates included."""
-    parts = ("experts", "weights", "logprobs")
+    """The trace of `head`'s positions followed by `tail`'s (the prefill's, then `generate`'s), all it recorded."""
     return replace(tail, **{part: torch.cat([getattr(head, part), getattr(tail, part)], dim=2)
-                            for part in parts if getattr(tail, part) is not None})
+                            for part in ("experts", *OPTIONAL_PARTS) if getattr(tail, part) is not None})
 
 
 class _SampledLogProbs:
@@ -312,7 +323,8 @@ def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pa
 
 
 def _prefill_once_per_prompt(
-    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool, gates: bool, cache: Cache
+    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool, gates: bool, states: bool,
+    cache: Cache,
 ) -> RoutingTrace | None:
     """Fill the empty `cache` with every prompt but its last token, computed once per prompt and copied to its G
     rows.
@@ -321,12 +333,12 @@ def _prefill_once_per_prompt(
     `generate` continues from this cache: its first forward feeds only the last prompt token (and yields the
     first sampled token's logits), then decodes as usual. With `record`, the prefix's routing comes back laid
     out like the B·G rows (with `gates`, its gate weights and log-probabilities too), to be put in front of the
-    routing recorded during `generate`.
+    routing recorded during `generate` (with `states`, the routers' inputs and logits too).
     """
     device = next(model.parameters()).device
     ids = unique["input_ids"][:, :-1].to(device)
     mask = unique["attention_mask"][:, :-1].to(device)
-    with record_routing(model, gates=gates) if record else contextlib.nullcontext() as recording:
+    with record_routing(model, gates=gates, states=states) if record else contextlib.nullcontext() as recording:
         model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), cache=cache, use_cache=True,
               logits_to_keep=1)
     cache.batch_repeat_interleave(group_size)
