@@ -66,6 +66,7 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
         try:
             return run_steps(life, trainer, threads, history, hydra_cfg)
         finally:
+            trainer.close()
             life.release()
 
 

@@ -81,6 +81,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     check_logger(cfg.logger)
     check_trainer(cfg.trainer, moe, world)
     check_lag(cfg.rollout.lag, cfg.trainer.steps)
+    check_concurrent(cfg.rollout, world)
     check_routing(cfg.routing, moe, cfg.model.name)
     if cfg.routing.perturb_rate and world > 1:
         raise ConfigError(f"routing.perturb_rate={cfg.routing.perturb_rate} sizes the router noise on one rank's "
@@ -155,6 +156,28 @@ def check_lag(lag: int, steps: int) -> None:
         raise ConfigError(f"rollout.lag={lag} is never reached in trainer.steps={steps}: step t samples min(t - 1, "
                           f"{lag}) versions behind θ_old, so the lag is first served at step {lag + 1}; use a lag "
                           f"below {steps}, or more steps")
+
+
+def check_concurrent(rollout: Any, world: int) -> None:
+    """The concurrent sampler's bound, and what it runs with (`rollout.concurrent`, `experiments.step.concurrent`)."""
+    bound = rollout.max_staleness
+    if bound < 0:
+        raise ConfigError(f"rollout.max_staleness={bound} must be >= 0: the weight versions a sample of the concurrent "
+                          "sampler may be behind θ_old when it is trained (0: its worker waits for every step's "
+                          "weights)")
+    if not rollout.concurrent:
+        return
+    if rollout.lag:
+        raise ConfigError(f"rollout.concurrent=true with rollout.lag={rollout.lag}: the exact lag is the science mode "
+                          "(every step exactly that many versions behind, reproducible), the concurrent sampler the "
+                          "throughput mode (at most rollout.max_staleness behind, as the processes' timing falls); "
+                          "use one of them")
+    if rollout.engine != "hf":
+        raise ConfigError(f"rollout.concurrent=true samples in a worker process with the hf engine; rollout.engine="
+                          f"{rollout.engine} is not supported there: use rollout.engine=hf")
+    if world > 1:
+        raise ConfigError(f"rollout.concurrent=true runs one worker beside one trainer process, and this run has "
+                          f"{world} ranks: use one rank (launch.nproc_per_node=1)")
 
 
 def check_trainer(t: Any, moe: bool, world: int) -> None:
