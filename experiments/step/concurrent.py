@@ -198,10 +198,13 @@ class Sampler:
         if not acquire(shared.published, self.alive):
             return None
         try:
-            while (newest := shared.version.value) < oldest or (self.held is not None and newest < self.held):
+            while True:
+                newest = shared.version.value
                 if self.held is not None and newest < self.held:
                     raise SamplerFailed(f"weight version {newest} was published after version {self.held}: versions "
                                         "only grow")
+                if newest >= oldest:
+                    break
                 if not self.alive():
                     return None
                 shared.published.wait(timeout=POLL_S)
@@ -214,6 +217,7 @@ class Sampler:
         return waited
 
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """The engine takes `weights` (a full state dict of the run's model)."""
         if self.engine.shares_trainer_weights:
             self.engine.model.load_state_dict(weights)
         else:
@@ -233,6 +237,7 @@ class Sampler:
 
 
 def parent_alive() -> bool:
+    """Whether the trainer that started this worker process still lives."""
     return multiprocessing.parent_process().is_alive()
 
 
@@ -248,7 +253,6 @@ def one_line(error: BaseException) -> str:
 def serve(settings: WorkerSettings, shared: Shared, connection: Any) -> None:
     """The worker process: sample one batch after the other, each once the bound allows, until the trainer stops it or
     is gone. An error is sent to the trainer as one line, and ends the worker."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops the worker
     torch.set_num_threads(1)
     outbox = Outbox(connection)
     step = settings.first
@@ -362,7 +366,13 @@ class ConcurrentRollouts:
         self.inbox, writer = context.Pipe(duplex=False)
         self.process = context.Process(target=serve, args=(settings, self.shared, writer), name="concurrent-sampler",
                                        daemon=True)
-        self.process.start()
+        # Ctrl-C in a terminal reaches the whole process group: the worker starts with SIGINT blocked (a new process
+        # inherits the mask), from its first instruction on, so that the trainer alone handles it and stops the worker.
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         writer.close()  # the worker holds the only write end: its death ends the pipe
 
     def _receive(self, step: int) -> Batch:
