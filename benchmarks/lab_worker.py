@@ -8,6 +8,8 @@ W&B when `logger.wandb.mode` is not `disabled`). The breakdown is the trainer's 
 prompts with the rollout's sampling settings, reported as `generate_s`: the reference for rollout throughput.
 `--profile`: each step also reports the self time of each part of the model's forwards, and of backward, gradient
 clipping and the optimizer step, in the rollout and in scoring + training (`benchmarks.module_time`), as `profile`.
+With `rollout.concurrent=true` a step's rollout is the wait for the sampler's batch, and the step also reports the
+sampler's own `async/*` numbers (`experiments.step.concurrent`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from benchmarks.workload import WORKLOADS, compose_workload, fixed_length  # noq
 from experiments.run.logger import RunLogger  # noqa: E402
 from experiments.run.threads import ThreadBudget  # noqa: E402
 from experiments.step import metrics as m  # noqa: E402
-from experiments.step.batch import Rollout  # noqa: E402
+from experiments.step.batch import Rollout, Served  # noqa: E402
 from experiments.step.trainer import RLTrainer  # noqa: E402
 from experiments.run.summary import run_name  # noqa: E402
+
+# The concurrent sampler's numbers a step reports as they are logged.
+SAMPLER = (m.SAMPLE_TIME, m.SAMPLER_WAIT_TIME, m.STALENESS_MAX)
 
 
 def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
@@ -65,7 +70,7 @@ def main() -> None:
     trainer = RLTrainer(cfg)
     fixed_length(trainer)
     rollouts: list[Rollout] = []
-    sample = trainer.rollout
+    take = trainer.rollouts.take
 
     timer = ModuleTimer(trainer.model) if args.profile else None
     if timer is not None:
@@ -74,18 +79,18 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_ = timer.around(torch.nn.utils.clip_grad_norm_, "gradient clipping")
         trainer.optimizer.step = timer.around(trainer.optimizer.step, "optimizer step")
 
-    def rollout():
+    def take_and_keep(step: int) -> Served:
         # Kept for the report: the prompt width is part of the work (the roofline's FLOP count needs it), and the
         # generate probe reuses the prompts.
         if timer is not None:
             timer.phase = "rollout"
-        batch = sample()
+        served = take(step)
         if timer is not None:
             timer.phase = "scoring + training"
-        rollouts[:] = [batch]
-        return batch
+        rollouts[:] = [served.rollout]
+        return served
 
-    trainer.rollout = rollout
+    trainer.rollouts.take = take_and_keep
     with tempfile.TemporaryDirectory(prefix="bench_lab_") as run_dir:
         logger = RunLogger(run_dir, cfg, run_name(cfg), [], None)
         channel.send(
@@ -98,6 +103,7 @@ def main() -> None:
             tokens_before = trainer.tokens_seen
             if timer is not None:
                 timer.take()  # nothing before this step (the previous step's generate probe) counts
+            used = torch.get_num_threads()  # the step's, which the budget may change after it
             start = time.perf_counter()
             threads.begin()
             record = trainer.step()
@@ -120,9 +126,12 @@ def main() -> None:
                 sequence_tokens=rollouts[0].input_ids.numel(),  # prompt + completion positions, padding included
                 reward=record[m.REWARD],
                 rss_mib=peak_rss_mib(),
+                threads=used,
+                **{name: record[name] for name in SAMPLER if name in record},
                 **extra,
             )
         logger.finish({"status": "benchmark"})
+    trainer.close()
 
 
 if __name__ == "__main__":

@@ -131,6 +131,14 @@ class RolloutConfig(EngineNumerics):
     # before θ_old (a version: the weights after one RL step; the first steps sample with the start), so μ_old is
     # that stale engine and π_old stays the trainer at θ_old. 0: the synchronous loop, bit for bit. docs/async.md.
     lag: int = 0
+    # The concurrent sampler (experiments/step/concurrent.py), the throughput mode: a worker process with its own copy
+    # of the weights samples the next steps' rollouts while the trainer updates. Not bit-reproducible (which version
+    # samples a batch depends on the two processes' timing); experiments use `lag`. hf engine, one rank. docs/async.md.
+    concurrent: bool = False
+    # The concurrent sampler's bound, in weight versions: no sample is trained more than this many versions after the
+    # one that sampled it (staleness = θ_old's version − the sample's). Past it the worker waits for newer weights
+    # before sampling; 0: it waits for every step's, so sampling and training take turns.
+    max_staleness: int = 1
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

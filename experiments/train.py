@@ -57,7 +57,13 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
             life.on_rank0(lambda: life.claimed.record(cfg, hydra_cfg))
         return trainer, threads, history
 
-    return live(Job("the run", lambda life, built: run_steps(life, *built, hydra_cfg), build,
+    def run(life: Life, built: tuple[RLTrainer, ThreadBudget, list[dict[str, Any]]]) -> dict[str, Any]:
+        try:
+            return run_steps(life, *built, hydra_cfg)
+        finally:
+            built[0].close()  # what runs beside the trainer (the concurrent sampler's worker) stops with the run
+
+    return live(Job("the run", run, build,
                     prepare=lambda: launch.start(cfg.device), resume=cfg.resume is not None,
                     done=lambda finished: finished["steps"] >= cfg.trainer.steps), run_dir, cfg, hydra_cfg)
 

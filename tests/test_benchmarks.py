@@ -260,3 +260,39 @@ def test_experts_paths_agree_with_grouped_mm_under_uneven_routing_with_idle_expe
     assert _mkl_batch_gemm() is None or "MKL batch" in outputs, "torch links MKL's batch GEMM: it must be timed"
     load, seconds = measure(64, skew=8.0, rounds=1)
     assert load > 2 and set(seconds) == set(outputs)
+
+
+def test_concurrent_steps_both_loops_in_turn_on_the_same_work_and_reports_their_ratio(tmp_path, capsys):
+    from benchmarks import concurrent
+    from experiments.step.metrics import STALENESS_MAX
+
+    out = tmp_path / "concurrent.json"
+    args = ["--rounds", "2", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
+    for override in MICRO_OVERRIDES:
+        args += ["--override", override]
+    concurrent.main(args)
+    assert "## Step throughput, concurrent / synchronous" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    rounds = result["rounds"]
+    assert [r["order"] for r in rounds] == [["synchronous", "concurrent"], ["concurrent", "synchronous"]]
+    for r in rounds:
+        synchronous, sampled = r["synchronous"], r["concurrent"]
+        assert len(synchronous) == len(sampled) == 2
+        assert all(step["tokens"] == 4 * 4 * 4 for step in synchronous + sampled), "the same fixed-length work"
+        assert all(step[STALENESS_MAX] <= 1 for step in sampled) and all(STALENESS_MAX not in s for s in synchronous)
+        mean = lambda steps: sum(step["seconds"] for step in steps) / len(steps)  # noqa: E731
+        assert r["ratio"] == pytest.approx(mean(synchronous) / mean(sampled))
+        assert r["separate_devices"] >= 1, "a step is never longer than its rollout and the rest side by side"
+    assert result["ratios"] == [r["ratio"] for r in rounds]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rounds", "0"], "--rounds=0"),
+    (["--override", "trainer.nokey=1"], "Could not override 'trainer.nokey'"),
+])
+def test_concurrent_refuses_bad_arguments_before_starting_workers(args, message, capsys):
+    from benchmarks import concurrent
+
+    with pytest.raises(SystemExit):
+        concurrent.main(args)
+    assert message in capsys.readouterr().err

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from algos.routing_variants import build_routing_variant
 from algos.routing_variants.predictive import LOSS, PREDICTED_ACC, UNPREDICTED_ACC, topk_agreement
-from experiments.run.life import Interrupted
+from experiments.run.life import StopRequested
 from experiments.step.engines import HFEngine, Sampling
 from experiments.step.metrics import MINIBATCHES
 from experiments.step.scoring import ScoreOptions
@@ -225,7 +225,7 @@ def test_under_a_lag_the_engine_routes_with_its_versions_predictor_and_a_killed_
 
     def killed_after_three(trainer):
         if trainer.step_index == 3:
-            raise Interrupted(signal.SIGTERM)
+            raise StopRequested(signal.SIGTERM)
         return real_step(trainer)
 
     monkeypatch.setattr(RLTrainer, "step", killed_after_three)

@@ -19,7 +19,9 @@ is a bug and keeps its traceback (the run directory keeps every committed record
 keeps the records committed so far, finishes W&B, writes `summary.json` with `status: interrupted` and says so in one
 line (exit code 143 or 130), also when the stop arrives while W&B starts or while a record is committed (it lands
 after the commit); numbers non-finite for good (`Diverged`) end with `status: diverged`, a full disk or a vanished
-directory (`StorageError`) with `status: failed` where it can still be written, each in one line (exit code 1). With
+directory (`StorageError`) and a concurrent sampler that failed (`SamplerFailed`: its worker raised or died, or sent
+a batch the trainer must not train on) with `status: failed` where it can still be written, each in one line (exit
+code 1). With
 several ranks a stop any rank receives ends every rank after the same record (`commit`), and rank 0 alone prints.
 """
 
@@ -38,6 +40,7 @@ from omegaconf import DictConfig
 from experiments.run import launch, rundir
 from experiments.run.launch import exit_once
 from experiments.run.logger import RunLogger, write_summary
+from experiments.step.concurrent import SamplerFailed
 from experiments.step.ranks import Ranks, broadcast_object, gather_objects
 from models import cpu_kernels
 from models.registry import ConfigError, Diverged
@@ -229,7 +232,7 @@ class Life:
             step = len(self.records) + 1
             self.end_early(summary("diverged"), "diverged", f"step {step}: {error}", f"{self.what} diverged in step "
                            f"{step}: {error}")
-        except rundir.StorageError as error:
+        except (rundir.StorageError, SamplerFailed) as error:
             self.end_early(summary("failed"), "failed", str(error), str(error))
         except ConfigError as error:  # a setting only the job's own start could refuse (a probe's later setting)
             self.logger.abort()

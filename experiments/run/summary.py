@@ -54,10 +54,7 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         "clip_token_frac_mean": over_steps(CLIP),
         "ratio_token_var_mean": over_steps(TOKEN_RATIO_VAR),
         "skipped_steps": trainer.skipped_updates,
-        "engine": trainer.engine.name,
-        "engine_numerics": ("the trainer's own model" if trainer.engine.shares_trainer_weights
-                            else str(trainer.engine.numerics)),
-        "engine_details": trainer.engine.describe(),
+        **trainer.rollouts.describe(),  # where the rollouts came from, and their engine
         "correction": trainer.correction.name,
         **trainer.plan.describe(),
         "policy": describe_policy(trainer.model),
@@ -65,6 +62,11 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         # the versions and kernels of this process, of every process that computed its steps, and of its start
         **provenance.run_fields(trainer.cfg, checkpoint.computed_under(trainer)),
     }
+    staleness = [r[m.STALENESS_MAX] for r in history if m.STALENESS_MAX in r]
+    if staleness:  # the concurrent sampler's: how far behind θ_old its samples were, and its waits at the bound
+        summary["staleness_mean"] = over_steps(m.STALENESS_MEAN)
+        summary["staleness_max"] = max(staleness)
+        summary["sampler_wait_s"] = sum(r[m.SAMPLER_WAIT_TIME] for r in history if m.SAMPLER_WAIT_TIME in r)
     if trainer.plan.track_routing:
         # The GSPO paper's "experts changed per update" is the drift after one update (minibatch index 1); the mean
         # over a step's minibatches counts minibatch 0, whose drift is 0 by construction.

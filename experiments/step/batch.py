@@ -1,6 +1,8 @@
 """The step's data: a rollout scored by the task (`Rollout`), and the minibatches an update trains on (`Minibatch`).
 
+    examples    = draw_examples(train, count, generator)              the step's prompts, from its seeded generator
     rollout     = collect_rollout(engine, task, examples, ...)        μ_old's samples and the task's rewards
+    served      = Served(rollout, versions, ...)                      with the weight version that sampled each row
     order       = minibatch_order(layout, size, group_size, generator) whole groups, or rows shuffled (GSPO §5.1)
     minibatches = split_minibatches(rollout, advantages, order, count) pure: slices with μ_old's numbers for them
 
@@ -21,6 +23,16 @@ from experiments.tasks import Example, Task
 from models.routing.trace import RoutingTrace
 
 
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A 63-bit seed for (run seed, step, rank), different for every triple a run meets."""
+    return (seed * 1_000_003 + step * 10_007 + rank * 101 + 7) % (2**63 - 1)
+
+
+def draw_examples(examples: list[Example], count: int, generator: torch.Generator) -> list[Example]:
+    """`count` examples drawn uniformly with replacement: a step's prompts."""
+    return [examples[i] for i in torch.randint(len(examples), (count,), generator=generator).tolist()]
+
+
 @dataclass(kw_only=True)
 class Rollout(Samples):
     """Samples with the task's verdict: one row per completion, `examples[i]` the prompt row i answers."""
@@ -37,6 +49,17 @@ def collect_rollout(engine: RolloutEngine, task: Task, examples: list[Example], 
     rewards = torch.tensor([task.reward(text, ex) for text, ex in zip(samples.completions, rows)], dtype=torch.float32)
     correct = torch.tensor([task.is_correct(text, ex) for text, ex in zip(samples.completions, rows)])
     return Rollout(**vars(samples), examples=rows, rewards=rewards, correct=correct)
+
+
+@dataclass(frozen=True)
+class Served:
+    """A step's rollout as its source served it (`RLTrainer.rollouts`): sampled by the trainer's engine in the step, or
+    by the concurrent sampler's worker before it (`experiments.step.concurrent`)."""
+
+    rollout: Rollout
+    versions: torch.Tensor  # [N] the weight version each row was sampled with (version t: the weights after step t)
+    sample_s: float  # the seconds its engine spent sampling it
+    metrics: dict[str, float]  # its `async/*` record: the versions and how far behind θ_old (none in the plain loop)
 
 
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], samples: int, max_new_tokens: int,

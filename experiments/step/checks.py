@@ -81,6 +81,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     check_logger(cfg.logger)
     check_trainer(cfg.trainer, moe, world)
     check_lag(cfg.rollout.lag, cfg.trainer.steps)
+    check_concurrent(cfg.rollout, world)
     check_routing(cfg.routing, moe, cfg.model.name)
     if cfg.routing.perturb_rate and world > 1:
         raise ConfigError(f"routing.perturb_rate={cfg.routing.perturb_rate} sizes the router noise on one rank's "
@@ -92,7 +93,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     engine.check(cfg, world, engine_needs(plan, objective, correction))
     check_agreement(objective, correction)
     variant.check(plan.replay, cfg.model.name, moe)
-    check_predictors(variant, cfg.trainer.minibatches)
+    check_predictors(variant, cfg.trainer.minibatches, cfg.rollout.concurrent)
     t = cfg.trainer
     check_switches(switches, RunFacts(cfg.model.name, hf_config.model_type in SIGMOID_FAMILIES, plan.replay,
                                       variant.name, t.router_lr_scale, world, t.checkpoint_every,
@@ -158,6 +159,28 @@ def check_lag(lag: int, steps: int) -> None:
                           f"below {steps}, or more steps")
 
 
+def check_concurrent(rollout: Any, world: int) -> None:
+    """The concurrent sampler's bound, and what it runs with (`rollout.concurrent`, `experiments.step.concurrent`)."""
+    bound = rollout.max_staleness
+    if bound < 0:
+        raise ConfigError(f"rollout.max_staleness={bound} must be >= 0: the weight versions a sample of the concurrent "
+                          "sampler may be behind θ_old when it is trained (0: its worker waits for every step's "
+                          "weights)")
+    if not rollout.concurrent:
+        return
+    if rollout.lag:
+        raise ConfigError(f"rollout.concurrent=true with rollout.lag={rollout.lag}: the exact lag is the science mode "
+                          "(every step exactly that many versions behind, reproducible), the concurrent sampler the "
+                          "throughput mode (at most rollout.max_staleness behind, as the processes' timing falls); "
+                          "use one of them")
+    if rollout.engine != "hf":
+        raise ConfigError(f"rollout.concurrent=true samples in a worker process with the hf engine; rollout.engine="
+                          f"{rollout.engine} is not supported there: use rollout.engine=hf")
+    if world > 1:
+        raise ConfigError(f"rollout.concurrent=true runs one worker beside one trainer process, and this run has "
+                          f"{world} ranks: use one rank (launch.nproc_per_node=1)")
+
+
 def check_trainer(t: Any, moe: bool, world: int) -> None:
     """The ranges of the `trainer` settings, and how the batch splits over `world` ranks and into minibatches."""
     for key in ("prompts_per_step", "steps", "max_new_tokens", "max_consecutive_skips"):
@@ -202,12 +225,17 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
                           "less than float32 can add to any weight larger than 1e-3, so the run would train nothing")
 
 
-def check_predictors(variant: RoutingVariant, minibatches: int) -> None:
+def check_predictors(variant: RoutingVariant, minibatches: int, concurrent: bool) -> None:
     """A routing variant that trains route predictors trains them from the second minibatch of a step on (PR2's
-    Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them."""
+    Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them. The concurrent
+    sampler's worker builds its engine from the model's config, without the predictors the trainer adds."""
     if variant.predicts_routes and minibatches < 2:
         raise ConfigError(f"routing_variant={variant.name} trains its predictors from the second minibatch of a step "
                           f"on, and trainer.minibatches={minibatches} has none: use trainer.minibatches >= 2")
+    if variant.predicts_routes and concurrent:
+        raise ConfigError(f"routing_variant={variant.name} routes the engine by predictors the trainer adds to its "
+                          "model, which the concurrent sampler's worker does not build: use rollout.lag=k (the exact "
+                          "lag) with it, or rollout.concurrent=false")
 
 
 def check_switches(switches: list[RouterSwitch], run: RunFacts, moe: bool) -> None:

@@ -29,14 +29,23 @@ LENGTH = "response/length_mean"
 TRUNCATED = "response/truncated_frac"  # completions without eos within the budget
 SKIPPED = "optim/skipped_steps"  # updates refused so far for a non-finite loss or gradient
 STEP_TIME = "perf/step_s"
-ROLLOUT_TIME = "perf/rollout_s"
+ROLLOUT_TIME = "perf/rollout_s"  # the step's time to get its rollouts: sampling them, or waiting for the worker's
 SCORE_TIME = "perf/score_s"  # π_old of every minibatch
 TRAIN_TIME = "perf/train_s"
 ROLLOUT_TOKENS_PER_S = "perf/rollout_tokens_per_s"
 THREADS = "perf/threads"  # torch threads the step ran with (`experiments.run.threads`)
 ELAPSED = "perf/elapsed_s"  # since the run's first step
-ENGINE_VERSION = "async/engine_version"  # under rollout.lag: the weight version the step's rollouts were sampled with
-LAG = "async/lag"  # and how many versions that is behind θ_old (the lag served: rollout.lag once the run is that far)
+# Under rollout.lag or rollout.concurrent: the weight version the step's rollouts were sampled with (the oldest of
+# their samples')
+ENGINE_VERSION = "async/engine_version"
+LAG = "async/lag"  # under rollout.lag: how many versions that is behind θ_old (rollout.lag once the run is that far)
+# Under rollout.concurrent (`experiments.step.concurrent`): each sample's staleness, θ_old's version minus the version
+# that sampled it, mean and max over the step's samples (never above rollout.max_staleness); the seconds the worker
+# waited at that bound before sampling the step's rollouts (its policy past the bound), and sampled them.
+STALENESS_MEAN = "async/staleness_mean"
+STALENESS_MAX = "async/staleness_max"
+SAMPLER_WAIT_TIME = "async/sampler_wait_s"
+SAMPLE_TIME = "async/sample_s"
 MINIBATCHES = "minibatches"  # the list of per-minibatch records
 MINIBATCH = "minibatch"  # the index of one: updates since θ_old
 # Held-out evaluation (`experiments.step.batch.evaluate`)

@@ -84,10 +84,12 @@ def plan_step(cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any,
     (a rollout correction's name), or None."""
     replay = Replay(cfg.routing.replay)
     numerics = EngineNumerics.of(cfg.rollout)
-    engine_is_trainer = engine.shares_weights_with_trainer(numerics, cfg.rollout.lag)
+    # The concurrent sampler's engine is a worker process's own copy of the weights (`experiments.step.concurrent`).
+    concurrent = cfg.rollout.max_staleness if cfg.rollout.concurrent else None
+    engine_is_trainer = engine.shares_weights_with_trainer(numerics, cfg.rollout.lag) and concurrent is None
     reads_old_router = variant.name if variant.reads_old_router else None
     pi_old, why = _pi_old(PiOld(cfg.trainer.pi_old), replay, engine_is_trainer, engine.returns_logprobs, reads_pi_old,
-                          reads_old_router, cfg.rollout.lag)
+                          reads_old_router, cfg.rollout.lag, concurrent)
     track_routing = is_moe and (cfg.routing.metrics or replay != Replay.none or cfg.routing.decompose_every > 0)
     flip_rate = float(cfg.routing.flip_rate)
     own_forward_is_old = pi_old == PiOld.decoupled or engine_is_trainer
@@ -113,8 +115,10 @@ def plan_step(cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any,
 
 
 def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, engine_returns_logprobs: bool,
-            reads_pi_old: str | None, reads_old_router: str | None, lag: int) -> tuple[PiOld, str]:
-    """Where π_old comes from, and why."""
+            reads_pi_old: str | None, reads_old_router: str | None, lag: int,
+            concurrent: int | None) -> tuple[PiOld, str]:
+    """Where π_old comes from, and why. `concurrent`: the concurrent sampler's bound (`rollout.max_staleness`), or None
+    without it."""
     if asked == PiOld.bypass and replay == Replay.r2:
         raise ConfigError(
             "trainer.pi_old=bypass with routing.replay=r2: R2 replays θ_old's routing, which only the trainer's own "
@@ -130,12 +134,14 @@ def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, engine_return
             f"trainer.pi_old=bypass with routing_variant={reads_old_router}: it compares the router with θ_old's, whose "
             "log-probabilities only the trainer's own π_old pass records; use trainer.pi_old=decoupled or auto"
         )
-    behind = f"; the engine samples {lag} versions behind θ_old" if lag else ""
+    behind = f"; the engine samples {lag} versions behind θ_old" if lag else (
+        f"; the concurrent sampler's engine samples up to {concurrent} version(s) behind θ_old"
+        if concurrent is not None else "")
     if asked == PiOld.decoupled:
         return asked, "asked: the trainer recomputes π_old at θ_old" + behind
     if asked == PiOld.bypass:
         return asked, "asked: π_old := μ_old, the engine's log-probs" + (
-            f" (naive asynchronous RL){behind}" if lag else "")
+            f" (naive asynchronous RL){behind}" if behind else "")
     if replay == Replay.r2:
         return PiOld.decoupled, "r2 records θ_old's routing in the trainer's π_old pass" + behind
     if replay == Replay.r3:
@@ -145,6 +151,9 @@ def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, engine_return
                                  + behind)
     if lag:
         return PiOld.decoupled, f"the engine samples {lag} versions behind θ_old: its numbers are not π_old's"
+    if concurrent is not None:
+        return PiOld.decoupled, (f"the concurrent sampler's engine is a worker process's own copy of the weights, up "
+                                 f"to {concurrent} version(s) behind θ_old: its numbers are not π_old's")
     if not engine_is_trainer:
         return PiOld.decoupled, "the engine is not the trainer's model: its numbers are not π_old's"
     if not engine_returns_logprobs:

@@ -3,14 +3,18 @@
 Three policies are named in the step. μ_old is the rollout engine that sampled (its own log-probs and routing);
 π_old is the trainer at the weights θ_old the step started from; π_θ is the policy being updated. The token ratio
 the objectives clip is π_θ / π_old. With `rollout.lag=k` the engine samples with the weights of k versions before
-θ_old (`experiments.step.versions`): μ_old is that stale engine, π_old still the trainer at θ_old.
+θ_old (`experiments.step.versions`): μ_old is that stale engine, π_old still the trainer at θ_old. With
+`rollout.concurrent` a worker process samples the next steps' rollouts while the trainer updates, at most
+`rollout.max_staleness` versions behind θ_old (`experiments.step.concurrent`); where a step's rollout comes from is
+one object decided at start-up (`self.rollouts`), and nothing after it asks which.
 
-    rollout     = self.rollout()                             μ_old: tokens, log-probs, routing when asked; rewards
+    rollout     = self.rollouts.take(step)                   μ_old: tokens, log-probs, routing when asked; rewards
     advantages  = group_advantages(rollout.rewards)          Â_i = (r_i − mean_group) / (std_group + eps)
     minibatches = split_minibatches(rollout, advantages, order)   pure: whole groups or shuffled rows (GSPO §5.1)
     old         = [old_policy(mb) for mb in minibatches]      π_old (and the KL reference), before any update
     for mb, old: update(mb, old)                              π_θ: forward, objective, loss, backward, AdamW, measure
-    publish()                                                 the engine takes θ, or the version `rollout.lag` serves
+    publish()                                                 θ to the engine (or the version `rollout.lag` serves),
+                                                              or to the concurrent sampler's worker
 
 What the step is made of is decided once at start-up (`experiments.step.plan`, recorded in `summary.json`) and
 assembled into objects (`experiments.step.hooks.assemble`): where π_old comes from (`experiments.step.old_policy`:
@@ -40,9 +44,12 @@ from omegaconf import DictConfig
 
 from algos.objective import ObjectiveOutput, Totals, group_advantages, masked_mean, zero_std_group_frac
 from experiments.step import metrics as m
-from experiments.step.batch import Minibatch, Rollout, collect_rollout, evaluate, minibatch_order, split_minibatches
+from experiments.step.batch import (
+    Minibatch, Rollout, Served, collect_rollout, draw_examples, evaluate, minibatch_order, split_minibatches, step_seed,
+)
 from experiments.step.checks import check_run
-from experiments.step.engines import HFEngine, KVCache, Sampling, full_weights
+from experiments.step.concurrent import ConcurrentRollouts
+from experiments.step.engines import EngineNumerics, HFEngine, KVCache, Sampling, full_weights
 from experiments.step.hooks import ObjectiveInputs, Rows, Update, assemble
 from experiments.step.old_policy import OldPolicy
 from experiments.step.optimizer import rl_optimizer
@@ -58,11 +65,6 @@ from models.routing.trace import find_routers
 
 FLIP_STREAM = 0x5EED  # offsets the flips' seed from the step's: their draws are not the sampler's draws
 PERTURB_STREAM = 0xD21F7  # and the router perturbation's, likewise
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A 63-bit seed for (run seed, step, rank), different for every triple a run meets."""
-    return (seed * 1_000_003 + step * 10_007 + rank * 101 + 7) % (2**63 - 1)
 
 
 class RLTrainer:
@@ -86,11 +88,16 @@ class RLTrainer:
         for switch in self.switches:  # before the engine copies the model and the optimizer takes its parameters
             switch.start(self.model)
         self.variant.start(self.model)  # likewise, and after the switches: a frozen router leaves its predictor trained
-        # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks.
-        self.engine = parts.engine.build(cfg, self.model, self.tokenizer, parts.numerics, ranks,
+        # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks. Under
+        # `rollout.concurrent` the worker process builds the engine that samples the steps, with the run's numbers;
+        # the trainer's is then its own module, at no cost, and samples none of them.
+        numerics = EngineNumerics() if cfg.rollout.concurrent else parts.numerics
+        self.engine = parts.engine.build(cfg, self.model, self.tokenizer, numerics, ranks,
                                          self.plan.engine_records_routing)
         # Under a lag, the versions the engine will still sample with, from the start (version 0) on.
         self.versions = WeightVersions(cfg.rollout.lag, full_weights(self.model)) if cfg.rollout.lag else None
+        # Where each step's rollout comes from: the engine, in the step, or the concurrent sampler's worker.
+        self.rollouts = ConcurrentRollouts(self) if cfg.rollout.concurrent else EngineRollouts(self)
         if ranks.active:
             shard(self.model)
         reference = None
@@ -128,7 +135,8 @@ class RLTrainer:
         self.perturb_generator.manual_seed(seed + PERTURB_STREAM)
         self.engine.reseed(seed)
         start = time.perf_counter()
-        rollout = self.rollout()
+        served = self.rollouts.take(self.step_index)
+        rollout = served.rollout
         rollout_s = time.perf_counter() - start
         advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=self.advantage_std)
         order = minibatch_order(self.plan.layout, len(rollout.examples), t.group_size, self.generator)
@@ -140,7 +148,6 @@ class RLTrainer:
         train_start = time.perf_counter()
         per_minibatch = [self.update(mb, old_policy) for mb, old_policy in zip(minibatches, old)]
         train_s = time.perf_counter() - train_start
-        sampled_with = self.versions.served if self.versions is not None else None
         self.publish()
         step_s = time.perf_counter() - start
         # The whole step's rows, every rank's (groups stay whole, so they gather in group order).
@@ -162,34 +169,32 @@ class RLTrainer:
             m.ROLLOUT_TIME: rollout_s,
             m.SCORE_TIME: score_s,
             m.TRAIN_TIME: train_s,
-            m.ROLLOUT_TOKENS_PER_S: float(lengths.sum()) / max(rollout_s, 1e-9),
+            m.ROLLOUT_TOKENS_PER_S: float(lengths.sum()) / max(served.sample_s, 1e-9),
             m.MINIBATCHES: per_minibatch,
-            **({} if sampled_with is None else {m.ENGINE_VERSION: sampled_with,
-                                                m.LAG: self.step_index - 1 - sampled_with}),
+            **served.metrics,
         }
 
     def publish(self) -> None:
-        """Hand the engine the weights its next rollouts are sampled with: the trainer's own after this step's
-        updates, or under `rollout.lag` the version that many behind them (nothing when the engine already holds it,
-        or samples with the trainer's module itself)."""
-        if self.engine.shares_trainer_weights:
-            return
-        weights = full_weights(self.model)
-        if self.versions is not None:
-            weights = self.versions.publish(self.step_index, weights)
-        if weights is not None:
-            self.engine.sync_weights(weights)
+        """Hand the weights after this step's updates (version `step_index`) to what samples the next rollouts."""
+        self.rollouts.publish(self.step_index)
+
+    def close(self) -> None:
+        """Stop what runs beside the trainer (the concurrent sampler's worker), however the run ends."""
+        self.rollouts.close()
+
+    def sampling(self) -> Sampling:
+        """How a step's rollouts are sampled: `group_size` completions per prompt, with the routing the plan asks."""
+        t = self.cfg.trainer
+        return Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=self.plan.engine_records_routing,
+                        record_gates=self.plan.engine_records_gates or (self.plan.engine_records_routing
+                                                                         and self.plan.engine_gates_measured),
+                        predict_routes=self.plan.engine_predicts_routes)
 
     def rollout(self) -> Rollout:
         """μ_old: `prompts_per_step` train prompts, `group_size` completions each, from the engine."""
-        t = self.cfg.trainer
-        picks = torch.randint(len(self.train_examples), (t.prompts_per_step // self.ranks.world,), generator=self.generator)
-        sampling = Sampling(t.group_size, t.max_new_tokens, t.temperature,
-                            record_routing=self.plan.engine_records_routing,
-                            record_gates=self.plan.engine_records_gates or (self.plan.engine_records_routing
-                                                                             and self.plan.engine_gates_measured),
-                            predict_routes=self.plan.engine_predicts_routes)
-        return collect_rollout(self.engine, self.task, [self.train_examples[i] for i in picks.tolist()], sampling)
+        examples = draw_examples(self.train_examples, self.cfg.trainer.prompts_per_step // self.ranks.world,
+                                 self.generator)
+        return collect_rollout(self.engine, self.task, examples, self.sampling())
 
     def score(self, model: torch.nn.Module, mb: Minibatch, options: ScoreOptions = ScoreOptions()) -> Scores:
         """`score_responses` of the minibatch under `model`, packed by group under the `groups` layout, its balancing
@@ -309,3 +314,47 @@ class RLTrainer:
         if whole_split:
             local = {m.EVAL_SPLIT_GREEDY: local[m.EVAL_GREEDY]}
         return {name: reduce_value(value * len(mine), self.ranks) / len(prompts) for name, value in local.items()}
+
+
+class EngineRollouts:
+    """Where each step's rollout comes from in the synchronous loop: the trainer's engine samples it in the step
+    (`RLTrainer.rollout`), with the weights the step before handed it: the trainer's own, or under `rollout.lag` the
+    version that many behind them."""
+
+    def __init__(self, trainer: RLTrainer) -> None:
+        self.trainer = trainer
+
+    def take(self, step: int) -> Served:
+        versions = self.trainer.versions
+        start = time.perf_counter()
+        rollout = self.trainer.rollout()
+        sample_s = time.perf_counter() - start
+        version = step - 1 if versions is None else versions.served
+        metrics = {} if versions is None else {m.ENGINE_VERSION: version, m.LAG: step - 1 - version}
+        return Served(rollout, torch.full((rollout.size,), version), sample_s, metrics)
+
+    def publish(self, step: int) -> None:
+        """The engine takes the trainer's weights after `step`, or under a lag the version that many behind them
+        (nothing when the engine already holds it, or samples with the trainer's module itself)."""
+        engine = self.trainer.engine
+        if engine.shares_trainer_weights:
+            return
+        weights = full_weights(self.trainer.model)
+        if self.trainer.versions is not None:
+            weights = self.trainer.versions.publish(step, weights)
+        if weights is not None:
+            engine.sync_weights(weights)
+
+    def close(self) -> None:
+        """Nothing runs beside the trainer."""
+
+    def describe(self) -> dict[str, Any]:
+        """What `summary.json` says of the rollouts and their engine."""
+        engine, lag = self.trainer.engine, self.trainer.cfg.rollout.lag
+        return {
+            "rollouts": "synchronous: the engine samples each step's rollouts in the step" + (
+                f", with the weights {lag} versions behind θ_old (rollout.lag)" if lag else ""),
+            "engine": engine.name,
+            "engine_numerics": "the trainer's own model" if engine.shares_trainer_weights else str(engine.numerics),
+            "engine_details": engine.describe(),
+        }

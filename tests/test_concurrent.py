@@ -1,0 +1,350 @@
+"""The concurrent sampler (`rollout.concurrent`, experiments/step/concurrent.py) on the micro MoE: a worker process
+that never serves a sample above its bound and stamps every one with the version that sampled it; a worker that dies
+or fails, or a batch that slips past the bound, ends the run in one line with its log whole; SIGTERM and Ctrl-C stop
+both processes; bad settings are refused before any work. The tests that start a worker are slow: each spawns an
+interpreter that imports torch and transformers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from experiments.config import PROJECT_ROOT
+from experiments.step.batch import Rollout, split_minibatches, step_seed
+from experiments.step.checks import check_run
+from experiments.step.concurrent import (
+    Batch, ConcurrentRollouts, Sampler, SamplerFailed, Shared, WorkerSettings, check_batch,
+)
+from experiments.step.engines import EngineNumerics, KVCache, Sampling, full_weights
+from experiments.step.metrics import SAMPLER_WAIT_TIME, STALENESS_MAX, STALENESS_MEAN, STEP
+from experiments.step.old_policy import Recompute
+from experiments.step.trainer import RLTrainer
+from experiments.train import train
+from models.policy import ModelConfig, build_policy
+from models.registry import ConfigError
+from tests.conftest import MICRO_RUN
+from tests.test_reliability import one_line, wait_for_lines
+from tests.test_train import compose_train, read_metrics
+
+CONCURRENT = ["rollout.concurrent=true"]
+SLOW_UPDATE_S = 0.25  # a trainer slower than the worker, so that the worker runs ahead to its bound
+
+
+class Watched:
+    """A concurrent run's trainer, the rollouts each step was served, and a CPU copy of the trainer's weights of every
+    version (version t after step t; version 0 the start)."""
+
+    def __init__(self, monkeypatch, slow_update: bool = True) -> None:
+        self.served: dict[int, object] = {}
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        watched = self
+        real_init, real_publish, real_take = RLTrainer.__init__, RLTrainer.publish, ConcurrentRollouts.take
+        real_update = RLTrainer.update
+
+        def init(trainer, *args, **kwargs):
+            real_init(trainer, *args, **kwargs)
+            watched.trainer = trainer
+            watched.versions[0] = copy.deepcopy(full_weights(trainer.model))
+
+        def publish(trainer):
+            watched.versions[trainer.step_index] = copy.deepcopy(full_weights(trainer.model))
+            real_publish(trainer)
+
+        def take(source, step):
+            watched.served[step] = served = real_take(source, step)
+            return served
+
+        def update(trainer, mb, old):
+            time.sleep(SLOW_UPDATE_S)
+            return real_update(trainer, mb, old)
+
+        monkeypatch.setattr(RLTrainer, "__init__", init)
+        monkeypatch.setattr(RLTrainer, "publish", publish)
+        monkeypatch.setattr(ConcurrentRollouts, "take", take)
+        if slow_update:
+            monkeypatch.setattr(RLTrainer, "update", update)
+
+    @property
+    def worker(self):
+        return self.trainer.rollouts.process
+
+
+def mu_old_under(trainer: RLTrainer, rollout: Rollout, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """|μ_old − log-probs of `weights`| of the rollout's response tokens: the trainer's scoring of its rows with those
+    weights, against the engine's own."""
+    model = copy.deepcopy(trainer.model)
+    model.load_state_dict(weights)
+    (mb,) = split_minibatches(rollout, torch.zeros(rollout.size), torch.arange(rollout.size), 1, trainer.device)
+    with torch.no_grad():
+        logp = trainer.score(model, mb).logp
+    return (logp - mb.mu_logp).abs()[mb.response_mask]
+
+
+# -- before any work -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["rollout.max_staleness=-1"], 1, "rollout.max_staleness=-1 must be >= 0"),
+    ([*CONCURRENT, "rollout.lag=1"], 1, "rollout.concurrent=true with rollout.lag=1: the exact lag is the science "
+                                        "mode"),
+    ([*CONCURRENT, "rollout.engine=vllm"], 1, "rollout.engine=vllm is not supported there: use rollout.engine=hf"),
+    (CONCURRENT, 2, "runs one worker beside one trainer process, and this run has 2 ranks: use one rank"),
+])
+def test_settings_the_concurrent_sampler_cannot_serve_are_refused_before_any_work(tmp_path, overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        check_run(compose_train(*overrides), world, memory=False)
+    if world == 1:
+        with pytest.raises(SystemExit, match=message):
+            train(compose_train(*overrides), tmp_path / "run")
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_non_integer_bound_is_refused_at_composition():
+    with pytest.raises(Exception, match="rollout.max_staleness"):
+        compose_train("rollout.max_staleness=0.5")
+
+
+def test_the_plan_recomputes_pi_old_because_the_engine_is_the_workers():
+    plan = check_run(compose_train(*CONCURRENT), memory=False).plan
+    assert plan.pi_old == "decoupled" and not plan.engine_is_trainer
+    assert "worker process's own copy of the weights, up to 1 version(s) behind θ_old" in plan.why
+
+
+# -- the checks, the gate and the stamps, in this process -----------------------------------------------------------
+
+def batch_of(step: int, versions: list[int]) -> Batch:
+    return Batch(step, rollout=None, versions=torch.tensor(versions), sample_s=0.0, wait_s=0.0)
+
+
+@pytest.mark.parametrize("batch, previous, message", [
+    (batch_of(4, [2, 2]), 2, None),
+    (batch_of(5, [3, 3]), 2, "the concurrent sampler sent step 5's rollouts when step 4 needed its own"),
+    (batch_of(4, [4, 4]), 2, "step 4's rollouts are stamped with weight version 4, which the trainer has not "
+                             "published: θ_old is version 3"),
+    (batch_of(4, [1, 1]), 2, "the weight version went backwards: step 4's rollouts were sampled with version 1, after "
+                             "the step before's with version 2"),
+    (batch_of(4, [1, 2]), 1, r"1 sample\(s\) older than rollout.max_staleness=1 slipped through: step 4 trains from "
+                             "version 3, and they were sampled with version 1, 2 versions behind"),
+])
+def test_a_batch_the_step_must_not_train_on_is_refused_naming_why(batch, previous, message):
+    if message is None:
+        check_batch(batch, 4, previous, bound=1)
+        return
+    with pytest.raises(SamplerFailed, match=message):
+        check_batch(batch, 4, previous, bound=1)
+
+
+@pytest.fixture
+def sampler():
+    """A worker's sampler in this process, on the micro MoE, and the weights it shares with a trainer."""
+    cfg = compose_train()
+    context = multiprocessing.get_context("spawn")
+    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    model, _ = build_policy(model_cfg)
+    weights = {name: tensor.clone().share_memory_() for name, tensor in full_weights(model).items()}
+    shared = Shared(weights, context.Value("q", 0, lock=False), context.Condition())
+    settings = WorkerSettings(
+        model=model_cfg,
+        dataset=OmegaConf.to_container(cfg.dataset, resolve=True), device="cpu", seed=cfg.seed, prompts=4,
+        sampling=Sampling(4, 4, 1.0), numerics=EngineNumerics(), kv_cache=KVCache.preallocated, min_new_tokens=0,
+        max_staleness=1, first=1)
+    alive = {"trainer": True}
+    return Sampler(settings, shared, lambda: alive["trainer"]), shared, alive
+
+
+def publish(shared: Shared, version: int, scale: float) -> None:
+    with shared.published:
+        for tensor in shared.weights.values():
+            tensor.mul_(scale)
+        shared.version.value = version
+        shared.published.notify_all()
+
+
+def test_the_worker_waits_at_its_bound_takes_the_newest_version_and_stamps_every_row(sampler):
+    sampler, shared, alive = sampler
+    assert sampler.take_weights(0) < 0.1 and sampler.held == 0
+    later = threading.Timer(0.5, publish, (shared, 2, 0.5))
+    later.start()
+    waited = sampler.take_weights(1)  # version 1 is the oldest allowed: it waits, then takes version 2, the newest
+    later.join()
+    assert waited >= 0.4 and sampler.held == 2
+    for name, tensor in sampler.engine.model.state_dict().items():
+        assert torch.equal(tensor, shared.weights[name]), name
+    batch = sampler.sample(7, waited)
+    assert batch.step == 7 and batch.wait_s == waited and batch.versions.tolist() == [2] * 16
+    # the prompts are those the synchronous loop draws for step 7 of this seed
+    generator = torch.Generator().manual_seed(step_seed(0, 7, 0))
+    picks = torch.randint(len(sampler.examples), (4,), generator=generator).tolist()
+    assert [e.prompt for e in batch.rollout.examples] == [sampler.examples[i].prompt for i in picks for _ in range(4)]
+    alive["trainer"] = False
+    assert sampler.take_weights(3) is None, "a worker whose trainer is gone stops waiting"
+
+
+def test_a_published_version_that_goes_backwards_is_refused_by_the_worker(sampler):
+    sampler, shared, _ = sampler
+    publish(shared, 3, 1.0)
+    assert sampler.take_weights(2) is not None and sampler.held == 3
+    later = threading.Timer(0.3, publish, (shared, 1, 1.0))
+    later.start()
+    with pytest.raises(SamplerFailed, match="weight version 1 was published after version 3: versions only grow"):
+        sampler.take_weights(4)  # waiting for version 4, it wakes at version 1
+    later.join()
+
+
+# -- a worker beside the trainer -------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [0, 1])
+def test_the_sampler_never_trains_a_sample_above_its_bound_and_stamps_each_with_the_version_that_sampled_it(
+        tmp_path, monkeypatch, bound):
+    """The trainer is slower than the worker, so the worker runs ahead to its bound and waits there. Every sample's
+    μ_old is the log-probs of the weights of the version it is stamped with, and not of the next version's."""
+    watched = Watched(monkeypatch)
+    summary = train(compose_train(*CONCURRENT, f"rollout.max_staleness={bound}", "trainer.steps=5"), tmp_path / "run")
+    logged = read_metrics(tmp_path / "run")
+    assert [row[STEP] for row in logged] == [1, 2, 3, 4, 5]
+    assert all(row[STALENESS_MAX] <= bound for row in logged)
+    assert max(row[STALENESS_MAX] for row in logged) == bound, "the worker ran ahead to its bound: the gate held it"
+    assert summary["staleness_max"] == bound and "not bit-reproducible" in summary["rollouts"]
+    if bound == 0:
+        assert sum(row[SAMPLER_WAIT_TIME] for row in logged) > SLOW_UPDATE_S, "at bound 0 the worker waits every step"
+    for step, served in watched.served.items():
+        stamps = served.versions.tolist()
+        assert len(stamps) == served.rollout.size == 16 and len(set(stamps)) == 1, "every row stamped, one version"
+        (version,) = set(stamps)
+        assert logged[step - 1][STALENESS_MEAN] == step - 1 - version
+        gap = mu_old_under(watched.trainer, served.rollout, watched.versions[version])
+        assert float(gap.max()) < 1e-4, f"step {step}: μ_old is version {version}'s"
+        newer = mu_old_under(watched.trainer, served.rollout, watched.versions[version + 1])
+        assert float(newer.max()) > 1e-3, f"step {step}: the versions are told apart"
+    assert not watched.worker, "the run's end stopped the worker"
+
+
+@pytest.mark.slow
+def test_r3_replays_the_routes_the_worker_recorded(tmp_path, monkeypatch):
+    replayed = []
+    real_call = Recompute.__call__
+
+    def recompute(source, mb):
+        old = real_call(source, mb)
+        replayed.append((mb.engine_routes, old.replay))
+        return old
+
+    monkeypatch.setattr(Recompute, "__call__", recompute)
+    train(compose_train(*CONCURRENT, "routing.replay=r3"), tmp_path / "run")
+    assert replayed and all(routes is not None and replay is routes for routes, replay in replayed)
+    assert max(row["mismatch/expert_frac"] for row in read_metrics(tmp_path / "run")) > 0, \
+        "the stale worker's routes differ from θ_old's"
+
+
+# -- how a run with a worker ends ------------------------------------------------------------------------------------
+
+def ends_failed(tmp_path: Path, error: pytest.ExceptionInfo, why: str) -> list[dict]:
+    """The run's one line says `why` (a regex) and where its log and summary are; both are whole and say failed."""
+    line = str(error.value)
+    assert "\n" not in line and "metrics.jsonl holds" in line and "says status 'failed'" in line, line
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    logged = read_metrics(tmp_path / "run")
+    assert summary["status"] == "failed" and summary["steps"] == len(logged)
+    assert [row[STEP] for row in logged] == list(range(1, len(logged) + 1))
+    assert re.search(why, line) and re.search(why, summary["failed"]), line
+    return logged
+
+
+@pytest.mark.slow
+def test_a_killed_worker_ends_the_run_in_one_line_with_its_log_whole(tmp_path, monkeypatch):
+    watched = Watched(monkeypatch)
+    real_publish = ConcurrentRollouts.publish
+
+    def publish_then_kill(source, step):
+        real_publish(source, step)
+        if step == 2:
+            os.kill(source.process.pid, signal.SIGKILL)
+
+    monkeypatch.setattr(ConcurrentRollouts, "publish", publish_then_kill)
+    with pytest.raises(SystemExit) as ended:
+        train(compose_train(*CONCURRENT, "trainer.steps=6"), tmp_path / "run")
+    # Killed while it waits for a batch, or while it publishes (the worker may die holding the weights' lock, as it
+    # loads the version just published).
+    logged = ends_failed(tmp_path, ended, r"the concurrent sampler's worker \(pid \d+\) was killed by SIGKILL while "
+                                          r"step \d (waited for its rollouts|published its weights)")
+    assert len(logged) >= 2 and f"while step {len(logged) + 1} " in str(ended.value)
+    assert not watched.worker
+
+
+@pytest.mark.slow
+def test_a_failing_worker_ends_the_run_in_one_line_naming_its_error(tmp_path, monkeypatch):
+    """The trainer publishes its step 3 as version 0: the worker, which held a later one, refuses it."""
+    Watched(monkeypatch)
+    real_publish = ConcurrentRollouts.publish
+    monkeypatch.setattr(ConcurrentRollouts, "publish",
+                        lambda source, step: real_publish(source, 0 if step == 3 else step))
+    with pytest.raises(SystemExit) as ended:
+        train(compose_train(*CONCURRENT, "trainer.steps=8"), tmp_path / "run")
+    ends_failed(tmp_path, ended, r"the concurrent sampler's worker failed while sampling step \d's rollouts: weight "
+                                 r"version 0 was published after version \d: versions only grow")
+
+
+@pytest.mark.slow
+def test_a_sample_older_than_the_bound_that_slipped_through_stops_the_run(tmp_path, monkeypatch):
+    """A worker gated at 1 behind a trainer that checks 0: its first batch of staleness 1 is refused."""
+    Watched(monkeypatch)
+    real_start = ConcurrentRollouts._start
+
+    def start_with_a_tighter_check(source, step):
+        real_start(source, step)
+        source.bound = 0
+
+    monkeypatch.setattr(ConcurrentRollouts, "_start", start_with_a_tighter_check)
+    with pytest.raises(SystemExit) as ended:
+        train(compose_train(*CONCURRENT, "rollout.max_staleness=1", "trainer.steps=4"), tmp_path / "run")
+    logged = ends_failed(tmp_path, ended, r"16 sample\(s\) older than rollout.max_staleness=0 slipped through: step "
+                                          r"\d trains from version \d, and they were sampled with version \d, 1 "
+                                          "versions behind")
+    assert all(row[STALENESS_MAX] == 0 for row in logged)
+
+
+def children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid`, with their command lines."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_text().replace("\0", " ")
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code, group", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)])
+def test_a_stop_to_the_trainer_stops_its_worker_too(tmp_path, signum, code, group):
+    """SIGTERM to the trainer, and Ctrl-C in a terminal: SIGINT to the whole process group, the worker's too."""
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.train", *MICRO_RUN, *CONCURRENT, "trainer.steps=500",
+                             f"hydra.run.dir={tmp_path}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=PROJECT_ROOT, start_new_session=group)
+    wait_for_lines(tmp_path / "metrics.jsonl", 2, proc, timeout=300)
+    (worker,) = [pid for pid, command in children(proc.pid).items() if "spawn_main" in command]
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code
+    assert f"interrupted by {signal.Signals(signum).name} after" in one_line(stderr)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] == len(read_metrics(tmp_path)) >= 2
+    assert not Path(f"/proc/{worker}").exists(), "the worker outlived its trainer"
