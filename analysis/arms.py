@@ -1,5 +1,5 @@
 """What a run is in a comparison: its arm (the objective with its own settings, replay, routing variant, router
-switches, the engine's precision), the sweep's axes (the numeric settings that vary within an arm) and its cells.
+switches, correction, where π_old comes from, the engine's precision), the sweep's axes (the numeric settings that vary within an arm) and its cells.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from analysis.records import RunSet
 # averaged over) and what an arm implies or a run records about itself.
 NOT_AXES = ("algo.name", "routing.replay", "routing_variant.name", "rollout.precision", "seed")
 # The settings an arm brings (conf/arm/*.yaml and the groups it picks): they may differ between the arms of one seed.
-ARM_KEYS = ("algo.", "routing.replay", "routing_variant.", "routers.", "rollout.precision")
+# Where π_old comes from and the rollout correction are an arm's too: the naive and the decoupled asynchronous GRPO
+# differ in nothing else (conf/arm/grpo_naive_async.yaml, grpo_decoupled.yaml).
+ARM_KEYS = ("algo.", "routing.replay", "routing_variant.", "routers.", "rollout.precision", "trainer.pi_old",
+            "correction.")
 
 
 def arm_of(cfg: dict) -> str:

@@ -81,7 +81,7 @@ def read_per_seed(path: Path) -> tuple[pd.DataFrame, list[str]]:
     """One report's per-seed table (seeds and starts as text, as reports hold them) and its swept axes: the columns
     between `seed` and `start`. A table from before per-seed tables named the start and said what counted gets
     `start_sha256` = unknown and `counted` from `incomplete` (an incomplete run: excluded)."""
-    table = pd.read_csv(path, dtype={"seed": str, "start_sha256": str})
+    table = pd.read_csv(path, dtype={"seed": str, "start_sha256": str, "start_recipe": str})
     required = [*_LEADING, "start", *GAIN_MEASURES]
     missing = [column for column in required if column not in table.columns]
     if missing or list(table.columns[:3]) != _LEADING:
@@ -129,6 +129,9 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
                          "comparison takes one run per arm, cell, start and seed")
     for _, runs in counted.groupby([*axes, "seed"], dropna=False):
         _refuse_foreign_starts(runs)
+    if "start_recipe" in counted:
+        for _, runs in counted.groupby(axes, dropna=False) if axes else [((), counted)]:
+            _refuse_two_recipes(runs)
     for _, runs in counted.groupby([*axes, "start_sha256", "seed"], dropna=False):
         low, high = runs["start"].idxmin(), runs["start"].idxmax()
         if runs.at[high, "start"] - runs.at[low, "start"] > START_TOLERANCE:
@@ -152,6 +155,18 @@ def _refuse_foreign_starts(runs: pd.DataFrame) -> None:
                     f"seed {a['seed']}: {a['run']} ({a['source']}) started from {_start(a)}, {b['run']} "
                     f"({b['source']}) from {_start(b)}: runs from other cold starts do not pair, whatever their "
                     "held-out start accuracy")
+
+
+def _refuse_two_recipes(runs: pd.DataFrame) -> None:
+    """In one cell: starts made by two cold-start recipes (their tables' `start_recipe`, the sha256 of each start's SFT
+    settings; empty where a report did not know it) are never pooled as draws of one (one line naming both)."""
+    known = runs[runs["start_recipe"].fillna("").astype(str) != ""].drop_duplicates("start_recipe")
+    if len(known) > 1:
+        a, b = known.iloc[0], known.iloc[1]
+        raise ValueError(
+            f"{a['run']} ({a['source']}) started from {_start(a)} of recipe {a['start_recipe'][:12]}, {b['run']} "
+            f"({b['source']}) from {_start(b)} of recipe {b['start_recipe'][:12]}: a comparison across starts pools "
+            "them as draws of one recipe, which they are not; compare each recipe's runs apart")
 
 
 def _start(row: pd.Series) -> str:

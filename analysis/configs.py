@@ -86,14 +86,16 @@ def format_value(value: Any, key: str = "") -> str:
 
 FLIP_RATE = "routing.flip_rate"  # the config key of the SYNTHETIC flips (models/routing.py): named in every label
 PERTURB_RATE = "routing.perturb_rate"  # the SYNTHETIC router noise's (models/routing/perturbation.py): likewise
+CORRECTION = "correction.name"  # the rollout correction: named in every label where it is on
+PI_OLD = "trainer.pi_old"  # where π_old comes from: named where it is the engine's (bypass)
 SYNTHETIC_KEYS = {FLIP_RATE: "SYNTHETIC flips", PERTURB_RATE: "SYNTHETIC router noise"}  # key: what a label calls it
 
 
 def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Readable series label per run from its flattened config.
 
-    The base is `algo.name`, plus ` + <routing.replay>` when replay is not `none`, ` + <routing_variant.name>`
-    when a routing variant is on (a run without the key ran without one), ` + <switch>` per router switch on,
+    The base is `method_name` (the objective, its replay, routing variant, correction and router switches, and
+    whether π_old is the engine's),
     ` + SYNTHETIC flips p=<p>` when `routing.flip_rate` is not 0 and ` + SYNTHETIC router noise p=<p>` when
     `routing.perturb_rate` is not 0. Then, in sorted key order, every
     config key that differs between runs (ignoring seeds, threads, checkpointing, output dirs, logger/W&B/Hydra
@@ -105,7 +107,8 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     all_keys = sorted({k for cfg in configs.values() for k in cfg})
     candidates = [
         k for k in all_keys
-        if k not in ("algo.name", "routing.replay", "routing_variant.name", *SYNTHETIC_KEYS) and not ignored_key(k)
+        if k not in ("algo.name", "routing.replay", "routing_variant.name", CORRECTION, *SYNTHETIC_KEYS)
+        and not ignored_key(k)
         and len({format_value(cfg.get(k, "—"), k) for cfg in configs.values()}) > 1
     ]
     for key in candidates:
@@ -121,14 +124,16 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
 
 
 def method_name(cfg: Mapping[str, Any]) -> str:
-    """The objective, then ` + <routing.replay>` and ` + <routing_variant.name>` where they are on (a run from before
-    variants existed ran without one), then ` + <switch>` for each router switch on (`routers.<switch>.name`): what a
-    series and an arm are named by first."""
+    """The objective, then ` + <routing.replay>`, ` + <routing_variant.name>` and ` + <correction.name>` where they are
+    on (a run from before variants or corrections existed ran without one), then ` + <switch>` for each router switch
+    on (`routers.<switch>.name`), and ` (π_old = μ_old)` where π_old is asked to be the engine's own log-probs
+    (`trainer.pi_old=bypass`: under a lag, the naive asynchronous arm): what a series and an arm are named by first."""
     name = str(cfg.get("algo.name", "unknown"))
-    for key in ("routing.replay", "routing_variant.name"):
+    for key in ("routing.replay", "routing_variant.name", CORRECTION):
         if str(cfg.get(key, "none")) != "none":
             name += f" + {cfg[key]}"
-    return name + "".join(f" + {cfg[key]}" for key in cfg if key.startswith("routers.") and key.endswith(".name"))
+    name += "".join(f" + {cfg[key]}" for key in cfg if key.startswith("routers.") and key.endswith(".name"))
+    return name + (" (π_old = μ_old)" if cfg.get(PI_OLD) == "bypass" else "")
 
 
 def _base_label(cfg: Mapping[str, Any]) -> str:

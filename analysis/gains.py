@@ -10,8 +10,9 @@ import math
 import pandas as pd
 
 from analysis.arms import arm_names, arm_order, in_cell, seed_order, sweep_axes, sweep_cells
-from analysis.records import INCOMPLETE, UNKNOWN_START, RunSet
+from analysis.records import INCOMPLETE, UNKNOWN_RECIPE, UNKNOWN_START, RunSet
 from experiments.config import EarlyStopped, Summary
+from experiments.run.recipe import recipe_sha256
 from experiments.step.metrics import EVAL_GREEDY, EVAL_SPLIT_GREEDY, gain_area
 
 DIVERGED, INTERRUPTED, FAILED = "diverged", "interrupted", "failed"  # how a run's summary says it ended early
@@ -32,7 +33,7 @@ COUNTED = "yes"  # it ran every step
 SCORED_FAILED = "scored as failed"  # it ended itself early and the declared rule scores it as failed
 EXCLUDED = "excluded"  # it did not finish: left out of every comparison, named among the seeds left out
 PER_SEED_COLUMNS = ["start", "end", "gain", "gain_area", "split_start", "split_end", "split_gain", "incomplete",
-                    "status", "counted", "start_sha256"]  # after run, arm, seed and the swept axes
+                    "status", "counted", "start_sha256", "start_recipe"]  # after run, arm, seed and the swept axes
 
 
 def _planned_evaluations(cfg: dict) -> list[int]:
@@ -84,7 +85,10 @@ def accuracy_gain(runset: RunSet, early_stopped: str = EarlyStopped.exclude) -> 
                      "split_gain": split_last - split_start[row.run] if whole else math.nan,
                      "incomplete": row.incomplete, "status": row.status,
                      "counted": SCORED_FAILED if scored else EXCLUDED if row.incomplete else COUNTED,
-                     "start_sha256": row.start_sha256})
+                     "start_sha256": row.start_sha256,
+                     # the recipe's sha256 (experiments.run.recipe), "" where the run's summary does not hold it
+                     "start_recipe": recipe_sha256(json.loads(row.start_recipe))
+                     if row.start_recipe != UNKNOWN_RECIPE else UNKNOWN_RECIPE})
     return pd.DataFrame(rows, columns=["run", "arm", "seed", *axes, *PER_SEED_COLUMNS])
 
 

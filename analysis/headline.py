@@ -21,6 +21,7 @@ from analysis.records import UNKNOWN_START, RunSet
 from analysis.references import Reference
 from analysis.statistics import ALPHA, smallest_p
 from analysis.verdicts import PRIMARY
+from experiments.step.metrics import SKIPPED
 
 TITLE = "## What ran and what it shows"
 # Fewer units than this and an exact paired sign-flip test cannot reach p < ALPHA (statistics.smallest_p).
@@ -55,6 +56,24 @@ def what_ran(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> str:
             f"{len(arms)} arm{'s' * (len(arms) != 1)} ({', '.join(arms)})"
             + (f" in {len(cells)} cells ({'; '.join(cells)})" if cells else "")
             + f", seeds {', '.join(seeds) or '–'}; {started}.")
+
+
+def skipped_updates(runset: RunSet, gains: pd.DataFrame) -> str:
+    """The optimizer updates each arm skipped for a non-finite loss or gradient (`optim/skipped_steps` at each run's
+    last logged step), in one line: a run that skips updates computes fewer of them than its arm's others, and its
+    numbers are not its arm's alone. The count also stands in the stability table; here a reader sees it first."""
+    scalars = runset.scalars
+    last = scalars[scalars["metric"] == SKIPPED].sort_values("step").groupby("run")["value"].last()
+    arms = gains.set_index("run")["arm"] if not gains.empty else runset.runs.set_index("run")["label"]
+    counted = pd.DataFrame({"arm": arms, "skipped": last.reindex(arms.index).fillna(0)})
+    skipping = [(arm, group) for arm, group in counted.groupby("arm") if group["skipped"].sum() > 0]
+    if not skipping:
+        return "**Updates skipped** for a non-finite loss or gradient: none, in any arm."
+    said = "; ".join(f"{arm} {int(group['skipped'].sum())} in {int((group['skipped'] > 0).sum())} of {len(group)} "
+                     "runs" for arm, group in sorted(skipping, key=lambda item: arm_order(item[0])))
+    others = "; none in the other arms" if len(skipping) < counted["arm"].nunique() else ""
+    return (f"**Updates skipped** for a non-finite loss or gradient (each run's updates, minus these, are what it "
+            f"trained on): {said}{others}.")
 
 
 def headline_figure(figures: Sequence[FigureOutput]) -> FigureOutput | None:
@@ -179,7 +198,8 @@ def first_screen(runset: RunSet, gains: pd.DataFrame, axes: list[str], declarati
     """The report's first screen, in the order a reader asks: what ran, what it looks like, what was decided, how it
     stands beside the lab's results, what it cannot show."""
     arms = sorted(set(gains["arm"])) if not gains.empty else []
-    lines = [TITLE, "", what_ran(runset, gains, axes), "", *_figure_lines(headline_figure(figures)), ""]
+    lines = [TITLE, "", what_ran(runset, gains, axes), "", skipped_updates(runset, gains), "",
+             *_figure_lines(headline_figure(figures)), ""]
     if arms:
         lines += [*verdict_lines(comparisons, declaration, gains, axes, beside, references), ""]
     cannot = limits(runset, comparisons, left_out)

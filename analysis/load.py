@@ -22,8 +22,8 @@ import yaml
 
 from analysis.configs import as_today, flatten_config, schema_defaults
 from analysis.records import (
-    INCOMPLETE, UNKNOWN_START, RunSet, RecordRows, add_record, finish, frames, note_dropped, run_row, step_of,
-    summary_fields, unstarted_row, warn,
+    INCOMPLETE, UNKNOWN_RECIPE, UNKNOWN_START, RecordRows, RunSet, add_record, finish, frames, note_dropped, run_row,
+    step_of, summary_fields, unstarted_row, warn,
 )
 from experiments.run.rundir import LOCK_FILE, METRICS_FILE, SUMMARY_FILE
 
@@ -130,20 +130,21 @@ def read_metrics(path: Path, problems: list[str]) -> list[tuple[int, dict[str, A
     return records
 
 
-def _read_summary(run_dir: Path, problems: list[str]) -> tuple[str, float, str]:
-    """How the run ended (the summary's `status`, `INCOMPLETE` without a readable one), its wall time and the sha256
-    of the weights it started from (`UNKNOWN_START` where the summary does not name them)."""
+def _read_summary(run_dir: Path, problems: list[str]) -> tuple[str, float, str, str]:
+    """How the run ended (the summary's `status`, `INCOMPLETE` without a readable one), its wall time, the sha256
+    of the weights it started from and their recipe (`UNKNOWN_START`, `UNKNOWN_RECIPE` where the summary does not
+    name them)."""
     path = run_dir / SUMMARY_FILE
     if not path.is_file():
-        return INCOMPLETE, math.nan, UNKNOWN_START
+        return INCOMPLETE, math.nan, UNKNOWN_START, UNKNOWN_RECIPE
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         warn(problems, f"{path}: unreadable ({err}); run treated as incomplete")
-        return INCOMPLETE, math.nan, UNKNOWN_START
+        return INCOMPLETE, math.nan, UNKNOWN_START, UNKNOWN_RECIPE
     if not isinstance(summary, dict):
         warn(problems, f"{path}: not a JSON object; run treated as incomplete")
-        return INCOMPLETE, math.nan, UNKNOWN_START
+        return INCOMPLETE, math.nan, UNKNOWN_START, UNKNOWN_RECIPE
     return summary_fields(summary)
 
 
@@ -188,9 +189,9 @@ def load_runs(paths: Sequence[str | Path], skip: Sequence[Path] = ()) -> RunSet:
         if bad:
             warn(problems, f"{run_dir / METRICS_FILE}: {bad} per-minibatch entries without an integer "
                             "'minibatch' index skipped")
-        status, wall_s, start = _read_summary(run_dir, problems)
-        run_rows.append(run_row(run, as_today(flatten_config(config), defaults), status, wall_s, start,
-                                 str(run_dir)))
+        status, wall_s, start, recipe = _read_summary(run_dir, problems)
+        run_rows.append(run_row(run, as_today(flatten_config(config), defaults), status, wall_s, start, recipe,
+                                str(run_dir)))
     if not run_rows:
         raise ValueError(f"no run under {', '.join(str(p) for p in paths)} has a readable config and a valid "
                          f"{METRICS_FILE} line")

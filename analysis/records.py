@@ -35,12 +35,13 @@ SCALAR_COLUMNS = ["run", "step", "metric", "value"]
 MINIBATCH_COLUMNS = ["run", "step", "minibatch", "metric", "value"]
 RUN_COLUMNS = [
     "run", "label", "algo", "replay", "seed", "model", "num_layers", "status", "incomplete",
-    "last_step", "wall_s", "start_sha256", "source", "config",
+    "last_step", "wall_s", "start_sha256", "start_recipe", "source", "config",
 ]
 UNSTARTED_COLUMNS = ["where", "seed", "config", "why"]
 FINISHED = "finished"  # the status of a run that ran every planned step (its summary.json says so)
 INCOMPLETE = "incomplete (crashed or still running)"  # the status of a run without summary.json
 UNKNOWN_START = ""  # the start_sha256 of a run whose summary does not name its start (none yet, or written before)
+UNKNOWN_RECIPE = ""  # the start_recipe of a run whose summary does not hold its start's (experiments.run.recipe)
 _WANDB_MINIBATCH_KEY = re.compile("^" + re.escape(WANDB_MINIBATCH) + r"(\d+)/(.+)$")
 
 
@@ -192,8 +193,8 @@ def frames(rows: RecordRows) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     return scalars[SCALAR_COLUMNS], minibatches[MINIBATCH_COLUMNS], seen - len(scalars)
 
 
-def run_row(run: str, cfg: Mapping[str, Any], status: str, wall_s: float, start_sha256: str,
-             source: str) -> dict[str, Any]:
+def run_row(run: str, cfg: Mapping[str, Any], status: str, wall_s: float, start_sha256: str, start_recipe: str,
+            source: str) -> dict[str, Any]:
     """One row of `RunSet.runs` (without its label and last step, which `finish` adds)."""
     seed = cfg.get("seed")
     layers = cfg.get("model.num_hidden_layers")
@@ -208,6 +209,7 @@ def run_row(run: str, cfg: Mapping[str, Any], status: str, wall_s: float, start_
         "incomplete": status != FINISHED,
         "wall_s": wall_s,
         "start_sha256": start_sha256,
+        "start_recipe": start_recipe,
         "source": source,
         "config": json.dumps(cfg, sort_keys=True, default=str),
     }
@@ -263,14 +265,16 @@ def unstarted_row(where: str, flat: Mapping[str, Any], why: str) -> dict[str, An
             "config": json.dumps(dict(flat), sort_keys=True, default=str) if flat else "", "why": why}
 
 
-def summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str]:
-    """How a run ended, its wall time and its start's sha256, from its summary (`INCOMPLETE`, NaN and
-    `UNKNOWN_START` where the summary does not say)."""
+def summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str, str]:
+    """How a run ended, its wall time, its start's sha256 and its start's recipe (sorted JSON of the cold start's
+    settings), from its summary (`INCOMPLETE`, NaN, `UNKNOWN_START` and `UNKNOWN_RECIPE` where it does not say)."""
     status = summary.get("status")
     wall = _as_float(summary.get("wall_s"))
     start = summary.get("start_sha256")
+    recipe = summary.get("start_recipe")
     return (str(status) if isinstance(status, str) and status else INCOMPLETE, wall if wall is not None else math.nan,
-            start if isinstance(start, str) else UNKNOWN_START)
+            start if isinstance(start, str) else UNKNOWN_START,
+            json.dumps(recipe, sort_keys=True, default=str) if isinstance(recipe, dict) else UNKNOWN_RECIPE)
 
 
 def note_dropped(problems: list[str], non_finite: int, repeated: int) -> None:

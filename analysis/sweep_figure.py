@@ -31,7 +31,8 @@ def _axis_label(key: str) -> str:
     return {"trainer.lr": "learning rate", FLIP_RATE: "synthetic flip rate p (SYNTHETIC)",
             PERTURB_RATE: "router noise p, share moved per update (SYNTHETIC)",
             "model.num_hidden_layers": "MoE layers", "trainer.minibatches": "minibatches N",
-            "dataset.digits": "digits (answer length)", "rollout.router_noise": "engine router noise σ"}.get(key, key)
+            "dataset.digits": "digits (answer length)", "rollout.router_noise": "engine router noise σ",
+            "rollout.lag": "lag k (weight versions the engine is behind θ_old)"}.get(key, key)
 
 
 def _arm_color(arm: str) -> tuple[str, str]:

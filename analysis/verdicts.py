@@ -13,7 +13,7 @@ import pandas as pd
 from analysis.arms import ARM_KEYS, NOT_AXES, arm_order, seed_order, sweep_cells
 from analysis.configs import format_value, ignored_key
 from analysis.gains import EXCLUDED, GAIN_MEASURES
-from analysis.records import UNKNOWN_START, RunSet
+from analysis.records import UNKNOWN_RECIPE, UNKNOWN_START, RunSet
 from analysis.statistics import ALPHA, across_starts, compare, holm, smallest_p
 from experiments.config import Summary
 
@@ -44,8 +44,10 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
     view), the runs must agree in the same settings but `model.path`: starts of one recipe, never a start of another
     task or model whose only difference is a categorical key (a dataset's name is no axis)."""
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    recipes = {row.run: json.loads(row.start_recipe) for row in runset.runs.itertuples()
+               if row.start_recipe != UNKNOWN_RECIPE}
     counted = gains[gains["counted"] != EXCLUDED]
-    _check_one_recipe(configs, counted, axes)
+    _check_one_recipe(configs, recipes, counted, axes)
     for (start, seed), part in counted.groupby(["start_sha256", "seed"], sort=True):
         for cell, runs in sweep_cells(part, axes):
             twice = runs[runs.duplicated("arm", keep=False)]
@@ -83,9 +85,12 @@ def _first_difference(configs: dict[str, dict], first: str, other: str, axes: li
     return None, "", ""
 
 
-def _check_one_recipe(configs: dict[str, dict], counted: pd.DataFrame, axes: list[str]) -> None:
-    """Refuse a cell whose named starts' runs differ beyond their arms and `model.path`: a two-level comparison
-    pools starts as draws of one recipe, and a start of another recipe (another task, model or SFT) is not one."""
+def _check_one_recipe(configs: dict[str, dict], recipes: dict[str, dict], counted: pd.DataFrame,
+                      axes: list[str]) -> None:
+    """Refuse a cell whose named starts' runs differ beyond their arms and `model.path`, or whose starts were made by
+    two recipes (`recipes`: each run's start's SFT settings, where its summary holds them; `experiments.run.recipe`):
+    a two-level comparison pools starts as draws of one recipe, and a start of another recipe (another task, model,
+    SFT learning rate, budget, batch or kernels) is not one."""
     named = counted[counted["start_sha256"] != UNKNOWN_START]
     for cell, part in sweep_cells(named, axes):
         first_runs = part.drop_duplicates("start_sha256")
@@ -100,6 +105,17 @@ def _check_one_recipe(configs: dict[str, dict], counted: pd.DataFrame, axes: lis
                     f"runs from starts {start[first][:12]} and {start[other][:12]}{_cell_text(cell)} disagree in "
                     f"{key}: {here} ({first}), {there} ({other}); a comparison across starts pools them as starts of "
                     "one recipe, which they are not: report each recipe's runs apart")
+        made = [(start[run], recipes[run]) for run in first_runs["run"] if run in recipes]
+        for other_start, recipe in made[1:]:
+            first_start, first_recipe = made[0]
+            differs = next((key for key in sorted({*first_recipe, *recipe}) if first_recipe.get(key, "—")
+                            != recipe.get(key, "—")), None)
+            if differs is not None:
+                raise ValueError(
+                    f"starts {first_start[:12]} and {other_start[:12]}{_cell_text(cell)} were made by two cold-start "
+                    f"recipes (their SFT's {differs}: {first_recipe.get(differs, '—')} and "
+                    f"{recipe.get(differs, '—')}); a comparison across starts pools them as draws of one recipe: "
+                    "report each recipe's runs apart")
 
 
 def _cell_text(cell: dict) -> str:

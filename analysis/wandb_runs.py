@@ -18,8 +18,8 @@ import pandas as pd
 
 from analysis.configs import as_today, flatten_config, schema_defaults
 from analysis.records import (
-    FINISHED, INCOMPLETE, RUN_COLUMNS, UNKNOWN_START, UNSTARTED_COLUMNS, RecordRows, RunSet, add_record, finish,
-    frames, note_dropped, run_row, step_of, summary_fields, unstarted_row, warn,
+    FINISHED, INCOMPLETE, RUN_COLUMNS, UNKNOWN_RECIPE, UNKNOWN_START, UNSTARTED_COLUMNS, RecordRows, RunSet,
+    add_record, finish, frames, note_dropped, run_row, step_of, summary_fields, unstarted_row, warn,
 )
 
 def default_wandb_api() -> Any:
@@ -96,10 +96,11 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
             continue
         summary = dict(getattr(wb_run, "summary", None) or {})
         if "status" in summary:
-            status, wall_s, start = summary_fields(summary)
+            status, wall_s, start, recipe = summary_fields(summary)
         else:
-            status, wall_s, start = (FINISHED if wb_run.state == "finished" else INCOMPLETE), math.nan, UNKNOWN_START
-        run_rows.append(run_row(run, flat, status, wall_s, start, source))
+            status, wall_s, start, recipe = ((FINISHED if wb_run.state == "finished" else INCOMPLETE), math.nan,
+                                             UNKNOWN_START, UNKNOWN_RECIPE)
+        run_rows.append(run_row(run, flat, status, wall_s, start, recipe, source))
     if not run_rows:
         where = f" in groups {', '.join(groups)}" if groups else ""
         raise ValueError(f"no W&B runs with history found in {path}{where}")
@@ -122,11 +123,13 @@ def _write_cache(cache: Path, runset: RunSet) -> None:
 
 
 def _read_cache(cache: Path) -> RunSet:
-    """The cached RunSet; a cache written before the runs named their start reads them as `UNKNOWN_START`."""
+    """The cached RunSet; a cache written before the runs named their start (or its recipe) reads them as
+    `UNKNOWN_START` (`UNKNOWN_RECIPE`)."""
     meta = json.loads((cache / "meta.json").read_text(encoding="utf-8"))
     runs = pd.read_parquet(cache / "runs.parquet")
-    if "start_sha256" not in runs:
-        runs["start_sha256"] = UNKNOWN_START
+    for column, unknown in (("start_sha256", UNKNOWN_START), ("start_recipe", UNKNOWN_RECIPE)):
+        if column not in runs:
+            runs[column] = unknown
     return RunSet(
         runs=runs[RUN_COLUMNS],
         scalars=pd.read_parquet(cache / "scalars.parquet"),

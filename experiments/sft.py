@@ -46,6 +46,7 @@ from algos.routers import RouterSwitch, RunFacts, build_router_switches
 from experiments.config import register_configs
 from experiments.run import provenance, rundir
 from experiments.run.life import Job, Life, live
+from experiments.run.recipe import COLD_START_FILE, recipe_of, recipe_sha256
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
 from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
@@ -392,6 +393,9 @@ def cold_start_summary(cfg: DictConfig, name: str, switches: list[RouterSwitch],
         "threads": s.threads,
         "kernels": cpu_kernels.describe(cfg.cpu_kernels),
         "versions": provenance.versions(),
+        # what this start is a draw of: a report pools starts of one recipe only (experiments.run.recipe)
+        "recipe": recipe_of(cfg),
+        "recipe_sha256": recipe_sha256(recipe_of(cfg)),
     }
 
 
@@ -409,7 +413,7 @@ def finished_summary(summary: dict[str, Any], progress: Progress, parts: ColdSta
         "routing": routing_profile(parts.model, parts.tokenizer, test),  # on the held-out demonstrations, trained
         "policy": describe_policy(parts.model),  # the experts and attention implementations computed with, and more
     }
-    (output_dir / "cold_start.json").write_text(json.dumps(result, indent=2) + "\n")
+    (output_dir / COLD_START_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -33,6 +33,7 @@ from analysis.configs import label_runs, schema_defaults  # noqa: E402
 from analysis.curve_figures import fig_early_warning, fig_mismatch, fig_replay_grpo  # noqa: E402
 from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, early_warning  # noqa: E402
 from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # noqa: E402
+from analysis.headline import skipped_updates  # noqa: E402
 from analysis.load import load_runs  # noqa: E402
 from analysis.plotting import (  # noqa: E402
     FigureSettings, SeriesStyle, legend, legend_rows_in, new_figure, plot_band, series_styles,
@@ -844,6 +845,7 @@ def test_the_first_screen_says_what_ran_the_verdicts_and_once_what_three_seeds_c
     assert ("**Ran**: 12 runs (all finished) of 2 arms (grpo, grpo + r2) in 2 cells (SYNTHETIC router noise p=0.1; "
             "SYNTHETIC flips p=0.2), seeds 0, 1, 2; cold start (the weights' sha256) `aaaaaaaaaaaa` (12 runs)."
             in first)
+    assert "**Updates skipped** for a non-finite loss or gradient: none, in any arm." in first
     assert "![Held-out accuracy gained, against what the sweep varied](fig0_sweep_response.png)" in first
     assert "Figure 0: Per cell of the sweep (a panel), each run's mean gain over the run" in first
     assert ("**The declared comparisons**: grpo + r2 against grpo on `gain_area` (mean gain over the run), Holm's "
@@ -859,6 +861,15 @@ def test_the_first_screen_says_what_ran_the_verdicts_and_once_what_three_seeds_c
     for section in ("## The declared comparison", "## Each arm against grpo", "## Runs", "## Figures",
                     "## Seeds left out of the comparisons", "## Stability", "## Early warning"):
         assert text.index(first) < text.index(section), section
+
+
+def test_the_first_screen_counts_each_arms_skipped_updates(tmp_path):
+    """The synthetic sweep's GSPO runs each skipped an update after step 10 (its crashed seed 2 too), GRPO's none:
+    a count that once stood only in the stability table's CSV column."""
+    runset = load_runs([syn.make_sweep(tmp_path / "sweep")])
+    line = skipped_updates(runset, pd.DataFrame())
+    assert line == ("**Updates skipped** for a non-finite loss or gradient (each run's updates, minus these, are what "
+                    "it trained on): gspo 3 in 3 of 3 runs; none in the other arms.")
 
 
 def test_the_miniature_is_set_beside_the_committed_results_with_the_sign_of_each(tmp_path, no_figures):
@@ -976,6 +987,32 @@ def test_starts_of_two_recipes_are_never_pooled_as_starts_of_one(tmp_path, capsy
     assert not (tmp_path / "out").exists()
     # two starts of one recipe (only model.path differs): pooled, the comparison is across starts
     main([runs(tmp_path / "one_recipe", "addition"), "--out", str(tmp_path / "out"), "--dpi", DPI])
+    assert set(pd.read_csv(tmp_path / "out" / "comparisons.csv")["starts"].dropna()) == {2}
+
+
+def test_starts_of_two_sft_recipes_are_never_pooled_though_their_rl_runs_agree(tmp_path, capsys):
+    """Two starts whose RL runs agree in every setting but the start's path, made by cold starts of two SFT learning
+    rates: their summaries say so (`start_recipe`, copied from each start's cold_start.json), and the report refuses
+    in one line to pool them, naming the setting; with one recipe (only the start's own seed differs) it pools."""
+    def runs(folder, second_lr):
+        for sha, lr in ((START_A, 1e-3), (START_B, second_lr)):
+            for seed in (0, 1):
+                for algo in ("grpo", "gspo"):
+                    run = syn.evaluated_run(folder / f"{sha[0]}_{algo}{seed}", algo, seed, "none", 0.5,
+                                            0.6 + 0.01 * seed, sha=sha, **{"model.path": f"/starts/{sha[0]}"})
+                    summary = json.loads((run / "summary.json").read_text())
+                    summary["start_recipe"] = {"sft.lr": lr, "sft.max_steps": 600, "model.name": "tiny_moe"}
+                    (run / "summary.json").write_text(json.dumps(summary))
+        return str(folder)
+
+    with pytest.raises(SystemExit) as stop:
+        main([runs(tmp_path / "two_recipes", 3e-4), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert ("starts aaaaaaaaaaaa and bbbbbbbbbbbb were made by two cold-start recipes (their SFT's sft.lr: 0.001 and "
+            "0.0003)") in err
+    assert not (tmp_path / "out").exists()
+    main([runs(tmp_path / "one_recipe", 1e-3), "--out", str(tmp_path / "out"), "--dpi", DPI])
     assert set(pd.read_csv(tmp_path / "out" / "comparisons.csv")["starts"].dropna()) == {2}
 
 

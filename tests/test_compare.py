@@ -146,6 +146,25 @@ def test_runs_from_other_cold_starts_are_refused_even_at_the_same_start_accuracy
     assert not (tmp_path / "out").exists()
 
 
+def test_starts_of_two_cold_start_recipes_are_never_pooled(tmp_path, capsys):
+    """Two reports, each of GRPO and GSPO from a start of its own: the starts pair within each report, and pooled
+    they would be two draws of one recipe; their tables say the recipes differ (`start_recipe`), and the comparison
+    refuses in one line naming both. Two starts of one recipe pool."""
+    def report(name, start, recipe):
+        table = pd.concat([per_seed(arm, [0.1, 0.2, 0.3], prefix=name) for arm in ("grpo", "gspo")])
+        return write(tmp_path, name, table.assign(start_sha256=start * 64, start_recipe=recipe * 64))
+
+    ours, theirs = report("ours", "a", "1"), report("theirs", "b", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(ours), str(theirs), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "of recipe 111111111111" in err and "of recipe 222222222222" in err and "draws of one recipe" in err
+    assert not (tmp_path / "out").exists()
+    main([str(ours), str(report("same", "c", "1")), "--out", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "report.md").exists()
+
+
 def test_tables_that_name_no_start_are_paired_on_their_accuracy_and_the_report_says_only_that(tmp_path):
     old = write(tmp_path, "old", per_seed("grpo", [0.0, 0.1, 0.2]))  # written before per-seed tables named the start
     main([str(old), str(write(tmp_path, "also_old", per_seed("gspo", [0.1, 0.2, 0.3], prefix="b"))),

@@ -59,7 +59,17 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
     assert [line[LR] for line in lines] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 2e-3, 1e-3])
     assert summary["checkpoint"] == str(tmp_path / "ckpt")
     assert summary["versions"]["torch"] == torch.__version__, "the libraries that made the cold start"
-    assert json.loads((tmp_path / "ckpt" / "cold_start.json").read_text())["versions"] == summary["versions"]
+    recorded = json.loads((tmp_path / "ckpt" / "cold_start.json").read_text())
+    assert recorded["versions"] == summary["versions"]
+    # its recipe: the SFT's settings but the start's own draws (seed, model.init_seed) and where it writes
+    recipe = recorded["recipe"]
+    assert recipe["sft.lr"] == 3e-3 and recipe["sft.lr_schedule"] == "linear" and recipe["cpu_kernels"] == "native"
+    assert not {"seed", "model.init_seed", "sft.output_dir"} & set(recipe) and recorded["recipe_sha256"]
+    # an RL run from it records the recipe its start is a draw of
+    from experiments.run.recipe import start_recipe
+
+    assert start_recipe(str(tmp_path / "ckpt")) == {"start_recipe": recipe,
+                                                    "start_recipe_sha256": recorded["recipe_sha256"]}
 
     reloaded, tokenizer = build_policy(ModelConfig(name="micro_moe", path=str(tmp_path / "ckpt"),
                                                    experts_implementation=cfg.model.experts_implementation,

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from algos.objective import CLIP, TOKEN_RATIO_VAR
 from experiments.run import checkpoint, provenance
+from experiments.run.recipe import start_recipe
 from experiments.step import metrics as m
 from experiments.step.trainer import RLTrainer
 from models.policy import describe_policy
@@ -59,6 +60,7 @@ def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, ru
         **trainer.plan.describe(),
         "policy": describe_policy(trainer.model),
         "start_sha256": trainer.start_sha256,  # the weights the run started from (a cold start's weights_sha256)
+        **start_recipe(trainer.cfg.model.path),  # and the recipe they are a draw of (experiments.run.recipe)
         # the versions and kernels of this process, of every process that computed its steps, and of its start
         **provenance.run_fields(trainer.cfg, checkpoint.computed_under(trainer)),
     }
