@@ -1,5 +1,6 @@
 """What the runs' routing and engines did and what moved before a collapse: routing drift per layer (the GSPO paper's
-§5.3 statistic), whether the training–inference mismatch is more than rounding, and the early-warning signals.
+§5.3 statistic), whether the training–inference mismatch is more than rounding, the early-warning signals, and the
+drift against an engine that samples behind θ_old, per lag.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 
+from analysis.arms import arm_names
 from analysis.records import RunSet
 from analysis.summaries import COLLAPSE_DROP, EMA_ALPHA, collapse_flag, ema
 from experiments.config import RolloutConfig
 from experiments.step.engines import EngineNumerics
-from experiments.step.metrics import DRIFT, ENTROPY, GRAD_NORM, MISMATCH_K3, REWARD, per_layer
+from experiments.step.metrics import (
+    DRIFT, ENGINE_EXPERTS, ENGINE_GATES, ENTROPY, GRAD_NORM, LAG as SERVED_LAG, MISMATCH_K3, REWARD, per_layer,
+)
 
 # The metrics read here are named where they are produced (experiments.step.metrics).
 _LAYER_METRIC = re.compile("^" + re.escape(per_layer(DRIFT, "")) + r"(\d+)$")  # DRIFT per minibatch, per layer
@@ -157,3 +161,28 @@ def early_warning(runset: RunSet, drop: float = COLLAPSE_DROP, alpha: float = EM
             row[f"{metric}_lead"] = row["collapse_step"] - moved if collapsed else math.nan
         rows.append(row)
     return pd.DataFrame(rows, columns=None if rows else ["run", "label", "collapsed", "collapse_step"])
+
+
+LAG = "rollout.lag"  # the exact lag (experiments.step.versions): weight versions the engine samples behind θ_old
+# What is measured against the stale engine: its routes (experts, gate mass) and its log-probs, against θ_old's.
+AGAINST_THE_ENGINE = (ENGINE_EXPERTS, ENGINE_GATES, MISMATCH_K3)
+
+
+def staleness_by_lag(runset: RunSet) -> pd.DataFrame:
+    """Drift against the engine per arm and lag, where the runs vary `rollout.lag`: columns `[arm, lag, metric, mean,
+    std, n]`, over seeds, of each run's mean over the steps that sampled at its full lag (the first steps of a run
+    sample with the start, nearer θ_old); empty when the runs share one lag."""
+    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    lags = {run: int(cfg.get(LAG, 0)) for run, cfg in configs.items()}
+    if len(set(lags.values())) < 2:
+        return pd.DataFrame(columns=["arm", "lag", "metric", "mean", "std", "n"])
+    arms = arm_names(configs)
+    scalars = runset.scalars
+    served = scalars[scalars["metric"] == SERVED_LAG][["run", "step", "value"]].rename(columns={"value": "served"})
+    rows = scalars[scalars["metric"].isin(AGAINST_THE_ENGINE)].merge(served, on=["run", "step"], how="left")
+    rows["lag"] = rows["run"].map(lags)
+    rows = rows[rows["served"].fillna(0) == rows["lag"]]  # a run without a lag logs none: every step is at 0
+    per_run = rows.groupby(["run", "lag", "metric"], as_index=False)["value"].mean()
+    per_run["arm"] = per_run["run"].map(arms)
+    return (per_run.groupby(["arm", "lag", "metric"])["value"].agg(mean="mean", std="std", n="count")
+            .reset_index())

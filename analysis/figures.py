@@ -4,7 +4,8 @@ and the lab's mechanism figures, each one function over the shared prelude (anal
 0. held-out accuracy gained against what the sweep varied                      — analysis/sweep_figure.py
 1-3, 5-7. curves along training: reward and held-out accuracy, clipping, GRPO with and without Routing Replay,
    ratio variance, training–inference mismatch, early warning                  — analysis/curve_figures.py
-4, 8. routing: drift per layer and against depth, the routing part of the ratio's noise — analysis/routing_figures.py
+4, 8, 9. routing: drift per layer and against depth, the routing part of the ratio's noise, drift against an engine
+   k versions behind                                                           — analysis/routing_figures.py
 
 A new figure is a function decorated with `plotting.figure` in the module of its kind, and its place in `FIGURES`.
 """
@@ -16,7 +17,9 @@ from analysis.curve_figures import (
 )
 from analysis.plotting import FigureOutput, FigureSettings
 from analysis.records import RunSet
-from analysis.routing_figures import fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step
+from analysis.routing_figures import (
+    fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, fig_staleness,
+)
 from analysis.sweep_figure import fig_sweep_response
 
 FIGURES = (
@@ -31,6 +34,7 @@ FIGURES = (
     fig_mismatch,
     fig_early_warning,
     fig_decomposition,
+    fig_staleness,
 )
 
 

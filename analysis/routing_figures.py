@@ -4,6 +4,7 @@ shared prelude (analysis.plotting).
 
 4. routing drift: layer × minibatch index, layer × step, drift against depth    — paper §5.3 statistic
 8. where the ratio noise comes from: the routing part's share of the log-ratio variance against updates since θ_old
+9. drift against an engine k versions behind (rollout.lag): its routes and its log-probs against θ_old's, per lag
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, drift_layer_by_step, layer_counts
+from analysis.arms import arm_order
+from analysis.diagnostics import (
+    drift_by_depth, drift_layer_by_minibatch, drift_layer_by_step, layer_counts, staleness_by_lag,
+)
 from analysis.plotting import (
-    DRIFT_LABEL, STEP_LABEL, FigureOutput, FigureSettings, figure, legend, legend_rows_in, new_figure, plot_band,
-    series_styles,
+    DRIFT_LABEL, STEP_LABEL, FigureOutput, FigureSettings, SeriesStyle, figure, legend, legend_rows_in, new_figure,
+    plot_band, series_styles,
 )
 from analysis.records import RunSet
-from analysis.style import COLUMN_WIDTH_IN, TEXT_WIDTH_IN
+from analysis.style import COLUMN_WIDTH_IN, TEXT_WIDTH_IN, algo_color, shade
 from experiments.step import metrics as m
 
 # GSPO paper §5.3: ~10% of activated experts change after one update, 48-layer Qwen3-30B-A3B.
@@ -176,4 +180,41 @@ def fig_decomposition(runset: RunSet, settings: FigureSettings, out: FigureOutpu
         "Cov(routing, total) / Var(total) of the variance (the weights part has the rest), against the number of "
         "updates since θ_old, mean over the steps it was measured within each seed, ± 1 std across seeds."
     )
+    return fig
+
+
+STALENESS_PANELS = {m.ENGINE_EXPERTS: "experts the engine chose\nthat θ_old did not (fraction)",
+                    m.ENGINE_GATES: "gate mass they move (TV)", m.MISMATCH_K3: "KL(μ_old ‖ π_old), k3"}
+
+
+@figure("9", "fig9_staleness", "Drift against an engine k versions behind")
+def fig_staleness(runset: RunSet, settings: FigureSettings, out: FigureOutput) -> Figure | None:
+    """Per lag, how far the engine's routes and log-probs are from θ_old's: where a run's staleness is about routes
+    and where about log-probs (docs/async.md)."""
+    table = staleness_by_lag(runset)
+    if table.empty:
+        out.notes.append("The runs share one rollout.lag (or log nothing against their engine): no drift against the "
+                         "engine per lag to draw.")
+        return None
+    arms = sorted(set(table["arm"]), key=arm_order)
+    styles = {arm: SeriesStyle(shade(algo_color(arm.split(" ")[0]), rank), "-", "")
+              for rank, arm in enumerate(arms)}
+    fig = new_figure(TEXT_WIDTH_IN, 2.0 + legend_rows_in(arms, TEXT_WIDTH_IN))
+    axes = fig.subplots(1, len(STALENESS_PANELS))
+    for ax, (metric, ylabel) in zip(axes, STALENESS_PANELS.items()):
+        for arm in arms:
+            part = table[(table["arm"] == arm) & (table["metric"] == metric)].rename(columns={"lag": "x"})
+            if not part.empty:
+                plot_band(ax, part, styles[arm], marker="o")
+        ax.set_xlabel("lag k (versions behind θ_old)")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(bottom=0)
+    legend(fig, arms, styles)
+    out.caption = ("Against the rollout engine that sampled, k weight versions behind θ_old (rollout.lag), per arm: "
+                   "the share of the engine's activated experts θ_old's routers did not choose on the same tokens, "
+                   "the gate mass that moves, and the k3 estimate of KL(μ_old ‖ π_old); each run's mean over the "
+                   "steps sampled at its full lag (the first k sample with the start), mean ± 1 sample std across "
+                   "seeds. Where π_old is the engine's own (bypass) only the first minibatch of a step holds the "
+                   "trainer's numbers at θ_old.")
     return fig

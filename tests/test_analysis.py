@@ -31,7 +31,9 @@ from analysis import statistics  # noqa: E402
 from analysis.arms import arm_names, sweep_axes  # noqa: E402
 from analysis.configs import label_runs, schema_defaults  # noqa: E402
 from analysis.curve_figures import fig_early_warning, fig_mismatch, fig_replay_grpo  # noqa: E402
-from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, early_warning  # noqa: E402
+from analysis.diagnostics import (  # noqa: E402
+    drift_by_depth, drift_layer_by_minibatch, early_warning, staleness_by_lag,
+)
 from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # noqa: E402
 from analysis.headline import skipped_updates  # noqa: E402
 from analysis.load import load_runs  # noqa: E402
@@ -41,7 +43,7 @@ from analysis.plotting import (  # noqa: E402
 from analysis.records import INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS  # noqa: E402
 from analysis.report import main, write_report  # noqa: E402
 from analysis.routing_figures import (  # noqa: E402
-    fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, heatmaps,
+    fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, fig_staleness, heatmaps,
 )
 from analysis.summaries import (  # noqa: E402
     STABILITY_COLUMNS, aggregate_curves, collapse_flag, curve, ema, per_run_series, stability_table,
@@ -50,7 +52,8 @@ from analysis.sweep_figure import fig_sweep_response  # noqa: E402
 from analysis.verdicts import arm_comparisons  # noqa: E402
 from analysis.wandb_runs import load_wandb  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
-    CHI2_TOKEN, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, MISMATCH_K3, REWARD, TOKENS, started,
+    CHI2_TOKEN, ENGINE_EXPERTS, ENGINE_GATES, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, LAG, MISMATCH_K3, REWARD,
+    TOKENS, started,
 )
 
 DPI = "60"
@@ -1161,3 +1164,31 @@ def test_the_early_warning_figure_is_drawn_only_when_a_run_collapsed(tmp_path):
     assert not result.files and "No run collapsed" in result.notes[0]
     fallen = load_runs([syn.mismatch_run(tmp_path / "c", 0, collapse_at=20, kl_rises_at=12)])
     assert fig_early_warning(fallen, FigureSettings(tmp_path / "out")).files
+
+
+def test_drift_against_the_engine_is_drawn_per_lag_from_the_steps_at_the_full_lag(tmp_path):
+    """Runs at rollout.lag 0 and 2: each step's drift against the engine is 0.01 × the lag it served (+ 0.001 × seed),
+    and the first two steps of a lag-2 run serve less than 2 (they sample with the start). Per arm and lag the figure's
+    table holds each run's mean over its steps at the full lag, averaged over seeds; without a second lag, no figure."""
+    for lag in (0, 2):
+        for seed in (0, 1):
+            records = []
+            for step in range(1, 6):
+                served = min(lag, step - 1)
+                record = syn.step_record("grpo", seed, step, 0.5)
+                record.update({ENGINE_EXPERTS: 0.01 * served + 0.001 * seed, ENGINE_GATES: 0.005 * served,
+                               MISMATCH_K3: 0.002 * served})
+                if lag:
+                    record[LAG] = served
+                records.append(record)
+            cfg = syn.config("grpo", seed)
+            cfg["rollout"] = {"lag": lag}
+            syn.write_run(tmp_path / "runs" / f"lag{lag}_s{seed}", cfg, records)
+    runset = load_runs([tmp_path / "runs"])
+    table = staleness_by_lag(runset).set_index(["lag", "metric"])["mean"]
+    assert table[(2, ENGINE_EXPERTS)] == pytest.approx(0.0205) and table[(0, ENGINE_EXPERTS)] == pytest.approx(0.0005)
+    assert table[(2, MISMATCH_K3)] == pytest.approx(0.004) and table[(0, ENGINE_GATES)] == 0
+    out = fig_staleness(runset, FigureSettings(tmp_path / "fig", dpi=int(DPI)))
+    assert [path.name for path in out.files] == ["fig9_staleness.png"] and "k weight versions behind" in out.caption
+    one_lag = load_runs([tmp_path / "runs" / "lag2_s0", tmp_path / "runs" / "lag2_s1"])
+    assert staleness_by_lag(one_lag).empty and fig_staleness(one_lag, FigureSettings(tmp_path / "none")).files == []
