@@ -23,7 +23,7 @@ from analysis.gains import GAIN_MEASURES
 from analysis.references import Reference
 from analysis.references import load_all as load_references
 from analysis.verdicts import DEFAULT_BASELINE
-from experiments.config import PROJECT_ROOT, ComparisonConfig, EarlyStopped, Summary
+from experiments.config import PROJECT_ROOT, AccuracySummary, ComparisonConfig, EarlyStopped
 
 KEY = "comparison"  # the config node (`comparison.<field>` in a run's flat config)
 FIELDS = tuple(f.name for f in fields(ComparisonConfig))
@@ -174,8 +174,8 @@ def add_flags(parser: Any, baseline_help: str, early_stopped: bool = False, refe
     early-stopped runs only where runs are read, not per-seed tables, which already applied it; the references where
     a report sets its comparisons beside them)."""
     parser.add_argument("--baseline", metavar="ARM", help=baseline_help)
-    parser.add_argument("--primary", choices=list(Summary), metavar="SUMMARY",
-                        help=f"the summary whose comparisons decide ({', '.join(Summary)}; default: the runs' "
+    parser.add_argument("--primary", choices=list(AccuracySummary), metavar="SUMMARY",
+                        help=f"the summary whose comparisons decide ({', '.join(AccuracySummary)}; default: the runs' "
                              f"declaration, else {ComparisonConfig.primary.value})")
     parser.add_argument("--family", nargs="+", metavar="ARM",
                         help="the arms whose comparisons with the baseline form the family Holm's correction runs "

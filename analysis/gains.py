@@ -11,21 +11,21 @@ import pandas as pd
 
 from analysis.arms import arm_names, arm_order, in_cell, seed_order, sweep_axes, sweep_cells
 from analysis.records import INCOMPLETE, UNKNOWN_RECIPE, UNKNOWN_START, RunSet
-from experiments.config import EarlyStopped, Summary
+from experiments.config import AccuracySummary, EarlyStopped
 from experiments.run.recipe import recipe_sha256
 from experiments.step.metrics import EVAL_GREEDY, EVAL_SPLIT_GREEDY, gain_area
 
 DIVERGED, INTERRUPTED, FAILED = "diverged", "interrupted", "failed"  # how a run's summary says it ended early
 
 # The summaries of a run's held-out accuracy that the reports compare, each per run and from its own start (the
-# values `comparison.primary` may name: experiments.config.Summary):
+# values `comparison.primary` may name: experiments.config.AccuracySummary):
 GAIN_MEASURES = {
-    Summary.gain.value: "final gain: greedy accuracy at the last evaluation − at the start (eval_prompts, 128 by "
-                        "default)",
-    Summary.gain_area.value: "mean gain over the run: the area under the greedy curve above its start, per step "
-                             "(every evaluation; `metrics.gain_area`)",
-    Summary.split_gain.value: "final gain on the whole test split: greedy accuracy on every test prompt (500) at the "
-                              "last step − at the start",
+    AccuracySummary.gain.value: "final gain: greedy accuracy at the last evaluation − at the start (eval_prompts, 128 "
+                                "by default)",
+    AccuracySummary.gain_area.value: "mean gain over the run: the area under the greedy curve above its start, per "
+                                     "step (every evaluation; `metrics.gain_area`)",
+    AccuracySummary.split_gain.value: "final gain on the whole test split: greedy accuracy on every test prompt (500) "
+                                      "at the last step − at the start",
 }
 
 # How each run with a start and an end counts in the comparisons (the `counted` column of the per-seed table):

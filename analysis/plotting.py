@@ -30,7 +30,7 @@ from PIL import Image
 from analysis.records import RunSet
 from analysis.style import COLUMN_WIDTH_IN, RC_PARAMS, algo_color, replay_hatch, replay_linestyle, shade
 from analysis.summaries import EMA_ALPHA
-from experiments.config import EarlyStopped, Summary
+from experiments.config import AccuracySummary, EarlyStopped
 
 STEP_LABEL = "RL step"
 TOKENS_LABEL = "completion tokens (cumulative)"
@@ -60,7 +60,7 @@ class FigureSettings:
     pdf: bool = False
     alpha: float = EMA_ALPHA
     early_stopped: str = EarlyStopped.exclude
-    primary: str = Summary.gain_area
+    primary: str = AccuracySummary.gain_area
 
 
 Draw = Callable[[RunSet, FigureSettings, FigureOutput], "Figure | None"]

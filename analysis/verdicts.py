@@ -15,7 +15,7 @@ from analysis.configs import format_value, ignored_key
 from analysis.gains import EXCLUDED, GAIN_MEASURES
 from analysis.records import UNKNOWN_RECIPE, UNKNOWN_START, RunSet
 from analysis.statistics import ALPHA, across_starts, compare, holm, smallest_p
-from experiments.config import Summary
+from experiments.config import AccuracySummary
 
 DEFAULT_BASELINE = "grpo"
 PRIMARY, SECONDARY = "primary", "secondary"  # a comparison's role: in the declared family, or reported beside it
@@ -133,7 +133,7 @@ def _by_unit(rows: pd.DataFrame, measure: str) -> pd.Series:
     return values
 
 
-def arm_comparisons(gains: pd.DataFrame, baseline: str, axes: list[str], primary: str = Summary.gain_area,
+def arm_comparisons(gains: pd.DataFrame, baseline: str, axes: list[str], primary: str = AccuracySummary.gain_area,
                     family: Sequence[str] = ()) -> pd.DataFrame:
     """Per cell, per gain measure (`GAIN_MEASURES`) and per arm other than `baseline`: the paired comparison over the
     (start, seed) units both hold with a counted value (`statistics.compare`; runs whose `counted` is excluded never

@@ -49,10 +49,6 @@ class AccuracySummary(StrEnum):
     split_gain = "split_gain"  # final gain on the whole test split (eval_split)
 
 
-# The name analysis/ imports until its rebuild (another branch) reads `AccuracySummary`: `Summary` is also
-# analysis.legacy_intervals' class, and one name should mean one thing.
-Summary = AccuracySummary
-
 
 class EarlyStopped(StrEnum):
     """How a run that ended itself before its last step (`status: diverged` in its summary: non-finite for good, or

@@ -194,17 +194,12 @@ def test_no_module_imports_itself_round_a_circle():
 # one that is needed (a heavy or optional library behind it, say) says why on its line or the line above:
 # `# local import: <reason>`.
 LOCAL_IMPORT_REASON = "# local import:"
-# analysis/ is being rebuilt room by room on another branch, and so is experiments/step/engines/vllm.py (the
-# asynchronous engine): their imports are settled there.
-REBUILT_ELSEWHERE = ("analysis/", "experiments/step/engines/vllm.py")
 
 
 def test_every_function_local_import_of_the_project_says_why():
     unexplained = []
     for path in sources():
         where = str(path.relative_to(PROJECT_ROOT))
-        if where.startswith(REBUILT_ELSEWHERE):
-            continue
         lines = path.read_text(encoding="utf-8").splitlines()
         for function in ast.walk(ast.parse("\n".join(lines))):
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):

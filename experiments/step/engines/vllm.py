@@ -82,12 +82,15 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.step.engines.base import (
     ENGINES, EngineNumerics, KVCache, Needs, Precision, RolloutEngine, Samples, Sampling, WeightQuant,
 )
 from experiments.step.ranks import Ranks
+from experiments.tasks import build_task
+from models.policy import ModelConfig, model_config
 from models.registry import ConfigError
 from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
 
@@ -165,9 +168,6 @@ class VLLMEngine(RolloutEngine):
     def check(cls, cfg: Any, world: int, needs: Needs) -> None:
         """Refuse what this engine cannot run, one line each, before anything is built: vLLM itself, what every
         engine checks, then vLLM's own limits."""
-        from models.policy import ModelConfig, model_config
-        from omegaconf import OmegaConf
-
         cls.require()
         super().check(cfg, world, needs)
         rollout = cfg.rollout
@@ -517,10 +517,6 @@ class VLLMEngine(RolloutEngine):
 def derived_model_len(cfg: Any, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> int:
     """`rollout.vllm.max_model_len=null`: the task's longest prompt in tokens plus the generation budget, rounded
     up to a multiple of 16 and capped at the model's max_position_embeddings (refused when the two do not fit)."""
-    from omegaconf import OmegaConf
-
-    from experiments.tasks import build_task
-
     dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
     task = build_task(dataset.pop("name"), **dataset)
     prompts = sorted({example.prompt for example in task.examples("train") + task.examples("test")}, key=len)[-64:]
