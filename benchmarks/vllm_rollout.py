@@ -40,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from analysis.report import markdown_table
 from benchmarks.workload import compose_workload
 from experiments.step.engines.base import Sampling, full_weights
 from experiments.step.engines.hf import HFEngine
-from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine, derived_model_len
+from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine, VLLMStart, derived_model_len
 from experiments.step.scoring import FED, score_responses
 from experiments.tasks import build_task
 from models.policy import ModelConfig, build_policy
@@ -111,9 +112,9 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
     # One vLLM engine per process at a time (experiments.step.engines.vllm): first the loop's default, routing recorded
     # (the CPU capture, prefix caching off); then vLLM built with routing=False (no capture, prefix caching on)
     # against HF without its routing hooks.
-    options = dict(max_model_len=max_model_len, max_num_seqs=t.prompts_per_step * t.group_size,
-                   min_new_tokens=t.max_new_tokens)
-    vllm = VLLMEngine(model, tokenizer, **options)
+    start = VLLMStart(max_model_len=max_model_len, max_num_seqs=t.prompts_per_step * t.group_size,
+                      min_new_tokens=t.max_new_tokens)
+    vllm = VLLMEngine(model, tokenizer, start)
     startup = vllm.startup_s
     alternate(vllm, True, "")
     sync = []
@@ -125,7 +126,7 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
             vllm.sync_weights(full_weights(model))
             sync.append(time.perf_counter() - start)
     vllm.close()
-    bare = VLLMEngine(model, tokenizer, routing=False, **options)
+    bare = VLLMEngine(model, tokenizer, replace(start, routing=False))
     alternate(bare, False, "_no_routing")
     bare.close()
     ratios = {
@@ -200,7 +201,7 @@ def families_section() -> list[dict[str, Any]]:
             model = AutoModelForCausalLM.from_config(family_config(family, tokenizer)).eval()
             for router in find_routers(model).values():
                 torch.nn.init.normal_(router.weight, std=1.0)  # decisive routing, as models.policy does
-            engine = VLLMEngine(model, tokenizer, max_model_len=64, max_num_seqs=64)
+            engine = VLLMEngine(model, tokenizer, VLLMStart(max_model_len=64, max_num_seqs=64))
             row["logp_diff"], row["routing_agreement"] = _compare(engine, model, prompts)
             with torch.no_grad():
                 for p in model.parameters():

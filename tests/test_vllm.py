@@ -25,7 +25,7 @@ from experiments.step.checks import check_run  # noqa: E402
 from experiments.step.engines import HFEngine, Sampling, full_weights  # noqa: E402
 from experiments.step.engines.base import Precision  # noqa: E402
 from experiments.step.engines.vllm import (  # noqa: E402
-    VLLMEngine, _cpu_latent_attention, _installed_build, checkpoint_weights,
+    VLLMEngine, VLLMStart, _cpu_latent_attention, _installed_build, checkpoint_weights,
 )
 from experiments.step.metrics import (  # noqa: E402
     ENGINE_EXPERTS, ENGINE_VERSION, GRAD_NORM, LAG, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP,
@@ -52,7 +52,7 @@ ATOL = 1e-4  # measured: ~1e-6 on these models in fp32 (5e-6 at hidden 256)
 
 
 def _engine(model, tokenizer) -> VLLMEngine:
-    return VLLMEngine(model, tokenizer, max_model_len=64, max_num_seqs=64, kv_cache_gb=0.25)
+    return VLLMEngine(model, tokenizer, VLLMStart(max_model_len=64, max_num_seqs=64, kv_cache_gb=0.25))
 
 
 @pytest.fixture(scope="module")

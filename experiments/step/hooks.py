@@ -393,10 +393,31 @@ class Assembly:
     hooks: list[StepHook]
 
 
-def assemble(plan: StepPlan, cfg: Any, model: torch.nn.Module, reference: torch.nn.Module | None, score: Score,
-             variant: RoutingVariant, correction: Correction, switches: list[RouterSwitch], ranks: Ranks,
-             layers: int, flip_generator: torch.Generator, perturb_generator: torch.Generator) -> Assembly:
+@dataclass(frozen=True)
+class StepParts:
+    """What a run's step is assembled from: its `plan` and settings (`cfg`), the trainer's `model` and the frozen KL
+    `reference` (None without a KL term), how a minibatch is scored (`score`), the routing variant, the rollout
+    correction and the router switches that are on, the ranks, the number of MoE `layers`, and the SYNTHETIC flips' and
+    router noise's own random streams."""
+
+    plan: StepPlan
+    cfg: Any
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+    score: Score
+    variant: RoutingVariant
+    correction: Correction
+    switches: list[RouterSwitch]
+    ranks: Ranks
+    layers: int
+    flip_generator: torch.Generator
+    perturb_generator: torch.Generator
+
+
+def assemble(parts: StepParts) -> Assembly:
     """The objects of a run's step (module docstring), from its plan and parts."""
+    plan, cfg, model, score, variant, switches, ranks = (parts.plan, parts.cfg, parts.model, parts.score,
+                                                         parts.variant, parts.switches, parts.ranks)
     device = torch.device(cfg.device)
     over_all = lambda tensor: summed(tensor, ranks)  # noqa: E731  a count over every rank's share of the batch
     if plan.replay == Replay.r3:
@@ -405,7 +426,8 @@ def assemble(plan: StepPlan, cfg: Any, model: torch.nn.Module, reference: torch.
         replay_from = OlderWeights(switches, score)
     else:
         replay_from = NothingElse()
-    common = dict(replay_from=replay_from, reference=ReferencePolicy(reference, score), flips=bool(plan.flip_rate))
+    common = dict(replay_from=replay_from, reference=ReferencePolicy(parts.reference, score),
+                  flips=bool(plan.flip_rate))
     if plan.pi_old == PiOld.bypass:
         source = Bypass(**common, track=plan.track_routing)
     else:
@@ -416,7 +438,7 @@ def assemble(plan: StepPlan, cfg: Any, model: torch.nn.Module, reference: torch.
 
     hooks: list[StepHook] = []
     if variant.reads_old_router:
-        hooks.append(RouterShiftHook(variant, device, layers, over_all))
+        hooks.append(RouterShiftHook(variant, device, parts.layers, over_all))
     if plan.replay != Replay.none:
         hooks.append(ReplayHook(variant, device, over_all))
     if variant.predicts_routes:
@@ -425,13 +447,13 @@ def assemble(plan: StepPlan, cfg: Any, model: torch.nn.Module, reference: torch.
         hooks.append(RoutingMeasures(cfg.routing.margin_threshold, ranks))
     if switches:
         hooks.append(RouterSwitches(switches, model, over_all, over_all if ranks.active else None))
-    flips = Flips(model, plan.flip_rate, flip_generator, ranks) if plan.flip_rate else None
+    flips = Flips(model, plan.flip_rate, parts.flip_generator, ranks) if plan.flip_rate else None
     if flips is not None:
         hooks.append(flips)
     if plan.perturb_rate:
-        hooks.append(RouterNoise(model, plan.perturb_rate, perturb_generator))
-    if correction.weighs_tokens:
-        hooks.append(RolloutCorrection(correction))
+        hooks.append(RouterNoise(model, plan.perturb_rate, parts.perturb_generator))
+    if parts.correction.weighs_tokens:
+        hooks.append(RolloutCorrection(parts.correction))
     hooks.append(Mismatch())
     if cfg.routing.decompose_every:
         hooks.append(Decomposition(cfg.routing.decompose_every, model, score, device, variant.changes_replay,

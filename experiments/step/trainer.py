@@ -50,7 +50,7 @@ from experiments.step.batch import (
 from experiments.step.checks import check_run
 from experiments.step.concurrent import ConcurrentRollouts
 from experiments.step.engines import EngineNumerics, HFEngine, KVCache, Sampling, full_weights
-from experiments.step.hooks import ObjectiveInputs, Rows, Update, assemble
+from experiments.step.hooks import ObjectiveInputs, Rows, StepParts, Update, assemble
 from experiments.step.old_policy import OldPolicy
 from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout
@@ -109,9 +109,10 @@ class RLTrainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.flip_generator = torch.Generator()  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
         self.perturb_generator = torch.Generator()  # the synthetic router noise's (routing.perturb_rate), likewise
-        assembly = assemble(self.plan, cfg, self.model, reference, self.score, self.variant, self.correction,
-                            self.switches, ranks, len(find_routers(self.model)), self.flip_generator,
-                            self.perturb_generator)
+        assembly = assemble(StepParts(
+            plan=self.plan, cfg=cfg, model=self.model, reference=reference, score=self.score, variant=self.variant,
+            correction=self.correction, switches=self.switches, ranks=ranks, layers=len(find_routers(self.model)),
+            flip_generator=self.flip_generator, perturb_generator=self.perturb_generator))
         self.old_policy, self.hooks = assembly.old_policy, assembly.hooks
         self.step_index = 0
         self.tokens_seen = 0

@@ -147,6 +147,25 @@ def _installed_build() -> _Build:
     raise ConfigError(MISSING.format(python=sys.executable))
 
 
+@dataclass(frozen=True)
+class VLLMStart:
+    """How a `VLLMEngine` starts: `max_model_len` tokens a sequence may hold; `routing`: be able to report the experts
+    (an MoE model; off, prefix caching stays on and `record_routing` is refused); the engine's `precision`; `path`, the
+    checkpoint the run loaded (None: the model is saved for vLLM to load); `seed` of its sampling; `max_num_seqs` rows
+    decoded at once; `kv_cache_gb` of KV cache on CPU, `gpu_memory_utilization` on CUDA; `min_new_tokens` before eos
+    may end a row (the benchmark's fixed-length steps)."""
+
+    max_model_len: int
+    routing: bool = True
+    precision: Precision = Precision.fp32
+    path: str | None = None
+    seed: int = 0
+    max_num_seqs: int = 256
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.5
+    min_new_tokens: int = 0
+
+
 @ENGINES.register("vllm")
 class VLLMEngine(RolloutEngine):
     """vLLM in this process on its own copy of the trainer's weights (module docstring: sampling, μ_old, routing,
@@ -253,40 +272,21 @@ class VLLMEngine(RolloutEngine):
                               "pages its own (rollout.vllm.kv_cache_gb): leave rollout.kv_cache at its default")
         t = cfg.trainer
         settings = cfg.rollout.vllm
-        max_model_len = settings.max_model_len or derived_model_len(cfg, tokenizer, model)
-        return cls(
-            model,
-            tokenizer,
-            routing=records_routing,
-            precision=numerics.precision,
-            path=cfg.model.path,
-            seed=cfg.seed,
-            max_model_len=max_model_len,
-            max_num_seqs=t.prompts_per_step * t.group_size,
-            kv_cache_gb=settings.kv_cache_gb,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-        )
+        return cls(model, tokenizer, VLLMStart(
+            max_model_len=settings.max_model_len or derived_model_len(cfg, tokenizer, model),
+            routing=records_routing, precision=numerics.precision, path=cfg.model.path, seed=cfg.seed,
+            max_num_seqs=t.prompts_per_step * t.group_size, kv_cache_gb=settings.kv_cache_gb,
+            gpu_memory_utilization=settings.gpu_memory_utilization))
 
     # -- start-up --------------------------------------------------------------------------------------------------
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        routing: bool = True,
-        precision: Precision = Precision.fp32,
-        path: str | None = None,
-        seed: int = 0,
-        max_model_len: int,
-        max_num_seqs: int = 256,
-        kv_cache_gb: float = 1.0,
-        gpu_memory_utilization: float = 0.5,
-        min_new_tokens: int = 0,
-    ) -> None:
-        """Start vLLM on `model`'s weights: from `path` when the run loaded a checkpoint (the same weights), else
-        from a temporary `save_pretrained` of `model` and `tokenizer`, removed once vLLM has loaded it. `routing`:
-        be able to report the experts (an MoE model); off, prefix caching stays on and `record_routing` is refused."""
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, start: VLLMStart) -> None:
+        """Start vLLM on `model`'s weights as `start` says: from its `path` when the run loaded a checkpoint (the same
+        weights), else from a temporary `save_pretrained` of `model` and `tokenizer`, removed once vLLM has loaded
+        it."""
+        routing, precision, seed, max_model_len = start.routing, start.precision, start.seed, start.max_model_len
+        max_num_seqs, min_new_tokens = start.max_num_seqs, start.min_new_tokens
+        kv_cache_gb, gpu_memory_utilization, path = start.kv_cache_gb, start.gpu_memory_utilization, start.path
         self.tokenizer = tokenizer
         self.numerics = EngineNumerics(precision=Precision(precision))
         self.min_new_tokens = min_new_tokens
