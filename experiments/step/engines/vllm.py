@@ -122,7 +122,7 @@ _LATENT_ATTENTION = ("deepseek_v3",)  # the supported families with latent atten
 _CPU_MLA_FALLBACK = "CPU_MLA"
 _MODEL_LEN_STEP = 16  # max_model_len, when derived, is rounded up to a multiple of this
 _SEED_SPACE = 2**62  # row seeds stay far below vLLM's 64-bit limit
-# The engines started in this process and not closed yet (at most one: see `VLLMEngine.__init__`).
+# The engines started in this process and not closed yet (at most one: see `VLLMEngine._close_the_other_engines`).
 _LIVE: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
 
 
@@ -310,70 +310,101 @@ class VLLMEngine(RolloutEngine):
         """Start vLLM on `model`'s weights as `start` says: from its `path` when the run loaded a checkpoint (the same
         weights), else from a temporary `save_pretrained` of `model` and `tokenizer`, removed once vLLM has loaded
         it."""
-        routing, precision, seed, max_model_len = start.routing, start.precision, start.seed, start.max_model_len
-        max_num_seqs, min_new_tokens = start.max_num_seqs, start.min_new_tokens
-        kv_cache_gb, gpu_memory_utilization, path = start.kv_cache_gb, start.gpu_memory_utilization, start.path
         self.tokenizer = tokenizer
-        self.numerics = EngineNumerics(precision=Precision(precision))
-        self.min_new_tokens = min_new_tokens
-        self.max_model_len = max_model_len
-        self.noise = torch.Generator().manual_seed(seed)  # checkpoints save it; vLLM has no router noise
-        self._sampling = torch.Generator().manual_seed(seed)
+        self.numerics = EngineNumerics(precision=Precision(start.precision))
+        self.min_new_tokens = start.min_new_tokens
+        self.max_model_len = start.max_model_len
+        self.noise = torch.Generator().manual_seed(start.seed)  # checkpoints save it; vLLM has no router noise
+        self._sampling = torch.Generator().manual_seed(start.seed)
         self.family = model.config.model_type
         if self.family not in SUPPORTED_FAMILIES:
-            raise ConfigError(f"rollout.engine=vllm cannot run a {self.family!r} model: vLLM 0.32 runs {list(SUPPORTED_FAMILIES)} here")
-        routers = find_routers(model) if routing else {}
+            raise ConfigError(f"rollout.engine=vllm cannot run a {self.family!r} model: vLLM 0.32 runs "
+                              f"{list(SUPPORTED_FAMILIES)} here")
+        self._keep_routers(find_routers(model) if start.routing else {})
+        self.build_info = _installed_build()
+        routed, on_cpu = bool(self.layer_names), self.build_info.cpu
+        self.routing_source = None if not routed else ("cpu_capture_hook" if on_cpu else "return_routed_experts")
+        self.sync_s: list[float] = []
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's engine core in this process (module docstring)
+        if routed and not on_cpu:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM's routed-experts API needs runner V2
+        self.latent_attention, vllms_pick = self._latent_attention()
+        options = self._options(start, vllms_pick)
+        self._close_the_other_engines()
+        began = time.perf_counter()
+        self.llm = self._launch(model, tokenizer, start.path, options)
+        self.capture = self._routing_capture()
+        _LIVE.add(self)
+        self.startup_s = time.perf_counter() - began
+
+    def _keep_routers(self, routers: Mapping[str, Any]) -> None:
+        """What the routing trace is laid out by: our routers' names and decoder layers in our order (vLLM numbers its
+        MoE layers by decoder layer), the experts per layer and per token; empty for a dense model or no routing."""
         self.layer_names = tuple(routers)
         self.moe_layers = tuple(_layer_index(name) for name in routers)
         self.num_experts = int(next(iter(routers.values())).num_experts) if routers else 0
         self.top_k = int(next(iter(routers.values())).top_k) if routers else 0
-        self.build_info = _installed_build()
-        on_cpu = self.build_info.cpu
-        self.routing_source = None if not routers else ("cpu_capture_hook" if on_cpu else "return_routed_experts")
-        self.sync_s: list[float] = []
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if routers and not on_cpu:
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM's routed-experts API needs runner V2
+
+    def _latent_attention(self) -> tuple[str | None, str | None]:
+        """(the latent attention this engine runs, the one vLLM picks itself): on CPU, vLLM's pick when that one
+        takes the engine's dtype, else vLLM's reference backend (`_cpu_latent_attention`); None for both elsewhere,
+        where vLLM's own pick stands. Recorded in `describe`."""
+        if self.build_info.cpu and self.family in _LATENT_ATTENTION:
+            return _cpu_latent_attention(self.numerics.precision)
+        return None, None
+
+    def _options(self, start: VLLMStart, vllms_pick: str | None) -> dict[str, Any]:
+        """The arguments vLLM starts with: eager, token ids in and out, μ_old as its log-probs (module docstring),
+        prefix caching as the routing path needs it, the KV cache's memory in the unit each build takes, and the
+        latent attention by name where it is not the one vLLM picks itself (`_latent_attention`)."""
+        routed, on_cpu = bool(self.layer_names), self.build_info.cpu
         options = dict(
             dtype=VLLM_DTYPE[self.numerics.precision],
             enforce_eager=True,
-            max_model_len=max_model_len,
-            max_num_seqs=max(1, max_num_seqs),
+            max_model_len=start.max_model_len,
+            max_num_seqs=max(1, start.max_num_seqs),
             skip_tokenizer_init=True,  # prompts go in as token ids, completions come back as token ids
             generation_config="vllm",  # no sampling defaults from the checkpoint's generation_config.json
             logprobs_mode="processed_logprobs",  # log-softmax(logits / T): μ_old (module docstring)
-            seed=seed,
+            seed=start.seed,
             # The CPU capture hook needs every child to feed its prompt; vLLM's routed-experts API needs the cache.
-            enable_prefix_caching=not (routers and on_cpu),
-            enable_return_routed_experts=bool(routers) and not on_cpu,
+            enable_prefix_caching=not (routed and on_cpu),
+            enable_return_routed_experts=routed and not on_cpu,
         )
-        # On CPU the latent attention is the one vLLM picks when that one takes the engine's dtype, else vLLM's
-        # reference backend, asked for by name (`_cpu_latent_attention`); recorded in `describe`.
-        self.latent_attention = None
-        if on_cpu and self.family in _LATENT_ATTENTION:
-            self.latent_attention, vllms_pick = _cpu_latent_attention(self.numerics.precision)
-            if self.latent_attention != vllms_pick:
-                options["attention_config"] = {"backend": self.latent_attention}
         if on_cpu:
-            options["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+            options["kv_cache_memory_bytes"] = int(start.kv_cache_gb * 2**30)
         else:
-            options["gpu_memory_utilization"] = gpu_memory_utilization
-        # One live engine per process: vLLM keeps process-wide state (its distributed groups) that the shutdown of
-        # any engine tears down, and an engine left to the garbage collector shuts down whenever its finalizer
-        # happens to run, possibly in the middle of a newer engine's forward. So a new engine closes the old ones
-        # first, deterministically.
+            options["gpu_memory_utilization"] = start.gpu_memory_utilization
+        if self.latent_attention != vllms_pick:
+            options["attention_config"] = {"backend": self.latent_attention}
+        return options
+
+    @staticmethod
+    def _close_the_other_engines() -> None:
+        """One live engine per process: vLLM keeps process-wide state (its distributed groups) that the shutdown of
+        any engine tears down, and an engine left to the garbage collector shuts down whenever its finalizer happens
+        to run, possibly in the middle of a newer engine's forward. So a new engine closes the old ones first,
+        deterministically."""
         for other in list(_LIVE):
             other.close()
-        start = time.perf_counter()
+
+    @staticmethod
+    def _launch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | None,
+                options: dict[str, Any]) -> Any:
+        """vLLM's `LLM` on the run's checkpoint, or on a temporary save of `model` removed once vLLM has loaded it,
+        with the process's global state put back as it was before (module docstring)."""
         with _checkpoint_dir(model, tokenizer, path) as directory, _process_state_kept():
             from vllm import LLM
 
-            self.llm = LLM(model=str(directory), **options)
-        self.capture: _RouteCapture | None = None
-        if routers and on_cpu:
-            (self.capture,) = self.llm.collective_rpc(_RouteCapture.install, args=(self.moe_layers,))
-        _LIVE.add(self)
-        self.startup_s = time.perf_counter() - start
+            return LLM(model=str(directory), **options)
+
+    def _routing_capture(self) -> _RouteCapture | None:
+        """The worker-side routing capture, installed where it is needed: an MoE engine on CPU, where vLLM's
+        routed-experts API refuses to start (module docstring, "Routing"). On CUDA vLLM returns the experts itself."""
+        if self.layer_names and self.build_info.cpu:
+            (capture,) = self.llm.collective_rpc(_RouteCapture.install, args=(self.moe_layers,))
+            return capture
+        return None
 
     def describe(self) -> dict[str, Any]:
         """Recorded in summary.json as `engine_details`: the vLLM build, the routing path that ran, dtype, costs."""
