@@ -441,50 +441,89 @@ class VLLMEngine(RolloutEngine):
 
     @torch.no_grad()
     def sample(self, prompts: list[str], sampling: Sampling) -> Samples:
-        group_size, max_new_tokens, temperature = sampling.group_size, sampling.max_new_tokens, sampling.temperature
-        greedy, record_routing, record_gates = sampling.greedy, sampling.record_routing, sampling.record_gates
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        tokenizer = self.tokenizer
-        if record_gates:
-            raise ValueError("record_gates=True, but vLLM returns the routed experts' ids only, not their gate weights")
-        if record_routing and self.routing_source is None:
-            raise ValueError(f"record_routing=True, but this engine reports no routing (a dense {self.family} model, "
-                             "or built with routing=False)")
-        unique = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        ids, prompt_mask = unique["input_ids"], unique["attention_mask"].bool()
+        """`G` completions of every prompt, laid out as `HFEngine` lays them out (module docstring, "Sampling"), with
+        μ_old from vLLM and, when asked, the experts of every token it fed."""
+        group_size, record_routing = sampling.group_size, sampling.record_routing
+        self._refuse_what_vllm_does_not_report(sampling)
+        ids, prompt_mask = self._tokenized(prompts, sampling.max_new_tokens)
         prompt_width = ids.shape[1]
-        if prompt_width + max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompts of {prompt_width} tokens + {max_new_tokens} new tokens exceed the engine's max_model_len="
-                f"{self.max_model_len} (rollout.vllm.max_model_len)"
-            )
         base = int(torch.randint(0, _SEED_SPACE, (1,), generator=self._sampling))
-        eos = tokenizer.eos_token_id
         # One request per prompt with n=G children (vLLM gives child i the request's seed + i), so that row
         # r = j·G + i samples from seed base + r. vLLM refuses n > 1 with greedy decoding: there every row is its own
         # request (n=1, the same seeds), and the G rows of a prompt are equal.
-        copies, n = (group_size, 1) if greedy else (1, group_size)
+        copies, n = (group_size, 1) if sampling.greedy else (1, group_size)
         prompt_ids = [ids[j][prompt_mask[j]].tolist() for j in range(len(prompts)) for _ in range(copies)]
+        capture = self.capture if record_routing else None
+        requests, params = self._requests(prompt_ids, n, sampling, base)
+        rows = self._generate(requests, params, n, capture)
+        response, response_mask, logp = self._laid_out(rows, ids.dtype, sampling.greedy)
+        routes = None
+        if record_routing:
+            prompt_tokens = [tokens for tokens in prompt_ids for _ in range(n)]
+            fed = self._fed_routing(rows, capture, base, prompt_tokens)
+            routes = self._trace(fed, prompt_mask.sum(-1).repeat_interleave(group_size), prompt_width,
+                                 response.shape[1])
+        prompt_attention = prompt_mask.repeat_interleave(group_size, dim=0).long()
+        return Samples(
+            input_ids=torch.cat([ids.repeat_interleave(group_size, dim=0), response], dim=1),
+            attention_mask=torch.cat([prompt_attention, response_mask.long()], 1),
+            response_mask=response_mask,
+            prompt_width=prompt_width,
+            completions=self.tokenizer.batch_decode(response, skip_special_tokens=True),
+            truncated=~(response == self.tokenizer.eos_token_id).any(-1),
+            logp=logp,
+            routes=routes,
+        )
+
+    def _refuse_what_vllm_does_not_report(self, sampling: Sampling) -> None:
+        """Gate weights never (vLLM returns the routed experts' ids only), routing only where this engine records it."""
+        if sampling.record_gates:
+            raise ValueError("record_gates=True, but vLLM returns the routed experts' ids only, not their gate weights")
+        if sampling.record_routing and self.routing_source is None:
+            raise ValueError(f"record_routing=True, but this engine reports no routing (a dense {self.family} model, "
+                             "or built with routing=False)")
+
+    def _tokenized(self, prompts: list[str], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, mask) of the prompts tokenized exactly as `HFEngine` does (left padding to width P, no special
+        tokens), refused where P and the generation budget do not fit the engine's max_model_len."""
+        unique = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids, prompt_mask = unique["input_ids"], unique["attention_mask"].bool()
+        if ids.shape[1] + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompts of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceed the engine's max_model_len="
+                f"{self.max_model_len} (rollout.vllm.max_model_len)"
+            )
+        return ids, prompt_mask
+
+    def _requests(self, prompt_ids: list[list[int]], n: int, sampling: Sampling,
+                  base: int) -> tuple[list, list]:
+        """vLLM's requests, as token ids, and their sampling parameters: temperature T (0 when greedy), top-k, top-p
+        and min-p off, μ_old as the sampled token's log-prob (none asked when greedy), eos the only stop, request k
+        seeded base + k·n (module docstring, "Sampling")."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         params = [
             SamplingParams(
                 n=n,
-                temperature=0.0 if greedy else temperature,
+                temperature=0.0 if sampling.greedy else sampling.temperature,
                 top_k=0,
                 top_p=1.0,
                 min_p=0.0,
-                max_tokens=max_new_tokens,
-                min_tokens=min(self.min_new_tokens, max_new_tokens),
-                logprobs=None if greedy else 0,
-                stop_token_ids=[eos],
+                max_tokens=sampling.max_new_tokens,
+                min_tokens=min(self.min_new_tokens, sampling.max_new_tokens),
+                logprobs=None if sampling.greedy else 0,
+                stop_token_ids=[self.tokenizer.eos_token_id],
                 detokenize=False,
                 seed=base + k * n,
             )
             for k in range(len(prompt_ids))
         ]
-        requests = [TokensPrompt(prompt_token_ids=tokens) for tokens in prompt_ids]
-        capture = self.capture if record_routing else None
+        return [TokensPrompt(prompt_token_ids=tokens) for tokens in prompt_ids], params
+
+    def _generate(self, requests: list, params: list, n: int, capture: _RouteCapture | None) -> list:
+        """vLLM's completions in row order (request k's child i is row k·n + i), with the routing capture, when
+        given, recording this generation only."""
         if capture is not None:
             capture.start()
         try:
@@ -495,37 +534,27 @@ class VLLMEngine(RolloutEngine):
         completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
         if any(len(group) != n for group in completions):
             raise RuntimeError(f"vLLM returned {[len(g) for g in completions]} completions per request, not {n}")
-        rows = [c for group in completions for c in group]
-        width = max(len(c.token_ids) for c in rows)
-        response = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=ids.dtype)
+        return [c for group in completions for c in group]
+
+    def _laid_out(self, rows: list, dtype: torch.dtype,
+                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(response, response_mask, logp): the completions right-padded to the longest, and μ_old of each sampled
+        token (None when greedy, which asks for no log-probs). A token after eos fails here: vLLM was to stop there."""
+        eos, width = self.tokenizer.eos_token_id, max(len(c.token_ids) for c in rows)
+        response = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=dtype)
         response_mask = torch.zeros(len(rows), width, dtype=torch.bool)
         logp = None if greedy else torch.zeros(len(rows), width, dtype=torch.float32)
         for r, c in enumerate(rows):
             tokens = list(c.token_ids)
             if eos in tokens[:-1]:
                 raise RuntimeError(f"vLLM kept sampling after eos in row {r}: {tokens}")
-            response[r, : len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
+            response[r, : len(tokens)] = torch.tensor(tokens, dtype=dtype)
             response_mask[r, : len(tokens)] = True
             if logp is not None:
                 logp[r, : len(tokens)] = torch.tensor(
                     [step[token].logprob for step, token in zip(c.logprobs, tokens, strict=True)], dtype=torch.float32
                 )
-        input_ids = torch.cat([ids.repeat_interleave(group_size, dim=0), response], dim=1)
-        routes = None
-        if record_routing:
-            prompt_tokens = [tokens for tokens in prompt_ids for _ in range(n)]
-            fed = self._fed_routing(rows, capture, base, prompt_tokens)
-            routes = self._trace(fed, prompt_mask.sum(-1).repeat_interleave(group_size), prompt_width, width)
-        return Samples(
-            input_ids=input_ids,
-            attention_mask=torch.cat([prompt_mask.repeat_interleave(group_size, dim=0).long(), response_mask.long()], 1),
-            response_mask=response_mask,
-            prompt_width=prompt_width,
-            completions=tokenizer.batch_decode(response, skip_special_tokens=True),
-            truncated=~(response == eos).any(-1),
-            logp=logp,
-            routes=routes,
-        )
+        return response, response_mask, logp
 
     def _fed_routing(self, rows: list, capture: "_RouteCapture | None", base: int,
                      prompt_tokens: list[list[int]]) -> list[torch.Tensor]:
