@@ -95,14 +95,16 @@ MISMATCH_ROUNDING = 1e-6
 
 def mismatch_is_rounding(runset: RunSet) -> bool:
     """Whether no run varied the training–inference mismatch: each sampled with the trainer's own model (the default
-    engine, no engine numerics on) and logged a mismatch k3 below `MISMATCH_ROUNDING`. Its figure and early-warning
-    signal would then draw rounding noise as a result."""
+    engine, no engine numerics on, not behind θ_old: no `rollout.lag`, no concurrent sampler) and logged a mismatch
+    k3 below `MISMATCH_ROUNDING`. Its figure and early-warning signal would then draw rounding noise as a result."""
     engine = RolloutConfig()
     for config in runset.runs["config"]:
         config = json.loads(config)
         rollout = {key: config.get(f"rollout.{key}", getattr(engine, key))
                    for key in ("engine", "precision", "weight_quant", "router_noise")}
         if rollout["engine"] != engine.engine or EngineNumerics.of(SimpleNamespace(**rollout)).differs:
+            return False
+        if config.get("rollout.lag", engine.lag) or config.get("rollout.concurrent", engine.concurrent):
             return False
     values = runset.metric(MISMATCH_K3)["value"]
     return bool(values.abs().max() < MISMATCH_ROUNDING) if len(values) else True
