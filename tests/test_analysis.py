@@ -1143,8 +1143,8 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
             found.checked(arm_names(configs).values())  # refuses a family or baseline of no arm run
             found.read_references()  # refuses a reference that is not a committed report's folder
             checked.append(path.stem)
-    assert checked == ["deep_long_seeds", "deep_long_starts", "few_experts", "few_experts_starts", "flip_dose_seeds",
-                       "quickstart", "real_routers", "router_noise_dose", "staleness"]
+    assert checked == ["async_map", "deep_long_seeds", "deep_long_starts", "few_experts", "few_experts_starts",
+                       "flip_dose_seeds", "quickstart", "real_routers", "router_noise_dose", "staleness"]
 
 
 def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without_history_is_left_out(tmp_path):
