@@ -11,6 +11,7 @@ import itertools
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -250,3 +251,48 @@ def test_other_seeds_of_the_dose_response_run_without_the_pilot_and_are_reported
     done, calls = run_script(tmp_path, script)
     assert done.returncode == 0 and outputs(calls) == ["docs/results/router_noise_dose/pilot",
                                                        "docs/results/router_noise_dose"]
+
+
+def apply_the_staleness_rule(tmp_path, areas: dict[str, dict[tuple[str, int], float]]) -> subprocess.CompletedProcess:
+    """docs/results/async/command.sh rule, run in a copy of its tree whose maps hold one run of gain_area `areas[rung]
+    [arm, lag]` per arm and lag (the other columns as a report writes them), with this interpreter as `python`."""
+    results = tmp_path / "docs" / "results"
+    (results / "async").mkdir(parents=True)
+    for name in ("args.sh", "async/command.sh"):
+        (results / name).write_text((RESULTS / name).read_text())
+    for rung, area in areas.items():
+        table = results / "async" / "map" / rung / "per_seed.csv"
+        table.parent.mkdir(parents=True)
+        rows = [f"{arm}_{lag},{arm},100,{lag},{value},finished,yes" for (arm, lag), value in area.items()]
+        table.write_text("run,arm,seed,rollout.lag,gain_area,status,counted\n" + "\n".join(rows) + "\n")
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.symlink_to(sys.executable)
+    return subprocess.run(["bash", str(results / "async" / "command.sh"), "rule"], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{python.parent}:{os.environ['PATH']}"})
+
+
+def map_of(falls: dict[str, dict[int, float]]) -> dict[tuple[str, int], float]:
+    """A map whose arms gain 0.10 at lag 0 and fall by `falls[arm][k]` at lag k (0 where unnamed)."""
+    arms = ("grpo (π_old = μ_old)", "grpo + tis", "minirl", "minirl + r3", "gspo")
+    return {(arm, k): 0.10 - falls.get(arm, {}).get(k, 0.0) for arm in arms for k in (0, 1, 2, 4, 8)}
+
+
+def test_the_staleness_rule_picks_the_pre_registered_rung_and_lag(tmp_path):
+    """The rule of docs/results/async/preregistration.md: k* is the smallest lag where MiniRL or the naive arm falls by
+    0.05 on the sigmoid rung (another arm's fall does not count); the softmax rung only when it alone has a fall."""
+    sigmoid = map_of({"minirl": {1: 0.02, 2: 0.06, 4: 0.2}, "gspo": {1: 0.3}})
+    done = apply_the_staleness_rule(tmp_path / "a", {"glm4_moe_l16": sigmoid, "qwen30b_l16": map_of({})})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "rung: glm4_moe_l16; k*: 2"
+    softmax = map_of({"grpo (π_old = μ_old)": {4: 0.08}})
+    done = apply_the_staleness_rule(tmp_path / "b", {"glm4_moe_l16": map_of({}), "qwen30b_l16": softmax})
+    assert done.stdout.splitlines()[-1] == "rung: qwen30b_l16; k*: 4"
+    done = apply_the_staleness_rule(tmp_path / "c", {"glm4_moe_l16": map_of({}), "qwen30b_l16": map_of({})})
+    assert done.stdout.splitlines()[-1].startswith("rung: glm4_moe_l16; k*: 8 (no fall of 0.05")
+
+
+def test_the_staleness_rule_refuses_a_map_without_every_lag_it_reads(tmp_path):
+    partial = {key: value for key, value in map_of({}).items() if key != ("minirl", 4)}
+    done = apply_the_staleness_rule(tmp_path, {"glm4_moe_l16": partial, "qwen30b_l16": map_of({})})
+    assert done.returncode == 1 and "missing [('minirl', 4)]" in done.stderr

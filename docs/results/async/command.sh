@@ -5,6 +5,8 @@
 #                                          the sigmoid + bias rung (glm4_moe_l16), then of the balanced softmax rung
 #                                          (qwen30b_l16), then the dense control's arms without routing
 #                                          (qwen30b_l16_dense); a report per rung
+#   docs/results/async/command.sh rule     the pre-registered rule applied to the committed maps' per_seed.csv: each
+#                                          arm's fall from lag 0 to each k, the rung and the lag k* the cells run at
 # Sweeps run one job at a time on one thread (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra
 # arguments after the mode are run overrides, passed to every sweep; any but hydra.launcher.n_jobs makes other runs
 # than the documented ones, whose sweeps go to multirun/async/other-<date> and reports to reports/async-<date>.
@@ -14,7 +16,8 @@ mode=${1:-}
 shift || true
 case $mode in
   map) ;;
-  *) refuse "mode '$mode' is not one of: map" ;;
+  rule) (($# == 0)) || refuse "rule takes no arguments (got '$1'): it reads the committed maps" ;;
+  *) refuse "mode '$mode' is not one of: map, rule" ;;
 esac
 check_run_overrides "$@"
 destinations async --threads-pinned "$@"
@@ -39,3 +42,34 @@ case $mode in
     python -m analysis.report "$sweeps_home/map_qwen30b_l16_dense" --out "$results_home/map/qwen30b_l16_dense" --dpi 72
     ;;
 esac
+if [[ $mode == rule ]]; then
+  exec python - "$results_home/map" <<'RULE'
+import csv, sys
+from pathlib import Path
+
+# docs/results/async/preregistration.md, "The map, and the rule that picks the cells": an arm's fall at lag k is its
+# gain_area at k = 0 minus at k (one run each); the rung is the sigmoid one unless only the softmax one has an arm that
+# falls by >= 0.05; k* is that rung's smallest k at which MiniRL or the naive async arm falls by >= 0.05, else 8.
+FALL, LAGS, RULE_ARMS = 0.05, (1, 2, 4, 8), ("minirl", "grpo (π_old = μ_old)")
+maps = Path(sys.argv[1])
+falls = {}
+for rung in ("glm4_moe_l16", "qwen30b_l16"):
+    table = maps / rung / "per_seed.csv"
+    if not table.is_file():
+        sys.exit(f"error: {table} is missing: `command.sh map` makes it")
+    area = {(r["arm"], int(float(r["rollout.lag"]))): float(r["gain_area"])
+            for r in csv.DictReader(table.open(encoding="utf-8")) if r["counted"] == "yes"}
+    falls[rung] = {(arm, k): area[arm, 0] - area[arm, k] for arm, k in area if k and (arm, 0) in area}
+    print(f"{rung}: fall of gain_area from lag 0 (positive: the arm learns less behind)")
+    for arm in sorted({arm for arm, _ in falls[rung]}):
+        print(f"  {arm:26s}" + "".join(f"  k={k}: {falls[rung].get((arm, k), float('nan')):+.3f}" for k in LAGS))
+    missing = [(arm, k) for arm in RULE_ARMS for k in LAGS if (arm, k) not in falls[rung]]
+    if missing:
+        sys.exit(f"error: the rule needs every lag of {', '.join(RULE_ARMS)} on {rung}; missing {missing}")
+falls_any = {rung: any(f >= FALL for f in table.values()) for rung, table in falls.items()}
+rung = "qwen30b_l16" if falls_any["qwen30b_l16"] and not falls_any["glm4_moe_l16"] else "glm4_moe_l16"
+k_star = next((k for k in LAGS if any(falls[rung][arm, k] >= FALL for arm in RULE_ARMS)), None)
+print(f"rung: {rung}; k*: {k_star if k_star is not None else 8}"
+      + ("" if k_star is not None else " (no fall of 0.05 on either rung: the null at the largest lag)"))
+RULE
+fi
