@@ -49,7 +49,8 @@ from pathlib import Path
 
 # docs/results/async/preregistration.md, "The map, and the rule that picks the cells": an arm's fall at lag k is its
 # gain_area at k = 0 minus at k (one run each); the rung is the sigmoid one unless only the softmax one has an arm that
-# falls by >= 0.05; k* is that rung's smallest k at which MiniRL or the naive async arm falls by >= 0.05, else 8.
+# falls by >= 0.05; k* is that rung's smallest k at which MiniRL or the naive async arm falls by >= 0.05, else 8. A run
+# that stopped itself counts, scored as failed (the stop rule); one crashed or killed is excluded, and its lag missing.
 FALL, LAGS, RULE_ARMS = 0.05, (1, 2, 4, 8), ("minirl", "grpo (π_old = μ_old)")
 maps = Path(sys.argv[1])
 falls = {}
@@ -58,7 +59,7 @@ for rung in ("glm4_moe_l16", "qwen30b_l16"):
     if not table.is_file():
         sys.exit(f"error: {table} is missing: `command.sh map` makes it")
     area = {(r["arm"], int(float(r["rollout.lag"]))): float(r["gain_area"])
-            for r in csv.DictReader(table.open(encoding="utf-8")) if r["counted"] == "yes"}
+            for r in csv.DictReader(table.open(encoding="utf-8")) if r["counted"] != "excluded"}
     falls[rung] = {(arm, k): area[arm, 0] - area[arm, k] for arm, k in area if k and (arm, 0) in area}
     print(f"{rung}: fall of gain_area from lag 0 (positive: the arm learns less behind)")
     for arm in sorted({arm for arm, _ in falls[rung]}):
