@@ -159,6 +159,15 @@ def test_the_permutation_p_of_two_small_groups_is_the_hand_counted_share():
     assert statistics.permutation_p([1.0, 2.0], [2.0, 1.0]) == 1.0
 
 
+def test_beyond_the_exact_splits_the_permutation_p_is_drawn_from_a_fixed_stream():
+    # 12 + 12 starts: C(24, 12) = 2,704,156 splits, past EXACT_SPLITS_UP_TO; every first value above every second
+    first, second = np.arange(12.0) + 100, np.arange(12.0)
+    drawn = statistics.permutation_p(first, second)
+    assert drawn == statistics.permutation_p(first, second) and 1 / 100_001 <= drawn < 1e-3
+    assert statistics.permutation_p(second, second[::-1]) == 1.0
+    assert statistics.permutation_p(np.arange(24.0)[::2], np.arange(24.0)[1::2]) > 0.5
+
+
 REFUSALS = {
     "a lag not in the tables": (lambda moe, dense: (moe, dense), 2,
                                 "has no counted run at rollout.lag 2; its lags: 0, 4"),
