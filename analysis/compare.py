@@ -66,10 +66,11 @@ class Source(NamedTuple):
         for pick in filter(None, picks.split(",")):
             arm, _, name = pick.partition("=")
             arms[arm] = name or arm
-        return cls(_per_seed_file(Path(path)), arms)
+        return cls(per_seed_file(Path(path)), arms)
 
 
-def _per_seed_file(path: Path) -> Path:
+def per_seed_file(path: Path) -> Path:
+    """The per-seed table `path` names: the CSV itself, or a report folder's; a `ValueError` when there is none."""
     if path.is_dir():
         path = path / PER_SEED_FILE
     if not path.is_file():
@@ -131,7 +132,7 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
         _refuse_foreign_starts(runs)
     if "start_recipe" in counted:
         for _, runs in counted.groupby(axes, dropna=False) if axes else [((), counted)]:
-            _refuse_two_recipes(runs)
+            refuse_two_recipes(runs)
     for _, runs in counted.groupby([*axes, "start_sha256", "seed"], dropna=False):
         low, high = runs["start"].idxmin(), runs["start"].idxmax()
         if runs.at[high, "start"] - runs.at[low, "start"] > START_TOLERANCE:
@@ -157,7 +158,7 @@ def _refuse_foreign_starts(runs: pd.DataFrame) -> None:
                     "held-out start accuracy")
 
 
-def _refuse_two_recipes(runs: pd.DataFrame) -> None:
+def refuse_two_recipes(runs: pd.DataFrame) -> None:
     """In one cell: starts made by two cold-start recipes (their tables' `start_recipe`, the sha256 of each start's SFT
     settings; empty where a report did not know it) are never pooled as draws of one (one line naming both)."""
     known = runs[runs["start_recipe"].fillna("").astype(str) != ""].drop_duplicates("start_recipe")

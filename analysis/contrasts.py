@@ -1,0 +1,185 @@
+"""Contrasts that are not one arm against a baseline in one cell: arms at two lags and one arm on two models, as the
+staleness study declared them (docs/results/async/preregistration.md, "Measure, family, verdict").
+
+A **fall** of an arm at a (start, seed) unit is its gain_area at lag 0 minus at the lag (positive: it learns less
+behind). A contrast is one of three kinds:
+
+- `difference`: `arm` − `other` at the lag, paired per (start, seed) unit;
+- `fall_difference`: the fall of `arm` minus the fall of `other`, paired per unit:
+  (arm@0 − arm@k) − (other@0 − other@k);
+- `interaction`: the fall of `arm` on one model minus its fall on another; the two models' starts share nothing, so it
+  is unpaired between them: each start's fall with its seeds averaged (`statistics.between_starts`).
+
+A paired contrast's per-unit values, grouped by start, go to `statistics.across_starts` (two-level bootstrap
+interval, start-level sign-flip test); an interaction's two models' to `statistics.between_starts` (each model's
+two-level bootstrap, the permutation test of the starts' falls between the models). A unit of a table that lacks a
+run the value needs (none, or one that did not finish) is left out and named with why; a run scored as failed counts,
+as every comparison counts it (`gains.SCORED_FAILED`: the stop rule the pre-registration fixed). Over the family the
+start-level p-values are adjusted by Holm's correction (`statistics.holm`), and a comparison **separates** when its
+95% interval excludes 0 and its Holm-adjusted p < 0.05.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import pandas as pd
+
+from analysis.arms import seed_order
+from analysis.gains import EXCLUDED
+from analysis.statistics import ALPHA, AcrossStarts, BetweenStarts, across_starts, between_starts, holm
+
+LAG = "rollout.lag"  # the per-seed tables' column of the engine's lag (docs/async.md)
+MEASURE = "gain_area"  # the pre-registration's primary measure: the mean gain over the run
+DIFFERENCE, FALL_DIFFERENCE, INTERACTION = "difference", "fall_difference", "interaction"
+KINDS = (DIFFERENCE, FALL_DIFFERENCE, INTERACTION)
+WHY_COLUMNS = ["start_sha256", "seed", "why"]  # a unit left out, and why
+
+# A unit's values per start: {start sha256: {seed: value}}.
+Values = dict[str, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Contrast:
+    """One declared comparison (the kinds: the module's docstring). `other` is the arm `arm` is set against (None for
+    an interaction, which sets one arm on two models against itself); `lag` is the lag k compared with 0 (a fall) or
+    at which two arms meet (a difference), None while the family is declared before k* is known (`at`)."""
+
+    name: str
+    kind: str
+    arm: str
+    other: str | None = None
+    lag: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"contrast {self.name!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if (self.other is None) != (self.kind == INTERACTION):
+            raise ValueError(f"contrast {self.name!r}: a {self.kind} {'takes no' if self.other else 'needs an'} "
+                             "other arm")
+
+    def at(self, lag: int) -> Contrast:
+        """The contrast at lag `lag` (k*)."""
+        return replace(self, lag=lag)
+
+    @property
+    def lags(self) -> tuple[int, ...]:
+        """The lags its runs come from."""
+        return (self._lag,) if self.kind == DIFFERENCE else (0, self._lag)
+
+    @property
+    def _lag(self) -> int:
+        if self.lag is None:
+            raise ValueError(f"contrast {self.name!r} has no lag yet: give it one with `at`")
+        return self.lag
+
+    def terms(self) -> list[tuple[str, int, int]]:
+        """The runs one unit's value is made of, as (arm, lag, sign): the value is the signed sum of their gain_area
+        (for an interaction, the fall on one model)."""
+        k = self._lag
+        if self.kind == DIFFERENCE:
+            return [(self.arm, k, 1), (str(self.other), k, -1)]
+        falls = [(self.arm, 1)] + ([(str(self.other), -1)] if self.kind == FALL_DIFFERENCE else [])
+        return [term for arm, sign in falls for term in ((arm, 0, sign), (arm, k, -sign))]
+
+    @property
+    def text(self) -> str:
+        """The contrast as a report's table writes it."""
+        k = "k*" if self.lag is None else f"k = {self.lag}"
+        if self.kind == DIFFERENCE:
+            return f"`{self.arm}` − `{self.other}` at {k}"
+        if self.kind == FALL_DIFFERENCE:
+            return f"fall of `{self.arm}` from 0 to {k} − fall of `{self.other}`"
+        return f"fall of `{self.arm}` from 0 to {k}: MoE − dense"
+
+
+def needed_runs(contrasts: Sequence[Contrast]) -> list[tuple[str, int]]:
+    """The (arm, lag) pairs the contrasts read on a table (in order of first need)."""
+    return list(dict.fromkeys((arm, lag) for contrast in contrasts for arm, lag, _ in contrast.terms()))
+
+
+def unit_values(rows: pd.DataFrame, contrast: Contrast) -> tuple[Values, pd.DataFrame]:
+    """One table's per-(start, seed) values of `contrast` (for an interaction, its arm's fall on that table's model),
+    and the units left out: every (start, seed) the table holds a run of, whatever its arm or lag, that lacks a counted
+    run a value needs (`why` names each missing run: none, or one that did not finish). `rows`: a per-seed table as
+    `compare.pool` returns it, with `rollout.lag`."""
+    lags = rows[LAG].astype(float)
+    counted = rows["counted"] != EXCLUDED
+    area = {(arm, lag, start, str(seed)): value for arm, lag, start, seed, value
+            in zip(rows.loc[counted, "arm"], lags[counted], rows.loc[counted, "start_sha256"],
+                   rows.loc[counted, "seed"], rows.loc[counted, MEASURE])}
+    units = sorted({(start, str(seed)) for start, seed in zip(rows["start_sha256"], rows["seed"])},
+                   key=lambda unit: (unit[0], seed_order(unit[1])))
+    values: Values = {}
+    left = []
+    for start, seed in units:
+        missing = [_missing(rows, lags, arm, lag, start, seed) for arm, lag, _ in contrast.terms()
+                   if (arm, float(lag), start, seed) not in area]
+        if missing:
+            left.append({"start_sha256": start, "seed": seed, "why": "; ".join(missing)})
+        else:
+            values.setdefault(start, {})[seed] = float(sum(sign * area[arm, float(lag), start, seed]
+                                                           for arm, lag, sign in contrast.terms()))
+    return values, pd.DataFrame(left, columns=WHY_COLUMNS)
+
+
+def _missing(rows: pd.DataFrame, lags: pd.Series, arm: str, lag: int, start: str, seed: str) -> str:
+    """Why a unit has no counted run of `arm` at `lag`: the run that did not finish, or none."""
+    runs = rows[(rows["arm"] == arm) & (lags == float(lag)) & (rows["start_sha256"] == start)
+                & (rows["seed"].astype(str) == seed)]
+    if runs.empty:
+        return f"no run of {arm} at {LAG} {lag}"
+    status = runs["status"].iloc[0] if "status" in runs else "incomplete"
+    return f"{arm} at {LAG} {lag}: {runs['run'].iloc[0]} did not finish ({status})"
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A contrast's statistics over starts and its verdict under Holm's correction over its family."""
+
+    contrast: Contrast
+    statistics: AcrossStarts | BetweenStarts
+    holm_p: float
+    family: int  # the number of comparisons Holm's correction ran over
+
+    @property
+    def separates(self) -> bool:
+        """The pre-registered verdict: the 95% interval excludes 0 and the Holm-adjusted p < `ALPHA`."""
+        return self.statistics.difference.excludes(0.0) and self.holm_p < ALPHA
+
+    @property
+    def verdict(self) -> str:
+        if not self.separates:
+            return "not separated"
+        return f"separates {'above' if self.statistics.difference.estimate > 0 else 'below'} 0"
+
+    def row(self) -> dict[str, float | int | str | bool | None]:
+        """A flat record for a CSV: every number of the comparison; each start's value as `sha256=value (seeds)`, an
+        interaction's second model's in `per_start_second`."""
+        stats, contrast = self.statistics, self.contrast
+        paired = isinstance(stats, AcrossStarts)
+        sides = [(stats.per_start, stats.seeds)] if paired else list(zip(stats.per_start, stats.seeds))
+        texts = ["; ".join(f"{start}={value!r} ({seeds[start]})" for start, value in values.items())
+                 for values, seeds in sides]
+        return {"comparison": contrast.name, "kind": contrast.kind, "arm": contrast.arm, "other": contrast.other,
+                "lag": contrast.lag, "starts": stats.starts if paired else "+".join(map(str, stats.starts)),
+                "estimate": stats.difference.estimate, "low": stats.difference.low, "high": stats.difference.high,
+                "p_value": stats.p_value, "holm_p": self.holm_p, "family": self.family,
+                "signs_agree": stats.signs_agree, "separates": self.separates, "verdict": self.verdict,
+                "per_start": texts[0], "per_start_second": texts[1] if len(texts) > 1 else ""}
+
+
+def judge(contrasts: Sequence[Contrast], sides: Sequence[Sequence[Values]]) -> list[Judged]:
+    """Each contrast over starts, from its per-unit values (`sides`, in the same order: one `Values` for a paired
+    contrast, two for an interaction, its first model's first), with Holm's correction over all of them."""
+    if len(contrasts) != len(sides):
+        raise ValueError(f"{len(contrasts)} contrasts but values for {len(sides)}")
+    found: list[AcrossStarts | BetweenStarts] = []
+    for contrast, values in zip(contrasts, sides):
+        seeds = [{start: list(by_seed.values()) for start, by_seed in side.items()} for side in values]
+        if len(seeds) != (2 if contrast.kind == INTERACTION else 1):
+            raise ValueError(f"contrast {contrast.name!r} ({contrast.kind}) got values of {len(seeds)} models")
+        found.append(between_starts(*seeds) if contrast.kind == INTERACTION else across_starts(seeds[0]))
+    adjusted = holm([stats.p_value for stats in found])
+    return [Judged(contrast, stats, float(p), len(contrasts)) for contrast, stats, p in zip(contrasts, found, adjusted)]
