@@ -296,3 +296,35 @@ def test_the_staleness_rule_refuses_a_map_without_every_lag_it_reads(tmp_path):
     partial = {key: value for key, value in map_of({}).items() if key != ("minirl", 4)}
     done = apply_the_staleness_rule(tmp_path, {"glm4_moe_l16": partial, "qwen30b_l16": map_of({})})
     assert done.returncode == 1 and "missing [('minirl', 4)]" in done.stderr
+
+
+def test_the_staleness_cells_run_every_start_on_seed_0_first_and_the_family_last(tmp_path):
+    """`command.sh cells RUNG K` (a recording `python`, so no start or run is made): the rung's six arms at K and three
+    at lag 0, the dense control's MiniRL at 0 and K, on starts 0-7 of seed 0 before any of seed 1; then a report per
+    model and the declared family at K from those two reports."""
+    env, log = recording_python(tmp_path)
+    done = subprocess.run(["bash", str(RESULTS / "async" / "command.sh"), "cells", "glm4_moe_l16", "4"],
+                          env={**env, "COLD_STARTS": str(tmp_path / "starts")}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    calls = calls_in(log)
+    trains = [call for call in calls if call[:2] == ["-m", "experiments.train"]]
+    assert len(trains) == 2 * 8 * 3
+
+    def setting(call: list[str], key: str) -> str:
+        return next(arg.split("=", 1)[1] for arg in call if arg.startswith(key + "="))
+
+    seeds = [setting(call, "seed") for call in trains]
+    assert seeds == ["0"] * 24 + ["1"] * 24
+    assert [setting(call, "model.path").rsplit("/", 1)[1] for call in trains[:6:3]] == [
+        "glm4_moe_l16-addition-balanced-target", "glm4_moe_l16-addition-balanced-target-start1"]
+    lagged, synchronous, dense = trains[:3]
+    assert setting(lagged, "rollout.lag") == "4" and setting(lagged, "hydra.sweeper.params.arm") == (
+        "grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo")
+    assert setting(synchronous, "rollout.lag") == "0"
+    assert setting(dense, "hydra.sweeper.params.model") == "qwen30b_l16_dense"
+    assert setting(dense, "rollout.lag") == "0,4" and setting(dense, "hydra.sweeper.params.arm") == "minirl"
+    reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
+    assert [call[call.index("--out") + 1] for call in reports] == [
+        "docs/results/async/cells/glm4_moe_l16", "docs/results/async/cells/qwen30b_l16_dense"]
+    assert len(reports[0]) == 2 + 2 * 16 + 4 and calls[-1][:2] == ["-m", "analysis.contrast"]
+    assert calls[-1][-4:] == ["--lag", "4", "--out", "docs/results/async/contrasts"]

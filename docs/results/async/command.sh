@@ -7,6 +7,11 @@
 #                                          (qwen30b_l16_dense); a report per rung
 #   docs/results/async/command.sh rule     the pre-registered rule applied to the committed maps' per_seed.csv: each
 #                                          arm's fall from lag 0 to each k, the rung and the lag k* the cells run at
+#   docs/results/async/command.sh cells RUNG K   the cells at the rung (glm4_moe_l16 or qwen30b_l16) and lag K (1, 2, 4
+#                                          or 8) the rule chose, from 8 starts of the rung's recipe and of the dense
+#                                          control's x RL seeds 0, 1 (seed 0 on every start, then seed 1): on the rung
+#                                          six arms at K and three at lag 0, on the dense control MiniRL at 0 and K;
+#                                          a report per model, then the declared family (python -m analysis.contrast)
 # Sweeps run one job at a time on one thread (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra
 # arguments after the mode are run overrides, passed to every sweep; any but hydra.launcher.n_jobs makes other runs
 # than the documented ones, whose sweeps go to multirun/async/other-<date> and reports to reports/async-<date>.
@@ -17,29 +22,60 @@ shift || true
 case $mode in
   map) ;;
   rule) (($# == 0)) || refuse "rule takes no arguments (got '$1'): it reads the committed maps" ;;
-  *) refuse "mode '$mode' is not one of: map, rule" ;;
+  cells)
+    rung=${1:-} lag=${2:-}
+    [[ $rung == glm4_moe_l16 || $rung == qwen30b_l16 ]] ||
+      refuse "cells needs the rung the rule chose first (glm4_moe_l16 or qwen30b_l16), got '$rung'"
+    [[ $lag =~ ^[1248]$ ]] || refuse "cells needs the lag the rule chose after the rung (1, 2, 4 or 8), got '$lag'"
+    shift 2 ;;
+  *) refuse "mode '$mode' is not one of: map, rule, cells RUNG K" ;;
 esac
 check_run_overrides "$@"
 destinations async --threads-pinned "$@"
 cd "$(dirname "$0")/../../.."
 starts=docs/results/router_starts.sh
 sigmoid=glm4_moe_l16-addition-balanced-target softmax=qwen30b_l16-addition-balanced dense=qwen30b_l16_dense-addition
-sweep() {  # sweep NAME MODEL RECIPE OVERRIDES...: the map's sweep of MODEL from start 0 of RECIPE
-  local name=$1 model=$2 recipe=$3
-  shift 3
+sweep() {  # sweep NAME MODEL RECIPE START OVERRIDES...: a sweep of MODEL from start START of RECIPE
+  local name=$1 model=$2 recipe=$3 start=$4
+  shift 4
   python -m experiments.train -m experiment=async_map "hydra.sweeper.params.model=$model" \
-    "model.path=$PWD/$($starts --path 0 "$recipe")" hydra.launcher.n_jobs=1 "hydra.sweep.dir=$sweeps_home/$name" "$@"
+    "model.path=$PWD/$($starts --path "$start" "$recipe")" hydra.launcher.n_jobs=1 \
+    "hydra.sweep.dir=$sweeps_home/$name" "$@"
 }
 case $mode in
   map)
     $starts $sigmoid $softmax $dense
-    sweep map_glm4_moe_l16 glm4_moe_l16 $sigmoid "$@"
+    sweep map_glm4_moe_l16 glm4_moe_l16 $sigmoid 0 "$@"
     python -m analysis.report "$sweeps_home/map_glm4_moe_l16" --out "$results_home/map/glm4_moe_l16" --dpi 72
-    sweep map_qwen30b_l16 qwen30b_l16 $softmax "$@"
+    sweep map_qwen30b_l16 qwen30b_l16 $softmax 0 "$@"
     python -m analysis.report "$sweeps_home/map_qwen30b_l16" --out "$results_home/map/qwen30b_l16" --dpi 72
-    sweep map_qwen30b_l16_dense qwen30b_l16_dense $dense \
+    sweep map_qwen30b_l16_dense qwen30b_l16_dense $dense 0 \
       hydra.sweeper.params.arm=grpo_naive_async,grpo_decoupled,minirl,gspo "$@"
     python -m analysis.report "$sweeps_home/map_qwen30b_l16_dense" --out "$results_home/map/qwen30b_l16_dense" --dpi 72
+    ;;
+  cells)
+    if [[ $rung == glm4_moe_l16 ]]; then recipe=$sigmoid; else recipe=$softmax; fi
+    $starts --starts 8 $recipe $dense
+    # RL seed outermost: the eight starts on seed 0 first, then on seed 1, so that runs stopped part-way leave every
+    # start with the same seeds (the two-level interval weighs every start alike)
+    moe=() controls=()
+    for seed in 0 1; do
+      for start in 0 1 2 3 4 5 6 7; do
+        unit=start${start}_seed$seed
+        sweep "cells_${rung}_lag${lag}_$unit" $rung $recipe $start "seed=$seed" "rollout.lag=$lag" \
+          hydra.sweeper.params.arm=grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo "$@"
+        sweep "cells_${rung}_lag0_$unit" $rung $recipe $start "seed=$seed" rollout.lag=0 \
+          hydra.sweeper.params.arm=minirl,grpo_decoupled,gspo "$@"
+        sweep "cells_qwen30b_l16_dense_lag${lag}_$unit" qwen30b_l16_dense $dense $start "seed=$seed" \
+          "rollout.lag=0,$lag" hydra.sweeper.params.arm=minirl "$@"
+        moe+=("$sweeps_home/cells_${rung}_lag${lag}_$unit" "$sweeps_home/cells_${rung}_lag0_$unit")
+        controls+=("$sweeps_home/cells_qwen30b_l16_dense_lag${lag}_$unit")
+      done
+    done
+    python -m analysis.report "${moe[@]}" --out "$results_home/cells/$rung" --dpi 72
+    python -m analysis.report "${controls[@]}" --out "$results_home/cells/qwen30b_l16_dense" --dpi 72
+    python -m analysis.contrast --moe "$results_home/cells/$rung" --dense "$results_home/cells/qwen30b_l16_dense" \
+      --lag "$lag" --out "$results_home/contrasts"
     ;;
 esac
 if [[ $mode == rule ]]; then
