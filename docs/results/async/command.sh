@@ -50,7 +50,7 @@ case $mode in
     sweep map_qwen30b_l16 qwen30b_l16 $softmax 0 "$@"
     python -m analysis.report "$sweeps_home/map_qwen30b_l16" --out "$results_home/map/qwen30b_l16" --dpi 72
     sweep map_qwen30b_l16_dense qwen30b_l16_dense $dense 0 \
-      hydra.sweeper.params.arm=grpo_naive_async,grpo_decoupled,minirl,gspo "$@"
+      arm=grpo_naive_async,grpo_decoupled,minirl,gspo "$@"
     python -m analysis.report "$sweeps_home/map_qwen30b_l16_dense" --out "$results_home/map/qwen30b_l16_dense" --dpi 72
     ;;
   cells)
@@ -63,11 +63,11 @@ case $mode in
       for start in 0 1 2 3 4 5 6 7; do
         unit=start${start}_seed$seed
         sweep "cells_${rung}_lag${lag}_$unit" $rung $recipe $start "seed=$seed" "rollout.lag=$lag" \
-          hydra.sweeper.params.arm=grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo "$@"
+          arm=grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo "$@"
         sweep "cells_${rung}_lag0_$unit" $rung $recipe $start "seed=$seed" rollout.lag=0 \
-          hydra.sweeper.params.arm=minirl,grpo_decoupled,gspo "$@"
+          arm=minirl,grpo_decoupled,gspo "$@"
         sweep "cells_qwen30b_l16_dense_lag${lag}_$unit" qwen30b_l16_dense $dense $start "seed=$seed" \
-          "rollout.lag=0,$lag" hydra.sweeper.params.arm=minirl "$@"
+          "rollout.lag=0,$lag" arm=minirl "$@"
         moe+=("$sweeps_home/cells_${rung}_lag${lag}_$unit" "$sweeps_home/cells_${rung}_lag0_$unit")
         controls+=("$sweeps_home/cells_qwen30b_l16_dense_lag${lag}_$unit")
       done
