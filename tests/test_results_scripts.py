@@ -318,11 +318,11 @@ def test_the_staleness_cells_run_every_start_on_seed_0_first_and_the_family_last
     assert [setting(call, "model.path").rsplit("/", 1)[1] for call in trains[:6:3]] == [
         "glm4_moe_l16-addition-balanced-target", "glm4_moe_l16-addition-balanced-target-start1"]
     lagged, synchronous, dense = trains[:3]
-    assert setting(lagged, "rollout.lag") == "4" and setting(lagged, "hydra.sweeper.params.arm") == (
+    assert setting(lagged, "rollout.lag") == "4" and setting(lagged, "arm") == (
         "grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo")
     assert setting(synchronous, "rollout.lag") == "0"
     assert setting(dense, "hydra.sweeper.params.model") == "qwen30b_l16_dense"
-    assert setting(dense, "rollout.lag") == "0,4" and setting(dense, "hydra.sweeper.params.arm") == "minirl"
+    assert setting(dense, "rollout.lag") == "0,4" and setting(dense, "arm") == "minirl"
     reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
     assert [call[call.index("--out") + 1] for call in reports] == [
         "docs/results/async/cells/glm4_moe_l16", "docs/results/async/cells/qwen30b_l16_dense"]
