@@ -315,6 +315,7 @@ def test_the_staleness_cells_run_every_start_on_seed_0_first_and_the_family_last
 
     seeds = [setting(call, "seed") for call in trains]
     assert seeds == ["0"] * 24 + ["1"] * 24
+    assert all(setting(call, "resume") == "auto" for call in trains)  # run again, the cells go on where they stopped
     assert [setting(call, "model.path").rsplit("/", 1)[1] for call in trains[:6:3]] == [
         "glm4_moe_l16-addition-balanced-target", "glm4_moe_l16-addition-balanced-target-start1"]
     lagged, synchronous, dense = trains[:3]

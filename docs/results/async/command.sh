@@ -11,7 +11,9 @@
 #                                          or 8) the rule chose, from 8 starts of the rung's recipe and of the dense
 #                                          control's x RL seeds 0, 1 (seed 0 on every start, then seed 1): on the rung
 #                                          six arms at K and three at lag 0, on the dense control MiniRL at 0 and K;
-#                                          a report per model, then the declared family (python -m analysis.contrast)
+#                                          a report per model, then the declared family (python -m analysis.contrast);
+#                                          run again, it goes on where it stopped (resume=auto: a finished run is left
+#                                          as it is, a killed one starts again), so the cells can span sessions
 # Sweeps run one job at a time on one thread (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra
 # arguments after the mode are run overrides, passed to every sweep; any but hydra.launcher.n_jobs makes other runs
 # than the documented ones, whose sweeps go to multirun/async/other-<date> and reports to reports/async-<date>.
@@ -63,11 +65,11 @@ case $mode in
       for start in 0 1 2 3 4 5 6 7; do
         unit=start${start}_seed$seed
         sweep "cells_${rung}_lag${lag}_$unit" $rung $recipe $start "seed=$seed" "rollout.lag=$lag" \
-          arm=grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo "$@"
+          arm=grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo resume=auto "$@"
         sweep "cells_${rung}_lag0_$unit" $rung $recipe $start "seed=$seed" rollout.lag=0 \
-          arm=minirl,grpo_decoupled,gspo "$@"
+          arm=minirl,grpo_decoupled,gspo resume=auto "$@"
         sweep "cells_qwen30b_l16_dense_lag${lag}_$unit" qwen30b_l16_dense $dense $start "seed=$seed" \
-          "rollout.lag=0,$lag" arm=minirl "$@"
+          "rollout.lag=0,$lag" arm=minirl resume=auto "$@"
         moe+=("$sweeps_home/cells_${rung}_lag${lag}_$unit" "$sweeps_home/cells_${rung}_lag0_$unit")
         controls+=("$sweeps_home/cells_qwen30b_l16_dense_lag${lag}_$unit")
       done
