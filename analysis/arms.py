@@ -49,6 +49,11 @@ def arm_names(configs: dict[str, dict]) -> dict[str, str]:
     return {run: name(run) for run in configs}
 
 
+def arms_of(runset: RunSet) -> dict[str, str]:
+    """Per run of `runset` its arm (`arm_names`)."""
+    return arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()})
+
+
 def sweep_axes(runset: RunSet) -> list[str]:
     """The numeric config keys a sweep varied within at least one arm (an arm's own settings are not axes), in
     sorted order. Categorical keys (a model's name, a path) are left out: a numeric key varies with them."""

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 
-from analysis.arms import arm_names
+from analysis.arms import arms_of
 from analysis.records import RunSet
 from analysis.summaries import COLLAPSE_DROP, EMA_ALPHA, collapse_flag, ema
 from experiments.config import RolloutConfig
@@ -170,15 +170,19 @@ LAG = "rollout.lag"  # the exact lag (experiments.step.versions): weight version
 AGAINST_THE_ENGINE = (ENGINE_EXPERTS, ENGINE_GATES, MISMATCH_K3)
 
 
+def lags_of(runset: RunSet) -> dict[str, int]:
+    """Per run the lag its engine sampled at (`rollout.lag`; 0 where the run sets none)."""
+    return {row.run: int(json.loads(row.config).get(LAG, 0)) for row in runset.runs.itertuples()}
+
+
 def staleness_by_lag(runset: RunSet) -> pd.DataFrame:
     """Drift against the engine per arm and lag, where the runs vary `rollout.lag`: columns `[arm, lag, metric, mean,
     std, n]`, over seeds, of each run's mean over the steps that sampled at its full lag (the first steps of a run
     sample with the start, nearer θ_old); empty when the runs share one lag."""
-    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
-    lags = {run: int(cfg.get(LAG, 0)) for run, cfg in configs.items()}
+    lags = lags_of(runset)
     if len(set(lags.values())) < 2:
         return pd.DataFrame(columns=["arm", "lag", "metric", "mean", "std", "n"])
-    arms = arm_names(configs)
+    arms = arms_of(runset)
     scalars = runset.scalars
     served = scalars[scalars["metric"] == SERVED_LAG][["run", "step", "value"]].rename(columns={"value": "served"})
     rows = scalars[scalars["metric"].isin(AGAINST_THE_ENGINE)].merge(served, on=["run", "step"], how="left")

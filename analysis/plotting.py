@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from PIL import Image
 
+from analysis.arms import arm_order, arms_of
 from analysis.records import RunSet
 from analysis.style import COLUMN_WIDTH_IN, RC_PARAMS, algo_color, replay_hatch, replay_linestyle, shade
 from analysis.summaries import EMA_ALPHA
@@ -113,6 +114,14 @@ def series_styles(runset: RunSet) -> dict[str, SeriesStyle]:
         seen[(algo, replay)] = rank + 1
         styles[label] = SeriesStyle(shade(algo_color(algo), rank), replay_linestyle(replay), replay_hatch(replay))
     return styles
+
+
+def arm_styles(runset: RunSet) -> dict[str, SeriesStyle]:
+    """Per arm of `runset` (`arms.arms_of`), in `arms.arm_order`, a solid line of its algorithm's colour, a shade per
+    place in that order: the figures drawn per arm (rather than per series) give an arm one colour in every panel and
+    in each of them."""
+    arms = sorted(set(arms_of(runset).values()), key=arm_order)
+    return {arm: SeriesStyle(shade(algo_color(arm.split(" ")[0]), rank), "-", "") for rank, arm in enumerate(arms)}
 
 
 def new_figure(width: float, height: float) -> Figure:

@@ -17,16 +17,15 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from analysis.arms import arm_order
 from analysis.diagnostics import (
     drift_by_depth, drift_layer_by_minibatch, drift_layer_by_step, layer_counts, staleness_by_lag,
 )
 from analysis.plotting import (
-    DRIFT_LABEL, STEP_LABEL, FigureOutput, FigureSettings, SeriesStyle, figure, legend, legend_rows_in, new_figure,
+    DRIFT_LABEL, STEP_LABEL, FigureOutput, FigureSettings, arm_styles, figure, legend, legend_rows_in, new_figure,
     plot_band, series_styles,
 )
 from analysis.records import RunSet
-from analysis.style import COLUMN_WIDTH_IN, TEXT_WIDTH_IN, algo_color, shade
+from analysis.style import COLUMN_WIDTH_IN, TEXT_WIDTH_IN
 from experiments.step import metrics as m
 
 # GSPO paper §5.3: ~10% of activated experts change after one update, 48-layer Qwen3-30B-A3B.
@@ -196,9 +195,8 @@ def fig_staleness(runset: RunSet, settings: FigureSettings, out: FigureOutput) -
         out.notes.append("The runs share one rollout.lag (or log nothing against their engine): no drift against the "
                          "engine per lag to draw.")
         return None
-    arms = sorted(set(table["arm"]), key=arm_order)
-    styles = {arm: SeriesStyle(shade(algo_color(arm.split(" ")[0]), rank), "-", "")
-              for rank, arm in enumerate(arms)}
+    styles = arm_styles(runset)
+    arms = [arm for arm in styles if arm in set(table["arm"])]
     fig = new_figure(TEXT_WIDTH_IN, 2.0 + legend_rows_in(arms, TEXT_WIDTH_IN))
     axes = fig.subplots(1, len(STALENESS_PANELS))
     for ax, (metric, ylabel) in zip(axes, STALENESS_PANELS.items()):

@@ -292,12 +292,19 @@ def across_starts(differences: dict[str, np.ndarray | list[float]]) -> AcrossSta
     if any(len(values) == 0 or not np.all(np.isfinite(values)) for values in by_start.values()):
         raise ValueError("across_starts needs at least one finite paired difference per start")
     per_start = {start: float(values.mean()) for start, values in by_start.items()}
-    means = np.array(list(per_start.values()))
-    draws = multi_bootstrap(list(by_start.values()), RESAMPLES, np.random.default_rng(RNG_SEED))
-    low, high = np.percentile(draws, [100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2])
-    return AcrossStarts(starts=len(by_start), difference=Interval(float(means.mean()), float(low), float(high)),
-                        p_value=sign_flip_p(means), per_start=per_start,
+    return AcrossStarts(starts=len(by_start), difference=starts_interval(by_start),
+                        p_value=sign_flip_p(np.array(list(per_start.values()))), per_start=per_start,
                         seeds={start: len(values) for start, values in by_start.items()})
+
+
+def starts_interval(by_start: dict[str, np.ndarray | list[float]]) -> Interval:
+    """The mean over cold starts of each start's mean (`{start sha256: one value per seed}`, every start weighted
+    equally, whatever its number of seeds) with its 95% interval from the two-level bootstrap (`multi_bootstrap`,
+    percentile): how far other starts of the same recipe, and other seeds, could move it."""
+    values = [np.asarray(seeds, dtype=float) for seeds in by_start.values()]
+    draws = multi_bootstrap(values, RESAMPLES, np.random.default_rng(RNG_SEED))
+    low, high = np.percentile(draws, [100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2])
+    return Interval(float(np.mean([seeds.mean() for seeds in values])), float(low), float(high))
 
 
 def smallest_permutation_p(first: int, second: int, family: int = 1) -> float:

@@ -19,6 +19,8 @@ from algos.corrections.base import (
     CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp,
 )
 
+TRUNCATED = "truncated"  # what it does to a token whose weight passes C: its metrics are token_frac/seq_frac of it
+
 
 @CORRECTIONS.register("tis")
 @dataclass(frozen=True)
@@ -37,4 +39,4 @@ class TruncatedIS(Correction):
             total = inputs.sequence_log_rho()[:, None].expand_as(inputs.log_rho)
             log_weight, over = total, total > cap
         weight = torch.where(inputs.mask, clamped_exp(log_weight, upper=cap), 0.0)
-        return CorrectionOutput(weight, inputs.mask, {"truncated": over})
+        return CorrectionOutput(weight, inputs.mask, {TRUNCATED: over})
