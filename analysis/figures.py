@@ -6,6 +6,8 @@ and the lab's mechanism figures, each one function over the shared prelude (anal
    ratio variance, training–inference mismatch, early warning                  — analysis/curve_figures.py
 4, 8, 9. routing: drift per layer and against depth, the routing part of the ratio's noise, drift against an engine
    k versions behind                                                           — analysis/routing_figures.py
+10, 11. an engine k versions behind: a column per lag against step (reward, held-out accuracy, the engine's routes,
+   the behaviour weight's truncation, the mismatch KL), the gain against the lag — analysis/staleness_figures.py
 
 A new figure is a function decorated with `plotting.figure` in the module of its kind, and its place in `FIGURES`.
 """
@@ -20,6 +22,7 @@ from analysis.records import RunSet
 from analysis.routing_figures import (
     fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, fig_staleness,
 )
+from analysis.staleness_figures import fig_gain_by_lag, fig_staleness_curves
 from analysis.sweep_figure import fig_sweep_response
 
 FIGURES = (
@@ -35,6 +38,8 @@ FIGURES = (
     fig_early_warning,
     fig_decomposition,
     fig_staleness,
+    fig_staleness_curves,
+    fig_gain_by_lag,
 )
 
 
