@@ -40,7 +40,7 @@ ONE_LAG = "The runs share one rollout.lag: {what} to draw per lag."
 
 
 @dataclass(frozen=True)
-class Row:
+class CurveRow:
     """A row of Figure 10: the metrics it reads (of each run, the first of them the run logged), its axis label, what
     the caption calls it, whether each run's curve is smoothed first and whether the axis starts at 0."""
 
@@ -55,20 +55,20 @@ class Row:
 # MiniRL its own (algos/minirl.py); a run logs the one its objective or correction has.
 TRUNCATION = (token_frac(tis.TRUNCATED), MINIRL_TRUNCATED)
 ROWS = (
-    Row((m.REWARD,), "training reward", f"the training reward (`{m.REWARD}`, Figure 1's)", from_zero=False),
-    Row((m.EVAL_GREEDY,), "held-out greedy\naccuracy", f"held-out greedy accuracy (`{m.EVAL_GREEDY}`, at each "
+    CurveRow((m.REWARD,), "training reward", f"the training reward (`{m.REWARD}`, Figure 1's)", from_zero=False),
+    CurveRow((m.EVAL_GREEDY,), "held-out greedy\naccuracy", f"held-out greedy accuracy (`{m.EVAL_GREEDY}`, at each "
         "evaluation, unsmoothed)", smoothed=False, from_zero=False),
-    Row((m.ENGINE_EXPERTS,), "engine's experts\nnot θ_old's", "the share of the engine's activated experts θ_old's "
+    CurveRow((m.ENGINE_EXPERTS,), "engine's experts\nnot θ_old's", "the share of the engine's activated experts θ_old's "
         f"routers did not choose on the same tokens (`{m.ENGINE_EXPERTS}`, Figure 9's)"),
-    Row(TRUNCATION, "weight truncated\n(share)", "the share of tokens whose behaviour weight was truncated at its "
+    CurveRow(TRUNCATION, "weight truncated\n(share)", "the share of tokens whose behaviour weight was truncated at its "
         f"cap (TIS: `{TRUNCATION[0]}`; MiniRL: `{TRUNCATION[1]}`)"),
-    Row((m.MISMATCH_K3,), "KL(μ_old ‖ π_old)\nk3", f"the k3 estimate of KL(μ_old ‖ π_old) (`{m.MISMATCH_K3}`)"),
+    CurveRow((m.MISMATCH_K3,), "KL(μ_old ‖ π_old)\nk3", f"the k3 estimate of KL(μ_old ‖ π_old) (`{m.MISMATCH_K3}`)"),
 )
 # Five columns of up to seven arms each: lines thinner than the style's keep the arms apart.
 THIN = {"lines.linewidth": 0.7}
 
 
-def row_series(runset: RunSet, row: Row, alpha: float) -> pd.DataFrame:
+def row_series(runset: RunSet, row: CurveRow, alpha: float) -> pd.DataFrame:
     """Each run's curve of the row against step (`[run, label, x, y]`, the label the run's arm): of the row's metrics
     the first the run logged, smoothed per run with `alpha` where the row is."""
     parts, seen = [], set()
