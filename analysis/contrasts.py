@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from analysis.arms import seed_order
+from analysis.diagnostics import LAG  # also the per-seed tables' column of the engine's lag
 from analysis.gains import EXCLUDED
 from analysis.statistics import ALPHA, AcrossStarts, BetweenStarts, across_starts, between_starts, holm
 
-LAG = "rollout.lag"  # the per-seed tables' column of the engine's lag (docs/async.md)
 MEASURE = "gain_area"  # the pre-registration's primary measure: the mean gain over the run
 DIFFERENCE, FALL_DIFFERENCE, INTERACTION = "difference", "fall_difference", "interaction"
 KINDS = (DIFFERENCE, FALL_DIFFERENCE, INTERACTION)

@@ -36,6 +36,7 @@ from experiments.config import AccuracySummary, EarlyStopped
 STEP_LABEL = "RL step"
 TOKENS_LABEL = "completion tokens (cumulative)"
 DRIFT_LABEL = "experts changed (fraction)"
+LAG_LABEL = "lag k (weight versions the engine is behind θ_old)"  # rollout.lag, wherever it is an axis
 
 
 @dataclass

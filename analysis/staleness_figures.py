@@ -26,8 +26,8 @@ from analysis.arms import arms_of, sweep_axes
 from analysis.diagnostics import LAG, lags_of
 from analysis.gains import EXCLUDED, GAIN_MEASURES, accuracy_gain
 from analysis.plotting import (
-    STEP_LABEL, FigureOutput, FigureSettings, arm_styles, figure, legend, legend_rows_in, new_figure, plot_band,
-    smoothing_text,
+    LAG_LABEL, STEP_LABEL, FigureOutput, FigureSettings, arm_styles, figure, legend, legend_rows_in, new_figure,
+    plot_band, smoothing_text,
 )
 from analysis.records import RunSet
 from analysis.statistics import Interval, mean_interval, starts_interval
@@ -35,7 +35,6 @@ from analysis.style import TEXT_WIDTH_IN
 from analysis.summaries import aggregate_curves, per_run_series
 from experiments.step import metrics as m
 
-LAG_LABEL = "lag k (weight versions the engine is behind θ_old)"
 ONE_LAG = "The runs share one rollout.lag: {what} to draw per lag."
 
 

@@ -15,7 +15,8 @@ from matplotlib.lines import Line2D
 from analysis.arms import arm_order, cell_name, sweep_axes, sweep_cells
 from analysis.configs import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS
 from analysis.gains import EXCLUDED, GAIN_MEASURES, accuracy_gain
-from analysis.plotting import FigureOutput, FigureSettings, figure, new_figure
+from analysis.diagnostics import LAG
+from analysis.plotting import LAG_LABEL, FigureOutput, FigureSettings, figure, new_figure
 from analysis.records import RunSet
 from analysis.style import COLUMN_WIDTH_IN, TEXT_WIDTH_IN, algo_color, replay_linestyle
 
@@ -32,7 +33,7 @@ def _axis_label(key: str) -> str:
             PERTURB_RATE: "router noise p, share moved per update (SYNTHETIC)",
             "model.num_hidden_layers": "MoE layers", "trainer.minibatches": "minibatches N",
             "dataset.digits": "digits (answer length)", "rollout.router_noise": "engine router noise σ",
-            "rollout.lag": "lag k (weight versions the engine is behind θ_old)"}.get(key, key)
+            LAG: LAG_LABEL}.get(key, key)
 
 
 def _arm_color(arm: str) -> tuple[str, str]:
