@@ -1,20 +1,24 @@
-"""`python -m analysis.contrast`: the staleness study's declared family of five comparisons, from the per-seed tables
-of the MoE rung's cells and of the dense control's.
+"""`python -m analysis.contrast`: a declared family of comparisons across lags of the staleness study (by default the
+pre-registered five), from the per-seed tables of the MoE rung's cells and, where the family compares models, of the
+dense control's.
 
     python -m analysis.contrast --moe REPORT_OR_CSV --dense REPORT_OR_CSV --lag K --out DIR
+    python -m analysis.contrast --family exploratory_n4 --moe REPORT_OR_CSV --lag 2 --out DIR
 
-The family, its measure (gain_area) and its verdict are the pre-registration's (docs/results/async/preregistration.md,
-"Measure, family, verdict"; `FAMILY`), computed as analysis/contrasts.py says: three differences of two arms at k*
-and a difference of two arms' falls from lag 0 to k*, each paired per (start, seed) on the MoE rung, and the
+The families (`FAMILIES`) are declared where the docs say, before their runs were read: `preregistered`, the
+pre-registration's (docs/results/async/preregistration.md, "Measure, family, verdict"): three differences of two arms
+at k* and a difference of two arms' falls from lag 0 to k*, each paired per (start, seed) on the MoE rung, and the
 interaction of `minirl`'s fall on the MoE rung with its fall on the dense control, unpaired between the two models;
-Holm's correction over the five. Each table is read and checked as `analysis.compare` reads one (`compare.pool`: one
-run per arm, lag, start and seed; arms of a seed from one start; runs that did not finish left out), and then
-refused in one line where the family cannot be computed from it: no `rollout.lag` column, another axis varied, a lag
-(0 or k*) or an arm the family needs absent, runs that name no start, fewer than 2 starts with a unit a comparison
-can use, starts of two cold-start recipes in one table, a start on both models, or a dense table that holds an arm
-with routing (the dense control runs only the arms without). Writes `contrasts.csv` (every comparison's numbers),
-`units.csv` (every unit's value), `left_out.csv` (every unit a comparison left out, with why) and `report.md`,
-through a staging folder.
+`exploratory_n4` (docs/results/async/exploratory_n4.md, outside the declared family): `minirl`'s fall and `minirl + r3`
+− `minirl` at k, on the MoE rung alone. Each is computed on gain_area as analysis/contrasts.py says, with Holm's
+correction over the family. Each table is read and checked as `analysis.compare` reads one (`compare.pool`: one run
+per arm, lag, start and seed; arms of a seed from one start; runs that did not finish left out), and then refused in
+one line where the family cannot be computed from it: no `rollout.lag` column, another axis varied, a lag (0 or k*) or
+an arm the family needs absent, runs that name no start, fewer than 2 starts with a unit a comparison can use, starts
+of two cold-start recipes in one table, a start on both models, or a dense table that holds an arm with routing (the
+dense control runs only the arms without); `--dense` is refused for a family that compares no models and needed for
+one that does. Writes `contrasts.csv` (every comparison's numbers), `units.csv` (every unit's value), `left_out.csv`
+(every unit a comparison left out, with why) and `report.md`, through a staging folder.
 Bad input ends with one `error:` line and exit code 2.
 """
 
@@ -30,8 +34,8 @@ import pandas as pd
 from analysis.cli import Command, publishing, staged, writable_out
 from analysis.compare import Source, per_seed_file, pool, refuse_two_recipes
 from analysis.contrasts import (
-    DIFFERENCE, FALL_DIFFERENCE, INTERACTION, LAG, MEASURE, WHY_COLUMNS, Contrast, Judged, Values, judge, needed_runs,
-    unit_values,
+    DIFFERENCE, FALL, FALL_DIFFERENCE, INTERACTION, LAG, MEASURE, WHY_COLUMNS, Contrast, Judged, Values, judge,
+    needed_runs, unit_values,
 )
 from analysis.gains import EXCLUDED
 from analysis.records import UNKNOWN_START
@@ -48,6 +52,30 @@ FAMILY = (
     Contrast("4 (H2, interaction)", INTERACTION, "minirl"),
     Contrast("5 (H3)", FALL_DIFFERENCE, "gspo", "grpo + tis"),
 )
+
+
+class Family(NamedTuple):
+    """A family of comparisons, judged together under Holm's correction, and where it was declared."""
+
+    title: str  # the report's heading
+    declared: str  # where, and so before which runs, it was written down
+    contrasts: tuple[Contrast, ...]
+
+    @property
+    def compares_models(self) -> bool:
+        """Whether it reads the dense control's table (an interaction) beside the MoE rung's."""
+        return any(contrast.kind == INTERACTION for contrast in self.contrasts)
+
+
+FAMILIES = {
+    "preregistered": Family("The staleness study's declared family",
+                            'docs/results/async/preregistration.md ("Measure, family, verdict")', FAMILY),
+    # Declared before the cells were read, outside the pre-registered family: where the synchronous arm may learn
+    # (N = 4), does a lag cost MiniRL learning, and does replaying the stale engine's routes give it back?
+    "exploratory_n4": Family("Exploratory, outside the declared family: N = 4 mini-batches a rollout batch",
+                             "docs/results/async/exploratory_n4.md",
+                             (Contrast("E1", FALL, "minirl"), Contrast("E2", DIFFERENCE, "minirl + r3", "minirl"))),
+}
 # The pre-registration's arms without routing, the only ones the dense control runs (its "Arms").
 DENSE_ARMS = ("grpo (π_old = μ_old)", "grpo + tis", "minirl", "gspo")
 MOE, DENSE = "moe", "dense"  # the two tables, as their flags and the output's `model` column name them
@@ -56,9 +84,10 @@ _OUTPUT = {REPORT_FILE, CONTRASTS_FILE, UNITS_FILE, LEFT_OUT_FILE}  # what the c
 
 
 class Read(NamedTuple):
-    """What the command computes from: the family at k*, each comparison's per-unit values per model, the units left
-    out, and each table's path."""
+    """What the command computes from: the family and its comparisons at k*, each comparison's per-unit values per
+    model, the units left out, and each table's path."""
 
+    declared: Family
     family: tuple[Contrast, ...]
     values: list[dict[str, Values]]  # per comparison, {model: values}; a paired comparison reads the MoE table only
     left_out: pd.DataFrame
@@ -132,39 +161,54 @@ def family_values(family: Sequence[Contrast], tables: dict[str, pd.DataFrame]) -
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    """The two models' per-seed tables, k*, where the report goes."""
+    """The family, the models' per-seed tables, k*, where the report goes."""
+    parser.add_argument("--family", choices=FAMILIES, default="preregistered",
+                        help="the declared family to judge (default: the pre-registration's five)")
     parser.add_argument("--moe", type=Path, required=True, metavar="REPORT_OR_CSV",
                         help="the MoE rung's cells: a report folder (its per_seed.csv) or a per-seed CSV")
-    parser.add_argument("--dense", type=Path, required=True, metavar="REPORT_OR_CSV",
-                        help="the dense control's cells: a report folder or a per-seed CSV")
+    parser.add_argument("--dense", type=Path, metavar="REPORT_OR_CSV",
+                        help="the dense control's cells (a report folder or a per-seed CSV): needed by, and only by, a "
+                             "family that compares the two models")
     parser.add_argument("--lag", type=int, required=True, metavar="K",
                         help="k*, the lag the pre-registered rule picked (docs/results/async/command.sh rule)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 
 def check(args: argparse.Namespace) -> str | None:
-    """A lag below 1 has no fall from lag 0 to compare."""
-    return f"--lag {args.lag}: k* is a lag above 0 (a fall is from lag 0 to k*)" if args.lag < 1 else None
+    """A lag below 1 has no fall from lag 0 to compare; the dense table given where the family reads none, or missing
+    where it does."""
+    if args.lag < 1:
+        return f"--lag {args.lag}: k* is a lag above 0 (a fall is from lag 0 to k*)"
+    needs_dense = FAMILIES[args.family].compares_models
+    if needs_dense and args.dense is None:
+        return f"--family {args.family} compares the MoE rung with the dense control: give --dense REPORT_OR_CSV"
+    if not needs_dense and args.dense is not None:
+        return f"--dense {args.dense}: --family {args.family} compares no models, and reads the MoE rung's table alone"
+    return None
 
 
 def read(args: argparse.Namespace) -> Read:
-    """Both tables read and checked, the family's per-unit values computed and checked; the output folder proved
+    """The family's tables read and checked, its per-unit values computed and checked; the output folder proved
     writable."""
-    family = tuple(contrast.at(args.lag) for contrast in FAMILY)
-    paths = {MOE: per_seed_file(args.moe), DENSE: per_seed_file(args.dense)}
-    tables = {MOE: read_table(paths[MOE], MOE, args.lag, None),
-              DENSE: read_table(paths[DENSE], DENSE, args.lag, DENSE_ARMS)}
-    shared = set(tables[MOE]["start_sha256"]) & set(tables[DENSE]["start_sha256"])
-    if shared:
-        raise ValueError(f"start {sorted(shared)[0][:12]} is in both --moe {paths[MOE]} and --dense {paths[DENSE]}: "
-                         "the interaction compares two models, each from its own starts")
-    for model, reads in ((MOE, family), (DENSE, [c for c in family if c.kind == INTERACTION])):
+    declared = FAMILIES[args.family]
+    family = tuple(contrast.at(args.lag) for contrast in declared.contrasts)
+    paths = {MOE: per_seed_file(args.moe)}
+    tables = {MOE: read_table(paths[MOE], MOE, args.lag, None)}
+    if declared.compares_models:
+        paths[DENSE] = per_seed_file(args.dense)
+        tables[DENSE] = read_table(paths[DENSE], DENSE, args.lag, DENSE_ARMS)
+        shared = set(tables[MOE]["start_sha256"]) & set(tables[DENSE]["start_sha256"])
+        if shared:
+            raise ValueError(f"start {sorted(shared)[0][:12]} is in both --moe {paths[MOE]} and --dense "
+                             f"{paths[DENSE]}: the interaction compares two models, each from its own starts")
+    for model in tables:
+        reads = family if model == MOE else [contrast for contrast in family if contrast.kind == INTERACTION]
         problem = missing_arm(tables[model], paths[model], model, reads)
         if problem:
             raise ValueError(problem)
     values, left_out = family_values(family, tables)
     writable_out(args.out)
-    return Read(family, values, left_out, paths)
+    return Read(declared, family, values, left_out, paths)
 
 
 def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str]:
@@ -187,32 +231,47 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
         best = (smallest_permutation_p(len(sides[0]), len(sides[1]), m) if len(sides) > 1
                 else smallest_p(len(sides[0]), m))
         reach.append(f"{result.contrast.name} {best:.3g}")
-    lines = ["# The staleness study's declared family", "",
-             f"The five comparisons of docs/results/async/preregistration.md (\"Measure, family, verdict\") at "
-             f"k* = {read.family[0].lag}, on {MEASURE}, from `{read.paths[MOE]}` (the MoE rung) and "
-             f"`{read.paths[DENSE]}` (the dense control)."]
+    kinds = {contrast.kind for contrast in read.family}
+    paired = [what for kind, what in ((DIFFERENCE, "the difference of two arms at k*"), (FALL, "an arm's fall"),
+                                      (FALL_DIFFERENCE, "the difference of two arms' falls")) if kind in kinds]
+    tables = f"`{read.paths[MOE]}` (the MoE rung)" + (f" and `{read.paths[DENSE]}` (the dense control)"
+                                                      if DENSE in read.paths else "")
+    lines = [f"# {read.declared.title}", "",
+             f"The {m} comparisons of {read.declared.declared} at k* = {read.family[0].lag}, on {MEASURE}, from "
+             f"{tables}."]
     if command:
         lines += ["", f"Made with `{command}`."]
+    how = ["A fall is an arm's gain_area at lag 0 minus at k* (positive: it learns less behind)."]
+    if paired:
+        how.append(f"{_named(read.family, DIFFERENCE, FALL, FALL_DIFFERENCE)} paired per (start, seed) on the MoE "
+                   f"rung ({'; '.join(paired)}): the estimate is the mean over starts of each start's mean over its "
+                   "seeds, the interval the two-level bootstrap (starts resampled, then seeds within each drawn "
+                   "start; every start weighted equally), the p the exact sign-flip test on the starts' values.")
+    if INTERACTION in kinds:
+        how.append(f"{_named(read.family, INTERACTION)} unpaired between the two models: each start's fall with its "
+                   "seeds averaged; the interval is each model's two-level bootstrap apart and the difference of their "
+                   "draws, the p the two-sided permutation test of the starts' falls between the models (exact up to "
+                   "200,000 splits); its signs agree when every MoE start lies beyond every dense start.")
+    how.append(f"Holm's correction runs over the {m}; a comparison **separates** when its 95% interval excludes 0 and "
+               f"its Holm p < {ALPHA:g}. The smallest Holm p each can reach, whatever the data (m · 2/2^K with K "
+               "starts paired" + ("; m · 2/C(K1 + K2, K1) for the permutation test over K1 + K2 starts"
+                                  if INTERACTION in kinds else "") + f"): {'; '.join(reach)}.")
     lines += ["", markdown_table(["comparison", "units (starts × seeds)", "estimate [95% interval]", "start-level p",
                                   f"Holm p over {m}", "per-start values", "signs agree", "verdict"], rows), "",
-              "A fall is an arm's gain_area at lag 0 minus at k* (positive: it learns less behind). Comparisons 1-3 "
-              "are the difference of two arms at k* and 5 the difference of two arms' falls, each paired per "
-              "(start, seed) on the MoE rung: the estimate is the mean over starts of each start's mean over its "
-              "seeds, the interval the two-level bootstrap (starts resampled, then seeds within each drawn start; "
-              "every start weighted equally), the p the exact sign-flip test on the starts' values. Comparison 4 is "
-              "unpaired between the two models: each start's fall with its seeds averaged; the interval is each "
-              "model's two-level bootstrap apart and the difference of their draws, the p the two-sided permutation "
-              "test of the starts' falls between the models (exact up to 200,000 splits); its signs agree when every "
-              "MoE start lies beyond every dense start. Holm's correction runs over the five; a comparison "
-              f"**separates** when its 95% interval excludes 0 and its Holm p < {ALPHA:g}. The smallest Holm p each "
-              f"can reach, whatever the data (m · 2/2^K with K starts paired; m · 2/C(K1 + K2, K1) for the "
-              f"permutation test over K1 + K2 starts): {'; '.join(reach)}.", ""]
+              " ".join(how), ""]
     left = read.left_out
     if left.empty:
-        return lines + ["Every unit of both tables entered every comparison that reads it."]
+        return lines + [f"Every unit of {'both tables' if DENSE in read.paths else 'the table'} entered every "
+                        "comparison that reads it."]
     table = [[row.comparison, row.model, row.start_sha256[:12], row.seed, row.why] for row in left.itertuples()]
     return lines + [f"## Units left out ({len(left)})", "",
                     markdown_table(["comparison", "model", "start", "seed", "why"], table)]
+
+
+def _named(family: Sequence[Contrast], *kinds: str) -> str:
+    """The comparisons of those kinds as a sentence's subject, with its verb: "Comparisons 1, 2 are"."""
+    names = [contrast.name for contrast in family if contrast.kind in kinds]
+    return f"Comparison {names[0]} is" if len(names) == 1 else f"Comparisons {', '.join(names)} are"
 
 
 def _seeds(values: Values) -> str:

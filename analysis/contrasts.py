@@ -2,9 +2,10 @@
 staleness study declared them (docs/results/async/preregistration.md, "Measure, family, verdict").
 
 A **fall** of an arm at a (start, seed) unit is its gain_area at lag 0 minus at the lag (positive: it learns less
-behind). A contrast is one of three kinds:
+behind). A contrast is one of four kinds:
 
 - `difference`: `arm` − `other` at the lag, paired per (start, seed) unit;
+- `fall`: the fall of `arm`, paired per unit: arm@0 − arm@k;
 - `fall_difference`: the fall of `arm` minus the fall of `other`, paired per unit:
   (arm@0 − arm@k) − (other@0 − other@k);
 - `interaction`: the fall of `arm` on one model minus its fall on another; the two models' starts share nothing, so it
@@ -32,8 +33,9 @@ from analysis.gains import EXCLUDED
 from analysis.statistics import ALPHA, AcrossStarts, BetweenStarts, across_starts, between_starts, holm
 
 MEASURE = "gain_area"  # the pre-registration's primary measure: the mean gain over the run
-DIFFERENCE, FALL_DIFFERENCE, INTERACTION = "difference", "fall_difference", "interaction"
-KINDS = (DIFFERENCE, FALL_DIFFERENCE, INTERACTION)
+DIFFERENCE, FALL, FALL_DIFFERENCE, INTERACTION = "difference", "fall", "fall_difference", "interaction"
+KINDS = (DIFFERENCE, FALL, FALL_DIFFERENCE, INTERACTION)
+_AGAINST_OTHER = (DIFFERENCE, FALL_DIFFERENCE)  # the kinds that set `arm` against another arm
 WHY_COLUMNS = ["start_sha256", "seed", "why"]  # a unit left out, and why
 
 # A unit's values per start: {start sha256: {seed: value}}.
@@ -43,8 +45,9 @@ Values = dict[str, dict[str, float]]
 @dataclass(frozen=True)
 class Contrast:
     """One declared comparison (the kinds: the module's docstring). `other` is the arm `arm` is set against (None for
-    an interaction, which sets one arm on two models against itself); `lag` is the lag k compared with 0 (a fall) or
-    at which two arms meet (a difference), None while the family is declared before k* is known (`at`)."""
+    a fall, which sets one arm at two lags against itself, and for an interaction, one arm on two models); `lag` is
+    the lag k compared with 0 (a fall) or at which two arms meet (a difference), None while the family is declared
+    before k* is known (`at`)."""
 
     name: str
     kind: str
@@ -55,7 +58,7 @@ class Contrast:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"contrast {self.name!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if (self.other is None) != (self.kind == INTERACTION):
+        if (self.other is None) == (self.kind in _AGAINST_OTHER):
             raise ValueError(f"contrast {self.name!r}: a {self.kind} {'takes no' if self.other else 'needs an'} "
                              "other arm")
 
@@ -89,6 +92,8 @@ class Contrast:
         k = "k*" if self.lag is None else f"k = {self.lag}"
         if self.kind == DIFFERENCE:
             return f"`{self.arm}` − `{self.other}` at {k}"
+        if self.kind == FALL:
+            return f"fall of `{self.arm}` from 0 to {k}"
         if self.kind == FALL_DIFFERENCE:
             return f"fall of `{self.arm}` from 0 to {k} − fall of `{self.other}`"
         return f"fall of `{self.arm}` from 0 to {k}: MoE − dense"

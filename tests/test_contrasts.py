@@ -1,6 +1,7 @@
 """`analysis.contrast`: the staleness study's declared family computed from planted per-seed tables of the MoE rung
 and the dense control, paired where the pre-registration pairs and unpaired between the models, Holm over the five,
-units that lack a run left out and named, and tables the family cannot be computed from refused in one line."""
+units that lack a run left out and named, and tables the family cannot be computed from refused in one line; the
+exploratory family (an arm's fall, a difference at k) from the MoE table alone."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from analysis import statistics
 from analysis.contrast import FAMILY, main
-from analysis.contrasts import DIFFERENCE, FALL_DIFFERENCE, Contrast, judge, unit_values
+from analysis.contrasts import DIFFERENCE, FALL, FALL_DIFFERENCE, Contrast, judge, unit_values
 from analysis.compare import pool
 
 K = 4  # k* in these tables
@@ -151,6 +152,49 @@ def test_judge_adjusts_over_the_contrasts_it_is_given():
                    [[values], [values]])
     assert [result.holm_p for result in judged] == pytest.approx([2 * 2 / 2**8] * 2)
     assert all(result.separates for result in judged)
+
+
+def test_a_fall_sets_one_arm_against_itself_and_takes_no_other_arm():
+    assert Contrast("e", FALL, "x", lag=2).terms() == [("x", 0, 1), ("x", 2, -1)]
+    with pytest.raises(ValueError, match="a fall takes no other arm"):
+        Contrast("e", FALL, "x", "y")
+
+
+def test_the_exploratory_family_reads_the_moe_table_alone_and_recovers_a_planted_fall(tmp_path):
+    # minirl falls 0.05 + 0.01 · start from lag 0 to 2 on every start; minirl + r3 lies 0.02 above it at 2 on starts
+    # 0-5 and 0.02 below on 6-7, so the fall separates and the replay's difference does not
+    def area(arm, lag, start, seed):
+        base = noise(MINIRL, 0, start, seed)
+        if lag == 0:
+            return base
+        return base - 0.05 - 0.01 * start + ((0.02 if start < 6 else -0.02) if arm == R3 else 0.0)
+
+    per_seed(area, [(MINIRL, 0), (MINIRL, 2), (R3, 2)], seeds=1).to_csv(tmp_path / "moe.csv", index=False)
+    out = tmp_path / "out"
+    main(["--family", "exploratory_n4", "--moe", str(tmp_path / "moe.csv"), "--lag", "2", "--out", str(out)])
+    contrasts = pd.read_csv(out / "contrasts.csv").set_index("comparison")
+    fall, replay = contrasts.loc["E1"], contrasts.loc["E2"]
+    assert fall["estimate"] == pytest.approx(0.05 + 0.035, abs=1e-12) and fall["p_value"] == pytest.approx(2 / 2**8)
+    assert fall["holm_p"] == pytest.approx(2 * 2 / 2**8) and fall["verdict"] == "separates above 0"
+    assert replay["estimate"] == pytest.approx(0.01, abs=1e-12) and not replay["signs_agree"]
+    assert replay["p_value"] == pytest.approx(74 / 256) and replay["verdict"] == "not separated"  # |Σ signs| ≥ 4
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert report.startswith("# Exploratory") and "dense" not in report and "Comparisons E1, E2 are paired" in report
+
+
+@pytest.mark.parametrize("family, dense, said", [
+    ("preregistered", False, "--family preregistered compares the MoE rung with the dense control: give --dense"),
+    ("exploratory_n4", True, "--family exploratory_n4 compares no models"),
+])
+def test_the_dense_table_is_needed_by_and_only_by_a_family_that_compares_models(tmp_path, capsys, family, dense,
+                                                                                said):
+    per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
+    dense_table().to_csv(tmp_path / "dense.csv", index=False)
+    with pytest.raises(SystemExit) as stop:
+        main(["--family", family, "--moe", str(tmp_path / "moe.csv"), "--lag", str(K), "--out", str(tmp_path / "out")]
+             + (["--dense", str(tmp_path / "dense.csv")] if dense else []))
+    assert stop.value.code == 2 and said in capsys.readouterr().err  # a usage error, as a lag below 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_permutation_p_of_two_small_groups_is_the_hand_counted_share():

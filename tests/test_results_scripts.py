@@ -329,3 +329,28 @@ def test_the_staleness_cells_run_every_start_on_seed_0_first_and_the_family_last
         "docs/results/async/cells/glm4_moe_l16", "docs/results/async/cells/qwen30b_l16_dense"]
     assert len(reports[0]) == 2 + 2 * 16 + 4 and calls[-1][:2] == ["-m", "analysis.contrast"]
     assert calls[-1][-4:] == ["--lag", "4", "--out", "docs/results/async/contrasts"]
+
+
+def test_the_exploratory_n4_runs_minirl_at_two_lags_and_r3_at_2_from_eight_starts_then_its_own_family(tmp_path):
+    """`command.sh n4` (a recording `python`): on the cells' rung, each of starts 0-7 on seed 0 at N = 4 mini-batches
+    of the cells' size, minirl and minirl_r3 at lag 2 and minirl at 0, resumed if begun; then one report and the
+    exploratory family (never the declared one) from it."""
+    env, log = recording_python(tmp_path)
+    done = subprocess.run(["bash", str(RESULTS / "async" / "command.sh"), "n4"],
+                          env={**env, "COLD_STARTS": str(tmp_path / "starts")}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    calls = calls_in(log)
+    trains = [dict(arg.split("=", 1) for arg in call[2:] if "=" in arg) for call in calls
+              if call[:2] == ["-m", "experiments.train"]]
+    assert [(train["rollout.lag"], train["arm"]) for train in trains[:2]] == [("2", "minirl,minirl_r3"),
+                                                                           ("0", "minirl")]
+    assert len(trains) == 16 and all(
+        (train["seed"], train["trainer.minibatches"], train["trainer.prompts_per_step"], train["resume"],
+         train["hydra.sweeper.params.model"]) == ("0", "4", "16", "auto", "glm4_moe_l16") for train in trains)
+    recipe = "glm4_moe_l16-addition-balanced-target"
+    assert [train["model.path"].rsplit("/", 1)[1] for train in trains[::2]] == [recipe] + [
+        f"{recipe}-start{k}" for k in range(1, 8)]
+    report, contrast = calls[-2:]
+    assert report[:2] == ["-m", "analysis.report"] and len(report) == 2 + 16 + 4
+    assert contrast[:4] == ["-m", "analysis.contrast", "--family", "exploratory_n4"]
+    assert contrast[-4:] == ["--lag", "2", "--out", "docs/results/async/exploratory_n4/contrasts"]

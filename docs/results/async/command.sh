@@ -12,8 +12,13 @@
 #                                          control's x RL seeds 0, 1 (seed 0 on every start, then seed 1): on the rung
 #                                          six arms at K and three at lag 0, on the dense control MiniRL at 0 and K;
 #                                          a report per model, then the declared family (python -m analysis.contrast);
-#                                          run again, it goes on where it stopped (resume=auto: a finished run is left
-#                                          as it is, a killed one starts again), so the cells can span sessions
+#   docs/results/async/command.sh n4       exploratory, outside the declared family (exploratory_n4.md, declared
+#                                          before the cells were read): the cells' rung from its starts 0-7 on seed 0 at
+#                                          N = 4 mini-batches a rollout batch, minirl at lags 0 and 2 and minirl_r3 at
+#                                          2; a report, then its family of two (analysis.contrast --family
+#                                          exploratory_n4)
+# Every sweep resumes (resume=auto): run again, a command goes on where it stopped (a finished run is left as it is, a
+# killed one starts again), so the cells can span sessions.
 # Sweeps run one job at a time on one thread (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra
 # arguments after the mode are run overrides, passed to every sweep; any but hydra.launcher.n_jobs makes other runs
 # than the documented ones, whose sweeps go to multirun/async/other-<date> and reports to reports/async-<date>.
@@ -22,7 +27,7 @@ source "$(dirname "$0")/../args.sh"
 mode=${1:-}
 shift || true
 case $mode in
-  map) ;;
+  map | n4) ;;
   rule) (($# == 0)) || refuse "rule takes no arguments (got '$1'): it reads the committed maps" ;;
   cells)
     rung=${1:-} lag=${2:-}
@@ -30,19 +35,19 @@ case $mode in
       refuse "cells needs the rung the rule chose first (glm4_moe_l16 or qwen30b_l16), got '$rung'"
     [[ $lag =~ ^[1248]$ ]] || refuse "cells needs the lag the rule chose after the rung (1, 2, 4 or 8), got '$lag'"
     shift 2 ;;
-  *) refuse "mode '$mode' is not one of: map, rule, cells RUNG K" ;;
+  *) refuse "mode '$mode' is not one of: map, rule, cells RUNG K, n4" ;;
 esac
 check_run_overrides "$@"
 destinations async --threads-pinned "$@"
 cd "$(dirname "$0")/../../.."
 starts=docs/results/router_starts.sh
 sigmoid=glm4_moe_l16-addition-balanced-target softmax=qwen30b_l16-addition-balanced dense=qwen30b_l16_dense-addition
-sweep() {  # sweep NAME MODEL RECIPE START OVERRIDES...: a sweep of MODEL from start START of RECIPE
+sweep() {  # sweep NAME MODEL RECIPE START OVERRIDES...: a sweep of MODEL from start START of RECIPE, resumed if begun
   local name=$1 model=$2 recipe=$3 start=$4
   shift 4
   python -m experiments.train -m experiment=async_map "hydra.sweeper.params.model=$model" \
     "model.path=$PWD/$($starts --path "$start" "$recipe")" hydra.launcher.n_jobs=1 \
-    "hydra.sweep.dir=$sweeps_home/$name" "$@"
+    "hydra.sweep.dir=$sweeps_home/$name" resume=auto "$@"
 }
 case $mode in
   map)
@@ -65,11 +70,11 @@ case $mode in
       for start in 0 1 2 3 4 5 6 7; do
         unit=start${start}_seed$seed
         sweep "cells_${rung}_lag${lag}_$unit" $rung $recipe $start "seed=$seed" "rollout.lag=$lag" \
-          arm=grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo resume=auto "$@"
+          arm=grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo "$@"
         sweep "cells_${rung}_lag0_$unit" $rung $recipe $start "seed=$seed" rollout.lag=0 \
-          arm=minirl,grpo_decoupled,gspo resume=auto "$@"
+          arm=minirl,grpo_decoupled,gspo "$@"
         sweep "cells_qwen30b_l16_dense_lag${lag}_$unit" qwen30b_l16_dense $dense $start "seed=$seed" \
-          "rollout.lag=0,$lag" arm=minirl resume=auto "$@"
+          "rollout.lag=0,$lag" arm=minirl "$@"
         moe+=("$sweeps_home/cells_${rung}_lag${lag}_$unit" "$sweeps_home/cells_${rung}_lag0_$unit")
         controls+=("$sweeps_home/cells_qwen30b_l16_dense_lag${lag}_$unit")
       done
@@ -78,6 +83,20 @@ case $mode in
     python -m analysis.report "${controls[@]}" --out "$results_home/cells/qwen30b_l16_dense" --dpi 72
     python -m analysis.contrast --moe "$results_home/cells/$rung" --dense "$results_home/cells/qwen30b_l16_dense" \
       --lag "$lag" --out "$results_home/contrasts"
+    ;;
+  n4)
+    $starts --starts 8 $sigmoid
+    # the rollout batch twice the cells' (16 prompts), the mini-batch theirs (4 prompts x 8): k = 2 is 8 updates behind
+    n4=(trainer.minibatches=4 trainer.prompts_per_step=16 seed=0)
+    runs=()
+    for start in 0 1 2 3 4 5 6 7; do
+      sweep "n4_lag2_start$start" glm4_moe_l16 $sigmoid $start "${n4[@]}" rollout.lag=2 arm=minirl,minirl_r3 "$@"
+      sweep "n4_lag0_start$start" glm4_moe_l16 $sigmoid $start "${n4[@]}" rollout.lag=0 arm=minirl "$@"
+      runs+=("$sweeps_home/n4_lag2_start$start" "$sweeps_home/n4_lag0_start$start")
+    done
+    python -m analysis.report "${runs[@]}" --out "$results_home/exploratory_n4/glm4_moe_l16" --dpi 72
+    python -m analysis.contrast --family exploratory_n4 --moe "$results_home/exploratory_n4/glm4_moe_l16" --lag 2 \
+      --out "$results_home/exploratory_n4/contrasts"
     ;;
 esac
 if [[ $mode == rule ]]; then
