@@ -223,7 +223,7 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
         units = ", ".join(f"{len(side)} × {_seeds(side)}" + (f" {model}" if len(sides) > 1 else "")
                           for side, model in zip(sides, (MOE, DENSE)))
         shown = "; ".join((f"{model}: " if len(sides) > 1 else "")
-                          + ", ".join(f"{start[:8]} {value:+.3f}" for start, value in starts.items())
+                          + ", ".join(f"{start[:12]} {value:+.3f}" for start, value in starts.items())
                           for starts, model in zip(per_start, (MOE, DENSE)))
         rows.append([f"{result.contrast.name}: {result.contrast.text}", units, stats.difference.text(),
                      f"{stats.p_value:.3g}", f"{result.holm_p:.3g}", shown, "yes" if stats.signs_agree else "no",
@@ -234,11 +234,15 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
     kinds = {contrast.kind for contrast in read.family}
     paired = [what for kind, what in ((DIFFERENCE, "the difference of two arms at k*"), (FALL, "an arm's fall"),
                                       (FALL_DIFFERENCE, "the difference of two arms' falls")) if kind in kinds]
-    tables = f"`{read.paths[MOE]}` (the MoE rung)" + (f" and `{read.paths[DENSE]}` (the dense control)"
-                                                      if DENSE in read.paths else "")
+    model_names = {MOE: "the MoE rung", DENSE: "the dense control"}
+    tables = " and ".join(f"`{path}` ({model_names[model]})" for model, path in read.paths.items())
+    starts = {model: sorted({start for values in read.values for start in values.get(model, {})})
+              for model in read.paths}
     lines = [f"# {read.declared.title}", "",
              f"The {m} comparisons of {read.declared.declared} at k* = {read.family[0].lag}, on {MEASURE}, from "
-             f"{tables}."]
+             f"{tables}. Cold starts (the weights' sha256, its first 12 digits): "
+             + "; ".join(f"{model_names[model]}'s {len(shas)}, " + ", ".join(f"`{sha[:12]}`" for sha in shas)
+                         for model, shas in starts.items()) + "."]
     if command:
         lines += ["", f"Made with `{command}`."]
     how = ["A fall is an arm's gain_area at lag 0 minus at k* (positive: it learns less behind)."]

@@ -180,6 +180,8 @@ def test_the_exploratory_family_reads_the_moe_table_alone_and_recovers_a_planted
     assert replay["p_value"] == pytest.approx(74 / 256) and replay["verdict"] == "not separated"  # |Σ signs| ≥ 4
     report = (out / "report.md").read_text(encoding="utf-8")
     assert report.startswith("# Exploratory") and "dense" not in report and "Comparisons E1, E2 are paired" in report
+    assert "Cold starts (the weights' sha256, its first 12 digits): the MoE rung's 8, " in report
+    assert all(f"`{sha(f'moe-{start}')[:12]}`" in report for start in range(8))  # each start named where it ran
 
 
 @pytest.mark.parametrize("family, dense, said", [
