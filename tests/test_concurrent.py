@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from experiments.config import PROJECT_ROOT
 from experiments.step.batch import Rollout, split_minibatches, step_seed
 from experiments.step.checks import check_run
+from experiments.step import concurrent
 from experiments.step.concurrent import (
     Batch, ConcurrentRollouts, Sampler, SamplerFailed, Shared, WorkerSettings, check_batch,
 )
@@ -36,6 +37,7 @@ from experiments.train import train
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
 from tests.conftest import MICRO_RUN
+from tests.dying_worker import DIES_AT, WINDOWS, dying_worker
 from tests.test_reliability import one_line, wait_for_lines
 from tests.test_train import compose_train, read_metrics
 
@@ -111,11 +113,6 @@ def test_settings_the_concurrent_sampler_cannot_serve_are_refused_before_any_wor
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_non_integer_bound_is_refused_at_composition():
-    with pytest.raises(Exception, match="rollout.max_staleness"):
-        compose_train("rollout.max_staleness=0.5")
-
-
 def test_the_plan_recomputes_pi_old_because_the_engine_is_the_workers():
     plan = check_run(compose_train(*CONCURRENT), memory=False).plan
     assert plan.pi_old == "decoupled" and not plan.engine_is_trainer
@@ -154,7 +151,7 @@ def sampler():
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     model, _ = build_policy(model_cfg)
     weights = {name: tensor.clone().share_memory_() for name, tensor in full_weights(model).items()}
-    shared = Shared(weights, context.Value("q", 0, lock=False), context.Condition())
+    shared = Shared(weights, context.Value("q", 0, lock=False), context.Lock(), context.Semaphore(0))
     settings = WorkerSettings(
         model=model_cfg,
         dataset=OmegaConf.to_container(cfg.dataset, resolve=True), device="cpu", seed=cfg.seed, prompts=4,
@@ -165,11 +162,7 @@ def sampler():
 
 
 def publish(shared: Shared, version: int, scale: float) -> None:
-    with shared.published:
-        for tensor in shared.weights.values():
-            tensor.mul_(scale)
-        shared.version.value = version
-        shared.published.notify_all()
+    assert shared.announce(version, {name: tensor * scale for name, tensor in shared.weights.items()}, lambda: True)
 
 
 def test_the_worker_waits_at_its_bound_takes_the_newest_version_and_stamps_every_row(sampler):
@@ -282,6 +275,47 @@ def test_a_killed_worker_ends_the_run_in_one_line_with_its_log_whole(tmp_path, m
                                           r"step \d (waited for its rollouts|published its weights)")
     assert len(logged) >= 2 and f"while step {len(logged) + 1} " in str(ended.value)
     assert not watched.worker
+
+
+def shared_memory_of(*pids: int) -> set[str]:
+    """What /dev/shm holds under a name of these processes (torch's `torch_<pid>_...` segments)."""
+    return {name for name in os.listdir("/dev/shm") for pid in pids if f"_{pid}_" in name}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_worker_killed_in_any_window_ends_the_run_in_one_line_within_seconds(tmp_path, monkeypatch, window, signum):
+    """At bound 0, where the worker waits for every step's weights (the window a condition variable once hung the
+    trainer in, forever). The worker sends itself the signal in `window` of its batch for step DIES_AT."""
+    watched = Watched(monkeypatch)
+    stamp = tmp_path / "killed_at"
+    monkeypatch.setattr(concurrent, "serve", dying_worker(window, signum, stamp))
+    started = {}
+    real_start = ConcurrentRollouts._start
+
+    def start(source, step):
+        real_start(source, step)
+        started["pid"] = source.process.pid
+
+    monkeypatch.setattr(ConcurrentRollouts, "_start", start)
+    # A trainer that hangs fails the test instead of the suite: SIGTERM after a minute ends the run as interrupted.
+    watchdog = threading.Timer(60, os.kill, (os.getpid(), signal.SIGTERM))
+    watchdog.start()
+    try:
+        with pytest.raises(SystemExit) as ended:
+            train(compose_train(*CONCURRENT, "rollout.max_staleness=0", "trainer.steps=4"), tmp_path / "run")
+    finally:
+        watchdog.cancel()
+    took = time.time() - float(stamp.read_text())
+    logged = ends_failed(tmp_path, ended, rf"the concurrent sampler's worker \(pid {started['pid']}\) was killed by "
+                                          rf"{signum.name} while step {DIES_AT} (waited for its rollouts|published "
+                                          "its weights)")
+    assert len(logged) == DIES_AT - 1
+    assert took < 5, f"the run took {took:.1f} s to notice its worker's death"
+    assert not watched.worker and not Path(f"/proc/{started['pid']}").exists(), "the worker is left"
+    assert not [command for command in children(os.getpid()).values() if "spawn_main" in command]
+    assert not shared_memory_of(os.getpid(), started["pid"]), "shared memory is left"
 
 
 @pytest.mark.slow

@@ -4,7 +4,10 @@ rollouts while the trainer updates, with weights at most `rollout.max_staleness`
 Versions. A version is the weights after one RL step (`experiments.step.versions`): step t trains from θ_old =
 version t − 1. After each step the trainer publishes its weights as version t, into tensors in shared memory beside a
 counter of the newest version (`ConcurrentRollouts.publish`); one lock guards both, so the worker never reads half a
-version. Before each batch the worker takes the newest version published and samples the whole batch with it, so
+version, and a semaphore released at each publication wakes a worker waiting for one. No wait of either process
+depends on the other's answer: with a condition variable it would (multiprocessing's `notify_all` blocks until each
+sleeping waiter acknowledges, and a killed one never does), while releasing a semaphore blocks on nothing. Before each
+batch the worker takes the newest version published and samples the whole batch with it, so
 every token of a row comes from one version, and stamps every row with it (`Served.versions`). A row's staleness is
 θ_old's version minus its own, (t − 1) − v, logged per step as the mean and max over the step's rows
 (`async/staleness_mean`, `async/staleness_max`; the rows of one batch share their version).
@@ -24,8 +27,11 @@ once.
 Checks. The trainer checks every batch it takes (`check_batch`): the step it is for, a version it has published,
 versions that never go backwards, a staleness within the bound; the worker refuses published versions that go
 backwards. A batch that fails a check, or a worker that raises or dies, ends the run with one line naming it
-(`SamplerFailed`; `experiments.run.life` writes the summary with status failed). The trainer stops the worker when
-the run ends, however it ends (`close`); a worker whose trainer is gone (killed) exits at its next wait or batch.
+(`SamplerFailed`; `experiments.run.life` writes the summary with status failed). Every wait of either process on
+the other (for the lock, for a publication, for a batch) wakes every `POLL_S` to check that the other still lives, so
+a worker killed in any window (sampling, waiting at the bound, loading a version under the lock, between batches)
+ends the run within a second or so, its signal named. The trainer stops the worker when the run ends, however it
+ends (`close`); a worker whose trainer is gone (killed) exits at its next wait or batch.
 
 The three policies. μ_old is the worker's engine: the hf engine with its own copy of the weights and the run's engine
 numerics (`rollout.precision`, ...). π_old is recomputed by the trainer at θ_old (the plan says decoupled:
@@ -95,11 +101,26 @@ class WorkerSettings:
 @dataclass(frozen=True)
 class Shared:
     """What the trainer and the worker share: the newest published weights, in shared memory, and their version; the
-    condition that guards both and wakes the worker at each publication."""
+    lock that guards both, and the semaphore the trainer releases at each publication to wake a waiting worker."""
 
     weights: dict[str, torch.Tensor]
     version: Any  # multiprocessing.Value("q")
-    published: Any  # multiprocessing.Condition
+    lock: Any  # multiprocessing.Lock
+    published: Any  # multiprocessing.Semaphore: released once per publication; the trainer never waits on it
+
+    def announce(self, version: int, weights: Mapping[str, torch.Tensor], alive: Callable[[], bool]) -> bool:
+        """Write `weights` as `version` under the lock, then wake the worker; False, writing nothing, when the worker
+        died holding the lock (`alive`: whether it lives)."""
+        if not acquire(self.lock, alive):
+            return False
+        try:
+            for name, tensor in weights.items():
+                self.weights[name].copy_(tensor)
+            self.version.value = version
+        finally:
+            self.lock.release()
+        self.published.release()
+        return True
 
 
 @dataclass(frozen=True)
@@ -195,26 +216,31 @@ class Sampler:
         waited, or None when the trainer is gone."""
         start = time.perf_counter()
         shared = self.shared
-        if not acquire(shared.published, self.alive):
-            return None
-        try:
-            while True:
+        while True:
+            if not acquire(shared.lock, self.alive):
+                return None
+            try:
                 newest = shared.version.value
                 if self.held is not None and newest < self.held:
                     raise SamplerFailed(f"weight version {newest} was published after version {self.held}: versions "
                                         "only grow")
                 if newest >= oldest:
-                    break
-                if not self.alive():
-                    return None
-                shared.published.wait(timeout=POLL_S)
-            waited = time.perf_counter() - start
-            if newest != self.held:
-                self.load(shared.weights)
-                self.held = newest
-        finally:
-            shared.published.release()
-        return waited
+                    waited = time.perf_counter() - start
+                    if newest != self.held:
+                        self.load(shared.weights)
+                        self.held = newest
+                    return waited
+            finally:
+                shared.lock.release()
+            if not self.wait_for_publication():
+                return None
+
+    def wait_for_publication(self) -> bool:
+        """Sleep until the trainer publishes or `POLL_S` passes (a publication since the last look left the semaphore
+        released, so none is missed; an older one only wakes the worker to look again); False when the trainer is
+        gone."""
+        self.shared.published.acquire(timeout=POLL_S)
+        return self.alive()
 
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
         """The engine takes `weights` (a full state dict of the run's model)."""
@@ -308,16 +334,8 @@ class ConcurrentRollouts:
         next `take` starts one with the weights then)."""
         if self.process is None:
             return
-        shared = self.shared
-        if not acquire(shared.published, self.process.is_alive):
+        if not self.shared.announce(step, full_weights(self.trainer.model), self.process.is_alive):
             raise SamplerFailed(self._death(f"while step {step} published its weights"))
-        try:
-            for name, tensor in full_weights(self.trainer.model).items():
-                shared.weights[name].copy_(tensor)
-            shared.version.value = step
-            shared.published.notify_all()
-        finally:
-            shared.published.release()
 
     def close(self) -> None:
         """Stop the worker; the batches it sampled and no step took are dropped."""
@@ -349,7 +367,7 @@ class ConcurrentRollouts:
         context = multiprocessing.get_context("spawn")
         weights = {name: tensor.detach().to("cpu", copy=True).share_memory_()
                    for name, tensor in full_weights(trainer.model).items()}
-        self.shared = Shared(weights, context.Value("q", step - 1, lock=False), context.Condition())
+        self.shared = Shared(weights, context.Value("q", step - 1, lock=False), context.Lock(), context.Semaphore(0))
         settings = WorkerSettings(
             model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)),
             dataset=OmegaConf.to_container(cfg.dataset, resolve=True),
@@ -376,11 +394,16 @@ class ConcurrentRollouts:
         writer.close()  # the worker holds the only write end: its death ends the pipe
 
     def _receive(self, step: int) -> Batch:
-        """The worker's next batch, as step `step` waits for it."""
+        """The worker's next batch, as step `step` waits for it, checking every `POLL_S` that the worker lives (a
+        stopped or hung one sends nothing and closes nothing)."""
+        died = f"while step {step} waited for its rollouts"
+        while not self.inbox.poll(POLL_S):  # a dead worker's pipe polls ready: at its end
+            if not self.process.is_alive():
+                raise SamplerFailed(self._death(died))
         try:
             kind, payload = pickle.loads(self.inbox.recv_bytes())  # this run's own worker's bytes
-        except EOFError:
-            raise SamplerFailed(self._death(f"while step {step} waited for its rollouts")) from None
+        except (EOFError, OSError):  # the pipe ended, or ended inside a message: the worker died
+            raise SamplerFailed(self._death(died)) from None
         if kind == "failed":
             raise SamplerFailed(f"the concurrent sampler's worker failed {payload}")
         return payload
