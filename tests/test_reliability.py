@@ -26,8 +26,9 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from experiments.config import PROJECT_ROOT, TrainerConfig
+from experiments.config import PROJECT_ROOT, SFTConfig, TrainConfig, TrainerConfig, refuse_mistyped_overrides
 from experiments.run.checkpoint import find as find_checkpoint
+from experiments.run.logger import RunLogger
 from experiments.run.resume import SAFE_TO_CHANGE
 from experiments.step.metrics import STEP, THREADS
 from experiments.train import RLTrainer, train
@@ -270,6 +271,52 @@ def test_a_disk_that_fills_in_the_middle_of_a_line_leaves_only_whole_lines(tmp_p
     assert [json.loads(row)[STEP] for row in text.splitlines()] == list(range(1, int(kept[1]) + 1))
 
 
+def remove_after_step(monkeypatch, step: int, remove) -> None:
+    """`remove(run_dir)` right after the run logs `step`: a user's `rm` between two steps."""
+    real_log = RunLogger.log
+
+    def log(logger, record):
+        real_log(logger, record)
+        if record[STEP] == step:
+            remove(logger.run_dir)
+
+    monkeypatch.setattr(RunLogger, "log", log)
+
+
+def test_a_run_directory_removed_mid_run_stops_the_run_at_the_next_step_in_one_line(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    remove_after_step(monkeypatch, 2, shutil.rmtree)
+    with pytest.raises(SystemExit) as ended:
+        train(compose_train("trainer.steps=6"), run_dir)
+    line = str(ended.value)
+    assert "\n" not in line and line.startswith(f"moe-rl-lab: the run directory {run_dir} was removed after step 2 "
+                                                "(noticed as step 3 was to be logged)"), line
+    assert f"cannot write summary.json in {run_dir}: No such file or directory; the log is gone with it" in line
+    assert "holds" not in line, "the line claims a log that no longer exists"
+    assert not run_dir.exists(), "nothing was written into a new directory of the old name"
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced by another file"])
+def test_a_log_removed_or_replaced_mid_run_stops_the_run_and_the_summary_says_failed(tmp_path, monkeypatch, how):
+    run_dir = tmp_path / "run"
+
+    def remove(directory: Path) -> None:
+        (directory / "metrics.jsonl").unlink()
+        if how != "removed":
+            (directory / "metrics.jsonl").write_text("")
+
+    remove_after_step(monkeypatch, 2, remove)
+    with pytest.raises(SystemExit) as ended:
+        train(compose_train("trainer.steps=6"), run_dir)
+    line = str(ended.value)
+    why = f"{run_dir / 'metrics.jsonl'} was {how} after step 2 (noticed as step 3 was to be logged)"
+    assert "\n" not in line and why in line and "says status 'failed'" in line and "holds" not in line, line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and why in summary["failed"] and summary["steps"] == 2
+    replacement = run_dir / "metrics.jsonl"
+    assert (not replacement.exists()) if how == "removed" else replacement.read_text() == "", "the run wrote on"
+
+
 # -- runs that end early: divergence, signals during a checkpoint -------------------------------------------------
 
 @pytest.mark.parametrize("lr, why", [
@@ -432,6 +479,36 @@ def test_a_job_of_several_ranks_refuses_its_run_directory_and_checkpoint_before_
     (tmp_path / "two" / "summary.json").unlink()
     done = run_cli(*two_ranks, "resume=auto")
     assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("schema, arguments, refusal", [
+    (TrainConfig, ["rollout.lag=1.5"], "rollout.lag=1.5 is refused: Value '1.5' of type 'float' could not be converted "
+                                       "to Integer"),
+    (TrainConfig, ["rollout.lag=abc"], "rollout.lag=abc is refused: Value 'abc' of type 'str' could not be converted"),
+    (TrainConfig, ["rollout.max_staleness=0.5"], "rollout.max_staleness=0.5 is refused"),
+    (TrainConfig, ["-m", "algo=grpo,gspo", "rollout.lag=0,2.5"], "rollout.lag=2.5 is refused"),
+    (TrainConfig, ["trainer.steps=true"], "trainer.steps=true is refused: Value 'True' of type 'bool'"),
+    (TrainConfig, ["cpu_kernels=fast"], "cpu_kernels=fast is refused: Invalid value 'fast', expected one of "
+                                        "[portable, native]"),
+    (SFTConfig, ["sft.max_steps=ten"], "sft.max_steps=ten is refused"),
+    (TrainConfig, ["rollout.lag=0,2", "algo=gspo", "algo.clip_eps=0.1", "seed=range(0,3)", "model.path=null",
+                   "rollout.max_staleness=${rollout.lag}", "+extra=1"], None),
+])
+def test_a_value_its_key_cannot_hold_is_refused_in_one_line_before_hydra(schema, arguments, refusal):
+    """A sweep's every value is checked; keys the root schema does not type (a group's choice, an objective's field, an
+    added key) and interpolations pass on to Hydra."""
+    if refusal is None:
+        refuse_mistyped_overrides(arguments, schema)
+        return
+    with pytest.raises(SystemExit) as refused:
+        refuse_mistyped_overrides(arguments, schema)
+    assert str(refused.value).startswith(f"moe-rl-lab: {refusal}") and "\n" not in str(refused.value)
+
+
+def test_a_non_integer_lag_on_the_command_line_is_one_line(tmp_path):
+    done = run_cli(*MICRO_RUN, "rollout.lag=1.5", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "moe-rl-lab: rollout.lag=1.5 is refused: Value '1.5' of type 'float' could not be converted to Integer")
 
 
 # -- crashes late that a start-up check catches -------------------------------------------------------------------
@@ -687,6 +764,8 @@ def test_a_checkpoint_written_before_its_files_hashes_were_recorded_still_resume
     ("computed_under", {"first_step": 1}, 'computed_under={"first_step": 1}, not a list of environments'),
     ("computed_under", ["torch"], 'computed_under=["torch"], not a list of environments (each an object with'),
     ("computed_under", [{"first_step": 0, "versions": None, "kernels": None}], "computed_under=[{"),
+    ("computed_under", [{"first_step": 1, "versions": {"torch": ["2.13.0"]}, "kernels": None}],
+     'computed_under=[{"first_step": 1, "versions": {"torch": ["2.13.0"]}, "ke...'),
     ("world", "1", 'world="1", not a number of ranks (an integer >= 1)'),
     ("step", -3, "step=-3, not a count (an integer >= 0)"),
     ("experiment", [], "experiment as a list, not an object"),

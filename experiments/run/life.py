@@ -128,6 +128,8 @@ class _Unstarted:
     """The logger of a rank other than 0 (the run directory, W&B and the summary are rank 0's), and rank 0's until
     its `RunLogger` has started: a stop during W&B's start-up still leaves `summary.json`."""
 
+    lost = None  # no log was opened, so none can be lost
+
     def __init__(self, summary_dir: Path | None) -> None:
         self.summary_dir = summary_dir
 
@@ -267,8 +269,9 @@ class Life:
             self.logger.finish(summary, exit_code=1)
         except rundir.StorageError as storage:
             raise SystemExit(f"moe-rl-lab: {line}; and {storage}") from None
-        exit_once(f"moe-rl-lab: {line}. {self.run_dir / rundir.METRICS_FILE} holds {len(self.records)} step(s), and "
-                  f"{self.run_dir / rundir.SUMMARY_FILE} says status '{status}'")
+        held = (f"{self.run_dir / rundir.METRICS_FILE} holds {len(self.records)} step(s), and "
+                if self.logger.lost is None else "")  # a log removed under the run holds nothing to point to
+        exit_once(f"moe-rl-lab: {line}. {held}{self.run_dir / rundir.SUMMARY_FILE} says status '{status}'")
 
     def on_rank0(self, work: Callable[[], Any]) -> Any:
         """`launch.on_rank0`: work of rank 0 alone whose refusal every rank raises."""

@@ -4,6 +4,11 @@
 every finished step; the file is only ever appended to (a run directory is claimed by one run, `experiments.run.rundir`).
 A write that fails (a full disk) cuts the file back to its last whole line, so that no partial line is ever left,
 and raises `StorageError` naming the file, the last step it holds and the cut; closing after a failure never raises.
+Before each step's line the writer checks that the file it holds open is still the run directory's `metrics.jsonl`:
+a directory removed (or a log removed or replaced) under a running run would otherwise take every later line into a
+file nobody can read, and the run would end claiming a log that no longer exists. It stops the run instead, in one
+line naming the step (`StorageError`), and from then on says the log is gone (`lost`) wherever it would say what the
+log holds.
 Per-minibatch values sit under the key `minibatches` (a list, index = updates since θ_old); W&B receives them
 flattened as `minibatch/<j>/<name>`. W&B is offline by default (no network needed); online, its start-up waits at
 most `logger.wandb.init_timeout` seconds (W&B's own default is 90, which a machine without a network spent in
@@ -76,6 +81,7 @@ class RunLogger:
         """`resume`: the run continues from a checkpoint; W&B continues the run whose id the directory recorded."""
         self.run_dir = Path(run_dir)
         self.last_step: int | None = None
+        self.lost: str | None = None  # why metrics.jsonl no longer holds the run's steps (None: it does)
         # What W&B did, for the summary: its mode, whether it started, and why it did not or stopped (None: it did not
         # fail).
         self.wandb_record: dict[str, Any] = {"mode": str(cfg.logger.wandb.mode), "started": False, "problem": None}
@@ -147,9 +153,33 @@ class RunLogger:
 
     def _failed(self, error: OSError, what: str, cut: str = "") -> StorageError:
         held = f"it holds steps up to {self.last_step}" if self.last_step is not None else "it holds no step"
+        if self.lost is not None:
+            held = "the log is gone with it"
         return StorageError(f"cannot write {what} in {self.run_dir}: {error.strerror}; {held}{cut}")
 
+    def _check_still_there(self, step: int) -> None:
+        """Raise `StorageError` when the log this writer holds open is no longer the run directory's `metrics.jsonl`
+        (the directory or the file was removed, or the file replaced), naming the step about to be logged."""
+        path = self.run_dir / METRICS_FILE
+        held = os.fstat(self._metrics)
+        try:
+            here = os.stat(path)
+        except FileNotFoundError:
+            here = None
+        if held.st_nlink > 0 and here is not None and (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+            return
+        after = f"after step {self.last_step}" if self.last_step is not None else "before its first step"
+        if not self.run_dir.is_dir():
+            self.lost = f"the run directory {self.run_dir} was removed {after}"
+        elif here is None:
+            self.lost = f"{path} was removed {after}"
+        else:
+            self.lost = f"{path} was replaced by another file {after}"
+        raise StorageError(f"{self.lost} (noticed as step {step} was to be logged): the steps it held are gone, and "
+                           "the run stops rather than log into a file nobody can read")
+
     def log(self, record: dict[str, Any]) -> None:
+        self._check_still_there(int(record[STEP]))
         clean = _clean(record)
         line = (json.dumps(clean) + "\n").encode("utf-8")
         try:
