@@ -17,7 +17,9 @@ from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, ValidationError
 
 from algos import OBJECTIVES
 from algos.corrections import CORRECTIONS
@@ -341,3 +343,37 @@ def register_configs() -> None:
     _store_group(cs, "correction", CORRECTIONS, lambda cls: [])
     _store_group(cs, "routing_variant", ROUTING_VARIANTS, lambda cls: [])
     _store_group(cs, "routers", ROUTER_SWITCHES, lambda cls: [])
+
+
+def refuse_mistyped_overrides(arguments: list[str], schema: type) -> None:
+    """Refuse, in one line before Hydra composes anything, a command-line value that `schema`'s type for its key
+    cannot hold (`rollout.lag=1.5`, `rollout.max_staleness=abc`, a value of a sweep among them): Hydra itself would
+    refuse it in seven lines. Keys the root schema does not type (a group's choice, an objective's own field, which
+    its group's schema types once chosen) and anything Hydra's grammar refuses are left to Hydra."""
+    try:
+        overrides = OverridesParser.create().parse_overrides(
+            [argument for argument in arguments if "=" in argument and not argument.startswith("-")])
+    except HydraException:
+        return
+    typed = OmegaConf.structured(schema)
+    for override in overrides:
+        if override.is_delete() or override.is_add() or not _is_typed_leaf(typed, override.key_or_group):
+            continue
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        for value in values:
+            if isinstance(value, str) and "${" in value:  # an interpolation: resolved after composition
+                continue
+            try:
+                OmegaConf.update(OmegaConf.structured(schema), override.key_or_group, value, merge=True)
+            except ValidationError as error:
+                shown = str(value).lower() if isinstance(value, bool) else value  # as the command line spells it
+                why = str(error).splitlines()[0]
+                raise SystemExit(f"moe-rl-lab: {override.key_or_group}={shown} is refused: {why}") from None
+
+
+def _is_typed_leaf(typed: Any, key: str) -> bool:
+    """Whether `key` names a value (not a section) of the structured config `typed`."""
+    parent, _, leaf = key.rpartition(".")
+    section = OmegaConf.select(typed, parent) if parent else typed
+    return (isinstance(section, DictConfig) and leaf in section
+            and not isinstance(section._get_node(leaf), (DictConfig, ListConfig)))

@@ -48,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from algos.objective import CLIP, KL_OLD, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
-from experiments.config import register_configs
+from experiments.config import ProbeConfig, refuse_mistyped_overrides, register_configs
 from experiments.run import provenance
 from experiments.run.life import Job, Life, live
 from experiments.run.threads import ThreadBudget
@@ -284,4 +284,5 @@ def main(cfg: DictConfig) -> None:
 
 register_configs()
 if __name__ == "__main__":
+    refuse_mistyped_overrides(sys.argv[1:], ProbeConfig)
     main()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from algos.routers import RouterSwitch, RunFacts, build_router_switches
-from experiments.config import register_configs
+from experiments.config import SFTConfig, refuse_mistyped_overrides, register_configs
 from experiments.run import provenance, rundir
 from experiments.run.life import Job, Life, live
 from experiments.run.recipe import COLD_START_FILE, recipe_of, recipe_sha256
@@ -447,4 +448,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    refuse_mistyped_overrides(sys.argv[1:], SFTConfig)
     main()

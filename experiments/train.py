@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from algos.objective import CLIP
-from experiments.config import register_configs
+from experiments.config import TrainConfig, refuse_mistyped_overrides, register_configs
 from experiments.run import checkpoint, launch, relaunch
 from experiments.run.continuing import restore
 from experiments.run.life import Job, Life, live
@@ -142,4 +142,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    refuse_mistyped_overrides(sys.argv[1:], TrainConfig)
     main()

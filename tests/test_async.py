@@ -117,11 +117,6 @@ def test_a_lag_the_run_cannot_serve_is_refused_before_any_work(tmp_path, overrid
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_non_integer_lag_is_refused_at_composition():
-    with pytest.raises(Exception, match="rollout.lag"):
-        compose_train("rollout.lag=1.5")
-
-
 @pytest.mark.parametrize("arm, pi_old, first_on_policy, correction", [
     ("grpo_naive_async", "bypass", False, "none"),  # π_old := μ_old, the stale engine's: no minibatch is on-policy
     ("grpo_decoupled", "decoupled", True, "tis"),  # π_old recomputed at θ_old, π_old/μ_old capped

@@ -317,7 +317,8 @@ def _trainer_damage(saved: dict[str, Any]) -> str | None:
     if environments is not None and not (isinstance(environments, list) and environments
                                          and all(map(_is_environment, environments))):
         return (f"computed_under={_shown(environments)}, not a list of environments (each an object with first_step, "
-                "an integer >= 1, versions and kernels, each an object or null, and threads, an integer >= 1 or null)")
+                "an integer >= 1, versions, null or an object of version strings, kernels, an object or null, and "
+                "threads, an integer >= 1 or null)")
     files = saved.get("files")
     if files is not None and not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
         return f"files={_shown(files)}, not an object of each file's sha256"
@@ -330,8 +331,10 @@ def _trainer_damage(saved: dict[str, Any]) -> str | None:
 
 def _is_environment(part: Any) -> bool:
     """Whether `part` is an environment `experiments.run.provenance` records (threads: absent before recorded)."""
+    versions = part.get("versions") if isinstance(part, dict) else None
     return (isinstance(part, dict) and _is_count(part.get("first_step"), least=1)
             and all(isinstance(part.get(key), (dict, type(None))) for key in ("versions", "kernels"))
+            and all(isinstance(version, str) for version in (versions or {}).values())
             and (part.get("threads") is None or _is_count(part["threads"], least=1)))
 
 
