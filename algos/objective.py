@@ -118,6 +118,12 @@ def zero_std_group_frac(rewards: Tensor, group_size: int) -> float:
     return constant.float().mean().item()
 
 
+def within_group_std(rewards: Tensor, group_size: int) -> float:
+    """The reward's spread within a group (the std the advantage divides by, unbiased), averaged over the groups of
+    rewards `[N]`: how much a group has to tell apart, where the overall std also counts easy against hard prompts."""
+    return _grouped(rewards, group_size).std(dim=1, unbiased=True).mean().item()
+
+
 def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     """Rewards `[N]` as `[N / group_size, group_size]` in fp32, after checking the layout."""
     if not isinstance(rewards, Tensor) or rewards.dim() != 1 or rewards.numel() == 0:

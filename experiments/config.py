@@ -178,7 +178,11 @@ class TrainerConfig:
     # 128-prompt evaluation's variance at 500. In batches as large as the step's own memory allows
     # (experiments.step.memory): a split of any size fits where the step does.
     eval_split: bool = True
-    eval_samples: int = 4  # k of mean pass@1 (0: greedy accuracy only)
+    eval_samples: int = 4  # k of mean pass@1 (0: greedy accuracy only); from 8 on, pass@8 too (the headroom)
+    eval_train: bool = False  # also greedy accuracy on the first eval_prompts train prompts (against overfitting)
+    # Also, per update, its size against the weights and the KL from the start (one more forward per minibatch, of a
+    # frozen copy of the start): how far a run moves, for telling a step too small to learn from one that forgets.
+    measure_learning: bool = False
     save_checkpoint: bool = False  # save_pretrained + tokenizer into the run directory at the end
     checkpoint_every: int = 0  # steps between resumable checkpoints (experiments.run.checkpoint; 0: none)
     keep_checkpoints: int = 2  # the newest this many checkpoints stay on disk

@@ -373,6 +373,30 @@ class RolloutCorrection(StepHook):
 
 
 @dataclass(eq=False)
+class LearningMeasures(StepHook):
+    """How far the policy moves (`trainer.measure_learning`): each update's size against the weights, and KL(π_θ ‖
+    π_start) on the minibatch's response tokens after the update (`metrics.kl_k3` of log π_start − log π_θ; the
+    tokens were sampled by μ_old, which is π_θ's neighbour, not π_θ)."""
+
+    def __init__(self, model: torch.nn.Module, start: torch.nn.Module, score: Score) -> None:
+        self.model, self.start, self.score = model, start, score
+
+    def before_step(self, update: Update) -> dict[str, float]:
+        update.held[self] = [p.detach().clone() for p in self.model.parameters()]
+        return {}
+
+    def after_step(self, update: Update) -> dict[str, float]:
+        before = update.held.pop(self)
+        moved = [p.detach() - old for p, old in zip(self.model.parameters(), before)]
+        size = float(torch.nn.utils.get_total_norm(before))  # over every rank's shards under FSDP2
+        return {m.UPDATE_RATIO: float(torch.nn.utils.get_total_norm(moved)) / max(size, 1e-30)}
+
+    def measure(self, update: Update, rows: Rows) -> dict[str, float]:
+        with torch.no_grad():
+            start = self.score(self.start, update.mb, ScoreOptions()).logp
+        return {m.KL_TO_START: float(m.kl_k3(rows(start - update.scores.logp.detach()), rows.mask))}
+
+
 class Mismatch(StepHook):
     """The engine's log-probs against the trainer's at θ_old, where the step holds both (`metrics.mismatch_metrics`)."""
 
@@ -395,8 +419,8 @@ class Assembly:
 
 @dataclass(frozen=True)
 class StepParts:
-    """What a run's step is assembled from: its `plan` and settings (`cfg`), the trainer's `model` and the frozen KL
-    `reference` (None without a KL term), how a minibatch is scored (`score`), the routing variant, the rollout
+    """What a run's step is assembled from: its `plan` and settings (`cfg`), the trainer's `model`, the frozen KL
+    `reference` (None without a KL term) and `start`, how a minibatch is scored (`score`), the routing variant, the rollout
     correction and the router switches that are on, the ranks, the number of MoE `layers`, and the SYNTHETIC flips' and
     router noise's own random streams."""
 
@@ -404,6 +428,7 @@ class StepParts:
     cfg: Any
     model: torch.nn.Module
     reference: torch.nn.Module | None
+    start: torch.nn.Module | None  # the start, frozen (with `trainer.measure_learning` or a KL term; else None)
     score: Score
     variant: RoutingVariant
     correction: Correction
@@ -455,6 +480,8 @@ def assemble(parts: StepParts) -> Assembly:
     if parts.correction.weighs_tokens:
         hooks.append(RolloutCorrection(parts.correction))
     hooks.append(Mismatch())
+    if cfg.trainer.measure_learning:
+        hooks.append(LearningMeasures(model, parts.start, score))
     if cfg.routing.decompose_every:
         hooks.append(Decomposition(cfg.routing.decompose_every, model, score, device, variant.changes_replay,
                                    flips.flipping if flips is not None else contextlib.nullcontext))

@@ -25,6 +25,7 @@ REWARD = "reward/mean"
 REWARD_STD = "reward/std"
 REWARD_ACCURACY = "reward/accuracy"  # share of the step's completions with full reward
 ZERO_STD_GROUPS = "reward/zero_std_group_frac"  # groups whose rewards are all equal: no learning signal
+WITHIN_GROUP_STD = "reward/within_group_std"  # the reward's spread within a group, averaged over the step's groups
 LENGTH = "response/length_mean"
 TRUNCATED = "response/truncated_frac"  # completions without eos within the budget
 SKIPPED = "optim/skipped_steps"  # updates refused so far for a non-finite loss or gradient
@@ -52,6 +53,15 @@ MINIBATCH = "minibatch"  # the index of one: updates since θ_old
 EVAL = "eval/"
 EVAL_ACCURACY = EVAL + "accuracy"  # mean pass@1 over `eval_samples` samples per prompt
 EVAL_GREEDY = EVAL + "greedy_accuracy"
+# With `eval_samples` >= PASS_K: the unbiased pass@PASS_K over the same samples (the headroom RL can sharpen pass@1
+# towards), and the share of prompts whose samples are all right or all wrong (a group of `eval_samples` on them
+# has no advantage to learn from).
+PASS_K = 8
+EVAL_PASS_AT_K = EVAL + f"pass_at_{PASS_K}"
+EVAL_ALL_SAME = EVAL + "all_same_frac"
+# With `trainer.eval_train`: greedy accuracy on the first `eval_prompts` prompts of the train split, beside the held-out
+# one (a policy that learns its training prompts and not the task overfits).
+EVAL_TRAIN_GREEDY = "eval_train/greedy_accuracy"
 # The whole test split, greedy, at the start and at the last step: the endpoint with the least noise (500 prompts)
 EVAL_SPLIT = "eval_split/"
 EVAL_SPLIT_GREEDY = EVAL_SPLIT + "greedy_accuracy"
@@ -59,6 +69,9 @@ START = "_start/"  # step 1's record holds the starting policy's evaluations as 
 # Per minibatch
 ENTROPY = "policy/entropy"
 GRAD_NORM = "optim/grad_norm"
+# With `trainer.measure_learning`: how far the policy moves, per update and from the start
+UPDATE_RATIO = "optim/update_ratio"  # ||θ after − θ before|| / ||θ before|| of one optimizer update
+KL_TO_START = "policy/kl_to_start"  # k3 estimate of KL(π_θ ‖ π_start) on the minibatch's response tokens
 LR = "optim/lr"
 AUX_LOSS = "moe/aux_loss"  # the global-batch load-balancing loss (added to the loss only by routers=[aux_loss])
 LOAD_MAX_VIOLATION = "moe/load_max_violation"
@@ -172,6 +185,15 @@ def gate_mismatch_metrics(shift: GateShift) -> dict[str, float]:
 
 
 @torch.no_grad()
+def kl_k3(log_rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k3 = mean(ρ − 1 − log ρ) over the valid tokens of `mask` (Schulman's estimator of KL(q ‖ p) from tokens
+    sampled from q, ρ = p / q; nonnegative token by token): log ρ in fp32, padding zeroed before the exp and bounded
+    at ±TOKEN_LOG_RATIO_BOUND."""
+    log_rho = masked(log_rho.float(), mask.bool()).clamp(-TOKEN_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND)
+    return masked_mean(torch.expm1(log_rho) - log_rho, mask.bool())
+
+
+@torch.no_grad()
 def mismatch_metrics(log_rho: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the engine's log-probs are from the trainer's at θ_old, on the valid tokens of `mask`.
 
@@ -193,7 +215,7 @@ def mismatch_metrics(log_rho: torch.Tensor, mask: torch.Tensor) -> dict[str, flo
     second = masked_mean(rho**2, mask)
     values = {
         MISMATCH_K1: masked_mean(-log_rho, mask),
-        MISMATCH_K3: masked_mean(rho - 1 - log_rho, mask),
+        MISMATCH_K3: kl_k3(log_rho, mask),
         CHI2_TOKEN: second - 1,
         CHI2_SEQ: sequence_mean(torch.exp(2 * seq_sum.clamp(max=SEQ_LOG_RATIO_BOUND)), nonempty) - 1,
         ESS: mean_rho**2 / second.clamp(min=1e-30),

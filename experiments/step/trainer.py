@@ -42,7 +42,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from algos.objective import ObjectiveOutput, Totals, group_advantages, masked_mean, zero_std_group_frac
+from algos.objective import (
+    ObjectiveOutput, Totals, group_advantages, masked_mean, within_group_std, zero_std_group_frac,
+)
 from experiments.step import metrics as m
 from experiments.step.batch import (
     Minibatch, Rollout, Served, collect_rollout, draw_examples, evaluate, minibatch_order, split_minibatches, step_seed,
@@ -100,17 +102,19 @@ class RLTrainer:
         self.rollouts = ConcurrentRollouts(self) if cfg.rollout.concurrent else EngineRollouts(self)
         if ranks.active:
             shard(self.model)
-        reference = None
-        if self.objective.kl_coef > 0:
-            reference, _ = build_policy(parts.model_cfg)
-            reference.to(self.device).eval().requires_grad_(False)
+        start = None  # the start, frozen: the KL term's reference, and what `measure_learning` measures the KL to
+        if self.objective.kl_coef > 0 or cfg.trainer.measure_learning:
+            start, _ = build_policy(parts.model_cfg)
+            start.to(self.device).eval().requires_grad_(False)
+        reference = start if self.objective.kl_coef > 0 else None
         self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer, self.variant.predictor_lr_scale)
         self.clipped = policy_parameters(self.model)  # the gradient clip bounds the policy's, not a predictor's
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.flip_generator = torch.Generator()  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
         self.perturb_generator = torch.Generator()  # the synthetic router noise's (routing.perturb_rate), likewise
         assembly = assemble(StepParts(
-            plan=self.plan, cfg=cfg, model=self.model, reference=reference, score=self.score, variant=self.variant,
+            plan=self.plan, cfg=cfg, model=self.model, reference=reference, start=start, score=self.score,
+            variant=self.variant,
             correction=self.correction, switches=self.switches, ranks=ranks, layers=len(find_routers(self.model)),
             flip_generator=self.flip_generator, perturb_generator=self.perturb_generator))
         self.old_policy, self.hooks = assembly.old_policy, assembly.hooks
@@ -162,6 +166,7 @@ class RLTrainer:
             m.REWARD_STD: float(rewards.std()),
             m.REWARD_ACCURACY: float(gather_rows(rollout.correct.float(), self.ranks).mean()),
             m.ZERO_STD_GROUPS: zero_std_group_frac(rewards, t.group_size),
+            m.WITHIN_GROUP_STD: within_group_std(rewards, t.group_size),
             m.LENGTH: float(lengths.mean()),
             m.TRUNCATED: float(gather_rows(rollout.truncated.float(), self.ranks).mean()),
             **m.step_means(per_minibatch),
@@ -300,21 +305,21 @@ class RLTrainer:
         greedy on every prompt of the test split (`EVAL_SPLIT_*`). On several ranks each takes every world-th prompt
         and the accuracies combine weighted by the prompts each rank held."""
         t = self.cfg.trainer
-        prompts = self.test_examples if whole_split else self.test_examples[: t.eval_prompts]
-        mine = prompts[self.ranks.rank :: self.ranks.world]
-        local = evaluate(
-            HFEngine(self.model, self.tokenizer, synced=self.ranks.active,
-                     kv_cache=KVCache(self.cfg.rollout.kv_cache)),
-            self.task,
-            mine,
-            samples=0 if whole_split else t.eval_samples,
-            max_new_tokens=t.max_new_tokens,
-            temperature=t.temperature,
-            batch=self.eval_split_batch if whole_split else None,
-        )
+        engine = HFEngine(self.model, self.tokenizer, synced=self.ranks.active,
+                          kv_cache=KVCache(self.cfg.rollout.kv_cache))
+
+        def accuracy(prompts: list, samples: int) -> dict[str, float]:
+            mine = prompts[self.ranks.rank :: self.ranks.world]
+            local = evaluate(engine, self.task, mine, samples=samples, max_new_tokens=t.max_new_tokens,
+                             temperature=t.temperature, batch=self.eval_split_batch if whole_split else None)
+            return {name: reduce_value(value * len(mine), self.ranks) / len(prompts) for name, value in local.items()}
+
         if whole_split:
-            local = {m.EVAL_SPLIT_GREEDY: local[m.EVAL_GREEDY]}
-        return {name: reduce_value(value * len(mine), self.ranks) / len(prompts) for name, value in local.items()}
+            return {m.EVAL_SPLIT_GREEDY: accuracy(self.test_examples, 0)[m.EVAL_GREEDY]}
+        metrics = accuracy(self.test_examples[: t.eval_prompts], t.eval_samples)
+        if t.eval_train:
+            metrics[m.EVAL_TRAIN_GREEDY] = accuracy(self.train_examples[: t.eval_prompts], 0)[m.EVAL_GREEDY]
+        return metrics
 
 
 class EngineRollouts:
