@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Regenerates docs/results/learnability, why the synchronous baseline stays flat in the async cells and where it
+# learns (issue 63; the plan, written before the runs, and the reading: docs/results/learnability/diagnosis.md).
+#   docs/results/learnability/command.sh diagnosis   GRPO on seeds 0, 1 from start 0 of the async cells' sigmoid + bias
+#                                                    recipe (glm4_moe_l16-addition-balanced-target) and of
+#                                                    real_routers' balanced softmax recipe (qwen30b_l16-addition-balanced)
+#                                                    in four settings (experiment=learnability_diagnosis): the async
+#                                                    cell's (async), real_routers' (real), the async cell's with 16
+#                                                    prompts a step (batch16) and at lr 3e-5 (lr3e-5); a report per
+#                                                    start and setting
+# Every sweep resumes (resume=auto): run again, it goes on where it stopped. One run at a time on one thread
+# (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra arguments are run overrides passed to every
+# sweep; any but hydra.launcher.n_jobs makes other runs than the documented ones, whose sweeps go to
+# multirun/learnability/other-<date> and reports to reports/learnability-<date>.
+set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+mode=${1:-}
+shift || true
+[[ $mode == diagnosis ]] || refuse "mode '$mode' is not one of: diagnosis"
+check_run_overrides "$@"
+destinations learnability --threads-pinned "$@"
+cd "$(dirname "$0")/../../.."
+starts=docs/results/router_starts.sh
+sigmoid=glm4_moe_l16-addition-balanced-target softmax=qwen30b_l16-addition-balanced
+$starts $sigmoid $softmax
+# Setting outermost: a command stopped part-way leaves each setting it reached on both starts.
+for setting in async real batch16 lr3e-5; do
+  case $setting in
+    async) changes=() ;;
+    real) changes=(trainer.prompts_per_step=32 trainer.minibatches=4 trainer.steps=60 trainer.eval_every=10) ;;
+    batch16) changes=(trainer.prompts_per_step=16) ;;
+    lr3e-5) changes=(trainer.lr=3e-5) ;;
+  esac
+  for rung in glm4_moe_l16 qwen30b_l16; do
+    if [[ $rung == glm4_moe_l16 ]]; then recipe=$sigmoid; else recipe=$softmax; fi
+    name=diagnosis_${rung}_$setting
+    python -m experiments.train -m experiment=learnability_diagnosis "hydra.sweeper.params.model=$rung" \
+      "model.path=$PWD/$($starts --path 0 $recipe)" hydra.launcher.n_jobs=1 "hydra.sweep.dir=$sweeps_home/$name" \
+      resume=auto "${changes[@]}" "$@"
+    python -m analysis.report "$sweeps_home/$name" --out "$results_home/diagnosis/$rung/$setting" --dpi 72
+  done
+done
