@@ -7,14 +7,18 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from algos.objective import within_group_std
+from analysis import learnability
 from experiments.step import metrics as m
 from experiments.step.batch import pass_at_k
 from experiments.step.hooks import LearningMeasures, Update
+from experiments.step.metrics import STEP
 from experiments.train import train
+from tests.synthetic_runs import config, write_run
 from tests.test_train import compose_train, read_metrics
 
 
@@ -64,3 +68,33 @@ def test_a_run_that_barely_moves_stays_at_the_start_and_one_that_moves_leaves_it
     for key in (m.EVAL_PASS_AT_K, m.EVAL_ALL_SAME, m.EVAL_TRAIN_GREEDY, m.WITHIN_GROUP_STD):
         assert key in moved and 0 <= moved[key] <= 1, key
     assert moved[m.EVAL_PASS_AT_K] >= moved[m.EVAL_ACCURACY], "pass@8 of the same samples is at least their pass@1"
+
+
+def test_the_learnability_table_reads_each_runs_start_gain_signal_and_evaluation_noise(tmp_path):
+    """Two seeds of one recipe, with closed-form curves: the row of each run and the table's mean are what the
+    curves give by hand."""
+    greedy = {0: [0.40, 0.45, 0.50, 0.55], 1: [0.40, 0.38, 0.42, 0.40]}  # evaluations at steps 0, 10, 20, 30
+    for seed, curve in greedy.items():
+        records = []
+        for step in range(1, 31):
+            record = {STEP: step, m.REWARD: 0.4 + 0.01 * step * (seed == 0), m.ZERO_STD_GROUPS: 0.5,
+                      m.WITHIN_GROUP_STD: 0.3, m.GRAD_NORM: 1.0, m.UPDATE_RATIO: 1e-3, m.KL_TO_START: 1e-4 * step,
+                      m.ENTROPY: 0.5}
+            if step == 1:
+                record.update({m.started(m.EVAL_GREEDY): curve[0], m.started(m.EVAL_ACCURACY): 0.3,
+                               m.started(m.EVAL_PASS_AT_K): 0.7, m.started(m.EVAL_ALL_SAME): 0.4})
+            if step % 10 == 0:
+                record.update({m.EVAL_GREEDY: curve[step // 10], m.EVAL_ACCURACY: 0.3, m.EVAL_PASS_AT_K: 0.7})
+            records.append(record)
+        cfg = config("grpo", seed, prompts_per_step=8, eval_every=10, eval_prompts=500)
+        write_run(tmp_path / "sweep" / f"{seed}_grpo_s{seed}", cfg, records)
+    rows = learnability.run_rows([str(tmp_path / "sweep")]).sort_values("seed")
+    first, second = rows.iloc[0], rows.iloc[1]
+    assert (first["start_greedy"], first["start_pass1"], first["start_pass8"]) == (0.40, 0.3, 0.7)
+    assert first["gain"] == pytest.approx(0.15) and second["gain"] == pytest.approx(0.0)
+    assert first["gain_area"] == pytest.approx(m.gain_area([0, 10, 20, 30], greedy[0]))
+    assert first["reward_first"] == pytest.approx(0.4 + 0.01 * 5.5) and first["reward_last"] == pytest.approx(0.655)
+    assert second["eval_step_sd"] == pytest.approx(float(np.std(np.diff(greedy[1]), ddof=1)))
+    assert first["kl_to_start_end"] == pytest.approx(1e-4 * 25.5)
+    text = learnability.table(rows)
+    assert "| tiny_moe |" in text and "8 prompts, N 3, lr 0.0001, 20 steps | 2 | +0.150, +0.000 |" in text
