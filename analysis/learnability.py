@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from analysis.cli import Command, writable_out
 from analysis.load import load_runs
 from experiments.step import metrics as m
 
@@ -99,21 +99,27 @@ def table(rows: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m analysis.learnability", description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", help="run or sweep directories (searched recursively)")
-    parser.add_argument("--out", required=True, help="the folder runs.csv and table.md go to")
-    args = parser.parse_args(argv)
-    try:
-        rows = run_rows(args.paths)
-    except (FileNotFoundError, ValueError) as error:
-        raise SystemExit(f"analysis.learnability: {error}") from None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows.to_csv(out / "runs.csv", index=False, float_format="%.6g")
-    (out / "table.md").write_text(table(rows), encoding="utf-8")
-    print(f"analysis.learnability: {len(rows)} runs -> {out / 'table.md'}", file=sys.stderr)
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """The runs and where the table goes."""
+    parser.add_argument("paths", nargs="+", help="run or sweep directories, searched recursively")
+    parser.add_argument("--out", type=Path, required=True, help="the folder runs.csv and table.md go to")
 
+
+def read(args: argparse.Namespace) -> pd.DataFrame:
+    """Every run's row; the output folder proved writable."""
+    rows = run_rows(args.paths)
+    writable_out(args.out)
+    return rows
+
+
+def write(rows: pd.DataFrame, args: argparse.Namespace, command: str) -> str:
+    """runs.csv and table.md (the command that made them at its head); the line saying where."""
+    rows.to_csv(args.out / "runs.csv", index=False, float_format="%.6g")
+    (args.out / "table.md").write_text(f"Made with `{command}`.\n\n" + table(rows), encoding="utf-8")
+    return f"table: {args.out / 'table.md'} ({len(rows)} runs)"
+
+
+main = Command("analysis.learnability", __doc__, arguments, read, write).main
 
 if __name__ == "__main__":
     main()
