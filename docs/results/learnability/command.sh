@@ -6,8 +6,10 @@
 #                                                    real_routers' balanced softmax recipe (qwen30b_l16-addition-balanced)
 #                                                    in four settings (experiment=learnability_diagnosis): the async
 #                                                    cell's (async), real_routers' (real), the async cell's with 16
-#                                                    prompts a step (batch16) and at lr 3e-5 (lr3e-5); a report per
-#                                                    start and setting
+#                                                    prompts a step (batch16), at lr 3e-5 (lr3e-5), evaluated as the
+#                                                    cells were (cells_eval) and with MiniRL, the cells' arm (minirl);
+#                                                    a report per start and setting, then the table of every run
+#                                                    (python -m analysis.learnability)
 # Every sweep resumes (resume=auto): run again, it goes on where it stopped. One run at a time on one thread
 # (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra arguments are run overrides passed to every
 # sweep; any but hydra.launcher.n_jobs makes other runs than the documented ones, whose sweeps go to
@@ -24,12 +26,17 @@ starts=docs/results/router_starts.sh
 sigmoid=glm4_moe_l16-addition-balanced-target softmax=qwen30b_l16-addition-balanced
 $starts $sigmoid $softmax
 # Setting outermost: a command stopped part-way leaves each setting it reached on both starts.
-for setting in async real batch16 lr3e-5; do
+# cells_eval and minirl were added after the first async runs gained (diagnosis.md says so): the async cell's recipe
+# evaluated as the cells were (the first 128 test prompts every 10 steps, greedy only), and with the cells' own arm.
+for setting in async real batch16 lr3e-5 cells_eval minirl; do
   case $setting in
     async) changes=() ;;
     real) changes=(trainer.prompts_per_step=32 trainer.minibatches=4 trainer.steps=60 trainer.eval_every=10) ;;
     batch16) changes=(trainer.prompts_per_step=16) ;;
     lr3e-5) changes=(trainer.lr=3e-5) ;;
+    cells_eval)
+      changes=(trainer.eval_prompts=128 trainer.eval_every=10 trainer.eval_samples=0 trainer.eval_train=false) ;;
+    minirl) changes=(hydra.sweeper.params.arm=minirl comparison.baseline=minirl) ;;
   esac
   for rung in glm4_moe_l16 qwen30b_l16; do
     if [[ $rung == glm4_moe_l16 ]]; then recipe=$sigmoid; else recipe=$softmax; fi
@@ -40,3 +47,4 @@ for setting in async real batch16 lr3e-5; do
     python -m analysis.report "$sweeps_home/$name" --out "$results_home/diagnosis/$rung/$setting" --dpi 72
   done
 done
+python -m analysis.learnability "$sweeps_home" --out "$results_home/diagnosis"
