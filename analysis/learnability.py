@@ -1,14 +1,15 @@
 """Whether a baseline learns, and what its runs show about why (docs/results/learnability): one row per run of the
 start's headroom (held-out greedy accuracy, pass@1 and pass@8 from the evaluation's samples, the share of prompts
-whose samples all agree), what the run gained (greedy at the end and over the run, `metrics.gain_area`; training
-prompts beside held-out), how the training signal looked (training reward and the share of zero-advantage groups
+whose samples all agree), what the run gained (greedy at the end and over the run, `metrics.gain_area`; sampled
+pass@1 at the end; training prompts beside held-out), how the training signal looked (training reward and the share of zero-advantage groups
 over the first and last ten steps, the reward's spread within groups), how far the policy moved (each update's size
 against the weights, the KL from the start at the end, the entropy first and last) and how noisy one evaluation is
 (the spread of the change between two successive evaluations).
 
     python -m analysis.learnability multirun/learnability --out docs/results/learnability/diagnosis
 
-writes `runs.csv` (every run) and `table.md` (the mean over seeds per model and setting, with each seed's end gain).
+writes `runs.csv` (every run) and `table.md` (the mean over seeds per model, start and setting, with each seed's end
+gain).
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
     for run in runset.runs.itertuples():
         config = json.loads(run.config)
         series = lambda metric: _series(runset.scalars, run.run, metric)  # noqa: E731  this run's metric by step
-        greedy, train = series(m.EVAL_GREEDY), series(m.EVAL_TRAIN_GREEDY)
+        greedy, train, pass1 = series(m.EVAL_GREEDY), series(m.EVAL_TRAIN_GREEDY), series(m.EVAL_ACCURACY)
         reward, zero = _ends(series(m.REWARD)), _ends(series(m.ZERO_STD_GROUPS))
         entropy = _ends(series(m.ENTROPY))
         steps = list(greedy.index)
         row = {
-            "run": run.run, "model": run.model, "start_sha256": str(run.start_sha256)[:12], "seed": run.seed,
+            "run": run.run, "model": run.model, "arm": run.algo, "start_sha256": str(run.start_sha256)[:12],
+            "seed": run.seed,
             "status": run.status, **{short: config.get(key) for key, short in SETTINGS.items()},
             "start_greedy": greedy.get(0, math.nan),
             "start_pass1": series(m.EVAL_ACCURACY).get(0, math.nan),
@@ -62,6 +64,7 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
             "start_all_same": series(m.EVAL_ALL_SAME).get(0, math.nan),
             "gain": float(greedy.iloc[-1] - greedy.iloc[0]) if len(greedy) > 1 else math.nan,
             "gain_area": m.gain_area(steps, list(greedy.values)),
+            "pass1_gain": float(pass1.iloc[-1] - pass1.iloc[0]) if len(pass1) > 1 else math.nan,
             "train_gain": float(train.iloc[-1] - train.iloc[0]) if len(train) > 1 else math.nan,
             "end_pass8": float(series(m.EVAL_PASS_AT_K).iloc[-1]) if len(series(m.EVAL_PASS_AT_K)) else math.nan,
             "reward_first": reward[0], "reward_last": reward[1],
@@ -80,14 +83,17 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
 
 
 def setting_name(row: pd.Series) -> str:
-    """The run's recipe in a few words: prompts a step, mini-batches, learning rate, steps."""
-    return f"{row['prompts']} prompts, N {row['N']}, lr {row['lr']:g}, {row['steps']} steps"
+    """The run's recipe in a few words: its arm, prompts a step, mini-batches, learning rate, steps, and the prompts
+    each evaluation held."""
+    return (f"{row['arm']}: {row['prompts']} prompts, N {row['N']}, lr {row['lr']:g}, {row['steps']} steps; "
+            f"evaluated on {row['eval_prompts']}")
 
 
 def table(rows: pd.DataFrame) -> str:
     """The markdown table: per model and setting, the mean over seeds, each seed's end gain listed."""
     rows = rows.assign(setting=[setting_name(row) for _, row in rows.iterrows()])
-    shown = ["start_greedy", "start_pass1", "start_pass8", "gain", "gain_area", "train_gain", "reward_first",
+    shown = ["start_greedy", "start_pass1", "start_pass8", "gain", "gain_area", "pass1_gain", "train_gain",
+             "reward_first",
              "reward_last", "zero_adv_first", "zero_adv_last", "within_group_std", "update_ratio", "kl_to_start_end",
              "entropy_first", "entropy_last", "eval_step_sd"]
     lines = ["| model | start | setting | seeds | gain per seed | " + " | ".join(shown) + " |",
