@@ -394,8 +394,8 @@ class ConcurrentRollouts:
         writer.close()  # the worker holds the only write end: its death ends the pipe
 
     def _receive(self, step: int) -> Batch:
-        """The worker's next batch, as step `step` waits for it, checking every `POLL_S` that the worker lives (a
-        stopped or hung one sends nothing and closes nothing)."""
+        """The worker's next batch, as step `step` waits for it, checking every `POLL_S` that the worker lives: its
+        death ends the pipe it alone writes, and the liveness check does not rest on that alone."""
         died = f"while step {step} waited for its rollouts"
         while not self.inbox.poll(POLL_S):  # a dead worker's pipe polls ready: at its end
             if not self.process.is_alive():
