@@ -76,7 +76,7 @@ def test_a_start_without_a_recipe_is_refused_before_any_is_made(tmp_path):
     done = subprocess.run(["bash", str(script), "glm4_moe_l16-addition-tied", "qwen30b_l16-addition-flat"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 2 and not log.exists()  # the known name before the unknown one is not made either
-    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the twelve "
+    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the fifteen "
                                    f"listed in {script})")
 
 

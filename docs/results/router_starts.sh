@@ -13,6 +13,8 @@
 #   glm4_moe_l16-addition-balanced-target, the balanced sigmoid start with the SFT budget raised from 600 to 1,200
 #     steps, so that it can reach the 45% target that 600 did not (29.7% on the machine of real_routers' results);
 #   qwen30b_l16_dense-addition, the dense control of the softmax rung's active size (docs/results/async);
+#   NAME-t1000 of glm4_moe_l16-addition-balanced-target, qwen30b_l16-addition-balanced and qwen30b_l16_dense-addition:
+#     the same recipe with 1,000 held-out prompts (docs/results/learnability's map);
 #   the claims' starts: qwen30b_l16-scratchpad (deep_long_seeds and the confounds), qwen30b_l16_e16-scratchpad
 #     (few_experts), tiny_moe-addition (the quickstart, flip_dose_seeds, router_noise_dose, addition_cell);
 #   tiny_moe-reasoning_gym-basic_arithmetic, a reasoning-gym task's (experiment=reasoning_gym; its dataset settings
@@ -40,12 +42,18 @@ recipe() {  # the SFT overrides of recipe $1
     qwen30b_l16-scratchpad) echo "model=qwen30b_l16 dataset=scratchpad sft.batch_size=32" ;;
     qwen30b_l16_e16-scratchpad) echo "model=qwen30b_l16_e16 dataset=scratchpad sft.batch_size=32" ;;
     qwen30b_l16_dense-addition) echo "model=qwen30b_l16_dense" ;;
+    # The learnability map's (docs/results/learnability/preregistration.md): the same recipes with 1,000 held-out
+    # prompts, which the SFT never trains on (the test split is drawn first, then the train split from the rest).
+    glm4_moe_l16-addition-balanced-target-t1000)
+      echo "$(recipe glm4_moe_l16-addition-balanced-target) dataset.test_size=1000" ;;
+    qwen30b_l16-addition-balanced-t1000) echo "$(recipe qwen30b_l16-addition-balanced) dataset.test_size=1000" ;;
+    qwen30b_l16_dense-addition-t1000) echo "$(recipe qwen30b_l16_dense-addition) dataset.test_size=1000" ;;
     tiny_moe-addition) echo "model=tiny_moe" ;;
     tiny_moe-reasoning_gym-basic_arithmetic)
       echo "model=tiny_moe dataset=reasoning_gym dataset.task=basic_arithmetic +dataset.params.max_terms=2" \
         "+dataset.params.max_digits=2 +dataset.params.operators=[+,-] +dataset.params.allow_parentheses=false" \
         "+dataset.params.allow_negation=false sft.max_steps=1000" ;;
-    *) refuse "no cold-start recipe named '$1' (allowed: the twelve listed in $command_file)" ;;
+    *) refuse "no cold-start recipe named '$1' (allowed: the fifteen listed in $command_file)" ;;
   esac
 }
 start_dir() {  # where start $2 of recipe $1 lives

@@ -10,6 +10,12 @@
 #                                                    cells were (cells_eval) and with MiniRL, the cells' arm (minirl);
 #                                                    a report per start and setting, then the table of every run
 #                                                    (python -m analysis.learnability)
+#   docs/results/learnability/command.sh map         the learnability map, as docs/results/learnability/
+#                                                    preregistration.md fixed it before its first run: starts 0-2 of
+#                                                    the three NAME-t1000 recipes, RL seed 100, GRPO at the centre (16
+#                                                    prompts a step, N = 2, lr 1e-4, 150 steps) and at one lever at a
+#                                                    time (p8, p32, lr3e-5, lr3e-4, g16, h400), MiniRL and GSPO at the
+#                                                    centre, the dense control's GRPO at the centre; then the table
 # Every sweep resumes (resume=auto): run again, it goes on where it stopped. One run at a time on one thread
 # (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra arguments are run overrides passed to every
 # sweep; any but hydra.launcher.n_jobs makes other runs than the documented ones, whose sweeps go to
@@ -18,11 +24,43 @@ set -euo pipefail
 source "$(dirname "$0")/../args.sh"
 mode=${1:-}
 shift || true
-[[ $mode == diagnosis ]] || refuse "mode '$mode' is not one of: diagnosis"
+[[ $mode == diagnosis || $mode == map ]] || refuse "mode '$mode' is not one of: diagnosis, map"
 check_run_overrides "$@"
 destinations learnability --threads-pinned "$@"
 cd "$(dirname "$0")/../../.."
 starts=docs/results/router_starts.sh
+if [[ $mode == map ]]; then
+  sigmoid=glm4_moe_l16-addition-balanced-target-t1000 softmax=qwen30b_l16-addition-balanced-t1000
+  dense=qwen30b_l16_dense-addition-t1000
+  $starts --starts 3 $sigmoid $softmax $dense
+  # Setting outermost, then start: a command stopped part-way leaves each setting it reached on every start.
+  for setting in centre p8 p32 lr3e-5 lr3e-4 g16 h400; do
+    case $setting in
+      centre) changes=(arm=grpo,minirl,gspo) ;;
+      p8) changes=(trainer.prompts_per_step=8) ;;
+      p32) changes=(trainer.prompts_per_step=32) ;;
+      lr3e-5) changes=(trainer.lr=3e-5) ;;
+      lr3e-4) changes=(trainer.lr=3e-4) ;;
+      g16) changes=(trainer.group_size=16) ;;
+      h400) changes=(trainer.steps=400) ;;
+    esac
+    for start in 0 1 2; do
+      for rung in glm4_moe_l16 qwen30b_l16 qwen30b_l16_dense; do
+        runs=("${changes[@]}")
+        case $rung in
+          glm4_moe_l16) recipe=$sigmoid ;;
+          qwen30b_l16) recipe=$softmax ;;
+          qwen30b_l16_dense) [[ $setting == centre ]] || continue; recipe=$dense runs=(arm=grpo) ;;
+        esac
+        python -m experiments.train -m experiment=learnability_map "hydra.sweeper.params.model=$rung" \
+          "model.path=$PWD/$($starts --path $start $recipe)" hydra.launcher.n_jobs=1 \
+          "hydra.sweep.dir=$sweeps_home/map_${rung}_${setting}_start$start" resume=auto "${runs[@]}" "$@"
+      done
+    done
+  done
+  python -m analysis.learnability "$sweeps_home"/map_* --out "$results_home/map"
+  exit 0
+fi
 sigmoid=glm4_moe_l16-addition-balanced-target softmax=qwen30b_l16-addition-balanced
 $starts $sigmoid $softmax
 # Setting outermost: a command stopped part-way leaves each setting it reached on both starts.
