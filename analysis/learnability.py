@@ -1,10 +1,10 @@
 """Whether a baseline learns, and what its runs show about why (docs/results/learnability): one row per run of the
 start's headroom (held-out greedy accuracy, pass@1 and pass@8 from the evaluation's samples, the share of prompts
 whose samples all agree), what the run gained (greedy at the end and over the run, `metrics.gain_area`; sampled
-pass@1 at the end; training prompts beside held-out), how the training signal looked (training reward and the share of zero-advantage groups
-over the first and last ten steps, the reward's spread within groups), how far the policy moved (each update's size
-against the weights, the KL from the start at the end, the entropy first and last) and how noisy one evaluation is
-(the spread of the change between two successive evaluations).
+pass@1 at the end; training prompts beside held-out), how the training signal looked (training reward and the share
+of zero-advantage groups over the first and last ten steps, the reward's spread within groups), how far the policy
+moved (each update's size against the weights, the KL from the start at the end, the entropy first and last) and how
+noisy one evaluation is (the spread of the change between two successive evaluations).
 
     python -m analysis.learnability multirun/learnability --out docs/results/learnability/diagnosis
 
@@ -43,6 +43,11 @@ def _ends(series: pd.Series) -> tuple[float, float]:
     return (float(trained.head(EDGE).mean()), float(trained.tail(EDGE).mean())) if len(trained) else (math.nan,) * 2
 
 
+def _change(series: pd.Series) -> float:
+    """The last value minus the first (NaN with fewer than two)."""
+    return float(series.iloc[-1] - series.iloc[0]) if len(series) > 1 else math.nan
+
+
 def run_rows(paths: list[str]) -> pd.DataFrame:
     """One row per run under `paths` (module docstring)."""
     runset = load_runs(paths)
@@ -51,22 +56,22 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
         config = json.loads(run.config)
         series = lambda metric: _series(runset.scalars, run.run, metric)  # noqa: E731  this run's metric by step
         greedy, train, pass1 = series(m.EVAL_GREEDY), series(m.EVAL_TRAIN_GREEDY), series(m.EVAL_ACCURACY)
+        pass8 = series(m.EVAL_PASS_AT_K)
         reward, zero = _ends(series(m.REWARD)), _ends(series(m.ZERO_STD_GROUPS))
         entropy = _ends(series(m.ENTROPY))
         steps = list(greedy.index)
         row = {
             "run": run.run, "model": run.model, "arm": run.algo, "start_sha256": str(run.start_sha256)[:12],
-            "seed": run.seed,
-            "status": run.status, **{short: config.get(key) for key, short in SETTINGS.items()},
+            "seed": run.seed, "status": run.status, **{short: config.get(key) for key, short in SETTINGS.items()},
             "start_greedy": greedy.get(0, math.nan),
-            "start_pass1": series(m.EVAL_ACCURACY).get(0, math.nan),
-            "start_pass8": series(m.EVAL_PASS_AT_K).get(0, math.nan),
+            "start_pass1": pass1.get(0, math.nan),
+            "start_pass8": pass8.get(0, math.nan),
             "start_all_same": series(m.EVAL_ALL_SAME).get(0, math.nan),
-            "gain": float(greedy.iloc[-1] - greedy.iloc[0]) if len(greedy) > 1 else math.nan,
+            "gain": _change(greedy),
             "gain_area": m.gain_area(steps, list(greedy.values)),
-            "pass1_gain": float(pass1.iloc[-1] - pass1.iloc[0]) if len(pass1) > 1 else math.nan,
-            "train_gain": float(train.iloc[-1] - train.iloc[0]) if len(train) > 1 else math.nan,
-            "end_pass8": float(series(m.EVAL_PASS_AT_K).iloc[-1]) if len(series(m.EVAL_PASS_AT_K)) else math.nan,
+            "pass1_gain": _change(pass1),
+            "train_gain": _change(train),
+            "end_pass8": float(pass8.iloc[-1]) if len(pass8) else math.nan,
             "reward_first": reward[0], "reward_last": reward[1],
             "zero_adv_first": zero[0], "zero_adv_last": zero[1],
             "within_group_std": float(series(m.WITHIN_GROUP_STD).mean()),

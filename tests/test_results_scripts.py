@@ -76,8 +76,8 @@ def test_a_start_without_a_recipe_is_refused_before_any_is_made(tmp_path):
     done = subprocess.run(["bash", str(script), "glm4_moe_l16-addition-tied", "qwen30b_l16-addition-flat"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 2 and not log.exists()  # the known name before the unknown one is not made either
-    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the fifteen "
-                                   f"listed in {script})")
+    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the "
+                                   f"fifteen listed in {script})")
 
 
 def test_k_starts_of_a_recipe_draw_its_seeds_and_start_0_is_the_documented_one(tmp_path):

@@ -78,8 +78,8 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], samples
     run, so curves compare point by point): `EVAL_ACCURACY`, the mean over prompts of the share of `samples` sampled
     completions that are correct (the unbiased pass@1 estimate; absent when `samples` is 0), with `samples` >=
     `PASS_K` the mean pass@PASS_K (`pass_at_k`) and the share of prompts whose samples all agree (`EVAL_ALL_SAME`), and
-    `EVAL_GREEDY`, the share of prompts answered correctly by greedy decoding. `batch`: at most this many prompts per rollout (the
-    whole split's, sized by `experiments.step.memory`); None: all at once."""
+    `EVAL_GREEDY`, the share of prompts answered correctly by greedy decoding. `batch`: at most this many prompts per
+    rollout (the whole split's, sized by `experiments.step.memory`); None: all at once."""
     metrics = {}
     chunks = [examples[i: i + batch] for i in range(0, len(examples), batch)] if batch else [examples]
     if samples > 0:

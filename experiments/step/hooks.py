@@ -420,9 +420,9 @@ class Assembly:
 @dataclass(frozen=True)
 class StepParts:
     """What a run's step is assembled from: its `plan` and settings (`cfg`), the trainer's `model`, the frozen KL
-    `reference` (None without a KL term) and `start`, how a minibatch is scored (`score`), the routing variant, the rollout
-    correction and the router switches that are on, the ranks, the number of MoE `layers`, and the SYNTHETIC flips' and
-    router noise's own random streams."""
+    `reference` (None without a KL term) and `start`, how a minibatch is scored (`score`), the routing variant, the
+    rollout correction and the router switches that are on, the ranks, the number of MoE `layers`, and the SYNTHETIC
+    flips' and router noise's own random streams."""
 
     plan: StepPlan
     cfg: Any
