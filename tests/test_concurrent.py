@@ -308,10 +308,14 @@ def test_a_worker_killed_in_any_window_ends_the_run_in_one_line_within_seconds(t
     finally:
         watchdog.cancel()
     took = time.time() - float(stamp.read_text())
+    # Between batches the worker dies with step DIES_AT - 1's batch queued: its outbox's thread may or may not have
+    # sent it (on a loaded machine, not yet), so the trainer meets the death in step DIES_AT - 1 or DIES_AT. In the
+    # other windows the worker already holds version DIES_AT - 1, which the trainer publishes after training that step.
+    steps = (DIES_AT - 1, DIES_AT) if window == "between batches" else (DIES_AT,)
     logged = ends_failed(tmp_path, ended, rf"the concurrent sampler's worker \(pid {started['pid']}\) was killed by "
-                                          rf"{signum.name} while step {DIES_AT} (waited for its rollouts|published "
-                                          "its weights)")
-    assert len(logged) == DIES_AT - 1
+                                          rf"{signum.name} while step ({'|'.join(map(str, steps))}) (waited for its "
+                                          "rollouts|published its weights)")
+    assert len(logged) + 1 in steps and f"while step {len(logged) + 1} " in str(ended.value)
     assert took < 5, f"the run took {took:.1f} s to notice its worker's death"
     assert not watched.worker and not Path(f"/proc/{started['pid']}").exists(), "the worker is left"
     assert not [command for command in children(os.getpid()).values() if "spawn_main" in command]
