@@ -33,7 +33,8 @@ if [[ $mode == map ]]; then
   sigmoid=glm4_moe_l16-addition-balanced-target-t1000 softmax=qwen30b_l16-addition-balanced-t1000
   dense=qwen30b_l16_dense-addition-t1000
   $starts --starts 3 $sigmoid $softmax $dense
-  # Setting outermost, then start: a command stopped part-way leaves each setting it reached on every start.
+  # Setting outermost, then rung: a command stopped part-way leaves each setting it reached on every start. The three
+  # starts of a rung are one sweep (model.path swept), so that hydra.launcher.n_jobs=2 runs two of them side by side.
   for setting in centre p8 p32 lr3e-5 lr3e-4 g16 h400; do
     case $setting in
       centre) changes=(arm=grpo,minirl,gspo) ;;
@@ -44,18 +45,17 @@ if [[ $mode == map ]]; then
       g16) changes=(trainer.group_size=16) ;;
       h400) changes=(trainer.steps=400) ;;
     esac
-    for start in 0 1 2; do
-      for rung in glm4_moe_l16 qwen30b_l16 qwen30b_l16_dense; do
-        runs=("${changes[@]}")
-        case $rung in
-          glm4_moe_l16) recipe=$sigmoid ;;
-          qwen30b_l16) recipe=$softmax ;;
-          qwen30b_l16_dense) [[ $setting == centre ]] || continue; recipe=$dense runs=(arm=grpo) ;;
-        esac
-        python -m experiments.train -m experiment=learnability_map "hydra.sweeper.params.model=$rung" \
-          "model.path=$PWD/$($starts --path $start $recipe)" hydra.launcher.n_jobs=1 \
-          "hydra.sweep.dir=$sweeps_home/map_${rung}_${setting}_start$start" resume=auto "${runs[@]}" "$@"
-      done
+    for rung in glm4_moe_l16 qwen30b_l16 qwen30b_l16_dense; do
+      runs=("${changes[@]}")
+      case $rung in
+        glm4_moe_l16) recipe=$sigmoid ;;
+        qwen30b_l16) recipe=$softmax ;;
+        qwen30b_l16_dense) [[ $setting == centre ]] || continue; recipe=$dense runs=(arm=grpo) ;;
+      esac
+      paths=$PWD/$($starts --path 0 $recipe),$PWD/$($starts --path 1 $recipe),$PWD/$($starts --path 2 $recipe)
+      python -m experiments.train -m experiment=learnability_map "hydra.sweeper.params.model=$rung" \
+        "model.path=$paths" hydra.launcher.n_jobs=1 "hydra.sweep.dir=$sweeps_home/map_${rung}_$setting" \
+        resume=auto "${runs[@]}" "$@"
     done
   done
   python -m analysis.learnability "$sweeps_home"/map_* --out "$results_home/map"
