@@ -9,7 +9,11 @@ noisy one evaluation is (the spread of the change between two successive evaluat
     python -m analysis.learnability multirun/learnability --out docs/results/learnability/diagnosis
 
 writes `runs.csv` (every run) and `table.md` (the mean over seeds per model, start and setting, with each seed's end
-gain).
+gain). With `--rule`, it also applies the learnability map's rule as docs/results/learnability/preregistration.md
+fixed it before the map ran (`MAP_RULE`) and writes `rule.md`: per lever, GRPO's held-out greedy gain on the whole
+test split (`split_gain`) and training-reward rise on every start of both MoE rungs, whether the lever learns, its
+mean CPU cost, and the lever the rule picks. A map missing a lever, a start or a finished run is refused in one line
+naming what is missing.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,8 @@ import pandas as pd
 
 from analysis.cli import Command, writable_out
 from analysis.load import load_runs
+from analysis.records import FINISHED
+from experiments.run.rundir import SUMMARY_FILE
 from experiments.step import metrics as m
 
 EDGE = 10  # steps at each end over which the training signal is averaged
@@ -46,6 +53,14 @@ def _ends(series: pd.Series) -> tuple[float, float]:
 def _change(series: pd.Series) -> float:
     """The last value minus the first (NaN with fewer than two)."""
     return float(series.iloc[-1] - series.iloc[0]) if len(series) > 1 else math.nan
+
+
+def _cpu_seconds(run_dir: Path) -> float:
+    """The CPU time the run's summary.json records (NaN without one)."""
+    try:
+        return float(json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))["cpu_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return math.nan
 
 
 def run_rows(paths: list[str]) -> pd.DataFrame:
@@ -82,6 +97,9 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
             # Successive evaluations' changes: their spread is the noise a single evaluation adds to a gain.
             "eval_step_sd": float(np.std(np.diff(greedy.values), ddof=1)) if len(greedy) > 2 else math.nan,
             "eval_prompts": config.get("trainer.eval_prompts"),
+            "split_gain": _change(series(m.EVAL_SPLIT_GREEDY)),
+            "reward_rise": reward[1] - reward[0],
+            "cpu_s": _cpu_seconds(Path(run.source)),
         }
         rows.append(row)
     return pd.DataFrame(rows)
@@ -90,8 +108,8 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
 def setting_name(row: pd.Series) -> str:
     """The run's recipe in a few words: its arm, prompts a step, mini-batches, learning rate, steps, and the prompts
     each evaluation held."""
-    return (f"{row['arm']}: {row['prompts']} prompts, N {row['N']}, lr {row['lr']:g}, {row['steps']} steps; "
-            f"evaluated on {row['eval_prompts']}")
+    return (f"{row['arm']}: {row['prompts']} prompts, N {row['N']}, G {row['G']}, lr {row['lr']:g}, {row['steps']} "
+            f"steps; evaluated on {row['eval_prompts']}")
 
 
 def table(rows: pd.DataFrame) -> str:
@@ -110,15 +128,106 @@ def table(rows: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class MapRule:
+    """The learnability map's rule (docs/results/learnability/preregistration.md, fixed before the map's first run).
+
+    A lever *learns* when GRPO's `split_gain` ≥ `min_split_gain` and its reward rise ≥ `min_reward_rise` on each of
+    `starts` starts of every rung in `rungs`; the rule picks the learning lever whose GRPO runs cost the least CPU on
+    average. Where none learns, the declared `extension` decides if it learns; otherwise the lever (or the extension)
+    whose smallest split_gain is largest is the best found, not a learning regime."""
+    centre: dict  # the diagnosis's best setting, by the run row's names
+    levers: dict  # lever name -> its change from the centre
+    extension: dict  # the one extension, declared before the map: its change from the centre
+    rungs: tuple = ("glm4_moe_l16", "qwen30b_l16")  # the rule's MoE rungs (the dense control decides nothing)
+    starts: int = 3  # starts per rung
+    arm: str = "grpo"  # the baseline the rule reads
+    min_split_gain: float = 0.10
+    min_reward_rise: float = 0.10
+
+    def lever_of(self, row: pd.Series) -> str | None:
+        """The lever whose setting `row` ran (the extension's name included), None for any other setting."""
+        for name, change in {**self.levers, EXTENSION: self.extension}.items():
+            if all(math.isclose(float(row[key]), float(value)) for key, value in {**self.centre, **change}.items()):
+                return name
+        return None
+
+
+EXTENSION = "extension"
+MAP_RULE = MapRule(
+    centre={"prompts": 16, "N": 2, "G": 8, "lr": 1e-4, "steps": 150},
+    levers={"centre": {}, "p8": {"prompts": 8}, "p32": {"prompts": 32}, "lr3e-5": {"lr": 3e-5},
+            "lr3e-4": {"lr": 3e-4}, "g16": {"G": 16}, "h400": {"steps": 400}},
+    extension={"lr": 3e-5, "prompts": 32, "steps": 400})
+
+
+def apply_rule(rows: pd.DataFrame, rule: MapRule = MAP_RULE) -> tuple[pd.DataFrame, str]:
+    """Per lever (the extension where it ran), GRPO's smallest split_gain and reward rise over the rule's starts,
+    whether it learns and its mean CPU seconds; and the verdict in words. A ValueError names every lever, rung and
+    start count the rule lacks (a run that did not finish counts as missing)."""
+    baseline = rows[(rows["arm"] == rule.arm) & rows["model"].isin(rule.rungs)]
+    baseline = baseline.assign(lever=[rule.lever_of(row) for _, row in baseline.iterrows()])
+    finished = baseline[baseline["status"] == FINISHED]
+    levers = list(rule.levers) + ([EXTENSION] if (baseline["lever"] == EXTENSION).any() else [])
+    missing = [f"{lever} on {rung}: {n} of {rule.starts} starts finished" for lever in levers for rung in rule.rungs
+               if (n := finished.query("lever == @lever and model == @rung")["start_sha256"].nunique()) < rule.starts]
+    if missing:
+        raise ValueError("the map's rule cannot be computed: " + "; ".join(missing))
+    verdicts = []
+    for lever in levers:
+        runs = finished[finished["lever"] == lever]
+        learns = bool(((runs["split_gain"] >= rule.min_split_gain) & (runs["reward_rise"] >= rule.min_reward_rise)
+                       ).all())
+        verdicts.append({"lever": lever, "runs": len(runs), "min_split_gain": runs["split_gain"].min(),
+                         "mean_split_gain": runs["split_gain"].mean(), "min_reward_rise": runs["reward_rise"].min(),
+                         "learns": learns, "mean_cpu_s": runs["cpu_s"].mean()})
+    table = pd.DataFrame(verdicts)
+    learning = table[table["learns"] & (table["lever"] != EXTENSION)]
+    if len(learning):
+        pick = learning.sort_values("mean_cpu_s").iloc[0]["lever"]
+        words = f"The rule picks **{pick}**: the cheapest lever in which GRPO learns from every start."
+    elif EXTENSION not in levers:
+        words = (f"No lever learns: the declared extension ({_change_words(rule.extension)}) is to be run from the "
+                 "same starts.")
+    elif table.set_index("lever").loc[EXTENSION, "learns"]:
+        words = f"No lever of the map learns; the extension ({_change_words(rule.extension)}) does: the family runs there."
+    else:
+        best = table.sort_values("min_split_gain", ascending=False).iloc[0]
+        words = (f"Neither the map nor its extension learns: the family runs at **{best['lever']}**, whose smallest "
+                 f"split_gain over the starts is the largest ({best['min_split_gain']:+.3f}); every verdict there is "
+                 "labelled with the baseline's gain.")
+    return table, words
+
+
+def _change_words(change: dict) -> str:
+    return ", ".join(f"{key} {value:g}" for key, value in change.items())
+
+
+def rule_report(table: pd.DataFrame, words: str, rule: MapRule = MAP_RULE) -> str:
+    """rule.md: the rule in one line, the table per lever and the verdict."""
+    lines = [f"The rule: GRPO's split_gain ≥ {rule.min_split_gain:+.2f} and training-reward rise ≥ "
+             f"{rule.min_reward_rise:+.2f} on each of {rule.starts} starts of {' and '.join(rule.rungs)}.", "",
+             "| lever | runs | smallest split_gain | mean split_gain | smallest reward rise | learns | mean CPU s |",
+             "|---|---|---|---|---|---|---|"]
+    for row in table.itertuples():
+        lines.append(f"| {row.lever} | {row.runs} | {row.min_split_gain:+.3f} | {row.mean_split_gain:+.3f} | "
+                     f"{row.min_reward_rise:+.3f} | {'yes' if row.learns else 'no'} | {row.mean_cpu_s:.0f} |")
+    return "\n".join([*lines, "", words]) + "\n"
+
+
 def arguments(parser: argparse.ArgumentParser) -> None:
     """The runs and where the table goes."""
     parser.add_argument("paths", nargs="+", help="run or sweep directories, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="the folder runs.csv and table.md go to")
+    parser.add_argument("--rule", action="store_true",
+                        help="apply the learnability map's pre-registered rule and write rule.md beside the table")
 
 
 def read(args: argparse.Namespace) -> pd.DataFrame:
     """Every run's row; the output folder proved writable."""
     rows = run_rows(args.paths)
+    if args.rule:
+        apply_rule(rows)  # refused here, before anything is written, when the map lacks what the rule reads
     writable_out(args.out)
     return rows
 
@@ -127,7 +236,11 @@ def write(rows: pd.DataFrame, args: argparse.Namespace, command: str) -> str:
     """runs.csv and table.md (the command that made them at its head); the line saying where."""
     rows.to_csv(args.out / "runs.csv", index=False, float_format="%.6g")
     (args.out / "table.md").write_text(f"Made with `{command}`.\n\n" + table(rows), encoding="utf-8")
-    return f"table: {args.out / 'table.md'} ({len(rows)} runs)"
+    if not args.rule:
+        return f"table: {args.out / 'table.md'} ({len(rows)} runs)"
+    verdicts, words = apply_rule(rows)
+    (args.out / "rule.md").write_text(f"Made with `{command}`.\n\n" + rule_report(verdicts, words), encoding="utf-8")
+    return f"table: {args.out / 'table.md'} ({len(rows)} runs); rule: {args.out / 'rule.md'}: {words}"
 
 
 main = Command("analysis.learnability", __doc__, arguments, read, write).main

@@ -5,6 +5,7 @@ start, the reward's spread within groups, and training-prompt accuracy beside he
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -99,3 +100,76 @@ def test_the_learnability_table_reads_each_runs_start_gain_signal_and_evaluation
     text = learnability.table(rows)
     assert "| tiny_moe |" in text
     assert "grpo: 8 prompts, N 3, lr 0.0001, 20 steps; evaluated on 500 | 2 | +0.150, +0.000 |" in text
+
+
+def _map_run(root, rung: str, start: int, lever: dict, split: tuple[float, float], rise: float, cpu_s: float,
+             arm: str = "grpo", finished: bool = True) -> None:
+    """One run of a synthetic learnability map: the whole test split scored `split` at its start and end, a training
+    reward that rises by `rise` between its first and last ten steps, and the CPU time its summary records."""
+    trainer = {**learnability.MAP_RULE.centre, **lever}
+    cfg = config(arm, 100, prompts_per_step=trainer["prompts"], minibatches=trainer["N"], group_size=trainer["G"],
+                 lr=trainer["lr"], steps=trainer["steps"])
+    cfg["model"]["name"] = rung
+    records = []
+    for step in range(1, 21):
+        record = {STEP: step, m.REWARD: 0.4 + rise * (step > 10)}
+        if step == 1:
+            record[m.started(m.EVAL_SPLIT_GREEDY)] = split[0]
+        if step == 20:
+            record[m.EVAL_SPLIT_GREEDY] = split[1]
+        records.append(record)
+    name = f"{rung}_{arm}_{'_'.join(f'{k}{v}' for k, v in lever.items()) or 'centre'}_start{start}"
+    run_dir = write_run(root / name, cfg, records, finished=finished, start=f"s{start}-{rung}")
+    if finished:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        (run_dir / "summary.json").write_text(json.dumps({**summary, "cpu_s": cpu_s}))
+
+
+def _learnability_map(root, skip: tuple[str, int] | None = None) -> None:
+    """Every lever of the pre-registered map on three starts of both MoE rungs. Each lever learns everywhere except
+    the centre (one softmax start gains +0.08) and lr3e-4 (the reward falls); lr3e-5 learns at the least CPU time
+    and p32 at more. MiniRL at the centre and the dense control fail, and decide nothing."""
+    rule = learnability.MAP_RULE
+    cost = {"lr3e-5": 100.0, "p32": 400.0}
+    for lever, change in rule.levers.items():
+        for rung in rule.rungs:
+            for start in range(rule.starts):
+                if (lever, start) == skip:
+                    continue
+                gain = 0.08 if (lever, rung, start) == ("centre", "qwen30b_l16", 2) else 0.15
+                rise = -0.05 if lever == "lr3e-4" else 0.12
+                _map_run(root, rung, start, change, (0.45, 0.45 + gain), rise, cost.get(lever, 200.0))
+    for start in range(rule.starts):
+        _map_run(root, "glm4_moe_l16", start, {}, (0.45, 0.40), -0.1, 200.0, arm="minirl")
+        _map_run(root, "qwen30b_l16_dense", start, {}, (0.45, 0.40), -0.1, 200.0)
+
+
+def test_the_maps_rule_picks_the_cheapest_lever_that_learns_from_every_start(tmp_path):
+    """The pre-registered rule, on a map whose answers are known: a lever learns only when every start of both MoE
+    rungs gains ≥ +0.10 on the test split and its reward rises ≥ +0.10; the cheapest such lever is picked."""
+    _learnability_map(tmp_path / "map")
+    learnability.main([str(tmp_path / "map"), "--out", str(tmp_path / "out"), "--rule"])
+    verdicts, words = learnability.apply_rule(learnability.run_rows([str(tmp_path / "map")]))
+    verdicts = verdicts.set_index("lever")
+    assert not verdicts.loc["centre", "learns"] and verdicts.loc["centre", "min_split_gain"] == pytest.approx(0.08)
+    assert not verdicts.loc["lr3e-4", "learns"] and verdicts.loc["lr3e-4", "min_reward_rise"] == pytest.approx(-0.05)
+    assert verdicts.loc[["p8", "p32", "lr3e-5", "g16", "h400"], "learns"].all()
+    assert set(verdicts["runs"]) == {6}, "MiniRL and the dense control are not the rule's runs"
+    assert "picks **lr3e-5**" in words
+    report = (tmp_path / "out" / "rule.md").read_text()
+    assert "| lr3e-5 | 6 | +0.150 | +0.150 | +0.120 | yes | 100 |" in report and words in report
+
+
+def test_a_map_missing_a_start_or_an_unfinished_run_is_refused_in_one_line_naming_it(tmp_path, capsys):
+    """The rule is not computed on part of the map: each lever and rung short of its starts is named, and nothing
+    is written."""
+    _learnability_map(tmp_path / "map", skip=("p8", 1))
+    _map_run(tmp_path / "map", "qwen30b_l16", 0, {"G": 16}, (0.45, 0.6), 0.12, 200.0, finished=False)
+    (tmp_path / "map" / "qwen30b_l16_grpo_G16_start0" / "summary.json").unlink(missing_ok=True)
+    with pytest.raises(SystemExit) as exit_:
+        learnability.main([str(tmp_path / "map"), "--out", str(tmp_path / "out"), "--rule"])
+    assert exit_.value.code == 2 and not (tmp_path / "out").exists()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: the map's rule cannot be computed: ")
+    assert "p8 on glm4_moe_l16: 2 of 3 starts finished" in error and "p8 on qwen30b_l16: 2 of 3" in error
+    assert "g16 on qwen30b_l16: 2 of 3 starts finished" in error and "centre" not in error

@@ -16,6 +16,7 @@
 #                                                    prompts a step, N = 2, lr 1e-4, 150 steps) and at one lever at a
 #                                                    time (p8, p32, lr3e-5, lr3e-4, g16, h400), MiniRL and GSPO at the
 #                                                    centre, the dense control's GRPO at the centre; then the table
+#                                                    and the pre-registered rule's verdict (rule.md)
 # Every sweep resumes (resume=auto): run again, it goes on where it stopped. One run at a time on one thread
 # (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra arguments are run overrides passed to every
 # sweep; any but hydra.launcher.n_jobs makes other runs than the documented ones, whose sweeps go to
@@ -58,7 +59,7 @@ if [[ $mode == map ]]; then
         resume=auto "${runs[@]}" "$@"
     done
   done
-  python -m analysis.learnability "$sweeps_home"/map_* --out "$results_home/map"
+  python -m analysis.learnability "$sweeps_home"/map_* --out "$results_home/map" --rule
   exit 0
 fi
 sigmoid=glm4_moe_l16-addition-balanced-target softmax=qwen30b_l16-addition-balanced
@@ -85,4 +86,4 @@ for setting in async real batch16 lr3e-5 cells_eval minirl; do
     python -m analysis.report "$sweeps_home/$name" --out "$results_home/diagnosis/$rung/$setting" --dpi 72
   done
 done
-python -m analysis.learnability "$sweeps_home" --out "$results_home/diagnosis"
+python -m analysis.learnability "$sweeps_home"/diagnosis_* --out "$results_home/diagnosis"
