@@ -99,7 +99,7 @@ def test_the_learnability_table_reads_each_runs_start_gain_signal_and_evaluation
     assert first["kl_to_start_end"] == pytest.approx(1e-4 * 25.5)
     text = learnability.table(rows)
     assert "| tiny_moe |" in text
-    assert "grpo: 8 prompts, N 3, lr 0.0001, 20 steps; evaluated on 500 | 2 | +0.150, +0.000 |" in text
+    assert "grpo: 8 prompts, N 3, G 8, lr 0.0001, 20 steps; evaluated on 500 | 2 | +0.150, +0.000 |" in text
 
 
 def _map_run(root, rung: str, start: int, lever: dict, split: tuple[float, float], rise: float, cpu_s: float,
