@@ -91,6 +91,16 @@ PI_OLD = "trainer.pi_old"  # where π_old comes from: named where it is the engi
 SYNTHETIC_KEYS = {FLIP_RATE: "SYNTHETIC flips", PERTURB_RATE: "SYNTHETIC router noise"}  # key: what a label calls it
 
 
+_START_SUFFIX = re.compile(r"-start\d+$")  # start k >= 1 of a recipe (docs/results/router_starts.sh)
+
+
+def _recipe_of(value: Any, key: str) -> Any:
+    """A start's path as the recipe it is a start of (`.../NAME-start3` → `.../NAME`); any other value as it is."""
+    if key == "model.path" and isinstance(value, str):
+        return _START_SUFFIX.sub("", value.rstrip("/"))
+    return value
+
+
 def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Readable series label per run from its flattened config.
 
@@ -99,11 +109,14 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     ` + SYNTHETIC flips p=<p>` when `routing.flip_rate` is not 0 and ` + SYNTHETIC router noise p=<p>` when
     `routing.perturb_rate` is not 0. Then, in sorted key order, every
     config key that differs between runs (ignoring seeds, threads, checkpointing, output dirs, logger/W&B/Hydra
-    keys; a checkpoint or data path does count, shown by its last part: a start's directory name) and still
+    keys; a checkpoint or data path does count, shown by its last part: a start's directory name, except that the
+    starts of one recipe, `NAME` and `NAME-startK` as docs/results/router_starts.sh makes them, are one series whose
+    band spans them) and still
     splits runs sharing a label so far is appended to all labels as `key=value`, with the shortest unambiguous
     key suffix. Keys that only restate the algorithm (its clip range, say) therefore never clutter a label.
     """
     labels = {run: _base_label(cfg) for run, cfg in configs.items()}
+    configs = {run: {key: _recipe_of(value, key) for key, value in cfg.items()} for run, cfg in configs.items()}
     all_keys = sorted({k for cfg in configs.values() for k in cfg})
     candidates = [
         k for k in all_keys

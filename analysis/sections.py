@@ -93,8 +93,12 @@ def _starts_sentence(runs: pd.DataFrame) -> str:
     if not said:
         return ("Cold start: no run names its start (their summaries hold no start_sha256: unfinished, or written "
                 "before it was recorded); runs are paired by seed alone.")
+    pooled = (" A series pools the starts of one recipe: in the figures and per-series tables, its mean, band and "
+              "\"across seeds\" are over every run of it, each start's seeds together, so the band spans the starts."
+              if len(counts) > 1 else "")
     return (f"Cold start{'s' if len(counts) > 1 else ''} (the sha256 of the weights each run started from, as its "
-            f"summary names them): {said}" + (f"; {unnamed} runs name none (no summary)" if unnamed else "") + ".")
+            f"summary names them): {said}" + (f"; {unnamed} runs name none (no summary)" if unnamed else "") + "."
+            + pooled)
 
 
 def figure_section(figures: Sequence[FigureOutput], shown: str | None = None) -> list[str]:

@@ -178,6 +178,14 @@ def test_labels_name_what_differs_and_drop_seeds_output_dirs_and_algorithm_defau
     labels = label_runs({"a": {**cfg("grpo", 0, 1e-3), "model.path": None},
                          "b": {**cfg("grpo", 1, 1e-3), "model.path": "/ckpt/tiny_moe-addition"}})
     assert labels["a"] != labels["b"] and "path=" in labels["b"]
+    # The starts of one recipe are one series (its band spans them); two recipes stay two.
+    start = lambda seed, path: {**cfg("grpo", seed, 1e-3), "model.path": path}  # noqa: E731
+    labels = label_runs({"a": start(0, "/ckpt/rung-balanced"), "b": start(0, "/ckpt/rung-balanced-start1"),
+                         "c": start(1, "/ckpt/rung-balanced-start7/"), "d": start(0, "/ckpt/rung-tied-start1")})
+    assert labels["a"] == labels["b"] == labels["c"] == "grpo, path=rung-balanced"
+    assert labels["d"] == "grpo, path=rung-tied"
+    labels = label_runs({"a": start(0, "/ckpt/rung"), "b": start(0, "/ckpt/rung-start1")})
+    assert labels == {"a": "grpo", "b": "grpo"}
     # A routing variant is part of the arm; a run from before variants existed ran without one.
     soft = {**cfg("grpo", 0, 1e-3, replay="r2"), "routing_variant.name": "soft_replay", "routing_variant.top_margin": 2}
     labels = label_runs({"a": cfg("grpo", 0, 1e-3, replay="r2"), "b": soft,
@@ -789,9 +797,11 @@ def test_runs_are_paired_by_their_start_and_several_starts_get_the_two_level_sta
     assert "across starts, mean [two-level 95% CI]" in text and "signs differ" in text
     assert "with 3 starts no start-level test reaches p < 0.05: at least 6 are needed" in text
     assert "Cold starts (the sha256 of the weights each run started from" in text
+    assert "A series pools the starts of one recipe" in text
     one = write_report(load_runs([runs / "g_a0", runs / "g_a1", runs / "s_a0", runs / "s_a1"]), tmp_path / "one")
     one_text = one.read_text(encoding="utf-8")
     assert "One start (sha256 `aaaaaaaaaaaa`): within-start statistics only" in one_text
+    assert "pools the starts" not in one_text
     assert "two-level" not in one_text.split("## Each arm against")[1].split("\n\n")[2]  # no two-level columns
 
 
