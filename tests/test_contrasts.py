@@ -1,4 +1,4 @@
-"""`analysis.contrast`: the staleness study's declared family computed from planted per-seed tables of the MoE rung
+"""`analysis.family`: the staleness study's declared family computed from planted per-seed tables of the MoE rung
 and the dense control, paired where the pre-registration pairs and unpaired between the models, Holm over the five,
 units that lack a run left out and named, and tables the family cannot be computed from refused in one line; the
 exploratory family (an arm's fall, a difference at k) from the MoE table alone."""
@@ -13,11 +13,14 @@ import pandas as pd
 import pytest
 
 from analysis import statistics
-from analysis.contrast import FAMILY, main
-from analysis.contrasts import DIFFERENCE, FALL, FALL_DIFFERENCE, Contrast, judge, unit_values
 from analysis.compare import pool
+from analysis.contrasts import DIFFERENCE, FALL, FALL_DIFFERENCE, Contrast, judge, unit_values
+from analysis.family import DEFAULT_FAMILY, load_family, main
+from experiments.config import PROJECT_ROOT
 
 K = 4  # k* in these tables
+FAMILY = load_family(DEFAULT_FAMILY).contrasts  # the pre-registration's five, from their data file
+EXPLORATORY = PROJECT_ROOT / "docs" / "results" / "async" / "exploratory_n4_family.yaml"
 NAIVE, TIS, MINIRL, R3, PR2, GSPO = ("grpo (π_old = μ_old)", "grpo + tis", "minirl", "minirl + r3",
                                      "minirl + r3 + predictive", "gspo")
 # The cells the pre-registration runs: every MoE arm at k*, three of them at 0 too; the dense control's minirl at both.
@@ -171,7 +174,7 @@ def test_the_exploratory_family_reads_the_moe_table_alone_and_recovers_a_planted
 
     per_seed(area, [(MINIRL, 0), (MINIRL, 2), (R3, 2)], seeds=1).to_csv(tmp_path / "moe.csv", index=False)
     out = tmp_path / "out"
-    main(["--family", "exploratory_n4", "--moe", str(tmp_path / "moe.csv"), "--lag", "2", "--out", str(out)])
+    main(["--family", str(EXPLORATORY), "--moe", str(tmp_path / "moe.csv"), "--lag", "2", "--out", str(out)])
     contrasts = pd.read_csv(out / "contrasts.csv").set_index("comparison")
     fall, replay = contrasts.loc["E1"], contrasts.loc["E2"]
     assert fall["estimate"] == pytest.approx(0.05 + 0.035, abs=1e-12) and fall["p_value"] == pytest.approx(2 / 2**8)
@@ -185,15 +188,15 @@ def test_the_exploratory_family_reads_the_moe_table_alone_and_recovers_a_planted
 
 
 @pytest.mark.parametrize("family, dense, said", [
-    ("preregistered", False, "--family preregistered compares the MoE rung with the dense control: give --dense"),
-    ("exploratory_n4", True, "--family exploratory_n4 compares no models"),
+    (DEFAULT_FAMILY, False, f"--family {DEFAULT_FAMILY} compares the MoE rung with the dense control: give --dense"),
+    (EXPLORATORY, True, f"--family {EXPLORATORY} compares no models"),
 ])
 def test_the_dense_table_is_needed_by_and_only_by_a_family_that_compares_models(tmp_path, capsys, family, dense,
                                                                                 said):
     per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
     dense_table().to_csv(tmp_path / "dense.csv", index=False)
     with pytest.raises(SystemExit) as stop:
-        main(["--family", family, "--moe", str(tmp_path / "moe.csv"), "--lag", str(K), "--out", str(tmp_path / "out")]
+        main(["--family", str(family), "--moe", str(tmp_path / "moe.csv"), "--lag", str(K), "--out", str(tmp_path / "out")]
              + (["--dense", str(tmp_path / "dense.csv")] if dense else []))
     assert stop.value.code == 2 and said in capsys.readouterr().err  # a usage error, as a lag below 1
     assert not (tmp_path / "out").exists()
@@ -249,3 +252,40 @@ def test_a_lag_below_1_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         run(tmp_path, per_seed(noise), dense_table(), lag=0)
     assert stop.value.code == 2 and "--lag 0: k* is a lag above 0" in capsys.readouterr().err
+
+
+def test_a_family_is_a_data_file_and_a_new_one_needs_no_code(tmp_path):
+    """The declared families load from the files beside their documents, as the pre-registration wrote them; a family
+    written to a new file is judged as declared there."""
+    declared = load_family(DEFAULT_FAMILY)
+    assert [(c.name, c.kind, c.arm, c.other) for c in declared.contrasts] == [
+        ("1 (H1)", DIFFERENCE, TIS, NAIVE), ("2 (H2)", DIFFERENCE, R3, MINIRL), ("3 (H2)", DIFFERENCE, PR2, MINIRL),
+        ("4 (H2, interaction)", "interaction", MINIRL, None), ("5 (H3)", FALL_DIFFERENCE, GSPO, TIS)]
+    assert declared.dense_arms == (NAIVE, TIS, MINIRL, GSPO) and "preregistration.md" in declared.declared
+    mine = tmp_path / "mine.yaml"
+    mine.write_text('title: Mine\ndeclared: my notes\ncontrasts:\n  - {name: M1, kind: difference, arm: "minirl + r3", '
+                    'other: minirl}\n', encoding="utf-8")
+    per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
+    main(["--family", str(mine), "--moe", str(tmp_path / "moe.csv"), "--lag", str(K), "--out", str(tmp_path / "out")])
+    report = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert report.startswith("# Mine") and "The 1 comparisons of my notes" in report
+
+
+@pytest.mark.parametrize("text, said", [
+    ("title: t\ndeclared: d\n", "must be a mapping with title, declared and contrasts"),
+    ("title: t\ndeclared: d\ncontrasts: []\nseeds: 3\n", "has seeds: a family holds only"),
+    ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: sum, arm: x}]\n", "kind 'sum' is not one of"),
+    ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: difference, arm: x}]\n", "a difference needs an other arm"),
+    ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: interaction, arm: x}]\n", "it must name dense_arms"),
+    ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, lag: 2}]\n", "must have name, kind and arm"),
+    ("title: [\n", "is not yaml"),
+])
+def test_a_family_file_that_is_not_a_family_is_refused_in_one_line(tmp_path, capsys, text, said):
+    (tmp_path / "bad.yaml").write_text(text, encoding="utf-8")
+    per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
+    with pytest.raises(SystemExit) as stop:
+        main(["--family", str(tmp_path / "bad.yaml"), "--moe", str(tmp_path / "moe.csv"), "--lag", str(K), "--out",
+              str(tmp_path / "out")])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and said in error and str(tmp_path / "bad.yaml") in error
+    assert not (tmp_path / "out").exists()

@@ -327,7 +327,7 @@ def test_the_staleness_cells_run_every_start_on_seed_0_first_and_the_family_last
     reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
     assert [call[call.index("--out") + 1] for call in reports] == [
         "docs/results/async/cells/glm4_moe_l16", "docs/results/async/cells/qwen30b_l16_dense"]
-    assert len(reports[0]) == 2 + 2 * 16 + 4 and calls[-1][:2] == ["-m", "analysis.contrast"]
+    assert len(reports[0]) == 2 + 2 * 16 + 4 and calls[-1][:2] == ["-m", "analysis.family"]
     assert calls[-1][-4:] == ["--lag", "4", "--out", "docs/results/async/contrasts"]
 
 
@@ -352,5 +352,5 @@ def test_the_exploratory_n4_runs_minirl_at_two_lags_and_r3_at_2_from_eight_start
         f"{recipe}-start{k}" for k in range(1, 8)]
     report, contrast = calls[-2:]
     assert report[:2] == ["-m", "analysis.report"] and len(report) == 2 + 16 + 4
-    assert contrast[:4] == ["-m", "analysis.contrast", "--family", "exploratory_n4"]
+    assert contrast[:4] == ["-m", "analysis.family", "--family", "docs/results/async/exploratory_n4_family.yaml"]
     assert contrast[-4:] == ["--lag", "2", "--out", "docs/results/async/exploratory_n4/contrasts"]

@@ -11,12 +11,12 @@
 #                                          or 8) the rule chose, from 8 starts of the rung's recipe and of the dense
 #                                          control's x RL seeds 0, 1 (seed 0 on every start, then seed 1): on the rung
 #                                          six arms at K and three at lag 0, on the dense control MiniRL at 0 and K;
-#                                          a report per model, then the declared family (python -m analysis.contrast);
+#                                          a report per model, then the declared family (python -m analysis.family);
 #   docs/results/async/command.sh n4       exploratory, outside the declared family (exploratory_n4.md, declared
 #                                          before the cells were read): the cells' rung from its starts 0-7 on seed 0 at
 #                                          N = 4 mini-batches a rollout batch, minirl at lags 0 and 2 and minirl_r3 at
-#                                          2; a report, then its family of two (analysis.contrast --family
-#                                          exploratory_n4)
+#                                          2; a report, then its family of two (analysis.family --family
+#                                          docs/results/async/exploratory_n4_family.yaml)
 # Every sweep resumes (resume=auto): run again, a command goes on where it stopped (a finished run is left as it is, a
 # killed one starts again), so the cells can span sessions.
 # Sweeps run one job at a time on one thread (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra
@@ -81,7 +81,7 @@ case $mode in
     done
     python -m analysis.report "${moe[@]}" --out "$results_home/cells/$rung" --dpi 72
     python -m analysis.report "${controls[@]}" --out "$results_home/cells/qwen30b_l16_dense" --dpi 72
-    python -m analysis.contrast --moe "$results_home/cells/$rung" --dense "$results_home/cells/qwen30b_l16_dense" \
+    python -m analysis.family --moe "$results_home/cells/$rung" --dense "$results_home/cells/qwen30b_l16_dense" \
       --lag "$lag" --out "$results_home/contrasts"
     ;;
   n4)
@@ -95,8 +95,8 @@ case $mode in
       runs+=("$sweeps_home/n4_lag2_start$start" "$sweeps_home/n4_lag0_start$start")
     done
     python -m analysis.report "${runs[@]}" --out "$results_home/exploratory_n4/glm4_moe_l16" --dpi 72
-    python -m analysis.contrast --family exploratory_n4 --moe "$results_home/exploratory_n4/glm4_moe_l16" --lag 2 \
-      --out "$results_home/exploratory_n4/contrasts"
+    python -m analysis.family --family docs/results/async/exploratory_n4_family.yaml \
+      --moe "$results_home/exploratory_n4/glm4_moe_l16" --lag 2 --out "$results_home/exploratory_n4/contrasts"
     ;;
 esac
 if [[ $mode == rule ]]; then

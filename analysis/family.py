@@ -1,16 +1,18 @@
-"""`python -m analysis.contrast`: a declared family of comparisons across lags of the staleness study (by default the
+"""`python -m analysis.family`: a declared family of comparisons across lags of the staleness study (by default the
 pre-registered five), from the per-seed tables of the MoE rung's cells and, where the family compares models, of the
 dense control's.
 
-    python -m analysis.contrast --moe REPORT_OR_CSV --dense REPORT_OR_CSV --lag K --out DIR
-    python -m analysis.contrast --family exploratory_n4 --moe REPORT_OR_CSV --lag 2 --out DIR
+    python -m analysis.family --moe REPORT_OR_CSV --dense REPORT_OR_CSV --lag K --out DIR
+    python -m analysis.family --family docs/results/async/exploratory_n4_family.yaml --moe REPORT_OR_CSV --lag 2 \
+        --out DIR
 
-The families (`FAMILIES`) are declared where the docs say, before their runs were read: `preregistered`, the
-pre-registration's (docs/results/async/preregistration.md, "Measure, family, verdict"): three differences of two arms
-at k* and a difference of two arms' falls from lag 0 to k*, each paired per (start, seed) on the MoE rung, and the
-interaction of `minirl`'s fall on the MoE rung with its fall on the dense control, unpaired between the two models;
-`exploratory_n4` (docs/results/async/exploratory_n4.md, outside the declared family): `minirl`'s fall and `minirl + r3`
-− `minirl` at k, on the MoE rung alone. Each is computed on gain_area as analysis/contrasts.py says, with Holm's
+A family is a data file beside the document that declared it, before its runs were read (`load_family`; a new family
+is a new file): docs/results/async/family.yaml, the pre-registration's (docs/results/async/preregistration.md,
+"Measure, family, verdict"): three differences of two arms at k* and a difference of two arms' falls from lag 0 to k*,
+each paired per (start, seed) on the MoE rung, and the interaction of `minirl`'s fall on the MoE rung with its fall on
+the dense control, unpaired between the two models; docs/results/async/exploratory_n4_family.yaml
+(docs/results/async/exploratory_n4.md, outside the declared family): `minirl`'s fall and `minirl + r3` − `minirl` at
+k, on the MoE rung alone. Each is computed on gain_area as analysis/contrasts.py says, with Holm's
 correction over the family. Each table is read and checked as `analysis.compare` reads one (`compare.pool`: one run
 per arm, lag, start and seed; arms of a seed from one start; runs that did not finish left out), and then refused in
 one line where the family cannot be computed from it: no `rollout.lag` column, another axis varied, a lag (0 or k*) or
@@ -30,36 +32,42 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
+import yaml
 
 from analysis.cli import Command, publishing, staged, writable_out
 from analysis.compare import Source, per_seed_file, pool, refuse_two_recipes
 from analysis.contrasts import (
-    DIFFERENCE, FALL, FALL_DIFFERENCE, INTERACTION, LAG, MEASURE, WHY_COLUMNS, Contrast, Judged, Values, judge,
-    needed_runs, unit_values,
+    DIFFERENCE,
+    FALL,
+    FALL_DIFFERENCE,
+    INTERACTION,
+    LAG,
+    MEASURE,
+    WHY_COLUMNS,
+    Contrast,
+    Judged,
+    Values,
+    judge,
+    needed_runs,
+    unit_values,
 )
 from analysis.gains import EXCLUDED
 from analysis.records import UNKNOWN_START
 from analysis.statistics import ALPHA, smallest_p, smallest_permutation_p
 from analysis.tables import LEFT_OUT_FILE, REPORT_FILE, markdown_table
+from experiments.config import PROJECT_ROOT
 
-# docs/results/async/preregistration.md, "Measure, family, verdict": the declared family (m = 5, Holm over all five),
-# the arms as the reports name them (grpo_decoupled: `grpo + tis`, grpo_naive_async: `grpo (π_old = μ_old)`,
-# minirl_r3: `minirl + r3`, minirl_pr2: `minirl + r3 + predictive`), at the k* the pre-registered rule picked.
-FAMILY = (
-    Contrast("1 (H1)", DIFFERENCE, "grpo + tis", "grpo (π_old = μ_old)"),
-    Contrast("2 (H2)", DIFFERENCE, "minirl + r3", "minirl"),
-    Contrast("3 (H2)", DIFFERENCE, "minirl + r3 + predictive", "minirl"),
-    Contrast("4 (H2, interaction)", INTERACTION, "minirl"),
-    Contrast("5 (H3)", FALL_DIFFERENCE, "gspo", "grpo + tis"),
-)
+DEFAULT_FAMILY = PROJECT_ROOT / "docs" / "results" / "async" / "family.yaml"  # the pre-registration's five
 
 
 class Family(NamedTuple):
-    """A family of comparisons, judged together under Holm's correction, and where it was declared."""
+    """A family of comparisons, judged together under Holm's correction, and where it was declared: a data file beside
+    the document that fixed it (`load_family`)."""
 
     title: str  # the report's heading
     declared: str  # where, and so before which runs, it was written down
     contrasts: tuple[Contrast, ...]
+    dense_arms: tuple[str, ...] = ()  # the only arms the dense control's table may hold (a family that compares models)
 
     @property
     def compares_models(self) -> bool:
@@ -67,17 +75,44 @@ class Family(NamedTuple):
         return any(contrast.kind == INTERACTION for contrast in self.contrasts)
 
 
-FAMILIES = {
-    "preregistered": Family("The staleness study's declared family",
-                            'docs/results/async/preregistration.md ("Measure, family, verdict")', FAMILY),
-    # Declared before the cells were read, outside the pre-registered family: where the synchronous arm may learn
-    # (N = 4), does a lag cost MiniRL learning, and does replaying the stale engine's routes give it back?
-    "exploratory_n4": Family("Exploratory, outside the declared family: N = 4 mini-batches a rollout batch",
-                             "docs/results/async/exploratory_n4.md",
-                             (Contrast("E1", FALL, "minirl"), Contrast("E2", DIFFERENCE, "minirl + r3", "minirl"))),
-}
-# The pre-registration's arms without routing, the only ones the dense control runs (its "Arms").
-DENSE_ARMS = ("grpo (π_old = μ_old)", "grpo + tis", "minirl", "gspo")
+_FAMILY_KEYS = {"title", "declared", "contrasts", "dense_arms"}
+_CONTRAST_KEYS = {"name", "kind", "arm", "other"}
+
+
+def load_family(path: Path) -> Family:
+    """The family a yaml file declares (`title`, `declared`, `contrasts`: each a `name`, `kind`, `arm` and, for the
+    kinds that set two arms against each other, `other`; `dense_arms` where a contrast compares models). A ValueError
+    names the file and what in it cannot be a family."""
+    try:
+        declared = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"--family {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"--family {path} is not yaml: {str(error).splitlines()[0]}") from None
+    if not isinstance(declared, dict) or not {"title", "declared", "contrasts"} <= set(declared):
+        raise ValueError(f"--family {path} must be a mapping with title, declared and contrasts")
+    if set(declared) - _FAMILY_KEYS:
+        raise ValueError(f"--family {path} has {', '.join(sorted(set(declared) - _FAMILY_KEYS))}: a family holds only "
+                         f"{', '.join(sorted(_FAMILY_KEYS))}")
+    contrasts = []
+    for number, entry in enumerate(declared["contrasts"] or [], start=1):
+        if not isinstance(entry, dict) or not {"name", "kind", "arm"} <= set(entry) or set(entry) - _CONTRAST_KEYS:
+            raise ValueError(f"--family {path}: contrast {number} ({entry!r}) must have name, kind and arm, and may "
+                             "have other")
+        try:
+            contrasts.append(Contrast(**{key: str(value) for key, value in entry.items()}))
+        except ValueError as error:
+            raise ValueError(f"--family {path}: {error}") from None
+    if not contrasts:
+        raise ValueError(f"--family {path} declares no contrast")
+    family = Family(str(declared["title"]), str(declared["declared"]), tuple(contrasts),
+                    tuple(str(arm) for arm in declared.get("dense_arms") or ()))
+    if family.compares_models and not family.dense_arms:
+        raise ValueError(f"--family {path} compares the MoE rung with the dense control: it must name dense_arms, the "
+                         "arms the dense control runs")
+    return family
+
+
 MOE, DENSE = "moe", "dense"  # the two tables, as their flags and the output's `model` column name them
 CONTRASTS_FILE, UNITS_FILE = "contrasts.csv", "units.csv"
 _OUTPUT = {REPORT_FILE, CONTRASTS_FILE, UNITS_FILE, LEFT_OUT_FILE}  # what the command writes (and replaces)
@@ -162,8 +197,9 @@ def family_values(family: Sequence[Contrast], tables: dict[str, pd.DataFrame]) -
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     """The family, the models' per-seed tables, k*, where the report goes."""
-    parser.add_argument("--family", choices=FAMILIES, default="preregistered",
-                        help="the declared family to judge (default: the pre-registration's five)")
+    parser.add_argument("--family", type=Path, default=DEFAULT_FAMILY, metavar="FILE",
+                        help="the declared family to judge, a yaml file beside the document that declared it "
+                             "(default: docs/results/async/family.yaml, the pre-registration's five)")
     parser.add_argument("--moe", type=Path, required=True, metavar="REPORT_OR_CSV",
                         help="the MoE rung's cells: a report folder (its per_seed.csv) or a per-seed CSV")
     parser.add_argument("--dense", type=Path, metavar="REPORT_OR_CSV",
@@ -179,7 +215,10 @@ def check(args: argparse.Namespace) -> str | None:
     where it does."""
     if args.lag < 1:
         return f"--lag {args.lag}: k* is a lag above 0 (a fall is from lag 0 to k*)"
-    needs_dense = FAMILIES[args.family].compares_models
+    try:
+        needs_dense = load_family(args.family).compares_models
+    except ValueError as error:
+        return str(error)
     if needs_dense and args.dense is None:
         return f"--family {args.family} compares the MoE rung with the dense control: give --dense REPORT_OR_CSV"
     if not needs_dense and args.dense is not None:
@@ -190,13 +229,13 @@ def check(args: argparse.Namespace) -> str | None:
 def read(args: argparse.Namespace) -> Read:
     """The family's tables read and checked, its per-unit values computed and checked; the output folder proved
     writable."""
-    declared = FAMILIES[args.family]
+    declared = load_family(args.family)
     family = tuple(contrast.at(args.lag) for contrast in declared.contrasts)
     paths = {MOE: per_seed_file(args.moe)}
     tables = {MOE: read_table(paths[MOE], MOE, args.lag, None)}
     if declared.compares_models:
         paths[DENSE] = per_seed_file(args.dense)
-        tables[DENSE] = read_table(paths[DENSE], DENSE, args.lag, DENSE_ARMS)
+        tables[DENSE] = read_table(paths[DENSE], DENSE, args.lag, declared.dense_arms)
         shared = set(tables[MOE]["start_sha256"]) & set(tables[DENSE]["start_sha256"])
         if shared:
             raise ValueError(f"start {sorted(shared)[0][:12]} is in both --moe {paths[MOE]} and --dense "
@@ -299,7 +338,7 @@ def write(read: Read, args: argparse.Namespace, command: str) -> str:
     return f"report: {args.out / REPORT_FILE}"
 
 
-main = Command("analysis.contrast", __doc__, arguments, read, write, check=check,
+main = Command("analysis.family", __doc__, arguments, read, write, check=check,
                around=lambda args: publishing(args.out, REPORT_FILE)).main
 
 if __name__ == "__main__":
