@@ -90,3 +90,20 @@ def test_every_figure_of_the_report_is_one_function_over_the_prelude_and_in_its_
     assert sorted(listed) == sorted(decorated) and len(set(listed)) == len(listed), (listed, decorated)
     for draw in figures.FIGURES:
         assert draw.__module__ == decorated[draw.__name__] and inspect.unwrap(draw) is not draw
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether `b` is `a` with one letter added, removed or changed."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        return sum(x != y for x, y in zip(a, b)) == 1
+    short, long = sorted((a, b), key=len)
+    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+
+def test_no_two_analysis_modules_are_named_one_letter_apart():
+    """`contrast` and `contrasts` once sat side by side: a reader opens the wrong one. A module's name says its job."""
+    names = sorted(path.stem for path in ANALYSIS.glob("*.py"))
+    close = [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if _one_edit_apart(a, b)]
+    assert not close, f"analysis modules one letter apart: {close}"
