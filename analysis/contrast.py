@@ -34,8 +34,19 @@ import pandas as pd
 from analysis.cli import Command, publishing, staged, writable_out
 from analysis.compare import Source, per_seed_file, pool, refuse_two_recipes
 from analysis.contrasts import (
-    DIFFERENCE, FALL, FALL_DIFFERENCE, INTERACTION, LAG, MEASURE, WHY_COLUMNS, Contrast, Judged, Values, judge,
-    needed_runs, unit_values,
+    DIFFERENCE,
+    FALL,
+    FALL_DIFFERENCE,
+    INTERACTION,
+    LAG,
+    MEASURE,
+    WHY_COLUMNS,
+    Contrast,
+    Judged,
+    Values,
+    judge,
+    needed_runs,
+    unit_values,
 )
 from analysis.gains import EXCLUDED
 from analysis.records import UNKNOWN_START
@@ -68,13 +79,18 @@ class Family(NamedTuple):
 
 
 FAMILIES = {
-    "preregistered": Family("The staleness study's declared family",
-                            'docs/results/async/preregistration.md ("Measure, family, verdict")', FAMILY),
+    "preregistered": Family(
+        "The staleness study's declared family",
+        'docs/results/async/preregistration.md ("Measure, family, verdict")',
+        FAMILY,
+    ),
     # Declared before the cells were read, outside the pre-registered family: where the synchronous arm may learn
     # (N = 4), does a lag cost MiniRL learning, and does replaying the stale engine's routes give it back?
-    "exploratory_n4": Family("Exploratory, outside the declared family: N = 4 mini-batches a rollout batch",
-                             "docs/results/async/exploratory_n4.md",
-                             (Contrast("E1", FALL, "minirl"), Contrast("E2", DIFFERENCE, "minirl + r3", "minirl"))),
+    "exploratory_n4": Family(
+        "Exploratory, outside the declared family: N = 4 mini-batches a rollout batch",
+        "docs/results/async/exploratory_n4.md",
+        (Contrast("E1", FALL, "minirl"), Contrast("E2", DIFFERENCE, "minirl + r3", "minirl")),
+    ),
 }
 # The pre-registration's arms without routing, the only ones the dense control runs (its "Arms").
 DENSE_ARMS = ("grpo (π_old = μ_old)", "grpo + tis", "minirl", "gspo")
@@ -100,32 +116,44 @@ def read_table(path: Path, flag: str, lag: int, arms: Sequence[str] | None) -> p
     rows, axes, _ = pool([Source(path, {})])
     counted = rows[rows["counted"] != EXCLUDED]
     if LAG not in axes:
-        raise ValueError(f"--{flag} {path} has no {LAG} column among its swept axes ({', '.join(axes) or 'none'}): "
-                         "not a table of the staleness study")
+        raise ValueError(
+            f"--{flag} {path} has no {LAG} column among its swept axes ({', '.join(axes) or 'none'}): "
+            "not a table of the staleness study"
+        )
     varied = [axis for axis in axes if axis != LAG and counted[axis].nunique() > 1]
     if varied:
-        raise ValueError(f"--{flag} {path} varies {', '.join(varied)} beside {LAG}: a contrast pools one cell's runs "
-                         "across lags; give a table of one cell")
+        raise ValueError(
+            f"--{flag} {path} varies {', '.join(varied)} beside {LAG}: a contrast pools one cell's runs "
+            "across lags; give a table of one cell"
+        )
     unnamed = counted[counted["start_sha256"] == UNKNOWN_START]
     if not unnamed.empty:
-        raise ValueError(f"--{flag} {path}: {len(unnamed)} runs name no start (start_sha256), {unnamed['run'].iloc[0]} "
-                         "first: the contrasts are computed per start")
+        raise ValueError(
+            f"--{flag} {path}: {len(unnamed)} runs name no start (start_sha256), {unnamed['run'].iloc[0]} "
+            "first: the contrasts are computed per start"
+        )
     if "start_recipe" in counted:
         refuse_two_recipes(counted)
     if arms is not None:
         foreign = sorted(set(rows["arm"]) - set(arms))
         if foreign:
-            raise ValueError(f"--{flag} {path} holds {', '.join(map(repr, foreign))}: the dense control runs only the "
-                             f"arms without routing ({', '.join(arms)})")
+            raise ValueError(
+                f"--{flag} {path} holds {', '.join(map(repr, foreign))}: the dense control runs only the "
+                f"arms without routing ({', '.join(arms)})"
+            )
     lags = sorted(set(counted[LAG].astype(float)))
     for needed in sorted({0, lag}):
         if float(needed) not in lags:
-            raise ValueError(f"--{flag} {path} has no counted run at {LAG} {needed}; its lags: "
-                             f"{', '.join(f'{value:g}' for value in lags) or 'none'}")
+            raise ValueError(
+                f"--{flag} {path} has no counted run at {LAG} {needed}; its lags: "
+                f"{', '.join(f'{value:g}' for value in lags) or 'none'}"
+            )
     starts = counted["start_sha256"].nunique()
     if starts < 2:
-        raise ValueError(f"--{flag} {path} holds {starts} start(s): the family's intervals and tests are over starts, "
-                         "and need at least 2")
+        raise ValueError(
+            f"--{flag} {path} holds {starts} start(s): the family's intervals and tests are over starts, "
+            "and need at least 2"
+        )
     return rows
 
 
@@ -136,14 +164,18 @@ def missing_arm(rows: pd.DataFrame, path: Path, flag: str, family: Sequence[Cont
     for arm, lag in needed_runs(family):
         if (arm, float(lag)) not in held:
             arms = sorted(set(counted["arm"]))
-            said = (f"has no arm {arm!r}; its arms: {', '.join(arms)}" if arm not in arms else
-                    f"has no counted run of {arm!r} at {LAG} {lag}")
+            said = (
+                f"has no arm {arm!r}; its arms: {', '.join(arms)}"
+                if arm not in arms
+                else f"has no counted run of {arm!r} at {LAG} {lag}"
+            )
             return f"--{flag} {path} {said}: the declared family needs it"
     return None
 
 
-def family_values(family: Sequence[Contrast], tables: dict[str, pd.DataFrame]) -> tuple[list[dict[str, Values]],
-                                                                                        pd.DataFrame]:
+def family_values(
+    family: Sequence[Contrast], tables: dict[str, pd.DataFrame]
+) -> tuple[list[dict[str, Values]], pd.DataFrame]:
     """Each comparison's per-unit values per model it reads, and every unit left out (with comparison and model);
     a comparison left with fewer than 2 starts on a model is refused, naming it."""
     values, left = [], []
@@ -154,23 +186,43 @@ def family_values(family: Sequence[Contrast], tables: dict[str, pd.DataFrame]) -
             found[model], out = unit_values(tables[model], contrast)
             left.append(out.assign(comparison=contrast.name, model=model))
             if len(found[model]) < 2:
-                raise ValueError(f"comparison {contrast.name} ({contrast.text}) has {len(found[model])} start(s) with "
-                                 f"a complete unit on the {model} table ({len(out)} units left out): it needs 2")
+                raise ValueError(
+                    f"comparison {contrast.name} ({contrast.text}) has {len(found[model])} start(s) with "
+                    f"a complete unit on the {model} table ({len(out)} units left out): it needs 2"
+                )
         values.append(found)
     return values, pd.concat(left, ignore_index=True)[["comparison", "model", *WHY_COLUMNS]]
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     """The family, the models' per-seed tables, k*, where the report goes."""
-    parser.add_argument("--family", choices=FAMILIES, default="preregistered",
-                        help="the declared family to judge (default: the pre-registration's five)")
-    parser.add_argument("--moe", type=Path, required=True, metavar="REPORT_OR_CSV",
-                        help="the MoE rung's cells: a report folder (its per_seed.csv) or a per-seed CSV")
-    parser.add_argument("--dense", type=Path, metavar="REPORT_OR_CSV",
-                        help="the dense control's cells (a report folder or a per-seed CSV): needed by, and only by, a "
-                             "family that compares the two models")
-    parser.add_argument("--lag", type=int, required=True, metavar="K",
-                        help="k*, the lag the pre-registered rule picked (docs/results/async/command.sh rule)")
+    parser.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="preregistered",
+        help="the declared family to judge (default: the pre-registration's five)",
+    )
+    parser.add_argument(
+        "--moe",
+        type=Path,
+        required=True,
+        metavar="REPORT_OR_CSV",
+        help="the MoE rung's cells: a report folder (its per_seed.csv) or a per-seed CSV",
+    )
+    parser.add_argument(
+        "--dense",
+        type=Path,
+        metavar="REPORT_OR_CSV",
+        help="the dense control's cells (a report folder or a per-seed CSV): needed by, and only by, a "
+        "family that compares the two models",
+    )
+    parser.add_argument(
+        "--lag",
+        type=int,
+        required=True,
+        metavar="K",
+        help="k*, the lag the pre-registered rule picked (docs/results/async/command.sh rule)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 
@@ -199,8 +251,10 @@ def read(args: argparse.Namespace) -> Read:
         tables[DENSE] = read_table(paths[DENSE], DENSE, args.lag, DENSE_ARMS)
         shared = set(tables[MOE]["start_sha256"]) & set(tables[DENSE]["start_sha256"])
         if shared:
-            raise ValueError(f"start {sorted(shared)[0][:12]} is in both --moe {paths[MOE]} and --dense "
-                             f"{paths[DENSE]}: the interaction compares two models, each from its own starts")
+            raise ValueError(
+                f"start {sorted(shared)[0][:12]} is in both --moe {paths[MOE]} and --dense "
+                f"{paths[DENSE]}: the interaction compares two models, each from its own starts"
+            )
     for model in tables:
         reads = family if model == MOE else [contrast for contrast in family if contrast.kind == INTERACTION]
         problem = missing_arm(tables[model], paths[model], model, reads)
@@ -220,56 +274,112 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
         stats = result.statistics
         sides = [values[MOE]] if result.contrast.kind != INTERACTION else [values[MOE], values[DENSE]]
         per_start = [stats.per_start] if len(sides) == 1 else list(stats.per_start)
-        units = ", ".join(f"{len(side)} × {_seeds(side)}" + (f" {model}" if len(sides) > 1 else "")
-                          for side, model in zip(sides, (MOE, DENSE)))
-        shown = "; ".join((f"{model}: " if len(sides) > 1 else "")
-                          + ", ".join(f"{start[:12]} {value:+.3f}" for start, value in starts.items())
-                          for starts, model in zip(per_start, (MOE, DENSE)))
-        rows.append([f"{result.contrast.name}: {result.contrast.text}", units, stats.difference.text(),
-                     f"{stats.p_value:.3g}", f"{result.holm_p:.3g}", shown, "yes" if stats.signs_agree else "no",
-                     result.verdict])
-        best = (smallest_permutation_p(len(sides[0]), len(sides[1]), m) if len(sides) > 1
-                else smallest_p(len(sides[0]), m))
+        units = ", ".join(
+            f"{len(side)} × {_seeds(side)}" + (f" {model}" if len(sides) > 1 else "")
+            for side, model in zip(sides, (MOE, DENSE))
+        )
+        shown = "; ".join(
+            (f"{model}: " if len(sides) > 1 else "")
+            + ", ".join(f"{start[:12]} {value:+.3f}" for start, value in starts.items())
+            for starts, model in zip(per_start, (MOE, DENSE))
+        )
+        rows.append(
+            [
+                f"{result.contrast.name}: {result.contrast.text}",
+                units,
+                stats.difference.text(),
+                f"{stats.p_value:.3g}",
+                f"{result.holm_p:.3g}",
+                shown,
+                "yes" if stats.signs_agree else "no",
+                result.verdict,
+            ]
+        )
+        best = (
+            smallest_permutation_p(len(sides[0]), len(sides[1]), m) if len(sides) > 1 else smallest_p(len(sides[0]), m)
+        )
         reach.append(f"{result.contrast.name} {best:.3g}")
     kinds = {contrast.kind for contrast in read.family}
-    paired = [what for kind, what in ((DIFFERENCE, "the difference of two arms at k*"), (FALL, "an arm's fall"),
-                                      (FALL_DIFFERENCE, "the difference of two arms' falls")) if kind in kinds]
+    paired = [
+        what
+        for kind, what in (
+            (DIFFERENCE, "the difference of two arms at k*"),
+            (FALL, "an arm's fall"),
+            (FALL_DIFFERENCE, "the difference of two arms' falls"),
+        )
+        if kind in kinds
+    ]
     model_names = {MOE: "the MoE rung", DENSE: "the dense control"}
     tables = " and ".join(f"`{path}` ({model_names[model]})" for model, path in read.paths.items())
-    starts = {model: sorted({start for values in read.values for start in values.get(model, {})})
-              for model in read.paths}
-    lines = [f"# {read.declared.title}", "",
-             f"The {m} comparisons of {read.declared.declared} at k* = {read.family[0].lag}, on {MEASURE}, from "
-             f"{tables}. Cold starts (the weights' sha256, its first 12 digits): "
-             + "; ".join(f"{model_names[model]}'s {len(shas)}, " + ", ".join(f"`{sha[:12]}`" for sha in shas)
-                         for model, shas in starts.items()) + "."]
+    starts = {
+        model: sorted({start for values in read.values for start in values.get(model, {})}) for model in read.paths
+    }
+    lines = [
+        f"# {read.declared.title}",
+        "",
+        f"The {m} comparisons of {read.declared.declared} at k* = {read.family[0].lag}, on {MEASURE}, from "
+        f"{tables}. Cold starts (the weights' sha256, its first 12 digits): "
+        + "; ".join(
+            f"{model_names[model]}'s {len(shas)}, " + ", ".join(f"`{sha[:12]}`" for sha in shas)
+            for model, shas in starts.items()
+        )
+        + ".",
+    ]
     if command:
         lines += ["", f"Made with `{command}`."]
     how = ["A fall is an arm's gain_area at lag 0 minus at k* (positive: it learns less behind)."]
     if paired:
-        how.append(f"{_named(read.family, DIFFERENCE, FALL, FALL_DIFFERENCE)} paired per (start, seed) on the MoE "
-                   f"rung ({'; '.join(paired)}): the estimate is the mean over starts of each start's mean over its "
-                   "seeds, the interval the two-level bootstrap (starts resampled, then seeds within each drawn "
-                   "start; every start weighted equally), the p the exact sign-flip test on the starts' values.")
+        how.append(
+            f"{_named(read.family, DIFFERENCE, FALL, FALL_DIFFERENCE)} paired per (start, seed) on the MoE "
+            f"rung ({'; '.join(paired)}): the estimate is the mean over starts of each start's mean over its "
+            "seeds, the interval the two-level bootstrap (starts resampled, then seeds within each drawn "
+            "start; every start weighted equally), the p the exact sign-flip test on the starts' values."
+        )
     if INTERACTION in kinds:
-        how.append(f"{_named(read.family, INTERACTION)} unpaired between the two models: each start's fall with its "
-                   "seeds averaged; the interval is each model's two-level bootstrap apart and the difference of their "
-                   "draws, the p the two-sided permutation test of the starts' falls between the models (exact up to "
-                   "200,000 splits); its signs agree when every MoE start lies beyond every dense start.")
-    how.append(f"Holm's correction runs over the {m}; a comparison **separates** when its 95% interval excludes 0 and "
-               f"its Holm p < {ALPHA:g}. The smallest Holm p each can reach, whatever the data (m · 2/2^K with K "
-               "starts paired" + ("; m · 2/C(K1 + K2, K1) for the permutation test over K1 + K2 starts"
-                                  if INTERACTION in kinds else "") + f"): {'; '.join(reach)}.")
-    lines += ["", markdown_table(["comparison", "units (starts × seeds)", "estimate [95% interval]", "start-level p",
-                                  f"Holm p over {m}", "per-start values", "signs agree", "verdict"], rows), "",
-              " ".join(how), ""]
+        how.append(
+            f"{_named(read.family, INTERACTION)} unpaired between the two models: each start's fall with its "
+            "seeds averaged; the interval is each model's two-level bootstrap apart and the difference of their "
+            "draws, the p the two-sided permutation test of the starts' falls between the models (exact up to "
+            "200,000 splits); its signs agree when every MoE start lies beyond every dense start."
+        )
+    how.append(
+        f"Holm's correction runs over the {m}; a comparison **separates** when its 95% interval excludes 0 and "
+        f"its Holm p < {ALPHA:g}. The smallest Holm p each can reach, whatever the data (m · 2/2^K with K "
+        "starts paired"
+        + ("; m · 2/C(K1 + K2, K1) for the permutation test over K1 + K2 starts" if INTERACTION in kinds else "")
+        + f"): {'; '.join(reach)}."
+    )
+    lines += [
+        "",
+        markdown_table(
+            [
+                "comparison",
+                "units (starts × seeds)",
+                "estimate [95% interval]",
+                "start-level p",
+                f"Holm p over {m}",
+                "per-start values",
+                "signs agree",
+                "verdict",
+            ],
+            rows,
+        ),
+        "",
+        " ".join(how),
+        "",
+    ]
     left = read.left_out
     if left.empty:
-        return lines + [f"Every unit of {'both tables' if DENSE in read.paths else 'the table'} entered every "
-                        "comparison that reads it."]
+        return lines + [
+            f"Every unit of {'both tables' if DENSE in read.paths else 'the table'} entered every "
+            "comparison that reads it."
+        ]
     table = [[row.comparison, row.model, row.start_sha256[:12], row.seed, row.why] for row in left.itertuples()]
-    return lines + [f"## Units left out ({len(left)})", "",
-                    markdown_table(["comparison", "model", "start", "seed", "why"], table)]
+    return lines + [
+        f"## Units left out ({len(left)})",
+        "",
+        markdown_table(["comparison", "model", "start", "seed", "why"], table),
+    ]
 
 
 def _named(family: Sequence[Contrast], *kinds: str) -> str:
@@ -287,10 +397,15 @@ def write(read: Read, args: argparse.Namespace, command: str) -> str:
     """The family judged from what `read` computed, its files through a staging folder; the line saying where its
     report is."""
     judged = judge(read.family, [[side for model, side in values.items()] for values in read.values])
-    units = pd.DataFrame([{"comparison": contrast.name, "model": model, "start_sha256": start, "seed": seed,
-                           "value": value}
-                          for contrast, values in zip(read.family, read.values) for model, side in values.items()
-                          for start, by_seed in side.items() for seed, value in by_seed.items()])
+    units = pd.DataFrame(
+        [
+            {"comparison": contrast.name, "model": model, "start_sha256": start, "seed": seed, "value": value}
+            for contrast, values in zip(read.family, read.values)
+            for model, side in values.items()
+            for start, by_seed in side.items()
+            for seed, value in by_seed.items()
+        ]
+    )
     with staged(args.out, _OUTPUT.__contains__, REPORT_FILE) as stage:
         pd.DataFrame([result.row() for result in judged]).to_csv(stage / CONTRASTS_FILE, index=False)
         units.to_csv(stage / UNITS_FILE, index=False)
@@ -299,8 +414,15 @@ def write(read: Read, args: argparse.Namespace, command: str) -> str:
     return f"report: {args.out / REPORT_FILE}"
 
 
-main = Command("analysis.contrast", __doc__, arguments, read, write, check=check,
-               around=lambda args: publishing(args.out, REPORT_FILE)).main
+main = Command(
+    "analysis.contrast",
+    __doc__,
+    arguments,
+    read,
+    write,
+    check=check,
+    around=lambda args: publishing(args.out, REPORT_FILE),
+).main
 
 if __name__ == "__main__":
     main()

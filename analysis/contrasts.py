@@ -59,8 +59,9 @@ class Contrast:
         if self.kind not in KINDS:
             raise ValueError(f"contrast {self.name!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if (self.other is None) == (self.kind in _AGAINST_OTHER):
-            raise ValueError(f"contrast {self.name!r}: a {self.kind} {'takes no' if self.other else 'needs an'} "
-                             "other arm")
+            raise ValueError(
+                f"contrast {self.name!r}: a {self.kind} {'takes no' if self.other else 'needs an'} other arm"
+            )
 
     def at(self, lag: int) -> Contrast:
         """The contrast at lag `lag` (k*)."""
@@ -111,28 +112,45 @@ def unit_values(rows: pd.DataFrame, contrast: Contrast) -> tuple[Values, pd.Data
     `compare.pool` returns it, with `rollout.lag`."""
     lags = rows[LAG].astype(float)
     counted = rows["counted"] != EXCLUDED
-    area = {(arm, lag, start, str(seed)): value for arm, lag, start, seed, value
-            in zip(rows.loc[counted, "arm"], lags[counted], rows.loc[counted, "start_sha256"],
-                   rows.loc[counted, "seed"], rows.loc[counted, MEASURE])}
-    units = sorted({(start, str(seed)) for start, seed in zip(rows["start_sha256"], rows["seed"])},
-                   key=lambda unit: (unit[0], seed_order(unit[1])))
+    area = {
+        (arm, lag, start, str(seed)): value
+        for arm, lag, start, seed, value in zip(
+            rows.loc[counted, "arm"],
+            lags[counted],
+            rows.loc[counted, "start_sha256"],
+            rows.loc[counted, "seed"],
+            rows.loc[counted, MEASURE],
+        )
+    }
+    units = sorted(
+        {(start, str(seed)) for start, seed in zip(rows["start_sha256"], rows["seed"])},
+        key=lambda unit: (unit[0], seed_order(unit[1])),
+    )
     values: Values = {}
     left = []
     for start, seed in units:
-        missing = [_missing(rows, lags, arm, lag, start, seed) for arm, lag, _ in contrast.terms()
-                   if (arm, float(lag), start, seed) not in area]
+        missing = [
+            _missing(rows, lags, arm, lag, start, seed)
+            for arm, lag, _ in contrast.terms()
+            if (arm, float(lag), start, seed) not in area
+        ]
         if missing:
             left.append({"start_sha256": start, "seed": seed, "why": "; ".join(missing)})
         else:
-            values.setdefault(start, {})[seed] = float(sum(sign * area[arm, float(lag), start, seed]
-                                                           for arm, lag, sign in contrast.terms()))
+            values.setdefault(start, {})[seed] = float(
+                sum(sign * area[arm, float(lag), start, seed] for arm, lag, sign in contrast.terms())
+            )
     return values, pd.DataFrame(left, columns=WHY_COLUMNS)
 
 
 def _missing(rows: pd.DataFrame, lags: pd.Series, arm: str, lag: int, start: str, seed: str) -> str:
     """Why a unit has no counted run of `arm` at `lag`: the run that did not finish, or none."""
-    runs = rows[(rows["arm"] == arm) & (lags == float(lag)) & (rows["start_sha256"] == start)
-                & (rows["seed"].astype(str) == seed)]
+    runs = rows[
+        (rows["arm"] == arm)
+        & (lags == float(lag))
+        & (rows["start_sha256"] == start)
+        & (rows["seed"].astype(str) == seed)
+    ]
     if runs.empty:
         return f"no run of {arm} at {LAG} {lag}"
     status = runs["status"].iloc[0] if "status" in runs else "incomplete"
@@ -165,14 +183,29 @@ class Judged:
         stats, contrast = self.statistics, self.contrast
         paired = isinstance(stats, AcrossStarts)
         sides = [(stats.per_start, stats.seeds)] if paired else list(zip(stats.per_start, stats.seeds))
-        texts = ["; ".join(f"{start}={value!r} ({seeds[start]})" for start, value in values.items())
-                 for values, seeds in sides]
-        return {"comparison": contrast.name, "kind": contrast.kind, "arm": contrast.arm, "other": contrast.other,
-                "lag": contrast.lag, "starts": stats.starts if paired else "+".join(map(str, stats.starts)),
-                "estimate": stats.difference.estimate, "low": stats.difference.low, "high": stats.difference.high,
-                "p_value": stats.p_value, "holm_p": self.holm_p, "family": self.family,
-                "signs_agree": stats.signs_agree, "separates": self.separates, "verdict": self.verdict,
-                "per_start": texts[0], "per_start_second": texts[1] if len(texts) > 1 else ""}
+        texts = [
+            "; ".join(f"{start}={value!r} ({seeds[start]})" for start, value in values.items())
+            for values, seeds in sides
+        ]
+        return {
+            "comparison": contrast.name,
+            "kind": contrast.kind,
+            "arm": contrast.arm,
+            "other": contrast.other,
+            "lag": contrast.lag,
+            "starts": stats.starts if paired else "+".join(map(str, stats.starts)),
+            "estimate": stats.difference.estimate,
+            "low": stats.difference.low,
+            "high": stats.difference.high,
+            "p_value": stats.p_value,
+            "holm_p": self.holm_p,
+            "family": self.family,
+            "signs_agree": stats.signs_agree,
+            "separates": self.separates,
+            "verdict": self.verdict,
+            "per_start": texts[0],
+            "per_start_second": texts[1] if len(texts) > 1 else "",
+        }
 
 
 def judge(contrasts: Sequence[Contrast], sides: Sequence[Sequence[Values]]) -> list[Judged]:

@@ -94,10 +94,14 @@ class Comparison:
         if self.separates:
             return "separates (95% CI of the difference excludes 0)"
         if math.isinf(self.detectable):
-            return (f"not distinguishable (with {self.seeds} seeds no paired test reaches p < {ALPHA:g}: "
-                    "at least 6 are needed)")
-        return (f"not distinguishable (with {self.seeds} seeds the smallest effect this could detect is "
-                f"{self.detectable:.3f})")
+            return (
+                f"not distinguishable (with {self.seeds} seeds no paired test reaches p < {ALPHA:g}: "
+                "at least 6 are needed)"
+            )
+        return (
+            f"not distinguishable (with {self.seeds} seeds the smallest effect this could detect is "
+            f"{self.detectable:.3f})"
+        )
 
     def row(self) -> dict[str, float | int | str | bool | None]:
         """A flat record for a CSV: every interval as estimate / low / high."""
@@ -130,8 +134,16 @@ def _bootstrap(data: tuple[np.ndarray, ...], statistic, paired: bool) -> Interva
     estimate = float(statistic(*data))
     if np.all([np.all(sample == sample[0]) for sample in data]):  # nothing to resample: the interval is the point
         return Interval(estimate, estimate, estimate)
-    result = stats.bootstrap(data, statistic, paired=paired, vectorized=True, method="percentile",
-                             confidence_level=CONFIDENCE, n_resamples=RESAMPLES, rng=np.random.default_rng(RNG_SEED))
+    result = stats.bootstrap(
+        data,
+        statistic,
+        paired=paired,
+        vectorized=True,
+        method="percentile",
+        confidence_level=CONFIDENCE,
+        n_resamples=RESAMPLES,
+        rng=np.random.default_rng(RNG_SEED),
+    )
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
 
 
@@ -217,8 +229,9 @@ def compare(arm: np.ndarray | list[float], baseline: np.ndarray | list[float]) -
     """`arm` against `baseline`, both one value per shared seed, in the same seed order."""
     arm, baseline = np.asarray(arm, dtype=float), np.asarray(baseline, dtype=float)
     if arm.shape != baseline.shape or arm.ndim != 1:
-        raise ValueError(f"compare needs one value per shared seed for each arm, got shapes {arm.shape} and "
-                         f"{baseline.shape}")
+        raise ValueError(
+            f"compare needs one value per shared seed for each arm, got shapes {arm.shape} and {baseline.shape}"
+        )
     if len(arm) < 2:
         raise ValueError(f"compare needs at least 2 shared seeds, got {len(arm)}")
     if not (np.all(np.isfinite(arm)) and np.all(np.isfinite(baseline))):
@@ -274,11 +287,17 @@ class AcrossStarts:
         return bool(np.all(values > TIE) or np.all(values < -TIE))
 
     def row(self) -> dict[str, float | int | str | bool]:
-        return {"starts": self.starts, "starts_difference_estimate": self.difference.estimate,
-                "starts_difference_low": self.difference.low, "starts_difference_high": self.difference.high,
-                "starts_p_value": self.p_value, "starts_agree": self.signs_agree,
-                "per_start": "; ".join(f"{start[:12] or '?'}: {value:+.3f} ({self.seeds[start]})"
-                                       for start, value in self.per_start.items())}
+        return {
+            "starts": self.starts,
+            "starts_difference_estimate": self.difference.estimate,
+            "starts_difference_low": self.difference.low,
+            "starts_difference_high": self.difference.high,
+            "starts_p_value": self.p_value,
+            "starts_agree": self.signs_agree,
+            "per_start": "; ".join(
+                f"{start[:12] or '?'}: {value:+.3f} ({self.seeds[start]})" for start, value in self.per_start.items()
+            ),
+        }
 
 
 def across_starts(differences: dict[str, np.ndarray | list[float]]) -> AcrossStarts:
@@ -286,15 +305,21 @@ def across_starts(differences: dict[str, np.ndarray | list[float]]) -> AcrossSta
     per shared seed}`): the two-level bootstrap interval, the start-level sign-flip test and each start's own
     difference. A two-level interval needs at least 2 starts."""
     if len(differences) < 2:
-        raise ValueError(f"a two-level interval needs at least 2 cold starts, got {len(differences)}: with one start "
-                         "only the within-start statistics apply")
+        raise ValueError(
+            f"a two-level interval needs at least 2 cold starts, got {len(differences)}: with one start "
+            "only the within-start statistics apply"
+        )
     by_start = {start: np.asarray(values, dtype=float) for start, values in differences.items()}
     if any(len(values) == 0 or not np.all(np.isfinite(values)) for values in by_start.values()):
         raise ValueError("across_starts needs at least one finite paired difference per start")
     per_start = {start: float(values.mean()) for start, values in by_start.items()}
-    return AcrossStarts(starts=len(by_start), difference=starts_interval(by_start),
-                        p_value=sign_flip_p(np.array(list(per_start.values()))), per_start=per_start,
-                        seeds={start: len(values) for start, values in by_start.items()})
+    return AcrossStarts(
+        starts=len(by_start),
+        difference=starts_interval(by_start),
+        p_value=sign_flip_p(np.array(list(per_start.values()))),
+        per_start=per_start,
+        seeds={start: len(values) for start, values in by_start.items()},
+    )
 
 
 def starts_interval(by_start: dict[str, np.ndarray | list[float]]) -> Interval:
@@ -356,8 +381,9 @@ class BetweenStarts:
         return bool(first.min() - second.max() > TIE or second.min() - first.max() > TIE)
 
 
-def between_starts(first: dict[str, np.ndarray | list[float]], second: dict[str, np.ndarray | list[float]]
-                   ) -> BetweenStarts:
+def between_starts(
+    first: dict[str, np.ndarray | list[float]], second: dict[str, np.ndarray | list[float]]
+) -> BetweenStarts:
     """Two independent groups of starts (`{start sha256: one value per seed}` each; a start's value is the mean of
     its seeds, every start weighted equally): the difference of the groups' means, its interval from the two-level
     bootstrap of each group apart (`multi_bootstrap`: starts within the group, then seeds within each drawn start; the
@@ -373,11 +399,16 @@ def between_starts(first: dict[str, np.ndarray | list[float]], second: dict[str,
     rng = np.random.default_rng(RNG_SEED)
     draws = [multi_bootstrap(list(group.values()), RESAMPLES, rng) for group in groups]
     low, high = np.percentile(draws[0] - draws[1], [100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2])
-    return BetweenStarts(starts=(len(groups[0]), len(groups[1])),
-                         difference=Interval(float(means[0].mean() - means[1].mean()), float(low), float(high)),
-                         p_value=permutation_p(*means), per_start=(per_start[0], per_start[1]),
-                         seeds=({start: len(values) for start, values in groups[0].items()},
-                                {start: len(values) for start, values in groups[1].items()}))
+    return BetweenStarts(
+        starts=(len(groups[0]), len(groups[1])),
+        difference=Interval(float(means[0].mean() - means[1].mean()), float(low), float(high)),
+        p_value=permutation_p(*means),
+        per_start=(per_start[0], per_start[1]),
+        seeds=(
+            {start: len(values) for start, values in groups[0].items()},
+            {start: len(values) for start, values in groups[1].items()},
+        ),
+    )
 
 
 def accuracy_interval(accuracy: float, prompts: int, level: float = 0.95) -> tuple[float, float]:
