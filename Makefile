@@ -13,7 +13,7 @@ SWEEP := multirun/quickstart/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 LOCK := constraints.txt
 
-.PHONY: install test test-fast test-load run sft bench clean test-vllm constraints gpu-carry
+.PHONY: install lint test test-fast test-load run sft bench clean test-vllm constraints gpu-carry
 
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,8 +34,14 @@ constraints: $(STAMP)
 # tests are listed at the end: what to look at when the suite nears its 15-minute budget.
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
+
+# The house's habits (pyproject.toml's [tool.ruff]): the tree formatted as ruff formats it, and its lint rules clean.
+# `ruff format . && ruff check --fix .` mends most of what it reports. First in `make test`, so in CI.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
 
 # The fast lane while working: every test but those marked slow (subprocesses, torchrun, the benchmarks' workers).
 test-fast: $(STAMP)

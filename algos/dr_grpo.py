@@ -5,15 +5,16 @@
 
 GRPO without its two biases: no 1/|y_i| (a long wrong answer is no longer penalised less per token) and no
 division of the advantage by the group std (`advantage_std = False`, the default of `algo.advantage_std` here;
-`group_advantages(..., scale_by_std=False)`). Aggregation: `seq-mean-token-sum-norm` by default, i.e. the masked token sum divided by
-the constant B · T_norm, T_norm = `norm_tokens` (the generation budget, as the released code's MAX_TOKENS) or,
-when unset, the padded length T of the batch. Token-level ratios, clip 0.2 / 0.2, no KL (paper's settings).
+`group_advantages(..., scale_by_std=False)`). Aggregation: `seq-mean-token-sum-norm` by default, i.e. the masked token
+sum divided by the constant B · T_norm, T_norm = `norm_tokens` (the generation budget, as the released code's
+MAX_TOKENS) or, when unset, the padded length T of the batch. Token-level ratios, clip 0.2 / 0.2, no KL (paper's
+settings).
 """
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from algos.objective import LossAgg, OBJECTIVES, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
+from algos.objective import OBJECTIVES, LossAgg, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
 
 
 @OBJECTIVES.register("dr_grpo")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, SEQ_LOG_RATIO_BOUND
+from algos.objective import OBJECTIVES, SEQ_LOG_RATIO_BOUND, Objective, PolicyBatch, PolicyLoss
 
 
 @OBJECTIVES.register("gmpo")
@@ -32,9 +32,7 @@ class GMPO(Objective):
     def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
         log_ratio = batch.log_ratio
         advantages = batch.advantages[:, None]
-        binding = ((advantages > 0) & (log_ratio > self.clip_high)) | (
-            (advantages < 0) & (log_ratio < -self.clip_low)
-        )
+        binding = ((advantages > 0) & (log_ratio > self.clip_high)) | ((advantages < 0) & (log_ratio < -self.clip_low))
         # Where the clip binds the bound replaces lr (no gradient); elsewhere the sign-aware min keeps lr.
         clipped = torch.where(binding, log_ratio.clamp(-self.clip_low, self.clip_high), log_ratio)
         token_clipped = binding & batch.mask

@@ -28,7 +28,6 @@ import torch
 from algos.grpo import GRPO
 from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss
 
-
 IS_WEIGHT_MEAN = "minirl/is_weight_mean"  # of the truncated weight w_t over valid tokens
 TRUNCATED = "minirl/truncated_frac"  # share of valid tokens whose weight was truncated at C
 
@@ -53,7 +52,9 @@ class MiniRL(Objective):
     def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
         advantages = batch.advantages[:, None]
         ratio = torch.exp(batch.log_ratio).detach()
-        masked_out = ((advantages > 0) & (ratio > 1 + self.clip_high)) | ((advantages < 0) & (ratio < 1 - self.clip_low))
+        masked_out = ((advantages > 0) & (ratio > 1 + self.clip_high)) | (
+            (advantages < 0) & (ratio < 1 - self.clip_low)
+        )
         masked_out &= self.mask_stale
         is_log_ratio = batch.rollout_log_ratio if self.train_infer_is else batch.log_ratio
         raw_weight = torch.exp(is_log_ratio).detach()

@@ -87,7 +87,8 @@ SEQ_LOG_RATIO_BOUND = 10.0
 
 # verl's names, hyphens included: each member's name is its value, which is what Hydra checks an override against.
 LossAgg = StrEnum(
-    "LossAgg", [(mode, mode) for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")]
+    "LossAgg",
+    [(mode, mode) for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")],
 )
 LOSS_AGG_MODES = tuple(LossAgg)
 
@@ -97,7 +98,9 @@ class KLEstimator(StrEnum):
 
     # Which KL each one's expected gradient follows: algos/objective.py's module docstring, and the test it names.
     k3 = "k3"  # Schulman's k3 of the reference against π_θ (DeepSeekMath eq. 4)
-    unbiased_k3 = "unbiased_k3"  # k3 weighted by π_θ / π_old, in the graph: tokens are sampled from π_old (DeepSeek-V3.2 eq. 7)
+    unbiased_k3 = (
+        "unbiased_k3"  # k3 weighted by π_θ / π_old, in the graph: tokens are sampled from π_old (DeepSeek-V3.2 eq. 7)
+    )
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
@@ -134,9 +137,7 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
             f"group_size must be an int >= 2 (a group-relative baseline needs 2 samples), got {group_size!r}"
         )
     if rewards.numel() % group_size:
-        raise ValueError(
-            f"the number of rewards N = {rewards.numel()} is not divisible by group_size = {group_size}"
-        )
+        raise ValueError(f"the number of rewards N = {rewards.numel()} is not divisible by group_size = {group_size}")
     return rewards.detach().float().reshape(-1, group_size)
 
 
@@ -181,8 +182,9 @@ class Totals:
         return cls(float(mask.sum()), float(mask.shape[0]), float((lengths > 0).sum()), int(mask.shape[1]), 1)
 
 
-def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str, norm_tokens: int | None = None,
-              totals: Totals | None = None) -> Tensor:
+def aggregate(
+    per_token_loss: Tensor, mask: Tensor, mode: str, norm_tokens: int | None = None, totals: Totals | None = None
+) -> Tensor:
     """Reduce a per-token loss `[B, T]` to a scalar with one of `LOSS_AGG_MODES` (see the module docstring).
 
     `mask` is `[B, T]` bool. `norm_tokens` is T_norm of `seq-mean-token-sum-norm` (default: T). `totals`: this
@@ -244,8 +246,15 @@ class PolicyBatch:
 
     @classmethod
     def from_inputs(
-        cls, *, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None,
-        rollout_logp: Tensor | None = None, weight: Tensor | None = None,
+        cls,
+        *,
+        logp: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        ref_logp: Tensor | None,
+        rollout_logp: Tensor | None = None,
+        weight: Tensor | None = None,
     ) -> "PolicyBatch":
         """Validate shapes and dtypes (ValueError naming the offender) and build the fp32 quantities."""
         tensors = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}
@@ -274,6 +283,7 @@ class PolicyBatch:
         log_ratio = masked(logp - old_logp.detach().float(), mask).clamp(-TOKEN_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND)
         lengths = mask.sum(dim=1)
         seq_log_ratio = (log_ratio.sum(dim=1) / lengths.clamp(min=1)).clamp(-SEQ_LOG_RATIO_BOUND, SEQ_LOG_RATIO_BOUND)
+
         def against(other: Tensor | None, sign: float) -> Tensor | None:
             if other is None:
                 return None
@@ -387,9 +397,13 @@ class ObjectiveOutput:
         stays this rank's."""
         gather = lambda tensor: rows(tensor) if tensor is not None else None  # noqa: E731
         batch = PolicyBatch(**{f.name: gather(getattr(self.batch, f.name)) for f in fields(PolicyBatch)})
-        policy = replace(self.policy, per_token=gather(self.policy.per_token),
-                         token_clipped=gather(self.policy.token_clipped), seq_clipped=gather(self.policy.seq_clipped),
-                         token_means={name: gather(value) for name, value in self.policy.token_means.items()})
+        policy = replace(
+            self.policy,
+            per_token=gather(self.policy.per_token),
+            token_clipped=gather(self.policy.token_clipped),
+            seq_clipped=gather(self.policy.seq_clipped),
+            token_means={name: gather(value) for name, value in self.policy.token_means.items()},
+        )
         per_token = gather(self.per_token)
         policy_loss = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens)
         return ObjectiveOutput(self.loss, batch, policy, per_token, policy_loss)
@@ -432,16 +446,29 @@ class Objective(ABC):
         """The per-token policy loss of `batch`, where its clip binds, and how to aggregate it."""
 
     def __call__(
-        self, *, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None = None,
-        rollout_logp: Tensor | None = None, weight: Tensor | None = None, totals: Totals | None = None,
+        self,
+        *,
+        logp: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        ref_logp: Tensor | None = None,
+        rollout_logp: Tensor | None = None,
+        weight: Tensor | None = None,
+        totals: Totals | None = None,
     ) -> ObjectiveOutput:
         if self.kl_coef > 0 and ref_logp is None:
             raise ValueError(f"{self.name}: kl_coef = {self.kl_coef} > 0 needs ref_logp (log π_ref, [B, T])")
         if self.needs_rollout_logp and rollout_logp is None:
             raise ValueError(f"{self.name}: needs rollout_logp (log μ_old of the engine that sampled, [B, T])")
         batch = PolicyBatch.from_inputs(
-            logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
-            rollout_logp=rollout_logp, weight=weight,
+            logp=logp,
+            old_logp=old_logp,
+            advantages=advantages,
+            mask=mask,
+            ref_logp=ref_logp,
+            rollout_logp=rollout_logp,
+            weight=weight,
         )
         policy = self.policy_loss(batch)
         per_token = policy.per_token if batch.weight is None else policy.per_token * batch.weight

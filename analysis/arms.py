@@ -1,5 +1,6 @@
 """What a run is in a comparison: its arm (the objective with its own settings, replay, routing variant, router
-switches, correction, where π_old comes from, the engine's precision), the sweep's axes (the numeric settings that vary within an arm) and its cells.
+switches, correction, where π_old comes from, the engine's precision), the sweep's axes (the numeric settings that vary
+within an arm) and its cells.
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ NOT_AXES = ("algo.name", "routing.replay", "routing_variant.name", "rollout.prec
 # The settings an arm brings (conf/arm/*.yaml and the groups it picks): they may differ between the arms of one seed.
 # Where π_old comes from and the rollout correction are an arm's too: the naive and the decoupled asynchronous GRPO
 # differ in nothing else (conf/arm/grpo_naive_async.yaml, grpo_decoupled.yaml).
-ARM_KEYS = ("algo.", "routing.replay", "routing_variant.", "routers.", "rollout.precision", "trainer.pi_old",
-            "correction.")
+ARM_KEYS = (
+    "algo.",
+    "routing.replay",
+    "routing_variant.",
+    "routers.",
+    "rollout.precision",
+    "trainer.pi_old",
+    "correction.",
+)
 
 
 def arm_of(cfg: dict) -> str:
@@ -84,17 +92,21 @@ def sweep_cells(gains: pd.DataFrame, axes: list[str]) -> list[tuple[dict, pd.Dat
     """The sweep's cells: (the axes' values, its runs), one per combination of swept values, in sorted order."""
     if not axes:
         return [({}, gains)]
-    return [(dict(zip(axes, key if isinstance(key, tuple) else (key,))), part)
-            for key, part in gains.groupby(axes, sort=True)]
+    return [
+        (dict(zip(axes, key if isinstance(key, tuple) else (key,))), part)
+        for key, part in gains.groupby(axes, sort=True)
+    ]
 
 
 def cell_name(cell: dict) -> str:
     """A cell of a sweep as a reader names it: a SYNTHETIC intervention by what it is and its dose where it is on
     ("SYNTHETIC flips p=0.2"), any other setting as key=value; a cell whose interventions are all off and that sets
     nothing else says so."""
-    parts = [f"{SYNTHETIC_KEYS[key]} p={format_value(value)}" if key in SYNTHETIC_KEYS else
-             f"{key}={format_value(value)}" for key, value in cell.items()
-             if key not in SYNTHETIC_KEYS or float(value)]
+    parts = [
+        f"{SYNTHETIC_KEYS[key]} p={format_value(value)}" if key in SYNTHETIC_KEYS else f"{key}={format_value(value)}"
+        for key, value in cell.items()
+        if key not in SYNTHETIC_KEYS or float(value)
+    ]
     if parts:
         return ", ".join(parts)
     return "no SYNTHETIC intervention" if cell else "every run"

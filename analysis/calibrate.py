@@ -39,8 +39,10 @@ def settings_table(runset: RunSet, metric: str, steps: int, keys: list[str]) -> 
     """One row per setting (the values of `keys`): the measure's mean and standard error over its seeds."""
     measure = per_run_measure(runset, metric, steps)
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
-    rows = [{**{key: configs[run].get(key) for key in keys}, "run": run, "seed": configs[run].get("seed"),
-             "value": value} for run, value in measure.items()]
+    rows = [
+        {**{key: configs[run].get(key) for key in keys}, "run": run, "seed": configs[run].get("seed"), "value": value}
+        for run, value in measure.items()
+    ]
     frame = pd.DataFrame(rows)
     if frame.empty:
         raise ValueError(f"no run logged `{metric}` on a minibatch after one update in steps 1-{steps}")
@@ -81,10 +83,20 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP_DIR")
     parser.add_argument("--knob", required=True, help="the numeric config key of the grid (e.g. trainer.lr)")
     parser.add_argument("--measure", required=True, help="the per-minibatch metric matched (e.g. kl/old_k3)")
-    parser.add_argument("--target", nargs="+", required=True, metavar="KEY=VALUE",
-                        help="the runs whose measure is the target (e.g. algo.name=gspo trainer.lr=0.0003)")
-    parser.add_argument("--grid", nargs="+", required=True, metavar="KEY=VALUE",
-                        help="the runs of the knob's grid (e.g. algo.name=grpo)")
+    parser.add_argument(
+        "--target",
+        nargs="+",
+        required=True,
+        metavar="KEY=VALUE",
+        help="the runs whose measure is the target (e.g. algo.name=gspo trainer.lr=0.0003)",
+    )
+    parser.add_argument(
+        "--grid",
+        nargs="+",
+        required=True,
+        metavar="KEY=VALUE",
+        help="the runs of the knob's grid (e.g. algo.name=grpo)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="steps 1..N are measured (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True)
 
@@ -98,36 +110,59 @@ def read(args: argparse.Namespace) -> tuple[pd.DataFrame, list[str], pd.Series, 
     table = settings_table(runset, args.measure, args.steps, keys)
     is_target, in_grid = matching(table, target_of), matching(table, grid_of)
     if is_target.sum() != 1 or in_grid.sum() < 2:
-        raise ValueError(f"--target must match one setting and --grid at least two; they match {is_target.sum()} "
-                         f"and {in_grid.sum()} of {len(table)}")
+        raise ValueError(
+            f"--target must match one setting and --grid at least two; they match {is_target.sum()} "
+            f"and {in_grid.sum()} of {len(table)}"
+        )
     writable_out(args.out)
     return table, keys, is_target, in_grid
 
 
-def write(settings: tuple[pd.DataFrame, list[str], pd.Series, pd.Series], args: argparse.Namespace,
-          command: str) -> str:
+def write(
+    settings: tuple[pd.DataFrame, list[str], pd.Series, pd.Series], args: argparse.Namespace, command: str
+) -> str:
     """calibration.md and calibration.json; the verdict line."""
     table, keys, is_target, in_grid = settings
     target, grid = table[is_target].iloc[0], table[in_grid]
     matched = matched_value(grid, args.knob, float(target["mean"]))
-    lines = ["# Calibration", "", f"Made with `{command}`.", "",
-             f"`{args.measure}` per run: its mean over the minibatch records after ≥ 1 update in steps 1-{args.steps}; "
-             "per setting: mean ± standard error over the seeds.", "",
-             "| " + " | ".join(keys) + f" | {args.measure} | seeds |", "|" + "---|" * (len(keys) + 2)]
+    lines = [
+        "# Calibration",
+        "",
+        f"Made with `{command}`.",
+        "",
+        f"`{args.measure}` per run: its mean over the minibatch records after ≥ 1 update in steps 1-{args.steps}; "
+        "per setting: mean ± standard error over the seeds.",
+        "",
+        "| " + " | ".join(keys) + f" | {args.measure} | seeds |",
+        "|" + "---|" * (len(keys) + 2),
+    ]
     for row in table.sort_values(keys).to_dict("records"):
         sem = "" if np.isnan(row["sem"]) else f" ± {row['sem']:.3g}"
         cells = [f"{row[key]:g}" if isinstance(row[key], float) else str(row[key]) for key in keys]
         lines.append("| " + " | ".join(cells) + f" | {row['mean']:.4g}{sem} | {row['seeds']} |")
     named = " ".join(args.target)
-    verdict = (f"The target ({named}) is {target['mean']:.4g}; "
-               + (f"the grid ({' '.join(args.grid)}) matches it at **{args.knob} = {matched:g}**."
-                  if matched is not None
-                  else "no two neighbouring grid points bracket it: extend the grid (nothing is extrapolated)."))
+    verdict = f"The target ({named}) is {target['mean']:.4g}; " + (
+        f"the grid ({' '.join(args.grid)}) matches it at **{args.knob} = {matched:g}**."
+        if matched is not None
+        else "no two neighbouring grid points bracket it: extend the grid (nothing is extrapolated)."
+    )
     lines += ["", verdict]
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    (args.out / "calibration.json").write_text(json.dumps(
-        {"knob": args.knob, "measure": args.measure, "target": args.target, "grid": args.grid,
-         "target_value": float(target["mean"]), "matched": matched, "steps": args.steps}, indent=2) + "\n")
+    (args.out / "calibration.json").write_text(
+        json.dumps(
+            {
+                "knob": args.knob,
+                "measure": args.measure,
+                "target": args.target,
+                "grid": args.grid,
+                "target_value": float(target["mean"]),
+                "matched": matched,
+                "steps": args.steps,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return verdict
 
 

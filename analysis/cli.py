@@ -12,10 +12,10 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any
 
 from experiments.run.rundir import make_writable_dir
 
@@ -28,9 +28,10 @@ BAD_INPUT: tuple[type[Exception], ...] = (ValueError, OSError)
 def refusing(*kinds: type[Exception]) -> Iterator[None]:
     """Inside, an exception of `kinds` (default `BAD_INPUT`) is the input's fault: one `error:` line on stderr and
     exit code 2, no traceback. Any other exception keeps its traceback: that is a bug."""
+    caught = kinds or BAD_INPUT
     try:
         yield
-    except kinds or BAD_INPUT as error:
+    except caught as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -156,7 +157,7 @@ class Command:
     write: Callable[[Any, argparse.Namespace, str], str]
     check: Callable[[argparse.Namespace], str | None] | None = None
     refuses: tuple[type[Exception], ...] = BAD_INPUT
-    around: Callable[[argparse.Namespace], ContextManager[None]] | None = None
+    around: Callable[[argparse.Namespace], contextlib.AbstractContextManager[None]] | None = None
 
     def main(self, argv: Sequence[str] | None = None, **context: Any) -> None:
         """The command on `argv` (default: the process's arguments)."""

@@ -54,10 +54,17 @@ def describe(run_dir: Path) -> dict:
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     task = cfg.dataset.name + "".join(f" {k}={cfg.dataset[k]}" for k in ("digits", "length") if k in cfg.dataset)
     return {
-        "model": cfg.model.name, "task": task, "layers": shape.get("num_hidden_layers"),
-        "experts": shape.get("num_experts", shape.get("num_local_experts")), "top_k": shape.get("num_experts_per_tok"),
+        "model": cfg.model.name,
+        "task": task,
+        "layers": shape.get("num_hidden_layers"),
+        "experts": shape.get("num_experts", shape.get("num_local_experts")),
+        "top_k": shape.get("num_experts_per_tok"),
         "hidden": shape.get("hidden_size"),
-        "params": params, "summary": summary, "batch": cfg.sft.batch_size, "lr": cfg.sft.lr, "curve": curve,
+        "params": params,
+        "summary": summary,
+        "batch": cfg.sft.batch_size,
+        "lr": cfg.sft.lr,
+        "curve": curve,
         "eval_prompts": cfg.sft.eval_prompts,
     }
 
@@ -83,8 +90,14 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
         color = shade({"qwen30b": "#1f5fb4", "granite1b": "#2ca02c"}.get(family, "#d62728"), ranks[family])
         evaluated = [r for r in row["curve"] if m.EVAL_GREEDY in r]
         label = f"{row['model']}, {row['task']}"
-        accuracy.plot([r[m.STEP] for r in evaluated], [r[m.EVAL_GREEDY] for r in evaluated],
-                      color=color, marker="o", ms=2, label=label)
+        accuracy.plot(
+            [r[m.STEP] for r in evaluated],
+            [r[m.EVAL_GREEDY] for r in evaluated],
+            color=color,
+            marker="o",
+            ms=2,
+            label=label,
+        )
         loss.plot([r[m.STEP] for r in row["curve"]], [r[m.SFT_LOSS] for r in row["curve"]], color=color, lw=0.7)
     accuracy.set(xlabel="SFT step", ylabel="held-out greedy accuracy", title="held-out accuracy")
     loss.set(xlabel="SFT step", ylabel="loss (demonstration tokens)", yscale="log", title="training loss")
@@ -95,10 +108,18 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
 
 def report(rows: list[dict], out: Path, command: str) -> Path:
     """report.md: a row per cold start, what it cost and reached and how it routes."""
-    lines = ["# Cold starts", "", f"Made with `{command}`.", "", "![cold starts](cold_starts.png)", "",
-             "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | "
-             "wall | CPU | held-out greedy [95% CI] | stopped by | load entropy | max / mean load | top-k margin | "
-             "weights sha256 | CPU kernels |", "|" + "---|" * 18]
+    lines = [
+        "# Cold starts",
+        "",
+        f"Made with `{command}`.",
+        "",
+        "![cold starts](cold_starts.png)",
+        "",
+        "| model | task | MoE layers | experts / top-k | hidden | parameters | routers | batch, lr | steps | "
+        "wall | CPU | held-out greedy [95% CI] | stopped by | load entropy | max / mean load | top-k margin | "
+        "weights sha256 | CPU kernels |",
+        "|" + "---|" * 18,
+    ]
     for row in rows:
         s = row["summary"]
         experts = f"{row['experts']} / {row['top_k']}" if row["experts"] else "dense"
@@ -106,21 +127,28 @@ def report(rows: list[dict], out: Path, command: str) -> Path:
         cpu = f"{s['cpu_s'] / 60:.1f} min" if s.get("cpu_s") else "–"
         steps = f"{s['pretrain_steps']} + {s['steps'] - s['pretrain_steps']}" if s.get("pretrain_steps") else s["steps"]
         routing = s.get("routing") or {}
-        low, high = accuracy_interval(s['eval_greedy_accuracy'], row['eval_prompts'])
+        low, high = accuracy_interval(s["eval_greedy_accuracy"], row["eval_prompts"])
         accuracy = f"{s['eval_greedy_accuracy']:.1%} [{low:.1%}, {high:.1%}]"
-        profile = [f"{routing[key]:{form}}" if key in routing else "–" for key, form in
-                   (("load_entropy", ".3f"), ("load_max_over_mean", ".2f"), (TOPK_MARGIN_MEDIAN, ".4f"))]
-        lines.append(f"| {row['model']} | {row['task']} | {row['layers']} | {experts} | {row['hidden']} | {params} | "
-                     f"{', '.join(s.get('routers') or []) or '–'} | {row['batch']}, {row['lr']:g} | {steps} | "
-                     f"{s['wall_s'] / 60:.1f} min | {cpu} | {accuracy} | "
-                     f"{s.get('stopped_by', '–')} | {' | '.join(profile)} | {_start(s)} |")
-    lines += ["", "Wall time depends on what else shared the cores; CPU time is what the cold start cost. Every cold "
-              "start runs on one thread (`sft.threads=1`) with the portable CPU kernels (`cpu_kernels=portable`: "
-              "ATen's AVX2 kernels, MKL's COMPATIBLE branch; models/cpu_kernels.py), so its checkpoint is the same "
-              "bits on any x86-64 machine with AVX2 and the same torch build, however many cores it has or how busy "
-              "they are: the weights' sha256 (its first 12 digits here) is what a run's `start_sha256` names. The "
-              "accuracy's interval is Wilson's over the SFT's held-out prompts (`sft.eval_prompts`): how far another "
-              "draw of as many prompts could move it."]
+        profile = [
+            f"{routing[key]:{form}}" if key in routing else "–"
+            for key, form in (("load_entropy", ".3f"), ("load_max_over_mean", ".2f"), (TOPK_MARGIN_MEDIAN, ".4f"))
+        ]
+        lines.append(
+            f"| {row['model']} | {row['task']} | {row['layers']} | {experts} | {row['hidden']} | {params} | "
+            f"{', '.join(s.get('routers') or []) or '–'} | {row['batch']}, {row['lr']:g} | {steps} | "
+            f"{s['wall_s'] / 60:.1f} min | {cpu} | {accuracy} | "
+            f"{s.get('stopped_by', '–')} | {' | '.join(profile)} | {_start(s)} |"
+        )
+    lines += [
+        "",
+        "Wall time depends on what else shared the cores; CPU time is what the cold start cost. Every cold "
+        "start runs on one thread (`sft.threads=1`) with the portable CPU kernels (`cpu_kernels=portable`: "
+        "ATen's AVX2 kernels, MKL's COMPATIBLE branch; models/cpu_kernels.py), so its checkpoint is the same "
+        "bits on any x86-64 machine with AVX2 and the same torch build, however many cores it has or how busy "
+        "they are: the weights' sha256 (its first 12 digits here) is what a run's `start_sha256` names. The "
+        "accuracy's interval is Wilson's over the SFT's held-out prompts (`sft.eval_prompts`): how far another "
+        "draw of as many prompts could move it.",
+    ]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
@@ -132,14 +160,17 @@ def _start(summary: dict) -> str:
     if "weights_sha256" not in summary:
         return "– | not recorded"
     kernels = summary["kernels"]
-    return (f"`{summary['weights_sha256'][:12]}` | {kernels['mode']} ({kernels['aten_capability']}, "
-            f"MKL {kernels['mkl_branch']})")
+    return (
+        f"`{summary['weights_sha256'][:12]}` | {kernels['mode']} ({kernels['aten_capability']}, "
+        f"MKL {kernels['mkl_branch']})"
+    )
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     """The cold starts' run directories and where the table goes."""
-    parser.add_argument("paths", nargs="+", metavar="SFT_RUN_DIR",
-                        help="cold-start run directories, searched recursively")
+    parser.add_argument(
+        "paths", nargs="+", metavar="SFT_RUN_DIR", help="cold-start run directories, searched recursively"
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 

@@ -41,7 +41,13 @@ from analysis.cli import Command, publishing, staged, writable_out
 from analysis.gains import COUNTED, EXCLUDED, GAIN_MEASURES, LEFT_OUT_COLUMNS, with_missing_units
 from analysis.records import UNKNOWN_START
 from analysis.tables import (
-    COMPARISONS_FILE, LEFT_OUT_FILE, PER_SEED_FILE, REPORT_FILE, comparison_section, left_out_section, markdown_table,
+    COMPARISONS_FILE,
+    LEFT_OUT_FILE,
+    PER_SEED_FILE,
+    REPORT_FILE,
+    comparison_section,
+    left_out_section,
+    markdown_table,
 )
 from analysis.verdicts import DEFAULT_BASELINE, PRIMARY, arm_comparisons, baseline_arm
 
@@ -57,7 +63,7 @@ class Source(NamedTuple):
     arms: dict[str, str]
 
     @classmethod
-    def parse(cls, text: str) -> "Source":
+    def parse(cls, text: str) -> Source:
         """`PATH` or `PATH:ARM[=NAME],...`; a folder is a report's (its per-seed table)."""
         path, colon, picks = text.rpartition(":")
         if not colon or "/" in picks:
@@ -89,7 +95,7 @@ def read_per_seed(path: Path) -> tuple[pd.DataFrame, list[str]]:
         lacks = ", ".join(missing) if missing else f"the leading columns {_LEADING}"
         raise ValueError(f"{path} is not a per-seed table of analysis.report: it lacks {lacks}")
     columns = list(table.columns)
-    axes = columns[3:columns.index("start")]
+    axes = columns[3 : columns.index("start")]
     if "start_sha256" not in table:
         table["start_sha256"] = UNKNOWN_START
     table["start_sha256"] = table["start_sha256"].fillna(UNKNOWN_START)
@@ -108,15 +114,20 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
     for path, arms in sources:
         table, own_axes = read_per_seed(path)
         if axes is not None and set(own_axes) != set(axes):
-            raise ValueError(f"{path} sweeps {own_axes or 'no axis'} but {sources[0].path} sweeps "
-                             f"{axes or 'no axis'}: arms pair only within one cell of the same axes")
+            raise ValueError(
+                f"{path} sweeps {own_axes or 'no axis'} but {sources[0].path} sweeps "
+                f"{axes or 'no axis'}: arms pair only within one cell of the same axes"
+            )
         axes = own_axes
         if arms:
             absent = sorted(set(arms) - set(table["arm"]))
             if absent:
-                raise ValueError(f"{path} has no arm {', '.join(map(repr, absent))}; its arms: "
-                                 f"{', '.join(sorted(set(table['arm'])))}")
-            table = table[table["arm"].isin(arms)].assign(arm=lambda t: t["arm"].map(arms))
+                raise ValueError(
+                    f"{path} has no arm {', '.join(map(repr, absent))}; its arms: "
+                    f"{', '.join(sorted(set(table['arm'])))}"
+                )
+            kept = table[table["arm"].isin(arms)]
+            table = kept.assign(arm=kept["arm"].map(arms))
         tables.append(table.assign(source=str(path)))
     rows = pd.concat(tables, ignore_index=True)
     notes = _assume_starts(rows, axes)
@@ -126,8 +137,10 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
     if not twice.empty:
         first = twice.iloc[0]
         where = "; ".join(f"{r.run} in {r.source}" for r in twice[(twice[key] == first[key]).all(axis=1)].itertuples())
-        raise ValueError(f"arm {first['arm']!r} seed {first['seed']} has more than one run ({where}): a paired "
-                         "comparison takes one run per arm, cell, start and seed")
+        raise ValueError(
+            f"arm {first['arm']!r} seed {first['seed']} has more than one run ({where}): a paired "
+            "comparison takes one run per arm, cell, start and seed"
+        )
     for _, runs in counted.groupby([*axes, "seed"], dropna=False):
         _refuse_foreign_starts(runs)
     if "start_recipe" in counted:
@@ -140,7 +153,8 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
                 f"seed {runs.at[low, 'seed']}: {runs.at[low, 'run']} ({runs.at[low, 'source']}) starts at "
                 f"{runs.at[low, 'start']:.4f} held-out accuracy, {runs.at[high, 'run']} ({runs.at[high, 'source']}) at "
                 f"{runs.at[high, 'start']:.4f}: they did not start from the same checkpoint on the same prompts, and "
-                "pairing them would compare their starts")
+                "pairing them would compare their starts"
+            )
     return rows, axes, notes
 
 
@@ -155,7 +169,8 @@ def _refuse_foreign_starts(runs: pd.DataFrame) -> None:
                 raise ValueError(
                     f"seed {a['seed']}: {a['run']} ({a['source']}) started from {_start(a)}, {b['run']} "
                     f"({b['source']}) from {_start(b)}: runs from other cold starts do not pair, whatever their "
-                    "held-out start accuracy")
+                    "held-out start accuracy"
+                )
 
 
 def refuse_two_recipes(runs: pd.DataFrame) -> None:
@@ -167,7 +182,8 @@ def refuse_two_recipes(runs: pd.DataFrame) -> None:
         raise ValueError(
             f"{a['run']} ({a['source']}) started from {_start(a)} of recipe {a['start_recipe'][:12]}, {b['run']} "
             f"({b['source']}) from {_start(b)} of recipe {b['start_recipe'][:12]}: a comparison across starts pools "
-            "them as draws of one recipe, which they are not; compare each recipe's runs apart")
+            "them as draws of one recipe, which they are not; compare each recipe's runs apart"
+        )
 
 
 def _start(row: pd.Series) -> str:
@@ -181,10 +197,12 @@ def _assume_starts(rows: pd.DataFrame, axes: list[str]) -> list[str]:
     if not unnamed.any():
         return []
     if unnamed.all():
-        return ["No table names its runs' start (they were written before per-seed tables recorded the weights' "
-                "sha256): the runs of a seed are taken to share a start because their held-out start accuracy is "
-                "the same, which two different starts can share (at 0, or on few evaluation prompts); the pairing "
-                "is not checked beyond that."]
+        return [
+            "No table names its runs' start (they were written before per-seed tables recorded the weights' "
+            "sha256): the runs of a seed are taken to share a start because their held-out start accuracy is "
+            "the same, which two different starts can share (at 0, or on few evaluation prompts); the pairing "
+            "is not checked beyond that."
+        ]
     assumed = 0
     for _, part in rows.groupby([*axes, "seed"], dropna=False):
         named = part[part["start_sha256"] != UNKNOWN_START]
@@ -194,28 +212,47 @@ def _assume_starts(rows: pd.DataFrame, axes: list[str]) -> list[str]:
                 rows.at[index, "start_sha256"] = same["start_sha256"].iloc[0]
                 assumed += 1
     tables = ", ".join(f"`{source}`" for source in dict.fromkeys(rows.loc[unnamed, "source"]))
-    return [f"{tables} name no start (written before per-seed tables recorded the weights' sha256): {assumed} of "
-            f"their {int(unnamed.sum())} rows are taken to come from the named start whose runs at the same seed "
-            "start at the same held-out accuracy — an assumption that accuracy alone supports, not a check of the "
-            "weights."]
+    return [
+        f"{tables} name no start (written before per-seed tables recorded the weights' sha256): {assumed} of "
+        f"their {int(unnamed.sum())} rows are taken to come from the named start whose runs at the same seed "
+        "start at the same held-out accuracy — an assumption that accuracy alone supports, not a check of the "
+        "weights."
+    ]
 
 
 def _arms_section(rows: pd.DataFrame) -> list[str]:
     """Each arm's seeds and mean ± sample std per measure, with where its rows came from."""
     table = []
     for arm, part in rows.groupby("arm", sort=True):
-        table.append([arm, len(part), *[f"{part[m].mean():+.3f} ± {part[m].std():.3f}" for m in GAIN_MEASURES],
-                      ", ".join(f"`{source}`" for source in dict.fromkeys(part["source"]))])
-    return ["## Arms", "", markdown_table(["arm", "runs", *GAIN_MEASURES, "from"], table), "",
-            # The committed comparisons hold this sentence as written, before GAIN_MEASURES moved to analysis/gains.py:
-            # a new wording is a regeneration of every committed comparison (tests/test_committed_reports.py).
-            "Mean ± sample std over each arm's runs; the measures are those of analysis.report "
-            "(analysis/aggregate.py `GAIN_MEASURES`)."]
+        table.append(
+            [
+                arm,
+                len(part),
+                *[f"{part[m].mean():+.3f} ± {part[m].std():.3f}" for m in GAIN_MEASURES],
+                ", ".join(f"`{source}`" for source in dict.fromkeys(part["source"])),
+            ]
+        )
+    return [
+        "## Arms",
+        "",
+        markdown_table(["arm", "runs", *GAIN_MEASURES, "from"], table),
+        "",
+        # The committed comparisons hold this sentence as written, before GAIN_MEASURES moved to analysis/gains.py:
+        # a new wording is a regeneration of every committed comparison (tests/test_committed_reports.py).
+        "Mean ± sample std over each arm's runs; the measures are those of analysis.report "
+        "(analysis/aggregate.py `GAIN_MEASURES`).",
+    ]
 
 
-def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, out_dir: Path,
-                     command: str = "", declaration: declared.Declaration | None = None,
-                     notes: Sequence[str] = ()) -> Path:
+def write_comparison(
+    rows: pd.DataFrame,
+    axes: list[str],
+    baseline: str | None,
+    out_dir: Path,
+    command: str = "",
+    declaration: declared.Declaration | None = None,
+    notes: Sequence[str] = (),
+) -> Path:
     """comparisons.csv, the pooled per_seed.csv and report.md in `out_dir` (through a staging folder); returns the
     path of report.md. `declaration`: the command line's baseline, primary summary and family (default: the schema's);
     `notes`: what `pool` said of the starts."""
@@ -227,26 +264,49 @@ def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, 
     comparisons = arm_comparisons(rows, reference, varied, declaration.primary, declaration.family_of(arms))
     excluded = rows[rows["counted"] == EXCLUDED]
     status = excluded["status"] if "status" in excluded else pd.Series("incomplete", index=excluded.index)
-    named = pd.DataFrame({"arm": excluded["arm"], "seed": excluded["seed"], **{key: excluded[key] for key in varied},
-                          "start_sha256": excluded["start_sha256"], "run": excluded["run"],
-                          "why": [f"did not finish ({state}, in {source}): a run that did not finish never counts"
-                                  for source, state in zip(excluded["source"], status)]},
-                         columns=[*LEFT_OUT_COLUMNS[:2], *varied, *LEFT_OUT_COLUMNS[2:]])
+    named = pd.DataFrame(
+        {
+            "arm": excluded["arm"],
+            "seed": excluded["seed"],
+            **{key: excluded[key] for key in varied},
+            "start_sha256": excluded["start_sha256"],
+            "run": excluded["run"],
+            "why": [
+                f"did not finish ({state}, in {source}): a run that did not finish never counts"
+                for source, state in zip(excluded["source"], status)
+            ],
+        },
+        columns=[*LEFT_OUT_COLUMNS[:2], *varied, *LEFT_OUT_COLUMNS[2:]],
+    )
     left_out = with_missing_units(named, rows, varied)
-    checked = ("checked to pair: one run per arm, cell, start and seed; at each seed, arms from a shared cold start "
-               "(its weights' sha256), with one held-out start accuracy per start" if not notes else
-               "checked: one run per arm, cell and seed, with one held-out start accuracy at each seed; what the "
-               "starts' identity rests on is said below")
-    lines = ["# Arms compared from per-seed tables", "",
-             f"{len(rows)} runs of {rows['arm'].nunique()} arms pooled from {rows['source'].nunique()} per-seed "
-             f"tables, {checked}."]
+    checked = (
+        "checked to pair: one run per arm, cell, start and seed; at each seed, arms from a shared cold start "
+        "(its weights' sha256), with one held-out start accuracy per start"
+        if not notes
+        else "checked: one run per arm, cell and seed, with one held-out start accuracy at each seed; what the "
+        "starts' identity rests on is said below"
+    )
+    lines = [
+        "# Arms compared from per-seed tables",
+        "",
+        f"{len(rows)} runs of {rows['arm'].nunique()} arms pooled from {rows['source'].nunique()} per-seed "
+        f"tables, {checked}.",
+    ]
     for note in notes:
         lines += ["", note]
     if command:
         lines += ["", f"Made with `{command}`."]
     size = int((comparisons["role"] == PRIMARY).sum()) if not comparisons.empty else 0
-    lines += ["", *_arms_section(rows), "", *declaration.lines(arms, size), "",
-              *comparison_section(comparisons, varied, reference), "", *left_out_section(left_out, varied)]
+    lines += [
+        "",
+        *_arms_section(rows),
+        "",
+        *declaration.lines(arms, size),
+        "",
+        *comparison_section(comparisons, varied, reference),
+        "",
+        *left_out_section(left_out, varied),
+    ]
     with staged(out_dir, _OUTPUT.__contains__, REPORT_FILE) as stage:
         rows.to_csv(stage / PER_SEED_FILE, index=False)
         comparisons.to_csv(stage / COMPARISONS_FILE, index=False)
@@ -257,11 +317,18 @@ def write_comparison(rows: pd.DataFrame, axes: list[str], baseline: str | None, 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     """The per-seed tables (each with the arms to take from it), the declaration's fields, where the report goes."""
-    parser.add_argument("inputs", nargs="+", metavar="REPORT_OR_CSV[:ARM[=NAME],...]",
-                        help=f"report folders (their {PER_SEED_FILE}) or per-seed CSVs, each optionally with the arms "
-                             "to take from it, renamed where =NAME says")
-    declared.add_flags(parser, baseline_help=f"the arm every other is compared with (default: {DEFAULT_BASELINE} "
-                                             "when present, else the first)")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="REPORT_OR_CSV[:ARM[=NAME],...]",
+        help=f"report folders (their {PER_SEED_FILE}) or per-seed CSVs, each optionally with the arms "
+        "to take from it, renamed where =NAME says",
+    )
+    declared.add_flags(
+        parser,
+        baseline_help=f"the arm every other is compared with (default: {DEFAULT_BASELINE} "
+        "when present, else the first)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 
@@ -269,23 +336,26 @@ def read(args: argparse.Namespace) -> tuple[pd.DataFrame, list[str], list[str], 
     """The pooled rows checked to pair (`pool`), their axes and what was said of their starts, the command line's
     declaration checked against their arms; the output folder proved writable."""
     rows, axes, notes = pool([Source.parse(text) for text in args.inputs])
-    declaration = replace(declared.read({}, declared.overrides(args, ("baseline", "primary", "family"))),
-                          read_from="tables")
+    declaration = replace(
+        declared.read({}, declared.overrides(args, ("baseline", "primary", "family"))), read_from="tables"
+    )
     declaration.checked(rows["arm"])
     baseline_arm(rows, args.baseline)
     writable_out(args.out)
     return rows, axes, notes, declaration
 
 
-def write(pooled: tuple[pd.DataFrame, list[str], list[str], declared.Declaration], args: argparse.Namespace,
-          command: str) -> str:
+def write(
+    pooled: tuple[pd.DataFrame, list[str], list[str], declared.Declaration], args: argparse.Namespace, command: str
+) -> str:
     """The comparison of what `read` pooled; the line saying where its report is."""
     rows, axes, notes, declaration = pooled
     return f"report: {write_comparison(rows, axes, args.baseline, args.out, command, declaration, notes)}"
 
 
-main = Command("analysis.compare", __doc__, arguments, read, write,
-               around=lambda args: publishing(args.out, REPORT_FILE)).main
+main = Command(
+    "analysis.compare", __doc__, arguments, read, write, around=lambda args: publishing(args.out, REPORT_FILE)
+).main
 
 if __name__ == "__main__":
     main()

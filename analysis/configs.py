@@ -23,8 +23,16 @@ from experiments.run.resume import node_recorded, retired_as_today
 # experiment declares (how its report decides) do not change what a run computes. Everything else does (a checkpoint
 # path, a data file), so runs that differ there are never merged.
 _IGNORED_PREFIXES = ("hydra.", "logger.", "wandb.", "comparison.")
-_IGNORED_KEYS = frozenset({"seed", "trainer.threads", "trainer.save_checkpoint", "trainer.checkpoint_every",
-                           "trainer.keep_checkpoints", "resume"})
+_IGNORED_KEYS = frozenset(
+    {
+        "seed",
+        "trainer.threads",
+        "trainer.save_checkpoint",
+        "trainer.checkpoint_every",
+        "trainer.keep_checkpoints",
+        "resume",
+    }
+)
 _OUTPUT_LEAF = re.compile(r"^(.*_dir|dir|output.*)$")  # where results go, never what they are computed from
 
 
@@ -119,7 +127,8 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     configs = {run: {key: _recipe_of(value, key) for key, value in cfg.items()} for run, cfg in configs.items()}
     all_keys = sorted({k for cfg in configs.values() for k in cfg})
     candidates = [
-        k for k in all_keys
+        k
+        for k in all_keys
         if k not in ("algo.name", "routing.replay", "routing_variant.name", CORRECTION, *SYNTHETIC_KEYS)
         and not ignored_key(k)
         and len({format_value(cfg.get(k, "—"), k) for cfg in configs.values()}) > 1
@@ -130,9 +139,7 @@ def label_runs(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
             groups.setdefault(labels[run], set()).add(format_value(cfg.get(key, "—"), key))
         if any(len(values) > 1 for values in groups.values()):
             short = short_key(key, all_keys)
-            labels = {
-                run: f"{labels[run]}, {short}={format_value(configs[run].get(key, '—'), key)}" for run in configs
-            }
+            labels = {run: f"{labels[run]}, {short}={format_value(configs[run].get(key, '—'), key)}" for run in configs}
     return labels
 
 

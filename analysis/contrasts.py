@@ -9,28 +9,36 @@ behind). A contrast is one of four kinds:
 - `fall_difference`: the fall of `arm` minus the fall of `other`, paired per unit:
   (arm@0 − arm@k) − (other@0 − other@k);
 - `interaction`: the fall of `arm` on one model minus its fall on another; the two models' starts share nothing, so it
-  is unpaired between them: each start's fall with its seeds averaged (`statistics.between_starts`).
+  is unpaired between them: each start's fall with its seeds averaged (`unpaired.between_starts`).
 
 A paired contrast's per-unit values, grouped by start, go to `statistics.across_starts` (two-level bootstrap
-interval, start-level sign-flip test); an interaction's two models' to `statistics.between_starts` (each model's
+interval, start-level sign-flip test); an interaction's two models' to `unpaired.between_starts` (each model's
 two-level bootstrap, the permutation test of the starts' falls between the models). A unit of a table that lacks a
 run the value needs (none, or one that did not finish) is left out and named with why; a run scored as failed counts,
 as every comparison counts it (`gains.SCORED_FAILED`: the stop rule the pre-registration fixed). Over the family the
 start-level p-values are adjusted by Holm's correction (`statistics.holm`), and a comparison **separates** when its
 95% interval excludes 0 and its Holm-adjusted p < 0.05.
+
+A **family** (`Family`, `load_family`) is a set of contrasts judged together under Holm's correction, declared in a
+yaml file beside the document that fixed it before its runs were read: a new family is a new file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
+import yaml
 
 from analysis.arms import seed_order
 from analysis.diagnostics import LAG  # also the per-seed tables' column of the engine's lag
 from analysis.gains import EXCLUDED
-from analysis.statistics import ALPHA, AcrossStarts, BetweenStarts, across_starts, between_starts, holm
+from analysis.statistics import ALPHA, AcrossStarts, across_starts, holm
+from analysis.unpaired import BetweenStarts, between_starts
+from experiments.config import PROJECT_ROOT
 
 MEASURE = "gain_area"  # the pre-registration's primary measure: the mean gain over the run
 DIFFERENCE, FALL, FALL_DIFFERENCE, INTERACTION = "difference", "fall", "fall_difference", "interaction"
@@ -59,8 +67,9 @@ class Contrast:
         if self.kind not in KINDS:
             raise ValueError(f"contrast {self.name!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if (self.other is None) == (self.kind in _AGAINST_OTHER):
-            raise ValueError(f"contrast {self.name!r}: a {self.kind} {'takes no' if self.other else 'needs an'} "
-                             "other arm")
+            raise ValueError(
+                f"contrast {self.name!r}: a {self.kind} {'takes no' if self.other else 'needs an'} other arm"
+            )
 
     def at(self, lag: int) -> Contrast:
         """The contrast at lag `lag` (k*)."""
@@ -111,28 +120,45 @@ def unit_values(rows: pd.DataFrame, contrast: Contrast) -> tuple[Values, pd.Data
     `compare.pool` returns it, with `rollout.lag`."""
     lags = rows[LAG].astype(float)
     counted = rows["counted"] != EXCLUDED
-    area = {(arm, lag, start, str(seed)): value for arm, lag, start, seed, value
-            in zip(rows.loc[counted, "arm"], lags[counted], rows.loc[counted, "start_sha256"],
-                   rows.loc[counted, "seed"], rows.loc[counted, MEASURE])}
-    units = sorted({(start, str(seed)) for start, seed in zip(rows["start_sha256"], rows["seed"])},
-                   key=lambda unit: (unit[0], seed_order(unit[1])))
+    area = {
+        (arm, lag, start, str(seed)): value
+        for arm, lag, start, seed, value in zip(
+            rows.loc[counted, "arm"],
+            lags[counted],
+            rows.loc[counted, "start_sha256"],
+            rows.loc[counted, "seed"],
+            rows.loc[counted, MEASURE],
+        )
+    }
+    units = sorted(
+        {(start, str(seed)) for start, seed in zip(rows["start_sha256"], rows["seed"])},
+        key=lambda unit: (unit[0], seed_order(unit[1])),
+    )
     values: Values = {}
     left = []
     for start, seed in units:
-        missing = [_missing(rows, lags, arm, lag, start, seed) for arm, lag, _ in contrast.terms()
-                   if (arm, float(lag), start, seed) not in area]
+        missing = [
+            _missing(rows, lags, arm, lag, start, seed)
+            for arm, lag, _ in contrast.terms()
+            if (arm, float(lag), start, seed) not in area
+        ]
         if missing:
             left.append({"start_sha256": start, "seed": seed, "why": "; ".join(missing)})
         else:
-            values.setdefault(start, {})[seed] = float(sum(sign * area[arm, float(lag), start, seed]
-                                                           for arm, lag, sign in contrast.terms()))
+            values.setdefault(start, {})[seed] = float(
+                sum(sign * area[arm, float(lag), start, seed] for arm, lag, sign in contrast.terms())
+            )
     return values, pd.DataFrame(left, columns=WHY_COLUMNS)
 
 
 def _missing(rows: pd.DataFrame, lags: pd.Series, arm: str, lag: int, start: str, seed: str) -> str:
     """Why a unit has no counted run of `arm` at `lag`: the run that did not finish, or none."""
-    runs = rows[(rows["arm"] == arm) & (lags == float(lag)) & (rows["start_sha256"] == start)
-                & (rows["seed"].astype(str) == seed)]
+    runs = rows[
+        (rows["arm"] == arm)
+        & (lags == float(lag))
+        & (rows["start_sha256"] == start)
+        & (rows["seed"].astype(str) == seed)
+    ]
     if runs.empty:
         return f"no run of {arm} at {LAG} {lag}"
     status = runs["status"].iloc[0] if "status" in runs else "incomplete"
@@ -165,14 +191,29 @@ class Judged:
         stats, contrast = self.statistics, self.contrast
         paired = isinstance(stats, AcrossStarts)
         sides = [(stats.per_start, stats.seeds)] if paired else list(zip(stats.per_start, stats.seeds))
-        texts = ["; ".join(f"{start}={value!r} ({seeds[start]})" for start, value in values.items())
-                 for values, seeds in sides]
-        return {"comparison": contrast.name, "kind": contrast.kind, "arm": contrast.arm, "other": contrast.other,
-                "lag": contrast.lag, "starts": stats.starts if paired else "+".join(map(str, stats.starts)),
-                "estimate": stats.difference.estimate, "low": stats.difference.low, "high": stats.difference.high,
-                "p_value": stats.p_value, "holm_p": self.holm_p, "family": self.family,
-                "signs_agree": stats.signs_agree, "separates": self.separates, "verdict": self.verdict,
-                "per_start": texts[0], "per_start_second": texts[1] if len(texts) > 1 else ""}
+        texts = [
+            "; ".join(f"{start}={value!r} ({seeds[start]})" for start, value in values.items())
+            for values, seeds in sides
+        ]
+        return {
+            "comparison": contrast.name,
+            "kind": contrast.kind,
+            "arm": contrast.arm,
+            "other": contrast.other,
+            "lag": contrast.lag,
+            "starts": stats.starts if paired else "+".join(map(str, stats.starts)),
+            "estimate": stats.difference.estimate,
+            "low": stats.difference.low,
+            "high": stats.difference.high,
+            "p_value": stats.p_value,
+            "holm_p": self.holm_p,
+            "family": self.family,
+            "signs_agree": stats.signs_agree,
+            "separates": self.separates,
+            "verdict": self.verdict,
+            "per_start": texts[0],
+            "per_start_second": texts[1] if len(texts) > 1 else "",
+        }
 
 
 def judge(contrasts: Sequence[Contrast], sides: Sequence[Sequence[Values]]) -> list[Judged]:
@@ -188,3 +229,68 @@ def judge(contrasts: Sequence[Contrast], sides: Sequence[Sequence[Values]]) -> l
         found.append(between_starts(*seeds) if contrast.kind == INTERACTION else across_starts(seeds[0]))
     adjusted = holm([stats.p_value for stats in found])
     return [Judged(contrast, stats, float(p), len(contrasts)) for contrast, stats, p in zip(contrasts, found, adjusted)]
+
+
+DEFAULT_FAMILY = PROJECT_ROOT / "docs" / "results" / "async" / "family.yaml"  # the pre-registration's five
+
+
+class Family(NamedTuple):
+    """A family of comparisons, judged together under Holm's correction, and where it was declared: a data file beside
+    the document that fixed it (`load_family`)."""
+
+    title: str  # the report's heading
+    declared: str  # where, and so before which runs, it was written down
+    contrasts: tuple[Contrast, ...]
+    dense_arms: tuple[str, ...] = ()  # the only arms the dense control's table may hold (a family that compares models)
+
+    @property
+    def compares_models(self) -> bool:
+        """Whether it reads the dense control's table (an interaction) beside the MoE rung's."""
+        return any(contrast.kind == INTERACTION for contrast in self.contrasts)
+
+
+_FAMILY_KEYS = {"title", "declared", "contrasts", "dense_arms"}
+_CONTRAST_KEYS = {"name", "kind", "arm", "other"}
+
+
+def load_family(path: Path) -> Family:
+    """The family a yaml file declares (`title`, `declared`, `contrasts`: each a `name`, `kind`, `arm` and, for the
+    kinds that set two arms against each other, `other`; `dense_arms` where a contrast compares models). A ValueError
+    names the file and what in it cannot be a family."""
+    try:
+        declared = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"--family {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"--family {path} is not yaml: {str(error).splitlines()[0]}") from None
+    if not isinstance(declared, dict) or not {"title", "declared", "contrasts"} <= set(declared):
+        raise ValueError(f"--family {path} must be a mapping with title, declared and contrasts")
+    if set(declared) - _FAMILY_KEYS:
+        raise ValueError(
+            f"--family {path} has {', '.join(sorted(set(declared) - _FAMILY_KEYS))}: a family holds only "
+            f"{', '.join(sorted(_FAMILY_KEYS))}"
+        )
+    contrasts = []
+    for number, entry in enumerate(declared["contrasts"] or [], start=1):
+        if not isinstance(entry, dict) or not {"name", "kind", "arm"} <= set(entry) or set(entry) - _CONTRAST_KEYS:
+            raise ValueError(
+                f"--family {path}: contrast {number} ({entry!r}) must have name, kind and arm, and may have other"
+            )
+        try:
+            contrasts.append(Contrast(**{key: str(value) for key, value in entry.items()}))
+        except ValueError as error:
+            raise ValueError(f"--family {path}: {error}") from None
+    if not contrasts:
+        raise ValueError(f"--family {path} declares no contrast")
+    family = Family(
+        str(declared["title"]),
+        str(declared["declared"]),
+        tuple(contrasts),
+        tuple(str(arm) for arm in declared.get("dense_arms") or ()),
+    )
+    if family.compares_models and not family.dense_arms:
+        raise ValueError(
+            f"--family {path} compares the MoE rung with the dense control: it must name dense_arms, the "
+            "arms the dense control runs"
+        )
+    return family

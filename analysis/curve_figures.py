@@ -25,18 +25,26 @@ from matplotlib.ticker import MaxNLocator
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from analysis.diagnostics import MISMATCH_ROUNDING, early_warning, mismatch_is_rounding
 from analysis.plotting import (
-    STEP_LABEL, TOKENS_LABEL, FigureOutput, FigureSettings, SeriesStyle, figure, legend, legend_rows_in, log_limits,
-    new_figure, plot_band, series_styles, smoothing_text,
+    STEP_LABEL,
+    TOKENS_LABEL,
+    FigureOutput,
+    FigureSettings,
+    SeriesStyle,
+    figure,
+    legend,
+    legend_rows_in,
+    log_limits,
+    new_figure,
+    plot_band,
+    series_styles,
+    smoothing_text,
 )
 from analysis.records import RunSet
 from analysis.style import COLUMN_WIDTH_IN, TEXT_WIDTH_IN
 from analysis.summaries import COLLAPSE_DROP, clip_fraction_by_label, curve, per_run_series
 from experiments.step import metrics as m
 
-EVAL_METRICS = {
-    m.EVAL_ACCURACY: "held-out pass@1 (fraction)",
-    m.EVAL_GREEDY: "held-out greedy acc. (fraction)",
-}
+EVAL_METRICS = {m.EVAL_ACCURACY: "held-out pass@1 (fraction)", m.EVAL_GREEDY: "held-out greedy acc. (fraction)"}
 # Paper Fig. 2 read-offs (from a description of the figure, not measured on the PDF).
 PAPER_CLIP_FRACTION = {"gspo": 0.15, "grpo": 0.0013}
 CLIP_FLOOR = 1e-5
@@ -55,8 +63,14 @@ EARLY_WARNING_ROWS = [
 EARLY_WARNING_RUNS = 8
 
 
-def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str], alpha: float,
-                    styles: dict[str, SeriesStyle], notes: list[str]) -> Figure:
+def _compute_panels(
+    runset: RunSet,
+    labels: Sequence[str],
+    metrics: Sequence[str],
+    alpha: float,
+    styles: dict[str, SeriesStyle],
+    notes: list[str],
+) -> Figure:
     """Rows = metrics, columns = x axes (steps, and tokens when logged); shared by Figures 1 and 3. What it leaves
     out goes to `notes`."""
     axes_x = ["step"]
@@ -90,8 +104,9 @@ def _compute_panels(runset: RunSet, labels: Sequence[str], metrics: Sequence[str
     return fig
 
 
-def _step_curves(ax: Axes, runset: RunSet, metric: str, alpha: float, styles: dict[str, SeriesStyle],
-                 floor: float | None) -> tuple[pd.DataFrame, set[str]]:
+def _step_curves(
+    ax: Axes, runset: RunSet, metric: str, alpha: float, styles: dict[str, SeriesStyle], floor: float | None
+) -> tuple[pd.DataFrame, set[str]]:
     """Every series' smoothed curve of `metric` against step on `ax` (log scale where `floor` is given: drawn from
     `floor` up); the curves' table and the labels drawn."""
     table = curve(runset, metric, x="step", alpha=alpha)
@@ -120,7 +135,8 @@ def fig_reward_vs_compute(runset: RunSet, settings: FigureSettings, out: FigureO
         out.notes.append(f"No run logged `{m.EVAL_ACCURACY}` or `{m.EVAL_GREEDY}`; only training reward is shown.")
     fig = _compute_panels(runset, runset.labels, metrics, settings.alpha, series_styles(runset), out.notes)
     out.caption = (
-        "Mean across seeds with a ±1 sample-std band of the training reward (" + smoothing_text(settings.alpha)
+        "Mean across seeds with a ±1 sample-std band of the training reward ("
+        + smoothing_text(settings.alpha)
         + ") and, where evaluated, held-out pass@1 (mean over k samples) and greedy accuracy (unsmoothed) against "
         "RL steps and cumulative completion tokens, each seed interpolated onto a common token grid inside its "
         "own range; where not every seed of a series covers a point (one ended early or ran fewer tokens) the "
@@ -152,15 +168,28 @@ def fig_clip_fraction(runset: RunSet, settings: FigureSettings, out: FigureOutpu
     for i, label in enumerate(table["label"]):
         style = styles[label]
         ax.bar(i, heights[i], width=0.6, color=style.color, hatch=style.hatch, edgecolor="white", linewidth=0.3)
-    ax.errorbar(positions, heights, yerr=np.vstack([lower, std]), fmt="none", ecolor="black", elinewidth=0.6,
-                capsize=2)
-    paper = [(i, PAPER_CLIP_FRACTION[algos[lab]]) for i, lab in enumerate(table["label"])
-             if algos[lab] in PAPER_CLIP_FRACTION]
+    ax.errorbar(positions, heights, yerr=np.vstack([lower, std]), fmt="none", ecolor="black", elinewidth=0.6, capsize=2)
+    paper = [
+        (i, PAPER_CLIP_FRACTION[algos[lab]])
+        for i, lab in enumerate(table["label"])
+        if algos[lab] in PAPER_CLIP_FRACTION
+    ]
     if paper:
-        ax.hlines([p[1] for p in paper], [p[0] - 0.4 for p in paper], [p[0] + 0.4 for p in paper],
-                  colors="black", linestyles=(0, (3, 1.5)), linewidth=0.9, zorder=3)
-        fig.legend([Line2D([], [], color="black", linestyle=(0, (3, 1.5)))], ["paper Fig. 2 (Qwen3-30B-A3B)"],
-                   loc="outside lower center", frameon=False)
+        ax.hlines(
+            [p[1] for p in paper],
+            [p[0] - 0.4 for p in paper],
+            [p[0] + 0.4 for p in paper],
+            colors="black",
+            linestyles=(0, (3, 1.5)),
+            linewidth=0.9,
+            zorder=3,
+        )
+        fig.legend(
+            [Line2D([], [], color="black", linestyle=(0, (3, 1.5)))],
+            ["paper Fig. 2 (Qwen3-30B-A3B)"],
+            loc="outside lower center",
+            frameon=False,
+        )
     ax.set_yscale("log")
     top = max(float(np.max(heights + std)), max((p[1] for p in paper), default=0.0))
     ax.set_ylim(CLIP_FLOOR / 2, top * 3)
@@ -189,8 +218,9 @@ def fig_replay_grpo(runset: RunSet, settings: FigureSettings, out: FigureOutput)
     replays = {rows.loc[lab, "replay"] for lab in grpo}
     if "none" not in replays or not replays - {"none"}:
         found = ", ".join(sorted(replays)) if replays else "no GRPO runs"
-        out.notes.append(f"Needs GRPO runs both without and with Routing Replay (found replay modes: {found}); "
-                         "figure not drawn.")
+        out.notes.append(
+            f"Needs GRPO runs both without and with Routing Replay (found replay modes: {found}); figure not drawn."
+        )
         return None
     if not runset.has(m.REWARD):
         out.notes.append(f"No run logged `{m.REWARD}`; figure not drawn.")
@@ -206,8 +236,11 @@ def fig_replay_grpo(runset: RunSet, settings: FigureSettings, out: FigureOutput)
 @figure("5", "fig5_ratio_variance", "Importance-ratio variance, token vs sequence level")
 def fig_ratio_variance(runset: RunSet, settings: FigureSettings, out: FigureOutput) -> Figure | None:
     """Token-level vs sequence-level importance-ratio variance per series against step, log y."""
-    panels = [(name, title) for name, title in ((TOKEN_RATIO_VAR, "token-level ratio r_t"),
-                                                 (SEQ_RATIO_VAR, "sequence-level ratio s_i")) if runset.has(name)]
+    panels = [
+        (name, title)
+        for name, title in ((TOKEN_RATIO_VAR, "token-level ratio r_t"), (SEQ_RATIO_VAR, "sequence-level ratio s_i"))
+        if runset.has(name)
+    ]
     for metric in (TOKEN_RATIO_VAR, SEQ_RATIO_VAR):
         if not runset.has(metric):
             out.notes.append(f"No run logged `{metric}`; its panel is left out.")
@@ -246,9 +279,11 @@ def fig_mismatch(runset: RunSet, settings: FigureSettings, out: FigureOutput) ->
         out.notes.append("No run logged `mismatch/*` (runs from before the mismatch metrics); figure not drawn.")
         return None
     if mismatch_is_rounding(runset):
-        out.notes.append("Every run sampled with the trainer's own model (no rollout.precision, weight_quant or "
-                         f"router_noise): the mismatch is the KV-cache path's rounding (k3 below "
-                         f"{MISMATCH_ROUNDING:g}), not a quantity these runs varied; figure not drawn.")
+        out.notes.append(
+            "Every run sampled with the trainer's own model (no rollout.precision, weight_quant or "
+            f"router_noise): the mismatch is the KV-cache path's rounding (k3 below "
+            f"{MISMATCH_ROUNDING:g}), not a quantity these runs varied; figure not drawn."
+        )
         return None
     styles = series_styles(runset)
     fig = new_figure(TEXT_WIDTH_IN, 2.0 + legend_rows_in(runset.labels, TEXT_WIDTH_IN))
@@ -270,8 +305,11 @@ def fig_early_warning(runset: RunSet, settings: FigureSettings, out: FigureOutpu
     """Per run, on one step axis: training reward, policy entropy, mismatch KL and gradient norm; collapsed runs
     first, with the step their reward fell and the steps their signals moved (`early_warning`, at the default
     collapse drop)."""
-    rows = [(metric, name) for metric, name in EARLY_WARNING_ROWS if runset.has(metric)
-            and not (metric == m.MISMATCH_K3 and mismatch_is_rounding(runset))]
+    rows = [
+        (metric, name)
+        for metric, name in EARLY_WARNING_ROWS
+        if runset.has(metric) and not (metric == m.MISMATCH_K3 and mismatch_is_rounding(runset))
+    ]
     if not runset.has(m.REWARD) or len(rows) < 2:
         out.notes.append("Needs the reward and at least one of entropy, mismatch KL, grad norm; figure not drawn.")
         return None

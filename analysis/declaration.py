@@ -28,8 +28,13 @@ from experiments.config import PROJECT_ROOT, AccuracySummary, ComparisonConfig, 
 KEY = "comparison"  # the config node (`comparison.<field>` in a run's flat config)
 FIELDS = tuple(f.name for f in fields(ComparisonConfig))
 _UNDECLARED = object()  # what a run recorded before `comparison` existed declares
-FLAGS = {"baseline": "--baseline", "primary": "--primary", "family": "--family", "early_stopped": "--early-stopped",
-         "references": "--references"}
+FLAGS = {
+    "baseline": "--baseline",
+    "primary": "--primary",
+    "family": "--family",
+    "early_stopped": "--early-stopped",
+    "references": "--references",
+}
 
 
 @dataclass(frozen=True)
@@ -45,30 +50,39 @@ class Declaration:
     overridden: tuple[str, ...] = ()  # the fields the command line set
     read_from: str = "runs"  # runs (their configs), or tables (per-seed tables, which carry no declaration)
 
-    def checked(self, arms: Iterable[str]) -> "Declaration":
+    def checked(self, arms: Iterable[str]) -> Declaration:
         """This declaration, refused (`ValueError`, one line) where it does not fit the runs' `arms`: a primary that
         is not a summary, a rule that is not one and, where the runs hold more than one arm (one arm is compared in
         another report, by analysis.compare), a baseline or a family arm they do not hold, or the baseline in the
         family."""
         arms = sorted(set(arms))
         if self.primary not in GAIN_MEASURES:
-            raise ValueError(f"{self._said('primary')} {self.primary!r} is not a summary the analysis computes; the "
-                             f"summaries: {', '.join(GAIN_MEASURES)}")
+            raise ValueError(
+                f"{self._said('primary')} {self.primary!r} is not a summary the analysis computes; the "
+                f"summaries: {', '.join(GAIN_MEASURES)}"
+            )
         if self.early_stopped not in set(EarlyStopped):
-            raise ValueError(f"{self._said('early_stopped')} {self.early_stopped!r} is not a rule; the rules: "
-                             f"{', '.join(EarlyStopped)}")
+            raise ValueError(
+                f"{self._said('early_stopped')} {self.early_stopped!r} is not a rule; the rules: "
+                f"{', '.join(EarlyStopped)}"
+            )
         if len(arms) < 2:
             return self
         if self.baseline is not None and self.baseline not in arms:
-            raise ValueError(f"{self._said('baseline')} {self.baseline!r} is not an arm of these runs; their arms: "
-                             f"{', '.join(arms)}")
+            raise ValueError(
+                f"{self._said('baseline')} {self.baseline!r} is not an arm of these runs; their arms: {', '.join(arms)}"
+            )
         absent = [arm for arm in self.family if arm not in arms]
         if absent:
-            raise ValueError(f"{self._said('family')} names {', '.join(map(repr, absent))}, an arm these runs did not "
-                             f"run; their arms: {', '.join(arms)}")
+            raise ValueError(
+                f"{self._said('family')} names {', '.join(map(repr, absent))}, an arm these runs did not "
+                f"run; their arms: {', '.join(arms)}"
+            )
         if self.baseline is not None and self.baseline in self.family:
-            raise ValueError(f"{self._said('family')} names the baseline {self.baseline!r}, which is compared with "
-                             "every other arm, not with itself")
+            raise ValueError(
+                f"{self._said('family')} names the baseline {self.baseline!r}, which is compared with "
+                "every other arm, not with itself"
+            )
         return self
 
     def reference(self, arms: Iterable[str]) -> str:
@@ -93,20 +107,26 @@ class Declaration:
         """The report's account of it: what decides, over how many comparisons, and who declared it."""
         arms = sorted(set(arms))
         baseline, family = self.reference(arms), self.family_of(arms)
-        rule = {EarlyStopped.exclude: "excluded, and named below",
-                EarlyStopped.failed: "scored as failed: held-out accuracy 0 at every evaluation it did not reach"}
+        rule = {
+            EarlyStopped.exclude: "excluded, and named below",
+            EarlyStopped.failed: "scored as failed: held-out accuracy 0 at every evaluation it did not reach",
+        }
         if self.declared:
             origin = f"Declared by the runs (`{KEY}` in every run's recorded config, the same in each)"
         elif self.read_from == "tables":
             origin = "Per-seed tables carry no declaration: the schema's defaults where the command line sets none"
         else:
-            origin = (f"The runs declare no comparison (recorded before `{KEY}` existed): the schema's defaults where "
-                      "the command line sets none, chosen after the runs, so not a pre-registration")
+            origin = (
+                f"The runs declare no comparison (recorded before `{KEY}` existed): the schema's defaults where "
+                "the command line sets none, chosen after the runs, so not a pre-registration"
+            )
         if self.overridden:
             origin += "; set on the command line: " + ", ".join(
-                f"{name} ({FLAGS[name]})" for name in FIELDS if name in self.overridden)
+                f"{name} ({FLAGS[name]})" for name in FIELDS if name in self.overridden
+            )
         return [
-            "## The declared comparison", "",
+            "## The declared comparison",
+            "",
             f"- **baseline**: {baseline}",
             f"- **primary summary**: `{self.primary}` ({GAIN_MEASURES[self.primary]}); the other summaries are "
             "secondary",
@@ -115,9 +135,16 @@ class Declaration:
             "verdict",
             f"- **runs that ended themselves early** (status diverged): {rule[EarlyStopped(self.early_stopped)]}; "
             "a run stopped from outside (crashed, killed, interrupted) never counts",
-            *([f"- **references** (the committed results these runs are a miniature of): "
-               f"{', '.join(f'`{path}`' for path in self.references)}"] if self.references else []),
-            "", f"{origin}.",
+            *(
+                [
+                    f"- **references** (the committed results these runs are a miniature of): "
+                    f"{', '.join(f'`{path}`' for path in self.references)}"
+                ]
+                if self.references
+                else []
+            ),
+            "",
+            f"{origin}.",
         ]
 
 
@@ -137,8 +164,11 @@ def read(configs: Mapping[str, Mapping[str, Any]], overrides: Mapping[str, Any] 
     declared: dict[str, tuple[Any, ...] | None] = {}
     for run, cfg in configs.items():
         keys = [f"{KEY}.{name}" for name in FIELDS]
-        declared[run] = tuple(_value(name, cfg.get(key)) for name, key in zip(FIELDS, keys)) \
-            if any(key in cfg for key in keys) else None
+        declared[run] = (
+            tuple(_value(name, cfg.get(key)) for name, key in zip(FIELDS, keys))
+            if any(key in cfg for key in keys)
+            else None
+        )
     fields_found: dict[str, Any] = {}
     if any(value is not None for value in declared.values()):
         for i, name in enumerate(FIELDS):
@@ -147,13 +177,19 @@ def read(configs: Mapping[str, Mapping[str, Any]], overrides: Mapping[str, Any] 
             values = {run: _UNDECLARED if value is None else value[i] for run, value in declared.items()}
             if len(set(values.values())) > 1:
                 (a, there), (b, here) = _two_that_differ(values)
-                raise ValueError(f"the runs of this report declare different comparisons: {a} "
-                                 f"{_declares(name, there)}, {b} {_declares(name, here)}; every run of a report "
-                                 f"declares the same, or {FLAGS[name]} sets it for the report")
+                raise ValueError(
+                    f"the runs of this report declare different comparisons: {a} "
+                    f"{_declares(name, there)}, {b} {_declares(name, here)}; every run of a report "
+                    f"declares the same, or {FLAGS[name]} sets it for the report"
+                )
             fields_found[name] = next(iter(values.values()))
     given = {name: tuple(value) if name in ("family", "references") else value for name, value in overrides.items()}
-    return replace(Declaration(), **{**fields_found, **given}, declared=bool(fields_found),
-                   overridden=tuple(name for name in FIELDS if name in given))
+    return replace(
+        Declaration(),
+        **{**fields_found, **given},
+        declared=bool(fields_found),
+        overridden=tuple(name for name in FIELDS if name in given),
+    )
 
 
 def _two_that_differ(values: Mapping[str, Any]) -> tuple[tuple[str, Any], tuple[str, Any]]:
@@ -174,20 +210,36 @@ def add_flags(parser: Any, baseline_help: str, early_stopped: bool = False, refe
     early-stopped runs only where runs are read, not per-seed tables, which already applied it; the references where
     a report sets its comparisons beside them)."""
     parser.add_argument("--baseline", metavar="ARM", help=baseline_help)
-    parser.add_argument("--primary", choices=list(AccuracySummary), metavar="SUMMARY",
-                        help=f"the summary whose comparisons decide ({', '.join(AccuracySummary)}; default: the runs' "
-                             f"declaration, else {ComparisonConfig.primary.value})")
-    parser.add_argument("--family", nargs="+", metavar="ARM",
-                        help="the arms whose comparisons with the baseline form the family Holm's correction runs "
-                             "over (default: the runs' declaration, else every arm)")
+    parser.add_argument(
+        "--primary",
+        choices=list(AccuracySummary),
+        metavar="SUMMARY",
+        help=f"the summary whose comparisons decide ({', '.join(AccuracySummary)}; default: the runs' "
+        f"declaration, else {ComparisonConfig.primary.value})",
+    )
+    parser.add_argument(
+        "--family",
+        nargs="+",
+        metavar="ARM",
+        help="the arms whose comparisons with the baseline form the family Holm's correction runs "
+        "over (default: the runs' declaration, else every arm)",
+    )
     if early_stopped:
-        parser.add_argument("--early-stopped", choices=list(EarlyStopped), dest="early_stopped",
-                            help="how a run that ended itself early counts (default: the runs' declaration, else "
-                                 f"{ComparisonConfig.early_stopped.value})")
+        parser.add_argument(
+            "--early-stopped",
+            choices=list(EarlyStopped),
+            dest="early_stopped",
+            help="how a run that ended itself early counts (default: the runs' declaration, else "
+            f"{ComparisonConfig.early_stopped.value})",
+        )
     if references:
-        parser.add_argument("--references", nargs="+", metavar="DIR",
-                            help="the committed results these runs are a miniature of: folders holding a report's "
-                                 "comparisons.csv (default: the runs' declaration, else none)")
+        parser.add_argument(
+            "--references",
+            nargs="+",
+            metavar="DIR",
+            help="the committed results these runs are a miniature of: folders holding a report's "
+            "comparisons.csv (default: the runs' declaration, else none)",
+        )
 
 
 def overrides(args: Any, names: Sequence[str] = FIELDS) -> dict[str, Any]:

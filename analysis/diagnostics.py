@@ -19,8 +19,16 @@ from analysis.summaries import COLLAPSE_DROP, EMA_ALPHA, collapse_flag, ema
 from experiments.config import RolloutConfig
 from experiments.step.engines import EngineNumerics
 from experiments.step.metrics import (
-    DRIFT, ENGINE_EXPERTS, ENGINE_GATES, ENTROPY, GRAD_NORM, LAG as SERVED_LAG, MISMATCH_K3, REWARD, per_layer,
+    DRIFT,
+    ENGINE_EXPERTS,
+    ENGINE_GATES,
+    ENTROPY,
+    GRAD_NORM,
+    MISMATCH_K3,
+    REWARD,
+    per_layer,
 )
+from experiments.step.metrics import LAG as SERVED_LAG
 
 # The metrics read here are named where they are produced (experiments.step.metrics).
 _LAYER_METRIC = re.compile("^" + re.escape(per_layer(DRIFT, "")) + r"(\d+)$")  # DRIFT per minibatch, per layer
@@ -100,8 +108,10 @@ def mismatch_is_rounding(runset: RunSet) -> bool:
     engine = RolloutConfig()
     for config in runset.runs["config"]:
         config = json.loads(config)
-        rollout = {key: config.get(f"rollout.{key}", getattr(engine, key))
-                   for key in ("engine", "precision", "weight_quant", "router_noise")}
+        rollout = {
+            key: config.get(f"rollout.{key}", getattr(engine, key))
+            for key in ("engine", "precision", "weight_quant", "router_noise")
+        }
         if rollout["engine"] != engine.engine or EngineNumerics.of(SimpleNamespace(**rollout)).differs:
             return False
         if config.get("rollout.lag", engine.lag) or config.get("rollout.concurrent", engine.concurrent):
@@ -151,8 +161,12 @@ def early_warning(runset: RunSet, drop: float = COLLAPSE_DROP, alpha: float = EM
     for run, group in runset.metric(REWARD).sort_values(["run", "step"]).groupby("run", sort=False):
         steps, reward = group["step"].to_numpy(float), group["value"].to_numpy(float)
         collapsed = bool(collapse_flag(reward, drop=drop, alpha=alpha))
-        row = {"run": run, "label": group["label"].iloc[0], "collapsed": collapsed,
-               "collapse_step": _collapse_step(steps, ema(reward, alpha), drop) if collapsed else math.nan}
+        row = {
+            "run": run,
+            "label": group["label"].iloc[0],
+            "collapsed": collapsed,
+            "collapse_step": _collapse_step(steps, ema(reward, alpha), drop) if collapsed else math.nan,
+        }
         for metric in signals:
             signal = runset.metric(metric)
             signal = signal[signal["run"] == run].sort_values("step")
@@ -190,5 +204,4 @@ def staleness_by_lag(runset: RunSet) -> pd.DataFrame:
     rows = rows[rows["served"].fillna(0) == rows["lag"]]  # a run without a lag logs none: every step is at 0
     per_run = rows.groupby(["run", "lag", "metric"], as_index=False)["value"].mean()
     per_run["arm"] = per_run["run"].map(arms)
-    return (per_run.groupby(["arm", "lag", "metric"])["value"].agg(mean="mean", std="std", n="count")
-            .reset_index())
+    return per_run.groupby(["arm", "lag", "metric"])["value"].agg(mean="mean", std="std", n="count").reset_index()

@@ -70,10 +70,15 @@ class Fit:
 
     def as_dict(self) -> dict:
         """The fit as fit.json holds it."""
-        return {"regressors": self.regressors, "intercept": float(self.coef[0]),
-                "exponents": {r: float(c) for r, c in zip(self.regressors, self.coef[1:])},
-                "stderr": {r: float(s) for r, s in zip(["intercept", *self.regressors], self.stderr)},
-                "r2": self.r2, "residual_std_log": self.residual_std, "n": self.n}
+        return {
+            "regressors": self.regressors,
+            "intercept": float(self.coef[0]),
+            "exponents": {r: float(c) for r, c in zip(self.regressors, self.coef[1:])},
+            "stderr": {r: float(s) for r, s in zip(["intercept", *self.regressors], self.stderr)},
+            "r2": self.r2,
+            "residual_std_log": self.residual_std,
+            "n": self.n,
+        }
 
 
 def _term(name: str, value: float) -> float:
@@ -94,8 +99,10 @@ def fit_law(rows: pd.DataFrame) -> Fit:
     usable = fitted_rows(rows)
     names = [name for name, (column, *_) in REGRESSORS.items() if column in usable and usable[column].nunique() > 1]
     if len(usable) <= len(names) + 1:
-        raise ValueError(f"{len(usable)} probe rows with a positive drift cannot fit {len(names) + 1} coefficients "
-                         f"({', '.join(['constant', *names])}): probe more settings")
+        raise ValueError(
+            f"{len(usable)} probe rows with a positive drift cannot fit {len(names) + 1} coefficients "
+            f"({', '.join(['constant', *names])}): probe more settings"
+        )
     x = np.column_stack([np.ones(len(usable))] + [[_term(n, v) for v in usable[REGRESSORS[n][0]]] for n in names])
     y = np.log(usable["drift"].astype(float).to_numpy())
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
@@ -128,8 +135,12 @@ def paper_point(fit: Fit, rows: pd.DataFrame, lr: float, own_width: bool = False
     """Qwen3-30B-A3B's routing (and, with `own_width`, its hidden width) at `lr`, a softmax router at the softmax
     anchor's margin; the rest `held_at_median`."""
     point = ladder_point(rows, lr)
-    point.update(held_at_median(rows, own_width), layers=PAPER_SHAPE["layers"], margin=PAPER_MARGIN,
-                 experts_per_slot=PAPER_SHAPE["experts"] / PAPER_SHAPE["top_k"])
+    point.update(
+        held_at_median(rows, own_width),
+        layers=PAPER_SHAPE["layers"],
+        margin=PAPER_MARGIN,
+        experts_per_slot=PAPER_SHAPE["experts"] / PAPER_SHAPE["top_k"],
+    )
     if own_width:
         point["hidden"] = PAPER_SHAPE["hidden"]
     return point
@@ -178,6 +189,7 @@ def fit_record(fit: Fit, rows: pd.DataFrame) -> dict:
     `TARGET_DRIFT` needs at each probed learning rate."""
     record = {**fit.as_dict(), "lr_for_paper_drift": lr_for_paper_drift(fit, rows)}
     if "margin" in fit.regressors:
-        record["margin_for_target_drift"] = {f"{lr:g}": margin_for_drift(fit, rows, lr)
-                                             for lr in sorted(rows["lr"].unique())}
+        record["margin_for_target_drift"] = {
+            f"{lr:g}": margin_for_drift(fit, rows, lr) for lr in sorted(rows["lr"].unique())
+        }
     return record

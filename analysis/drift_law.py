@@ -20,19 +20,28 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib.ticker
-import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
 from algos.objective import CLIP, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from analysis.cli import Command, writable_out
+from analysis.drift_figures import figure, margin_figure
 from analysis.drift_fit import (
-    PAPER_DRIFT, PAPER_MARGIN, PAPER_SHAPE, REGRESSORS, TARGET_DRIFT, Fit, fit_law, fit_record, fitted_rows,
-    held_at_median, knob_effects, knob_range, ladder_point, lr_for_paper_drift, margin_for_drift, paper_point,
+    PAPER_DRIFT,
+    PAPER_MARGIN,
+    PAPER_SHAPE,
+    REGRESSORS,
+    TARGET_DRIFT,
+    Fit,
+    fit_law,
+    fit_record,
+    held_at_median,
+    knob_effects,
+    knob_range,
+    lr_for_paper_drift,
+    margin_for_drift,
+    paper_point,
 )
-from analysis.plotting import in_style, new_figure, save_png
-from analysis.style import TEXT_WIDTH_IN, shade
 from analysis.tables import num
 from experiments.step import metrics as m
 from models.policy import SIGMOID_FAMILIES
@@ -97,8 +106,15 @@ def load_probes(paths: Sequence[str | Path]) -> tuple[pd.DataFrame, pd.DataFrame
             row["drift_per_layer"] = setting.get("drift_per_layer")
             rows.append(row)
         for entry in summary.get("precision_mismatch", []):
-            precision.append({**shape, "precision": entry["precision"], "expert_mismatch": entry[m.ENGINE_EXPERTS],
-                              "token_any_mismatch": entry[m.ENGINE_TOKENS], "kl_k3": entry[m.MISMATCH_K3]})
+            precision.append(
+                {
+                    **shape,
+                    "precision": entry["precision"],
+                    "expert_mismatch": entry[m.ENGINE_EXPERTS],
+                    "token_any_mismatch": entry[m.ENGINE_TOKENS],
+                    "kl_k3": entry[m.MISMATCH_K3],
+                }
+            )
     return pd.DataFrame(rows), pd.DataFrame(precision)
 
 
@@ -114,150 +130,137 @@ def hidden_width(run_dir: Path) -> int | None:
     return cfg.model.get("hidden_size")
 
 
-@in_style
-def figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
-    """(a) drift against lr per cold start, (b) against depth per lr, (c) per-layer profiles, (d) routing share."""
-    fig = new_figure(TEXT_WIDTH_IN, 4.6)
-    (a, b), (c, d) = fig.subplots(2, 2)
-    ordered = rows.sort_values(["experts_per_slot", "layers"])[["model", "task"]]
-    models = list(dict.fromkeys(ordered.itertuples(index=False)))
-    lrs = sorted(rows["lr"].unique())
-    for i, (model, task) in enumerate(models):
-        part = rows[(rows["model"] == model) & (rows["task"] == task)].sort_values("lr")
-        a.plot(part["lr"], part["drift"], marker="o", ms=3, color=shade("#1f5fb4", i), label=f"{model}, {task}")
-    a.axhline(PAPER_DRIFT, color="0.4", ls=":", lw=0.8)
-    a.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="experts changed after one update",
-          title="(a) drift against lr")
-    a.legend(fontsize=5, loc="lower right")
-    for j, lr in enumerate(lrs):
-        part = rows[rows["lr"] == lr].sort_values("layers")
-        b.scatter(part["layers"], part["drift"], s=8, color=shade("#d62728", j), label=f"lr {lr:.0e}")
-        grid = np.geomspace(max(1, part["layers"].min()), PAPER_SHAPE["layers"], 20)
-        if "layers" in fit.regressors:
-            point = paper_point(fit, rows, lr)
-            b.plot(grid, [fit.predict({**point, "layers": g}) for g in grid], color=shade("#d62728", j), lw=0.6)
-    b.axhline(PAPER_DRIFT, color="0.4", ls=":", lw=0.8)
-    b.set(xscale="log", yscale="log", xlabel="MoE layers", ylabel="experts changed after one update",
-          title="(b) drift against depth; lines: the law at 128 experts top-8")
-    depths = sorted(int(layers) for layers in rows["layers"].unique())
-    b.set_xticks(depths, [str(layers) for layers in depths])
-    b.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    b.legend(fontsize=5)
-    middle = lrs[len(lrs) // 2]
-    for i, (model, task) in enumerate(models):
-        part = rows[(rows["model"] == model) & (rows["task"] == task) & (rows["lr"] == middle)]
-        for profile in part["drift_per_layer"]:
-            if profile:
-                depth = np.arange(len(profile)) / max(1, len(profile) - 1)
-                c.plot(depth, profile, color=shade("#1f5fb4", i), lw=0.8)
-    c.set(xlabel="layer (0 = first, 1 = last)", ylabel="experts changed after one update",
-          title=f"(c) per layer, lr {middle:.0e}")
-    for i, slots in enumerate(sorted(rows["experts_per_slot"].unique())):  # what sets the share: the experts per slot
-        part = rows[rows["experts_per_slot"] == slots]
-        d.scatter(part["drift"], part["routing_share"], s=8, color=f"C{i}", label=f"E/k = {slots:g}")
-    d.set(xscale="log", xlabel="experts changed after one update", ylabel="routing share of Var(log-ratio)",
-          title="(d) routing share against drift")
-    d.legend(fontsize=5)
-    path = out / "drift_law.png"
-    return save_png(fig, path, dpi)
-
-
-@in_style
-def margin_figure(rows: pd.DataFrame, fit: Fit, out: Path, dpi: int = 150) -> Path:
-    """Drift against the cold start's margin, one colour per learning rate, one marker per family; the law's line
-    for the softmax family at each lr, and the anchors of real checkpoints."""
-    fig = new_figure(TEXT_WIDTH_IN / 2, 2.6)
-    ax = fig.subplots()
-    usable = fitted_rows(rows)
-    grid = np.geomspace(min(usable["start_margin"].min(), min(MARGIN_ANCHORS.values())) / 2,
-                        usable["start_margin"].max() * 2, 30)
-    for j, lr in enumerate(sorted(usable["lr"].unique())):
-        colour = shade("#d62728", j)
-        for sigmoid, marker in ((0.0, "o"), (1.0, "^")):
-            part = usable[(usable["lr"] == lr) & (usable["sigmoid_family"].fillna(0.0) == sigmoid)]
-            ax.scatter(part["start_margin"], part["drift"], s=10, marker=marker, color=colour,
-                       label=f"lr {lr:.0e}" if sigmoid == 0.0 else None)
-        ax.plot(grid, [fit.predict({**ladder_point(rows, lr), "margin": g}) for g in grid], color=colour, lw=0.6)
-    for name, value in MARGIN_ANCHORS.items():
-        ax.axvline(value, color="0.4", ls="--", lw=0.6)
-        ax.annotate(name.split(" ")[0], (value, ax.get_ylim()[1]), fontsize=5, rotation=90, va="top", ha="right")
-    ax.axhline(TARGET_DRIFT, color="0.4", ls=":", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="start's top-k margin (o softmax, ^ sigmoid)",
-           ylabel="experts changed after one update", title="drift against how decisive the start's routers are")
-    ax.legend(fontsize=5)
-    path = out / "drift_margin.png"
-    return save_png(fig, path, dpi)
-
-
 def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, command: str, figure_path: Path) -> Path:
     """report.md: the probed settings, the fit, which knob moves drift most, the law at the paper's routing, the margin
     a start would need (with the margin fitted) and the engines' disagreement with the trainer."""
-    lines = ["# Routing drift: the scaling law", "", f"Made with `{command}`.", "",
-             f"![drift law]({figure_path.name})", "", "## Probed settings", "",
-             "| probe | model | task | L | E / k | start margin | lr | answer tokens | drift after one update | tokens "
-             "with a change | routing share | logit margin | token-ratio var | sequence-ratio var |", "|" + "---|" * 14]
+    lines = [
+        "# Routing drift: the scaling law",
+        "",
+        f"Made with `{command}`.",
+        "",
+        f"![drift law]({figure_path.name})",
+        "",
+        "## Probed settings",
+        "",
+        "| probe | model | task | L | E / k | start margin | lr | answer tokens | drift after one update | tokens "
+        "with a change | routing share | logit margin | token-ratio var | sequence-ratio var |",
+        "|" + "---|" * 14,
+    ]
     for r in rows.sort_values(["task", "experts_per_slot", "layers", "model", "probe", "lr"]).to_dict("records"):
-        shape = (f"| {Path(r['probe']).name} | {r['model']} | {r['task']} | {r['layers']} | "
-                 f"{r['experts']}/{r['top_k']} | {num(r.get('start_margin'))} | {r['lr']:.0e} | ")
+        shape = (
+            f"| {Path(r['probe']).name} | {r['model']} | {r['task']} | {r['layers']} | "
+            f"{r['experts']}/{r['top_k']} | {num(r.get('start_margin'))} | {r['lr']:.0e} | "
+        )
         if isinstance(r.get("diverged"), str):
             lines.append(shape + f"{r['answer_tokens']:.1f} | diverged: {r['diverged']} | | | | | |")
             continue
-        lines.append(shape + f"{r['answer_tokens']:.1f} | {num(r['drift'], '.2%')} | "
-                     f"{num(r['token_any_change'], '.2%')} | {num(r['routing_share'], '.2%')} | "
-                     f"{r['logit_margin']:.3f} | {num(r['token_ratio_var'])} | {num(r['seq_ratio_var'])} |")
-    lines += ["", "## The fit", "", f"log drift = c + Σ a_x log x (an indicator enters as itself) over "
-              f"{', '.join(fit.regressors)}; n = {fit.n} rows, "
-              f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
-              f"{math.exp(fit.residual_std):.2f}).", "", "| term | exponent | std. error |", "|---|---|---|"]
+        lines.append(
+            shape + f"{r['answer_tokens']:.1f} | {num(r['drift'], '.2%')} | "
+            f"{num(r['token_any_change'], '.2%')} | {num(r['routing_share'], '.2%')} | "
+            f"{r['logit_margin']:.3f} | {num(r['token_ratio_var'])} | {num(r['seq_ratio_var'])} |"
+        )
+    lines += [
+        "",
+        "## The fit",
+        "",
+        f"log drift = c + Σ a_x log x (an indicator enters as itself) over "
+        f"{', '.join(fit.regressors)}; n = {fit.n} rows, "
+        f"R² = {fit.r2:.3f}, residual std of log drift {fit.residual_std:.2f} (a factor of "
+        f"{math.exp(fit.residual_std):.2f}).",
+        "",
+        "| term | exponent | std. error |",
+        "|---|---|---|",
+    ]
     lines.append(f"| c | {fit.coef[0]:.3f} | {fit.stderr[0]:.3f} |")
     for name, coef, se in zip(fit.regressors, fit.coef[1:], fit.stderr[1:]):
         lines.append(f"| {REGRESSORS[name][1]} | {coef:.3f} | {se:.3f} |")
-    lines += ["", "## Which knob moves drift most", "", "The factor by which the fitted law moves drift from a knob's "
-              "smallest to its largest probed value, the others held; largest first.", "",
-              "| knob | probed | drift moves by |", "|---|---|---|"]
+    lines += [
+        "",
+        "## Which knob moves drift most",
+        "",
+        "The factor by which the fitted law moves drift from a knob's "
+        "smallest to its largest probed value, the others held; largest first.",
+        "",
+        "| knob | probed | drift moves by |",
+        "|---|---|---|",
+    ]
     for name, low, high, factor in knob_effects(fit, rows):
         lines.append(f"| {REGRESSORS[name][1]} | {low:.3g} to {high:.3g} | ×{factor:.2f} |")
     medians = held_at_median(rows, own_width=False)
-    held = (f"answer length T = {medians['length']:.3g} tokens and width H = {medians['hidden']:.3g}, the fitted rows' "
-            "medians")
-    anchored = (f" for a softmax router at the softmax anchor's margin m = {PAPER_MARGIN}" if "margin" in fit.regressors
-                else "")
+    held = (
+        f"answer length T = {medians['length']:.3g} tokens and width H = {medians['hidden']:.3g}, the fitted rows' "
+        "medians"
+    )
+    anchored = (
+        f" for a softmax router at the softmax anchor's margin m = {PAPER_MARGIN}" if "margin" in fit.regressors else ""
+    )
     unfitted = [REGRESSORS[name][1] for name in ("layers", "experts_per_slot") if name not in fit.regressors]
     shape = "" if unfitted else " at the paper's depth and experts per slot"
-    shape_note = ("" if not unfitted else
-                  f" The fit has no term for {' or '.join(unfitted)} (every probed row has the same), so the "
-                  "paper's routing does not enter it: the lines below are the probed models' law at these settings, "
-                  "not Qwen3-30B-A3B's.")
-    lines += ["", "## At Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8)", "",
-              f"The law{shape}{anchored}, with {held} (the paper's own answers and "
-              f"width lie far outside the probed ranges: an extrapolation, not a measurement).{shape_note}", ""]
+    shape_note = (
+        ""
+        if not unfitted
+        else f" The fit has no term for {' or '.join(unfitted)} (every probed row has the same), so the "
+        "paper's routing does not enter it: the lines below are the probed models' law at these settings, "
+        "not Qwen3-30B-A3B's."
+    )
+    lines += [
+        "",
+        "## At Qwen3-30B-A3B's routing (48 layers, 128 experts, top-8)",
+        "",
+        f"The law{shape}{anchored}, with {held} (the paper's own answers and "
+        f"width lie far outside the probed ranges: an extrapolation, not a measurement).{shape_note}",
+        "",
+    ]
     for lr in sorted(rows["lr"].unique()):
-        lines.append(f"- lr {lr:.0e}: the law gives {num(fit.predict(paper_point(fit, rows, lr)), '.2%')} "
-                     f"(paper: ~{PAPER_DRIFT:.0%}).")
+        lines.append(
+            f"- lr {lr:.0e}: the law gives {num(fit.predict(paper_point(fit, rows, lr)), '.2%')} "
+            f"(paper: ~{PAPER_DRIFT:.0%})."
+        )
     needed = lr_for_paper_drift(fit, rows)
     if needed is not None:
         lines.append(f"- the paper's ~{PAPER_DRIFT:.0%} needs lr ≈ {needed:.1e} there.")
     if "hidden" in fit.regressors and (wide := lr_for_paper_drift(fit, rows, own_width=True)) is not None:
-        lines.append(f"- with Qwen3-30B-A3B's own width H = {PAPER_SHAPE['hidden']} (the H term carried "
-                     f"{PAPER_SHAPE['hidden'] / medians['hidden']:.0f}x beyond the median), it needs lr ≈ {wide:.1e}.")
+        lines.append(
+            f"- with Qwen3-30B-A3B's own width H = {PAPER_SHAPE['hidden']} (the H term carried "
+            f"{PAPER_SHAPE['hidden'] / medians['hidden']:.0f}x beyond the median), it needs lr ≈ {wide:.1e}."
+        )
     if "margin" in fit.regressors:
-        lines += ["", f"## The margin a start of this ladder would need for {TARGET_DRIFT:.0%} drift per update", "",
-                  f"![drift against margin]({margin_figure(rows, fit, out).name})", "",
-                  "At the fitted rows' median shape, softmax family, solved from the margin's exponent "
-                  f"({fit.exponent('margin'):.2f} ± {fit.stderr[1 + fit.regressors.index('margin')]:.2f}); the probed "
-                  f"starts' margins run {knob_range(rows, 'start_margin')}, the anchors' are "
-                  + ", ".join(f"{name} {value}" for name, value in MARGIN_ANCHORS.items()) + ".", ""]
+        lines += [
+            "",
+            f"## The margin a start of this ladder would need for {TARGET_DRIFT:.0%} drift per update",
+            "",
+            f"![drift against margin]({margin_figure(rows, fit, out).name})",
+            "",
+            "At the fitted rows' median shape, softmax family, solved from the margin's exponent "
+            f"({fit.exponent('margin'):.2f} ± {fit.stderr[1 + fit.regressors.index('margin')]:.2f}); the probed "
+            f"starts' margins run {knob_range(rows, 'start_margin')}, the anchors' are "
+            + ", ".join(f"{name} {value}" for name, value in MARGIN_ANCHORS.items())
+            + ".",
+            "",
+        ]
         for lr in sorted(rows["lr"].unique()):
             needed_margin = margin_for_drift(fit, rows, lr)
-            lines.append(f"- lr {lr:.0e}: " + ("no margin: the law's drift does not fall with the margin"
-                                               if needed_margin is None else f"m ≈ {needed_margin:.2g}"))
+            lines.append(
+                f"- lr {lr:.0e}: "
+                + (
+                    "no margin: the law's drift does not fall with the margin"
+                    if needed_margin is None
+                    else f"m ≈ {needed_margin:.2g}"
+                )
+            )
     if not precision.empty:
-        lines += ["", "## Engine precision against the fp32 trainer, at the cold start's weights", "",
-                  "| model | task | precision | experts that differ | tokens with a difference | k3 |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Engine precision against the fp32 trainer, at the cold start's weights",
+            "",
+            "| model | task | precision | experts that differ | tokens with a difference | k3 |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in precision.itertuples():
-            lines.append(f"| {r.model} | {r.task} | {r.precision} | {num(r.expert_mismatch, '.2%')} | "
-                         f"{num(r.token_any_mismatch, '.2%')} | {r.kl_k3:.2g} |")
+            lines.append(
+                f"| {r.model} | {r.task} | {r.precision} | {num(r.expert_mismatch, '.2%')} | "
+                f"{num(r.token_any_mismatch, '.2%')} | {r.kl_k3:.2g} |"
+            )
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
@@ -265,8 +268,9 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     """The probes' directories and where the law goes."""
-    parser.add_argument("paths", nargs="+", metavar="PROBE_DIR",
-                        help="probe run or sweep directories, searched recursively")
+    parser.add_argument(
+        "paths", nargs="+", metavar="PROBE_DIR", help="probe run or sweep directories, searched recursively"
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
-import yaml
 
 from analysis.cli import Command, publishing, staged, writable_out
 from analysis.compare import Source, per_seed_file, pool, refuse_two_recipes
 from analysis.contrasts import (
+    DEFAULT_FAMILY,
     DIFFERENCE,
     FALL,
     FALL_DIFFERENCE,
@@ -45,73 +45,19 @@ from analysis.contrasts import (
     MEASURE,
     WHY_COLUMNS,
     Contrast,
+    Family,
     Judged,
     Values,
     judge,
+    load_family,
     needed_runs,
     unit_values,
 )
 from analysis.gains import EXCLUDED
 from analysis.records import UNKNOWN_START
-from analysis.statistics import ALPHA, smallest_p, smallest_permutation_p
+from analysis.statistics import ALPHA, smallest_p
 from analysis.tables import LEFT_OUT_FILE, REPORT_FILE, markdown_table
-from experiments.config import PROJECT_ROOT
-
-DEFAULT_FAMILY = PROJECT_ROOT / "docs" / "results" / "async" / "family.yaml"  # the pre-registration's five
-
-
-class Family(NamedTuple):
-    """A family of comparisons, judged together under Holm's correction, and where it was declared: a data file beside
-    the document that fixed it (`load_family`)."""
-
-    title: str  # the report's heading
-    declared: str  # where, and so before which runs, it was written down
-    contrasts: tuple[Contrast, ...]
-    dense_arms: tuple[str, ...] = ()  # the only arms the dense control's table may hold (a family that compares models)
-
-    @property
-    def compares_models(self) -> bool:
-        """Whether it reads the dense control's table (an interaction) beside the MoE rung's."""
-        return any(contrast.kind == INTERACTION for contrast in self.contrasts)
-
-
-_FAMILY_KEYS = {"title", "declared", "contrasts", "dense_arms"}
-_CONTRAST_KEYS = {"name", "kind", "arm", "other"}
-
-
-def load_family(path: Path) -> Family:
-    """The family a yaml file declares (`title`, `declared`, `contrasts`: each a `name`, `kind`, `arm` and, for the
-    kinds that set two arms against each other, `other`; `dense_arms` where a contrast compares models). A ValueError
-    names the file and what in it cannot be a family."""
-    try:
-        declared = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ValueError(f"--family {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise ValueError(f"--family {path} is not yaml: {str(error).splitlines()[0]}") from None
-    if not isinstance(declared, dict) or not {"title", "declared", "contrasts"} <= set(declared):
-        raise ValueError(f"--family {path} must be a mapping with title, declared and contrasts")
-    if set(declared) - _FAMILY_KEYS:
-        raise ValueError(f"--family {path} has {', '.join(sorted(set(declared) - _FAMILY_KEYS))}: a family holds only "
-                         f"{', '.join(sorted(_FAMILY_KEYS))}")
-    contrasts = []
-    for number, entry in enumerate(declared["contrasts"] or [], start=1):
-        if not isinstance(entry, dict) or not {"name", "kind", "arm"} <= set(entry) or set(entry) - _CONTRAST_KEYS:
-            raise ValueError(f"--family {path}: contrast {number} ({entry!r}) must have name, kind and arm, and may "
-                             "have other")
-        try:
-            contrasts.append(Contrast(**{key: str(value) for key, value in entry.items()}))
-        except ValueError as error:
-            raise ValueError(f"--family {path}: {error}") from None
-    if not contrasts:
-        raise ValueError(f"--family {path} declares no contrast")
-    family = Family(str(declared["title"]), str(declared["declared"]), tuple(contrasts),
-                    tuple(str(arm) for arm in declared.get("dense_arms") or ()))
-    if family.compares_models and not family.dense_arms:
-        raise ValueError(f"--family {path} compares the MoE rung with the dense control: it must name dense_arms, the "
-                         "arms the dense control runs")
-    return family
-
+from analysis.unpaired import smallest_permutation_p
 
 MOE, DENSE = "moe", "dense"  # the two tables, as their flags and the output's `model` column name them
 CONTRASTS_FILE, UNITS_FILE = "contrasts.csv", "units.csv"
@@ -135,32 +81,44 @@ def read_table(path: Path, flag: str, lag: int, arms: Sequence[str] | None) -> p
     rows, axes, _ = pool([Source(path, {})])
     counted = rows[rows["counted"] != EXCLUDED]
     if LAG not in axes:
-        raise ValueError(f"--{flag} {path} has no {LAG} column among its swept axes ({', '.join(axes) or 'none'}): "
-                         "not a table of the staleness study")
+        raise ValueError(
+            f"--{flag} {path} has no {LAG} column among its swept axes ({', '.join(axes) or 'none'}): "
+            "not a table of the staleness study"
+        )
     varied = [axis for axis in axes if axis != LAG and counted[axis].nunique() > 1]
     if varied:
-        raise ValueError(f"--{flag} {path} varies {', '.join(varied)} beside {LAG}: a contrast pools one cell's runs "
-                         "across lags; give a table of one cell")
+        raise ValueError(
+            f"--{flag} {path} varies {', '.join(varied)} beside {LAG}: a contrast pools one cell's runs "
+            "across lags; give a table of one cell"
+        )
     unnamed = counted[counted["start_sha256"] == UNKNOWN_START]
     if not unnamed.empty:
-        raise ValueError(f"--{flag} {path}: {len(unnamed)} runs name no start (start_sha256), {unnamed['run'].iloc[0]} "
-                         "first: the contrasts are computed per start")
+        raise ValueError(
+            f"--{flag} {path}: {len(unnamed)} runs name no start (start_sha256), {unnamed['run'].iloc[0]} "
+            "first: the contrasts are computed per start"
+        )
     if "start_recipe" in counted:
         refuse_two_recipes(counted)
     if arms is not None:
         foreign = sorted(set(rows["arm"]) - set(arms))
         if foreign:
-            raise ValueError(f"--{flag} {path} holds {', '.join(map(repr, foreign))}: the dense control runs only the "
-                             f"arms without routing ({', '.join(arms)})")
+            raise ValueError(
+                f"--{flag} {path} holds {', '.join(map(repr, foreign))}: the dense control runs only the "
+                f"arms without routing ({', '.join(arms)})"
+            )
     lags = sorted(set(counted[LAG].astype(float)))
     for needed in sorted({0, lag}):
         if float(needed) not in lags:
-            raise ValueError(f"--{flag} {path} has no counted run at {LAG} {needed}; its lags: "
-                             f"{', '.join(f'{value:g}' for value in lags) or 'none'}")
+            raise ValueError(
+                f"--{flag} {path} has no counted run at {LAG} {needed}; its lags: "
+                f"{', '.join(f'{value:g}' for value in lags) or 'none'}"
+            )
     starts = counted["start_sha256"].nunique()
     if starts < 2:
-        raise ValueError(f"--{flag} {path} holds {starts} start(s): the family's intervals and tests are over starts, "
-                         "and need at least 2")
+        raise ValueError(
+            f"--{flag} {path} holds {starts} start(s): the family's intervals and tests are over starts, "
+            "and need at least 2"
+        )
     return rows
 
 
@@ -171,14 +129,18 @@ def missing_arm(rows: pd.DataFrame, path: Path, flag: str, family: Sequence[Cont
     for arm, lag in needed_runs(family):
         if (arm, float(lag)) not in held:
             arms = sorted(set(counted["arm"]))
-            said = (f"has no arm {arm!r}; its arms: {', '.join(arms)}" if arm not in arms else
-                    f"has no counted run of {arm!r} at {LAG} {lag}")
+            said = (
+                f"has no arm {arm!r}; its arms: {', '.join(arms)}"
+                if arm not in arms
+                else f"has no counted run of {arm!r} at {LAG} {lag}"
+            )
             return f"--{flag} {path} {said}: the declared family needs it"
     return None
 
 
-def family_values(family: Sequence[Contrast], tables: dict[str, pd.DataFrame]) -> tuple[list[dict[str, Values]],
-                                                                                        pd.DataFrame]:
+def family_values(
+    family: Sequence[Contrast], tables: dict[str, pd.DataFrame]
+) -> tuple[list[dict[str, Values]], pd.DataFrame]:
     """Each comparison's per-unit values per model it reads, and every unit left out (with comparison and model);
     a comparison left with fewer than 2 starts on a model is refused, naming it."""
     values, left = [], []
@@ -189,24 +151,45 @@ def family_values(family: Sequence[Contrast], tables: dict[str, pd.DataFrame]) -
             found[model], out = unit_values(tables[model], contrast)
             left.append(out.assign(comparison=contrast.name, model=model))
             if len(found[model]) < 2:
-                raise ValueError(f"comparison {contrast.name} ({contrast.text}) has {len(found[model])} start(s) with "
-                                 f"a complete unit on the {model} table ({len(out)} units left out): it needs 2")
+                raise ValueError(
+                    f"comparison {contrast.name} ({contrast.text}) has {len(found[model])} start(s) with "
+                    f"a complete unit on the {model} table ({len(out)} units left out): it needs 2"
+                )
         values.append(found)
     return values, pd.concat(left, ignore_index=True)[["comparison", "model", *WHY_COLUMNS]]
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     """The family, the models' per-seed tables, k*, where the report goes."""
-    parser.add_argument("--family", type=Path, default=DEFAULT_FAMILY, metavar="FILE",
-                        help="the declared family to judge, a yaml file beside the document that declared it "
-                             "(default: docs/results/async/family.yaml, the pre-registration's five)")
-    parser.add_argument("--moe", type=Path, required=True, metavar="REPORT_OR_CSV",
-                        help="the MoE rung's cells: a report folder (its per_seed.csv) or a per-seed CSV")
-    parser.add_argument("--dense", type=Path, metavar="REPORT_OR_CSV",
-                        help="the dense control's cells (a report folder or a per-seed CSV): needed by, and only by, a "
-                             "family that compares the two models")
-    parser.add_argument("--lag", type=int, required=True, metavar="K",
-                        help="k*, the lag the pre-registered rule picked (docs/results/async/command.sh rule)")
+    parser.add_argument(
+        "--family",
+        type=Path,
+        default=DEFAULT_FAMILY,
+        metavar="FILE",
+        help="the declared family to judge, a yaml file beside the document that declared it "
+        "(default: docs/results/async/family.yaml, the pre-registration's five)",
+    )
+    parser.add_argument(
+        "--moe",
+        type=Path,
+        required=True,
+        metavar="REPORT_OR_CSV",
+        help="the MoE rung's cells: a report folder (its per_seed.csv) or a per-seed CSV",
+    )
+    parser.add_argument(
+        "--dense",
+        type=Path,
+        metavar="REPORT_OR_CSV",
+        help="the dense control's cells (a report folder or a per-seed CSV): needed by, and only by, a "
+        "family that compares the two models",
+    )
+    parser.add_argument(
+        "--lag",
+        type=int,
+        required=True,
+        metavar="K",
+        help="k*, the lag the pre-registered rule picked (docs/results/async/command.sh rule)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 
@@ -238,8 +221,10 @@ def read(args: argparse.Namespace) -> Read:
         tables[DENSE] = read_table(paths[DENSE], DENSE, args.lag, declared.dense_arms)
         shared = set(tables[MOE]["start_sha256"]) & set(tables[DENSE]["start_sha256"])
         if shared:
-            raise ValueError(f"start {sorted(shared)[0][:12]} is in both --moe {paths[MOE]} and --dense "
-                             f"{paths[DENSE]}: the interaction compares two models, each from its own starts")
+            raise ValueError(
+                f"start {sorted(shared)[0][:12]} is in both --moe {paths[MOE]} and --dense "
+                f"{paths[DENSE]}: the interaction compares two models, each from its own starts"
+            )
     for model in tables:
         reads = family if model == MOE else [contrast for contrast in family if contrast.kind == INTERACTION]
         problem = missing_arm(tables[model], paths[model], model, reads)
@@ -259,56 +244,112 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
         stats = result.statistics
         sides = [values[MOE]] if result.contrast.kind != INTERACTION else [values[MOE], values[DENSE]]
         per_start = [stats.per_start] if len(sides) == 1 else list(stats.per_start)
-        units = ", ".join(f"{len(side)} × {_seeds(side)}" + (f" {model}" if len(sides) > 1 else "")
-                          for side, model in zip(sides, (MOE, DENSE)))
-        shown = "; ".join((f"{model}: " if len(sides) > 1 else "")
-                          + ", ".join(f"{start[:12]} {value:+.3f}" for start, value in starts.items())
-                          for starts, model in zip(per_start, (MOE, DENSE)))
-        rows.append([f"{result.contrast.name}: {result.contrast.text}", units, stats.difference.text(),
-                     f"{stats.p_value:.3g}", f"{result.holm_p:.3g}", shown, "yes" if stats.signs_agree else "no",
-                     result.verdict])
-        best = (smallest_permutation_p(len(sides[0]), len(sides[1]), m) if len(sides) > 1
-                else smallest_p(len(sides[0]), m))
+        units = ", ".join(
+            f"{len(side)} × {_seeds(side)}" + (f" {model}" if len(sides) > 1 else "")
+            for side, model in zip(sides, (MOE, DENSE))
+        )
+        shown = "; ".join(
+            (f"{model}: " if len(sides) > 1 else "")
+            + ", ".join(f"{start[:12]} {value:+.3f}" for start, value in starts.items())
+            for starts, model in zip(per_start, (MOE, DENSE))
+        )
+        rows.append(
+            [
+                f"{result.contrast.name}: {result.contrast.text}",
+                units,
+                stats.difference.text(),
+                f"{stats.p_value:.3g}",
+                f"{result.holm_p:.3g}",
+                shown,
+                "yes" if stats.signs_agree else "no",
+                result.verdict,
+            ]
+        )
+        best = (
+            smallest_permutation_p(len(sides[0]), len(sides[1]), m) if len(sides) > 1 else smallest_p(len(sides[0]), m)
+        )
         reach.append(f"{result.contrast.name} {best:.3g}")
     kinds = {contrast.kind for contrast in read.family}
-    paired = [what for kind, what in ((DIFFERENCE, "the difference of two arms at k*"), (FALL, "an arm's fall"),
-                                      (FALL_DIFFERENCE, "the difference of two arms' falls")) if kind in kinds]
+    paired = [
+        what
+        for kind, what in (
+            (DIFFERENCE, "the difference of two arms at k*"),
+            (FALL, "an arm's fall"),
+            (FALL_DIFFERENCE, "the difference of two arms' falls"),
+        )
+        if kind in kinds
+    ]
     model_names = {MOE: "the MoE rung", DENSE: "the dense control"}
     tables = " and ".join(f"`{path}` ({model_names[model]})" for model, path in read.paths.items())
-    starts = {model: sorted({start for values in read.values for start in values.get(model, {})})
-              for model in read.paths}
-    lines = [f"# {read.declared.title}", "",
-             f"The {m} comparisons of {read.declared.declared} at k* = {read.family[0].lag}, on {MEASURE}, from "
-             f"{tables}. Cold starts (the weights' sha256, its first 12 digits): "
-             + "; ".join(f"{model_names[model]}'s {len(shas)}, " + ", ".join(f"`{sha[:12]}`" for sha in shas)
-                         for model, shas in starts.items()) + "."]
+    starts = {
+        model: sorted({start for values in read.values for start in values.get(model, {})}) for model in read.paths
+    }
+    lines = [
+        f"# {read.declared.title}",
+        "",
+        f"The {m} comparisons of {read.declared.declared} at k* = {read.family[0].lag}, on {MEASURE}, from "
+        f"{tables}. Cold starts (the weights' sha256, its first 12 digits): "
+        + "; ".join(
+            f"{model_names[model]}'s {len(shas)}, " + ", ".join(f"`{sha[:12]}`" for sha in shas)
+            for model, shas in starts.items()
+        )
+        + ".",
+    ]
     if command:
         lines += ["", f"Made with `{command}`."]
     how = ["A fall is an arm's gain_area at lag 0 minus at k* (positive: it learns less behind)."]
     if paired:
-        how.append(f"{_named(read.family, DIFFERENCE, FALL, FALL_DIFFERENCE)} paired per (start, seed) on the MoE "
-                   f"rung ({'; '.join(paired)}): the estimate is the mean over starts of each start's mean over its "
-                   "seeds, the interval the two-level bootstrap (starts resampled, then seeds within each drawn "
-                   "start; every start weighted equally), the p the exact sign-flip test on the starts' values.")
+        how.append(
+            f"{_named(read.family, DIFFERENCE, FALL, FALL_DIFFERENCE)} paired per (start, seed) on the MoE "
+            f"rung ({'; '.join(paired)}): the estimate is the mean over starts of each start's mean over its "
+            "seeds, the interval the two-level bootstrap (starts resampled, then seeds within each drawn "
+            "start; every start weighted equally), the p the exact sign-flip test on the starts' values."
+        )
     if INTERACTION in kinds:
-        how.append(f"{_named(read.family, INTERACTION)} unpaired between the two models: each start's fall with its "
-                   "seeds averaged; the interval is each model's two-level bootstrap apart and the difference of their "
-                   "draws, the p the two-sided permutation test of the starts' falls between the models (exact up to "
-                   "200,000 splits); its signs agree when every MoE start lies beyond every dense start.")
-    how.append(f"Holm's correction runs over the {m}; a comparison **separates** when its 95% interval excludes 0 and "
-               f"its Holm p < {ALPHA:g}. The smallest Holm p each can reach, whatever the data (m · 2/2^K with K "
-               "starts paired" + ("; m · 2/C(K1 + K2, K1) for the permutation test over K1 + K2 starts"
-                                  if INTERACTION in kinds else "") + f"): {'; '.join(reach)}.")
-    lines += ["", markdown_table(["comparison", "units (starts × seeds)", "estimate [95% interval]", "start-level p",
-                                  f"Holm p over {m}", "per-start values", "signs agree", "verdict"], rows), "",
-              " ".join(how), ""]
+        how.append(
+            f"{_named(read.family, INTERACTION)} unpaired between the two models: each start's fall with its "
+            "seeds averaged; the interval is each model's two-level bootstrap apart and the difference of their "
+            "draws, the p the two-sided permutation test of the starts' falls between the models (exact up to "
+            "200,000 splits); its signs agree when every MoE start lies beyond every dense start."
+        )
+    how.append(
+        f"Holm's correction runs over the {m}; a comparison **separates** when its 95% interval excludes 0 and "
+        f"its Holm p < {ALPHA:g}. The smallest Holm p each can reach, whatever the data (m · 2/2^K with K "
+        "starts paired"
+        + ("; m · 2/C(K1 + K2, K1) for the permutation test over K1 + K2 starts" if INTERACTION in kinds else "")
+        + f"): {'; '.join(reach)}."
+    )
+    lines += [
+        "",
+        markdown_table(
+            [
+                "comparison",
+                "units (starts × seeds)",
+                "estimate [95% interval]",
+                "start-level p",
+                f"Holm p over {m}",
+                "per-start values",
+                "signs agree",
+                "verdict",
+            ],
+            rows,
+        ),
+        "",
+        " ".join(how),
+        "",
+    ]
     left = read.left_out
     if left.empty:
-        return lines + [f"Every unit of {'both tables' if DENSE in read.paths else 'the table'} entered every "
-                        "comparison that reads it."]
+        return lines + [
+            f"Every unit of {'both tables' if DENSE in read.paths else 'the table'} entered every "
+            "comparison that reads it."
+        ]
     table = [[row.comparison, row.model, row.start_sha256[:12], row.seed, row.why] for row in left.itertuples()]
-    return lines + [f"## Units left out ({len(left)})", "",
-                    markdown_table(["comparison", "model", "start", "seed", "why"], table)]
+    return lines + [
+        f"## Units left out ({len(left)})",
+        "",
+        markdown_table(["comparison", "model", "start", "seed", "why"], table),
+    ]
 
 
 def _named(family: Sequence[Contrast], *kinds: str) -> str:
@@ -326,10 +367,15 @@ def write(read: Read, args: argparse.Namespace, command: str) -> str:
     """The family judged from what `read` computed, its files through a staging folder; the line saying where its
     report is."""
     judged = judge(read.family, [[side for model, side in values.items()] for values in read.values])
-    units = pd.DataFrame([{"comparison": contrast.name, "model": model, "start_sha256": start, "seed": seed,
-                           "value": value}
-                          for contrast, values in zip(read.family, read.values) for model, side in values.items()
-                          for start, by_seed in side.items() for seed, value in by_seed.items()])
+    units = pd.DataFrame(
+        [
+            {"comparison": contrast.name, "model": model, "start_sha256": start, "seed": seed, "value": value}
+            for contrast, values in zip(read.family, read.values)
+            for model, side in values.items()
+            for start, by_seed in side.items()
+            for seed, value in by_seed.items()
+        ]
+    )
     with staged(args.out, _OUTPUT.__contains__, REPORT_FILE) as stage:
         pd.DataFrame([result.row() for result in judged]).to_csv(stage / CONTRASTS_FILE, index=False)
         units.to_csv(stage / UNITS_FILE, index=False)
@@ -338,8 +384,15 @@ def write(read: Read, args: argparse.Namespace, command: str) -> str:
     return f"report: {args.out / REPORT_FILE}"
 
 
-main = Command("analysis.family", __doc__, arguments, read, write, check=check,
-               around=lambda args: publishing(args.out, REPORT_FILE)).main
+main = Command(
+    "analysis.family",
+    __doc__,
+    arguments,
+    read,
+    write,
+    check=check,
+    around=lambda args: publishing(args.out, REPORT_FILE),
+).main
 
 if __name__ == "__main__":
     main()

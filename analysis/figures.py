@@ -15,12 +15,21 @@ A new figure is a function decorated with `plotting.figure` in the module of its
 from __future__ import annotations
 
 from analysis.curve_figures import (
-    fig_clip_fraction, fig_early_warning, fig_mismatch, fig_ratio_variance, fig_replay_grpo, fig_reward_vs_compute,
+    fig_clip_fraction,
+    fig_early_warning,
+    fig_mismatch,
+    fig_ratio_variance,
+    fig_replay_grpo,
+    fig_reward_vs_compute,
 )
 from analysis.plotting import FigureOutput, FigureSettings
 from analysis.records import RunSet
 from analysis.routing_figures import (
-    fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, fig_staleness,
+    fig_decomposition,
+    fig_drift_depth,
+    fig_drift_layer_minibatch,
+    fig_drift_layer_step,
+    fig_staleness,
 )
 from analysis.staleness_figures import fig_gain_by_lag, fig_staleness_curves
 from analysis.sweep_figure import fig_sweep_response

@@ -21,19 +21,31 @@ DIVERGED, INTERRUPTED, FAILED = "diverged", "interrupted", "failed"  # how a run
 # values `comparison.primary` may name: experiments.config.AccuracySummary):
 GAIN_MEASURES = {
     AccuracySummary.gain.value: "final gain: greedy accuracy at the last evaluation − at the start (eval_prompts, 128 "
-                                "by default)",
+    "by default)",
     AccuracySummary.gain_area.value: "mean gain over the run: the area under the greedy curve above its start, per "
-                                     "step (every evaluation; `metrics.gain_area`)",
+    "step (every evaluation; `metrics.gain_area`)",
     AccuracySummary.split_gain.value: "final gain on the whole test split: greedy accuracy on every test prompt (500) "
-                                      "at the last step − at the start",
+    "at the last step − at the start",
 }
 
 # How each run with a start and an end counts in the comparisons (the `counted` column of the per-seed table):
 COUNTED = "yes"  # it ran every step
 SCORED_FAILED = "scored as failed"  # it ended itself early and the declared rule scores it as failed
 EXCLUDED = "excluded"  # it did not finish: left out of every comparison, named among the seeds left out
-PER_SEED_COLUMNS = ["start", "end", "gain", "gain_area", "split_start", "split_end", "split_gain", "incomplete",
-                    "status", "counted", "start_sha256", "start_recipe"]  # after run, arm, seed and the swept axes
+PER_SEED_COLUMNS = [
+    "start",
+    "end",
+    "gain",
+    "gain_area",
+    "split_start",
+    "split_end",
+    "split_gain",
+    "incomplete",
+    "status",
+    "counted",
+    "start_sha256",
+    "start_recipe",
+]  # after run, arm, seed and the swept axes
 
 
 def _planned_evaluations(cfg: dict) -> list[int]:
@@ -77,41 +89,56 @@ def accuracy_gain(runset: RunSet, early_stopped: str = EarlyStopped.exclude) -> 
             continue
         whole = row.run in split_start.index and (scored or row.run in split_end.index)
         end, split_last = (0.0, 0.0) if scored else (values[-1], split_end.get(row.run, math.nan))
-        rows.append({"run": row.run, "arm": arms[row.run], "seed": row.seed, **{key: cfg.get(key) for key in axes},
-                     "start": start[row.run], "end": end, "gain": end - start[row.run],
-                     "gain_area": gain_area(steps, values),
-                     "split_start": split_start[row.run] if whole else math.nan,
-                     "split_end": split_last if whole else math.nan,
-                     "split_gain": split_last - split_start[row.run] if whole else math.nan,
-                     "incomplete": row.incomplete, "status": row.status,
-                     "counted": SCORED_FAILED if scored else EXCLUDED if row.incomplete else COUNTED,
-                     "start_sha256": row.start_sha256,
-                     # the recipe's sha256 (experiments.run.recipe), "" where the run's summary does not hold it
-                     "start_recipe": recipe_sha256(json.loads(row.start_recipe))
-                     if row.start_recipe != UNKNOWN_RECIPE else UNKNOWN_RECIPE})
+        rows.append(
+            {
+                "run": row.run,
+                "arm": arms[row.run],
+                "seed": row.seed,
+                **{key: cfg.get(key) for key in axes},
+                "start": start[row.run],
+                "end": end,
+                "gain": end - start[row.run],
+                "gain_area": gain_area(steps, values),
+                "split_start": split_start[row.run] if whole else math.nan,
+                "split_end": split_last if whole else math.nan,
+                "split_gain": split_last - split_start[row.run] if whole else math.nan,
+                "incomplete": row.incomplete,
+                "status": row.status,
+                "counted": SCORED_FAILED if scored else EXCLUDED if row.incomplete else COUNTED,
+                "start_sha256": row.start_sha256,
+                # the recipe's sha256 (experiments.run.recipe), "" where the run's summary does not hold it
+                "start_recipe": recipe_sha256(json.loads(row.start_recipe))
+                if row.start_recipe != UNKNOWN_RECIPE
+                else UNKNOWN_RECIPE,
+            }
+        )
     return pd.DataFrame(rows, columns=["run", "arm", "seed", *axes, *PER_SEED_COLUMNS])
 
 
 def how_it_ended(status: str, last_step: int, cfg: dict) -> str:
     """A run that did not finish, in words: how and at which of its planned steps it stopped."""
     at = f"step {last_step} of {cfg.get('trainer.steps', '?')}"
-    return {DIVERGED: f"diverged at {at} (ended itself)", INTERRUPTED: f"interrupted at {at}",
-            FAILED: f"failed at {at} (its run directory could not be written)",
-            INCOMPLETE: f"no summary.json after {at} (crashed, killed or still running)"}.get(
-        status, f"status {status!r} at {at}")
+    return {
+        DIVERGED: f"diverged at {at} (ended itself)",
+        INTERRUPTED: f"interrupted at {at}",
+        FAILED: f"failed at {at} (its run directory could not be written)",
+        INCOMPLETE: f"no summary.json after {at} (crashed, killed or still running)",
+    }.get(status, f"status {status!r} at {at}")
 
 
 LEFT_OUT_COLUMNS = ["arm", "seed", "start_sha256", "run", "why"]  # the cell's axes come after seed
 
 
-def left_out(runset: RunSet, gains: pd.DataFrame, axes: list[str], early_stopped: str = EarlyStopped.exclude
-             ) -> pd.DataFrame:
+def left_out(
+    runset: RunSet, gains: pd.DataFrame, axes: list[str], early_stopped: str = EarlyStopped.exclude
+) -> pd.DataFrame:
     """Every (arm, cell, start, seed) a comparison could have held and does not, with why: a run that did not finish
     (and is not scored by the declared rule), a run without an evaluation at its start or after it, a job that logged
     no step (`RunSet.unstarted`), and a seed another arm of the cell holds from a start this arm has no run from."""
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
-    jobs = {f"unstarted {i}": json.loads(job.config) for i, job in enumerate(runset.unstarted.itertuples())
-            if job.config}
+    jobs = {
+        f"unstarted {i}": json.loads(job.config) for i, job in enumerate(runset.unstarted.itertuples()) if job.config
+    }
     arms = arm_names({**configs, **jobs})
     evaluated = runset.metric(EVAL_GREEDY)
     rule = f"comparison.early_stopped={early_stopped}"
@@ -123,22 +150,38 @@ def left_out(runset: RunSet, gains: pd.DataFrame, axes: list[str], early_stopped
             continue
         if listed.empty:
             steps = set(evaluated.loc[evaluated["run"] == row.run, "step"])
-            why = ("no held-out evaluation at its start" if 0 not in steps else
-                   "no held-out evaluation after its start")
+            why = "no held-out evaluation at its start" if 0 not in steps else "no held-out evaluation after its start"
             if row.incomplete:
                 why += f"; {how_it_ended(row.status, row.last_step, cfg)}"
         elif row.status == DIVERGED:
             why = f"{how_it_ended(row.status, row.last_step, cfg)}: excluded by the declared rule ({rule})"
         else:
             why = f"{how_it_ended(row.status, row.last_step, cfg)}: stopped from outside, so it never counts"
-        rows.append({"arm": arms[row.run], "seed": row.seed, **{key: cfg.get(key) for key in axes},
-                     "start_sha256": row.start_sha256, "run": row.run, "why": why})
+        rows.append(
+            {
+                "arm": arms[row.run],
+                "seed": row.seed,
+                **{key: cfg.get(key) for key in axes},
+                "start_sha256": row.start_sha256,
+                "run": row.run,
+                "why": why,
+            }
+        )
     for i, job in enumerate(runset.unstarted.itertuples()):
         cfg = jobs.get(f"unstarted {i}", {})
-        rows.append({"arm": arms.get(f"unstarted {i}", "?"), "seed": job.seed, **{key: cfg.get(key) for key in axes},
-                     "start_sha256": UNKNOWN_START, "run": job.where, "why": job.why})
-    return with_missing_units(pd.DataFrame(rows, columns=[*LEFT_OUT_COLUMNS[:2], *axes, *LEFT_OUT_COLUMNS[2:]]),
-                              gains, axes)
+        rows.append(
+            {
+                "arm": arms.get(f"unstarted {i}", "?"),
+                "seed": job.seed,
+                **{key: cfg.get(key) for key in axes},
+                "start_sha256": UNKNOWN_START,
+                "run": job.where,
+                "why": job.why,
+            }
+        )
+    return with_missing_units(
+        pd.DataFrame(rows, columns=[*LEFT_OUT_COLUMNS[:2], *axes, *LEFT_OUT_COLUMNS[2:]]), gains, axes
+    )
 
 
 def with_missing_units(named: pd.DataFrame, gains: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
@@ -155,6 +198,14 @@ def with_missing_units(named: pd.DataFrame, gains: pd.DataFrame, axes: list[str]
             for start, seed in sorted(units - own, key=lambda unit: (unit[0], seed_order(unit[1]))):
                 if ((named_here["seed"] == seed) & named_here["start_sha256"].isin([start, UNKNOWN_START])).any():
                     continue  # already named, with why
-                rows.append({"arm": arm, "seed": seed, **cell, "start_sha256": start, "run": "–",
-                             "why": "missing: no run of this arm at this seed from this start (another arm has one)"})
+                rows.append(
+                    {
+                        "arm": arm,
+                        "seed": seed,
+                        **cell,
+                        "start_sha256": start,
+                        "run": "–",
+                        "why": "missing: no run of this arm at this seed from this start (another arm has one)",
+                    }
+                )
     return pd.DataFrame(rows, columns=named.columns)

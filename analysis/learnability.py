@@ -19,6 +19,7 @@ naming what is missing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -35,8 +36,13 @@ from experiments.step import metrics as m
 
 EDGE = 10  # steps at each end over which the training signal is averaged
 # The settings a run is told apart by, as its row names them.
-SETTINGS = {"trainer.prompts_per_step": "prompts", "trainer.minibatches": "N", "trainer.lr": "lr",
-            "trainer.steps": "steps", "trainer.group_size": "G"}
+SETTINGS = {
+    "trainer.prompts_per_step": "prompts",
+    "trainer.minibatches": "N",
+    "trainer.lr": "lr",
+    "trainer.steps": "steps",
+    "trainer.group_size": "G",
+}
 
 
 def _series(scalars: pd.DataFrame, run: str, metric: str) -> pd.Series:
@@ -69,15 +75,20 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
     rows = []
     for run in runset.runs.itertuples():
         config = json.loads(run.config)
-        series = lambda metric: _series(runset.scalars, run.run, metric)  # noqa: E731  this run's metric by step
+        series = functools.partial(_series, runset.scalars, run.run)  # this run's metric by step
         greedy, train, pass1 = series(m.EVAL_GREEDY), series(m.EVAL_TRAIN_GREEDY), series(m.EVAL_ACCURACY)
         pass8 = series(m.EVAL_PASS_AT_K)
         reward, zero = _ends(series(m.REWARD)), _ends(series(m.ZERO_STD_GROUPS))
         entropy = _ends(series(m.ENTROPY))
         steps = list(greedy.index)
         row = {
-            "run": run.run, "model": run.model, "arm": run.algo, "start_sha256": str(run.start_sha256)[:12],
-            "seed": run.seed, "status": run.status, **{short: config.get(key) for key, short in SETTINGS.items()},
+            "run": run.run,
+            "model": run.model,
+            "arm": run.algo,
+            "start_sha256": str(run.start_sha256)[:12],
+            "seed": run.seed,
+            "status": run.status,
+            **{short: config.get(key) for key, short in SETTINGS.items()},
             "start_greedy": greedy.get(0, math.nan),
             "start_pass1": pass1.get(0, math.nan),
             "start_pass8": pass8.get(0, math.nan),
@@ -87,13 +98,16 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
             "pass1_gain": _change(pass1),
             "train_gain": _change(train),
             "end_pass8": float(pass8.iloc[-1]) if len(pass8) else math.nan,
-            "reward_first": reward[0], "reward_last": reward[1],
-            "zero_adv_first": zero[0], "zero_adv_last": zero[1],
+            "reward_first": reward[0],
+            "reward_last": reward[1],
+            "zero_adv_first": zero[0],
+            "zero_adv_last": zero[1],
             "within_group_std": float(series(m.WITHIN_GROUP_STD).mean()),
             "grad_norm": float(series(m.GRAD_NORM).mean()),
             "update_ratio": float(series(m.UPDATE_RATIO).mean()),
             "kl_to_start_end": float(series(m.KL_TO_START).tail(EDGE).mean()),
-            "entropy_first": entropy[0], "entropy_last": entropy[1],
+            "entropy_first": entropy[0],
+            "entropy_last": entropy[1],
             # Successive evaluations' changes: their spread is the noise a single evaluation adds to a gain.
             "eval_step_sd": float(np.std(np.diff(greedy.values), ddof=1)) if len(greedy) > 2 else math.nan,
             "eval_prompts": config.get("trainer.eval_prompts"),
@@ -108,19 +122,38 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
 def setting_name(row: pd.Series) -> str:
     """The run's recipe in a few words: its arm, prompts a step, mini-batches, learning rate, steps, and the prompts
     each evaluation held."""
-    return (f"{row['arm']}: {row['prompts']} prompts, N {row['N']}, G {row['G']}, lr {row['lr']:g}, {row['steps']} "
-            f"steps; evaluated on {row['eval_prompts']}")
+    return (
+        f"{row['arm']}: {row['prompts']} prompts, N {row['N']}, G {row['G']}, lr {row['lr']:g}, {row['steps']} "
+        f"steps; evaluated on {row['eval_prompts']}"
+    )
 
 
 def table(rows: pd.DataFrame) -> str:
     """The markdown table: per model and setting, the mean over seeds, each seed's end gain listed."""
     rows = rows.assign(setting=[setting_name(row) for _, row in rows.iterrows()])
-    shown = ["start_greedy", "start_pass1", "start_pass8", "gain", "gain_area", "pass1_gain", "train_gain",
-             "reward_first",
-             "reward_last", "zero_adv_first", "zero_adv_last", "within_group_std", "update_ratio", "kl_to_start_end",
-             "entropy_first", "entropy_last", "eval_step_sd"]
-    lines = ["| model | start | setting | seeds | gain per seed | " + " | ".join(shown) + " |",
-             "|" + "---|" * (5 + len(shown))]
+    shown = [
+        "start_greedy",
+        "start_pass1",
+        "start_pass8",
+        "gain",
+        "gain_area",
+        "pass1_gain",
+        "train_gain",
+        "reward_first",
+        "reward_last",
+        "zero_adv_first",
+        "zero_adv_last",
+        "within_group_std",
+        "update_ratio",
+        "kl_to_start_end",
+        "entropy_first",
+        "entropy_last",
+        "eval_step_sd",
+    ]
+    lines = [
+        "| model | start | setting | seeds | gain per seed | " + " | ".join(shown) + " |",
+        "|" + "---|" * (5 + len(shown)),
+    ]
     for (model, start, setting), group in rows.groupby(["model", "start_sha256", "setting"], sort=False):
         gains = ", ".join(f"{gain:+.3f}" for gain in group.sort_values("seed")["gain"])
         means = [f"{group[name].mean():.3g}" for name in shown]
@@ -136,6 +169,7 @@ class MapRule:
     `starts` starts of every rung in `rungs`; the rule picks the learning lever whose GRPO runs cost the least CPU on
     average. Where none learns, the declared `extension` decides if it learns; otherwise the lever (or the extension)
     whose smallest split_gain is largest is the best found, not a learning regime."""
+
     centre: dict  # the diagnosis's best setting, by the run row's names
     levers: dict  # lever name -> its change from the centre
     extension: dict  # the one extension, declared before the map: its change from the centre
@@ -156,9 +190,17 @@ class MapRule:
 EXTENSION = "extension"
 MAP_RULE = MapRule(
     centre={"prompts": 16, "N": 2, "G": 8, "lr": 1e-4, "steps": 150},
-    levers={"centre": {}, "p8": {"prompts": 8}, "p32": {"prompts": 32}, "lr3e-5": {"lr": 3e-5},
-            "lr3e-4": {"lr": 3e-4}, "g16": {"G": 16}, "h400": {"steps": 400}},
-    extension={"lr": 3e-5, "prompts": 32, "steps": 400})
+    levers={
+        "centre": {},
+        "p8": {"prompts": 8},
+        "p32": {"prompts": 32},
+        "lr3e-5": {"lr": 3e-5},
+        "lr3e-4": {"lr": 3e-4},
+        "g16": {"G": 16},
+        "h400": {"steps": 400},
+    },
+    extension={"lr": 3e-5, "prompts": 32, "steps": 400},
+)
 
 
 def apply_rule(rows: pd.DataFrame, rule: MapRule = MAP_RULE) -> tuple[pd.DataFrame, str]:
@@ -169,33 +211,52 @@ def apply_rule(rows: pd.DataFrame, rule: MapRule = MAP_RULE) -> tuple[pd.DataFra
     baseline = baseline.assign(lever=[rule.lever_of(row) for _, row in baseline.iterrows()])
     finished = baseline[baseline["status"] == FINISHED]
     levers = list(rule.levers) + ([EXTENSION] if (baseline["lever"] == EXTENSION).any() else [])
-    missing = [f"{lever} on {rung}: {n} of {rule.starts} starts finished" for lever in levers for rung in rule.rungs
-               if (n := finished.query("lever == @lever and model == @rung")["start_sha256"].nunique()) < rule.starts]
+    missing = [
+        f"{lever} on {rung}: {n} of {rule.starts} starts finished"
+        for lever in levers
+        for rung in rule.rungs
+        if (n := finished.query("lever == @lever and model == @rung")["start_sha256"].nunique()) < rule.starts
+    ]
     if missing:
         raise ValueError("the map's rule cannot be computed: " + "; ".join(missing))
     verdicts = []
     for lever in levers:
         runs = finished[finished["lever"] == lever]
-        learns = bool(((runs["split_gain"] >= rule.min_split_gain) & (runs["reward_rise"] >= rule.min_reward_rise)
-                       ).all())
-        verdicts.append({"lever": lever, "runs": len(runs), "min_split_gain": runs["split_gain"].min(),
-                         "mean_split_gain": runs["split_gain"].mean(), "min_reward_rise": runs["reward_rise"].min(),
-                         "learns": learns, "mean_cpu_s": runs["cpu_s"].mean()})
+        learns = bool(
+            ((runs["split_gain"] >= rule.min_split_gain) & (runs["reward_rise"] >= rule.min_reward_rise)).all()
+        )
+        verdicts.append(
+            {
+                "lever": lever,
+                "runs": len(runs),
+                "min_split_gain": runs["split_gain"].min(),
+                "mean_split_gain": runs["split_gain"].mean(),
+                "min_reward_rise": runs["reward_rise"].min(),
+                "learns": learns,
+                "mean_cpu_s": runs["cpu_s"].mean(),
+            }
+        )
     table = pd.DataFrame(verdicts)
     learning = table[table["learns"] & (table["lever"] != EXTENSION)]
     if len(learning):
         pick = learning.sort_values("mean_cpu_s").iloc[0]["lever"]
         words = f"The rule picks **{pick}**: the cheapest lever in which GRPO learns from every start."
     elif EXTENSION not in levers:
-        words = (f"No lever learns: the declared extension ({_change_words(rule.extension)}) is to be run from the "
-                 "same starts.")
+        words = (
+            f"No lever learns: the declared extension ({_change_words(rule.extension)}) is to be run from the "
+            "same starts."
+        )
     elif table.set_index("lever").loc[EXTENSION, "learns"]:
-        words = f"No lever of the map learns; the extension ({_change_words(rule.extension)}) does: the family runs there."
+        words = (
+            f"No lever of the map learns; the extension ({_change_words(rule.extension)}) does: the family runs there."
+        )
     else:
         best = table.sort_values("min_split_gain", ascending=False).iloc[0]
-        words = (f"Neither the map nor its extension learns: the family runs at **{best['lever']}**, whose smallest "
-                 f"split_gain over the starts is the largest ({best['min_split_gain']:+.3f}); every verdict there is "
-                 "labelled with the baseline's gain.")
+        words = (
+            f"Neither the map nor its extension learns: the family runs at **{best['lever']}**, whose smallest "
+            f"split_gain over the starts is the largest ({best['min_split_gain']:+.3f}); every verdict there is "
+            "labelled with the baseline's gain."
+        )
     return table, words
 
 
@@ -205,13 +266,18 @@ def _change_words(change: dict) -> str:
 
 def rule_report(table: pd.DataFrame, words: str, rule: MapRule = MAP_RULE) -> str:
     """rule.md: the rule in one line, the table per lever and the verdict."""
-    lines = [f"The rule: GRPO's split_gain ≥ {rule.min_split_gain:+.2f} and training-reward rise ≥ "
-             f"{rule.min_reward_rise:+.2f} on each of {rule.starts} starts of {' and '.join(rule.rungs)}.", "",
-             "| lever | runs | smallest split_gain | mean split_gain | smallest reward rise | learns | mean CPU s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"The rule: GRPO's split_gain ≥ {rule.min_split_gain:+.2f} and training-reward rise ≥ "
+        f"{rule.min_reward_rise:+.2f} on each of {rule.starts} starts of {' and '.join(rule.rungs)}.",
+        "",
+        "| lever | runs | smallest split_gain | mean split_gain | smallest reward rise | learns | mean CPU s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in table.itertuples():
-        lines.append(f"| {row.lever} | {row.runs} | {row.min_split_gain:+.3f} | {row.mean_split_gain:+.3f} | "
-                     f"{row.min_reward_rise:+.3f} | {'yes' if row.learns else 'no'} | {row.mean_cpu_s:.0f} |")
+        lines.append(
+            f"| {row.lever} | {row.runs} | {row.min_split_gain:+.3f} | {row.mean_split_gain:+.3f} | "
+            f"{row.min_reward_rise:+.3f} | {'yes' if row.learns else 'no'} | {row.mean_cpu_s:.0f} |"
+        )
     return "\n".join([*lines, "", words]) + "\n"
 
 
@@ -219,8 +285,11 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     """The runs and where the table goes."""
     parser.add_argument("paths", nargs="+", help="run or sweep directories, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="the folder runs.csv and table.md go to")
-    parser.add_argument("--rule", action="store_true",
-                        help="apply the learnability map's pre-registered rule and write rule.md beside the table")
+    parser.add_argument(
+        "--rule",
+        action="store_true",
+        help="apply the learnability map's pre-registered rule and write rule.md beside the table",
+    )
 
 
 def read(args: argparse.Namespace) -> pd.DataFrame:

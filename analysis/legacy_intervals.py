@@ -105,8 +105,10 @@ def verdict(arm: Summary, base: Summary) -> tuple[str, str]:
     interval = f"{difference:+.3f} [{difference - half:+.3f}, {difference + half:+.3f}]"
     floor = smallest_unpaired_p(arm.seeds, base.seeds)
     if floor >= ALPHA:
-        return interval, (f"not distinguishable ({arm.seeds} against {base.seeds} seeds: no exact test reaches "
-                          f"p < {ALPHA:g}, its smallest p is {floor:.2g})")
+        return interval, (
+            f"not distinguishable ({arm.seeds} against {base.seeds} seeds: no exact test reaches "
+            f"p < {ALPHA:g}, its smallest p is {floor:.2g})"
+        )
     if abs(difference) > half:
         return interval, "separates (95% Welch CI of the difference excludes 0)"
     return interval, "not distinguishable (95% Welch CI of the difference includes 0)"
@@ -120,14 +122,22 @@ def section(measured: str, cells: dict[str, dict[str, Summary]], command: str) -
             if arm != reference:
                 interval, words = verdict(summary, arms[reference])
                 rows.append(f"| {cell or '–'} | {arm} − {reference} | {summary.seeds} | {interval} | {words} |")
-    lines = [SECTION, "", f"Added by `{command}` to a report made before per-seed values were kept: each arm against "
-             f"{BASELINE} in the same cell (or, in a cell without it, the first arm by name), on the {measured}, from "
-             "the recorded mean ± sample std (unpaired: Welch's 95% interval; analysis/legacy_intervals.py says how "
-             "the verdict is decided).", ""]
+    lines = [
+        SECTION,
+        "",
+        f"Added by `{command}` to a report made before per-seed values were kept: each arm against "
+        f"{BASELINE} in the same cell (or, in a cell without it, the first arm by name), on the {measured}, from "
+        "the recorded mean ± sample std (unpaired: Welch's 95% interval; analysis/legacy_intervals.py says how "
+        "the verdict is decided).",
+        "",
+    ]
     if not rows:
         return lines + ["No cell holds two arms: nothing to compare."]
-    return lines + ["| cell | comparison | seeds | difference of means [95% Welch CI] | verdict |",
-                    "|---|---|---|---|---|", *rows]
+    return lines + [
+        "| cell | comparison | seeds | difference of means [95% Welch CI] | verdict |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def annotate(report: Path, command: str) -> Path:
@@ -154,8 +164,9 @@ def read(args: argparse.Namespace) -> list[Path]:
 def write(reports: list[Path], args: argparse.Namespace, command: str) -> str:
     """Each report with its section; a line per report. Each names the command that annotates its own folder, the
     line that makes it again."""
-    return "\n".join(f"report: {annotate(report, command_line('analysis.legacy_intervals', [report.parent]))}"
-                     for report in reports)
+    return "\n".join(
+        f"report: {annotate(report, command_line('analysis.legacy_intervals', [report.parent]))}" for report in reports
+    )
 
 
 main = Command("analysis.legacy_intervals", __doc__, arguments, read, write).main

@@ -22,8 +22,20 @@ import yaml
 
 from analysis.configs import as_today, flatten_config, schema_defaults
 from analysis.records import (
-    INCOMPLETE, UNKNOWN_RECIPE, UNKNOWN_START, RecordRows, RunSet, add_record, finish, frames, note_dropped, run_row,
-    step_of, summary_fields, unstarted_row, warn,
+    INCOMPLETE,
+    UNKNOWN_RECIPE,
+    UNKNOWN_START,
+    RecordRows,
+    RunSet,
+    add_record,
+    finish,
+    frames,
+    note_dropped,
+    run_row,
+    step_of,
+    summary_fields,
+    unstarted_row,
+    warn,
 )
 from experiments.run.rundir import LOCK_FILE, METRICS_FILE, SUMMARY_FILE
 
@@ -43,12 +55,20 @@ def is_run_dir(path: Path) -> bool:
 def is_job_dir(path: Path, filenames: Sequence[str]) -> bool:
     """A directory a run was started in: it holds a run's config, lock or summary, or it is a job of a Hydra sweep
     (its parent holds `multirun.yaml`)."""
-    return ((path / CONFIG_FILE).is_file() or LOCK_FILE in filenames or SUMMARY_FILE in filenames
-            or (path.parent / MULTIRUN_FILE).is_file())
+    return (
+        (path / CONFIG_FILE).is_file()
+        or LOCK_FILE in filenames
+        or SUMMARY_FILE in filenames
+        or (path.parent / MULTIRUN_FILE).is_file()
+    )
 
 
-def find_run_dirs(paths: Sequence[str | Path], problems: list[str] | None = None,
-                  unstarted: list[Path] | None = None, skip: Sequence[Path] = ()) -> list[tuple[Path, Path]]:
+def find_run_dirs(
+    paths: Sequence[str | Path],
+    problems: list[str] | None = None,
+    unstarted: list[Path] | None = None,
+    skip: Sequence[Path] = (),
+) -> list[tuple[Path, Path]]:
     """All run directories under `paths`, as `(input_root, run_dir)` pairs in natural order (0, 1, ..., 10); the job
     directories that hold no `metrics.jsonl` (a job refused before its first step) are added to `unstarted`. The
     folders `skip` and what they hold are passed over (a report's own output folder inside the sweep it reports:
@@ -97,8 +117,9 @@ def _read_unstarted(job: Path, defaults: Mapping[str, Any], problems: list[str])
         config = None
     flat = as_today(flatten_config(config), defaults) if isinstance(config, dict) else {}
     status = _read_summary(job, problems)[0] if (job / SUMMARY_FILE).is_file() else None
-    why = f"no {METRICS_FILE}: the job logged no step (refused before its first step" + \
-        (f"; its summary says {status!r})" if status else ")")
+    why = f"no {METRICS_FILE}: the job logged no step (refused before its first step" + (
+        f"; its summary says {status!r})" if status else ")"
+    )
     warn(problems, f"{job} holds no {METRICS_FILE}: a job that logged no step; left out")
     return unstarted_row(str(job), flat, why)
 
@@ -181,20 +202,29 @@ def load_runs(paths: Sequence[str | Path], skip: Sequence[Path] = ()) -> RunSet:
         records = read_metrics(run_dir / METRICS_FILE, problems)
         if not records:
             warn(problems, f"{run_dir / METRICS_FILE}: no valid metric line; run skipped")
-            unstarted.append(unstarted_row(str(run_dir), as_today(flatten_config(config), defaults),
-                                            f"no valid line in {METRICS_FILE}: the job logged no step"))
+            unstarted.append(
+                unstarted_row(
+                    str(run_dir),
+                    as_today(flatten_config(config), defaults),
+                    f"no valid line in {METRICS_FILE}: the job logged no step",
+                )
+            )
             continue
         run = _run_id(root, run_dir, taken)
         bad = sum(add_record(rows, run, step, record) for step, record in records)
         if bad:
-            warn(problems, f"{run_dir / METRICS_FILE}: {bad} per-minibatch entries without an integer "
-                            "'minibatch' index skipped")
+            warn(
+                problems,
+                f"{run_dir / METRICS_FILE}: {bad} per-minibatch entries without an integer 'minibatch' index skipped",
+            )
         status, wall_s, start, recipe = _read_summary(run_dir, problems)
-        run_rows.append(run_row(run, as_today(flatten_config(config), defaults), status, wall_s, start, recipe,
-                                str(run_dir)))
+        run_rows.append(
+            run_row(run, as_today(flatten_config(config), defaults), status, wall_s, start, recipe, str(run_dir))
+        )
     if not run_rows:
-        raise ValueError(f"no run under {', '.join(str(p) for p in paths)} has a readable config and a valid "
-                         f"{METRICS_FILE} line")
+        raise ValueError(
+            f"no run under {', '.join(str(p) for p in paths)} has a readable config and a valid {METRICS_FILE} line"
+        )
     scalars, minibatches, repeated = frames(rows)
     note_dropped(problems, rows.non_finite, repeated)
     return finish(run_rows, scalars, minibatches, ", ".join(str(p) for p in paths), problems, unstarted)

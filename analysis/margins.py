@@ -58,8 +58,12 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
         "layers": len(routers),
         "experts": int(routers[0].num_experts),
         "top_k": int(routers[0].top_k),
-        "task": " ".join([task.name, *(f"{key}={value}" for key, value in params.items()
-                                        if value != task.__dataclass_fields__[key].default)]),
+        "task": " ".join(
+            [
+                task.name,
+                *(f"{key}={value}" for key, value in params.items() if value != task.__dataclass_fields__[key].default),
+            ]
+        ),
         "prompts": min(prompts, len(task.examples("test"))),
         "anchor": anchor_name,
         "anchor_margin": anchor,
@@ -82,35 +86,43 @@ def within_two_fold(interval: Sequence[float]) -> str:
 def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
     """report.md (a row per checkpoint against its family's anchor) and margins.json (the rows)."""
     (softmax_name, softmax), (sigmoid_name, sigmoid) = SOFTMAX_ANCHOR, SIGMOID_ANCHOR
-    lines = ["# Top-k margins against real routers", "", f"Made with `{command}`.", "",
-             f"The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest selection scores "
-             f"(softmax probabilities; sigmoid + bias), over tokens and layers of the held-out demonstrations. "
-             f"Anchors (colibri issue #119, medians over tokens and layers): {softmax_name} {softmax}, {sigmoid_name} "
-             f"{sigmoid}. Brackets: the 95% interval over draws of as many held-out sequences (a bootstrap that "
-             "resamples whole sequences; models.statistics.median_interval). Within 2x of its family's anchor when the "
-             "whole interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided. Best "
-             "expert's lead: (s[0] − s[1]) / (s[0] − s[2k−1]), the share of the margin's denominator the best expert's "
-             "lead takes (median): near 1, every gap below it is a small fraction of the spread. Gate mass, best / "
-             "last: the share of a token's gate weights (renormalised over its chosen experts) on its best and on its "
-             "last chosen expert (medians): what an expert change at the cut can move of what the token computes. A "
-             "best share near 1 and a last near 0 make a router one-hot in all but name: its changed experts, counted "
-             "as the GSPO paper counts them, change almost nothing a token computes (the RL runs' `routing/gate_tv` "
-             "measures it).", "",
-             "| checkpoint | sha256 | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] "
-             "| mean | share < 0.01 | median / anchor [95% CI] | best expert's lead | best score "
-             "| gate mass, best / last | load entropy | max / mean load |",
-             "|" + "---|" * 15]
+    lines = [
+        "# Top-k margins against real routers",
+        "",
+        f"Made with `{command}`.",
+        "",
+        f"The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of each token's 2k highest selection scores "
+        f"(softmax probabilities; sigmoid + bias), over tokens and layers of the held-out demonstrations. "
+        f"Anchors (colibri issue #119, medians over tokens and layers): {softmax_name} {softmax}, {sigmoid_name} "
+        f"{sigmoid}. Brackets: the 95% interval over draws of as many held-out sequences (a bootstrap that "
+        "resamples whole sequences; models.statistics.median_interval). Within 2x of its family's anchor when the "
+        "whole interval of median / anchor lies in [0.5, 2], outside when none of it does, else undecided. Best "
+        "expert's lead: (s[0] − s[1]) / (s[0] − s[2k−1]), the share of the margin's denominator the best expert's "
+        "lead takes (median): near 1, every gap below it is a small fraction of the spread. Gate mass, best / "
+        "last: the share of a token's gate weights (renormalised over its chosen experts) on its best and on its "
+        "last chosen expert (medians): what an expert change at the cut can move of what the token computes. A "
+        "best share near 1 and a last near 0 make a router one-hot in all but name: its changed experts, counted "
+        "as the GSPO paper counts them, change almost nothing a token computes (the RL runs' `routing/gate_tv` "
+        "measures it).",
+        "",
+        "| checkpoint | sha256 | family | MoE layers | experts / top-k | task (prompts) | margin median [95% CI] "
+        "| mean | share < 0.01 | median / anchor [95% CI] | best expert's lead | best score "
+        "| gate mass, best / last | load entropy | max / mean load |",
+        "|" + "---|" * 15,
+    ]
     for row in rows:
         (low, high), (over_low, over_high) = row[MEDIAN_INTERVAL], row["median_over_anchor_interval"]
-        lines.append(f"| {Path(row['checkpoint']).name} | `{row['sha256'][:12]}` | {row['family']} | "
-                     f"{row['layers']} | {row['experts']} / {row['top_k']} | {row['task']} ({row['prompts']}) | "
-                     f"{row[TOPK_MARGIN_MEDIAN]:.4f} "
-                     f"[{low:.4f}, {high:.4f}] | {row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | "
-                     f"{row['median_over_anchor']:.2f} [{over_low:.2f}, {over_high:.2f}] "
-                     f"({within_two_fold(row['median_over_anchor_interval'])}) | {row['top_gap_share_median']:.2f} | "
-                     f"{row['top_score_median']:.3f} | {row['gate_share_best_median']:.4f} / "
-                     f"{row['gate_share_last_median']:.2g} | {row['load_entropy']:.3f} | "
-                     f"{row['load_max_over_mean']:.2f} |")
+        lines.append(
+            f"| {Path(row['checkpoint']).name} | `{row['sha256'][:12]}` | {row['family']} | "
+            f"{row['layers']} | {row['experts']} / {row['top_k']} | {row['task']} ({row['prompts']}) | "
+            f"{row[TOPK_MARGIN_MEDIAN]:.4f} "
+            f"[{low:.4f}, {high:.4f}] | {row[TOPK_MARGIN_MEAN]:.4f} | {row[TOPK_MARGIN_SMALL]:.1%} | "
+            f"{row['median_over_anchor']:.2f} [{over_low:.2f}, {over_high:.2f}] "
+            f"({within_two_fold(row['median_over_anchor_interval'])}) | {row['top_gap_share_median']:.2f} | "
+            f"{row['top_score_median']:.3f} | {row['gate_share_best_median']:.4f} / "
+            f"{row['gate_share_last_median']:.2g} | {row['load_entropy']:.3f} | "
+            f"{row['load_max_over_mean']:.2f} |"
+        )
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "margins.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")

@@ -54,15 +54,19 @@ def by_value(runset: RunSet, key: str) -> dict[float | str, RunSet]:
     parts = {}
     for value in sorted({cfg.get(key) for cfg in configs.values()}, key=lambda v: (v is None, str(v).zfill(12))):
         chosen = [run for run, cfg in configs.items() if cfg.get(key) == value]
-        parts[value] = replace(runset, runs=runs[runs["run"].isin(chosen)],
-                               scalars=runset.scalars[runset.scalars["run"].isin(chosen)],
-                               minibatches=runset.minibatches[runset.minibatches["run"].isin(chosen)])
+        parts[value] = replace(
+            runset,
+            runs=runs[runs["run"].isin(chosen)],
+            scalars=runset.scalars[runset.scalars["run"].isin(chosen)],
+            minibatches=runset.minibatches[runset.minibatches["run"].isin(chosen)],
+        )
     return parts
 
 
 @in_style
-def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False, alpha: float = EMA_ALPHA
-         ) -> tuple[list[Path], list[str]]:
+def draw(
+    runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False, alpha: float = EMA_ALPHA
+) -> tuple[list[Path], list[str]]:
     """The panels of `runset` by `key` into `out`: the files written and the rows left out, each with why (no run
     logged it, or only some runs of a column did)."""
     parts = by_value(runset, key)
@@ -75,12 +79,19 @@ def draw(runset: RunSet, key: str, out: Path, dpi: int = 150, pdf: bool = False,
         if not logged:
             left_out.append(f"{row[1]} (no run logged it)")
         elif partial:
-            left_out.append(f"{row[1]} (only some runs logged it at {key.rsplit('.', 1)[-1]} = "
-                            f"{', '.join(map(str, partial))})")
+            left_out.append(
+                f"{row[1]} (only some runs logged it at {key.rsplit('.', 1)[-1]} = {', '.join(map(str, partial))})"
+            )
         else:
             rows.append(row)
-    everyone = replace(runset, runs=runset.runs.assign(label=runset.runs["run"].map(
-        arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()}))))
+    everyone = replace(
+        runset,
+        runs=runset.runs.assign(
+            label=runset.runs["run"].map(
+                arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()})
+            )
+        ),
+    )
     styles = series_styles(everyone)
     fig = new_figure(max(TEXT_WIDTH_IN, 2.2 * len(parts)), 1.5 * len(rows) + 0.8)
     grid = fig.subplots(len(rows), len(parts), squeeze=False, sharey="row")
@@ -129,8 +140,7 @@ def read(args: argparse.Namespace) -> RunSet:
 def write(runset: RunSet, args: argparse.Namespace, command: str) -> str:
     """The panels; the line saying what was drawn and which rows were left out."""
     files, left_out = draw(runset, args.by, args.out, args.dpi, args.pdf)
-    return (f"panels: {', '.join(str(f) for f in files)}"
-            + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
+    return f"panels: {', '.join(str(f) for f in files)}" + (f"; left out: {'; '.join(left_out)}" if left_out else "")
 
 
 main = Command("analysis.panels", __doc__, arguments, read, write, refuses=(ValueError, FileNotFoundError)).main

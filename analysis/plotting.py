@@ -72,16 +72,19 @@ T = TypeVar("T")
 def in_style(draw: Callable[..., T]) -> Callable[..., T]:
     """`draw`, run with the lab's rc parameters (analysis/style.py) from its first artist to its saved file: every
     figure the analysis writes is drawn so, the report's (`figure`) and the commands' own."""
+
     @functools.wraps(draw)
     def styled(*args: Any, **kwargs: Any) -> T:
         with matplotlib.rc_context(RC_PARAMS):
             return draw(*args, **kwargs)
+
     return styled
 
 
 def figure(number: str, name: str, title: str) -> Callable[[Draw], Callable[[RunSet, FigureSettings], FigureOutput]]:
     """The report's figure `number` (file stem `name`) from the function that draws it (see the module's docstring):
     called with the runs and the settings, it returns the figure's record with the files it wrote."""
+
     def made_by(draw: Draw) -> Callable[[RunSet, FigureSettings], FigureOutput]:
         @functools.wraps(draw)
         @in_style
@@ -91,7 +94,9 @@ def figure(number: str, name: str, title: str) -> Callable[[Draw], Callable[[Run
             if drawn is not None:
                 out.files = save(drawn, settings.out_dir, name, settings.dpi, settings.pdf)
             return out
+
         return made
+
     return made_by
 
 
@@ -180,8 +185,9 @@ def legend(fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], e
         fig.legend(handles, names, loc="outside lower center", ncols=columns, frameon=False)
 
 
-def plot_band(ax: Axes, table: pd.DataFrame, style: SeriesStyle, floor: float | None = None,
-              marker: str | None = None) -> None:
+def plot_band(
+    ax: Axes, table: pd.DataFrame, style: SeriesStyle, floor: float | None = None, marker: str | None = None
+) -> None:
     """Mean line with a ±1 std band (band drawn where at least two seeds cover the point). Where fewer of the
     series' seeds cover a point than cover its best-covered one (a seed that crashed or ran fewer tokens), the mean
     of the others would read as a change of the series: that part is a thin dotted line, without a band."""

@@ -34,8 +34,21 @@ from experiments.step.metrics import MINIBATCH, MINIBATCHES, STEP, TOKENS, unsta
 SCALAR_COLUMNS = ["run", "step", "metric", "value"]
 MINIBATCH_COLUMNS = ["run", "step", "minibatch", "metric", "value"]
 RUN_COLUMNS = [
-    "run", "label", "algo", "replay", "seed", "model", "num_layers", "status", "incomplete",
-    "last_step", "wall_s", "start_sha256", "start_recipe", "source", "config",
+    "run",
+    "label",
+    "algo",
+    "replay",
+    "seed",
+    "model",
+    "num_layers",
+    "status",
+    "incomplete",
+    "last_step",
+    "wall_s",
+    "start_sha256",
+    "start_recipe",
+    "source",
+    "config",
 ]
 UNSTARTED_COLUMNS = ["where", "seed", "config", "why"]
 FINISHED = "finished"  # the status of a run that ran every planned step (its summary.json says so)
@@ -193,8 +206,9 @@ def frames(rows: RecordRows) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     return scalars[SCALAR_COLUMNS], minibatches[MINIBATCH_COLUMNS], seen - len(scalars)
 
 
-def run_row(run: str, cfg: Mapping[str, Any], status: str, wall_s: float, start_sha256: str, start_recipe: str,
-            source: str) -> dict[str, Any]:
+def run_row(
+    run: str, cfg: Mapping[str, Any], status: str, wall_s: float, start_sha256: str, start_recipe: str, source: str
+) -> dict[str, Any]:
     """One row of `RunSet.runs` (without its label and last step, which `finish` adds)."""
     seed = cfg.get("seed")
     layers = cfg.get("model.num_hidden_layers")
@@ -215,8 +229,14 @@ def run_row(run: str, cfg: Mapping[str, Any], status: str, wall_s: float, start_
     }
 
 
-def finish(run_rows: list[dict], scalars: pd.DataFrame, minibatches: pd.DataFrame, source: str,
-            problems: list[str], unstarted: list[dict] = ()) -> RunSet:
+def finish(
+    run_rows: list[dict],
+    scalars: pd.DataFrame,
+    minibatches: pd.DataFrame,
+    source: str,
+    problems: list[str],
+    unstarted: list[dict] = (),
+) -> RunSet:
     """Attach labels and last steps; runs of one experiment, start and seed (a crashed run and its rerun) count once."""
     runs = pd.DataFrame(run_rows)
     last = scalars.groupby("run")["step"].max()
@@ -228,8 +248,14 @@ def finish(run_rows: list[dict], scalars: pd.DataFrame, minibatches: pd.DataFram
     configs = {row.run: json.loads(row.config) for row in runs.itertuples()}
     runs["label"] = runs["run"].map(label_runs(configs))
     runs = runs[RUN_COLUMNS].reset_index(drop=True)
-    return RunSet(runs=runs, scalars=scalars, minibatches=minibatches, source=source, problems=problems,
-                  unstarted=pd.DataFrame(list(unstarted), columns=UNSTARTED_COLUMNS))
+    return RunSet(
+        runs=runs,
+        scalars=scalars,
+        minibatches=minibatches,
+        source=source,
+        problems=problems,
+        unstarted=pd.DataFrame(list(unstarted), columns=UNSTARTED_COLUMNS),
+    )
 
 
 def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
@@ -237,6 +263,7 @@ def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
     (else the one with the most steps); each left out is reported, never averaged in as another replicate. Runs of
     one experiment and seed from different starts (their summaries name two sha256) are not repeats; a run that
     names no start (it crashed before its summary) repeats the one that does."""
+
     def experiment(config: str) -> str:
         flat = {k: v for k, v in json.loads(config).items() if not ignored_key(k) or k == "seed"}
         return json.dumps(flat, sort_keys=True, default=str)
@@ -252,17 +279,24 @@ def _without_repeats(runs: pd.DataFrame, problems: list[str]) -> set[str]:
             if i == 0 and start != UNKNOWN_START:  # the runs that name no start repeat the best one that does
                 repeats = pd.concat([repeats, ranked[ranked["start_sha256"] == UNKNOWN_START]])
             for other in repeats.itertuples():
-                warn(problems, f"run {other.run} repeats run {best['run']} (same config and seed "
-                                f"{best['seed'] or '?'}); only {best['run']} ({best['status']}, {best['last_step']} "
-                                f"steps) is counted, not {other.run} ({other.status}, {other.last_step} steps)")
+                warn(
+                    problems,
+                    f"run {other.run} repeats run {best['run']} (same config and seed "
+                    f"{best['seed'] or '?'}); only {best['run']} ({best['status']}, {best['last_step']} "
+                    f"steps) is counted, not {other.run} ({other.status}, {other.last_step} steps)",
+                )
     return kept
 
 
 def unstarted_row(where: str, flat: Mapping[str, Any], why: str) -> dict[str, Any]:
     """One row of `RunSet.unstarted`: where the job was, its seed and config, and why it logged nothing."""
     seed = flat.get("seed")
-    return {"where": where, "seed": format_value(seed) if seed is not None else "",
-            "config": json.dumps(dict(flat), sort_keys=True, default=str) if flat else "", "why": why}
+    return {
+        "where": where,
+        "seed": format_value(seed) if seed is not None else "",
+        "config": json.dumps(dict(flat), sort_keys=True, default=str) if flat else "",
+        "why": why,
+    }
 
 
 def summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str, str]:
@@ -272,15 +306,21 @@ def summary_fields(summary: Mapping[str, Any]) -> tuple[str, float, str, str]:
     wall = _as_float(summary.get("wall_s"))
     start = summary.get("start_sha256")
     recipe = summary.get("start_recipe")
-    return (str(status) if isinstance(status, str) and status else INCOMPLETE, wall if wall is not None else math.nan,
-            start if isinstance(start, str) else UNKNOWN_START,
-            json.dumps(recipe, sort_keys=True, default=str) if isinstance(recipe, dict) else UNKNOWN_RECIPE)
+    return (
+        str(status) if isinstance(status, str) and status else INCOMPLETE,
+        wall if wall is not None else math.nan,
+        start if isinstance(start, str) else UNKNOWN_START,
+        json.dumps(recipe, sort_keys=True, default=str) if isinstance(recipe, dict) else UNKNOWN_RECIPE,
+    )
 
 
 def note_dropped(problems: list[str], non_finite: int, repeated: int) -> None:
     """Say how many values reading left out: non-finite ones, and ones logged twice for a step."""
     if non_finite:
-        warn(problems, f"{non_finite} non-finite metric values (NaN/inf, or null in metrics.jsonl) left out of the "
-                        "figures and tables")
+        warn(
+            problems,
+            f"{non_finite} non-finite metric values (NaN/inf, or null in metrics.jsonl) left out of the "
+            "figures and tables",
+        )
     if repeated:
         warn(problems, f"{repeated} metric values logged twice for the same step; the last one is used")

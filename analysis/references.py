@@ -31,8 +31,24 @@ COMPARISONS = "comparisons.csv"  # the table a reference is read through (analys
 KEYS = ("measure", "arm", "baseline")  # with the cell's settings, what names one row of a comparisons table
 NUMBERS = ("seeds", "difference_estimate", "difference_low", "difference_high", "verdict")  # what a match reports
 SAME, OPPOSITE = "same sign", "opposite sign"
-COLUMNS = ["reference", "cell", "measure", "arm", "baseline", "role", "here_seeds", "here_estimate", "here_low",
-           "here_high", "there_seeds", "there_estimate", "there_low", "there_high", "there_verdict", "sign"]
+COLUMNS = [
+    "reference",
+    "cell",
+    "measure",
+    "arm",
+    "baseline",
+    "role",
+    "here_seeds",
+    "here_estimate",
+    "here_low",
+    "here_high",
+    "there_seeds",
+    "there_estimate",
+    "there_low",
+    "there_high",
+    "there_verdict",
+    "sign",
+]
 
 
 @dataclass(frozen=True)
@@ -60,20 +76,23 @@ def load(path: str, said: str = "comparison.references", root: Path = PROJECT_RO
         raise ValueError(f"{said} names {path!r}, whose {COMPARISONS} cannot be read ({error}); {what}") from None
     missing = [column for column in (*KEYS, *NUMBERS) if column not in table]
     if missing:
-        raise ValueError(f"{said} names {path!r}, whose {COMPARISONS} has no column {', '.join(missing)}; a reference "
-                         f"needs {', '.join((*KEYS, *NUMBERS))}")
+        raise ValueError(
+            f"{said} names {path!r}, whose {COMPARISONS} has no column {', '.join(missing)}; a reference "
+            f"needs {', '.join((*KEYS, *NUMBERS))}"
+        )
     axes = tuple(table.columns[: list(table.columns).index("measure")])
     twice = table[table.duplicated([*axes, *KEYS], keep=False)]
     if len(twice):
         row = twice.iloc[0]
-        raise ValueError(f"{said} names {path!r}, whose {COMPARISONS} holds {len(twice)} rows of {row['arm']} against "
-                         f"{row['baseline']} on {row['measure']}{''.join(f', {k}={row[k]}' for k in axes)}; a "
-                         "reference holds one row per arm, baseline, measure and cell")
+        raise ValueError(
+            f"{said} names {path!r}, whose {COMPARISONS} holds {len(twice)} rows of {row['arm']} against "
+            f"{row['baseline']} on {row['measure']}{''.join(f', {k}={row[k]}' for k in axes)}; a "
+            "reference holds one row per arm, baseline, measure and cell"
+        )
     return Reference(path, table, axes)
 
 
-def load_all(paths: Iterable[str], said: str = "comparison.references", root: Path = PROJECT_ROOT
-             ) -> list[Reference]:
+def load_all(paths: Iterable[str], said: str = "comparison.references", root: Path = PROJECT_ROOT) -> list[Reference]:
     return [load(path, said, root) for path in paths]
 
 
@@ -108,8 +127,13 @@ def sign(here: float, there: float) -> str:
     return SAME if (here > 0) == (there > 0) else OPPOSITE
 
 
-def beside(comparisons: pd.DataFrame, axes: Sequence[str], held: Mapping[str, Any], defaults: Mapping[str, Any],
-           references: Sequence[Reference]) -> pd.DataFrame:
+def beside(
+    comparisons: pd.DataFrame,
+    axes: Sequence[str],
+    held: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    references: Sequence[Reference],
+) -> pd.DataFrame:
     """Every comparison of this report (rows of `arm_comparisons` over the sweep's `axes`) beside each reference row
     that matches it (`COLUMNS`; `cell` is the cell's settings as a dict). `held`: the settings every run here holds
     (`held_settings`); `defaults`: the schema's (`analysis.load.schema_defaults`), what a reference that did not vary
@@ -122,26 +146,39 @@ def beside(comparisons: pd.DataFrame, axes: Sequence[str], held: Mapping[str, An
             for there in reference.table.to_dict("records"):
                 if any(there[key] != comparison[key] for key in KEYS):
                     continue
-                settings = {**{key: defaults.get(key) for key in axes if key not in reference.axes},
-                            **{key: there[key] for key in reference.axes}}
+                settings = {
+                    **{key: defaults.get(key) for key in axes if key not in reference.axes},
+                    **{key: there[key] for key in reference.axes},
+                }
                 if not all(_same(here[key], settings[key]) for key in here.keys() | settings.keys()):
                     continue
                 estimate = comparison.get("difference_estimate", math.nan)
-                rows.append({
-                    "reference": reference.path, "cell": cell, **{key: comparison[key] for key in KEYS},
-                    "role": comparison.get("role", ""), "here_seeds": comparison["seeds"], "here_estimate": estimate,
-                    "here_low": comparison.get("difference_low", math.nan),
-                    "here_high": comparison.get("difference_high", math.nan), "there_seeds": there["seeds"],
-                    "there_estimate": there["difference_estimate"], "there_low": there["difference_low"],
-                    "there_high": there["difference_high"], "there_verdict": there["verdict"],
-                    "sign": sign(estimate, there["difference_estimate"]),
-                })
+                rows.append(
+                    {
+                        "reference": reference.path,
+                        "cell": cell,
+                        **{key: comparison[key] for key in KEYS},
+                        "role": comparison.get("role", ""),
+                        "here_seeds": comparison["seeds"],
+                        "here_estimate": estimate,
+                        "here_low": comparison.get("difference_low", math.nan),
+                        "here_high": comparison.get("difference_high", math.nan),
+                        "there_seeds": there["seeds"],
+                        "there_estimate": there["difference_estimate"],
+                        "there_low": there["difference_low"],
+                        "there_high": there["difference_high"],
+                        "there_verdict": there["verdict"],
+                        "sign": sign(estimate, there["difference_estimate"]),
+                    }
+                )
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def unmatched(comparisons: pd.DataFrame, axes: Sequence[str], matched: pd.DataFrame) -> pd.DataFrame:
     """The comparisons no reference holds a row for."""
     found = {(tuple(row["cell"].items()), *(row[key] for key in KEYS)) for row in matched.to_dict("records")}
-    keep = [(tuple({key: row[key] for key in axes}.items()), *(row[key] for key in KEYS)) not in found
-            for row in comparisons.to_dict("records")]
+    keep = [
+        (tuple({key: row[key] for key in axes}.items()), *(row[key] for key in KEYS)) not in found
+        for row in comparisons.to_dict("records")
+    ]
     return comparisons[keep]

@@ -73,15 +73,20 @@ def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
             start = evals.loc[evals["step"] == 0, "value"]
             trained = evals[evals["step"] > 0]
             rewards = reward[reward["run"] == row.run].sort_values("step")["value"].to_numpy()
-            found.append(RunOutcome(
-                search=directory.name, arm=arm, seed=row.seed,
-                config=config | {"_arm_settings": json.dumps({k: config[k] for k in arm_settings}, default=str)},
-                start=float(start.iloc[0]) if len(start) else None, start_borrowed=False,
-                end=float(trained["value"].iloc[-1]) if len(trained) else None,
-                collapsed=collapse_flag(rewards) if len(rewards) else None,
-                drift=_mean_metric(runset, row.run, DRIFT_PER_UPDATE),
-                mismatch=_mean_metric(runset, row.run, MISMATCH_K3),
-            ))
+            found.append(
+                RunOutcome(
+                    search=directory.name,
+                    arm=arm,
+                    seed=row.seed,
+                    config=config | {"_arm_settings": json.dumps({k: config[k] for k in arm_settings}, default=str)},
+                    start=float(start.iloc[0]) if len(start) else None,
+                    start_borrowed=False,
+                    end=float(trained["value"].iloc[-1]) if len(trained) else None,
+                    collapsed=collapse_flag(rewards) if len(rewards) else None,
+                    drift=_mean_metric(runset, row.run, DRIFT_PER_UPDATE),
+                    mismatch=_mean_metric(runset, row.run, MISMATCH_K3),
+                )
+            )
     _borrow_starts(found)
     return found
 
@@ -104,19 +109,25 @@ def knobs(found: list[RunOutcome]) -> list[str]:
     """The config keys that differ between the runs: a regime is their setting. A key whose value follows from a
     key already named (`model.path` and `model.num_hidden_layers` from `model.name`) is left out: it says nothing
     more. Names (`*.name`) are tried first, so they are the ones kept."""
+
     def value(run: RunOutcome, k: str) -> str:
         return json.dumps(run.config.get(k), default=str)
 
     keys = sorted({k for run in found for k in run.config})
     varying = [
-        k for k in keys
-        if not ignored_key(k) and not k.startswith(_ARM_PREFIXES) and not k.startswith("_")
+        k
+        for k in keys
+        if not ignored_key(k)
+        and not k.startswith(_ARM_PREFIXES)
+        and not k.startswith("_")
         and len({value(run, k) for run in found}) > 1
     ]
     kept: list[str] = []
     for k in sorted(varying, key=lambda k: (not k.endswith(".name"), varying.index(k))):
-        implied = any(len({(value(run, j), value(run, k)) for run in found}) == len({value(run, j) for run in found})
-                      for j in kept)
+        implied = any(
+            len({(value(run, j), value(run, k)) for run in found}) == len({value(run, j) for run in found})
+            for j in kept
+        )
         if not implied:
             kept.append(k)
     return [k for k in varying if k in kept]
@@ -161,13 +172,28 @@ def regimes_table(found: list[RunOutcome]) -> str:
             values = [getattr(r, field) for r in runs if getattr(r, field) is not None]
             return float(np.mean(values)) if values else None
 
-        rows.append([
-            search, ", ".join(regime) or "–", arm, ",".join(r.seed for r in runs), per_seed,
-            num(mean("drift"), ".2%") if mean("drift") is not None else "–", num(mean("mismatch"), ".3g"),
-            verdict(runs),
-        ])
-    header = ["search", "regime", "arm", "seeds", "held-out greedy start→end per seed", "drift after one update",
-              "mismatch k3", "verdict"]
+        rows.append(
+            [
+                search,
+                ", ".join(regime) or "–",
+                arm,
+                ",".join(r.seed for r in runs),
+                per_seed,
+                num(mean("drift"), ".2%") if mean("drift") is not None else "–",
+                num(mean("mismatch"), ".3g"),
+                verdict(runs),
+            ]
+        )
+    header = [
+        "search",
+        "regime",
+        "arm",
+        "seeds",
+        "held-out greedy start→end per seed",
+        "drift after one update",
+        "mismatch k3",
+        "verdict",
+    ]
     return markdown_table(header, rows)
 
 
@@ -190,8 +216,10 @@ def write(found: list[RunOutcome], args: argparse.Namespace, command: str) -> st
     """The table, into `--out` (the line saying where) or as what is printed. It names the searches it was made from,
     not where it was written."""
     made_by = "python -m analysis.regimes " + " ".join(str(d) for d in args.directories)
-    text = (f"# {args.title}\n\nMade by `{made_by}`. Starts marked * are borrowed from a run of the same checkpoint "
-            f"and held-out prompts (greedy decoding does not depend on the seed).\n\n{regimes_table(found)}")
+    text = (
+        f"# {args.title}\n\nMade by `{made_by}`. Starts marked * are borrowed from a run of the same checkpoint "
+        f"and held-out prompts (greedy decoding does not depend on the seed).\n\n{regimes_table(found)}"
+    )
     if not args.out:
         return text
     args.out.parent.mkdir(parents=True, exist_ok=True)

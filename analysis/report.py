@@ -45,14 +45,25 @@ from analysis.plotting import FigureSettings
 from analysis.records import RunSet
 from analysis.references import Reference, beside, held_settings
 from analysis.sections import (
-    early_warning_section, figure_section, one_arm_section, runs_section, stability_section, sweep_section,
+    early_warning_section,
+    figure_section,
+    one_arm_section,
+    runs_section,
+    stability_section,
+    sweep_section,
 )
 from analysis.summaries import COLLAPSE_DROP, EMA_ALPHA, LAST_N, stability_table
 from analysis.tables import (
-    COMPARISONS_FILE, LEFT_OUT_FILE, PER_SEED_FILE, REPORT_FILE, SUMMARY_FILE, comparison_section, left_out_section,
+    COMPARISONS_FILE,
+    LEFT_OUT_FILE,
+    PER_SEED_FILE,
+    REPORT_FILE,
+    SUMMARY_FILE,
+    comparison_section,
+    left_out_section,
+    markdown_table,  # noqa: F401  (benchmarks/ import it from here)
     references_section,
 )
-from analysis.tables import markdown_table  # noqa: F401  (benchmarks/ import it from here)
 from analysis.verdicts import DEFAULT_BASELINE, PRIMARY, arm_comparisons, check_pairable
 from analysis.wandb_runs import default_wandb_api, load_wandb, wandb_cache_dir
 
@@ -97,8 +108,13 @@ def decide(runset: RunSet, overrides: dict[str, Any] | None = None) -> Decision:
     return Decision(declaration, gains, axes, references)
 
 
-def write_report(runset: RunSet, out_dir: Path, settings: ReportSettings = ReportSettings(),
-                 overrides: dict[str, Any] | None = None, decision: Decision | None = None) -> Path:
+def write_report(
+    runset: RunSet,
+    out_dir: Path,
+    settings: ReportSettings = ReportSettings(),
+    overrides: dict[str, Any] | None = None,
+    decision: Decision | None = None,
+) -> Path:
     """Write every figure (PNG; and PDF with `settings.pdf`), summary.csv, per_seed.csv, comparisons.csv (every arm
     against the baseline: the declared one, or GRPO), left_out.csv and report.md into `out_dir`, through a staging
     folder (`cli.staged`); returns the path of report.md. `overrides`: the command line's fields of the declaration;
@@ -116,8 +132,12 @@ def assemble(runset: RunSet, out_dir: Path, decision: Decision, settings: Report
     comparison, every comparison, each beside its reference), then the long ones (runs, figures, seeds left out,
     stability, early warning)."""
     declaration, gains, axes, references = (decision.declaration, decision.gains, decision.axes, decision.references)
-    figures = all_figures(runset, FigureSettings(out_dir, settings.dpi, settings.pdf, settings.alpha,
-                                                 declaration.early_stopped, declaration.primary))
+    figures = all_figures(
+        runset,
+        FigureSettings(
+            out_dir, settings.dpi, settings.pdf, settings.alpha, declaration.early_stopped, declaration.primary
+        ),
+    )
     table = stability_table(runset, last_n=settings.last_n, drop=settings.drop, alpha=settings.alpha)
     table.to_csv(out_dir / SUMMARY_FILE, index=False)
     gains.to_csv(out_dir / PER_SEED_FILE, index=False)
@@ -133,15 +153,15 @@ def assemble(runset: RunSet, out_dir: Path, decision: Decision, settings: Report
     matched = beside(comparisons, axes, held, schema_defaults() if references else {}, references)
     n_incomplete = int(runset.runs["incomplete"].sum())
     lines = [
-        "# moe-rl-lab report", "",
+        "# moe-rl-lab report",
+        "",
         f"Source: {runset.source}. {len(runset.runs)} runs in {len(runset.labels)} series "
         f"({n_incomplete} incomplete). Series are labelled by the config keys that differ between them; seeds "
         "are aggregated.",
     ]
     if settings.command:
         lines += ["", f"Made with `{settings.command}`."]
-    lines += ["", *first_screen(runset, gains, axes, declaration, comparisons, matched, references, figures,
-                                missing)]
+    lines += ["", *first_screen(runset, gains, axes, declaration, comparisons, matched, references, figures, missing)]
     sweep = sweep_section(runset, counted)
     lines += sweep + ([""] if sweep else [])
     if len(set(counted["arm"])) > 1:
@@ -149,9 +169,17 @@ def assemble(runset: RunSet, out_dir: Path, decision: Decision, settings: Report
         lines += declaration.lines(arms, size) + [""] + comparison_section(comparisons, axes, baseline) + [""]
         lines += references_section(matched, references, axes) + ([""] if references else [])
     elif len(set(counted["arm"])) == 1:
-        lines += one_arm_section(runset, counted) + [""] + declaration.lines(arms, 0) + [
-            "", "One arm here, so the declared comparison is made where its baseline's runs are: `python -m "
-                "analysis.compare` with that report's per-seed table.", ""]
+        lines += (
+            one_arm_section(runset, counted)
+            + [""]
+            + declaration.lines(arms, 0)
+            + [
+                "",
+                "One arm here, so the declared comparison is made where its baseline's runs are: `python -m "
+                "analysis.compare` with that report's per-seed table.",
+                "",
+            ]
+        )
     shown = headline_figure(figures)
     lines += runs_section(runset) + [""] + figure_section(figures, shown.number if shown else None) + [""]
     if not gains.empty or not runset.unstarted.empty:  # without any evaluated run there was nothing to compare
@@ -164,6 +192,7 @@ def assemble(runset: RunSet, out_dir: Path, decision: Decision, settings: Report
 # ---------------------------------------------------------------------------------------------------------------
 # The command line
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def default_out_dir(paths: Sequence[str], wandb_path: str | None, groups: Sequence[str]) -> Path:
     """`reports/<name>`: the last two components of the first directory, or the W&B project and groups."""
@@ -181,27 +210,51 @@ def output_folder(args: argparse.Namespace) -> Path:
 def arguments(parser: argparse.ArgumentParser) -> None:
     """The report's flags: the runs (directories or a W&B project), where it goes, how it reads and draws them, and
     the fields of the declared comparison the command line may set."""
-    parser.add_argument("paths", nargs="*", metavar="RUN_OR_SWEEP_DIR",
-                        help="run directories or sweep directories, searched recursively")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        metavar="RUN_OR_SWEEP_DIR",
+        help="run directories or sweep directories, searched recursively",
+    )
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs from this W&B project instead")
-    parser.add_argument("--group", nargs="+", action="extend", default=[], metavar="G",
-                        help="with --wandb: only runs in these groups (sweep names)")
+    parser.add_argument(
+        "--group",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="G",
+        help="with --wandb: only runs in these groups (sweep names)",
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: reports/<name of the input>)")
-    parser.add_argument("--cache-dir", type=Path,
-                        help="with --wandb: where the parquet cache lives (default: OUT/.cache)")
+    parser.add_argument(
+        "--cache-dir", type=Path, help="with --wandb: where the parquet cache lives (default: OUT/.cache)"
+    )
     parser.add_argument("--refresh", action="store_true", help="with --wandb: ignore the cache and fetch again")
-    parser.add_argument("--last-n", type=int, default=LAST_N,
-                        help="steps averaged for the final reward (default: %(default)s)")
-    parser.add_argument("--collapse-drop", type=float, default=COLLAPSE_DROP,
-                        help="absolute reward drop below the best that counts as collapse (default: %(default)s)")
-    parser.add_argument("--ema-alpha", type=float, default=EMA_ALPHA,
-                        help="EMA smoothing weight of the newest point, 1 = none (default: %(default)s)")
+    parser.add_argument(
+        "--last-n", type=int, default=LAST_N, help="steps averaged for the final reward (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--collapse-drop",
+        type=float,
+        default=COLLAPSE_DROP,
+        help="absolute reward drop below the best that counts as collapse (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ema-alpha",
+        type=float,
+        default=EMA_ALPHA,
+        help="EMA smoothing weight of the newest point, 1 = none (default: %(default)s)",
+    )
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
     parser.add_argument("--pdf", action="store_true", help="also a PDF of every figure (for a paper)")
-    declared.add_flags(parser, early_stopped=True, references=True,
-                       baseline_help=f"the arm every other is compared with, paired over seeds (default: the runs' "
-                                     f"declaration, else {DEFAULT_BASELINE} when the runs have it, else the first "
-                                     "arm by name)")
+    declared.add_flags(
+        parser,
+        early_stopped=True,
+        references=True,
+        baseline_help=f"the arm every other is compared with, paired over seeds (default: the runs' "
+        f"declaration, else {DEFAULT_BASELINE} when the runs have it, else the first "
+        "arm by name)",
+    )
 
 
 def usage_error(args: argparse.Namespace) -> str | None:
@@ -221,14 +274,18 @@ def usage_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def read(args: argparse.Namespace, wandb_api_factory: Callable[[], Any] = default_wandb_api
-         ) -> tuple[RunSet, Decision]:
+def read(args: argparse.Namespace, wandb_api_factory: Callable[[], Any] = default_wandb_api) -> tuple[RunSet, Decision]:
     """Check that the output folder can be written, load the runs, check their declared comparison and pairing."""
     out = output_folder(args)
     writable_out(out)
     if args.wandb:
-        runset = load_wandb(args.wandb, args.group, cache_root=args.cache_dir or out / ".cache",
-                            refresh=args.refresh, api_factory=wandb_api_factory)
+        runset = load_wandb(
+            args.wandb,
+            args.group,
+            cache_root=args.cache_dir or out / ".cache",
+            refresh=args.refresh,
+            api_factory=wandb_api_factory,
+        )
     else:
         runset = load_runs(args.paths, skip=[out])  # the report's own folder may lie inside the sweep
     return runset, decide(runset, declared.overrides(args))
@@ -241,9 +298,16 @@ def write(loaded: tuple[RunSet, Decision], args: argparse.Namespace, command: st
     return f"report: {write_report(runset, output_folder(args), settings, decision=decision)}"
 
 
-main = Command("analysis.report", __doc__, arguments, read, write, check=usage_error,
-               refuses=(ValueError, FileNotFoundError),
-               around=lambda args: publishing(output_folder(args), REPORT_FILE, tidy=True)).main
+main = Command(
+    "analysis.report",
+    __doc__,
+    arguments,
+    read,
+    write,
+    check=usage_error,
+    refuses=(ValueError, FileNotFoundError),
+    around=lambda args: publishing(output_folder(args), REPORT_FILE, tidy=True),
+).main
 
 if __name__ == "__main__":
     main()

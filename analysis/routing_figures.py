@@ -18,11 +18,24 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from analysis.diagnostics import (
-    drift_by_depth, drift_layer_by_minibatch, drift_layer_by_step, layer_counts, staleness_by_lag,
+    drift_by_depth,
+    drift_layer_by_minibatch,
+    drift_layer_by_step,
+    layer_counts,
+    staleness_by_lag,
 )
 from analysis.plotting import (
-    DRIFT_LABEL, STEP_LABEL, FigureOutput, FigureSettings, arm_styles, figure, legend, legend_rows_in, new_figure,
-    plot_band, series_styles,
+    DRIFT_LABEL,
+    STEP_LABEL,
+    FigureOutput,
+    FigureSettings,
+    arm_styles,
+    figure,
+    legend,
+    legend_rows_in,
+    new_figure,
+    plot_band,
+    series_styles,
 )
 from analysis.records import RunSet
 from analysis.style import COLUMN_WIDTH_IN, TEXT_WIDTH_IN
@@ -60,8 +73,9 @@ def heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, integer_x: bool = Fal
         table = tables[labels[k]]
         xs = table.columns.to_numpy(float)
         layers = table.index.to_numpy(float)
-        mesh = ax.pcolormesh(_edges(xs), _edges(layers), table.to_numpy(float), vmin=0.0, vmax=vmax,
-                             cmap="viridis", shading="flat")
+        mesh = ax.pcolormesh(
+            _edges(xs), _edges(layers), table.to_numpy(float), vmin=0.0, vmax=vmax, cmap="viridis", shading="flat"
+        )
         ax.set_title(labels[k])
         if integer_x:
             ax.set_xticks(xs)
@@ -76,12 +90,20 @@ def heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, integer_x: bool = Fal
     return fig
 
 
-def _drift_heatmaps(runset: RunSet, out: FigureOutput, tables: dict[str, pd.DataFrame], level: str, xlabel: str,
-                    caption: str, integer_x: bool = False) -> Figure | None:
+def _drift_heatmaps(
+    runset: RunSet,
+    out: FigureOutput,
+    tables: dict[str, pd.DataFrame],
+    level: str,
+    xlabel: str,
+    caption: str,
+    integer_x: bool = False,
+) -> Figure | None:
     """Per-series layer heat maps of drift, or why not (no per-layer values at this `level`)."""
     if not tables:
-        out.notes.append(f"No {level} `routing/expert_change_frac/layer_<i>` values (dense model, or not "
-                         "logged); figure not drawn.")
+        out.notes.append(
+            f"No {level} `routing/expert_change_frac/layer_<i>` values (dense model, or not logged); figure not drawn."
+        )
         return None
     without = [lab for lab in runset.labels if lab not in tables]
     if without:
@@ -94,7 +116,10 @@ def _drift_heatmaps(runset: RunSet, out: FigureOutput, tables: dict[str, pd.Data
 def fig_drift_layer_minibatch(runset: RunSet, settings: FigureSettings, out: FigureOutput) -> Figure | None:
     """Routing drift per layer against the number of optimizer updates since θ_old (per-minibatch records)."""
     return _drift_heatmaps(
-        runset, out, drift_layer_by_minibatch(runset), "per-minibatch",
+        runset,
+        out,
+        drift_layer_by_minibatch(runset),
+        "per-minibatch",
         "optimizer updates since θ_old (minibatch index)",
         "Share of activated (token, layer, slot) experts under θ that were not activated under θ_old, per layer and "
         "per number of updates since θ_old, averaged over steps within each seed and then over seeds.",
@@ -106,7 +131,11 @@ def fig_drift_layer_minibatch(runset: RunSet, settings: FigureSettings, out: Fig
 def fig_drift_layer_step(runset: RunSet, settings: FigureSettings, out: FigureOutput) -> Figure | None:
     """Routing drift per layer over training (after one update: the per-minibatch record with index 1)."""
     return _drift_heatmaps(
-        runset, out, drift_layer_by_step(runset), "after-one-update (minibatch 1)", STEP_LABEL,
+        runset,
+        out,
+        drift_layer_by_step(runset),
+        "after-one-update (minibatch 1)",
+        STEP_LABEL,
         "Per-layer share of activated experts that changed after one optimizer update since θ_old (minibatch index "
         "1) at each RL step, averaged over seeds.",
     )
@@ -117,8 +146,9 @@ def fig_drift_depth(runset: RunSet, settings: FigureSettings, out: FigureOutput)
     """Routing drift against depth, with the paper's ~10% per update as a reference where it fits the scale."""
     table, basis = drift_by_depth(runset)
     if table.empty:
-        out.notes.append("No `routing/expert_change_frac/layer_<i>` values (dense model, or not logged); "
-                         "figure not drawn.")
+        out.notes.append(
+            "No `routing/expert_change_frac/layer_<i>` values (dense model, or not logged); figure not drawn."
+        )
         return None
     styles = series_styles(runset)
     labels = [lab for lab in runset.labels if lab in set(table["label"])]
@@ -134,20 +164,25 @@ def fig_drift_depth(runset: RunSet, settings: FigureSettings, out: FigureOutput)
     extra = []
     if show_reference:
         ax.axhline(PAPER_DRIFT, color="black", linestyle=(0, (1, 2)), linewidth=0.8)
-        extra.append((Line2D([], [], color="black", linestyle=(0, (1, 2))),
-                      f"paper: ≈10%/update, {PAPER_LAYERS} layers"))
+        extra.append(
+            (Line2D([], [], color="black", linestyle=(0, (1, 2))), f"paper: ≈10%/update, {PAPER_LAYERS} layers")
+        )
     ax.set_ylim(bottom=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer (0 = first)")
     ax.set_ylabel(DRIFT_LABEL)
     legend(fig, labels, styles, extra)
     depth = ", ".join(sorted({str(n) for n in layer_counts(runset).values()})) or "unknown"
-    reference = (f"the dotted line is the paper's ≈10% per update on a {PAPER_LAYERS}-layer MoE"
-                 if show_reference else
-                 f"the paper's ≈10% per update on a {PAPER_LAYERS}-layer MoE is off this scale (largest value here "
-                 f"{top:.2g})")
-    out.caption = (f"Share of activated experts that changed per layer, {basis}, mean ± 1 sample std across seeds "
-                   f"on a model with {depth} layers; {reference}.")
+    reference = (
+        f"the dotted line is the paper's ≈10% per update on a {PAPER_LAYERS}-layer MoE"
+        if show_reference
+        else f"the paper's ≈10% per update on a {PAPER_LAYERS}-layer MoE is off this scale (largest value here "
+        f"{top:.2g})"
+    )
+    out.caption = (
+        f"Share of activated experts that changed per layer, {basis}, mean ± 1 sample std across seeds "
+        f"on a model with {depth} layers; {reference}."
+    )
     return fig
 
 
@@ -158,8 +193,9 @@ def fig_decomposition(runset: RunSet, settings: FigureSettings, out: FigureOutpu
     if rows.empty:
         out.notes.append(f"No run logged `{m.ROUTING_SHARE}` (routing.decompose_every=0); figure not drawn.")
         return None
-    per_run = rows.groupby(["run", "minibatch"])["value"].mean().reset_index().merge(
-        runset.runs[["run", "label"]], on="run")
+    per_run = (
+        rows.groupby(["run", "minibatch"])["value"].mean().reset_index().merge(runset.runs[["run", "label"]], on="run")
+    )
     table = per_run.groupby(["label", "minibatch"])["value"].agg(mean="mean", std="std", n="count").reset_index()
     styles = series_styles(runset)
     labels = [lab for lab in runset.labels if lab in set(table["label"])]
@@ -182,8 +218,11 @@ def fig_decomposition(runset: RunSet, settings: FigureSettings, out: FigureOutpu
     return fig
 
 
-STALENESS_PANELS = {m.ENGINE_EXPERTS: "experts the engine chose\nthat θ_old did not (fraction)",
-                    m.ENGINE_GATES: "gate mass they move (TV)", m.MISMATCH_K3: "KL(μ_old ‖ π_old), k3"}
+STALENESS_PANELS = {
+    m.ENGINE_EXPERTS: "experts the engine chose\nthat θ_old did not (fraction)",
+    m.ENGINE_GATES: "gate mass they move (TV)",
+    m.MISMATCH_K3: "KL(μ_old ‖ π_old), k3",
+}
 
 
 @figure("9", "fig9_staleness", "Drift against an engine k versions behind")
@@ -192,8 +231,10 @@ def fig_staleness(runset: RunSet, settings: FigureSettings, out: FigureOutput) -
     and where about log-probs (docs/async.md)."""
     table = staleness_by_lag(runset)
     if table.empty:
-        out.notes.append("The runs share one rollout.lag (or log nothing against their engine): no drift against the "
-                         "engine per lag to draw.")
+        out.notes.append(
+            "The runs share one rollout.lag (or log nothing against their engine): no drift against the "
+            "engine per lag to draw."
+        )
         return None
     styles = arm_styles(runset)
     arms = [arm for arm in styles if arm in set(table["arm"])]
@@ -209,10 +250,12 @@ def fig_staleness(runset: RunSet, settings: FigureSettings, out: FigureOutput) -
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(bottom=0)
     legend(fig, arms, styles)
-    out.caption = ("Against the rollout engine that sampled, k weight versions behind θ_old (rollout.lag), per arm: "
-                   "the share of the engine's activated experts θ_old's routers did not choose on the same tokens, "
-                   "the gate mass that moves, and the k3 estimate of KL(μ_old ‖ π_old); each run's mean over the "
-                   "steps sampled at its full lag (the first k sample with the start), mean ± 1 sample std across "
-                   "seeds. Where π_old is the engine's own (bypass) only the first minibatch of a step holds the "
-                   "trainer's numbers at θ_old.")
+    out.caption = (
+        "Against the rollout engine that sampled, k weight versions behind θ_old (rollout.lag), per arm: "
+        "the share of the engine's activated experts θ_old's routers did not choose on the same tokens, "
+        "the gate mass that moves, and the k3 estimate of KL(μ_old ‖ π_old); each run's mean over the "
+        "steps sampled at its full lag (the first k sample with the start), mean ± 1 sample std across "
+        "seeds. Where π_old is the engine's own (bypass) only the first minibatch of a step holds the "
+        "trainer's numbers at θ_old."
+    )
     return fig

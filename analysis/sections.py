@@ -42,21 +42,48 @@ def _collapse_cell(row: pd.Series) -> str:
 
 def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
     """The stability table as markdown, numbers rounded for reading (summary.csv keeps full precision)."""
-    header = ["series", "seeds", "incomplete", f"final reward (last {last_n})", "best reward", "collapse",
-              "clip frac", "experts changed per update", "… mean over minibatches", "ratio var (token)",
-              "ratio var (seq)", "mismatch k3", "fragile tokens", "routing share", "skipped steps", "s / step"]
+    header = [
+        "series",
+        "seeds",
+        "incomplete",
+        f"final reward (last {last_n})",
+        "best reward",
+        "collapse",
+        "clip frac",
+        "experts changed per update",
+        "… mean over minibatches",
+        "ratio var (token)",
+        "ratio var (seq)",
+        "mismatch k3",
+        "fragile tokens",
+        "routing share",
+        "skipped steps",
+        "s / step",
+    ]
     rows = []
     for _, row in table.iterrows():
         std = row["final_reward_std"]
         final = num(row["final_reward_mean"], ".3f") + ("" if math.isnan(std) else f" ± {std:.3f}")
-        rows.append([
-            row["label"], row["seeds"], row["incomplete_runs"], final, num(row["best_reward"], ".3f"),
-            _collapse_cell(row), num(row["clip_frac_mean"]), num(row["expert_change_per_update_mean"]),
-            num(row["expert_change_over_minibatches_mean"]),
-            num(row["ratio_token_var_mean"]), num(row["ratio_seq_var_mean"]), num(row["mismatch_kl_k3_mean"]),
-            num(row["fragile_frac_mean"]), num(row["routing_share_mean"]), num(row["skipped_steps"], ".0f"),
-            num(row["step_s_mean"], ".2f"),
-        ])
+        rows.append(
+            [
+                row["label"],
+                row["seeds"],
+                row["incomplete_runs"],
+                final,
+                num(row["best_reward"], ".3f"),
+                _collapse_cell(row),
+                num(row["clip_frac_mean"]),
+                num(row["expert_change_per_update_mean"]),
+                num(row["expert_change_over_minibatches_mean"]),
+                num(row["ratio_token_var_mean"]),
+                num(row["ratio_seq_var_mean"]),
+                num(row["mismatch_kl_k3_mean"]),
+                num(row["fragile_frac_mean"]),
+                num(row["routing_share_mean"]),
+                num(row["skipped_steps"], ".0f"),
+                num(row["step_s_mean"], ".2f"),
+            ]
+        )
     return markdown_table(header, rows)
 
 
@@ -68,16 +95,31 @@ def runs_section(runset: RunSet) -> list[str]:
     for label in runset.labels:
         group = runs[runs["label"] == label]
         seeds = ", ".join(sorted((s for s in group["seed"] if s), key=seed_order)) or "–"
-        rows.append([label, len(group), seeds, int(group["incomplete"].sum()), int(group["last_step"].max()),
-                     ", ".join(sorted(set(group["model"]) - {""})) or "–"])
+        rows.append(
+            [
+                label,
+                len(group),
+                seeds,
+                int(group["incomplete"].sum()),
+                int(group["last_step"].max()),
+                ", ".join(sorted(set(group["model"]) - {""})) or "–",
+            ]
+        )
     lines = ["## Runs", "", markdown_table(["series", "runs", "seeds", "incomplete", "last step", "model"], rows)]
     lines += ["", _starts_sentence(runs)]
     incomplete = runs[runs["incomplete"]]
     if len(incomplete):
-        lines += ["", "Runs that did not finish, drawn up to their last valid line (the comparisons count them only as "
-                      "the declared rule says: see *Seeds left out*):", ""]
-        lines += [f"- `{r.run}` ({r.label}): last step {r.last_step}, "
-                  f"{how_it_ended(r.status, r.last_step, json.loads(r.config))}" for r in incomplete.itertuples()]
+        lines += [
+            "",
+            "Runs that did not finish, drawn up to their last valid line (the comparisons count them only as "
+            "the declared rule says: see *Seeds left out*):",
+            "",
+        ]
+        lines += [
+            f"- `{r.run}` ({r.label}): last step {r.last_step}, "
+            f"{how_it_ended(r.status, r.last_step, json.loads(r.config))}"
+            for r in incomplete.itertuples()
+        ]
     if runset.problems:
         lines += ["", "Problems found while loading (each also printed to stderr):", ""]
         lines += [f"- {problem}" for problem in runset.problems]
@@ -91,14 +133,20 @@ def _starts_sentence(runs: pd.DataFrame) -> str:
     said = ", ".join(f"`{start[:12]}` ({n} runs)" for start, n in counts.items())
     unnamed = len(runs) - len(named)
     if not said:
-        return ("Cold start: no run names its start (their summaries hold no start_sha256: unfinished, or written "
-                "before it was recorded); runs are paired by seed alone.")
-    pooled = (" A series pools the starts of one recipe: in the figures and per-series tables, its mean, band and "
-              "\"across seeds\" are over every run of it, each start's seeds together, so the band spans the starts."
-              if len(counts) > 1 else "")
-    return (f"Cold start{'s' if len(counts) > 1 else ''} (the sha256 of the weights each run started from, as its "
-            f"summary names them): {said}" + (f"; {unnamed} runs name none (no summary)" if unnamed else "") + "."
-            + pooled)
+        return (
+            "Cold start: no run names its start (their summaries hold no start_sha256: unfinished, or written "
+            "before it was recorded); runs are paired by seed alone."
+        )
+    pooled = (
+        " A series pools the starts of one recipe: in the figures and per-series tables, its mean, band and "
+        '"across seeds" are over every run of it, each start\'s seeds together, so the band spans the starts.'
+        if len(counts) > 1
+        else ""
+    )
+    return (
+        f"Cold start{'s' if len(counts) > 1 else ''} (the sha256 of the weights each run started from, as its "
+        f"summary names them): {said}" + (f"; {unnamed} runs name none (no summary)" if unnamed else "") + "." + pooled
+    )
 
 
 def figure_section(figures: Sequence[FigureOutput], shown: str | None = None) -> list[str]:
@@ -126,8 +174,12 @@ def stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: fl
     empty."""
     tail = f"K = max({COLLAPSE_MIN_TAIL}, ⌈{COLLAPSE_TAIL_FRACTION:g}·T⌉)"
     lines = [
-        "## Stability", "", stability_markdown(table, last_n), "",
-        f"Also in `{SUMMARY_FILE}` (full precision, one row per series). Definitions:", "",
+        "## Stability",
+        "",
+        stability_markdown(table, last_n),
+        "",
+        f"Also in `{SUMMARY_FILE}` (full precision, one row per series). Definitions:",
+        "",
         f"- **final reward**: per seed, the mean of `{REWARD}` over its last {last_n} logged steps; then mean "
         "± sample std (ddof = 1) across seeds (no ± with one seed).",
         f"- **best reward**: per seed, the maximum of the EMA-smoothed reward (α = {alpha:g}); mean across seeds.",
@@ -158,8 +210,10 @@ def stability_section(runset: RunSet, table: pd.DataFrame, last_n: int, drop: fl
     drifting = set(runset.minibatches.loc[runset.minibatches["metric"] == DRIFT, "run"])
     missing = [lab for lab in runset.labels if not set(runset.runs.loc[runset.runs["label"] == lab, "run"]) & drifting]
     if missing:
-        lines += ["", f"> Note: `{DRIFT}` was not logged by {', '.join(missing)}; the experts-changed columns are "
-                      "empty there."]
+        lines += [
+            "",
+            f"> Note: `{DRIFT}` was not logged by {', '.join(missing)}; the experts-changed columns are empty there.",
+        ]
     return lines
 
 
@@ -174,14 +228,14 @@ def _mean_std(values: pd.Series, fmt: str = "+.3f") -> str:
 # What each SYNTHETIC intervention does, and what it can and cannot show, said wherever its runs are reported.
 SYNTHETIC_MEANING = {
     FLIP_RATE: "in π_θ's update forwards a share p of the activated experts was swapped for the next-ranked one; "
-               "replay (r2, r3) computes with recorded experts there, so no flip reaches a replayed arm: it shows "
-               "what the flips do to the arms that feel them, not that replay would hold against drift the policy "
-               "itself carries",
+    "replay (r2, r3) computes with recorded experts there, so no flip reaches a replayed arm: it shows "
+    "what the flips do to the arms that feel them, not that replay would hold against drift the policy "
+    "itself carries",
     PERTURB_RATE: "after each optimizer update the routers' weights got Gaussian noise sized to move a share p of "
-                  "the update's activated experts in each layer; θ keeps it (rollouts, π_old and evaluations route "
-                  "with it) and replay removes it only within a step, as it removes natural drift: it shows how each "
-                  "arm copes with routing that keeps moving, not what natural drift does at that dose (the noise "
-                  "does not follow the gradient, and degrades the routers for every arm)",
+    "the update's activated experts in each layer; θ keeps it (rollouts, π_old and evaluations route "
+    "with it) and replay removes it only within a step, as it removes natural drift: it shows how each "
+    "arm copes with routing that keeps moving, not what natural drift does at that dose (the noise "
+    "does not follow the gradient, and degrades the routers for every arm)",
 }
 
 
@@ -191,8 +245,9 @@ def _synthetic_note(runset: RunSet) -> str:
     for key, meaning in SYNTHETIC_MEANING.items():
         rates = sorted({float(json.loads(config).get(key, 0.0)) for config in runset.runs["config"]})
         if rates != [0.0]:
-            notes.append(f" Runs with {key} = p > 0 ({', '.join(f'{p:g}' for p in rates if p)}) are SYNTHETIC: "
-                         f"{meaning}.")
+            notes.append(
+                f" Runs with {key} = p > 0 ({', '.join(f'{p:g}' for p in rates if p)}) are SYNTHETIC: {meaning}."
+            )
     return "".join(notes)
 
 
@@ -205,18 +260,46 @@ def sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
     order = {arm: i for i, arm in enumerate(sorted(gains["arm"].unique(), key=arm_order))}
     rows = []
     for (arm, *values), part in gains.groupby(["arm", *axes], sort=False):
-        rows.append((order[arm], values, [arm, *[f"{v:g}" for v in values], f"{part['start'].mean():.3f}",
-                                          _mean_std(part["gain"]), _mean_std(part["gain_area"]),
-                                          _mean_std(part["split_gain"]), len(part)]))
+        rows.append(
+            (
+                order[arm],
+                values,
+                [
+                    arm,
+                    *[f"{v:g}" for v in values],
+                    f"{part['start'].mean():.3f}",
+                    _mean_std(part["gain"]),
+                    _mean_std(part["gain_area"]),
+                    _mean_std(part["split_gain"]),
+                    len(part),
+                ],
+            )
+        )
     rows.sort(key=lambda row: (row[0], row[1]))
-    header = ["arm", *[axis_header(key) for key in axes], "start (greedy)",
-              "final gain", "mean gain over the run", "final gain, whole test split", "seeds"]
+    header = [
+        "arm",
+        *[axis_header(key) for key in axes],
+        "start (greedy)",
+        "final gain",
+        "mean gain over the run",
+        "final gain, whole test split",
+        "seeds",
+    ]
     definitions = [f"- **{name.replace('_', ' ')}** (`{name}`): {text}." for name, text in GAIN_MEASURES.items()]
-    return ["## Held-out accuracy gained", "", markdown_table(header, [row[2] for row in rows]), "",
-            f"Per run, from its own start on the same prompts; mean ± sample std over seeds "
-            f"({', '.join(sorted(set(gains['seed']), key=seed_order))}). Per-seed values: `{PER_SEED_FILE}`. An arm "
-            "is the objective, its replay and, when it is not the trainer's own fp32 model, the engine's precision."
-            + _synthetic_note(runset), "", "The measures:", "", *definitions]
+    return [
+        "## Held-out accuracy gained",
+        "",
+        markdown_table(header, [row[2] for row in rows]),
+        "",
+        f"Per run, from its own start on the same prompts; mean ± sample std over seeds "
+        f"({', '.join(sorted(set(gains['seed']), key=seed_order))}). Per-seed values: `{PER_SEED_FILE}`. An arm "
+        "is the objective, its replay and, when it is not the trainer's own fp32 model, the engine's precision."
+        + _synthetic_note(runset),
+        "",
+        "The measures:",
+        "",
+        *definitions,
+    ]
 
 
 def one_arm_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
@@ -227,14 +310,27 @@ def one_arm_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
     rows = []
     for cell, part in sweep_cells(gains, axes):
         values = [part[measure].dropna() for measure in GAIN_MEASURES]
-        rows.append([*[f"{cell[key]:g}" for key in axes], len(part),
-                     *[statistics.mean_interval(v).text() if len(v) >= 2 else "–" for v in values]])
-    header = [*[axis_header(key) for key in axes], "seeds",
-              *[f"{name.replace('_', ' ')}, mean [95% CI]" for name in GAIN_MEASURES]]
-    return [f"## {gains['arm'].iloc[0]}: its mean gain with a 95% interval", "", markdown_table(header, rows), "",
-            "One arm, so nothing to compare it with here: each mean over seeds with its 95% percentile bootstrap "
-            f"interval ({statistics.RESAMPLES:,} resamples), how far other seeds could move it. To pair it with the "
-            "arms of another report on shared seeds: `python -m analysis.compare`."]
+        rows.append(
+            [
+                *[f"{cell[key]:g}" for key in axes],
+                len(part),
+                *[statistics.mean_interval(v).text() if len(v) >= 2 else "–" for v in values],
+            ]
+        )
+    header = [
+        *[axis_header(key) for key in axes],
+        "seeds",
+        *[f"{name.replace('_', ' ')}, mean [95% CI]" for name in GAIN_MEASURES],
+    ]
+    return [
+        f"## {gains['arm'].iloc[0]}: its mean gain with a 95% interval",
+        "",
+        markdown_table(header, rows),
+        "",
+        "One arm, so nothing to compare it with here: each mean over seeds with its 95% percentile bootstrap "
+        f"interval ({statistics.RESAMPLES:,} resamples), how far other seeds could move it. To pair it with the "
+        "arms of another report on shared seeds: `python -m analysis.compare`.",
+    ]
 
 
 def early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[str]:
@@ -253,11 +349,15 @@ def early_warning_section(runset: RunSet, drop: float, alpha: float) -> list[str
     alarms = {m: int(table.loc[~table["collapsed"], f"{m}_moved_step"].notna().sum()) for m in signals}
     header = ["collapsed run", "reward fell at step", *[f"`{m}` moved at (lead)" for m in signals]]
     return [
-        "## Early warning", "", markdown_table(header, rows), "",
+        "## Early warning",
+        "",
+        markdown_table(header, rows),
+        "",
         "The reward fell at the first step of the final stretch where its EMA stayed more than the collapse drop below "
         "its best. A signal moved at the first step, after the first fifth of the run, from which its EMA stayed "
         f"for {WARNING_SUSTAIN} logged steps outside its early band (the first fifth's mean ± max(3 std, 20% of "
         "|mean|)); the lead is the fall's step minus that step (positive: the signal moved first). In the runs that "
         "did not collapse the same test fired (false alarms) for "
-        + ", ".join(f"`{m}` in {n} of {int((~table['collapsed']).sum())}" for m, n in alarms.items()) + ".",
+        + ", ".join(f"`{m}` in {n} of {int((~table['collapsed']).sum())}" for m, n in alarms.items())
+        + ".",
     ]

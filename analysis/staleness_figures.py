@@ -26,8 +26,17 @@ from analysis.arms import arms_of, sweep_axes
 from analysis.diagnostics import LAG, lags_of
 from analysis.gains import EXCLUDED, GAIN_MEASURES, accuracy_gain
 from analysis.plotting import (
-    LAG_LABEL, STEP_LABEL, FigureOutput, FigureSettings, arm_styles, figure, legend, legend_rows_in, new_figure,
-    plot_band, smoothing_text,
+    LAG_LABEL,
+    STEP_LABEL,
+    FigureOutput,
+    FigureSettings,
+    arm_styles,
+    figure,
+    legend,
+    legend_rows_in,
+    new_figure,
+    plot_band,
+    smoothing_text,
 )
 from analysis.records import RunSet
 from analysis.statistics import Interval, mean_interval, starts_interval
@@ -55,12 +64,25 @@ class CurveRow:
 TRUNCATION = (token_frac(tis.TRUNCATED), MINIRL_TRUNCATED)
 ROWS = (
     CurveRow((m.REWARD,), "training reward", f"the training reward (`{m.REWARD}`, Figure 1's)", from_zero=False),
-    CurveRow((m.EVAL_GREEDY,), "held-out greedy\naccuracy", f"held-out greedy accuracy (`{m.EVAL_GREEDY}`, at each "
-        "evaluation, unsmoothed)", smoothed=False, from_zero=False),
-    CurveRow((m.ENGINE_EXPERTS,), "engine's experts\nnot θ_old's", "the share of the engine's activated experts θ_old's "
-        f"routers did not choose on the same tokens (`{m.ENGINE_EXPERTS}`, Figure 9's)"),
-    CurveRow(TRUNCATION, "weight truncated\n(share)", "the share of tokens whose behaviour weight was truncated at its "
-        f"cap (TIS: `{TRUNCATION[0]}`; MiniRL: `{TRUNCATION[1]}`)"),
+    CurveRow(
+        (m.EVAL_GREEDY,),
+        "held-out greedy\naccuracy",
+        f"held-out greedy accuracy (`{m.EVAL_GREEDY}`, at each evaluation, unsmoothed)",
+        smoothed=False,
+        from_zero=False,
+    ),
+    CurveRow(
+        (m.ENGINE_EXPERTS,),
+        "engine's experts\nnot θ_old's",
+        "the share of the engine's activated experts θ_old's "
+        f"routers did not choose on the same tokens (`{m.ENGINE_EXPERTS}`, Figure 9's)",
+    ),
+    CurveRow(
+        TRUNCATION,
+        "weight truncated\n(share)",
+        "the share of tokens whose behaviour weight was truncated at its "
+        f"cap (TIS: `{TRUNCATION[0]}`; MiniRL: `{TRUNCATION[1]}`)",
+    ),
     CurveRow((m.MISMATCH_K3,), "KL(μ_old ‖ π_old)\nk3", f"the k3 estimate of KL(μ_old ‖ π_old) (`{m.MISMATCH_K3}`)"),
 )
 # Five columns of up to seven arms each: lines thinner than the style's keep the arms apart.
@@ -130,8 +152,11 @@ def fig_staleness_curves(runset: RunSet, settings: FigureSettings, out: FigureOu
         grid[r][0].set_ylabel(row.ylabel)
     legend(fig, [arm for arm in styles if arm in drawn], styles)
     out.notes += pooled_note(runset)
-    smoothed = (f"each run smoothed first ({smoothing_text(settings.alpha)}) in every row but the held-out "
-                "accuracy's" if settings.alpha < 1 else "no curve smoothed")
+    smoothed = (
+        f"each run smoothed first ({smoothing_text(settings.alpha)}) in every row but the held-out accuracy's"
+        if settings.alpha < 1
+        else "no curve smoothed"
+    )
     out.caption = (
         "Per lag k (a column: the engine samples k weight versions behind θ_old, `rollout.lag`; a run's first k steps "
         "sample with the start, fewer versions behind) against RL step, per arm (one colour in every column and in "
@@ -145,11 +170,16 @@ def fig_staleness_curves(runset: RunSet, settings: FigureSettings, out: FigureOu
 TWO_LEVEL, SEEDS, NONE = "two-level", "across seeds", "none"  # the interval a point of Figure 11 has
 # Each interval as the caption names it, and the points that have it.
 INTERVALS = {
-    TWO_LEVEL: ("the two-level bootstrap across cold starts (starts resampled, then seeds within each drawn start, "
-                "every start weighted equally: the point is the mean of its starts' means; "
-                "`statistics.starts_interval`)", "where a point's runs come from two or more starts"),
-    SEEDS: ("the bootstrap across the seeds of one start (`statistics.mean_interval`)",
-            "where they come from one start"),
+    TWO_LEVEL: (
+        "the two-level bootstrap across cold starts (starts resampled, then seeds within each drawn start, "
+        "every start weighted equally: the point is the mean of its starts' means; "
+        "`statistics.starts_interval`)",
+        "where a point's runs come from two or more starts",
+    ),
+    SEEDS: (
+        "the bootstrap across the seeds of one start (`statistics.mean_interval`)",
+        "where they come from one start",
+    ),
     NONE: ("none", "where a point is one run"),
 }
 
@@ -170,11 +200,20 @@ def gain_by_lag(gains: pd.DataFrame, measure: str) -> pd.DataFrame:
             value = float(part[measure].iloc[0])
             interval, kind = Interval(value, np.nan, np.nan), NONE
         sizes = {len(values) for values in by_start.values()}
-        rows.append({"arm": arm, "lag": lag, "estimate": interval.estimate, "low": interval.low,
-                     "high": interval.high, "interval": kind, "starts": len(by_start), "runs": len(part),
-                     "seeds": sizes.pop() if len(sizes) == 1 else np.nan})
-    return pd.DataFrame(rows, columns=["arm", "lag", "estimate", "low", "high", "interval", "starts", "runs",
-                                       "seeds"])
+        rows.append(
+            {
+                "arm": arm,
+                "lag": lag,
+                "estimate": interval.estimate,
+                "low": interval.low,
+                "high": interval.high,
+                "interval": kind,
+                "starts": len(by_start),
+                "runs": len(part),
+                "seeds": sizes.pop() if len(sizes) == 1 else np.nan,
+            }
+        )
+    return pd.DataFrame(rows, columns=["arm", "lag", "estimate", "low", "high", "interval", "starts", "runs", "seeds"])
 
 
 def interval_text(table: pd.DataFrame) -> str:
@@ -190,6 +229,7 @@ def interval_text(table: pd.DataFrame) -> str:
 def design_text(table: pd.DataFrame) -> str:
     """How many starts × seeds the points of `gain_by_lag`'s table hold: one design for all, else each with its number
     of points."""
+
     def design(point: tuple) -> str:
         if np.isnan(point.seeds):  # its starts hold unequal numbers of seeds
             return f"{point.starts} starts, {point.runs} runs"
@@ -226,12 +266,27 @@ def fig_gain_by_lag(runset: RunSet, settings: FigureSettings, out: FigureOutput)
     for arm in arms:
         style, points = styles[arm], table[table["arm"] == arm].sort_values("lag")
         runs = gains[gains["arm"] == arm]
-        ax.scatter([columns.index(lags[run]) + offsets[arm] for run in runs["run"]], runs[measure], s=5,
-                   color=style.color, alpha=0.35, linewidths=0, zorder=1)
+        ax.scatter(
+            [columns.index(lags[run]) + offsets[arm] for run in runs["run"]],
+            runs[measure],
+            s=5,
+            color=style.color,
+            alpha=0.35,
+            linewidths=0,
+            zorder=1,
+        )
         x = [columns.index(lag) + offsets[arm] for lag in points["lag"]]
         ax.vlines(x, points["low"], points["high"], color=style.color, linewidth=0.9, zorder=2)
-        ax.plot(x, points["estimate"], color=style.color, linestyle=style.linestyle, marker="o", markersize=2.5,
-                linewidth=0.8, zorder=3)
+        ax.plot(
+            x,
+            points["estimate"],
+            color=style.color,
+            linestyle=style.linestyle,
+            marker="o",
+            markersize=2.5,
+            linewidth=0.8,
+            zorder=3,
+        )
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_xticks(range(len(columns)), [str(lag) for lag in columns])
     ax.set_xlabel(LAG_LABEL)

@@ -27,9 +27,8 @@ starts (each named by its weights' sha256), `across_starts` adds the recipe's vi
 - **the exact start-level sign-flip test** on the per-start mean differences (2^K patterns: K ≥ 6 to reach 0.05);
 - **each start's own difference**, and whether its sign agrees on every start.
 
-Two groups of starts that share no unit (one model's starts against another's: `between_starts`) are compared
-unpaired: the difference of the groups' means over their starts, a two-level bootstrap of each group apart, and the
-exact permutation test of the starts' values between the groups (`permutation_p`: C(K1 + K2, K1) splits).
+Two groups of starts that share no unit (one model's starts against another's) are compared unpaired, in
+`analysis.unpaired`, on the intervals and constants of this module.
 
 The verdict: **separates** when the 95% interval of the mean difference excludes 0 *and* the sign-flip test gives
 p < 0.05; otherwise **not distinguishable**, with the smallest effect these seeds could have detected: the mean
@@ -44,7 +43,6 @@ independently, which throws the pairing away), scipy has the paired bootstrap, a
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import asdict, dataclass
 
@@ -94,10 +92,14 @@ class Comparison:
         if self.separates:
             return "separates (95% CI of the difference excludes 0)"
         if math.isinf(self.detectable):
-            return (f"not distinguishable (with {self.seeds} seeds no paired test reaches p < {ALPHA:g}: "
-                    "at least 6 are needed)")
-        return (f"not distinguishable (with {self.seeds} seeds the smallest effect this could detect is "
-                f"{self.detectable:.3f})")
+            return (
+                f"not distinguishable (with {self.seeds} seeds no paired test reaches p < {ALPHA:g}: "
+                "at least 6 are needed)"
+            )
+        return (
+            f"not distinguishable (with {self.seeds} seeds the smallest effect this could detect is "
+            f"{self.detectable:.3f})"
+        )
 
     def row(self) -> dict[str, float | int | str | bool | None]:
         """A flat record for a CSV: every interval as estimate / low / high."""
@@ -130,8 +132,16 @@ def _bootstrap(data: tuple[np.ndarray, ...], statistic, paired: bool) -> Interva
     estimate = float(statistic(*data))
     if np.all([np.all(sample == sample[0]) for sample in data]):  # nothing to resample: the interval is the point
         return Interval(estimate, estimate, estimate)
-    result = stats.bootstrap(data, statistic, paired=paired, vectorized=True, method="percentile",
-                             confidence_level=CONFIDENCE, n_resamples=RESAMPLES, rng=np.random.default_rng(RNG_SEED))
+    result = stats.bootstrap(
+        data,
+        statistic,
+        paired=paired,
+        vectorized=True,
+        method="percentile",
+        confidence_level=CONFIDENCE,
+        n_resamples=RESAMPLES,
+        rng=np.random.default_rng(RNG_SEED),
+    )
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
 
 
@@ -217,8 +227,9 @@ def compare(arm: np.ndarray | list[float], baseline: np.ndarray | list[float]) -
     """`arm` against `baseline`, both one value per shared seed, in the same seed order."""
     arm, baseline = np.asarray(arm, dtype=float), np.asarray(baseline, dtype=float)
     if arm.shape != baseline.shape or arm.ndim != 1:
-        raise ValueError(f"compare needs one value per shared seed for each arm, got shapes {arm.shape} and "
-                         f"{baseline.shape}")
+        raise ValueError(
+            f"compare needs one value per shared seed for each arm, got shapes {arm.shape} and {baseline.shape}"
+        )
     if len(arm) < 2:
         raise ValueError(f"compare needs at least 2 shared seeds, got {len(arm)}")
     if not (np.all(np.isfinite(arm)) and np.all(np.isfinite(baseline))):
@@ -274,11 +285,17 @@ class AcrossStarts:
         return bool(np.all(values > TIE) or np.all(values < -TIE))
 
     def row(self) -> dict[str, float | int | str | bool]:
-        return {"starts": self.starts, "starts_difference_estimate": self.difference.estimate,
-                "starts_difference_low": self.difference.low, "starts_difference_high": self.difference.high,
-                "starts_p_value": self.p_value, "starts_agree": self.signs_agree,
-                "per_start": "; ".join(f"{start[:12] or '?'}: {value:+.3f} ({self.seeds[start]})"
-                                       for start, value in self.per_start.items())}
+        return {
+            "starts": self.starts,
+            "starts_difference_estimate": self.difference.estimate,
+            "starts_difference_low": self.difference.low,
+            "starts_difference_high": self.difference.high,
+            "starts_p_value": self.p_value,
+            "starts_agree": self.signs_agree,
+            "per_start": "; ".join(
+                f"{start[:12] or '?'}: {value:+.3f} ({self.seeds[start]})" for start, value in self.per_start.items()
+            ),
+        }
 
 
 def across_starts(differences: dict[str, np.ndarray | list[float]]) -> AcrossStarts:
@@ -286,15 +303,21 @@ def across_starts(differences: dict[str, np.ndarray | list[float]]) -> AcrossSta
     per shared seed}`): the two-level bootstrap interval, the start-level sign-flip test and each start's own
     difference. A two-level interval needs at least 2 starts."""
     if len(differences) < 2:
-        raise ValueError(f"a two-level interval needs at least 2 cold starts, got {len(differences)}: with one start "
-                         "only the within-start statistics apply")
+        raise ValueError(
+            f"a two-level interval needs at least 2 cold starts, got {len(differences)}: with one start "
+            "only the within-start statistics apply"
+        )
     by_start = {start: np.asarray(values, dtype=float) for start, values in differences.items()}
     if any(len(values) == 0 or not np.all(np.isfinite(values)) for values in by_start.values()):
         raise ValueError("across_starts needs at least one finite paired difference per start")
     per_start = {start: float(values.mean()) for start, values in by_start.items()}
-    return AcrossStarts(starts=len(by_start), difference=starts_interval(by_start),
-                        p_value=sign_flip_p(np.array(list(per_start.values()))), per_start=per_start,
-                        seeds={start: len(values) for start, values in by_start.items()})
+    return AcrossStarts(
+        starts=len(by_start),
+        difference=starts_interval(by_start),
+        p_value=sign_flip_p(np.array(list(per_start.values()))),
+        per_start=per_start,
+        seeds={start: len(values) for start, values in by_start.items()},
+    )
 
 
 def starts_interval(by_start: dict[str, np.ndarray | list[float]]) -> Interval:
@@ -305,79 +328,6 @@ def starts_interval(by_start: dict[str, np.ndarray | list[float]]) -> Interval:
     draws = multi_bootstrap(values, RESAMPLES, np.random.default_rng(RNG_SEED))
     low, high = np.percentile(draws, [100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2])
     return Interval(float(np.mean([seeds.mean() for seeds in values])), float(low), float(high))
-
-
-def smallest_permutation_p(first: int, second: int, family: int = 1) -> float:
-    """The smallest p the exact two-sided permutation test of two groups of `first` and `second` units can give, Holm-
-    adjusted over a `family` (times its size): every unit of one group beyond every unit of the other, which only the
-    observed split reaches, and its mirror when the groups are of one size (2/12870 for 8 and 8)."""
-    return family * (2 if first == second else 1) / math.comb(first + second, first)
-
-
-def permutation_p(first: np.ndarray | list[float], second: np.ndarray | list[float]) -> float:
-    """The two-sided p-value of the permutation test of equal means of two independent groups: the share of the
-    splits of the pooled values into groups of the two sizes whose |difference of means| reaches the observed one
-    (within `TIE`, as `sign_flip_p`; 1.0 when the means are equal). Every split up to `EXACT_SPLITS_UP_TO`; beyond,
-    `RESAMPLES` * 10 random ones (the observed one counted among them), from the fixed `RNG_SEED`."""
-    first, second = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
-    observed = abs(first.mean() - second.mean())
-    if observed <= TIE:
-        return 1.0
-    pooled, size = np.concatenate([first, second]), len(first)
-    splits = math.comb(len(pooled), size)
-    if splits <= EXACT_SPLITS_UP_TO:
-        chosen = np.zeros((splits, len(pooled)), dtype=bool)
-        for row, members in enumerate(itertools.combinations(range(len(pooled)), size)):
-            chosen[row, list(members)] = True
-    else:  # a random permutation's first `size` places make the first group
-        rng = np.random.default_rng(RNG_SEED)
-        chosen = np.argsort(rng.random((RESAMPLES * 10, len(pooled))), axis=1) < size
-    means = chosen @ pooled / size - ~chosen @ pooled / (len(pooled) - size)
-    reached = int(np.sum(np.abs(means) >= observed - TIE))
-    return reached / splits if splits <= EXACT_SPLITS_UP_TO else (reached + 1) / (len(chosen) + 1)
-
-
-@dataclass(frozen=True)
-class BetweenStarts:
-    """Two groups of cold starts that share no unit (one model's starts against another's): the unpaired view of
-    `AcrossStarts`, each start's value the mean over its seeds."""
-
-    starts: tuple[int, int]
-    difference: Interval  # mean over the first group's starts − over the second's, two-level 95% interval
-    p_value: float  # the permutation test of the starts' values between the two groups, two-sided
-    per_start: tuple[dict[str, float], dict[str, float]]  # each start's own value, per group
-    seeds: tuple[dict[str, int], dict[str, int]]  # each start's seeds, per group
-
-    @property
-    def signs_agree(self) -> bool:
-        """The unpaired form of "every start agrees in sign": every start of one group lies beyond every start of the
-        other (what the smallest permutation p needs, as every sign alike is what the smallest sign-flip p needs)."""
-        first, second = (np.array(list(values.values())) for values in self.per_start)
-        return bool(first.min() - second.max() > TIE or second.min() - first.max() > TIE)
-
-
-def between_starts(first: dict[str, np.ndarray | list[float]], second: dict[str, np.ndarray | list[float]]
-                   ) -> BetweenStarts:
-    """Two independent groups of starts (`{start sha256: one value per seed}` each; a start's value is the mean of
-    its seeds, every start weighted equally): the difference of the groups' means, its interval from the two-level
-    bootstrap of each group apart (`multi_bootstrap`: starts within the group, then seeds within each drawn start; the
-    difference of the two draws, percentile interval), the permutation test of the starts' values between the groups
-    (`permutation_p`) and each start's own value. Each group needs at least 2 starts."""
-    groups = [{start: np.asarray(values, dtype=float) for start, values in group.items()} for group in (first, second)]
-    if min(len(group) for group in groups) < 2:
-        raise ValueError(f"two groups of starts need at least 2 starts each, got {len(first)} and {len(second)}")
-    if any(len(values) == 0 or not np.all(np.isfinite(values)) for group in groups for values in group.values()):
-        raise ValueError("between_starts needs at least one finite value per start")
-    per_start = tuple({start: float(values.mean()) for start, values in group.items()} for group in groups)
-    means = [np.array(list(values.values())) for values in per_start]
-    rng = np.random.default_rng(RNG_SEED)
-    draws = [multi_bootstrap(list(group.values()), RESAMPLES, rng) for group in groups]
-    low, high = np.percentile(draws[0] - draws[1], [100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2])
-    return BetweenStarts(starts=(len(groups[0]), len(groups[1])),
-                         difference=Interval(float(means[0].mean() - means[1].mean()), float(low), float(high)),
-                         p_value=permutation_p(*means), per_start=(per_start[0], per_start[1]),
-                         seeds=({start: len(values) for start, values in groups[0].items()},
-                                {start: len(values) for start, values in groups[1].items()}))
 
 
 def accuracy_interval(accuracy: float, prompts: int, level: float = 0.95) -> tuple[float, float]:

@@ -22,9 +22,7 @@ from algos.objective import CLIP
 from algos.objective import SEQ_RATIO_VAR as SEQ_VAR
 from algos.objective import TOKEN_RATIO_VAR as TOKEN_VAR
 from analysis.records import RunSet
-from experiments.step.metrics import (
-    DRIFT, FRAGILE, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME, TOKENS,
-)
+from experiments.step.metrics import DRIFT, FRAGILE, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME, TOKENS
 
 EMA_ALPHA = 0.3
 LAST_N = 10
@@ -34,11 +32,28 @@ COLLAPSE_MIN_TAIL = 3
 TOKEN_GRID_POINTS = 100
 
 STABILITY_COLUMNS = [
-    "label", "algo", "replay", "seeds", "incomplete_runs", "last_step",
-    "final_reward_mean", "final_reward_std", "best_reward", "collapsed_seeds", "collapse_evaluated_seeds",
-    "collapse", "clip_frac_mean", "expert_change_per_update_mean", "expert_change_over_minibatches_mean",
-    "ratio_token_var_mean", "ratio_seq_var_mean", "mismatch_kl_k3_mean", "fragile_frac_mean", "routing_share_mean",
-    "skipped_steps", "step_s_mean",
+    "label",
+    "algo",
+    "replay",
+    "seeds",
+    "incomplete_runs",
+    "last_step",
+    "final_reward_mean",
+    "final_reward_std",
+    "best_reward",
+    "collapsed_seeds",
+    "collapse_evaluated_seeds",
+    "collapse",
+    "clip_frac_mean",
+    "expert_change_per_update_mean",
+    "expert_change_over_minibatches_mean",
+    "ratio_token_var_mean",
+    "ratio_seq_var_mean",
+    "mismatch_kl_k3_mean",
+    "fragile_frac_mean",
+    "routing_share_mean",
+    "skipped_steps",
+    "step_s_mean",
 ]
 
 
@@ -105,10 +120,17 @@ def aggregate_curves(series: pd.DataFrame, grid: int | np.ndarray | None = None)
         n = np.sum(~np.isnan(stacked), axis=0)
         keep = n > 0
         frame = pd.DataFrame(stacked[:, keep], columns=points[keep])
-        parts.append(pd.DataFrame({
-            "label": label, "x": points[keep], "mean": frame.mean().to_numpy(),
-            "std": frame.std(ddof=1).to_numpy(), "n": n[keep],
-        }))
+        parts.append(
+            pd.DataFrame(
+                {
+                    "label": label,
+                    "x": points[keep],
+                    "mean": frame.mean().to_numpy(),
+                    "std": frame.std(ddof=1).to_numpy(),
+                    "n": n[keep],
+                }
+            )
+        )
     return pd.concat(parts, ignore_index=True)[columns]
 
 
@@ -121,6 +143,7 @@ def curve(runset: RunSet, metric: str, x: str = "step", alpha: float | None = EM
 # ---------------------------------------------------------------------------------------------------------------
 # Collapse and the stability table
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def collapse_tail(n_steps: int) -> int:
     """Length K of the tail the collapse test looks at: the last 10% of logged steps, at least 3."""
@@ -148,8 +171,9 @@ def _mean_of(frame: pd.DataFrame, metric: str) -> pd.Series:
     return rows.groupby("run")["value"].mean()
 
 
-def run_stats(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
-              alpha: float = EMA_ALPHA) -> pd.DataFrame:
+def run_stats(
+    runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP, alpha: float = EMA_ALPHA
+) -> pd.DataFrame:
     """Per-run numbers behind the stability table, one row per run (NaN where a metric was not logged).
 
     final_reward: mean raw reward over the run's last `last_n` logged steps; best_reward: maximum of the smoothed
@@ -194,8 +218,9 @@ def run_stats(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
     return stats.rename_axis("run").reset_index()
 
 
-def stability_table(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP,
-                    alpha: float = EMA_ALPHA) -> pd.DataFrame:
+def stability_table(
+    runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE_DROP, alpha: float = EMA_ALPHA
+) -> pd.DataFrame:
     """One row per series (label), in display order; columns `STABILITY_COLUMNS`.
 
     final_reward_mean/std: mean and sample std across seeds of each seed's last-`last_n`-step mean reward;
@@ -209,30 +234,32 @@ def stability_table(runset: RunSet, last_n: int = LAST_N, drop: float = COLLAPSE
         group = stats[stats["label"] == label]
         evaluated = group["collapsed"].dropna()
         skipped = group["skipped_steps"].dropna()
-        rows.append({
-            "label": label,
-            "algo": meta.loc[label, "algo"],
-            "replay": meta.loc[label, "replay"],
-            "seeds": len(group),
-            "incomplete_runs": int(group["incomplete"].sum()),
-            "last_step": int(group["last_step"].max()),
-            "final_reward_mean": group["final_reward"].mean(),
-            "final_reward_std": group["final_reward"].std(ddof=1),
-            "best_reward": group["best_reward"].mean(),
-            "collapsed_seeds": int(sum(bool(v) for v in evaluated)),
-            "collapse_evaluated_seeds": len(evaluated),
-            "collapse": bool(any(bool(v) for v in evaluated)),
-            "clip_frac_mean": group["clip_frac"].mean(),
-            "expert_change_per_update_mean": group["expert_change_per_update"].mean(),
-            "expert_change_over_minibatches_mean": group["expert_change_over_minibatches"].mean(),
-            "ratio_token_var_mean": group["ratio_token_var"].mean(),
-            "ratio_seq_var_mean": group["ratio_seq_var"].mean(),
-            "mismatch_kl_k3_mean": group["mismatch_kl_k3"].mean(),
-            "fragile_frac_mean": group["fragile_frac"].mean(),
-            "routing_share_mean": group["routing_share"].mean(),
-            "skipped_steps": skipped.sum() if len(skipped) else math.nan,
-            "step_s_mean": group["step_s"].mean(),
-        })
+        rows.append(
+            {
+                "label": label,
+                "algo": meta.loc[label, "algo"],
+                "replay": meta.loc[label, "replay"],
+                "seeds": len(group),
+                "incomplete_runs": int(group["incomplete"].sum()),
+                "last_step": int(group["last_step"].max()),
+                "final_reward_mean": group["final_reward"].mean(),
+                "final_reward_std": group["final_reward"].std(ddof=1),
+                "best_reward": group["best_reward"].mean(),
+                "collapsed_seeds": int(sum(bool(v) for v in evaluated)),
+                "collapse_evaluated_seeds": len(evaluated),
+                "collapse": bool(any(bool(v) for v in evaluated)),
+                "clip_frac_mean": group["clip_frac"].mean(),
+                "expert_change_per_update_mean": group["expert_change_per_update"].mean(),
+                "expert_change_over_minibatches_mean": group["expert_change_over_minibatches"].mean(),
+                "ratio_token_var_mean": group["ratio_token_var"].mean(),
+                "ratio_seq_var_mean": group["ratio_seq_var"].mean(),
+                "mismatch_kl_k3_mean": group["mismatch_kl_k3"].mean(),
+                "fragile_frac_mean": group["fragile_frac"].mean(),
+                "routing_share_mean": group["routing_share"].mean(),
+                "skipped_steps": skipped.sum() if len(skipped) else math.nan,
+                "step_s_mean": group["step_s"].mean(),
+            }
+        )
     return pd.DataFrame(rows, columns=STABILITY_COLUMNS)
 
 

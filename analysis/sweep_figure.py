@@ -14,26 +14,31 @@ from matplotlib.lines import Line2D
 
 from analysis.arms import arm_order, cell_name, sweep_axes, sweep_cells
 from analysis.configs import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS
-from analysis.gains import EXCLUDED, GAIN_MEASURES, accuracy_gain
 from analysis.diagnostics import LAG
+from analysis.gains import EXCLUDED, GAIN_MEASURES, accuracy_gain
 from analysis.plotting import LAG_LABEL, FigureOutput, FigureSettings, figure, new_figure
 from analysis.records import RunSet
 from analysis.style import COLUMN_WIDTH_IN, TEXT_WIDTH_IN, algo_color, replay_linestyle
 
 SYNTHETIC_CAPTIONS = {
     FLIP_RATE: "The flips are a SYNTHETIC intervention (routing.flip_rate): they imitate routing drift in π_θ's update "
-               "forwards only, which replay overrides by construction.",
+    "forwards only, which replay overrides by construction.",
     PERTURB_RATE: "The router noise is a SYNTHETIC intervention (routing.perturb_rate): θ carries it into rollouts, "
-                  "π_old and evaluations, as natural drift; it does not follow the gradient.",
+    "π_old and evaluations, as natural drift; it does not follow the gradient.",
 }
 
 
 def _axis_label(key: str) -> str:
-    return {"trainer.lr": "learning rate", FLIP_RATE: "synthetic flip rate p (SYNTHETIC)",
-            PERTURB_RATE: "router noise p, share moved per update (SYNTHETIC)",
-            "model.num_hidden_layers": "MoE layers", "trainer.minibatches": "minibatches N",
-            "dataset.digits": "digits (answer length)", "rollout.router_noise": "engine router noise σ",
-            LAG: LAG_LABEL}.get(key, key)
+    return {
+        "trainer.lr": "learning rate",
+        FLIP_RATE: "synthetic flip rate p (SYNTHETIC)",
+        PERTURB_RATE: "router noise p, share moved per update (SYNTHETIC)",
+        "model.num_hidden_layers": "MoE layers",
+        "trainer.minibatches": "minibatches N",
+        "dataset.digits": "digits (answer length)",
+        "rollout.router_noise": "engine router noise σ",
+        LAG: LAG_LABEL,
+    }.get(key, key)
 
 
 def _arm_color(arm: str) -> tuple[str, str]:
@@ -54,15 +59,20 @@ def fig_sweep_response(runset: RunSet, settings: FigureSettings, out: FigureOutp
     axes = [key for key in sweep_axes(runset) if gains[key].nunique() > 1] if not gains.empty else []
     arms = list(dict.fromkeys(sorted(gains["arm"], key=arm_order)))
     if gains.empty or (not axes and len(arms) < 2):
-        out.notes.append("The runs vary no numeric setting within an arm and hold one arm (or were not evaluated at "
-                         "start and end): nothing varied to draw the gain against; Figure 1 shows the runs.")
+        out.notes.append(
+            "The runs vary no numeric setting within an arm and hold one arm (or were not evaluated at "
+            "start and end): nothing varied to draw the gain against; Figure 1 shows the runs."
+        )
         return None
     cells = sweep_cells(gains, axes)
     a_grid = len(axes) >= 2 and len({tuple(cell[key] for key in axes[:2]) for cell, _ in cells}) == math.prod(
-        gains[key].nunique() for key in axes[:2])
+        gains[key].nunique() for key in axes[:2]
+    )
     if a_grid and len(axes) > 2:
-        out.notes.append(f"The sweep varies {len(axes)} settings ({', '.join(axes)}); the first two are drawn, "
-                         "averaging over the others.")
+        out.notes.append(
+            f"The sweep varies {len(axes)} settings ({', '.join(axes)}); the first two are drawn, "
+            "averaging over the others."
+        )
     if len(axes) == 1:
         fig = _gain_lines(out, gains, axes[0], arms)
     elif a_grid:
@@ -87,17 +97,30 @@ def _gain_lines(out: FigureOutput, gains: pd.DataFrame, axis: str, arms: list[st
         x = [values.index(v) for v in part[axis]]
         ax.scatter(x, part["gain"], s=6, color=color, alpha=0.5, linewidths=0)
         mean = part.groupby(axis)["gain"].mean()
-        ax.plot([values.index(v) for v in mean.index], mean.to_numpy(), color=color, linestyle=style, marker="o",
-                markersize=2.5)
+        ax.plot(
+            [values.index(v) for v in mean.index],
+            mean.to_numpy(),
+            color=color,
+            linestyle=style,
+            marker="o",
+            markersize=2.5,
+        )
         handles.append((Line2D([], [], color=color, linestyle=style, marker="o", markersize=2.5), arm))
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_xticks(range(len(values)), [f"{v:g}" for v in values])
     ax.set_xlabel(_axis_label(axis))
     ax.set_ylabel("held-out greedy acc., end − start")
-    fig.legend([h for h, _ in handles], [n for _, n in handles], loc="outside lower center",
-               ncols=min(len(handles), 2), frameon=False)
-    out.caption = (f"Each run's held-out greedy accuracy at its last evaluation minus at its start (same prompts), "
-                   f"against {_axis_label(axis)}: one dot per seed, the line through the means.")
+    fig.legend(
+        [h for h, _ in handles],
+        [n for _, n in handles],
+        loc="outside lower center",
+        ncols=min(len(handles), 2),
+        frameon=False,
+    )
+    out.caption = (
+        f"Each run's held-out greedy accuracy at its last evaluation minus at its start (same prompts), "
+        f"against {_axis_label(axis)}: one dot per seed, the line through the means."
+    )
     return fig
 
 
@@ -116,8 +139,14 @@ def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str
         values = np.full((len(ys), len(xs)), np.nan)
         for (y, x), row in table.iterrows():
             values[ys.index(y), xs.index(x)] = row["mean"]
-            ax.text(xs.index(x), ys.index(y), f"{row['mean']:+.2f}\n({int(row['count'])})", ha="center",
-                    va="center", fontsize=5)
+            ax.text(
+                xs.index(x),
+                ys.index(y),
+                f"{row['mean']:+.2f}\n({int(row['count'])})",
+                ha="center",
+                va="center",
+                fontsize=5,
+            )
         image = ax.imshow(values, cmap="RdBu", vmin=-limit, vmax=limit, origin="lower", aspect="auto")
         ax.set_xticks(range(len(xs)), [f"{v:g}" for v in xs])
         ax.set_yticks(range(len(ys)), [f"{v:g}" for v in ys])
@@ -128,9 +157,11 @@ def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str
     for index in range(len(arms), rows * columns):
         grid[index // columns][index % columns].set_visible(False)
     fig.colorbar(image, ax=grid, shrink=0.8, label="held-out greedy accuracy, end − start")
-    out.caption = (f"The stability phase diagram: per arm, the mean over seeds (their count in brackets) of each "
-                   f"run's held-out greedy accuracy at its last evaluation minus at its start, over "
-                   f"{_axis_label(x_axis)} × {_axis_label(y_axis)}; blue gained, red lost.")
+    out.caption = (
+        f"The stability phase diagram: per arm, the mean over seeds (their count in brackets) of each "
+        f"run's held-out greedy accuracy at its last evaluation minus at its start, over "
+        f"{_axis_label(x_axis)} × {_axis_label(y_axis)}; blue gained, red lost."
+    )
     return fig
 
 
@@ -157,8 +188,9 @@ def _gain_cells(out: FigureOutput, cells: list[tuple[dict, pd.DataFrame]], arms:
             ax.hlines(values.mean(), x - 0.3, x + 0.3, color=color, linestyle=style, linewidth=1.5, zorder=3)
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xlim(-0.5, len(arms) - 0.5)
-        ax.set_xticks(range(len(arms)), arms, rotation=30 if len(arms) > 2 else 0,
-                      ha="right" if len(arms) > 2 else "center")
+        ax.set_xticks(
+            range(len(arms)), arms, rotation=30 if len(arms) > 2 else 0, ha="right" if len(arms) > 2 else "center"
+        )
         ax.set_title(cell_name(cell) if cell else "")
         ax.grid(False, axis="x")
         if index % columns == 0:
@@ -166,7 +198,9 @@ def _gain_cells(out: FigureOutput, cells: list[tuple[dict, pd.DataFrame]], arms:
     for index in range(len(cells), rows * columns):
         grid[index // columns][index % columns].set_visible(False)
     where = "Per cell of the sweep (a panel), each" if len(cells) > 1 else "Each"
-    out.caption = (f"{where} run's {name} of held-out greedy accuracy (`{measure}`, from the run's own start), per "
-                   "arm: a dot per seed, one seed's runs joined by a grey line (the pairs the comparisons take), a bar "
-                   "at the arm's mean (its line style the arm's replay).")
+    out.caption = (
+        f"{where} run's {name} of held-out greedy accuracy (`{measure}`, from the run's own start), per "
+        "arm: a dot per seed, one seed's runs joined by a grey line (the pairs the comparisons take), a bar "
+        "at the arm's mean (its line style the arm's replay)."
+    )
     return fig

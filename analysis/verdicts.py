@@ -44,8 +44,9 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
     view), the runs must agree in the same settings but `model.path`: starts of one recipe, never a start of another
     task or model whose only difference is a categorical key (a dataset's name is no axis)."""
     configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
-    recipes = {row.run: json.loads(row.start_recipe) for row in runset.runs.itertuples()
-               if row.start_recipe != UNKNOWN_RECIPE}
+    recipes = {
+        row.run: json.loads(row.start_recipe) for row in runset.runs.itertuples() if row.start_recipe != UNKNOWN_RECIPE
+    }
     counted = gains[gains["counted"] != EXCLUDED]
     _check_one_recipe(configs, recipes, counted, axes)
     for (start, seed), part in counted.groupby(["start_sha256", "seed"], sort=True):
@@ -53,9 +54,11 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
             twice = runs[runs.duplicated("arm", keep=False)]
             if not twice.empty:
                 arm = twice["arm"].iloc[0]
-                raise ValueError(f"arm {arm!r} has {int((twice['arm'] == arm).sum())} runs at seed {seed} from start "
-                                 f"{start[:12] or '(unnamed)'}{_cell_text(cell)} ({', '.join(twice['run'])}): a paired "
-                                 "comparison takes one run per arm, cell, start and seed")
+                raise ValueError(
+                    f"arm {arm!r} has {int((twice['arm'] == arm).sum())} runs at seed {seed} from start "
+                    f"{start[:12] or '(unnamed)'}{_cell_text(cell)} ({', '.join(twice['run'])}): a paired "
+                    "comparison takes one run per arm, cell, start and seed"
+                )
             first, *others = runs["run"]
             for other in others:
                 key, here, there = _first_difference(configs, first, other, axes, path=start == UNKNOWN_START)
@@ -65,18 +68,29 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
                         f"runs of seed {seed} from start {start[:12] or '(unnamed)'}{_cell_text(cell)} disagree in "
                         f"{key} beyond their arms: {arm[first]} has {here} ({first}), {arm[other]} {there} "
                         f"({other}); pairing them would compare that setting too: report them apart, or pair "
-                        "them with analysis.compare under names that say it")
+                        "them with analysis.compare under names that say it"
+                    )
 
 
-def _first_difference(configs: dict[str, dict], first: str, other: str, axes: list[str], path: bool
-                      ) -> tuple[str | None, str, str]:
+def _first_difference(
+    configs: dict[str, dict], first: str, other: str, axes: list[str], path: bool
+) -> tuple[str | None, str, str]:
     """The first setting (in key order) two runs both recorded with different values, beyond their arms' own
     settings, the swept axes and what never changes a run's numbers; `model.path` only where `path`. (None, "", "")
     when they agree."""
+
     def settings(run: str) -> dict[str, str]:
-        return {key: format_value(value) for key, value in configs[run].items()
-                if not (key.startswith(ARM_KEYS) or key in axes or ignored_key(key) or key in NOT_AXES
-                        or (key == "model.path" and not path))}
+        return {
+            key: format_value(value)
+            for key, value in configs[run].items()
+            if not (
+                key.startswith(ARM_KEYS)
+                or key in axes
+                or ignored_key(key)
+                or key in NOT_AXES
+                or (key == "model.path" and not path)
+            )
+        }
 
     mine, theirs = settings(first), settings(other)
     for key in sorted(set(mine) & set(theirs)):
@@ -85,8 +99,9 @@ def _first_difference(configs: dict[str, dict], first: str, other: str, axes: li
     return None, "", ""
 
 
-def _check_one_recipe(configs: dict[str, dict], recipes: dict[str, dict], counted: pd.DataFrame,
-                      axes: list[str]) -> None:
+def _check_one_recipe(
+    configs: dict[str, dict], recipes: dict[str, dict], counted: pd.DataFrame, axes: list[str]
+) -> None:
     """Refuse a cell whose named starts' runs differ beyond their arms and `model.path`, or whose starts were made by
     two recipes (`recipes`: each run's start's SFT settings, where its summary holds them; `experiments.run.recipe`):
     a two-level comparison pools starts as draws of one recipe, and a start of another recipe (another task, model,
@@ -104,18 +119,22 @@ def _check_one_recipe(configs: dict[str, dict], recipes: dict[str, dict], counte
                 raise ValueError(
                     f"runs from starts {start[first][:12]} and {start[other][:12]}{_cell_text(cell)} disagree in "
                     f"{key}: {here} ({first}), {there} ({other}); a comparison across starts pools them as starts of "
-                    "one recipe, which they are not: report each recipe's runs apart")
+                    "one recipe, which they are not: report each recipe's runs apart"
+                )
         made = [(start[run], recipes[run]) for run in first_runs["run"] if run in recipes]
         for other_start, recipe in made[1:]:
             first_start, first_recipe = made[0]
-            differs = next((key for key in sorted({*first_recipe, *recipe}) if first_recipe.get(key, "—")
-                            != recipe.get(key, "—")), None)
+            differs = next(
+                (key for key in sorted({*first_recipe, *recipe}) if first_recipe.get(key, "—") != recipe.get(key, "—")),
+                None,
+            )
             if differs is not None:
                 raise ValueError(
                     f"starts {first_start[:12]} and {other_start[:12]}{_cell_text(cell)} were made by two cold-start "
                     f"recipes (their SFT's {differs}: {first_recipe.get(differs, '—')} and "
                     f"{recipe.get(differs, '—')}); a comparison across starts pools them as draws of one recipe: "
-                    "report each recipe's runs apart")
+                    "report each recipe's runs apart"
+                )
 
 
 def _cell_text(cell: dict) -> str:
@@ -127,14 +146,21 @@ def _by_unit(rows: pd.DataFrame, measure: str) -> pd.Series:
     values = rows.dropna(subset=[measure]).set_index(["start_sha256", "seed"])[measure]
     if values.index.has_duplicates:
         unit = values.index[values.index.duplicated()][0]
-        raise ValueError(f"more than one run of arm {rows['arm'].iloc[0]!r} at seed {unit[1]} from start "
-                         f"{unit[0][:12] or '(unnamed)'}: a paired comparison takes one run per arm, cell, start and "
-                         "seed")
+        raise ValueError(
+            f"more than one run of arm {rows['arm'].iloc[0]!r} at seed {unit[1]} from start "
+            f"{unit[0][:12] or '(unnamed)'}: a paired comparison takes one run per arm, cell, start and "
+            "seed"
+        )
     return values
 
 
-def arm_comparisons(gains: pd.DataFrame, baseline: str, axes: list[str], primary: str = AccuracySummary.gain_area,
-                    family: Sequence[str] = ()) -> pd.DataFrame:
+def arm_comparisons(
+    gains: pd.DataFrame,
+    baseline: str,
+    axes: list[str],
+    primary: str = AccuracySummary.gain_area,
+    family: Sequence[str] = (),
+) -> pd.DataFrame:
     """Per cell, per gain measure (`GAIN_MEASURES`) and per arm other than `baseline`: the paired comparison over the
     (start, seed) units both hold with a counted value (`statistics.compare`; runs whose `counted` is excluded never
     enter) and, where those units span ≥ 2 starts, the comparison across starts (`statistics.across_starts`). One row
@@ -162,9 +188,14 @@ def arm_comparisons(gains: pd.DataFrame, baseline: str, axes: list[str], primary
                 differences: dict[str, list[float]] = {}
                 for unit in shared:
                     differences.setdefault(unit[0], []).append(own[unit] - base[unit])
-                row.update(across_starts(differences).row() if len(differences) >= 2 else
-                           {"starts": 1, "per_start": f"{shared[0][0][:12] or '?'}: {row['difference_estimate']:+.3f} "
-                                                      f"({len(shared)})"})
+                row.update(
+                    across_starts(differences).row()
+                    if len(differences) >= 2
+                    else {
+                        "starts": 1,
+                        "per_start": f"{shared[0][0][:12] or '?'}: {row['difference_estimate']:+.3f} ({len(shared)})",
+                    }
+                )
                 rows.append(row)
     return _judged(pd.DataFrame(rows))
 
@@ -205,18 +236,26 @@ def _verdict(row: pd.Series, family_size: int) -> str:
     if row["separates"]:
         said = f"separates{where} ({interval} of the difference excludes 0; {test})"
     elif row["role"] == PRIMARY and smallest_p(units) < ALPHA <= smallest_p(units, family_size):
-        said = (f"not distinguishable{where} ({test}; with {units} {'starts' if starts >= 2 else 'seeds'} and a family "
-                f"of {family_size} the smallest Holm p any comparison can reach is "
-                f"{smallest_p(units, family_size):.3g}: this design cannot separate, whatever the data)")
+        said = (
+            f"not distinguishable{where} ({test}; with {units} {'starts' if starts >= 2 else 'seeds'} and a family "
+            f"of {family_size} the smallest Holm p any comparison can reach is "
+            f"{smallest_p(units, family_size):.3g}: this design cannot separate, whatever the data)"
+        )
     elif starts >= 2 and smallest_p(starts) >= ALPHA:
-        said = (f"not distinguishable{where} ({test}; with {starts} starts no start-level test reaches p < "
-                f"{ALPHA:g}: at least 6 are needed)")
+        said = (
+            f"not distinguishable{where} ({test}; with {starts} starts no start-level test reaches p < "
+            f"{ALPHA:g}: at least 6 are needed)"
+        )
     elif starts >= 2:
         said = f"not distinguishable{where} ({test})"
     elif math.isinf(row["detectable"]):
-        said = (f"not distinguishable ({test}; with {int(row['seeds'])} seeds no paired test reaches p < {ALPHA:g}: "
-                "at least 6 are needed)")
+        said = (
+            f"not distinguishable ({test}; with {int(row['seeds'])} seeds no paired test reaches p < {ALPHA:g}: "
+            "at least 6 are needed)"
+        )
     else:
-        said = (f"not distinguishable ({test}; with {int(row['seeds'])} seeds the smallest effect this could detect "
-                f"is {row['detectable']:.3f})")
+        said = (
+            f"not distinguishable ({test}; with {int(row['seeds'])} seeds the smallest effect this could detect "
+            f"is {row['detectable']:.3f})"
+        )
     return said if row["role"] == PRIMARY else f"secondary: {said}"

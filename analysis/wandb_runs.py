@@ -18,9 +18,25 @@ import pandas as pd
 
 from analysis.configs import as_today, flatten_config, schema_defaults
 from analysis.records import (
-    FINISHED, INCOMPLETE, RUN_COLUMNS, UNKNOWN_RECIPE, UNKNOWN_START, UNSTARTED_COLUMNS, RecordRows, RunSet,
-    add_record, finish, frames, note_dropped, run_row, step_of, summary_fields, unstarted_row, warn,
+    FINISHED,
+    INCOMPLETE,
+    RUN_COLUMNS,
+    UNKNOWN_RECIPE,
+    UNKNOWN_START,
+    UNSTARTED_COLUMNS,
+    RecordRows,
+    RunSet,
+    add_record,
+    finish,
+    frames,
+    note_dropped,
+    run_row,
+    step_of,
+    summary_fields,
+    unstarted_row,
+    warn,
 )
+
 
 def default_wandb_api() -> Any:
     """The real W&B public API (imported here: `wandb` is slow to import and only this path needs it)."""
@@ -48,8 +64,14 @@ def _check_project_path(path: str) -> None:
         raise ValueError(f"W&B path must be ENTITY/PROJECT, got {path!r}")
 
 
-def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refresh: bool = False,
-               api_factory: Callable[[], Any] = default_wandb_api) -> RunSet:
+def load_wandb(
+    path: str,
+    groups: Sequence[str] = (),
+    *,
+    cache_root: Path,
+    refresh: bool = False,
+    api_factory: Callable[[], Any] = default_wandb_api,
+) -> RunSet:
     """Load the runs of W&B project `path` (restricted to `groups` when given) into a RunSet.
 
     The loaded frames are written as parquet under `wandb_cache_dir(cache_root, path, groups)`; a later call with
@@ -65,8 +87,10 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
     try:
         api = api_factory()
     except Exception as error:  # only W&B's client runs here: no key, no network, a bad host
-        raise ValueError(f"W&B did not start ({type(error).__name__}: {error}); --wandb needs an API key "
-                         "(`wandb login` or WANDB_API_KEY) and a connection, or a cache from an earlier run") from None
+        raise ValueError(
+            f"W&B did not start ({type(error).__name__}: {error}); --wandb needs an API key "
+            "(`wandb login` or WANDB_API_KEY) and a connection, or a cache from an earlier run"
+        ) from None
     filters = {"group": {"$in": list(groups)}} if groups else None
     problems: list[str] = []
     rows = RecordRows(nulls_are_non_finite=False)
@@ -86,8 +110,7 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
             history += 1
             add_record(rows, run, step, record)
         if without_step:
-            warn(problems, f"W&B run {run} ({wb_run.name}): {without_step} history rows without 'train/step' "
-                            "skipped")
+            warn(problems, f"W&B run {run} ({wb_run.name}): {without_step} history rows without 'train/step' skipped")
         source = f"wandb:{path}/{run} (group {wb_run.group}, name {wb_run.name})"
         flat = as_today(flatten_config(config), defaults)
         if not history:
@@ -98,8 +121,12 @@ def load_wandb(path: str, groups: Sequence[str] = (), *, cache_root: Path, refre
         if "status" in summary:
             status, wall_s, start, recipe = summary_fields(summary)
         else:
-            status, wall_s, start, recipe = ((FINISHED if wb_run.state == "finished" else INCOMPLETE), math.nan,
-                                             UNKNOWN_START, UNKNOWN_RECIPE)
+            status, wall_s, start, recipe = (
+                (FINISHED if wb_run.state == "finished" else INCOMPLETE),
+                math.nan,
+                UNKNOWN_START,
+                UNKNOWN_RECIPE,
+            )
         run_rows.append(run_row(run, flat, status, wall_s, start, recipe, source))
     if not run_rows:
         where = f" in groups {', '.join(groups)}" if groups else ""

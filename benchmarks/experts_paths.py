@@ -25,9 +25,9 @@ import argparse
 import ctypes
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ class SortedRows:
     counts: torch.Tensor  # [E] rows per expert
 
     @classmethod
-    def draw(cls, tokens: int, skew: float, generator: torch.Generator) -> "SortedRows":
+    def draw(cls, tokens: int, skew: float, generator: torch.Generator) -> SortedRows:
         logits = torch.randn(tokens, EXPERTS, generator=generator) + skew * torch.linspace(0, 1, EXPERTS)
         experts, _ = torch.sort(logits.topk(TOP_K, dim=-1).indices.reshape(-1))
         rows = torch.randn(tokens * TOP_K, HIDDEN, generator=generator)
@@ -85,16 +85,37 @@ def ways(batch: SortedRows, weight: torch.Tensor) -> dict[str, Callable[[], torc
     starts = (offsets - batch.counts).long()
     every = lambda value, dtype=torch.int32: torch.full((EXPERTS,), value, dtype=dtype)  # noqa: E731
     no_trans, m = every(111), batch.counts.to(torch.int32)  # CBLAS_TRANSPOSE NoTrans; each expert's rows
-    n, k, alpha, beta, one = every(GATE_UP), every(HIDDEN), every(1.0, torch.float32), every(0.0, torch.float32), every(1)
+    n, k, alpha, beta, one = (
+        every(GATE_UP),
+        every(HIDDEN),
+        every(1.0, torch.float32),
+        every(0.0, torch.float32),
+        every(1),
+    )
     weights_at = weight.data_ptr() + torch.arange(EXPERTS) * (HIDDEN * GATE_UP * 4)
 
     def mkl_batch() -> torch.Tensor:
         out = batch.rows.new_empty(len(batch.experts), GATE_UP)
         rows_at = batch.rows.data_ptr() + starts * (HIDDEN * 4)
         out_at = out.data_ptr() + starts * (GATE_UP * 4)
-        gemm(101, no_trans.data_ptr(), no_trans.data_ptr(), m.data_ptr(), n.data_ptr(), k.data_ptr(),  # 101: row-major
-             alpha.data_ptr(), rows_at.data_ptr(), k.data_ptr(), weights_at.data_ptr(), n.data_ptr(),
-             beta.data_ptr(), out_at.data_ptr(), n.data_ptr(), EXPERTS, one.data_ptr())
+        gemm(
+            101,
+            no_trans.data_ptr(),
+            no_trans.data_ptr(),
+            m.data_ptr(),
+            n.data_ptr(),
+            k.data_ptr(),  # 101: row-major
+            alpha.data_ptr(),
+            rows_at.data_ptr(),
+            k.data_ptr(),
+            weights_at.data_ptr(),
+            n.data_ptr(),
+            beta.data_ptr(),
+            out_at.data_ptr(),
+            n.data_ptr(),
+            EXPERTS,
+            one.data_ptr(),
+        )
         return out
 
     return {**calls, "MKL batch": mkl_batch}
@@ -132,16 +153,23 @@ def measure(tokens: int, skew: float, rounds: int, seed: int = 0) -> tuple[float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--skew", type=float, nargs="+", default=[0.0, 3.0],
-                        help="slope of the routing logits across experts (0: balanced routing)")
+    parser.add_argument(
+        "--skew",
+        type=float,
+        nargs="+",
+        default=[0.0, 3.0],
+        help="slope of the routing logits across experts (0: balanced routing)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per shape (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: %(default)s)")
     args = parser.parse_args()
     if args.rounds < 1 or args.threads < 1:
         parser.error(f"--rounds={args.rounds} and --threads={args.threads} must be >= 1")
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s); ms per call, median of {args.rounds} rounds "
-          "(ratio to grouped_mm)")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s); ms per call, median of {args.rounds} rounds "
+        "(ratio to grouped_mm)"
+    )
     header = None
     for shape, tokens in SHAPES.items():
         for skew in args.skew:

@@ -1,4 +1,5 @@
-"""Every GPU check of the experts backends and the RL loop, one step at a time, each step's result kept when another fails.
+"""Every GPU check of the experts backends and the RL loop, one step at a time, each step's result kept when another
+fails.
 
     python -m benchmarks.gpu_checks --out gpu_checks.json                 # every step, in order
     python -m benchmarks.gpu_checks --out gpu_checks.json --step parity   # one step, merged into the same JSON
@@ -24,8 +25,9 @@ Steps, in order of worth (`STEPS`):
   gpu_tests     `pytest -m gpu tests/test_megablocks_gpu.py` in a subprocess: exit code and the report's tail.
   probe         `python -m experiments.probe` at lr 1e-4 on qwen30b_l16 built at Qwen3-30B-A3B's width: drift.
 Every step writes its entry (`seconds`, then `result`, or `error` and `traceback`) and the JSON is rewritten after
-it, and after each part of a step that has several (`partial`), so a run cut short keeps what finished. Without CUDA every step still runs: the GPU-only parts record why they
-were skipped (parity and replay run on CPU with the backends CPU has), which keeps the script testable anywhere.
+it, and after each part of a step that has several (`partial`), so a run cut short keeps what finished. Without CUDA
+every step still runs: the GPU-only parts record why they were skipped (parity and replay run on CPU with the backends
+CPU has), which keeps the script testable anywhere.
 
 What travels to a GPU machine (`gpu_checks.sh`): the repository, the wheels of what the machine lacks in `.gpu/whl`
 and the source packages of MegaBlocks, stanford-stk and grouped_gemm in `.gpu/src` (built there against its torch).
@@ -36,7 +38,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -60,7 +61,6 @@ from experiments.step import metrics as m
 from experiments.step.scoring import position_ids
 from experiments.step.trainer import RLTrainer
 from models.moe_backend import DroplessGLUExperts, apply_moe_backend, hf_to_megablocks
-from models.megablocks_experts import load_megablocks_kernels
 from models.policy import ModelConfig, build_policy
 from models.routing.hooks import record_routing, replay_routing
 from models.routing.measures import routing_drift
@@ -228,7 +228,10 @@ def experts_parity(
     the backend refuses this setting, {..., "refused": message}.
     """
     record: dict[str, object] = {
-        "family": family, "backend": backend, "dtype": str(dtype).removeprefix("torch."), "device": device,
+        "family": family,
+        "backend": backend,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
         "idle_experts": idle_experts,
     }
     try:
@@ -272,8 +275,10 @@ def step_parity(context: dict[str, Any]) -> dict[str, Any]:
         context["progress"](family, verdicts[family])
     # Experts that receive no token: grouped_gemm's weight gradient is one GEMM per expert over its rows, and an
     # expert without rows must come out exactly zero, not whatever its output buffer held.
-    idle = {backend: experts_parity(backend, torch.bfloat16, context["device"], idle_experts=2)
-            for backend in ("hf", "megablocks")}
+    idle = {
+        backend: experts_parity(backend, torch.bfloat16, context["device"], idle_experts=2)
+        for backend in ("hf", "megablocks")
+    }
     rows += list(idle.values())
     verdicts["qwen3_moe, 2 of 8 experts idle"] = megablocks_verdict(idle["megablocks"], idle["hf"])
     return {"rows": rows, "megablocks_bf16": verdicts}
@@ -329,6 +334,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def r2_check(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
     """R2: a teacher-forced forward's trace replayed on the same weights, then after every router moved."""
+
     def forward() -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
 
@@ -344,10 +350,12 @@ def r2_check(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[st
         spy.remove()
         flat_valid = valid.reshape(-1)
         same_weights = {
-            "experts_used_equal_trace": bool(torch.equal(spy.used()[:, flat_valid].long(),
-                                                         trace.experts.flatten(1, 2)[:, flat_valid].long())),
-            "router_choice_equals_trace": bool(torch.equal(replay.router_choice.experts[trace.recorded()],
-                                                           trace.experts[trace.recorded()])),
+            "experts_used_equal_trace": bool(
+                torch.equal(spy.used()[:, flat_valid].long(), trace.experts.flatten(1, 2)[:, flat_valid].long())
+            ),
+            "router_choice_equals_trace": bool(
+                torch.equal(replay.router_choice.experts[trace.recorded()], trace.experts[trace.recorded()])
+            ),
             "token_logp_max_abs_diff": float((replayed_logp - recorded_logp)[scored].abs().max()),
             "router_logp_max_abs_diff": float(
                 (replay.replayed_logprobs - trace.logprobs)[trace.recorded()].abs().max()
@@ -365,8 +373,9 @@ def r2_check(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[st
         spy.remove()
     moved = {
         "drift_expert_change_frac": routing_drift(trace, free.trace, mask).expert_change_frac,
-        "experts_used_equal_trace": bool(torch.equal(spy.used()[:, flat_valid].long(),
-                                                     trace.experts.flatten(1, 2)[:, flat_valid].long())),
+        "experts_used_equal_trace": bool(
+            torch.equal(spy.used()[:, flat_valid].long(), trace.experts.flatten(1, 2)[:, flat_valid].long())
+        ),
     }
     return {"same_weights": same_weights, "routers_moved": moved}
 
@@ -377,28 +386,38 @@ def r3_check(model: nn.Module, tokenizer, ids: torch.Tensor, mask: torch.Tensor,
     with torch.no_grad():
         with record_routing(model, generate=True, gates=True) as recording:
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                output_logits=True, return_dict_in_generate=True,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
         trace = recording.trace
         sequences = out.sequences
-        full_mask = torch.cat([mask, torch.ones_like(sequences[:, ids.shape[1]:])], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(sequences[:, ids.shape[1] :])], dim=1)
         # generate's own log-probabilities of the tokens it sampled, from its raw (unprocessed) logits
-        sampled = sequences[:, ids.shape[1]:]
+        sampled = sequences[:, ids.shape[1] :]
         engine_logp = torch.stack(
-            [torch.log_softmax(step.float(), -1).gather(-1, sampled[:, i, None]).squeeze(-1)
-             for i, step in enumerate(out.logits)], dim=1,
+            [
+                torch.log_softmax(step.float(), -1).gather(-1, sampled[:, i, None]).squeeze(-1)
+                for i, step in enumerate(out.logits)
+            ],
+            dim=1,
         )
         spy = ExpertsSpy(model)
         with replay_routing(model, trace):
             logits = model(input_ids=sequences, attention_mask=full_mask, position_ids=position_ids(full_mask)).logits
         spy.remove()
-    replayed_logp = token_logprobs(logits, sequences)[:, ids.shape[1] - 1:]
+    replayed_logp = token_logprobs(logits, sequences)[:, ids.shape[1] - 1 :]
     recorded = trace.recorded().reshape(trace.shape[0], -1)[0]
     return {
-        "experts_used_equal_trace": bool(torch.equal(spy.used()[:, recorded].long(),
-                                                     trace.experts.flatten(1, 2)[:, recorded].long())),
+        "experts_used_equal_trace": bool(
+            torch.equal(spy.used()[:, recorded].long(), trace.experts.flatten(1, 2)[:, recorded].long())
+        ),
         "token_logp_max_abs_diff_vs_generate": float((replayed_logp - engine_logp).abs().max()),
         "tolerance": LOGP_ATOL_BF16,
     }
@@ -420,9 +439,11 @@ def step_replay(context: dict[str, Any]) -> dict[str, Any]:
             entry = {"r3": r3_check(model, tokenizer, ids, mask), "r2": r2_check(model, ids, mask)}
             r2, r3 = entry["r2"], entry["r3"]
             entry["passed"] = (
-                r2["same_weights"]["experts_used_equal_trace"] and r2["same_weights"]["router_choice_equals_trace"]
+                r2["same_weights"]["experts_used_equal_trace"]
+                and r2["same_weights"]["router_choice_equals_trace"]
                 and r2["same_weights"]["token_logp_max_abs_diff"] <= LOGP_ATOL_BF16
-                and r2["routers_moved"]["experts_used_equal_trace"] and r3["experts_used_equal_trace"]
+                and r2["routers_moved"]["experts_used_equal_trace"]
+                and r3["experts_used_equal_trace"]
                 and r3["token_logp_max_abs_diff_vs_generate"] <= LOGP_ATOL_BF16
             )
             results[label] = entry
@@ -461,12 +482,21 @@ def run_module(module: str, overrides: list[str], run_dir: Path, timeout_s: int)
 def step_rl_runs(context: dict[str, Any]) -> dict[str, Any]:
     if context["device"] != "cuda":
         return {"skipped": "needs a CUDA GPU"}
-    tiny = ["arm=grpo_r2", "trainer.steps=3", "trainer.prompts_per_step=8", "trainer.eval_every=0",
-            "trainer.eval_prompts=0"]
+    tiny = [
+        "arm=grpo_r2",
+        "trainer.steps=3",
+        "trainer.prompts_per_step=8",
+        "trainer.eval_every=0",
+        "trainer.eval_prompts=0",
+    ]
     results = {}
     for backend in ("hf", "megablocks"):
-        results[backend] = run_module("experiments.train", [*tiny, *gpu_overrides(backend)],
-                                      context["work"] / f"train_{backend}", context["run_timeout"])
+        results[backend] = run_module(
+            "experiments.train",
+            [*tiny, *gpu_overrides(backend)],
+            context["work"] / f"train_{backend}",
+            context["run_timeout"],
+        )
         context["progress"](backend, results[backend])
     return results
 
@@ -499,8 +529,10 @@ def time_experts(experts: nn.Module, routing: dict[str, torch.Tensor], warmup: i
 
     with torch.no_grad():
         forward_ms = cuda_ms(forward, warmup, iters)
-    return {"forward_ms": forward_ms,
-            "forward_backward_ms": cuda_ms(lambda: (forward() * upstream).sum().backward(), warmup, iters)}
+    return {
+        "forward_ms": forward_ms,
+        "forward_backward_ms": cuda_ms(lambda: (forward() * upstream).sum().backward(), warmup, iters),
+    }
 
 
 def step_expert_speed(context: dict[str, Any]) -> dict[str, Any]:
@@ -521,8 +553,13 @@ def step_expert_speed(context: dict[str, Any]) -> dict[str, Any]:
         for tokens in SPEED_TOKENS:
             row: dict[str, Any] = {"backend": label, "tokens": tokens, **shape}
             if implementation == "eager" and tokens > EAGER_MAX_TOKENS:
-                rows.append(row | {"skipped": f"eager above {EAGER_MAX_TOKENS} tokens: its Python loop over the "
-                                              "experts would spend the time budget"})
+                rows.append(
+                    row
+                    | {
+                        "skipped": f"eager above {EAGER_MAX_TOKENS} tokens: its Python loop over the "
+                        "experts would spend the time budget"
+                    }
+                )
                 continue
             routing = make_routing(tokens, shape["num_experts"], shape["top_k"], shape["hidden"], seed=0)
             routing = {name: tensor.cuda() for name, tensor in routing.items()}
@@ -543,9 +580,17 @@ def step_expert_speed(context: dict[str, Any]) -> dict[str, Any]:
 
 # A random Qwen3-MoE of about 1B parameters (10 layers of 64 experts, top-8, hidden 1024, width 512: 1.0 B in the
 # experts), on bench-tiny's batch.
-QWEN3_MOE_1B = ["model.name=qwen3_moe_1b", "model.hidden_size=1024", "model.num_hidden_layers=10",
-                "model.num_attention_heads=16", "model.num_key_value_heads=4", "model.head_dim=64",
-                "model.num_experts=64", "model.num_experts_per_tok=8", "model.moe_intermediate_size=512"]
+QWEN3_MOE_1B = [
+    "model.name=qwen3_moe_1b",
+    "model.hidden_size=1024",
+    "model.num_hidden_layers=10",
+    "model.num_attention_heads=16",
+    "model.num_key_value_heads=4",
+    "model.head_dim=64",
+    "model.num_experts=64",
+    "model.num_experts_per_tok=8",
+    "model.moe_intermediate_size=512",
+]
 RL_STEP_WORKLOADS = {  # label -> (workload, overrides on top of it, backends)
     "bench-deep": ("deep", [], ("hf", "megablocks")),
     "qwen3_moe_1b": ("tiny", QWEN3_MOE_1B, ("hf", "megablocks")),
@@ -557,8 +602,10 @@ def time_rl_steps(workload: str, overrides: list[str], steps: int = 2) -> dict[s
     build_start = time.perf_counter()
     trainer = RLTrainer(compose_workload(overrides, workload))
     fixed_length(trainer)
-    result: dict[str, Any] = {"build_s": time.perf_counter() - build_start,
-                              "parameters": sum(p.numel() for p in trainer.model.parameters())}
+    result: dict[str, Any] = {
+        "build_s": time.perf_counter() - build_start,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+    }
     trainer.step()
     records = [trainer.step() for _ in range(steps)]
     for key in (m.STEP_TIME, m.ROLLOUT_TIME, m.SCORE_TIME, m.TRAIN_TIME):
@@ -603,17 +650,28 @@ def step_gpu_tests(context: dict[str, Any]) -> dict[str, Any]:
 
 
 # qwen30b_l16 (16 MoE layers, 128 experts top-8) at Qwen3-30B-A3B's width and attention, random weights.
-PROBE_OVERRIDES = ["model=qwen30b_l16", "model.path=null", "model.hidden_size=2048", "model.moe_intermediate_size=768",
-                   "model.num_attention_heads=32", "model.num_key_value_heads=4", "model.head_dim=128",
-                   "probe.lrs=[1e-4]", "probe.warm_steps=1", "probe.measure_steps=2", "probe.precisions=[]",
-                   "trainer.threads=null"]
+PROBE_OVERRIDES = [
+    "model=qwen30b_l16",
+    "model.path=null",
+    "model.hidden_size=2048",
+    "model.moe_intermediate_size=768",
+    "model.num_attention_heads=32",
+    "model.num_key_value_heads=4",
+    "model.head_dim=128",
+    "probe.lrs=[1e-4]",
+    "probe.warm_steps=1",
+    "probe.measure_steps=2",
+    "probe.precisions=[]",
+    "trainer.threads=null",
+]
 
 
 def step_probe(context: dict[str, Any]) -> dict[str, Any]:
     if context["device"] != "cuda":
         return {"skipped": "needs a CUDA GPU"}
-    return run_module("experiments.probe", [*PROBE_OVERRIDES, *gpu_overrides("hf")], context["work"] / "probe",
-                      context["run_timeout"])
+    return run_module(
+        "experiments.probe", [*PROBE_OVERRIDES, *gpu_overrides("hf")], context["work"] / "probe", context["run_timeout"]
+    )
 
 
 STEPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -671,9 +729,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON of results (steps already there are kept)")
     parser.add_argument("--step", action="append", choices=list(STEPS), help="run only these steps (repeatable)")
-    parser.add_argument("--note", nargs=2, action="append", metavar=("STEP", "MESSAGE"),
-                        help="record MESSAGE as STEP's failure, keeping its finished parts, without running anything "
-                        "(a step killed by a timeout, or left unrun); repeatable")
+    parser.add_argument(
+        "--note",
+        nargs=2,
+        action="append",
+        metavar=("STEP", "MESSAGE"),
+        help="record MESSAGE as STEP's failure, keeping its finished parts, without running anything "
+        "(a step killed by a timeout, or left unrun); repeatable",
+    )
     parser.add_argument("--build-log", type=Path, help="gpu_checks.sh's build log, reported by the versions step")
     parser.add_argument("--work", type=Path, help="where runs write their directories (default: a temporary one)")
     parser.add_argument("--run-timeout", type=int, default=240, help="seconds allowed to each subprocess")

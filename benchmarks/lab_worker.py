@@ -28,11 +28,11 @@ from benchmarks.module_time import ModuleTimer  # noqa: E402
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
 from benchmarks.workload import WORKLOADS, compose_workload, fixed_length  # noqa: E402
 from experiments.run.logger import RunLogger  # noqa: E402
+from experiments.run.summary import run_name  # noqa: E402
 from experiments.run.threads import ThreadBudget  # noqa: E402
 from experiments.step import metrics as m  # noqa: E402
 from experiments.step.batch import Rollout, Served  # noqa: E402
 from experiments.step.trainer import RLTrainer  # noqa: E402
-from experiments.run.summary import run_name  # noqa: E402
 
 # The concurrent sampler's numbers a step reports as they are logged.
 SAMPLER = (m.SAMPLE_TIME, m.SAMPLER_WAIT_TIME, m.STALENESS_MAX)
@@ -44,9 +44,16 @@ def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
     tokenizer = trainer.tokenizer
     prompts = [example.prompt for example in rollout.examples]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(trainer.device)
-    options = dict(max_new_tokens=t.max_new_tokens, min_new_tokens=t.max_new_tokens, do_sample=True,
-                   temperature=t.temperature, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
-                   eos_token_id=tokenizer.eos_token_id)
+    options = dict(
+        max_new_tokens=t.max_new_tokens,
+        min_new_tokens=t.max_new_tokens,
+        do_sample=True,
+        temperature=t.temperature,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     start = time.perf_counter()
     with torch.no_grad():
         trainer.model.generate(**encoded, **options)
@@ -57,8 +64,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--overrides", default="[]", help="JSON list of Hydra overrides on top of the workload")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny", help="bench-tiny or bench-deep")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads (0: follow the cores left free, trainer.threads=null)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (0: follow the cores left free, trainer.threads=null)",
+    )
     parser.add_argument("--probe-generate", action="store_true", help="also time model.generate on each batch")
     parser.add_argument("--profile", action="store_true", help="also report self time per part of the model")
     args = parser.parse_args()

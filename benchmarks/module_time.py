@@ -15,7 +15,7 @@ ptrace, which containers often deny. These hooks cost a few microseconds per mod
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

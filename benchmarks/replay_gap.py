@@ -35,10 +35,10 @@ from algos.objective import masked, masked_mean
 from algos.routing_variants.full_replay import GateReplay
 from analysis.report import markdown_table
 from experiments.config import PROJECT_ROOT, register_configs
-from experiments.step.engines import EngineNumerics, Sampling
-from experiments.step.scoring import ScoreOptions, Scores
 from experiments.step.batch import Minibatch, collect_rollout, minibatch_order, split_minibatches
+from experiments.step.engines import EngineNumerics, Sampling
 from experiments.step.old_policy import OldPolicy
+from experiments.step.scoring import ScoreOptions, Scores
 from experiments.step.trainer import RLTrainer
 from models.registry import ConfigError
 from models.routing.measures import routing_drift
@@ -60,8 +60,9 @@ def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference
         scores: dict[str, Scores] = {
             "none": trainer.score(trainer.model, mb, ScoreOptions(record=True)),
             "ID replay": trainer.score(trainer.model, mb, ScoreOptions(replay=trace.to(trainer.device))),
-            "ID + gate weights": trainer.score(trainer.model, mb,
-                                               ScoreOptions(replay=trace.to(trainer.device), rule=GateReplay())),
+            "ID + gate weights": trainer.score(
+                trainer.model, mb, ScoreOptions(replay=trace.to(trainer.device), rule=GateReplay())
+            ),
         }
     gaps = {name: gap(scored.logp, reference, mb.response_mask) for name, scored in scores.items()}
     gaps["expert_change_frac"] = routing_drift(trace, scores["none"].routes.to("cpu"), mb.token_mask).expert_change_frac
@@ -72,8 +73,10 @@ def measure(trainer: RLTrainer, warm_steps: int) -> dict[str, Any]:
     t = trainer.cfg.trainer
     for _ in range(warm_steps):
         trainer.step()
-    examples = [trainer.train_examples[i] for i in torch.randint(len(trainer.train_examples), (t.prompts_per_step,),
-                                                                  generator=trainer.generator).tolist()]
+    examples = [
+        trainer.train_examples[i]
+        for i in torch.randint(len(trainer.train_examples), (t.prompts_per_step,), generator=trainer.generator).tolist()
+    ]
     sampling = Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=True, record_gates=True)
     rollout = collect_rollout(trainer.engine, trainer.task, examples, sampling)
     advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=trainer.advantage_std)
@@ -95,13 +98,24 @@ def table(results: dict[str, Any], engine: str) -> str:
     rows = []
     r3 = results["r3"]
     mean = lambda values: sum(values) / len(values)  # noqa: E731
-    rows.append([f"R3: to μ_old ({engine}), at θ_old",
-                 *[f"{mean([m[name]['mean_abs'] for m in r3]):.2e} ({max(m[name]['max_abs'] for m in r3):.1e})"
-                   for name in SETTINGS], f"{mean([m['expert_change_frac'] for m in r3]):.2%}"])
+    rows.append(
+        [
+            f"R3: to μ_old ({engine}), at θ_old",
+            *[
+                f"{mean([m[name]['mean_abs'] for m in r3]):.2e} ({max(m[name]['max_abs'] for m in r3):.1e})"
+                for name in SETTINGS
+            ],
+            f"{mean([m['expert_change_frac'] for m in r3]):.2%}",
+        ]
+    )
     for m in results["r2"]:
-        rows.append([f"R2: to π_old, after {m['updates']} update(s)",
-                     *[f"{m[name]['mean_abs']:.2e} ({m[name]['max_abs']:.1e})" for name in SETTINGS],
-                     f"{m['expert_change_frac']:.2%}"])
+        rows.append(
+            [
+                f"R2: to π_old, after {m['updates']} update(s)",
+                *[f"{m[name]['mean_abs']:.2e} ({m[name]['max_abs']:.1e})" for name in SETTINGS],
+                f"{m['expert_change_frac']:.2%}",
+            ]
+        )
     return markdown_table(["gap, mean abs (max)", *SETTINGS, "experts routed otherwise without replay"], rows)
 
 
@@ -117,8 +131,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["logger.wandb.mode=disabled", "trainer.pi_old=decoupled", *args.overrides])
     if cfg.routing.replay != "none" or cfg.routing_variant.name != "none" or cfg.trainer.minibatches < 2:
-        parser.error("the gap is measured around ordinary updates: leave routing.replay and routing_variant at none, "
-                     "and use trainer.minibatches >= 2")
+        parser.error(
+            "the gap is measured around ordinary updates: leave routing.replay and routing_variant at none, "
+            "and use trainer.minibatches >= 2"
+        )
     try:
         trainer = RLTrainer(cfg)
     except ConfigError as error:
@@ -127,9 +143,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"replay_gap: rollout.engine={trainer.engine.name} reports no gate weights to replay")
     results = measure(trainer, args.warm_steps)
     numerics = trainer.engine.numerics
-    engine = "the trainer's own model" if numerics is None else ", ".join(
-        f"{key}={getattr(numerics, key)}" for key in ("precision", "weight_quant", "router_noise")
-        if getattr(numerics, key) != getattr(EngineNumerics(), key))
+    engine = (
+        "the trainer's own model"
+        if numerics is None
+        else ", ".join(
+            f"{key}={getattr(numerics, key)}"
+            for key in ("precision", "weight_quant", "router_noise")
+            if getattr(numerics, key) != getattr(EngineNumerics(), key)
+        )
+    )
     print(f"# replay gap: {' '.join(args.overrides)}; {args.warm_steps} warm steps")
     print(table(results, engine))
     if args.json_out:

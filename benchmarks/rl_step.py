@@ -1,4 +1,5 @@
-"""`python -m benchmarks.rl_step`: our RL step on a benchmark workload, against TRL, older commits and the machine's limit.
+"""`python -m benchmarks.rl_step`: our RL step on a benchmark workload, against TRL, older commits and the machine's
+limit.
 
     python -m benchmarks.rl_step                        # grpo, gspo, grpo+r2: step time, breakdown, roofline
     python -m benchmarks.rl_step --vs-trl               # + TRL's GRPOTrainer stepped alternately (bench extra)
@@ -11,9 +12,9 @@
 
 The workload (`--workload`, `benchmarks.workload`) is bench-tiny, the TRL peer benchmark's step, or bench-deep, the
 deep_long cell's. Every configuration runs in its own worker process (`benchmarks.worker`) and all workers of a
-section take their steps round robin (A B C, then C B A, ...), so that the load of a shared machine hits every configuration alike
-and ratios of neighbouring steps stay meaningful when absolute times do not. Each worker takes `--warmup` steps
-that are not timed, then `--steps` timed ones; tables give medians over the timed steps.
+section take their steps round robin (A B C, then C B A, ...), so that the load of a shared machine hits every
+configuration alike and ratios of neighbouring steps stay meaningful when absolute times do not. Each worker takes
+`--warmup` steps that are not timed, then `--steps` timed ones; tables give medians over the timed steps.
 
 Sections:
   main         grpo, gspo and grpo+r2 (workload in `benchmarks.workload`): median step seconds (min-max), the
@@ -83,7 +84,10 @@ OVERHEADS = {
     # for the cost of the engine alone (its copy's kernels, the weight sync, the quantization).
     "engine bf16 / the trainer's fp32, both decoupled": (["rollout.precision=bf16"], ["trainer.pi_old=decoupled"]),
     "engine fp16 / the trainer's fp32, both decoupled": (["rollout.precision=fp16"], ["trainer.pi_old=decoupled"]),
-    "engine int8 weights / the trainer's, both decoupled": (["rollout.weight_quant=int8"], ["trainer.pi_old=decoupled"]),
+    "engine int8 weights / the trainer's, both decoupled": (
+        ["rollout.weight_quant=int8"],
+        ["trainer.pi_old=decoupled"],
+    ),
     "engine fp8 weights / the trainer's, both decoupled": (["rollout.weight_quant=fp8"], ["trainer.pi_old=decoupled"]),
     "engine router noise / the trainer's, both decoupled": (["rollout.router_noise=0.1"], ["trainer.pi_old=decoupled"]),
     "ratio decomposition every step / never": (["routing.decompose_every=1"], []),
@@ -210,8 +214,11 @@ def run_round_robin(
                     series[label].steps.append(report)
             if round_index >= args.warmup:
                 peaks.append(matmul_gflops(peak_size, seconds=0.2, trials=2))
-            print(f"  round {round_index + 1}/{args.warmup + args.steps} done (load {os.getloadavg()[0]:.1f})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  round {round_index + 1}/{args.warmup + args.steps} done (load {os.getloadavg()[0]:.1f})",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         for worker in workers.values():
             worker.close()
@@ -234,8 +241,9 @@ def step_flops(overrides: list[str], workload: str, prompt_width: int) -> dict[s
     else:
         config = config_in_code(model_cfg, build_char_tokenizer())
     t = cfg.trainer
-    return rl_step_flops(ModelShape.from_config(config), t.prompts_per_step * t.group_size, prompt_width,
-                         t.max_new_tokens)
+    return rl_step_flops(
+        ModelShape.from_config(config), t.prompts_per_step * t.group_size, prompt_width, t.max_new_tokens
+    )
 
 
 def baseline_label(variant: str, args: argparse.Namespace) -> str:
@@ -248,8 +256,15 @@ def paired_ratios(title: str, pairs: dict[str, tuple[Series, Series]]) -> dict[s
     rows, ratios = [], {}
     for name, (top, bottom) in pairs.items():
         ratios[name] = [a / b for a, b in zip(top.seconds, bottom.seconds)]
-        rows.append([name, f"{statistics.median(top.seconds):.3f}", f"{statistics.median(bottom.seconds):.3f}",
-                     spread(ratios[name]), " ".join(f"{r:.2f}" for r in ratios[name])])
+        rows.append(
+            [
+                name,
+                f"{statistics.median(top.seconds):.3f}",
+                f"{statistics.median(bottom.seconds):.3f}",
+                spread(ratios[name]),
+                " ".join(f"{r:.2f}" for r in ratios[name]),
+            ]
+        )
     print(f"\n## {title}\n")
     print(markdown_table(["pair", "numerator s", "denominator s", "ratio median (min-max)", "ratio per round"], rows))
     return ratios
@@ -277,30 +292,57 @@ def main_section(args, log_dir, peak_size, results, baseline: Path | None) -> No
         width = round(series[f"ours {args.variants[0]}"].median("prompt_width"))
         flops = step_flops([*args.override, *s.overrides], args.workload, width)
         achieved = [flops["total"] / step["seconds"] / 1e9 / p for step, p in zip(s.steps, peaks)]
-        rows.append([
-            label, spread(s.seconds), f"{s.median('rollout_s'):.3f}", f"{s.median('score_s'):.3f}",
-            f"{s.median('train_s'):.3f}", f"{s.tokens_per_s:.0f}", f"{s.peak_rss_mib:.0f}",
-            f"{flops['total'] / 1e9:.1f}", f"{flops['total'] / s.median('seconds') / 1e9:.1f}",
-            f"{statistics.median(achieved):.1%}", f"{flops['total'] / s.median('seconds') / 1e9 / best:.1%}",
-        ])
-        results["main"][label] = {"overrides": s.overrides, "info": s.info, "steps": s.steps, "flops": flops,
-                                  "peak_fraction": achieved}
+        rows.append(
+            [
+                label,
+                spread(s.seconds),
+                f"{s.median('rollout_s'):.3f}",
+                f"{s.median('score_s'):.3f}",
+                f"{s.median('train_s'):.3f}",
+                f"{s.tokens_per_s:.0f}",
+                f"{s.peak_rss_mib:.0f}",
+                f"{flops['total'] / 1e9:.1f}",
+                f"{flops['total'] / s.median('seconds') / 1e9:.1f}",
+                f"{statistics.median(achieved):.1%}",
+                f"{flops['total'] / s.median('seconds') / 1e9 / best:.1%}",
+            ]
+        )
+        results["main"][label] = {
+            "overrides": s.overrides,
+            "info": s.info,
+            "steps": s.steps,
+            "flops": flops,
+            "peak_fraction": achieved,
+        }
     results["matmul_gflops_per_round"] = peaks
     results["matmul_gflops_best"] = best
     print("\n## RL step (median of timed steps; s)\n")
-    print(markdown_table(
-        ["loop", "step s (min-max)", "rollout", "old-policy scoring", "training", "completion tok/s", "peak RSS MiB",
-         "model GFLOP/step", "GFLOP/s", f"of each round's matmul (median {peak:.0f} GFLOP/s)",
-         f"of the best matmul measured ({best:.0f} GFLOP/s)"],
-        rows,
-    ))
+    print(
+        markdown_table(
+            [
+                "loop",
+                "step s (min-max)",
+                "rollout",
+                "old-policy scoring",
+                "training",
+                "completion tok/s",
+                "peak RSS MiB",
+                "model GFLOP/step",
+                "GFLOP/s",
+                f"of each round's matmul (median {peak:.0f} GFLOP/s)",
+                f"of the best matmul measured ({best:.0f} GFLOP/s)",
+            ],
+            rows,
+        )
+    )
     if args.vs_trl:
         pairs = {variant: (series[f"ours {variant}"], series[f"TRL {TRL_ALGO[variant]}"]) for variant in args.variants}
         ratios = paired_ratios("Ours / TRL GRPOTrainer, same work, stepped alternately", pairs)
         results["vs_trl"].update(ratios)
     if baseline is not None:
-        pairs = {variant: (series[f"ours {variant}"], series[baseline_label(variant, args)])
-                 for variant in args.variants}
+        pairs = {
+            variant: (series[f"ours {variant}"], series[baseline_label(variant, args)]) for variant in args.variants
+        }
         ratios = paired_ratios(f"Ours / ours at {args.baseline}, same work, stepped alternately", pairs)
         results["vs_baseline"].update(ratios)
 
@@ -323,13 +365,27 @@ def overheads_section(args, log_dir, peak_size, results) -> None:
         top, bottom = series[_overhead_label(numerator)], series[_overhead_label(denominator)]
         ratios = [a / b for a, b in zip(top.seconds, bottom.seconds)]
         results["overheads"][name] = {"ratios": ratios, "numerator": top.steps, "denominator": bottom.steps}
-        rows.append([name, f"{statistics.median(top.seconds):.3f}", f"{statistics.median(bottom.seconds):.3f}",
-                     spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
+        rows.append(
+            [
+                name,
+                f"{statistics.median(top.seconds):.3f}",
+                f"{statistics.median(bottom.seconds):.3f}",
+                spread(ratios),
+                f"{statistics.median(ratios) - 1:+.1%}",
+            ]
+        )
     probed = series[_overhead_label([])]
     ratios = [step["rollout_s"] / step["generate_s"] for step in probed.steps]
     results["overheads"]["rollout / model.generate"] = {"ratios": ratios, "steps": probed.steps}
-    rows.append(["rollout / plain model.generate, same batch", f"{probed.median('rollout_s'):.3f}",
-                 f"{probed.median('generate_s'):.3f}", spread(ratios), f"{statistics.median(ratios) - 1:+.1%}"])
+    rows.append(
+        [
+            "rollout / plain model.generate, same batch",
+            f"{probed.median('rollout_s'):.3f}",
+            f"{probed.median('generate_s'):.3f}",
+            spread(ratios),
+            f"{statistics.median(ratios) - 1:+.1%}",
+        ]
+    )
     print("\n## Overheads (grpo; ratio of neighbouring steps)\n")
     print(markdown_table(["switch", "with s", "without s", "ratio median (min-max)", "cost"], rows))
 
@@ -341,8 +397,10 @@ def phase_seconds(steps: list[dict[str, Any]], phase: str) -> list[float]:
 
 def compare_sides(args: argparse.Namespace) -> dict[str, list[str]]:
     """`--compare A B` as override lists on top of grpo, labelled so that two equal sides stay two workers."""
-    return {f"{name}: {' '.join(side.split()) or 'grpo (workload)'}": [*VARIANTS["grpo"], *side.split()]
-            for name, side in zip("AB", args.compare)}
+    return {
+        f"{name}: {' '.join(side.split()) or 'grpo (workload)'}": [*VARIANTS["grpo"], *side.split()]
+        for name, side in zip("AB", args.compare)
+    }
 
 
 def compare_section(args, log_dir, peak_size, results) -> None:
@@ -356,8 +414,11 @@ def compare_section(args, log_dir, peak_size, results) -> None:
         a_s, b_s = (phase_seconds(s.steps, phase) for s in (a, b))
         ratios[phase] = [x / y for x, y in zip(a_s, b_s)]
         rows.append([phase, f"{statistics.median(a_s):.3f}", f"{statistics.median(b_s):.3f}", spread(ratios[phase])])
-    results["compare"] = {"A": {"label": a.label, "overrides": a.overrides, "steps": a.steps},
-                          "B": {"label": b.label, "overrides": b.overrides, "steps": b.steps}, "ratios": ratios}
+    results["compare"] = {
+        "A": {"label": a.label, "overrides": a.overrides, "steps": a.steps},
+        "B": {"label": b.label, "overrides": b.overrides, "steps": b.steps},
+        "ratios": ratios,
+    }
     print(f"\n## A / B, stepped alternately (A = {a.label.removeprefix('A: ')}; B = {b.label.removeprefix('B: ')})\n")
     print(markdown_table(["phase", "A s", "B s", "A / B median (min-max)"], rows))
     print("\nstep ratio per round: " + " ".join(f"{r:.2f}" for r in ratios["step"]))
@@ -375,14 +436,38 @@ def scaling_section(args, log_dir, peak_size, results) -> None:
         completion = s.median("seconds") / s.median("tokens")
         sequence = s.median("seconds") / s.median("sequence_tokens")
         results["scaling"][name] = {"overrides": s.overrides, "steps": s.steps}
-        rows.append([name, f"{s.median('tokens'):.0f}", f"{s.median('sequence_tokens'):.0f}", spread(s.seconds),
-                     f"{s.median('rollout_s'):.3f}", f"{s.median('score_s'):.3f}", f"{s.median('train_s'):.3f}",
-                     f"{completion * 1e6:.0f}", f"{completion / base_completion:.2f}",
-                     f"{sequence / base_sequence:.2f}"])
+        rows.append(
+            [
+                name,
+                f"{s.median('tokens'):.0f}",
+                f"{s.median('sequence_tokens'):.0f}",
+                spread(s.seconds),
+                f"{s.median('rollout_s'):.3f}",
+                f"{s.median('score_s'):.3f}",
+                f"{s.median('train_s'):.3f}",
+                f"{completion * 1e6:.0f}",
+                f"{completion / base_completion:.2f}",
+                f"{sequence / base_sequence:.2f}",
+            ]
+        )
     print("\n## Scaling (grpo): cost per token relative to the workload (1.00 = linear in tokens)\n")
-    print(markdown_table(["configuration", "completion tokens/step", "sequence tokens/step (prompt + completion)",
-                  "step s (min-max)", "rollout", "scoring", "training", "µs / completion token",
-                  "relative per completion token", "relative per sequence token"], rows))
+    print(
+        markdown_table(
+            [
+                "configuration",
+                "completion tokens/step",
+                "sequence tokens/step (prompt + completion)",
+                "step s (min-max)",
+                "rollout",
+                "scoring",
+                "training",
+                "µs / completion token",
+                "relative per completion token",
+                "relative per sequence token",
+            ],
+            rows,
+        )
+    )
 
 
 def profile_section(args, log_dir, peak_size, results) -> None:
@@ -405,31 +490,57 @@ def profile_section(args, log_dir, peak_size, results) -> None:
         rows.append(row)
     print("\n## Where grpo's step goes (self time per part, median of timed steps; s)\n")
     print(markdown_table(["part", "rollout", "share", "scoring + training", "share"], rows))
-    print("\nEverything else: in the rollout, the sampling loop (generate's per-token bookkeeping, logits processors "
-          "and sampling, the engine's hooks); in scoring + training, the objective, metrics and minibatch assembly.")
+    print(
+        "\nEverything else: in the rollout, the sampling loop (generate's per-token bookkeeping, logits processors "
+        "and sampling, the engine's hooks); in scoring + training, the objective, metrics and minibatch assembly."
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny",
-                        help="tiny: the TRL peer benchmark's step; deep: the deep_long cell's (benchmarks.workload)")
+    parser.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        default="tiny",
+        help="tiny: the TRL peer benchmark's step; deep: the deep_long cell's (benchmarks.workload)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration before those")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads everywhere (0: torch's default; our loop follows the free cores)")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                        help="loops of the main section (default: all; none when --compare is given alone)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads everywhere (0: torch's default; our loop follows the free cores)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        help="loops of the main section (default: all; none when --compare is given alone)",
+    )
     parser.add_argument("--vs-trl", action="store_true", help="step TRL's GRPOTrainer alternately (bench extra)")
     parser.add_argument("--overheads", action="store_true", help="routing metrics, r2 and W&B overhead ratios")
     parser.add_argument("--scaling", action="store_true", help="group size, completion length, experts")
     parser.add_argument("--profile", action="store_true", help="self time per part of the model, grpo")
-    parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
-                        help='A / B: two sets of space-separated overrides on top of grpo ("" = grpo itself)')
-    parser.add_argument("--baseline", metavar="REVISION",
-                        help="also step the main section's loops at this commit of the clone (e.g. main), side by side")
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help='A / B: two sets of space-separated overrides on top of grpo ("" = grpo itself)',
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REVISION",
+        help="also step the main section's loops at this commit of the clone (e.g. main), side by side",
+    )
     parser.add_argument("--all", action="store_true", help="every section")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra Hydra override for every configuration (repeatable), e.g. model.num_experts=8")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Hydra override for every configuration (repeatable), e.g. model.num_experts=8",
+    )
     parser.add_argument("--json-out", type=Path, help="write every measured number here")
     parser.add_argument("--log-dir", type=Path, help="worker logs (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -445,8 +556,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ImportError:
             parser.error("--vs-trl needs TRL: pip install -e '.[bench]' (trl, datasets, accelerate)")
     if args.baseline is not None:
-        known = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "--verify", "--quiet",
-                                f"{args.baseline}^{{commit}}"], capture_output=True)
+        known = subprocess.run(
+            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "--verify", "--quiet", f"{args.baseline}^{{commit}}"],
+            capture_output=True,
+        )
         if known.returncode != 0:
             parser.error(f"--baseline {args.baseline!r} is not a commit of the clone at {PROJECT_ROOT} (git rev-parse)")
     # A bad override fails here, before any worker starts.
@@ -458,15 +571,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine()
-    print(f"# benchmarks.rl_step on {info['cpu']} ({info['cores']} cores), torch {info['torch']}, transformers "
-          f"{info['transformers']}, {info['torch_threads']} torch threads, load {info['load_1min']:.1f}")
-    print(f"workload bench-{args.workload}: {' '.join(WORKLOADS[args.workload] + args.override)}; {args.warmup} warm-up + "
-          f"{args.steps} timed steps each")
+    print(
+        f"# benchmarks.rl_step on {info['cpu']} ({info['cores']} cores), torch {info['torch']}, transformers "
+        f"{info['transformers']}, {info['torch_threads']} torch threads, load {info['load_1min']:.1f}"
+    )
+    print(
+        f"workload bench-{args.workload}: {' '.join(WORKLOADS[args.workload] + args.override)}; {args.warmup} warm-up "
+        "+ "
+        f"{args.steps} timed steps each"
+    )
     peak_size, peak, rates = matmul_peak()
     print("fp32 matmul: " + ", ".join(f"{n}: {r:.0f}" for n, r in rates.items()) + f" GFLOP/s (peak at {peak_size})")
-    results: dict[str, Any] = {"machine": info, "matmul_gflops": rates, "argv": sys.argv[1:] if argv is None else argv,
-                               "workload": args.workload, "main": {}, "vs_trl": {}, "vs_baseline": {}, "overheads": {},
-                               "scaling": {}, "profile": {}, "compare": {}}
+    results: dict[str, Any] = {
+        "machine": info,
+        "matmul_gflops": rates,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "workload": args.workload,
+        "main": {},
+        "vs_trl": {},
+        "vs_baseline": {},
+        "overheads": {},
+        "scaling": {},
+        "profile": {},
+        "compare": {},
+    }
     with tempfile.TemporaryDirectory(prefix="bench_logs_") as scratch:
         log_dir = args.log_dir or Path(scratch)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -488,8 +616,10 @@ def finish(results: dict[str, Any], json_out: Path | None) -> None:
     """The load at the end beside the one at the start (what the numbers shared the machine with), and the JSON."""
     results["load_1min_end"] = os.getloadavg()[0]
     info = results["machine"]
-    print(f"\nload average (1 min) at start {info['load_1min']:.1f}, at end {results['load_1min_end']:.1f} "
-          f"on {info['cores']} cores")
+    print(
+        f"\nload average (1 min) at start {info['load_1min']:.1f}, at end {results['load_1min_end']:.1f} "
+        f"on {info['cores']} cores"
+    )
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(results, indent=1) + "\n")

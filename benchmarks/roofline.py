@@ -45,7 +45,7 @@ class ModelShape:
     top_k: int = 0
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig) -> "ModelShape":
+    def from_config(cls, config: PretrainedConfig) -> ModelShape:
         """From a transformers config: Qwen3-MoE (every layer MoE) or a dense Qwen3/Llama-style model."""
         experts = getattr(config, "num_experts", 0) or 0
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

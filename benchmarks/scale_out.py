@@ -46,8 +46,14 @@ POLICIES = {
 }
 SPIN_POLICY = f"{CORES} threads, OpenMP spin-wait (torch's default)"
 BUSY_LOOP = [sys.executable, "-c", "while True: pass"]
-SWEEP_JOBS = ["model=tiny_moe", "model.path=null", "arm=grpo,grpo_r2,gspo", "seed=0,1", "trainer.eval_prompts=0",
-              "logger.wandb.mode=disabled"]
+SWEEP_JOBS = [
+    "model=tiny_moe",
+    "model.path=null",
+    "arm=grpo,grpo_r2,gspo",
+    "seed=0,1",
+    "trainer.eval_prompts=0",
+    "logger.wandb.mode=disabled",
+]
 
 
 def contention_section(args: argparse.Namespace, log_dir: Path, results: dict[str, Any]) -> None:
@@ -57,8 +63,9 @@ def contention_section(args: argparse.Namespace, log_dir: Path, results: dict[st
     try:
         for index, (label, (threads, env)) in enumerate(POLICIES.items()):
             worker_args = ["--overrides", json.dumps(VARIANTS["grpo"]), "--threads", str(threads)]
-            workers[label] = Worker(label, "benchmarks.lab_worker", worker_args, log_dir / f"contention_{index}.log",
-                                    env=env)
+            workers[label] = Worker(
+                label, "benchmarks.lab_worker", worker_args, log_dir / f"contention_{index}.log", env=env
+            )
         for condition in ("quiet", "one core busy"):
             if condition != "quiet":
                 competitor = subprocess.Popen(BUSY_LOOP)
@@ -69,8 +76,9 @@ def contention_section(args: argparse.Namespace, log_dir: Path, results: dict[st
                     report = workers[label].step()
                     if round_index:
                         steps.setdefault((label, condition), []).append(report["seconds"])
-                print(f"  contention, {condition}: round {round_index + 1}/{1 + args.steps}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"  contention, {condition}: round {round_index + 1}/{1 + args.steps}", file=sys.stderr, flush=True
+                )
     finally:
         if competitor is not None:
             competitor.kill()
@@ -82,18 +90,38 @@ def contention_section(args: argparse.Namespace, log_dir: Path, results: dict[st
     for label in POLICIES:
         quiet, busy = steps[(label, "quiet")], steps[(label, "one core busy")]
         results["contention"][label] = {"quiet": quiet, "one core busy": busy}
-        rows.append([label, spread(quiet), spread(busy), f"{statistics.median(busy) / statistics.median(quiet):.2f}",
-                     f"{statistics.median(quiet) / reference:.2f}", f"{statistics.median(busy) / reference:.2f}"])
+        rows.append(
+            [
+                label,
+                spread(quiet),
+                spread(busy),
+                f"{statistics.median(busy) / statistics.median(quiet):.2f}",
+                f"{statistics.median(quiet) / reference:.2f}",
+                f"{statistics.median(busy) / reference:.2f}",
+            ]
+        )
     print("\n## A step quiet and beside a busy process (grpo, bench workload; s)\n")
-    print(markdown_table(["threads", "quiet s", "one core busy s", "busy / quiet",
-                          f"quiet / {CORES}-thread spin quiet", f"busy / {CORES}-thread spin quiet"], rows))
+    print(
+        markdown_table(
+            [
+                "threads",
+                "quiet s",
+                "one core busy s",
+                "busy / quiet",
+                f"quiet / {CORES}-thread spin quiet",
+                f"busy / {CORES}-thread spin quiet",
+            ],
+            rows,
+        )
+    )
 
 
 def _timed(command: list[str], log: Path, env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
     with log.open("w") as handle:
-        done = subprocess.run(command, cwd=PROJECT_ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                              env={**os.environ, **(env or {})})
+        done = subprocess.run(
+            command, cwd=PROJECT_ROOT, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     if done.returncode:
         raise SystemExit(f"benchmark command failed ({done.returncode}); its output: {log}")
     return time.perf_counter() - start
@@ -101,18 +129,28 @@ def _timed(command: list[str], log: Path, env: dict[str, str] | None = None) -> 
 
 def sweep_section(args: argparse.Namespace, log_dir: Path, results: dict[str, Any]) -> None:
     base = [sys.executable, "-m", "experiments.train", "-m", *SWEEP_JOBS, f"trainer.steps={args.sweep_steps}"]
-    parallel = [*base, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "trainer.threads=1",
-                f"hydra.sweep.dir={log_dir / 'sweep_parallel'}"]
+    parallel = [
+        *base,
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "trainer.threads=1",
+        f"hydra.sweep.dir={log_dir / 'sweep_parallel'}",
+    ]
     sequential = [*base, "trainer.threads=2", f"hydra.sweep.dir={log_dir / 'sweep_sequential'}"]
     print("sweep: joblib 2 jobs x 1 thread, then the sequential launcher x 2 threads", file=sys.stderr, flush=True)
     parallel_s = _timed(parallel, log_dir / "sweep_parallel.log")
     sequential_s = _timed(sequential, log_dir / "sweep_sequential.log")
     results["sweep"] = {"parallel_s": parallel_s, "sequential_s": sequential_s, "jobs": 6, "steps": args.sweep_steps}
     print(f"\n## A sweep of 6 jobs x {args.sweep_steps} steps (tiny_moe)\n")
-    print(markdown_table(["launcher", "wall s", "sequential / this"], [
-        ["joblib, 2 jobs x 1 thread", f"{parallel_s:.1f}", f"{sequential_s / parallel_s:.2f}"],
-        ["sequential (basic), 1 job x 2 threads", f"{sequential_s:.1f}", "1.00"],
-    ]))
+    print(
+        markdown_table(
+            ["launcher", "wall s", "sequential / this"],
+            [
+                ["joblib, 2 jobs x 1 thread", f"{parallel_s:.1f}", f"{sequential_s / parallel_s:.2f}"],
+                ["sequential (basic), 1 job x 2 threads", f"{sequential_s:.1f}", "1.00"],
+            ],
+        )
+    )
 
 
 def _step_seconds(run_dir: Path) -> list[float]:
@@ -121,11 +159,23 @@ def _step_seconds(run_dir: Path) -> list[float]:
 
 
 def dp_section(args: argparse.Namespace, log_dir: Path, results: dict[str, Any]) -> None:
-    run = ["-m", "experiments.train", *BENCH_TINY, *VARIANTS["grpo"], f"trainer.steps={1 + args.steps}",
-           "trainer.threads=1"]
+    run = [
+        "-m",
+        "experiments.train",
+        *BENCH_TINY,
+        *VARIANTS["grpo"],
+        f"trainer.steps={1 + args.steps}",
+        "trainer.threads=1",
+    ]
     sides = {
-        "2 ranks x 1 thread (torchrun, FSDP2, gloo)":
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *run],
+        "2 ranks x 1 thread (torchrun, FSDP2, gloo)": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            *run,
+        ],
         "1 process x 2 threads": [sys.executable, *run, "trainer.threads=2"],
     }
     seconds: dict[str, list[float]] = {label: [] for label in sides}
@@ -133,16 +183,24 @@ def dp_section(args: argparse.Namespace, log_dir: Path, results: dict[str, Any])
         for index, (label, command) in enumerate(sides.items()):
             run_dir = log_dir / f"dp_{index}_{repeat}"
             print(f"dp: {label}, run {repeat + 1}/2", file=sys.stderr, flush=True)
-            _timed([*command, f"hydra.run.dir={run_dir}"], log_dir / f"dp_{index}_{repeat}.log", {"OMP_NUM_THREADS": "1"}
-                   if "ranks" in label else None)
+            _timed(
+                [*command, f"hydra.run.dir={run_dir}"],
+                log_dir / f"dp_{index}_{repeat}.log",
+                {"OMP_NUM_THREADS": "1"} if "ranks" in label else None,
+            )
             seconds[label] += _step_seconds(run_dir)
     results["dp"] = seconds
     ranks, single = seconds.values()
     print("\n## The bench workload's step on 2 ranks against 1 process (grpo; s)\n")
-    print(markdown_table(["layout", "step s median (min-max)", "this / 1 process"], [
-        [label, spread(values), f"{statistics.median(values) / statistics.median(single):.2f}"]
-        for label, values in seconds.items()
-    ]))
+    print(
+        markdown_table(
+            ["layout", "step s median (min-max)", "this / 1 process"],
+            [
+                [label, spread(values), f"{statistics.median(values) / statistics.median(single):.2f}"]
+                for label, values in seconds.items()
+            ],
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -159,8 +217,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not (args.contention or args.sweep or args.dp):
         args.contention = args.sweep = args.dp = True
     info = machine()
-    print(f"# benchmarks.scale_out on {info['cpu']} ({info['cores']} cores), torch {info['torch']}, "
-          f"load {info['load_1min']:.1f}")
+    print(
+        f"# benchmarks.scale_out on {info['cpu']} ({info['cores']} cores), torch {info['torch']}, "
+        f"load {info['load_1min']:.1f}"
+    )
     results: dict[str, Any] = {"machine": info, "contention": {}, "sweep": {}, "dp": {}}
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as scratch:
         log_dir = Path(scratch)

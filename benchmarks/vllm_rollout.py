@@ -80,8 +80,15 @@ def _prompts(cfg, count: int) -> list[str]:
     return [examples[i].prompt for i in picks.tolist()]
 
 
+def collected(result: dict[str, Any]) -> dict[str, Any]:
+    """`result`, once the garbage collector has freed what the section that made it held (its vLLM engines' cycles)."""
+    gc.collect()
+    return result
+
+
 def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, Any]:
-    """HF engine vs vLLM engine on one model, alternating (module docstring)."""
+    """HF engine vs vLLM engine on one model, alternating (module docstring). Its engines and model are collected
+    before the next model's section (`collected`)."""
     cfg = compose_workload(overrides)
     t = cfg.trainer
     model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
@@ -93,7 +100,9 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
 
     def timed(engine, routing: bool) -> float:
         start = time.perf_counter()
-        samples = engine.sample(prompts, Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=routing))
+        samples = engine.sample(
+            prompts, Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=routing)
+        )
         elapsed = time.perf_counter() - start
         assert samples.response_tokens == len(prompts) * t.group_size * t.max_new_tokens, "fixed-length rollout"
         return elapsed
@@ -106,14 +115,15 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
         for key in pair:
             seconds[key] = []
         for r in range(rounds):
-            for key in (list(pair) if r % 2 == 0 else list(pair)[::-1]):
+            for key in list(pair) if r % 2 == 0 else list(pair)[::-1]:
                 seconds[key].append(timed(pair[key], routing))
 
     # One vLLM engine per process at a time (experiments.step.engines.vllm): first the loop's default, routing recorded
     # (the CPU capture, prefix caching off); then vLLM built with routing=False (no capture, prefix caching on)
     # against HF without its routing hooks.
-    start = VLLMStart(max_model_len=max_model_len, max_num_seqs=t.prompts_per_step * t.group_size,
-                      min_new_tokens=t.max_new_tokens)
+    start = VLLMStart(
+        max_model_len=max_model_len, max_num_seqs=t.prompts_per_step * t.group_size, min_new_tokens=t.max_new_tokens
+    )
     vllm = VLLMEngine(model, tokenizer, start)
     startup = vllm.startup_s
     alternate(vllm, True, "")
@@ -142,8 +152,6 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
         "vllm_startup_s": startup,
         "vllm_sync_s": sync,
     }
-    del hf, vllm, bare, model
-    gc.collect()
     return result
 
 
@@ -151,18 +159,39 @@ def family_config(family: str, tokenizer) -> Any:
     """A random model config of `family`: hidden 64, 2 layers, heads of 32, 8 experts top-2 of width 32 (MoE)."""
     import transformers
 
-    shared = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                  bos_token_id=tokenizer.bos_token_id)
+    shared = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     moe = dict(num_experts_per_tok=2)
     configs = {
-        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**shared, **moe, head_dim=32, num_experts=8,
-                                                         moe_intermediate_size=32, intermediate_size=64,
-                                                         norm_topk_prob=True, decoder_sparse_step=1),
-        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**shared, **moe, num_experts=8, moe_intermediate_size=32,
-                                                         shared_expert_intermediate_size=64, intermediate_size=64,
-                                                         decoder_sparse_step=1),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **shared,
+            **moe,
+            head_dim=32,
+            num_experts=8,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **shared,
+            **moe,
+            num_experts=8,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            intermediate_size=64,
+            decoder_sparse_step=1,
+        ),
         "olmoe": lambda: transformers.OlmoeConfig(**shared, **moe, num_experts=8, intermediate_size=32),
         "mixtral": lambda: transformers.MixtralConfig(**shared, **moe, num_local_experts=8, intermediate_size=32),
         "qwen3": lambda: transformers.Qwen3Config(**shared, head_dim=32, intermediate_size=64),
@@ -229,30 +258,63 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json-out", type=Path, help="write every measured number here")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("vllm") is None:
-        print("benchmarks.vllm_rollout: vLLM is not installed in this environment, nothing to measure "
-              "(make test-vllm builds .venv-vllm; docs/vllm.md)")
+        print(
+            "benchmarks.vllm_rollout: vLLM is not installed in this environment, nothing to measure "
+            "(make test-vllm builds .venv-vllm; docs/vllm.md)"
+        )
         return {}
     torch.set_num_threads(args.threads)
     results: dict[str, Any] = {"threads": args.threads}
     if args.families:
         results["families"] = families_section()
-        rows = [[r["family"], r.get("error") or f"{r['logp_diff']:.1e}", _pct(r.get("routing_agreement")),
-                 f"{r['synced_logp_diff']:.1e}" if "synced_logp_diff" in r else "", _pct(r.get("synced_routing_agreement"))]
-                for r in results["families"]]
+        rows = [
+            [
+                r["family"],
+                r.get("error") or f"{r['logp_diff']:.1e}",
+                _pct(r.get("routing_agreement")),
+                f"{r['synced_logp_diff']:.1e}" if "synced_logp_diff" in r else "",
+                _pct(r.get("synced_routing_agreement")),
+            ]
+            for r in results["families"]
+        ]
         print(markdown_table(["family", "max |dlogp|", "routing", "after sync", "routing after sync"], rows))
     else:
         sections = {"tiny_moe": [], "moe64": MOE64}
-        results["rollout"] = [rollout_section(name, sections[name], args.rounds) for name in args.models]
+        results["rollout"] = [collected(rollout_section(name, sections[name], args.rounds)) for name in args.models]
         rows = []
         for r in results["rollout"]:
             med = {key: statistics.median(values) for key, values in r["seconds"].items()}
-            rows.append([r["model"], f"{r['parameters'] / 1e6:.1f} M", f"{med['hf']:.2f}", f"{med['vllm']:.2f}",
-                         f"{statistics.median(r['ratio_hf_over_vllm']['routing']):.2f}",
-                         f"{med['hf_no_routing']:.2f}", f"{med['vllm_no_routing']:.2f}",
-                         f"{statistics.median(r['ratio_hf_over_vllm']['no_routing']):.2f}",
-                         f"{r['vllm_startup_s']:.1f}", f"{statistics.median(r['vllm_sync_s']):.3f}"])
-        print(markdown_table(["model", "params", "HF s", "vLLM s", "HF/vLLM", "HF s (no routing)", "vLLM s (no routing)",
-                      "HF/vLLM (no routing)", "vLLM start s", "sync s"], rows))
+            rows.append(
+                [
+                    r["model"],
+                    f"{r['parameters'] / 1e6:.1f} M",
+                    f"{med['hf']:.2f}",
+                    f"{med['vllm']:.2f}",
+                    f"{statistics.median(r['ratio_hf_over_vllm']['routing']):.2f}",
+                    f"{med['hf_no_routing']:.2f}",
+                    f"{med['vllm_no_routing']:.2f}",
+                    f"{statistics.median(r['ratio_hf_over_vllm']['no_routing']):.2f}",
+                    f"{r['vllm_startup_s']:.1f}",
+                    f"{statistics.median(r['vllm_sync_s']):.3f}",
+                ]
+            )
+        print(
+            markdown_table(
+                [
+                    "model",
+                    "params",
+                    "HF s",
+                    "vLLM s",
+                    "HF/vLLM",
+                    "HF s (no routing)",
+                    "vLLM s (no routing)",
+                    "HF/vLLM (no routing)",
+                    "vLLM start s",
+                    "sync s",
+                ],
+                rows,
+            )
+        )
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=2))
     return results

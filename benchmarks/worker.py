@@ -50,15 +50,27 @@ class Channel:
 class Worker:
     """The parent's side: start `python -m <module> <args>` and drive it one step at a time."""
 
-    def __init__(self, label: str, module: str, args: list[str], log_path: Path,
-                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        module: str,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         """`env`: variables set for this worker only, on top of the parent's (OpenMP's, say). `cwd`: the directory
         it starts in, whose packages `python -m` imports first (another commit's checkout; default: ours)."""
         self.label = label
         self.log_path = log_path
         self._log = open(log_path, "w", encoding="utf-8")
         self._proc = subprocess.Popen(
-            [os.path.abspath(sys.executable), "-m", module, *args],  # absolute: the worker may start in another checkout
+            [
+                os.path.abspath(sys.executable),
+                "-m",
+                module,
+                *args,
+            ],  # absolute: the worker may start in another checkout
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -84,7 +96,7 @@ class Worker:
                 self._proc.wait()
         self._log.close()
 
-    def __enter__(self) -> "Worker":
+    def __enter__(self) -> Worker:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -100,7 +112,7 @@ class Worker:
     def _receive(self, event: str) -> dict[str, Any]:
         for line in self._proc.stdout:
             if line.startswith(PREFIX):
-                message = json.loads(line[len(PREFIX):])
+                message = json.loads(line[len(PREFIX) :])
                 if message.get("event") != event:
                     raise RuntimeError(f"{self.label} worker sent {message.get('event')!r}, expected {event!r}")
                 return message

@@ -1,9 +1,9 @@
 """The benchmark workloads: the TRL peer benchmark's RL step ("bench-tiny") and the lab's own ("bench-deep").
 
-bench-tiny, one RL step: 32 addition prompts x 8 completions = 256 completions of exactly 16 new tokens (eos is banned before
-the budget: `fixed_length`, so every loop and every step does identical work), split into 4 minibatches of 64, one AdamW update each, on
-the 7.1 M-parameter random Qwen3-MoE of `conf/model/tiny_moe.yaml` (hidden 256, 4 MoE layers, 16 experts,
-top-2, expert width 128). The TRL worker builds its run from the same composed config, so both loops see the
+bench-tiny, one RL step: 32 addition prompts x 8 completions = 256 completions of exactly 16 new tokens (eos is banned
+before the budget: `fixed_length`, so every loop and every step does identical work), split into 4 minibatches of 64,
+one AdamW update each, on the 7.1 M-parameter random Qwen3-MoE of `conf/model/tiny_moe.yaml` (hidden 256, 4 MoE layers,
+16 experts, top-2, expert width 128). The TRL worker builds its run from the same composed config, so both loops see the
 same model, tokenizer, prompts, batch geometry, learning rate and clip range.
 
 bench-deep, one RL step of the deep_long cell (`conf/experiment/deep_long.yaml` at the learning rate of its seeds,
@@ -36,22 +36,12 @@ BENCH_TINY = [
     "logger.wandb.mode=disabled",
 ]
 
-BENCH_DEEP = [
-    *BENCH_TINY,
-    "model=qwen30b_l16",
-    "dataset=scratchpad",
-    "trainer.max_new_tokens=33",
-    "trainer.lr=3e-4",
-]
+BENCH_DEEP = [*BENCH_TINY, "model=qwen30b_l16", "dataset=scratchpad", "trainer.max_new_tokens=33", "trainer.lr=3e-4"]
 
 WORKLOADS = {"tiny": BENCH_TINY, "deep": BENCH_DEEP}
 
 # The loops the issue asks for, as overrides on top of the workload.
-VARIANTS = {
-    "grpo": ["algo=grpo"],
-    "gspo": ["algo=gspo"],
-    "grpo+r2": ["algo=grpo", "routing.replay=r2"],
-}
+VARIANTS = {"grpo": ["algo=grpo"], "gspo": ["algo=gspo"], "grpo+r2": ["algo=grpo", "routing.replay=r2"]}
 
 
 def fixed_length(trainer) -> None:

@@ -24,7 +24,6 @@ HELP_WIDTH = 100  # columns of the --help text
 ABBREVIATIONS = {"Dr", "Drs", "eq", "eqs", "Eq", "Eqs", "Fig", "Figs", "al", "vs", "cf", "e.g", "i.e", "approx"}
 
 
-
 def first_sentence(text: str) -> str:
     """The first sentence of `text` (a period followed by a capital ends it, unless it ends an abbreviation)."""
     for match in re.finditer(r"\.\s+(?=[A-Z`(])", text):
@@ -75,10 +74,14 @@ def help_text(entry: str) -> str:
     """`python -m experiments.<entry> --help`: what the entry point does, the groups a user picks with their choices
     (the default first), and where every key is explained. No `$`: Hydra substitutes the template's `$NAMES`."""
     command = f"python -m experiments.{entry}"
-    lines = [*textwrap.wrap(yaml_description(CONF / f"{entry}.yaml"), HELP_WIDTH, break_on_hyphens=False), "",
-             f"Usage: {command} [group=choice ...] [key=value ...]",
-             f"       {command} -m [group=a,b ...] [key=a,b ...]      (a sweep: one run per combination)",
-             "", "Groups (group=choice; the default first):"]
+    lines = [
+        *textwrap.wrap(yaml_description(CONF / f"{entry}.yaml"), HELP_WIDTH, break_on_hyphens=False),
+        "",
+        f"Usage: {command} [group=choice ...] [key=value ...]",
+        f"       {command} -m [group=a,b ...] [key=a,b ...]      (a sweep: one run per combination)",
+        "",
+        "Groups (group=choice; the default first):",
+    ]
     for group, default in picked_groups(entry).items():
         names = choices(group)
         if isinstance(default, list):
@@ -87,11 +90,13 @@ def help_text(entry: str) -> str:
         else:
             first = [default] if default is not None else ["(none)"]
             shown = " ".join(first + [name for name in names if name != default])
-        lines += textwrap.wrap(shown, HELP_WIDTH, initial_indent=f"  {group:<16} ", subsequent_indent=" " * 19,
-                               break_on_hyphens=False)
-    lines += ["",
-              "Every key, its type, default and meaning: docs/configuration.md (written by "
-              f"`{REFERENCE_COMMAND}`).",
-              f"The composed config, without running: python -m experiments.{entry} [overrides] --cfg job",
-              "Hydra's own flags: --hydra-help"]
+        lines += textwrap.wrap(
+            shown, HELP_WIDTH, initial_indent=f"  {group:<16} ", subsequent_indent=" " * 19, break_on_hyphens=False
+        )
+    lines += [
+        "",
+        f"Every key, its type, default and meaning: docs/configuration.md (written by `{REFERENCE_COMMAND}`).",
+        f"The composed config, without running: python -m experiments.{entry} [overrides] --cfg job",
+        "Hydra's own flags: --hydra-help",
+    ]
     return "\n".join(lines).replace("$", "")

@@ -35,7 +35,6 @@ from models.policy import ModelConfig
 from models.registry import Registry
 
 
-
 class WandbMode(StrEnum):
     offline = "offline"  # the default: run files next to metrics.jsonl, no network
     online = "online"
@@ -49,7 +48,6 @@ class AccuracySummary(StrEnum):
     gain = "gain"  # final gain: accuracy at the last evaluation − at the start, on the eval_prompts
     gain_area = "gain_area"  # mean gain over the run: the area under the held-out curve above its start, per step
     split_gain = "split_gain"  # final gain on the whole test split (eval_split)
-
 
 
 class EarlyStopped(StrEnum):
@@ -94,8 +92,8 @@ class RoutingConfig:
     # Every this many steps, split each off-policy token's log π_θ/π_old into its routing and weights parts with one
     # extra no-grad forward per off-policy minibatch (0: never).
     decompose_every: int = 0
-    # SYNTHETIC drift (models.routing.flips.flip_routing): in π_θ's update forwards only, each activated expert is swapped,
-    # with this probability, for the one its router ranks next. Not in the rollout, π_old or evaluation; replay
+    # SYNTHETIC drift (models.routing.flips.flip_routing): in π_θ's update forwards only, each activated expert is
+    # swapped, with this probability, for the one its router ranks next. Not in the rollout, π_old or evaluation; replay
     # (r2, r3) overrides it. 0: off, and the step is exactly the unflipped one.
     flip_rate: float = 0.0
     # SYNTHETIC drift the policy carries (models.routing.perturbation): after each optimizer update, Gaussian noise on
@@ -356,7 +354,8 @@ def refuse_mistyped_overrides(arguments: list[str], schema: type) -> None:
     its group's schema types once chosen) and anything Hydra's grammar refuses are left to Hydra."""
     try:
         overrides = OverridesParser.create().parse_overrides(
-            [argument for argument in arguments if "=" in argument and not argument.startswith("-")])
+            [argument for argument in arguments if "=" in argument and not argument.startswith("-")]
+        )
     except HydraException:
         return
     typed = OmegaConf.structured(schema)
@@ -379,5 +378,8 @@ def _is_typed_leaf(typed: Any, key: str) -> bool:
     """Whether `key` names a value (not a section) of the structured config `typed`."""
     parent, _, leaf = key.rpartition(".")
     section = OmegaConf.select(typed, parent) if parent else typed
-    return (isinstance(section, DictConfig) and leaf in section
-            and not isinstance(section._get_node(leaf), (DictConfig, ListConfig)))
+    return (
+        isinstance(section, DictConfig)
+        and leaf in section
+        and not isinstance(section._get_node(leaf), (DictConfig, ListConfig))
+    )

@@ -45,7 +45,13 @@ from algos.corrections import CORRECTIONS
 from algos.routers import ROUTER_SWITCHES
 from algos.routing_variants import ROUTING_VARIANTS
 from experiments.conf_files import (
-    CONF, PROJECT_ROOT, REFERENCE_COMMAND, choices, default_choice, picked_groups, yaml_description,
+    CONF,
+    PROJECT_ROOT,
+    REFERENCE_COMMAND,
+    choices,
+    default_choice,
+    picked_groups,
+    yaml_description,
 )
 from experiments.config import ProbeConfig, SFTConfig, TrainConfig, register_configs
 from experiments.tasks import TASKS
@@ -54,11 +60,17 @@ from models.registry import flat
 REFERENCE = PROJECT_ROOT / "docs" / "configuration.md"
 ENTRY_POINTS = {"train": TrainConfig, "sft": SFTConfig, "probe": ProbeConfig}
 # The groups whose choices are registered parts: each choice's keys are its schema's (`schema/<group>/<choice>`).
-PART_GROUPS = {"algo": OBJECTIVES, "correction": CORRECTIONS, "routing_variant": ROUTING_VARIANTS,
-               "routers": ROUTER_SWITCHES, "dataset": TASKS}
+PART_GROUPS = {
+    "algo": OBJECTIVES,
+    "correction": CORRECTIONS,
+    "routing_variant": ROUTING_VARIANTS,
+    "routers": ROUTER_SWITCHES,
+    "dataset": TASKS,
+}
 
 
 # --- the source: field comments, docstrings, yaml comments ----------------------------------------------------
+
 
 def field_comments(cls: type) -> dict[str, str]:
     """The comment of each field of `cls`, its own and those it inherits (ClassVars included), as the source writes
@@ -101,6 +113,7 @@ def docstring(cls: type) -> str:
 
 # --- the groups an entry point picks --------------------------------------------------------------------------
 
+
 def entry_values(entry: str) -> dict[str, Any]:
     """What `conf/<entry>.yaml` sets over its schema (its keys other than the defaults list and Hydra's), flattened."""
     own = OmegaConf.to_container(OmegaConf.load(CONF / f"{entry}.yaml"))
@@ -108,6 +121,7 @@ def entry_values(entry: str) -> dict[str, Any]:
 
 
 # --- rows -----------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Row:
@@ -205,20 +219,28 @@ def part_sections(group: str) -> Iterator[Section]:
         comments = field_comments(part)
         hints = typing.get_type_hints(schema)
         prefix = f"routers.{choice}" if group == "routers" else group
-        rows = tuple(Row(f"{prefix}.{f.name}", type_text(hints[f.name]), value_text(field_default(f)),
-                         comments[f.name])
-                     for f in dataclasses.fields(schema) if f.name != "name")
+        rows = tuple(
+            Row(f"{prefix}.{f.name}", type_text(hints[f.name]), value_text(field_default(f)), comments[f.name])
+            for f in dataclasses.fields(schema)
+            if f.name != "name"
+        )
         yield Section(f"{group}={choice}", yaml_description(CONF / group / f"{choice}.yaml"), rows)
 
 
 def missing_comments() -> list[str]:
     """Every key of every entry point and part whose field has no comment, as `section: key`."""
-    found = {f"{section.path or 'top level'}: {row.key}" for schema in ENTRY_POINTS.values()
-             for section in sections(schema) for row in section.rows if not row.meaning}
+    found = {
+        f"{section.path or 'top level'}: {row.key}"
+        for schema in ENTRY_POINTS.values()
+        for section in sections(schema)
+        for row in section.rows
+        if not row.meaning
+    }
     return sorted(found)
 
 
 # --- the reference --------------------------------------------------------------------------------------------
+
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
@@ -305,8 +327,12 @@ def reference() -> str:
             out += [section.about, ""] if section.about else []
             out += _table(section.rows)
             if section.path == "model":
-                out += ["", "Its choices (`model=<name>`), each a yaml of values over these defaults:", "",
-                        *choices_table("model")]
+                out += [
+                    "",
+                    "Its choices (`model=<name>`), each a yaml of values over these defaults:",
+                    "",
+                    *choices_table("model"),
+                ]
         for group in picked_groups(entry):
             if group not in (*PART_GROUPS, "model") and group not in listed:
                 listed.add(group)
@@ -315,8 +341,12 @@ def reference() -> str:
             out += ["", f"As for `python -m experiments.{other}` above: {_paths(paths)}."]
         values = entry_values(entry)
         if values:
-            out += ["", f"`conf/{entry}.yaml` sets, over these defaults: "
-                    + "; ".join(f"`{key}` = `{value_text(value)}`" for key, value in values.items()) + "."]
+            out += [
+                "",
+                f"`conf/{entry}.yaml` sets, over these defaults: "
+                + "; ".join(f"`{key}` = `{value_text(value)}`" for key, value in values.items())
+                + ".",
+            ]
     return "\n".join(out) + "\n"
 
 

@@ -25,8 +25,9 @@ of activated experts on which that engine and the fp32 trainer disagree at the s
 (`mismatch/expert_frac`, training–inference mismatch of routing, which R3 removes and drift is set against).
 
 The run directory gets `metrics.jsonl` (every step, tagged `probe/lr`, `probe/phase` and `probe/setting_step`) and
-`summary.json` (one entry per setting: what `analysis.drift_law` fits), and the table is printed. A learning rate whose run diverges
-(non-finite loss, weights or logits: `models.registry`) is an entry that says so, and the next one is probed.
+`summary.json` (one entry per setting: what `analysis.drift_law` fits), and the table is printed. A learning rate whose
+run diverges (non-finite loss, weights or logits: `models.registry`) is an entry that says so, and the next one is
+probed.
 
     python -m experiments.probe model=qwen30b_l16                       # the cold start of qwen30b_l16 on addition
     python -m experiments.probe -m model=qwen30b_l16,qwen30b_l32 dataset=addition,scratchpad
@@ -63,10 +64,27 @@ from models.registry import ConfigError, Diverged
 # What a setting reports: the mean over its measured steps of each of these metrics (and every per-layer drift), with
 # its standard error, where the step logged it.
 REPORTED = (
-    metrics.DRIFT_PER_UPDATE, metrics.TOKEN_DRIFT_PER_UPDATE, metrics.GATE_DRIFT_PER_UPDATE, metrics.ROUTING_SHARE,
-    metrics.ROUTING_VAR, metrics.WEIGHTS_VAR, metrics.TOTAL_VAR, metrics.MARGIN, metrics.LOGIT_MARGIN, metrics.FRAGILE,
-    metrics.TOPK_MASS, metrics.TOPK_MARGIN_MEDIAN, metrics.TOPK_MARGIN_MEAN, metrics.TOPK_MARGIN_SMALL, TOKEN_RATIO_VAR,
-    SEQ_RATIO_VAR, CLIP, KL_OLD, metrics.LENGTH, metrics.REWARD, metrics.ENTROPY,
+    metrics.DRIFT_PER_UPDATE,
+    metrics.TOKEN_DRIFT_PER_UPDATE,
+    metrics.GATE_DRIFT_PER_UPDATE,
+    metrics.ROUTING_SHARE,
+    metrics.ROUTING_VAR,
+    metrics.WEIGHTS_VAR,
+    metrics.TOTAL_VAR,
+    metrics.MARGIN,
+    metrics.LOGIT_MARGIN,
+    metrics.FRAGILE,
+    metrics.TOPK_MASS,
+    metrics.TOPK_MARGIN_MEDIAN,
+    metrics.TOPK_MARGIN_MEAN,
+    metrics.TOPK_MARGIN_SMALL,
+    TOKEN_RATIO_VAR,
+    SEQ_RATIO_VAR,
+    CLIP,
+    KL_OLD,
+    metrics.LENGTH,
+    metrics.REWARD,
+    metrics.ENTROPY,
 )
 PER_LAYER_DRIFT = metrics.per_layer(metrics.DRIFT_PER_UPDATE, "")
 PER_LAYER_MARGIN = metrics.per_layer(metrics.TOPK_MARGIN_MEDIAN, "")
@@ -91,22 +109,30 @@ def check_probe(cfg: DictConfig) -> None:
     if not p.lrs or any(not lr > 0 for lr in p.lrs):
         raise ConfigError(f"probe.lrs={list(p.lrs)} must be a non-empty list of learning rates > 0")
     if p.warm_steps < 0 or p.measure_steps < 1:
-        raise ConfigError(f"probe.warm_steps={p.warm_steps} must be >= 0 and probe.measure_steps={p.measure_steps} >= 1")
+        raise ConfigError(
+            f"probe.warm_steps={p.warm_steps} must be >= 0 and probe.measure_steps={p.measure_steps} >= 1"
+        )
     if cfg.trainer.minibatches < 2:
         raise ConfigError(
             f"trainer.minibatches={cfg.trainer.minibatches}: the drift after one update is measured on minibatch 1, "
             "so the probe needs at least 2"
         )
     if cfg.routing.replay != "none":
-        raise ConfigError(f"routing.replay={cfg.routing.replay}: the probe measures the drift and routing share that "
-                          "replay would remove; run it with routing.replay=none")
+        raise ConfigError(
+            f"routing.replay={cfg.routing.replay}: the probe measures the drift and routing share that "
+            "replay would remove; run it with routing.replay=none"
+        )
     if cfg.rollout.precision != Precision.fp32:
-        raise ConfigError(f"rollout.precision={cfg.rollout.precision}: the probe's RL runs sample with the fp32 "
-                          "trainer; engine precisions are probe.precisions")
+        raise ConfigError(
+            f"rollout.precision={cfg.rollout.precision}: the probe's RL runs sample with the fp32 "
+            "trainer; engine precisions are probe.precisions"
+        )
     check_cold_start(cfg)
     if not is_moe(model_config(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))):
-        raise ConfigError(f"model {cfg.model.name!r} is dense: the probe measures how far an update moves the routing "
-                          "of an MoE model's experts, and it has none; probe an MoE cold start")
+        raise ConfigError(
+            f"model {cfg.model.name!r} is dense: the probe measures how far an update moves the routing "
+            "of an MoE model's experts, and it has none; probe an MoE cold start"
+        )
     check_run(setting_config(cfg, p.lrs[0], p.warm_steps + p.measure_steps))
 
 
@@ -149,7 +175,7 @@ def measure(records: list[dict[str, Any]]) -> dict[str, Any]:
         result[key], result[f"{key}_sem"] = mean_and_sem(values)
         result[f"{key}_n"] = len(values)
     for name, prefix in (("drift_per_layer", PER_LAYER_DRIFT), ("topk_margin_median_per_layer", PER_LAYER_MARGIN)):
-        layers = sorted((int(k.removeprefix(prefix)) for k in records[0] if k.startswith(prefix)))
+        layers = sorted(int(k.removeprefix(prefix)) for k in records[0] if k.startswith(prefix))
         result[name] = [mean_and_sem(samples_of(records, f"{prefix}{i}"))[0] for i in layers]
     return result
 
@@ -158,8 +184,9 @@ def run_probe(cfg: DictConfig, run_dir: Path, hydra_cfg: Any = None) -> dict[str
     """Every setting of the probe, logged into `run_dir`; returns the summary. It lives and ends as every run does
     (`experiments.run.life`): a stop keeps its log whole and says so in `summary.json` and one line. Its settings'
     trainers are built as it goes, each after the last one's records."""
-    return live(Job("the probe", lambda life, _: probe(life, cfg), prepare=lambda: check_probe(cfg)), run_dir, cfg,
-                hydra_cfg)
+    return live(
+        Job("the probe", lambda life, _: probe(life, cfg), prepare=lambda: check_probe(cfg)), run_dir, cfg, hydra_cfg
+    )
 
 
 def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:
@@ -216,7 +243,7 @@ def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:
                 settings.append({"lr": lr, "diverged": str(error)})
                 bar.update(steps - len(records))
                 continue
-            settings.append({"lr": lr, **measure(records[p.warm_steps:])})
+            settings.append({"lr": lr, **measure(records[p.warm_steps :])})
         for precision in p.precisions:
             trainer = RLTrainer(setting_config(cfg, p.lrs[0], 1, Precision(precision)))
             record = trainer.step()
@@ -245,24 +272,31 @@ def cold_start_record(path: str | None) -> dict[str, Any] | None:
 
 def table(summary: dict[str, Any]) -> str:
     """The probe's findings as a few plain lines."""
-    lines = [f"{summary['run']} ({summary['policy']['num_moe_layers']} MoE layers, {summary['policy']['num_experts']} "
-             f"experts, top-{summary['policy']['num_experts_per_tok']}): {summary['wall_s']:.0f} s"]
-    lines.append(f"{'lr':>8}  {'drift/update':>12}  {'gate TV/update':>14}  {'routing share (± s.e.)':>22}  "
-                 f"{'logit margin':>12}  {'top-k margin':>12}  {'token ratio var':>15}  {'length':>6}")
+    lines = [
+        f"{summary['run']} ({summary['policy']['num_moe_layers']} MoE layers, {summary['policy']['num_experts']} "
+        f"experts, top-{summary['policy']['num_experts_per_tok']}): {summary['wall_s']:.0f} s"
+    ]
+    lines.append(
+        f"{'lr':>8}  {'drift/update':>12}  {'gate TV/update':>14}  {'routing share (± s.e.)':>22}  "
+        f"{'logit margin':>12}  {'top-k margin':>12}  {'token ratio var':>15}  {'length':>6}"
+    )
     for s in summary["settings"]:
         if "diverged" in s:
             lines.append(f"{s['lr']:>8.0e}  diverged: {s['diverged']}")
             continue
         lines.append(
-            f"{s['lr']:>8.0e}  {_pct(s[metrics.DRIFT_PER_UPDATE]):>12}  {_pct(s.get(metrics.GATE_DRIFT_PER_UPDATE)):>14}"
+            f"{s['lr']:>8.0e}  {_pct(s[metrics.DRIFT_PER_UPDATE]):>12}  "
+            f"{_pct(s.get(metrics.GATE_DRIFT_PER_UPDATE)):>14}"
             f"  {_pct(s[metrics.ROUTING_SHARE], s[metrics.ROUTING_SHARE + '_sem']):>22}"
             f"  {_num(s[metrics.LOGIT_MARGIN]):>12}  {_num(s[metrics.TOPK_MARGIN_MEDIAN]):>12}"
             f"  {_num(s[TOKEN_RATIO_VAR]):>15}"
             f"  {_num(s[metrics.LENGTH]):>6}"
         )
     for m in summary["precision_mismatch"]:
-        lines.append(f"engine in {m['precision']}: {_pct(m[metrics.ENGINE_EXPERTS])} of activated experts differ from "
-                     "the fp32 trainer's at the same weights")
+        lines.append(
+            f"engine in {m['precision']}: {_pct(m[metrics.ENGINE_EXPERTS])} of activated experts differ from "
+            "the fp32 trainer's at the same weights"
+        )
     return "\n".join(lines)
 
 

@@ -50,14 +50,19 @@ from experiments.run.life import Job, Life, live
 from experiments.run.recipe import COLD_START_FILE, recipe_of, recipe_sha256
 from experiments.run.threads import ThreadBudget
 from experiments.step import metrics as m
-from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
+from experiments.step.batch import evaluate
 from experiments.step.checks import (
-    check_device, check_logger, check_training_dtype, check_vocabulary, longest_tokens, unknown_keys,
+    check_device,
+    check_logger,
+    check_training_dtype,
+    check_vocabulary,
+    longest_tokens,
+    unknown_keys,
 )
 from experiments.step.engines import HFEngine
+from experiments.step.metrics import TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer
 from experiments.step.optimizer import cold_start_optimizer
 from experiments.step.scoring import margin_stats, position_ids, router_fragility
-from experiments.step.batch import evaluate
 from experiments.tasks import Example, Task, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
@@ -135,8 +140,10 @@ def router_switches(cfg: DictConfig, model_cfg: ModelConfig) -> list[RouterSwitc
     switches = build_router_switches(OmegaConf.to_container(cfg.routers, resolve=True))
     family = model_config(model_cfg).model_type
     if switches and not is_moe(model_config(model_cfg)):
-        raise ConfigError(f"routers=[{','.join(s.name for s in switches)}] act on MoE routers, and model "
-                          f"{cfg.model.name!r} has none: use routers=[]")
+        raise ConfigError(
+            f"routers=[{','.join(s.name for s in switches)}] act on MoE routers, and model "
+            f"{cfg.model.name!r} has none: use routers=[]"
+        )
     for switch in switches:
         switch.check(RunFacts(cfg.model.name, family in SIGMOID_FAMILIES))
     return switches
@@ -162,8 +169,9 @@ MEDIAN_INTERVAL = "topk_margin_median_interval"
 
 
 @torch.no_grad()
-def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                    examples: list[Example]) -> dict[str, Any] | None:
+def routing_profile(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example]
+) -> dict[str, Any] | None:
     """How `model` routes the demonstrations of `examples` (prompt, answer and eos, one forward in eval mode): per
     MoE layer the expert loads of the routers' own top-k, their entropy over log E (`load_entropy`: 1 when every
     expert carries the same load) and the largest load over the mean (`load_max_over_mean`: 1 when balanced),
@@ -180,8 +188,12 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     input_ids, attention_mask, _ = demonstration_batch(tokenizer, examples)
     device = next(model.parameters()).device
     with router_calls(model) as calls:
-        model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-              position_ids=position_ids(attention_mask).to(device), use_cache=False)
+        model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids(attention_mask).to(device),
+            use_cache=False,
+        )
     routers = RouterCalls.of(calls, attention_mask.to(device))
     w = routers.flat_weights
     layers = len(routers.calls)
@@ -205,8 +217,12 @@ def routing_profile(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
         "top_score_median": weighted_median(torch.cat([top[:, 0] for top in ranked]), every_layer),
         # the token's gate mass on its best chosen expert, and on its last: what a change of experts at the cut
         # moves at most (`models.routing.measures.gate_shift`); near 1 and 0, the router is one-hot in all but name
-        "gate_share_best_median": weighted_median(torch.cat([share.max(dim=-1).values for share in gates]), every_layer),
-        "gate_share_last_median": weighted_median(torch.cat([share.min(dim=-1).values for share in gates]), every_layer),
+        "gate_share_best_median": weighted_median(
+            torch.cat([share.max(dim=-1).values for share in gates]), every_layer
+        ),
+        "gate_share_last_median": weighted_median(
+            torch.cat([share.min(dim=-1).values for share in gates]), every_layer
+        ),
     }
 
 
@@ -222,9 +238,17 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     budget; save the checkpoint; return the model and a summary. It lives and ends as every run does
     (`experiments.run.life`): a stop or divergence keeps its log whole, says so in `summary.json` and one line, and
     saves no checkpoint."""
-    return live(Job("the cold start", lambda life, parts: train_cold_start(life, cfg, parts),
-                    lambda life: ColdStartParts.build(cfg), prepare=lambda: check_settings(cfg)), run_dir, cfg,
-                hydra_cfg)
+    return live(
+        Job(
+            "the cold start",
+            lambda life, parts: train_cold_start(life, cfg, parts),
+            lambda life: ColdStartParts.build(cfg),
+            prepare=lambda: check_settings(cfg),
+        ),
+        run_dir,
+        cfg,
+        hydra_cfg,
+    )
 
 
 @dataclass(frozen=True)
@@ -239,7 +263,7 @@ class ColdStartParts:
     switches: list[RouterSwitch]
 
     @classmethod
-    def build(cls, cfg: DictConfig) -> "ColdStartParts":
+    def build(cls, cfg: DictConfig) -> ColdStartParts:
         """The parts the settings name, each refused in one line when it cannot serve (before the first step)."""
         model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
         switches = router_switches(cfg, model_cfg)
@@ -248,8 +272,10 @@ class ColdStartParts:
         task = build_task(dataset.pop("name"), **dataset)
         check_vocabulary(tokenizer, task, task.examples("train") + task.examples("test"))
         if cfg.sft.eval_prompts > len(task.examples("test")):
-            raise ConfigError(f"sft.eval_prompts={cfg.sft.eval_prompts} is more than the "
-                              f"{len(task.examples('test'))} held-out examples of dataset {task.name!r}")
+            raise ConfigError(
+                f"sft.eval_prompts={cfg.sft.eval_prompts} is more than the "
+                f"{len(task.examples('test'))} held-out examples of dataset {task.name!r}"
+            )
         return cls(model, tokenizer, task, pretraining_mixture(cfg, task.examples("train")), switches)
 
 
@@ -291,8 +317,7 @@ def train_cold_start(life: Life, cfg: DictConfig, parts: ColdStartParts) -> tupl
             progress.step += 1
             threads.begin()
             model.train()
-            record = {m.STEP: progress.step, **update(parts, batches.next(progress.step), optimizer, scheduler,
-                                                     device)}
+            record = {m.STEP: progress.step, **update(parts, batches.next(progress.step), optimizer, scheduler, device)}
             progress.loss = record[m.SFT_LOSS]
             threads.end()
             elapsed = time.perf_counter() - progress.start
@@ -303,8 +328,14 @@ def train_cold_start(life: Life, cfg: DictConfig, parts: ColdStartParts) -> tupl
             task_step = progress.step - s.pretrain_steps
             if task_step > 0 and (task_step % s.eval_every == 0 or progress.out_of_time or progress.step == total):
                 model.eval()
-                metrics = evaluate(HFEngine(model, parts.tokenizer), parts.task, test, samples=0,
-                                   max_new_tokens=eval_tokens, temperature=1.0)
+                metrics = evaluate(
+                    HFEngine(model, parts.tokenizer),
+                    parts.task,
+                    test,
+                    samples=0,
+                    max_new_tokens=eval_tokens,
+                    temperature=1.0,
+                )
                 progress.accuracy = metrics[m.EVAL_GREEDY]
                 record.update(metrics)
             life.commit(record)
@@ -342,9 +373,13 @@ class DemonstrationBatches:
         return demonstration_batch(self.parts.tokenizer, [self.train[i] for i in picks])
 
 
-def update(parts: ColdStartParts, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-           device: torch.device) -> dict[str, Any]:
+def update(
+    parts: ColdStartParts,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    device: torch.device,
+) -> dict[str, Any]:
     """One optimizer update on `batch`: the next-token loss plus the router switches' own, then the balancing the
     switches do between updates (the sigmoid family's selection bias); the step's record."""
     model, switches = parts.model, parts.switches
@@ -370,8 +405,14 @@ def update(parts: ColdStartParts, batch: tuple[torch.Tensor, torch.Tensor, torch
     return record
 
 
-def cold_start_summary(cfg: DictConfig, name: str, switches: list[RouterSwitch], progress: Progress,
-                       done: list[dict[str, Any]], status: str) -> dict[str, Any]:
+def cold_start_summary(
+    cfg: DictConfig,
+    name: str,
+    switches: list[RouterSwitch],
+    progress: Progress,
+    done: list[dict[str, Any]],
+    status: str,
+) -> dict[str, Any]:
     """What the cold start is so far: how it ended and its numbers (the finished one adds the checkpoint's), read
     from its committed steps (`done`, the life's records): a stop or divergence never counts the step it cut, whose
     loss and evaluation `progress` may already hold."""
@@ -400,8 +441,9 @@ def cold_start_summary(cfg: DictConfig, name: str, switches: list[RouterSwitch],
     }
 
 
-def finished_summary(summary: dict[str, Any], progress: Progress, parts: ColdStartParts, output_dir: Path,
-                     test: list[Example]) -> dict[str, Any]:
+def finished_summary(
+    summary: dict[str, Any], progress: Progress, parts: ColdStartParts, output_dir: Path, test: list[Example]
+) -> dict[str, Any]:
     """The finished cold start's summary: what ended it, its checkpoint and how it routes; written beside the
     checkpoint too (`cold_start.json`), where RL runs and the analysis read it."""
     reached = progress.accuracy >= summary["target_accuracy"]
@@ -425,20 +467,29 @@ def say_how_it_ended(cfg: DictConfig, progress: Progress, result: dict[str, Any]
     if progress.out_of_time:
         warnings.warn(
             f"cold start stopped by sft.max_seconds={s.max_seconds:g} after {progress.step} steps: this checkpoint "
-            "depends on the machine's speed, not only on the command; raise sft.max_seconds to get the documented one"
+            "depends on the machine's speed, not only on the command; raise sft.max_seconds to get the documented one",
+            stacklevel=2,
         )
     if not result["reached_target"]:
         warnings.warn(
             f"cold start stopped at {progress.accuracy:.1%} held-out accuracy, below sft.target_accuracy="
-            f"{s.target_accuracy}: RL from this checkpoint will see little reward variance; raise sft.max_steps"
+            f"{s.target_accuracy}: RL from this checkpoint will see little reward variance; raise sft.max_steps",
+            stacklevel=2,
         )
     profile = result["routing"]
-    routing = "" if profile is None else (
-        f"; load entropy {profile['load_entropy']:.3f}, max / mean load {profile['load_max_over_mean']:.2f}, top-k "
-        f"margin median {profile[TOPK_MARGIN_MEDIAN]:.4f}")
-    print(f"{result['run']}: {progress.step} steps in {result['wall_s']:.0f} s, loss {progress.loss:.3f}, held-out "
-          f"greedy accuracy {progress.accuracy:.1%} (target {s.target_accuracy:.0%}){routing}. Checkpoint: "
-          f"{result['checkpoint']} (weights sha256 {result['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)")
+    routing = (
+        ""
+        if profile is None
+        else (
+            f"; load entropy {profile['load_entropy']:.3f}, max / mean load {profile['load_max_over_mean']:.2f}, top-k "
+            f"margin median {profile[TOPK_MARGIN_MEDIAN]:.4f}"
+        )
+    )
+    print(
+        f"{result['run']}: {progress.step} steps in {result['wall_s']:.0f} s, loss {progress.loss:.3f}, held-out "
+        f"greedy accuracy {progress.accuracy:.1%} (target {s.target_accuracy:.0%}){routing}. Checkpoint: "
+        f"{result['checkpoint']} (weights sha256 {result['weights_sha256'][:12]}, {cfg.cpu_kernels} CPU kernels)"
+    )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="sft")

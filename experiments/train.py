@@ -63,13 +63,24 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
         finally:
             built[0].close()  # what runs beside the trainer (the concurrent sampler's worker) stops with the run
 
-    return live(Job("the run", run, build,
-                    prepare=lambda: launch.start(cfg.device), resume=cfg.resume is not None,
-                    done=lambda finished: finished["steps"] >= cfg.trainer.steps), run_dir, cfg, hydra_cfg)
+    return live(
+        Job(
+            "the run",
+            run,
+            build,
+            prepare=lambda: launch.start(cfg.device),
+            resume=cfg.resume is not None,
+            done=lambda finished: finished["steps"] >= cfg.trainer.steps,
+        ),
+        run_dir,
+        cfg,
+        hydra_cfg,
+    )
 
 
-def run_steps(life: Life, trainer: RLTrainer, threads: ThreadBudget, history: list[dict[str, Any]],
-              hydra_cfg: Any) -> dict[str, Any]:
+def run_steps(
+    life: Life, trainer: RLTrainer, threads: ThreadBudget, history: list[dict[str, Any]], hydra_cfg: Any
+) -> dict[str, Any]:
     """The run's steps from where `history` ends, each evaluated where the settings say and committed whole."""
     cfg, t = trainer.cfg, trainer.cfg.trainer
     name = run_name(cfg)
@@ -77,16 +88,36 @@ def run_steps(life: Life, trainer: RLTrainer, threads: ThreadBudget, history: li
     life.records = history
 
     def summary(status: str) -> dict[str, Any]:
-        return summarize(trainer, life.records, status, name, life.run_dir, time.perf_counter() - start,
-                         time.process_time() - cpu_start)
+        return summarize(
+            trainer,
+            life.records,
+            status,
+            name,
+            life.run_dir,
+            time.perf_counter() - start,
+            time.process_time() - cpu_start,
+        )
 
     with life.running(summary, t.steps), contextlib.ExitStack() as stack:  # the bar closes before any last line
-        tags = [f"algo:{cfg.algo.name}", f"replay:{cfg.routing.replay}", f"routing_variant:{cfg.routing_variant.name}",
-                f"model:{cfg.model.name}"]
+        tags = [
+            f"algo:{cfg.algo.name}",
+            f"replay:{cfg.routing.replay}",
+            f"routing_variant:{cfg.routing_variant.name}",
+            f"model:{cfg.model.name}",
+        ]
         life.start_logging(cfg, name, tags, sweep_group(hydra_cfg), resume=bool(history))
         say_once_per_run(trainer, life)
-        bar = stack.enter_context(tqdm(range(trainer.step_index, t.steps), desc=name, unit="step", dynamic_ncols=True,
-                                       initial=trainer.step_index, total=t.steps, disable=not trainer.ranks.main))
+        bar = stack.enter_context(
+            tqdm(
+                range(trainer.step_index, t.steps),
+                desc=name,
+                unit="step",
+                dynamic_ncols=True,
+                initial=trainer.step_index,
+                total=t.steps,
+                disable=not trainer.ranks.main,
+            )
+        )
         # the run's change on held-out prompts is measured against its own start, on the same prompts
         start_eval = trainer.evaluate() if t.eval_prompts and t.eval_start and trainer.step_index == 0 else {}
         if t.eval_split and trainer.step_index == 0:
@@ -106,8 +137,9 @@ def run_steps(life: Life, trainer: RLTrainer, threads: ThreadBudget, history: li
                 record.update(trainer.evaluate(whole_split=True))
             record[m.ELAPSED] = time.perf_counter() - start
             saving = t.checkpoint_every and (last or trainer.step_index % t.checkpoint_every == 0)
-            life.commit(record, then=(lambda: checkpoint.save(trainer, life.run_dir, t.keep_checkpoints)) if saving
-                        else None)
+            life.commit(
+                record, then=(lambda: checkpoint.save(trainer, life.run_dir, t.keep_checkpoints)) if saving else None
+            )
             bar.set_postfix(reward=f"{record[m.REWARD]:.3f}", clip=f"{record[CLIP]:.1e}")
     result = summary("finished")
     if t.save_checkpoint:
@@ -124,11 +156,17 @@ def say_once_per_run(trainer: RLTrainer, life: Life) -> None:
     if not trainer.ranks.main:
         return
     if t.checkpoint_every > t.steps:
-        print(f"moe-rl-lab: trainer.checkpoint_every={t.checkpoint_every} is more than trainer.steps={t.steps}: the "
-              "run's one checkpoint is its last step's", file=sys.stderr)
+        print(
+            f"moe-rl-lab: trainer.checkpoint_every={t.checkpoint_every} is more than trainer.steps={t.steps}: the "
+            "run's one checkpoint is its last step's",
+            file=sys.stderr,
+        )
     if t.eval_split and trainer.eval_split_batch * trainer.ranks.world < len(trainer.test_examples):
-        print(f"moe-rl-lab: trainer.eval_split evaluates the {len(trainer.test_examples)} test prompts in batches of "
-              f"{trainer.eval_split_batch} (per rank), as many as fit in the step's own memory", file=sys.stderr)
+        print(
+            f"moe-rl-lab: trainer.eval_split evaluates the {len(trainer.test_examples)} test prompts in batches of "
+            f"{trainer.eval_split_batch} (per rank), as many as fit in the step's own memory",
+            file=sys.stderr,
+        )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

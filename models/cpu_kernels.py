@@ -82,18 +82,22 @@ def pin(mode: CpuKernels | str) -> None:
         return
     machine = platform.machine().lower()
     if machine not in _X86:
-        raise ConfigError(f"cpu_kernels=portable pins x86-64 kernels; this machine is {machine}: use cpu_kernels=native")
+        raise ConfigError(
+            f"cpu_kernels=portable pins x86-64 kernels; this machine is {machine}: use cpu_kernels=native"
+        )
     os.environ.update(PORTABLE_ENVIRONMENT)
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != _ATEN_CAPABILITY:
         raise ConfigError(
             f"cpu_kernels=portable needs ATen's AVX2 kernels, but this process computes with {capability} (a CPU "
-            "without AVX2, or a process that computed before the pin): use cpu_kernels=native")
+            "without AVX2, or a process that computed before the pin): use cpu_kernels=native"
+        )
     branch = mkl_branch()
     if branch not in ("COMPATIBLE", "unknown"):
         raise ConfigError(
             f"cpu_kernels=portable needs MKL's COMPATIBLE branch, but MKL already computes with {branch} in this "
-            "process (it computed before the pin): start a new process, or use cpu_kernels=native")
+            "process (it computed before the pin): start a new process, or use cpu_kernels=native"
+        )
 
 
 def describe(mode: CpuKernels | str) -> dict[str, str]:

@@ -19,7 +19,7 @@ mask transformers built for the packed sequence is not used.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

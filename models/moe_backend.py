@@ -87,8 +87,9 @@ class DroplessGLUExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k] -> [T, H], as transformers' experts."""
-        call = RoutedGLU(hidden_states, top_k_index, top_k_weights, self.w1, self.v1, self.w2, self.num_experts,
-                         self.act_fn)
+        call = RoutedGLU(
+            hidden_states, top_k_index, top_k_weights, self.w1, self.v1, self.w2, self.num_experts, self.act_fn
+        )
         if self.backend == "megablocks":
             return megablocks_glu_forward(load_megablocks_kernels(), call)
         return dmoe_glu_reference(call)

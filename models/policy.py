@@ -26,13 +26,23 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers import DeepseekV3Config, Glm4MoeConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from models.registry import ConfigError, check_fields
 from models import grouped_attention, sorted_experts
 from models.moe_backend import MoEBackend, apply_moe_backend, describe_experts_backend
+from models.registry import ConfigError, check_fields
 from models.routing.trace import find_routers
 from models.tokenizer import build_char_tokenizer
 
@@ -105,7 +115,9 @@ class ModelConfig:
     # models need to train.
     depth_scaled_init: bool = False
     init_seed: int = 0  # weights of a model built in code depend on this seed only, not on the run's seed
-    experts_implementation: ExpertsImplementation = ExpertsImplementation.sorted_mm  # grouped_mm's arithmetic, cheaper on CPU
+    experts_implementation: ExpertsImplementation = (
+        ExpertsImplementation.sorted_mm
+    )  # grouped_mm's arithmetic, cheaper on CPU
     moe_backend: MoEBackend = MoEBackend.hf  # hf | torch_dmoe | megablocks (models.moe_backend)
     dtype: DType = DType.float32  # the weights: float32 or bfloat16 (training refuses float16: AdamW underflows in it)
     # Any attention transformers knows, or ours: grouped_eager (`models.grouped_attention`: eager without per-head
@@ -140,12 +152,22 @@ def model_config(cfg: ModelConfig) -> PretrainedConfig:
         raise ConfigError("model.architecture='from_checkpoint' (model=checkpoint) needs model.path=/local/checkpoint")
     if cfg.num_experts_per_tok < 1 or cfg.num_experts_per_tok > cfg.num_experts:
         raise ConfigError(
-            f"model.num_experts_per_tok={cfg.num_experts_per_tok} must be between 1 and model.num_experts={cfg.num_experts}"
+            f"model.num_experts_per_tok={cfg.num_experts_per_tok} must be between 1 and "
+            f"model.num_experts={cfg.num_experts}"
         )
     if cfg.router_init_std <= 0:
         raise ConfigError(f"model.router_init_std={cfg.router_init_std} must be > 0")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "num_experts", "moe_intermediate_size", "max_position_embeddings"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "num_experts",
+        "moe_intermediate_size",
+        "max_position_embeddings",
+    ):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"model.{key}={getattr(cfg, key)} must be >= 1")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
@@ -164,17 +186,23 @@ def check_sigmoid_family(cfg: ModelConfig) -> None:
     deepseek_v3's latent attention; a softmax family given expert groups is refused (it would ignore them)."""
     if cfg.architecture.value not in SIGMOID_FAMILIES:
         if cfg.n_group != 1:
-            raise ConfigError(f"model.n_group={cfg.n_group} groups experts for the sigmoid family (architecture "
-                              f"{' or '.join(SIGMOID_FAMILIES)}); architecture={cfg.architecture} has none: use 1")
+            raise ConfigError(
+                f"model.n_group={cfg.n_group} groups experts for the sigmoid family (architecture "
+                f"{' or '.join(SIGMOID_FAMILIES)}); architecture={cfg.architecture} has none: use 1"
+            )
         return
     if cfg.n_group < 1 or cfg.num_experts % cfg.n_group or cfg.num_experts // cfg.n_group < 2:
-        raise ConfigError(f"model.n_group={cfg.n_group} must split model.num_experts={cfg.num_experts} into groups of "
-                          "at least 2 experts (a group scores the sum of its two best)")
+        raise ConfigError(
+            f"model.n_group={cfg.n_group} must split model.num_experts={cfg.num_experts} into groups of "
+            "at least 2 experts (a group scores the sum of its two best)"
+        )
     if not 1 <= cfg.topk_group <= cfg.n_group:
         raise ConfigError(f"model.topk_group={cfg.topk_group} must be between 1 and model.n_group={cfg.n_group}")
     if cfg.topk_group * cfg.num_experts // cfg.n_group <= cfg.num_experts_per_tok:
-        raise ConfigError(f"model.topk_group={cfg.topk_group} groups of {cfg.num_experts // cfg.n_group} experts must "
-                          f"hold more than model.num_experts_per_tok={cfg.num_experts_per_tok} (a choice to make)")
+        raise ConfigError(
+            f"model.topk_group={cfg.topk_group} groups of {cfg.num_experts // cfg.n_group} experts must "
+            f"hold more than model.num_experts_per_tok={cfg.num_experts_per_tok} (a choice to make)"
+        )
     if cfg.n_shared_experts < 1:
         raise ConfigError(f"model.n_shared_experts={cfg.n_shared_experts} must be >= 1 (the family's shared expert)")
     if not (math.isfinite(cfg.routed_scaling_factor) and cfg.routed_scaling_factor > 0):
@@ -182,11 +210,15 @@ def check_sigmoid_family(cfg: ModelConfig) -> None:
     if cfg.architecture != Architecture.deepseek_v3:
         return
     if not 2 <= cfg.qk_rope_head_dim < cfg.head_dim or cfg.qk_rope_head_dim % 2:
-        raise ConfigError(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even, >= 2 and below model.head_dim="
-                          f"{cfg.head_dim} (the rest of a query and key head carries no position)")
+        raise ConfigError(
+            f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even, >= 2 and below model.head_dim="
+            f"{cfg.head_dim} (the rest of a query and key head carries no position)"
+        )
     if cfg.kv_lora_rank < 1 or (cfg.q_lora_rank is not None and cfg.q_lora_rank < 1):
-        raise ConfigError(f"model.kv_lora_rank={cfg.kv_lora_rank} and model.q_lora_rank={cfg.q_lora_rank} must be >= 1 "
-                          "(q_lora_rank may be null)")
+        raise ConfigError(
+            f"model.kv_lora_rank={cfg.kv_lora_rank} and model.q_lora_rank={cfg.q_lora_rank} must be >= 1 "
+            "(q_lora_rank may be null)"
+        )
 
 
 def _checkpoint_config(given: str) -> PretrainedConfig:
@@ -213,7 +245,9 @@ def _checkpoint_config(given: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, TypeError, KeyError) as error:
-        raise ConfigError(f"model.path={given!r}: config.json does not describe a {model_type} model ({error})") from None
+        raise ConfigError(
+            f"model.path={given!r}: config.json does not describe a {model_type} model ({error})"
+        ) from None
 
 
 def is_moe(config: PretrainedConfig) -> bool:
@@ -260,7 +294,8 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
         if cfg.architecture == Architecture.glm4_moe:
             return Glm4MoeConfig(**shared, **sigmoid)
         return DeepseekV3Config(
-            **{**shared, "num_key_value_heads": cfg.num_attention_heads, "head_dim": cfg.qk_rope_head_dim}, **sigmoid,
+            **{**shared, "num_key_value_heads": cfg.num_attention_heads, "head_dim": cfg.qk_rope_head_dim},
+            **sigmoid,
             kv_lora_rank=cfg.kv_lora_rank,
             q_lora_rank=cfg.q_lora_rank,
             qk_rope_head_dim=cfg.qk_rope_head_dim,
@@ -281,8 +316,12 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
     )
 
 
-RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.experts.down_proj", "mlp.down_proj.weight",
-                    "mlp.shared_experts.down_proj.weight")
+RESIDUAL_OUTPUTS = (
+    "self_attn.o_proj.weight",
+    "mlp.experts.down_proj",
+    "mlp.down_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+)
 
 
 def scale_residual_outputs(model: PreTrainedModel, std: float) -> None:
@@ -331,7 +370,9 @@ def _load_checkpoint(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedMo
     except (OSError, ValueError, TypeError) as error:
         raise ConfigError(f"model.path={cfg.path!r}: the tokenizer does not load ({_first_line(error)})") from None
     if len(tokenizer) < 2:
-        raise ConfigError(f"model.path={cfg.path!r}: the tokenizer has {len(tokenizer)} token(s); its files are incomplete")
+        raise ConfigError(
+            f"model.path={cfg.path!r}: the tokenizer has {len(tokenizer)} token(s); its files are incomplete"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation
@@ -351,9 +392,14 @@ def describe_policy(model: PreTrainedModel) -> dict[str, object]:
     config = model.config
     total = sum(p.numel() for p in model.parameters())
     if not find_routers(model):
-        return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers, "num_moe_layers": 0,
-                "parameters": total, "attention": config._attn_implementation,
-                "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+        return {
+            "model_type": config.model_type,
+            "num_hidden_layers": config.num_hidden_layers,
+            "num_moe_layers": 0,
+            "parameters": total,
+            "attention": config._attn_implementation,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        }
     return {
         "model_type": config.model_type,
         "num_hidden_layers": config.num_hidden_layers,

@@ -63,11 +63,14 @@ class Registry(Generic[T]):
             if name in self._classes:
                 raise ValueError(f"{self.kind} {name!r} is already registered (by {self._classes[name].__qualname__})")
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
-                raise ValueError(f"registering {self.kind} {name!r} needs a subclass of {self.base.__name__}, got {cls!r}")
+                raise ValueError(
+                    f"registering {self.kind} {name!r} needs a subclass of {self.base.__name__}, got {cls!r}"
+                )
             if self.fields_are_parameters:
                 if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
-                    raise ValueError(f"{self.kind} {cls.__name__} must be a frozen dataclass (its fields are its "
-                                     "parameters)")
+                    raise ValueError(
+                        f"{self.kind} {cls.__name__} must be a frozen dataclass (its fields are its parameters)"
+                    )
                 if "name" in {f.name for f in dataclasses.fields(cls)}:
                     raise ValueError(f"{self.kind} {cls.__name__} has a field 'name': the name is the registry key")
             cls.name = name
@@ -105,7 +108,9 @@ class Registry(Generic[T]):
         allowed = self.parameters(name)
         unknown = sorted(set(params) - set(allowed))
         if unknown:
-            raise ConfigError(f"{self.kind} {name!r} has no parameter {', '.join(unknown)}; it takes {', '.join(allowed)}")
+            raise ConfigError(
+                f"{self.kind} {name!r} has no parameter {', '.join(unknown)}; it takes {', '.join(allowed)}"
+            )
         return cls(**params)
 
 
@@ -152,7 +157,8 @@ def _options(annotation: object) -> tuple[type, ...]:
 
 
 def flat(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested mapping of settings as `{dotted key: value}` (`trainer.lr`: how a setting is named on the command line)."""
+    """A nested mapping of settings as `{dotted key: value}` (`trainer.lr`: how a setting is named on the command
+    line)."""
     found: dict[str, Any] = {}
     for key, value in node.items():
         if isinstance(value, dict):

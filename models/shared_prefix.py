@@ -47,7 +47,7 @@ class SharedPrefix:
         return self.prefix + self.group * self.tail
 
     @classmethod
-    def from_rows(cls, attention_mask: torch.Tensor, prefix: int, group: int, dtype: torch.dtype) -> "SharedPrefix":
+    def from_rows(cls, attention_mask: torch.Tensor, prefix: int, group: int, dtype: torch.dtype) -> SharedPrefix:
         """The layout of rows with `attention_mask [n, S0+T]` (1 = token), groups of `group` consecutive rows."""
         n, width = attention_mask.shape
         if group < 2 or n % group:

@@ -26,10 +26,7 @@ NAME = "sorted_mm"
 
 
 def sorted_mm_experts_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """`hidden_states [T, H]`, `top_k_index [T, k]`, `top_k_weights [T, k]` -> `[T, H]` (experts' weighted sum).
 

@@ -19,8 +19,14 @@ def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:
 RESAMPLED_VALUES = 20_000_000  # values one step of `median_interval` holds (80 MB in fp32)
 
 
-def median_interval(values: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, level: float = 0.95,
-                    resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+def median_interval(
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    groups: torch.Tensor,
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
     """The percentile bootstrap interval at `level` of `weighted_median(values, weights)` (`values`, `weights`,
     `groups [N]`), resampling whole groups with replacement: the tokens of one sequence, and its layers, are not
     independent draws, so a sequence is the unit a held-out set samples (a cluster bootstrap). Its own seeded stream:
@@ -40,8 +46,7 @@ def median_interval(values: torch.Tensor, weights: torch.Tensor, groups: torch.T
         cumulative = (counts[:, groups] * weights).cumsum(1)
         position = torch.searchsorted(cumulative, cumulative[:, -1:] / 2).squeeze(1)
         medians.append(values[position.clamp(max=len(values) - 1)])
-    low, high = torch.quantile(torch.cat(medians).double(), torch.tensor([(1 - level) / 2, (1 + level) / 2],
-                                                                          dtype=torch.double)).tolist()
+    low, high = torch.quantile(
+        torch.cat(medians).double(), torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.double)
+    ).tolist()
     return low, high
-
-

@@ -32,11 +32,6 @@ def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        eos_token=EOS,
-        bos_token=BOS,
-        unk_token=UNK,
-        padding_side="left",
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token=UNK, padding_side="left"
     )
     return tokenizer

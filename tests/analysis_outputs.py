@@ -31,11 +31,24 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tests import synthetic_runs as syn
 from experiments.step.metrics import (
-    CHI2_TOKEN, DRIFT_PER_UPDATE, ENGINE_EXPERTS, ENGINE_TOKENS, ENTROPY, ESS, EVAL_GREEDY, GRAD_NORM, LENGTH,
-    LOGIT_MARGIN, MISMATCH_K3, ROUTING_SHARE, TOKENS, TOPK_MARGIN_MEDIAN, started,
+    CHI2_TOKEN,
+    DRIFT_PER_UPDATE,
+    ENGINE_EXPERTS,
+    ENGINE_TOKENS,
+    ENTROPY,
+    ESS,
+    EVAL_GREEDY,
+    GRAD_NORM,
+    LENGTH,
+    LOGIT_MARGIN,
+    MISMATCH_K3,
+    ROUTING_SHARE,
+    TOKENS,
+    TOPK_MARGIN_MEDIAN,
+    started,
 )
+from tests import synthetic_runs as syn
 
 SHA_A, SHA_B, SHA_C = "a" * 64, "b" * 64, "c" * 64
 PROGRESS = re.compile(r"\d+(\.\d+)?(it|step)/s")
@@ -47,17 +60,35 @@ def probe(root, name, layers, experts, lrs, drift, cold_start=None, model_type=N
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("model:\n  name: m\n  path: null\n  hidden_size: 64\n")
-    settings = [{"lr": lr, DRIFT_PER_UPDATE: drift(lr), "drift_per_layer": [drift(lr) * (1 + i / layers)
-                                                                          for i in range(layers)],
-                 ROUTING_SHARE: 0.1, LOGIT_MARGIN: 0.2, "ratio/token_var": 0.01, LENGTH: 3.5} for lr in lrs]
+    settings = [
+        {
+            "lr": lr,
+            DRIFT_PER_UPDATE: drift(lr),
+            "drift_per_layer": [drift(lr) * (1 + i / layers) for i in range(layers)],
+            ROUTING_SHARE: 0.1,
+            LOGIT_MARGIN: 0.2,
+            "ratio/token_var": 0.01,
+            LENGTH: 3.5,
+        }
+        for lr in lrs
+    ]
     if diverged_lr:
         settings.append({"lr": diverged_lr, "diverged": "the trainer's model produced logits that are NaN or inf"})
-    summary = {"status": "finished", "model": name, "dataset": {"name": "addition", "digits": 2}, "answer_tokens": 3.9,
-               "policy": {"num_moe_layers": layers, "num_experts": experts, "num_experts_per_tok": 8,
-                          **({"model_type": model_type} if model_type else {})},
-               "cold_start": cold_start, "settings": settings,
-               "precision_mismatch": [{"precision": "bf16", ENGINE_EXPERTS: 0.01, ENGINE_TOKENS: 0.2,
-                                       MISMATCH_K3: 1e-4}]}
+    summary = {
+        "status": "finished",
+        "model": name,
+        "dataset": {"name": "addition", "digits": 2},
+        "answer_tokens": 3.9,
+        "policy": {
+            "num_moe_layers": layers,
+            "num_experts": experts,
+            "num_experts_per_tok": 8,
+            **({"model_type": model_type} if model_type else {}),
+        },
+        "cold_start": cold_start,
+        "settings": settings,
+        "precision_mismatch": [{"precision": "bf16", ENGINE_EXPERTS: 0.01, ENGINE_TOKENS: 0.2, MISMATCH_K3: 1e-4}],
+    }
     (run / "summary.json").write_text(json.dumps(summary))
 
 
@@ -71,39 +102,82 @@ def build(inputs: Path) -> None:
     syn.curve_run(inputs / "replay" / "plain", "grpo", 0, syn.STEPS * [0.2])
     syn.curve_run(inputs / "replay" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")
     syn.curve_run(inputs / "replay" / "r3", "grpo", 1, lambda t: 0.01 * t, replay="r3", routing=False)
-    for i, (algo, replay, flip, seed, end) in enumerate([
-            ("grpo", "none", 0.0, 0, 0.6), ("grpo", "none", 0.0, 1, 0.7), ("grpo", "none", 0.3, 0, 0.1),
-            ("grpo", "r2", 0.0, 0, 0.6), ("grpo", "r2", 0.3, 0, 0.55), ("gspo", "none", 0.3, 0, 0.5)]):
+    for i, (algo, replay, flip, seed, end) in enumerate(
+        [
+            ("grpo", "none", 0.0, 0, 0.6),
+            ("grpo", "none", 0.0, 1, 0.7),
+            ("grpo", "none", 0.3, 0, 0.1),
+            ("grpo", "r2", 0.0, 0, 0.6),
+            ("grpo", "r2", 0.3, 0, 0.55),
+            ("gspo", "none", 0.3, 0, 0.5),
+        ]
+    ):
         evaluated(inputs / "flips" / str(i), algo, seed, replay, 0.5, end, **{"routing.flip_rate": flip})
     for i, (lr, layers) in enumerate([(1e-4, 2), (1e-4, 4), (1e-3, 2), (1e-3, 4)]):
         for algo in ("grpo", "gspo"):
             for seed in (0, 1):
-                evaluated(inputs / "grid" / f"{algo}{i}s{seed}", algo, seed, "none", 0.5,
-                          0.5 - lr * layers * 50 + 0.01 * seed, **{"trainer.lr": lr, "model.num_hidden_layers": layers})
+                evaluated(
+                    inputs / "grid" / f"{algo}{i}s{seed}",
+                    algo,
+                    seed,
+                    "none",
+                    0.5,
+                    0.5 - lr * layers * 50 + 0.01 * seed,
+                    **{"trainer.lr": lr, "model.num_hidden_layers": layers},
+                )
     separated = "separates (95% CI of the difference excludes 0)"
     references = [
-        syn.reference_folder(inputs / "references" / "flips", "routing.flip_rate", [
-            (0.0, "gain_area", "grpo + r2", -0.001, -0.010, 0.006, "not distinguishable"),
-            (0.2, "gain_area", "grpo + r2", 0.133, 0.110, 0.157, separated),
-            (0.2, "gain", "grpo + r2", 0.109, 0.080, 0.140, separated)]),
-        syn.reference_folder(inputs / "references" / "noise", "routing.perturb_rate", [
-            (0.1, "gain_area", "grpo + r2", 0.011, -0.005, 0.026, "not distinguishable")]),
-        syn.reference_folder(inputs / "references" / "elsewhere", "routing.flip_rate", [
-            (0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)])]
+        syn.reference_folder(
+            inputs / "references" / "flips",
+            "routing.flip_rate",
+            [
+                (0.0, "gain_area", "grpo + r2", -0.001, -0.010, 0.006, "not distinguishable"),
+                (0.2, "gain_area", "grpo + r2", 0.133, 0.110, 0.157, separated),
+                (0.2, "gain", "grpo + r2", 0.109, 0.080, 0.140, separated),
+            ],
+        ),
+        syn.reference_folder(
+            inputs / "references" / "noise",
+            "routing.perturb_rate",
+            [(0.1, "gain_area", "grpo + r2", 0.011, -0.005, 0.026, "not distinguishable")],
+        ),
+        syn.reference_folder(
+            inputs / "references" / "elsewhere",
+            "routing.flip_rate",
+            [(0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)],
+        ),
+    ]
     comparison = {"baseline": "grpo", "family": ["grpo + r2"], "references": [str(path) for path in references]}
     doses = [(0.2, 0.0, (0.10, 0.12, 0.14)), (0.0, 0.1, (-0.02, -0.04, -0.06))]  # (flip, noise, R2's effect per seed)
     for cell, (flip, perturb, effects) in enumerate(doses):
         for seed, effect in enumerate(effects):
             grpo = 0.5 + 0.01 * seed - 0.2 * cell
             for replay, end in (("none", grpo), ("r2", grpo + effect)):
-                evaluated(inputs / "contrast" / f"{cell}_{replay}_{seed}", "grpo", seed, replay, 0.5, end, sha=SHA_A,
-                          comparison=comparison, **{"routing.flip_rate": flip, "routing.perturb_rate": perturb})
+                evaluated(
+                    inputs / "contrast" / f"{cell}_{replay}_{seed}",
+                    "grpo",
+                    seed,
+                    replay,
+                    0.5,
+                    end,
+                    sha=SHA_A,
+                    comparison=comparison,
+                    **{"routing.flip_rate": flip, "routing.perturb_rate": perturb},
+                )
     for start, effect in ((SHA_A, 0.1), (SHA_B, 0.1), (SHA_C, -0.05)):
         for seed in (0, 1):
-            evaluated(inputs / "starts" / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed,
-                      sha=start)
-            evaluated(inputs / "starts" / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5,
-                      0.6 + 0.01 * seed + effect, sha=start)
+            evaluated(
+                inputs / "starts" / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed, sha=start
+            )
+            evaluated(
+                inputs / "starts" / f"s_{start[0]}{seed}",
+                "gspo",
+                seed,
+                "none",
+                0.5,
+                0.6 + 0.01 * seed + effect,
+                sha=start,
+            )
     crashed = inputs / "crashed"
     crashed.mkdir(parents=True)
     (crashed / "multirun.yaml").write_text("hydra: {}\n")
@@ -116,18 +190,43 @@ def build(inputs: Path) -> None:
     (crashed / "gspo_s3" / ".hydra" / "config.yaml").write_text(yaml.safe_dump(syn.config("gspo", 3)))
     (crashed / "gspo_s3" / ".lock").touch()
     for seed in range(3):
-        evaluated(inputs / "diverged" / f"g{seed}", "grpo", seed, "none", 0.5, 0.7, sha=SHA_A,
-                  comparison={"early_stopped": "failed"})
-        evaluated(inputs / "diverged" / f"s{seed}", "gspo", seed, "none", 0.5, 0.8 if seed < 2 else 0.6, sha=SHA_A,
-                  status="diverged" if seed == 2 else "finished", logged=2 if seed == 2 else 3,
-                  comparison={"early_stopped": "failed"})
+        evaluated(
+            inputs / "diverged" / f"g{seed}",
+            "grpo",
+            seed,
+            "none",
+            0.5,
+            0.7,
+            sha=SHA_A,
+            comparison={"early_stopped": "failed"},
+        )
+        evaluated(
+            inputs / "diverged" / f"s{seed}",
+            "gspo",
+            seed,
+            "none",
+            0.5,
+            0.8 if seed < 2 else 0.6,
+            sha=SHA_A,
+            status="diverged" if seed == 2 else "finished",
+            logged=2 if seed == 2 else 3,
+            comparison={"early_stopped": "failed"},
+        )
     for seed in range(10):
         base = 0.5 + rng.normal(0.0, 0.3)
         evaluated(inputs / "ten" / f"g{seed}", "grpo", seed, "none", 0.5, base, sha=SHA_A)
         evaluated(inputs / "ten" / f"r{seed}", "grpo", seed, "r2", 0.5, base + rng.normal(0.2, 0.1), sha=SHA_A)
         evaluated(inputs / "ten" / f"s{seed}", "gspo", seed, "none", 0.5, base + rng.normal(0.0, 0.1), sha=SHA_A)
-        evaluated(inputs / "other" / f"s{seed}", "gspo", seed, "none", 0.5, base + rng.normal(0.1, 0.1), sha=SHA_A,
-                  **{"algo.clip_high": 0.01})
+        evaluated(
+            inputs / "other" / f"s{seed}",
+            "gspo",
+            seed,
+            "none",
+            0.5,
+            base + rng.normal(0.1, 0.1),
+            sha=SHA_A,
+            **{"algo.clip_high": 0.01},
+        )
     for seed in (0, 1):  # a dense model, no token count, an engine that is the trainer's own model, no collapse
         records = []
         for t in range(1, syn.STEPS + 1):
@@ -162,15 +261,30 @@ def build(inputs: Path) -> None:
             syn.write_run(search / f"lr{lr}_s{seed}", syn.config("grpo", seed, lr=lr), records)
     for layers in (8, 16):
         for experts in (32, 64):
-            probe(inputs / "probes", f"l{layers}_e{experts}", layers, experts, [1e-5, 1e-4, 1e-3],
-                  lambda lr, layers=layers, experts=experts: 50 * layers ** -0.5 * lr * (experts / 8) ** 0.3,
-                  diverged_lr=1e-2 if layers == 8 else None)
-    for i, (family, margin) in enumerate([("qwen3_moe", 0.002), ("qwen3_moe", 0.01), ("glm4_moe", 0.01),
-                                          ("glm4_moe", 0.05)]):
-        probe(inputs / "routers", f"s{i}", 16, 128, [3e-5, 1e-4, 3e-4],
-              lambda lr, m=margin, s=float(family == "glm4_moe"): 0.02 * (lr / 1e-4) ** 0.9 * (m / 0.01) ** -0.5
-              * np.exp(0.7 * s), cold_start={"eval_greedy_accuracy": 0.5, "routing": {TOPK_MARGIN_MEDIAN: margin}},
-              model_type=family)
+            probe(
+                inputs / "probes",
+                f"l{layers}_e{experts}",
+                layers,
+                experts,
+                [1e-5, 1e-4, 1e-3],
+                lambda lr, layers=layers, experts=experts: 50 * layers**-0.5 * lr * (experts / 8) ** 0.3,
+                diverged_lr=1e-2 if layers == 8 else None,
+            )
+    for i, (family, margin) in enumerate(
+        [("qwen3_moe", 0.002), ("qwen3_moe", 0.01), ("glm4_moe", 0.01), ("glm4_moe", 0.05)]
+    ):
+        probe(
+            inputs / "routers",
+            f"s{i}",
+            16,
+            128,
+            [3e-5, 1e-4, 3e-4],
+            lambda lr, m=margin, s=float(family == "glm4_moe"): (
+                0.02 * (lr / 1e-4) ** 0.9 * (m / 0.01) ** -0.5 * np.exp(0.7 * s)
+            ),
+            cold_start={"eval_greedy_accuracy": 0.5, "routing": {TOPK_MARGIN_MEDIAN: margin}},
+            model_type=family,
+        )
     cold_start(inputs)
     (inputs / "empty").mkdir()
 
@@ -197,9 +311,17 @@ def cold_start(inputs: Path) -> None:
     from tests.conftest import MICRO_MODEL
 
     overrides = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()] + [
-        "sft.max_steps=4", "sft.batch_size=16", "sft.eval_every=2", "sft.eval_prompts=8", "sft.lr=3e-3",
-        f"sft.output_dir={inputs / 'ckpt'}", "dataset.train_size=200", "dataset.test_size=20",
-        "logger.wandb.mode=disabled", "cpu_kernels=native"]
+        "sft.max_steps=4",
+        "sft.batch_size=16",
+        "sft.eval_every=2",
+        "sft.eval_prompts=8",
+        "sft.lr=3e-3",
+        f"sft.output_dir={inputs / 'ckpt'}",
+        "dataset.train_size=200",
+        "dataset.test_size=20",
+        "logger.wandb.mode=disabled",
+        "cpu_kernels=native",
+    ]
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose("sft", overrides=overrides)
     with warnings.catch_warnings():
@@ -210,10 +332,14 @@ def cold_start(inputs: Path) -> None:
 def wandb_project() -> syn.FakeApi:
     """A W&B project of four runs: finished, still running, diverged (its summary names its start), and one that
     logged nothing."""
-    return syn.FakeApi([
-        syn.FakeRun("grpo", 0, "finished", 6), syn.FakeRun("gspo", 0, "running", 4),
-        syn.FakeRun("grpo", 1, "crashed", 5, summary={"status": "diverged", "start_sha256": SHA_A, "wall_s": 8.0}),
-        syn.FakeRun("gspo", 1, "failed", 0)])
+    return syn.FakeApi(
+        [
+            syn.FakeRun("grpo", 0, "finished", 6),
+            syn.FakeRun("gspo", 0, "running", 4),
+            syn.FakeRun("grpo", 1, "crashed", 5, summary={"status": "diverged", "start_sha256": SHA_A, "wall_s": 8.0}),
+            syn.FakeRun("gspo", 1, "failed", 0),
+        ]
+    )
 
 
 # (name, module, arguments): each a command as typed, from the folder where `inputs` is the built inputs
@@ -221,8 +347,11 @@ REPORT = ("--dpi", "40")
 COMMANDS = [
     ("sweep", "report", ["inputs/sweep", "--out", "out/sweep", "--last-n", "5", "--pdf", *REPORT]),
     ("wandb", "report", ["--wandb", "ent/proj", "--group", "sweepA", "--out", "out/wandb", *REPORT]),
-    ("mismatch", "report", ["inputs/mismatch", "--out", "out/mismatch", "--collapse-drop", "0.3", "--ema-alpha",
-                            "0.5", *REPORT]),
+    (
+        "mismatch",
+        "report",
+        ["inputs/mismatch", "--out", "out/mismatch", "--collapse-drop", "0.3", "--ema-alpha", "0.5", *REPORT],
+    ),
     ("replay", "report", ["inputs/replay", "--out", "out/replay", *REPORT]),
     ("flips", "report", ["inputs/flips", "--out", "out/flips", *REPORT]),
     ("grid", "report", ["inputs/grid", "--out", "out/grid", *REPORT]),
@@ -237,16 +366,49 @@ COMMANDS = [
     ("report_missing", "report", ["inputs/nowhere", "--out", "out/report_missing"]),
     ("report_usage", "report", ["inputs/sweep", "--last-n", "0", "--out", "out/report_usage"]),
     ("report_baseline", "report", ["inputs/ten", "--baseline", "ppo", "--out", "out/report_baseline"]),
-    ("compare", "compare", ["out/ten", "out/other:gspo=gspo-wide", "--baseline", "grpo", "--family", "gspo-wide",
-                            "--out", "out/compare"]),
+    (
+        "compare",
+        "compare",
+        ["out/ten", "out/other:gspo=gspo-wide", "--baseline", "grpo", "--family", "gspo-wide", "--out", "out/compare"],
+    ),
     ("compare_starts", "compare", ["out/starts", "--primary", "gain", "--out", "out/compare_starts"]),
     ("compare_refused", "compare", ["out/ten:ppo", "--out", "out/compare_refused"]),
     ("panels", "panels", ["inputs/panels", "--by", "trainer.minibatches", "--out", "out/panels", "--dpi", "40"]),
     ("panels_refused", "panels", ["inputs/panels", "--by", "trainer.minibatchez", "--out", "out/panels_refused"]),
-    ("calibrate", "calibrate", ["inputs/calibrate", "--knob", "trainer.lr", "--measure", "kl/old_k3", "--target",
-                                "algo.name=gspo", "--grid", "algo.name=grpo", "--out", "out/calibrate"]),
-    ("calibrate_refused", "calibrate", ["inputs/calibrate", "--knob", "trainer.lr", "--measure", "kl/old_k3",
-                                        "--target", "gspo", "--grid", "algo.name=grpo", "--out", "out/calibrate_no"]),
+    (
+        "calibrate",
+        "calibrate",
+        [
+            "inputs/calibrate",
+            "--knob",
+            "trainer.lr",
+            "--measure",
+            "kl/old_k3",
+            "--target",
+            "algo.name=gspo",
+            "--grid",
+            "algo.name=grpo",
+            "--out",
+            "out/calibrate",
+        ],
+    ),
+    (
+        "calibrate_refused",
+        "calibrate",
+        [
+            "inputs/calibrate",
+            "--knob",
+            "trainer.lr",
+            "--measure",
+            "kl/old_k3",
+            "--target",
+            "gspo",
+            "--grid",
+            "algo.name=grpo",
+            "--out",
+            "out/calibrate_no",
+        ],
+    ),
     ("regimes", "regimes", ["inputs/search", "--out", "out/regimes/regimes.md", "--title", "Searched"]),
     ("regimes_stdout", "regimes", ["inputs/search"]),
     ("regimes_refused", "regimes", ["inputs/nowhere"]),
@@ -292,8 +454,10 @@ def run(inputs: Path, out: Path) -> None:
     (work / "inputs").symlink_to(inputs.resolve())
     for name in LEGACY:
         (work / "out" / "legacy" / name).mkdir(parents=True)
-        shutil.copy(Path(__file__).resolve().parents[1] / "docs" / "results" / name / "report.md",
-                    work / "out" / "legacy" / name)
+        shutil.copy(
+            Path(__file__).resolve().parents[1] / "docs" / "results" / name / "report.md",
+            work / "out" / "legacy" / name,
+        )
     import analysis.report  # noqa: F401  (the libraries, loaded once: each fork starts with them)
 
     context = multiprocessing.get_context("fork")
@@ -338,7 +502,7 @@ def main(argv: list[str]) -> None:
         print("\n".join(differences) or f"the same: {len(list(Path(paths[0]).rglob('*')))} files and folders")
         raise SystemExit(1 if differences else 0)
     else:
-        raise SystemExit(f"usage: python -m tests.analysis_outputs build INPUTS | run INPUTS OUT | compare OLD NEW")
+        raise SystemExit("usage: python -m tests.analysis_outputs build INPUTS | run INPUTS OUT | compare OLD NEW")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from algos import group_advantages  # noqa: E402
 from experiments.run import launch  # noqa: E402
-from experiments.step.engines import HFEngine  # noqa: E402
 from experiments.step.batch import Rollout, collect_rollout, split_minibatches  # noqa: E402
-from experiments.step.engines import Sampling  # noqa: E402
+from experiments.step.engines import (
+    HFEngine,  # noqa: E402
+    Sampling,  # noqa: E402
+)
 from experiments.step.ranks import Ranks  # noqa: E402
 from experiments.step.trainer import RLTrainer  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
@@ -43,8 +45,13 @@ CASES = {
     "gspo + r2": ["algo=gspo", "routing.replay=r2"],
     "grpo + load-balancing loss": ["algo=grpo", "routers=[aux_loss]", "routers.aux_loss.coef=0.05"],
     "grpo + r2 full replay": ["algo=grpo", "routing.replay=r2", "routing_variant=full_replay"],
-    "gspo + r2 soft replay": ["algo=gspo", "routing.replay=r2", "routing_variant=soft_replay",
-                              "routing_variant.top_margin=null", "routing_variant.min_prob=0.2"],
+    "gspo + r2 soft replay": [
+        "algo=gspo",
+        "routing.replay=r2",
+        "routing_variant=soft_replay",
+        "routing_variant.top_margin=null",
+        "routing_variant.min_prob=0.2",
+    ],
     "grpo + router shift": ["algo=grpo", "routing_variant=router_shift"],
     # the decomposition's extra forwards run between the backward and the optimizer step: on FSDP2 shards too
     "grpo + decomposition": ["algo=grpo", "routing.decompose_every=1"],
@@ -69,17 +76,27 @@ def take_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
 
 
 def run_case(overrides: list[str], ranks: Ranks) -> dict:
-    cfg = compose_train(*overrides, f"trainer.prompts_per_step={PROMPTS}", f"trainer.group_size={GROUP}",
-                        f"trainer.minibatches={MINIBATCHES}", "trainer.minibatch_layout=groups", "trainer.lr=1e-3",
-                        "trainer.steps=1")
+    cfg = compose_train(
+        *overrides,
+        f"trainer.prompts_per_step={PROMPTS}",
+        f"trainer.group_size={GROUP}",
+        f"trainer.minibatches={MINIBATCHES}",
+        "trainer.minibatch_layout=groups",
+        "trainer.lr=1e-3",
+        "trainer.steps=1",
+    )
     trainer = RLTrainer(cfg, ranks)
     unsharded, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
     trainer.variant.start(unsharded)
     torch.manual_seed(123)
     examples = trainer.train_examples[:PROMPTS]
-    sampling = Sampling(GROUP, cfg.trainer.max_new_tokens, cfg.trainer.temperature,
-                        record_routing=trainer.plan.engine_records_routing,
-                        predict_routes=trainer.plan.engine_predicts_routes)
+    sampling = Sampling(
+        GROUP,
+        cfg.trainer.max_new_tokens,
+        cfg.trainer.temperature,
+        record_routing=trainer.plan.engine_records_routing,
+        predict_routes=trainer.plan.engine_predicts_routes,
+    )
     full = collect_rollout(HFEngine(unsharded.eval(), tokenizer), trainer.task, examples, sampling)
     # A random model earns no reward on addition: fixed made-up rewards give every group an advantage to learn.
     full = replace(full, rewards=torch.rand(full.size, generator=torch.Generator().manual_seed(7)))

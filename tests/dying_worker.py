@@ -38,6 +38,7 @@ def serve_and_die(window: str, signum: int, stamp: Path, settings: Any, shared: 
     def die_when(method: Callable, now: Callable[..., bool], inside: bool = False) -> Callable:
         """`method`, dying as it starts when `now(*args)`; `inside`: once it runs (a thread of the worker's sends
         the signal while the method blocks)."""
+
         @functools.wraps(method)
         def wrapped(self, *args):
             if now(*args) and inside:
@@ -46,6 +47,7 @@ def serve_and_die(window: str, signum: int, stamp: Path, settings: Any, shared: 
                 die()
                 time.sleep(60)  # a worker that blocked or handled the signal stays here: the test fails on time
             return method(self, *args)
+
         return wrapped
 
     def remember(method: Callable) -> Callable:
@@ -53,14 +55,16 @@ def serve_and_die(window: str, signum: int, stamp: Path, settings: Any, shared: 
         def wrapped(self, version):
             asked["oldest"] = version
             return method(self, version)
+
         return wrapped
 
     if window == "sampling":
         sampler.sample = die_when(sampler.sample, lambda step, waited: step == DIES_AT)
     elif window == "waiting at the bound":
         sampler.take_weights = remember(sampler.take_weights)
-        sampler.wait_for_publication = die_when(sampler.wait_for_publication, lambda: asked["oldest"] == oldest,
-                                                inside=True)
+        sampler.wait_for_publication = die_when(
+            sampler.wait_for_publication, lambda: asked["oldest"] == oldest, inside=True
+        )
     elif window == "loading a version":  # under the weights' lock
         sampler.load = die_when(sampler.load, lambda weights: shared.version.value >= oldest)
     elif window == "between batches":  # its last batch sent, the next not yet begun

@@ -17,10 +17,27 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from algos.objective import CLIP as CLIP_METRIC, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
+from algos.objective import CLIP as CLIP_METRIC
+from algos.objective import SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.step.metrics import (
-    CHI2_TOKEN, DRIFT, DRIFT_OVER_MINIBATCHES, DRIFT_PER_UPDATE, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, GRAD_NORM,
-    MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP, STEP_TIME, TOKENS, per_layer, started,
+    CHI2_TOKEN,
+    DRIFT,
+    DRIFT_OVER_MINIBATCHES,
+    DRIFT_PER_UPDATE,
+    ENTROPY,
+    ESS,
+    EVAL_ACCURACY,
+    EVAL_GREEDY,
+    GRAD_NORM,
+    MISMATCH_K3,
+    REWARD,
+    ROUTING_SHARE,
+    SKIPPED,
+    STEP,
+    STEP_TIME,
+    TOKENS,
+    per_layer,
+    started,
 )
 
 STEPS = 20
@@ -85,8 +102,15 @@ def step_record(algo: str, seed: int, step: int, value: float, routing: bool = T
     return record
 
 
-def write_run(run_dir: Path, cfg: dict, records: list[dict], finished: bool = True,
-              malformed_line: int | None = None, start: str | None = None, status: str = "finished") -> Path:
+def write_run(
+    run_dir: Path,
+    cfg: dict,
+    records: list[dict],
+    finished: bool = True,
+    malformed_line: int | None = None,
+    start: str | None = None,
+    status: str = "finished",
+) -> Path:
     """Write `.hydra/config.yaml`, `metrics.jsonl` (line `malformed_line` replaced by junk) and, unless the run did not
     finish, `summary.json` (with `status`, and the start's sha256 when `start` names it)."""
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
@@ -103,8 +127,15 @@ def write_run(run_dir: Path, cfg: dict, records: list[dict], finished: bool = Tr
     return run_dir
 
 
-def curve_run(run_dir: Path, algo: str, seed: int, values: list[float] | Callable[[int], float],
-              replay: str = "none", routing: bool = True, finished: bool = True) -> Path:
+def curve_run(
+    run_dir: Path,
+    algo: str,
+    seed: int,
+    values: list[float] | Callable[[int], float],
+    replay: str = "none",
+    routing: bool = True,
+    finished: bool = True,
+) -> Path:
     """A run whose reward at step t (1-based) is `values[t-1]` or `values(t)`."""
     n = len(values) if isinstance(values, list) else STEPS
     value_at = (lambda t: values[t - 1]) if isinstance(values, list) else values
@@ -123,15 +154,25 @@ def make_sweep(root: Path) -> Path:
             steps = 12 if crashed else STEPS
             records = [step_record(algo, seed, t, reward(algo, seed, t)) for t in range(1, steps + 1)]
             malformed = 5 if (algo == "grpo" and seed == 1) else None
-            write_run(root / str(job), config(algo, seed), records, finished=not crashed,
-                      malformed_line=malformed)
+            write_run(root / str(job), config(algo, seed), records, finished=not crashed, malformed_line=malformed)
             job += 1
     return root
 
 
-def evaluated_run(run_dir: Path, algo: str, seed: int, replay: str, start: float, end: float, *, sha: str | None = None,
-                  status: str | None = "finished", logged: int = 3, comparison: dict | None = None,
-                  **settings: object) -> Path:
+def evaluated_run(
+    run_dir: Path,
+    algo: str,
+    seed: int,
+    replay: str,
+    start: float,
+    end: float,
+    *,
+    sha: str | None = None,
+    status: str | None = "finished",
+    logged: int = 3,
+    comparison: dict | None = None,
+    **settings: object,
+) -> Path:
     """A run of 3 planned steps evaluated at its start (logged in step 1's record) and at its last logged step (of
     `logged`), with `settings` in its config; its summary says `status` and names its start `sha` (None: no summary
     when `status` is None), and its config declares `comparison` where given."""
@@ -147,8 +188,14 @@ def evaluated_run(run_dir: Path, algo: str, seed: int, replay: str, start: float
     return write_run(run_dir, cfg, records, finished=status is not None, start=sha, status=status or "")
 
 
-def mismatch_run(run_dir: Path, seed: int, collapse_at: int | None = None, kl_rises_at: int | None = None,
-                 steps: int = 30, decompose: bool = True) -> Path:
+def mismatch_run(
+    run_dir: Path,
+    seed: int,
+    collapse_at: int | None = None,
+    kl_rises_at: int | None = None,
+    steps: int = 30,
+    decompose: bool = True,
+) -> Path:
     """A run whose reward climbs, then (from `collapse_at`) falls by 0.5 for good, and whose mismatch KL jumps ten-fold
     at `kl_rises_at`; entropy and grad norm stay flat; with `decompose`, every off-policy minibatch logs its routing
     share of the ratio's variance."""
@@ -172,11 +219,23 @@ def reference_folder(folder: Path, key: str, rows: list[tuple]) -> Path:
     """A committed result's folder as analysis.report writes it: comparisons.csv with the cell's setting `key` first,
     one row per (value, measure, arm against grpo, estimate, low, high, verdict)."""
     folder.mkdir(parents=True)
-    pd.DataFrame([{key: value, "measure": measure, "arm": arm, "baseline": "grpo", "seeds": 10,
-                   "difference_estimate": estimate, "difference_low": low, "difference_high": high,
-                   "separates": verdict.startswith("separates"), "verdict": verdict}
-                  for value, measure, arm, estimate, low, high, verdict in rows]).to_csv(folder / "comparisons.csv",
-                                                                                          index=False)
+    pd.DataFrame(
+        [
+            {
+                key: value,
+                "measure": measure,
+                "arm": arm,
+                "baseline": "grpo",
+                "seeds": 10,
+                "difference_estimate": estimate,
+                "difference_low": low,
+                "difference_high": high,
+                "separates": verdict.startswith("separates"),
+                "verdict": verdict,
+            }
+            for value, measure, arm, estimate, low, high, verdict in rows
+        ]
+    ).to_csv(folder / "comparisons.csv", index=False)
     return folder
 
 
@@ -184,8 +243,7 @@ class FakeRun:
     """Stands in for `wandb.apis.public.Run`: the attributes and method the loader uses; `summary`, where given, is
     the run's summary.json."""
 
-    def __init__(self, algo: str, seed: int, state: str, steps: int, routing: bool = True,
-                 summary: dict | None = None):
+    def __init__(self, algo: str, seed: int, state: str, steps: int, routing: bool = True, summary: dict | None = None):
         self.id, self.name, self.group, self.state = f"{algo}{seed}", f"{algo}-s{seed}", "sweepA", state
         self.config = {**config(algo, seed), "_wandb": {"cli_version": "0"}}
         if summary is not None:

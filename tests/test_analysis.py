@@ -31,29 +31,46 @@ from analysis import statistics  # noqa: E402
 from analysis.arms import arm_names, sweep_axes  # noqa: E402
 from analysis.configs import label_runs, schema_defaults  # noqa: E402
 from analysis.curve_figures import fig_early_warning, fig_mismatch, fig_replay_grpo  # noqa: E402
-from analysis.diagnostics import (  # noqa: E402
-    drift_by_depth, drift_layer_by_minibatch, early_warning, staleness_by_lag,
-)
+from analysis.diagnostics import drift_by_depth, drift_layer_by_minibatch, early_warning, staleness_by_lag  # noqa: E402
 from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # noqa: E402
 from analysis.headline import skipped_updates  # noqa: E402
 from analysis.load import load_runs  # noqa: E402
-from analysis.plotting import (  # noqa: E402
-    FigureSettings, SeriesStyle, legend, legend_rows_in, new_figure, plot_band, series_styles,
-)
+from analysis.plotting import FigureSettings, SeriesStyle, legend, legend_rows_in, new_figure, plot_band, series_styles  # noqa: E402
 from analysis.records import INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS  # noqa: E402
 from analysis.report import main, write_report  # noqa: E402
 from analysis.routing_figures import (  # noqa: E402
-    fig_decomposition, fig_drift_depth, fig_drift_layer_minibatch, fig_drift_layer_step, fig_staleness, heatmaps,
+    fig_decomposition,
+    fig_drift_depth,
+    fig_drift_layer_minibatch,
+    fig_drift_layer_step,
+    fig_staleness,
+    heatmaps,
 )
 from analysis.summaries import (  # noqa: E402
-    STABILITY_COLUMNS, aggregate_curves, collapse_flag, curve, ema, per_run_series, stability_table,
+    STABILITY_COLUMNS,
+    aggregate_curves,
+    collapse_flag,
+    curve,
+    ema,
+    per_run_series,
+    stability_table,
 )
 from analysis.sweep_figure import fig_sweep_response  # noqa: E402
 from analysis.verdicts import arm_comparisons  # noqa: E402
 from analysis.wandb_runs import load_wandb  # noqa: E402
 from experiments.step.metrics import (  # noqa: E402
-    CHI2_TOKEN, ENGINE_EXPERTS, ENGINE_GATES, ENTROPY, ESS, EVAL_ACCURACY, EVAL_GREEDY, LAG, MISMATCH_K3, REWARD,
-    TOKENS, started,
+    CHI2_TOKEN,
+    ENGINE_EXPERTS,
+    ENGINE_GATES,
+    ENTROPY,
+    ESS,
+    EVAL_ACCURACY,
+    EVAL_GREEDY,
+    LAG,
+    MISMATCH_K3,
+    REWARD,
+    TOKENS,
+    started,
 )
 
 DPI = "60"
@@ -83,6 +100,7 @@ def report_out(sweep, tmp_path_factory):
 # ---------------------------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_loader_returns_expected_frames(runset):
     runs = runset.runs
@@ -157,50 +175,91 @@ def test_null_and_non_finite_values_are_counted_and_left_out(tmp_path, capsys):
 def test_labels_name_what_differs_and_drop_seeds_output_dirs_and_algorithm_defaults():
     def cfg(algo, seed, lr, replay="none", clip=0.2, model="tiny_moe"):
         return {
-            "algo.name": algo, "algo.clip_low": clip, "routing.replay": replay, "seed": seed,
-            "trainer.lr": lr, "model.name": model, "dataset.name": "addition",
-            "hydra.run.dir": f"/out/{algo}/{seed}", "logger.wandb.name": f"{algo}-{seed}",
+            "algo.name": algo,
+            "algo.clip_low": clip,
+            "routing.replay": replay,
+            "seed": seed,
+            "trainer.lr": lr,
+            "model.name": model,
+            "dataset.name": "addition",
+            "hydra.run.dir": f"/out/{algo}/{seed}",
+            "logger.wandb.name": f"{algo}-{seed}",
             "trainer.output_dir": f"/out/{seed}",
         }
 
-    labels = label_runs({
-        "a": cfg("grpo", 0, 1e-3), "b": cfg("grpo", 1, 1e-3), "c": cfg("grpo", 0, 1e-3, replay="r2"),
-        "d": cfg("grpo", 0, 1e-4), "e": cfg("gspo", 0, 1e-3, clip=3e-4),
-    })
+    labels = label_runs(
+        {
+            "a": cfg("grpo", 0, 1e-3),
+            "b": cfg("grpo", 1, 1e-3),
+            "c": cfg("grpo", 0, 1e-3, replay="r2"),
+            "d": cfg("grpo", 0, 1e-4),
+            "e": cfg("gspo", 0, 1e-3, clip=3e-4),
+        }
+    )
     assert labels == {
-        "a": "grpo, lr=0.001", "b": "grpo, lr=0.001", "c": "grpo + r2, lr=0.001", "d": "grpo, lr=0.0001",
+        "a": "grpo, lr=0.001",
+        "b": "grpo, lr=0.001",
+        "c": "grpo + r2, lr=0.001",
+        "d": "grpo, lr=0.0001",
         "e": "gspo, lr=0.001",
     }
     # `name` is ambiguous (algo.name, model.name, dataset.name), so the key keeps its section.
     labels = label_runs({"a": cfg("grpo", 0, 1e-3), "b": cfg("grpo", 0, 1e-3, model="deep_moe")})
     assert labels == {"a": "grpo, model.name=tiny_moe", "b": "grpo, model.name=deep_moe"}
     # A random-init run and a run from a checkpoint are two experiments, not two seeds of one.
-    labels = label_runs({"a": {**cfg("grpo", 0, 1e-3), "model.path": None},
-                         "b": {**cfg("grpo", 1, 1e-3), "model.path": "/ckpt/tiny_moe-addition"}})
+    labels = label_runs(
+        {
+            "a": {**cfg("grpo", 0, 1e-3), "model.path": None},
+            "b": {**cfg("grpo", 1, 1e-3), "model.path": "/ckpt/tiny_moe-addition"},
+        }
+    )
     assert labels["a"] != labels["b"] and "path=" in labels["b"]
     # The starts of one recipe are one series (its band spans them); two recipes stay two.
     start = lambda seed, path: {**cfg("grpo", seed, 1e-3), "model.path": path}  # noqa: E731
-    labels = label_runs({"a": start(0, "/ckpt/rung-balanced"), "b": start(0, "/ckpt/rung-balanced-start1"),
-                         "c": start(1, "/ckpt/rung-balanced-start7/"), "d": start(0, "/ckpt/rung-tied-start1")})
+    labels = label_runs(
+        {
+            "a": start(0, "/ckpt/rung-balanced"),
+            "b": start(0, "/ckpt/rung-balanced-start1"),
+            "c": start(1, "/ckpt/rung-balanced-start7/"),
+            "d": start(0, "/ckpt/rung-tied-start1"),
+        }
+    )
     assert labels["a"] == labels["b"] == labels["c"] == "grpo, path=rung-balanced"
     assert labels["d"] == "grpo, path=rung-tied"
     labels = label_runs({"a": start(0, "/ckpt/rung"), "b": start(0, "/ckpt/rung-start1")})
     assert labels == {"a": "grpo", "b": "grpo"}
     # A routing variant is part of the arm; a run from before variants existed ran without one.
     soft = {**cfg("grpo", 0, 1e-3, replay="r2"), "routing_variant.name": "soft_replay", "routing_variant.top_margin": 2}
-    labels = label_runs({"a": cfg("grpo", 0, 1e-3, replay="r2"), "b": soft,
-                         "c": {**cfg("grpo", 1, 1e-3, replay="r2"), "routing_variant.name": "none"}})
+    labels = label_runs(
+        {
+            "a": cfg("grpo", 0, 1e-3, replay="r2"),
+            "b": soft,
+            "c": {**cfg("grpo", 1, 1e-3, replay="r2"), "routing_variant.name": "none"},
+        }
+    )
     assert labels == {"a": "grpo + r2", "b": "grpo + r2 + soft_replay", "c": "grpo + r2"}
     # So are router switches, and the one parameter that differs between arms that share them.
-    lagged = {**cfg("grpo", 0, 1e-3, replay="r2"), "routers.lagged_replay.name": "lagged_replay",
-              "routers.lagged_replay.lag": 1}
-    labels = label_runs({"a": cfg("grpo", 0, 1e-3, replay="r2"), "b": lagged,
-                         "c": {**lagged, "routers.lagged_replay.lag": 2}})
-    assert labels == {"a": "grpo + r2, lag=—", "b": "grpo + r2 + lagged_replay, lag=1",
-                      "c": "grpo + r2 + lagged_replay, lag=2"}
+    lagged = {
+        **cfg("grpo", 0, 1e-3, replay="r2"),
+        "routers.lagged_replay.name": "lagged_replay",
+        "routers.lagged_replay.lag": 1,
+    }
+    labels = label_runs(
+        {"a": cfg("grpo", 0, 1e-3, replay="r2"), "b": lagged, "c": {**lagged, "routers.lagged_replay.lag": 2}}
+    )
+    assert labels == {
+        "a": "grpo + r2, lag=—",
+        "b": "grpo + r2 + lagged_replay, lag=1",
+        "c": "grpo + r2 + lagged_replay, lag=2",
+    }
     # Synthetic flips are named as such in every series they touch, whether or not the rate is what differs.
-    labels = label_runs({"a": cfg("grpo", 0, 1e-3), "b": {**cfg("grpo", 0, 1e-3), "routing.flip_rate": 0.2},
-                         "c": {**cfg("grpo", 0, 1e-3, replay="r2"), "routing.flip_rate": 0.2}})
+    labels = label_runs(
+        {
+            "a": cfg("grpo", 0, 1e-3),
+            "b": {**cfg("grpo", 0, 1e-3), "routing.flip_rate": 0.2},
+            "c": {**cfg("grpo", 0, 1e-3, replay="r2"), "routing.flip_rate": 0.2},
+        }
+    )
     assert labels == {"a": "grpo", "b": "grpo + SYNTHETIC flips p=0.2", "c": "grpo + r2 + SYNTHETIC flips p=0.2"}
 
 
@@ -222,6 +281,7 @@ def test_empty_directory_is_a_one_line_error_with_exit_code_2(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 # Aggregation
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_ema_by_hand():
     assert ema(np.array([0.0, 1.0, 1.0]), 0.5) == pytest.approx([0.0, 0.5, 0.75])
@@ -292,14 +352,17 @@ def test_drift_tables_by_hand(runset):
 RISE = list(np.linspace(0.0, 0.8, 30))
 
 
-@pytest.mark.parametrize("values, expected", [
-    (RISE + [0.1] * 15, True),                      # planted collapse: falls 0.7 and stays down
-    (list(np.linspace(0.0, 0.8, 45)), False),       # healthy rise
-    (RISE + [0.1] * 10 + [0.8] * 12, False),        # falls, then recovers before the end
-    (RISE + [0.7] * 15, False),                     # settles 0.1 below the best: less than the 0.2 drop
-    ([0.5] * 40, False),                            # flat
-    ([0.8, 0.1, 0.1, 0.1, 0.1], None),              # five steps: too short to judge
-])
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        (RISE + [0.1] * 15, True),  # planted collapse: falls 0.7 and stays down
+        (list(np.linspace(0.0, 0.8, 45)), False),  # healthy rise
+        (RISE + [0.1] * 10 + [0.8] * 12, False),  # falls, then recovers before the end
+        (RISE + [0.7] * 15, False),  # settles 0.1 below the best: less than the 0.2 drop
+        ([0.5] * 40, False),  # flat
+        ([0.8, 0.1, 0.1, 0.1, 0.1], None),  # five steps: too short to judge
+    ],
+)
 def test_collapse_flag(values, expected):
     assert collapse_flag(np.array(values)) is expected
 
@@ -319,8 +382,12 @@ def test_collapse_flag_in_the_stability_table(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 EXPECTED_FIGURES = [
-    "fig1_reward_vs_compute", "fig2_clip_fraction", "fig4a_drift_layer_minibatch", "fig4b_drift_layer_step",
-    "fig4c_drift_depth", "fig5_ratio_variance",
+    "fig1_reward_vs_compute",
+    "fig2_clip_fraction",
+    "fig4a_drift_layer_minibatch",
+    "fig4b_drift_layer_step",
+    "fig4c_drift_depth",
+    "fig5_ratio_variance",
 ]
 
 
@@ -387,6 +454,7 @@ def test_the_drift_heat_maps_put_layer_ticks_on_whole_layers(layers):
 # W&B
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _no_network():
     raise AssertionError("the W&B API was used although the parquet cache should have served this call")
 
@@ -417,15 +485,15 @@ def test_wandb_loader_with_fake_api_and_parquet_cache(tmp_path):
 def test_cli_wandb_on_a_dense_model_caches_and_notes_the_missing_routing_panels(tmp_path, capsys):
     api = syn.FakeApi([syn.FakeRun("grpo", 0, "finished", 6, routing=False)])
     out = tmp_path / "out"
-    main(["--wandb", "ent/proj", "--group", "sweepA", "--out", str(out), "--dpi", DPI],
-         wandb_api_factory=lambda: api)
+    main(["--wandb", "ent/proj", "--group", "sweepA", "--out", str(out), "--dpi", DPI], wandb_api_factory=lambda: api)
     assert (out / ".cache" / "wandb_ent_proj_sweepA" / "scalars.parquet").is_file()
     text = (out / "report.md").read_text(encoding="utf-8")
     assert re.search(r"Source: W&B ent/proj \(groups: sweepA\)", text)
     assert "](fig1_reward_vs_compute.png)" in text and "](fig5_ratio_variance.png)" in text
     assert "> Note: No per-minibatch `routing/expert_change_frac/layer_<i>` values (dense model" in text
-    assert ("> Note: `routing/expert_change_frac` was not logged by grpo; the experts-changed columns are empty "
-            "there.") in text
+    assert (
+        "> Note: `routing/expert_change_frac` was not logged by grpo; the experts-changed columns are empty there."
+    ) in text
     assert not (out / "fig4c_drift_depth.png").exists()
     assert capsys.readouterr().out == f"report: {out / 'report.md'}\n"
 
@@ -450,8 +518,10 @@ def test_a_crashed_run_and_its_rerun_count_once_and_the_report_says_so(tmp_path,
 
 
 def test_early_warning_finds_the_fall_and_the_lead_of_a_signal(tmp_path):
-    runs = [syn.mismatch_run(tmp_path / "collapsing", 0, collapse_at=20, kl_rises_at=12),
-            syn.mismatch_run(tmp_path / "healthy", 1)]
+    runs = [
+        syn.mismatch_run(tmp_path / "collapsing", 0, collapse_at=20, kl_rises_at=12),
+        syn.mismatch_run(tmp_path / "healthy", 1),
+    ]
     rs = load_runs(runs)
     table = early_warning(rs, alpha=1.0).set_index("run")
     collapsing = table.loc[[r for r in table.index if "collapsing" in r][0]]
@@ -500,8 +570,11 @@ def test_regimes_table_names_each_knob_setting_and_judges_each_arm(tmp_path):
     for seed in (0, 1):
         for lr, slope in ((1e-4, 0.01), (1e-3, None)):
             values = [0.5 + slope * s for s in range(1, 21)] if slope else [0.9] * 10 + [0.1] * 10
-            run = syn.write_run(search / f"lr{lr}_s{seed}", syn.config("grpo", seed, lr=lr),
-                                [syn.step_record("grpo", seed, s, v) for s, v in enumerate(values, 1)])
+            run = syn.write_run(
+                search / f"lr{lr}_s{seed}",
+                syn.config("grpo", seed, lr=lr),
+                [syn.step_record("grpo", seed, s, v) for s, v in enumerate(values, 1)],
+            )
             lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             lines[0][started(EVAL_GREEDY)] = 0.5
             lines[-1][EVAL_GREEDY] = 0.6 if slope else 0.0
@@ -510,8 +583,9 @@ def test_regimes_table_names_each_knob_setting_and_judges_each_arm(tmp_path):
     deeper["model"].update(name="paper_moe_l2", num_hidden_layers=2, path="/checkpoints/paper_moe_l2")
     syn.write_run(search / "l2_s0", deeper, [syn.step_record("grpo", 0, s, 0.5) for s in range(1, 21)])
     found = regimes.outcomes([search])
-    assert regimes.knobs(found) == ["model.name", "trainer.lr"], \
+    assert regimes.knobs(found) == ["model.name", "trainer.lr"], (
         "seeds and output paths are not knobs, and the layers and path that come with a model name are not named twice"
+    )
     table = regimes.regimes_table(found)
     healthy = next(line for line in table.splitlines() if "model.name=tiny_moe, lr=0.0001" in line)
     collapsed = next(line for line in table.splitlines() if "lr=0.001" in line)
@@ -544,10 +618,16 @@ def test_a_legend_of_long_labels_stays_inside_the_figure():
 
 def test_the_gain_is_drawn_against_the_one_setting_a_sweep_varied_within_an_arm(tmp_path):
     runs = tmp_path / "runs"
-    for i, (algo, replay, flip, seed, end) in enumerate([
-        ("grpo", "none", 0.0, 0, 0.6), ("grpo", "none", 0.0, 1, 0.7), ("grpo", "none", 0.3, 0, 0.1),
-        ("grpo", "r2", 0.0, 0, 0.6), ("grpo", "r2", 0.3, 0, 0.55), ("gspo", "none", 0.3, 0, 0.5),
-    ]):
+    for i, (algo, replay, flip, seed, end) in enumerate(
+        [
+            ("grpo", "none", 0.0, 0, 0.6),
+            ("grpo", "none", 0.0, 1, 0.7),
+            ("grpo", "none", 0.3, 0, 0.1),
+            ("grpo", "r2", 0.0, 0, 0.6),
+            ("grpo", "r2", 0.3, 0, 0.55),
+            ("gspo", "none", 0.3, 0, 0.5),
+        ]
+    ):
         syn.evaluated_run(runs / str(i), algo, seed, replay, 0.5, end, **{"routing.flip_rate": flip})
     rs = load_runs([runs])
     # the flip rate varies within arms; the clip range (an algorithm's own setting) does not, so it is no axis
@@ -623,8 +703,15 @@ def test_router_noise_runs_are_labelled_synthetic_with_what_the_noise_can_show(t
 def test_two_swept_settings_make_a_phase_diagram_and_none_makes_no_figure(tmp_path):
     for i, (lr, layers) in enumerate([(1e-4, 2), (1e-4, 4), (1e-3, 2), (1e-3, 4)]):
         for algo in ("grpo", "gspo"):
-            syn.evaluated_run(tmp_path / "grid" / f"{algo}{i}", algo, 0, "none", 0.5, 0.5 - lr * layers * 50,
-                           **{"trainer.lr": lr, "model.num_hidden_layers": layers})
+            syn.evaluated_run(
+                tmp_path / "grid" / f"{algo}{i}",
+                algo,
+                0,
+                "none",
+                0.5,
+                0.5 - lr * layers * 50,
+                **{"trainer.lr": lr, "model.num_hidden_layers": layers},
+            )
     rs = load_runs([tmp_path / "grid"])
     assert sweep_axes(rs) == ["model.num_hidden_layers", "trainer.lr"]
     out = fig_sweep_response(rs, FigureSettings(tmp_path / "out", dpi=int(DPI)))
@@ -655,6 +742,7 @@ def test_figures_are_png_by_default_and_pdf_only_when_asked(tmp_path):
 def test_the_mismatch_figure_is_left_out_when_engine_and_trainer_do_not_differ(tmp_path):
     """The quickstart samples with the trainer's own model: its mismatch k3 is the KV-cache path's ~1e-8, which a
     figure would draw as a result. It is drawn only where an engine differs (or something measured more)."""
+
     def run(directory, kl, rollout):
         records = []
         for t in range(1, 21):
@@ -734,8 +822,9 @@ def test_a_crashed_seed_is_never_paired_and_every_seed_left_out_is_named(tmp_pat
     assert comparisons.query("measure == 'gain'")["difference_estimate"].item() == pytest.approx(0.02)
     left = left_out(runset, gains, []).set_index("seed")
     assert list(left.index) == ["1", "3", "4"] and set(left["arm"]) == {"gspo"}
-    assert left.loc["1", "why"] == ("no summary.json after step 2 of 3 (crashed, killed or still running): stopped "
-                                    "from outside, so it never counts")
+    assert left.loc["1", "why"] == (
+        "no summary.json after step 2 of 3 (crashed, killed or still running): stopped from outside, so it never counts"
+    )
     assert left.loc["3", "why"].startswith("no metrics.jsonl: the job logged no step (refused before its first step")
     assert left.loc["4", "why"].startswith("missing: no run of this arm at this seed from this start")
     text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
@@ -748,22 +837,36 @@ def test_a_crashed_seed_is_never_paired_and_every_seed_left_out_is_named(tmp_pat
 def test_a_run_that_ended_itself_counts_as_the_declared_rule_says(tmp_path, no_figures):
     """GSPO's seed 2 diverged after step 2 of 3 (at 0.6 there). Excluded by default; scored as failed when the
     experiment declares it: held-out accuracy 0 at the evaluation it did not reach (step 3)."""
+
     def sweep(rule):
         runs = tmp_path / f"runs_{rule}"
         for seed in range(3):
-            syn.evaluated_run(runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.7, sha=START_A,
-                           comparison={"early_stopped": rule})
+            syn.evaluated_run(
+                runs / f"g{seed}", "grpo", seed, "none", 0.5, 0.7, sha=START_A, comparison={"early_stopped": rule}
+            )
         for seed in range(2):
-            syn.evaluated_run(runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.8, sha=START_A,
-                           comparison={"early_stopped": rule})
-        syn.evaluated_run(runs / "s2", "gspo", 2, "none", 0.5, 0.6, sha=START_A, status="diverged", logged=2,
-                       comparison={"early_stopped": rule})
+            syn.evaluated_run(
+                runs / f"s{seed}", "gspo", seed, "none", 0.5, 0.8, sha=START_A, comparison={"early_stopped": rule}
+            )
+        syn.evaluated_run(
+            runs / "s2",
+            "gspo",
+            2,
+            "none",
+            0.5,
+            0.6,
+            sha=START_A,
+            status="diverged",
+            logged=2,
+            comparison={"early_stopped": rule},
+        )
         return runs
 
     excluded = load_runs([sweep("exclude")])
     assert accuracy_gain(excluded).set_index("run").loc["runs_exclude/s2", "counted"] == EXCLUDED
     assert left_out(excluded, accuracy_gain(excluded), [])["why"].item() == (
-        "diverged at step 2 of 3 (ended itself): excluded by the declared rule (comparison.early_stopped=exclude)")
+        "diverged at step 2 of 3 (ended itself): excluded by the declared rule (comparison.early_stopped=exclude)"
+    )
     out = tmp_path / "failed"
     text = write_report(load_runs([sweep("failed")]), out).read_text(encoding="utf-8")
     scored = pd.read_csv(out / "per_seed.csv").set_index("run").loc["runs_failed/s2"]
@@ -781,8 +884,9 @@ def test_runs_are_paired_by_their_start_and_several_starts_get_the_two_level_sta
     for start, effect in ((START_A, 0.1), (START_B, 0.1), (START_C, -0.05)):
         for seed in (0, 1):
             syn.evaluated_run(runs / f"g_{start[0]}{seed}", "grpo", seed, "none", 0.5, 0.6 + 0.01 * seed, sha=start)
-            syn.evaluated_run(runs / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5, 0.6 + 0.01 * seed + effect,
-                           sha=start)
+            syn.evaluated_run(
+                runs / f"s_{start[0]}{seed}", "gspo", seed, "none", 0.5, 0.6 + 0.01 * seed + effect, sha=start
+            )
     runset = load_runs([runs])
     assert len(runset.runs) == 12, "runs of one config and seed from other starts are not repeats"
     out = tmp_path / "report"
@@ -810,8 +914,16 @@ def test_a_declaration_that_does_not_fit_the_runs_is_refused_in_one_line_before_
         folder = tmp_path / name
         for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2")]):
             for seed in (0, 1):
-                syn.evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6, sha=START_A,
-                               comparison=comparison_of.get(f"{algo}{replay}", {"family": ["gspo"]}))
+                syn.evaluated_run(
+                    folder / f"{i}{seed}",
+                    algo,
+                    seed,
+                    replay,
+                    0.5,
+                    0.6,
+                    sha=START_A,
+                    comparison=comparison_of.get(f"{algo}{replay}", {"family": ["gspo"]}),
+                )
         return folder
 
     def refused(folder, *flags):
@@ -823,8 +935,9 @@ def test_a_declaration_that_does_not_fit_the_runs_is_refused_in_one_line_before_
         assert err.count("\n") == 1, err
         return err
 
-    assert refused(runs("family")) == ("error: comparison.family names 'gspo', an arm these runs did not run; "
-                                       "their arms: grpo, grpo + r2\n")
+    assert refused(runs("family")) == (
+        "error: comparison.family names 'gspo', an arm these runs did not run; their arms: grpo, grpo + r2\n"
+    )
     err = refused(runs("primary", grpor2={"primary": "reward"}, grponone={"primary": "reward"}))
     assert "comparison.primary 'reward' is not a summary the analysis computes; the summaries: gain, gain_area" in err
     err = refused(runs("differ", grpor2={"primary": "gain"}, grponone={"primary": "split_gain"}))
@@ -843,36 +956,61 @@ def _contrast(folder, references=(), flips=(0.10, 0.12, 0.14), noise=(-0.02, -0.
         for seed, effect in enumerate(effects):
             grpo = 0.5 + 0.01 * seed - 0.2 * cell
             for replay, end in (("none", grpo), ("r2", grpo + effect)):
-                syn.evaluated_run(folder / f"{cell}_{replay}_{seed}", "grpo", seed, replay, 0.5, end, sha=START_A,
-                               comparison=comparison, **{"routing.flip_rate": flip, "routing.perturb_rate": perturb})
+                syn.evaluated_run(
+                    folder / f"{cell}_{replay}_{seed}",
+                    "grpo",
+                    seed,
+                    replay,
+                    0.5,
+                    end,
+                    sha=START_A,
+                    comparison=comparison,
+                    **{"routing.flip_rate": flip, "routing.perturb_rate": perturb},
+                )
     return folder
 
 
 def test_the_first_screen_says_what_ran_the_verdicts_and_once_what_three_seeds_cannot_show(tmp_path, monkeypatch):
     runset = load_runs([_contrast(tmp_path / "runs")])
-    monkeypatch.setattr("analysis.report.all_figures", lambda runset, settings: [
-        fig_sweep_response(runset, replace(settings, dpi=int(DPI)))])
+    monkeypatch.setattr(
+        "analysis.report.all_figures",
+        lambda runset, settings: [fig_sweep_response(runset, replace(settings, dpi=int(DPI)))],
+    )
     text = write_report(runset, tmp_path / "report").read_text(encoding="utf-8")
     first = text.split("## Held-out accuracy gained")[0]
     assert len(first.splitlines()) < 30, "the first screen holds the summary, the long tables come after it"
-    assert ("**Ran**: 12 runs (all finished) of 2 arms (grpo, grpo + r2) in 2 cells (SYNTHETIC router noise p=0.1; "
-            "SYNTHETIC flips p=0.2), seeds 0, 1, 2; cold start (the weights' sha256) `aaaaaaaaaaaa` (12 runs)."
-            in first)
+    assert (
+        "**Ran**: 12 runs (all finished) of 2 arms (grpo, grpo + r2) in 2 cells (SYNTHETIC router noise p=0.1; "
+        "SYNTHETIC flips p=0.2), seeds 0, 1, 2; cold start (the weights' sha256) `aaaaaaaaaaaa` (12 runs)." in first
+    )
     assert "**Updates skipped** for a non-finite loss or gradient: none, in any arm." in first
     assert "![Held-out accuracy gained, against what the sweep varied](fig0_sweep_response.png)" in first
     assert "Figure 0: Per cell of the sweep (a panel), each run's mean gain over the run" in first
-    assert ("**The declared comparisons**: grpo + r2 against grpo on `gain_area` (mean gain over the run), Holm's "
-            "correction over 2:" in first)
-    assert ("- SYNTHETIC flips p=0.2: grpo +0.005, grpo + r2 +0.065; grpo + r2 − grpo +0.060 [+0.050, +0.070] over 3 "
-            "seeds: **not distinguishable**\n") in first
-    assert ("- SYNTHETIC router noise p=0.1: grpo -0.095, grpo + r2 -0.115; grpo + r2 − grpo -0.020 [-0.030, -0.010] "
-            "over 3 seeds: **not distinguishable**\n") in first
+    assert (
+        "**The declared comparisons**: grpo + r2 against grpo on `gain_area` (mean gain over the run), Holm's "
+        "correction over 2:" in first
+    )
+    assert (
+        "- SYNTHETIC flips p=0.2: grpo +0.005, grpo + r2 +0.065; grpo + r2 − grpo +0.060 [+0.050, +0.070] over 3 "
+        "seeds: **not distinguishable**\n"
+    ) in first
+    assert (
+        "- SYNTHETIC router noise p=0.1: grpo -0.095, grpo + r2 -0.115; grpo + r2 − grpo -0.020 [-0.030, -0.010] "
+        "over 3 seeds: **not distinguishable**\n"
+    ) in first
     said = "3 seeds: an exact sign-flip test on fewer than 6 cannot reach p < 0.05, so no verdict here can separate"
     assert said in first and text.count(said) == 1
     assert "- One cold start (`aaaaaaaaaaaa`)" in first and "SYNTHETIC flips and SYNTHETIC router noise" in first
     assert "Shown first, under *What ran and what it shows*." in text, "Figure 0 is not drawn twice"
-    for section in ("## The declared comparison", "## Each arm against grpo", "## Runs", "## Figures",
-                    "## Seeds left out of the comparisons", "## Stability", "## Early warning"):
+    for section in (
+        "## The declared comparison",
+        "## Each arm against grpo",
+        "## Runs",
+        "## Figures",
+        "## Seeds left out of the comparisons",
+        "## Stability",
+        "## Early warning",
+    ):
         assert text.index(first) < text.index(section), section
 
 
@@ -881,37 +1019,58 @@ def test_the_first_screen_counts_each_arms_skipped_updates(tmp_path):
     a count that once stood only in the stability table's CSV column."""
     runset = load_runs([syn.make_sweep(tmp_path / "sweep")])
     line = skipped_updates(runset, pd.DataFrame())
-    assert line == ("**Updates skipped** for a non-finite loss or gradient (each run's updates, minus these, are what "
-                    "it trained on): gspo 3 in 3 of 3 runs; none in the other arms.")
+    assert line == (
+        "**Updates skipped** for a non-finite loss or gradient (each run's updates, minus these, are what "
+        "it trained on): gspo 3 in 3 of 3 runs; none in the other arms."
+    )
 
 
 def test_the_miniature_is_set_beside_the_committed_results_with_the_sign_of_each(tmp_path, no_figures):
     """R2 − GRPO here: +0.06 over the run under the flips, −0.02 under the router noise. The flips' reference ran no
     noise, the noise's no flips (their tables vary only their own dose): each cell meets one reference's row."""
     separated = "separates (95% CI of the difference excludes 0)"
-    flips = syn.reference_folder(tmp_path / "flips", "routing.flip_rate", [
-        (0.0, "gain_area", "grpo + r2", -0.001, -0.010, 0.006, "not distinguishable (the smallest effect 0.014)"),
-        (0.2, "gain_area", "grpo + r2", 0.133, 0.110, 0.157, separated),
-        (0.2, "gain", "grpo + r2", 0.109, 0.080, 0.140, separated),
-        (0.2, "gain_area", "gspo", 0.052, 0.039, 0.065, separated)])
-    noise = syn.reference_folder(tmp_path / "noise", "routing.perturb_rate", [
-        (0.0, "gain_area", "grpo + r2", 0.007, -0.002, 0.018, "not distinguishable"),
-        (0.1, "gain_area", "grpo + r2", 0.011, -0.005, 0.026, "not distinguishable (the smallest effect 0.026)")])
-    elsewhere = syn.reference_folder(tmp_path / "elsewhere", "routing.flip_rate", [
-        (0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)])
+    flips = syn.reference_folder(
+        tmp_path / "flips",
+        "routing.flip_rate",
+        [
+            (0.0, "gain_area", "grpo + r2", -0.001, -0.010, 0.006, "not distinguishable (the smallest effect 0.014)"),
+            (0.2, "gain_area", "grpo + r2", 0.133, 0.110, 0.157, separated),
+            (0.2, "gain", "grpo + r2", 0.109, 0.080, 0.140, separated),
+            (0.2, "gain_area", "gspo", 0.052, 0.039, 0.065, separated),
+        ],
+    )
+    noise = syn.reference_folder(
+        tmp_path / "noise",
+        "routing.perturb_rate",
+        [
+            (0.0, "gain_area", "grpo + r2", 0.007, -0.002, 0.018, "not distinguishable"),
+            (0.1, "gain_area", "grpo + r2", 0.011, -0.005, 0.026, "not distinguishable (the smallest effect 0.026)"),
+        ],
+    )
+    elsewhere = syn.reference_folder(
+        tmp_path / "elsewhere", "routing.flip_rate", [(0.5, "gain_area", "grpo + r2", 0.2, 0.1, 0.3, separated)]
+    )
     runs = _contrast(tmp_path / "runs", references=(flips, noise, elsewhere))
     text = write_report(load_runs([runs]), tmp_path / "report").read_text(encoding="utf-8")
     first = text.split("## Held-out accuracy gained")[0]
-    assert (f"grpo + r2 − grpo +0.060 [+0.050, +0.070] over 3 seeds: **not distinguishable**; `{flips}` +0.133 "
-            "[+0.110, +0.157] over 10 seeds, separates: **same sign**\n") in first
-    assert (f"grpo + r2 − grpo -0.020 [-0.030, -0.010] over 3 seeds: **not distinguishable**; `{noise}` +0.011 "
-            "[-0.005, +0.026] over 10 seeds, not distinguishable: **opposite sign** (its interval holds 0)\n") in first
-    assert (f"- `{elsewhere}`: no matching row (its table holds grpo + r2 against grpo at routing.flip_rate = 0.5; "
-            "a setting its table does not vary is taken at the schema's default there)") in first
+    assert (
+        f"grpo + r2 − grpo +0.060 [+0.050, +0.070] over 3 seeds: **not distinguishable**; `{flips}` +0.133 "
+        "[+0.110, +0.157] over 10 seeds, separates: **same sign**\n"
+    ) in first
+    assert (
+        f"grpo + r2 − grpo -0.020 [-0.030, -0.010] over 3 seeds: **not distinguishable**; `{noise}` +0.011 "
+        "[-0.005, +0.026] over 10 seeds, not distinguishable: **opposite sign** (its interval holds 0)\n"
+    ) in first
+    assert (
+        f"- `{elsewhere}`: no matching row (its table holds grpo + r2 against grpo at routing.flip_rate = 0.5; "
+        "a setting its table does not vary is taken at the schema's default there)"
+    ) in first
     table = text.split("## Beside the committed results")[1].split("\n\n")[1]
     assert len(table.splitlines()) == 2 + 3, "gain_area in both cells and the final gain under the flips; no more"
-    assert f"| 0.2 | 0 | grpo + r2 | gain | +0.120 [+0.100, +0.140] (3) | `{flips}` | +0.109 [+0.080, +0.140] (10) " \
-           f"| {separated} | **same sign** |" in table
+    assert (
+        f"| 0.2 | 0 | grpo + r2 | gain | +0.120 [+0.100, +0.140] (3) | `{flips}` | +0.109 [+0.080, +0.140] (10) "
+        f"| {separated} | **same sign** |" in table
+    )
     assert "- **references** (the committed results these runs are a miniature of):" in text
 
 
@@ -939,14 +1098,16 @@ def test_a_reference_that_is_not_a_reports_folder_is_refused_in_one_line_before_
     missing = tmp_path / "docs" / "results" / "nowhere"
     assert refused("missing", [missing]) == (
         f"error: comparison.references names '{missing}', which is not a folder ({missing}); a reference is the "
-        "folder of a report that compared arms, holding its comparisons.csv\n")
+        "folder of a report that compared arms, holding its comparisons.csv\n"
+    )
     (tmp_path / "empty").mkdir()
     assert f"names '{tmp_path / 'empty'}', which holds no comparisons.csv" in refused("empty", [tmp_path / "empty"])
     thin = tmp_path / "thin"
     thin.mkdir()
     pd.DataFrame({"measure": ["gain"], "arm": ["gspo"], "baseline": ["grpo"]}).to_csv(thin / "comparisons.csv")
     assert "has no column seeds, difference_estimate, difference_low, difference_high, verdict" in refused(
-        "thin", [thin])
+        "thin", [thin]
+    )
     assert refused("flag", [], "--references", str(missing)).startswith("error: --references names")
 
 
@@ -954,8 +1115,16 @@ def test_a_command_line_flag_overrides_the_declaration_and_the_report_says_so(tm
     folder = tmp_path / "runs"
     for i, (algo, replay) in enumerate([("grpo", "none"), ("grpo", "r2"), ("gspo", "none")]):
         for seed in (0, 1):
-            syn.evaluated_run(folder / f"{i}{seed}", algo, seed, replay, 0.5, 0.6 + 0.1 * i, sha=START_A,
-                           comparison={"family": ["gspo"], "primary": "gain"})
+            syn.evaluated_run(
+                folder / f"{i}{seed}",
+                algo,
+                seed,
+                replay,
+                0.5,
+                0.6 + 0.1 * i,
+                sha=START_A,
+                comparison={"family": ["gspo"], "primary": "gain"},
+            )
     main([str(folder), "--out", str(tmp_path / "out"), "--family", "grpo + r2", "gspo"])
     text = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
     assert "Declared by the runs" in text and "set on the command line: family (--family)" in text
@@ -969,10 +1138,12 @@ def test_runs_of_one_start_and_seed_that_differ_beyond_their_arms_are_refused(tm
     """GRPO at lr 2.7e-4 and GSPO at 3e-4: the lr is no axis (it does not vary within an arm), so a report would pair
     them as if only the objective differed."""
     for seed in (0, 1):
-        syn.evaluated_run(tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A,
-                       **{"trainer.lr": 2.7e-4})
-        syn.evaluated_run(tmp_path / "runs" / f"s{seed}", "gspo", seed, "none", 0.5, 0.6, sha=START_A,
-                       **{"trainer.lr": 3e-4})
+        syn.evaluated_run(
+            tmp_path / "runs" / f"g{seed}", "grpo", seed, "none", 0.5, 0.6, sha=START_A, **{"trainer.lr": 2.7e-4}
+        )
+        syn.evaluated_run(
+            tmp_path / "runs" / f"s{seed}", "gspo", seed, "none", 0.5, 0.6, sha=START_A, **{"trainer.lr": 3e-4}
+        )
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -984,12 +1155,21 @@ def test_runs_of_one_start_and_seed_that_differ_beyond_their_arms_are_refused(tm
 def test_starts_of_two_recipes_are_never_pooled_as_starts_of_one(tmp_path, capsys):
     """Addition's start and a reasoning-gym task's start in one report: the dataset's name is no axis (it is not a
     number), so without the check the comparison across starts would pool two recipes as draws of one."""
+
     def runs(folder, second_dataset):
         for sha, dataset in ((START_A, "addition"), (START_B, second_dataset)):
             for seed in (0, 1):
                 for algo in ("grpo", "gspo"):
-                    syn.evaluated_run(folder / f"{sha[0]}_{algo}{seed}", algo, seed, "none", 0.5, 0.6 + 0.01 * seed,
-                                   sha=sha, **{"dataset.name": dataset, "model.path": f"/starts/{sha[0]}"})
+                    syn.evaluated_run(
+                        folder / f"{sha[0]}_{algo}{seed}",
+                        algo,
+                        seed,
+                        "none",
+                        0.5,
+                        0.6 + 0.01 * seed,
+                        sha=sha,
+                        **{"dataset.name": dataset, "model.path": f"/starts/{sha[0]}"},
+                    )
         return str(folder)
 
     with pytest.raises(SystemExit) as stop:
@@ -1007,12 +1187,21 @@ def test_starts_of_two_sft_recipes_are_never_pooled_though_their_rl_runs_agree(t
     """Two starts whose RL runs agree in every setting but the start's path, made by cold starts of two SFT learning
     rates: their summaries say so (`start_recipe`, copied from each start's cold_start.json), and the report refuses
     in one line to pool them, naming the setting; with one recipe (only the start's own seed differs) it pools."""
+
     def runs(folder, second_lr):
         for sha, lr in ((START_A, 1e-3), (START_B, second_lr)):
             for seed in (0, 1):
                 for algo in ("grpo", "gspo"):
-                    run = syn.evaluated_run(folder / f"{sha[0]}_{algo}{seed}", algo, seed, "none", 0.5,
-                                            0.6 + 0.01 * seed, sha=sha, **{"model.path": f"/starts/{sha[0]}"})
+                    run = syn.evaluated_run(
+                        folder / f"{sha[0]}_{algo}{seed}",
+                        algo,
+                        seed,
+                        "none",
+                        0.5,
+                        0.6 + 0.01 * seed,
+                        sha=sha,
+                        **{"model.path": f"/starts/{sha[0]}"},
+                    )
                     summary = json.loads((run / "summary.json").read_text())
                     summary["start_recipe"] = {"sft.lr": lr, "sft.max_steps": 600, "model.name": "tiny_moe"}
                     (run / "summary.json").write_text(json.dumps(summary))
@@ -1022,8 +1211,10 @@ def test_starts_of_two_sft_recipes_are_never_pooled_though_their_rl_runs_agree(t
         main([runs(tmp_path / "two_recipes", 3e-4), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1
-    assert ("starts aaaaaaaaaaaa and bbbbbbbbbbbb were made by two cold-start recipes (their SFT's sft.lr: 0.001 and "
-            "0.0003)") in err
+    assert (
+        "starts aaaaaaaaaaaa and bbbbbbbbbbbb were made by two cold-start recipes (their SFT's sft.lr: 0.001 and "
+        "0.0003)"
+    ) in err
     assert not (tmp_path / "out").exists()
     main([runs(tmp_path / "one_recipe", 1e-3), "--out", str(tmp_path / "out"), "--dpi", DPI])
     assert set(pd.read_csv(tmp_path / "out" / "comparisons.csv")["starts"].dropna()) == {2}
@@ -1034,27 +1225,43 @@ def test_a_family_too_large_for_its_starts_says_it_cannot_separate_whatever_the_
     agrees in sign and the interval excludes 0, yet no verdict of the family can separate: the report says why."""
     for k in range(6):
         for algo, replay, end in (("grpo", "none", 0.5), ("gspo", "none", 0.7 + 0.01 * k), ("grpo", "r2", 0.6)):
-            syn.evaluated_run(tmp_path / "runs" / f"{algo}{replay}{k}", algo, 0, replay, 0.5, end, sha=f"{k}" * 64,
-                           **{"model.path": f"/starts/{k}"})
+            syn.evaluated_run(
+                tmp_path / "runs" / f"{algo}{replay}{k}",
+                algo,
+                0,
+                replay,
+                0.5,
+                end,
+                sha=f"{k}" * 64,
+                **{"model.path": f"/starts/{k}"},
+            )
     text = write_report(load_runs([tmp_path / "runs"]), tmp_path / "out").read_text(encoding="utf-8")
     comparisons = pd.read_csv(tmp_path / "out" / "comparisons.csv").query("role == 'primary'")
     gspo = comparisons[comparisons["arm"] == "gspo"].iloc[0]
     assert gspo["starts_difference_low"] > 0 and gspo["holm_p"] == pytest.approx(0.0625)
     assert "with 6 starts and a family of 2 the smallest Holm p any comparison can reach is 0.0625" in gspo["verdict"]
-    assert ("- 6 starts and a declared family of 2: the smallest Holm-adjusted p any comparison of the family can "
-            "reach is 0.0625, so none can separate") in text
+    assert (
+        "- 6 starts and a declared family of 2: the smallest Holm-adjusted p any comparison of the family can "
+        "reach is 0.0625, so none can separate"
+    ) in text
 
 
 def test_arms_that_share_a_method_but_not_their_own_settings_are_two_arms():
     """MiniRL with and without its staleness mask (conf/arm/minirl_no_clip.yaml) share the method name; pooling
     them per seed would average two arms."""
+
     def cfg(mask, seed):
         return {"algo.name": "minirl", "algo.mask_stale": mask, "routing.replay": "none", "seed": seed}
 
-    names = arm_names({"a": cfg(True, 0), "b": cfg(False, 0), "c": cfg(True, 1), "d": {**cfg(True, 0),
-                                                                                           "algo.name": "grpo"}})
-    assert names == {"a": "minirl (mask_stale=True)", "b": "minirl (mask_stale=False)",
-                     "c": "minirl (mask_stale=True)", "d": "grpo"}
+    names = arm_names(
+        {"a": cfg(True, 0), "b": cfg(False, 0), "c": cfg(True, 1), "d": {**cfg(True, 0), "algo.name": "grpo"}}
+    )
+    assert names == {
+        "a": "minirl (mask_stale=True)",
+        "b": "minirl (mask_stale=False)",
+        "c": "minirl (mask_stale=True)",
+        "d": "grpo",
+    }
 
 
 def _report_twice(tmp_path, monkeypatch, second):
@@ -1090,8 +1297,10 @@ def test_an_interrupted_report_leaves_the_previous_one_whole_and_says_so(tmp_pat
         main([str(runs), "--out", str(out)])
     assert stop.value.code == 128 + signal.SIGTERM
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before, "the previous report, untouched"
-    assert capsys.readouterr().err == (f"error: interrupted by SIGTERM while the output was written; nothing was put "
-                                       f"in place: {out} holds the previous report.md, untouched\n")
+    assert capsys.readouterr().err == (
+        f"error: interrupted by SIGTERM while the output was written; nothing was put "
+        f"in place: {out} holds the previous report.md, untouched\n"
+    )
 
 
 def test_a_report_that_fails_midway_leaves_the_previous_one_and_no_staging(tmp_path, monkeypatch):
@@ -1122,7 +1331,12 @@ def test_a_new_report_replaces_the_old_ones_files_and_no_others(tmp_path, no_fig
     (out / "command.sh").write_text("# kept\n")
     write_report(load_runs([tmp_path / "two" / "g0", tmp_path / "two" / "g1"]), out)  # one arm: no comparisons
     assert sorted(path.name for path in out.iterdir()) == [
-        "command.sh", "left_out.csv", "per_seed.csv", "report.md", "summary.csv"]
+        "command.sh",
+        "left_out.csv",
+        "per_seed.csv",
+        "report.md",
+        "summary.csv",
+    ]
 
 
 def test_every_declared_family_names_arms_its_experiments_sweep_runs():
@@ -1146,15 +1360,31 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
             arms = str(sweep.hydra.sweeper.params.get("arm", "")).split(",")
             if len(arms) < 2:
                 continue
-            configs = {arm: flatten_config(OmegaConf.to_container(
-                compose("train", overrides=[f"experiment={path.stem}", f"arm={arm}"]), resolve=False)) for arm in arms}
+            configs = {
+                arm: flatten_config(
+                    OmegaConf.to_container(
+                        compose("train", overrides=[f"experiment={path.stem}", f"arm={arm}"]), resolve=False
+                    )
+                )
+                for arm in arms
+            }
             found = declaration.read(configs)
             assert found.declared, path.name
             found.checked(arm_names(configs).values())  # refuses a family or baseline of no arm run
             found.read_references()  # refuses a reference that is not a committed report's folder
             checked.append(path.stem)
-    assert checked == ["async_map", "deep_long_seeds", "deep_long_starts", "few_experts", "few_experts_starts",
-                       "flip_dose_seeds", "quickstart", "real_routers", "router_noise_dose", "staleness"]
+    assert checked == [
+        "async_map",
+        "deep_long_seeds",
+        "deep_long_starts",
+        "few_experts",
+        "few_experts_starts",
+        "flip_dose_seeds",
+        "quickstart",
+        "real_routers",
+        "router_noise_dose",
+        "staleness",
+    ]
 
 
 def test_a_wandb_runs_summary_names_how_it_ended_and_its_start_and_a_run_without_history_is_left_out(tmp_path):
@@ -1186,8 +1416,13 @@ def test_drift_against_the_engine_is_drawn_per_lag_from_the_steps_at_the_full_la
             for step in range(1, 6):
                 served = min(lag, step - 1)
                 record = syn.step_record("grpo", seed, step, 0.5)
-                record.update({ENGINE_EXPERTS: 0.01 * served + 0.001 * seed, ENGINE_GATES: 0.005 * served,
-                               MISMATCH_K3: 0.002 * served})
+                record.update(
+                    {
+                        ENGINE_EXPERTS: 0.01 * served + 0.001 * seed,
+                        ENGINE_GATES: 0.005 * served,
+                        MISMATCH_K3: 0.002 * served,
+                    }
+                )
                 if lag:
                     record[LAG] = served
                 records.append(record)

@@ -41,23 +41,32 @@ def private_uses(path: Path, packages: tuple[str, ...]) -> list[str]:
     found, modules = [], set()
     for node in ast.walk(tree(path)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in packages:
-            found += [f"{path.relative_to(PROJECT_ROOT)}:{node.lineno} imports {node.module}.{alias.name}"
-                      for alias in node.names if alias.name.startswith("_")]
+            found += [
+                f"{path.relative_to(PROJECT_ROOT)}:{node.lineno} imports {node.module}.{alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_")
+            ]
             modules |= {alias.asname or alias.name for alias in node.names}
         elif isinstance(node, ast.Import):
             modules |= {alias.asname or alias.name for alias in node.names if alias.name.split(".")[0] in packages}
-    return found + [f"{path.relative_to(PROJECT_ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}"
-                    for node in ast.walk(tree(path)) if isinstance(node, ast.Attribute)
-                    and isinstance(node.value, ast.Name) and node.value.id in modules
-                    and node.attr.startswith("_") and not node.attr.startswith("__")]
+    return found + [
+        f"{path.relative_to(PROJECT_ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}"
+        for node in ast.walk(tree(path))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in modules
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    ]
 
 
 def test_no_private_name_crosses_a_module():
     """A private name is its module's own: no analysis module takes one from another project module, and no test
     takes one from analysis/ (what a test needs, a module offers by a public name)."""
     crossing = [use for path in MODULES for use in private_uses(path, PACKAGES)]
-    crossing += [use for path in sorted((PROJECT_ROOT / "tests").glob("*.py"))
-                 for use in private_uses(path, ("analysis",))]
+    crossing += [
+        use for path in sorted((PROJECT_ROOT / "tests").glob("*.py")) for use in private_uses(path, ("analysis",))
+    ]
     assert not crossing, "private names used outside their module:\n" + "\n".join(crossing)
 
 
@@ -72,8 +81,11 @@ def test_every_entry_point_has_the_one_command_line_shape(path):
     command = getattr(module.main, "__self__", None)
     assert isinstance(command, Command), f"{path.name}: main is not a cli.Command's"
     assert command.module == module.__name__ and command.doc == module.__doc__
-    block = next(node for node in tree(path).body if isinstance(node, ast.If)
-                 and ast.unparse(node.test) == "__name__ == '__main__'")
+    block = next(
+        node
+        for node in tree(path).body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
+    )
     assert [ast.unparse(statement) for statement in block.body] == ["main()"]
 
 
@@ -83,8 +95,9 @@ def test_every_figure_of_the_report_is_one_function_over_the_prelude_and_in_its_
     decorated = {}
     for path in MODULES:
         for node in ast.walk(tree(path)):
-            if isinstance(node, ast.FunctionDef) and any(isinstance(d, ast.Call) and ast.unparse(d.func) == "figure"
-                                                         for d in node.decorator_list):
+            if isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Call) and ast.unparse(d.func) == "figure" for d in node.decorator_list
+            ):
                 decorated[node.name] = module_name(path)
     listed = [draw.__name__ for draw in figures.FIGURES]
     assert sorted(listed) == sorted(decorated) and len(set(listed)) == len(listed), (listed, decorated)
@@ -99,11 +112,11 @@ def _one_edit_apart(a: str, b: str) -> bool:
     if len(a) == len(b):
         return sum(x != y for x, y in zip(a, b)) == 1
     short, long = sorted((a, b), key=len)
-    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
 def test_no_two_analysis_modules_are_named_one_letter_apart():
     """`contrast` and `contrasts` once sat side by side: a reader opens the wrong one. A module's name says its job."""
     names = sorted(path.stem for path in ANALYSIS.glob("*.py"))
-    close = [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if _one_edit_apart(a, b)]
+    close = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :] if _one_edit_apart(a, b)]
     assert not close, f"analysis modules one letter apart: {close}"

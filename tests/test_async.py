@@ -49,8 +49,9 @@ class Watched:
 
 
 @pytest.mark.parametrize("lag", [1, 2])
-def test_under_a_lag_the_engine_samples_with_the_trainers_weights_k_versions_before_theta_old(tmp_path, monkeypatch,
-                                                                                              lag):
+def test_under_a_lag_the_engine_samples_with_the_trainers_weights_k_versions_before_theta_old(
+    tmp_path, monkeypatch, lag
+):
     watched = Watched(monkeypatch)
     train(compose_train("trainer.steps=5", f"rollout.lag={lag}"), tmp_path / "run")
     assert len(set(watched.versions.values())) == 6, "every step moved the weights: the versions are told apart"
@@ -81,15 +82,15 @@ def test_r3_under_a_lag_replays_the_stale_engines_recorded_routes(tmp_path, monk
         return old
 
     monkeypatch.setattr(Recompute, "__call__", recompute)
-    train(compose_train("trainer.steps=4", "rollout.lag=2", "routing.replay=r3", "trainer.lr=3e-2"),
-          tmp_path / "run")
+    train(compose_train("trainer.steps=4", "rollout.lag=2", "routing.replay=r3", "trainer.lr=3e-2"), tmp_path / "run")
     assert replayed
     for engine_routes, replay, _ in replayed:
         assert replay is engine_routes and engine_routes is not None
     logged = read_metrics(tmp_path / "run")
     assert logged[0][ENGINE_EXPERTS] == 0 and logged[0][ENGINE_GATES] < 1e-5, "step 1 samples with θ_old itself"
-    assert all(row[ENGINE_EXPERTS] > 0 and row[ENGINE_GATES] > 0 for row in logged[1:]), \
+    assert all(row[ENGINE_EXPERTS] > 0 and row[ENGINE_GATES] > 0 for row in logged[1:]), (
         "the stale engine's routes differ from θ_old's, in experts and in gate mass"
+    )
 
 
 def test_weight_versions_keep_what_the_engine_will_still_sample_with():
@@ -105,10 +106,13 @@ def test_weight_versions_keep_what_the_engine_will_still_sample_with():
         restored.restore({key: value for key, value in versions.state().items() if not key.endswith("4")})
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.lag=-1"], "rollout.lag=-1 must be >= 0"),
-    (["rollout.lag=3"], "rollout.lag=3 is never reached in trainer.steps=3"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.lag=-1"], "rollout.lag=-1 must be >= 0"),
+        (["rollout.lag=3"], "rollout.lag=3 is never reached in trainer.steps=3"),
+    ],
+)
 def test_a_lag_the_run_cannot_serve_is_refused_before_any_work(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_run(compose_train(*overrides), memory=False)
@@ -117,11 +121,14 @@ def test_a_lag_the_run_cannot_serve_is_refused_before_any_work(tmp_path, overrid
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("arm, pi_old, first_on_policy, correction", [
-    ("grpo_naive_async", "bypass", False, "none"),  # π_old := μ_old, the stale engine's: no minibatch is on-policy
-    ("grpo_decoupled", "decoupled", True, "tis"),  # π_old recomputed at θ_old, π_old/μ_old capped
-    ("minirl", "decoupled", True, "none"),  # the weight against μ_old inside the objective, the mask against π_old
-])
+@pytest.mark.parametrize(
+    "arm, pi_old, first_on_policy, correction",
+    [
+        ("grpo_naive_async", "bypass", False, "none"),  # π_old := μ_old, the stale engine's: no minibatch is on-policy
+        ("grpo_decoupled", "decoupled", True, "tis"),  # π_old recomputed at θ_old, π_old/μ_old capped
+        ("minirl", "decoupled", True, "none"),  # the weight against μ_old inside the objective, the mask against π_old
+    ],
+)
 def test_the_async_arms_name_their_three_policies_under_a_lag(arm, pi_old, first_on_policy, correction):
     parts = check_run(compose_train(f"arm={arm}", "rollout.lag=2"), memory=False)
     assert parts.plan.pi_old == pi_old and not parts.plan.engine_is_trainer

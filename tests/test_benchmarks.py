@@ -77,8 +77,19 @@ def test_cli_runs_our_loop_and_reports_the_work(tmp_path, capsys):
 
 def test_profile_section_splits_the_step_into_the_models_parts(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["--variants", "grpo", "--steps", "1", "--warmup", "0", "--threads", "1", "--profile",
-            "--json-out", str(out)]
+    args = [
+        "--variants",
+        "grpo",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--profile",
+        "--json-out",
+        str(out),
+    ]
     for override in MICRO_OVERRIDES:
         args += ["--override", override]
     rl_step.main(args)
@@ -173,7 +184,12 @@ def test_bench_deep_is_the_deep_long_cell_and_composes_alike_on_top_of_bench_tin
 
     deep = compose_workload([], "deep")
     model, t = deep.model, deep.trainer
-    assert (model.name, model.num_hidden_layers, model.num_experts, model.num_experts_per_tok) == ("qwen30b_l16", 16, 128, 8)
+    assert (model.name, model.num_hidden_layers, model.num_experts, model.num_experts_per_tok) == (
+        "qwen30b_l16",
+        16,
+        128,
+        8,
+    )
     assert model.hidden_size == 64 and model.path is None, "random weights from the config, as bench-tiny's"
     assert deep.dataset.name == "scratchpad" and t.max_new_tokens == 33 and t.lr == 3e-4
     assert (t.prompts_per_step, t.group_size, t.minibatches) == (32, 8, 4)
@@ -185,8 +201,20 @@ def test_bench_deep_is_the_deep_long_cell_and_composes_alike_on_top_of_bench_tin
 
 def test_baseline_steps_the_loop_of_another_commit_beside_ours(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["--variants", "grpo", "--baseline", "HEAD", "--steps", "2", "--warmup", "0", "--threads", "1",
-            "--json-out", str(out)]
+    args = [
+        "--variants",
+        "grpo",
+        "--baseline",
+        "HEAD",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--json-out",
+        str(out),
+    ]
     for override in MICRO_OVERRIDES:
         args += ["--override", override]
     rl_step.main(args)
@@ -221,10 +249,10 @@ def test_trl_settings_reproduce_our_step():
 
 
 def test_every_overhead_pair_passes_the_start_up_checks():
-    from experiments.step.checks import check_run
     from benchmarks.workload import VARIANTS
+    from experiments.step.checks import check_run
 
-    for name, sides in rl_step.OVERHEADS.items():
+    for sides in rl_step.OVERHEADS.values():
         for side in sides:
             check_run(compose_workload([*MICRO_OVERRIDES, *VARIANTS["grpo"], *side]))
 
@@ -236,8 +264,9 @@ def test_replay_gap_full_replay_closes_what_the_engines_router_noise_opens(tmp_p
     from tests.conftest import MICRO_RUN
 
     out = tmp_path / "gap.json"
-    replay_gap.main([*MICRO_RUN, "rollout.router_noise=0.5", "trainer.lr=5e-2", "--warm-steps", "0",
-                     "--json-out", str(out)])
+    replay_gap.main(
+        [*MICRO_RUN, "rollout.router_noise=0.5", "trainer.lr=5e-2", "--warm-steps", "0", "--json-out", str(out)]
+    )
     r3 = json.loads(out.read_text())["r3"]
     for minibatch in r3:
         assert minibatch["ID + gate weights"]["mean_abs"] < 1e-5 < minibatch["ID replay"]["mean_abs"]
@@ -286,10 +315,10 @@ def test_concurrent_steps_both_loops_in_turn_on_the_same_work_and_reports_their_
     assert result["ratios"] == [r["ratio"] for r in rounds]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--rounds", "0"], "--rounds=0"),
-    (["--override", "trainer.nokey=1"], "Could not override 'trainer.nokey'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--rounds", "0"], "--rounds=0"), (["--override", "trainer.nokey=1"], "Could not override 'trainer.nokey'")],
+)
 def test_concurrent_refuses_bad_arguments_before_starting_workers(args, message, capsys):
     from benchmarks import concurrent
 

@@ -101,8 +101,9 @@ def copy_of_results(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("folder, arguments",
-                         [pair for pair in made_with("analysis.compare") if pair[0] not in EARLIER])
+@pytest.mark.parametrize(
+    "folder, arguments", [pair for pair in made_with("analysis.compare") if pair[0] not in EARLIER]
+)
 def test_a_comparison_is_made_again_from_the_per_seed_tables_it_names(copy_of_results, capsys, folder, arguments):
     compare.main(shlex.split(arguments))
     for name in COMPARE_FILES:
@@ -115,9 +116,14 @@ def test_every_committed_comparison_is_made_again_or_named_as_earlier():
     assert len(folders) >= 11 and set(EARLIER) - set(folders) == {"margins", "drift_law"}
 
 
-@pytest.mark.parametrize("report", sorted(path.relative_to(PROJECT_ROOT).as_posix()
-                                          for path in (PROJECT_ROOT / RESULTS).rglob("report.md")
-                                          if legacy_intervals.SECTION in path.read_text(encoding="utf-8")))
+@pytest.mark.parametrize(
+    "report",
+    sorted(
+        path.relative_to(PROJECT_ROOT).as_posix()
+        for path in (PROJECT_ROOT / RESULTS).rglob("report.md")
+        if legacy_intervals.SECTION in path.read_text(encoding="utf-8")
+    ),
+)
 def test_the_intervals_from_the_recorded_means_are_made_again(copy_of_results, capsys, report):
     legacy_intervals.main([str(Path(report).parent)])
     assert (copy_of_results / report).read_bytes() == (PROJECT_ROOT / report).read_bytes()
@@ -136,15 +142,17 @@ def test_a_margin_table_is_made_again_from_the_rows_it_measured(tmp_path, folder
 def test_the_drift_law_is_fitted_drawn_and_reported_again_from_its_rows(tmp_path, folder):
     committed = PROJECT_ROOT / RESULTS / folder
     rows = pd.read_csv(committed / "drift_law.csv")
-    rows["drift_per_layer"] = [ast.literal_eval(profile) if isinstance(profile, str) else profile
-                               for profile in rows["drift_per_layer"]]
+    rows["drift_per_layer"] = [
+        ast.literal_eval(profile) if isinstance(profile, str) else profile for profile in rows["drift_per_layer"]
+    ]
     precision = pd.read_csv(committed / "precision.csv")
     command = re.search(r"Made with `(.*?)`\.", (committed / "report.md").read_text(encoding="utf-8")).group(1)
     fit = fit_law(rows)
     # At a tolerance, not byte for byte: the fit is LAPACK's least squares, whose kernels OpenBLAS picks by the CPU,
     # and the last digits of its 16 differ between an Intel Xeon and an AMD EPYC (1e-13 apart, relative, seen).
-    assert_same_numbers(fit_record(fit, rows), json.loads((committed / "fit.json").read_text(encoding="utf-8")),
-                        relative=1e-9)
+    assert_same_numbers(
+        fit_record(fit, rows), json.loads((committed / "fit.json").read_text(encoding="utf-8")), relative=1e-9
+    )
     drift_law.report(rows, precision, fit, tmp_path, command, drift_law.figure(rows, fit, tmp_path))
     for png in committed.glob("*.png"):
         assert same_pixels(tmp_path / png.name, png), f"{folder}/{png.name}"

@@ -7,15 +7,29 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.verdicts import arm_comparisons
 from analysis.compare import main, pool, write_comparison
+from analysis.verdicts import arm_comparisons
 
 
 def per_seed(arm: str, gains: list[float], start: float = 0.5, prefix: str = "sweep", **axes) -> pd.DataFrame:
     """A per-seed table as analysis.report writes it: one row per seed 0..n-1, every measure shifted alike."""
-    rows = [{"run": f"{prefix}/{i}_{arm}_s{i}", "arm": arm, "seed": i, **axes, "start": start, "end": start + gain,
-             "gain": gain, "gain_area": gain / 2, "split_start": start, "split_end": start + gain, "split_gain": gain,
-             "incomplete": False} for i, gain in enumerate(gains)]
+    rows = [
+        {
+            "run": f"{prefix}/{i}_{arm}_s{i}",
+            "arm": arm,
+            "seed": i,
+            **axes,
+            "start": start,
+            "end": start + gain,
+            "gain": gain,
+            "gain_area": gain / 2,
+            "split_start": start,
+            "split_end": start + gain,
+            "split_gain": gain,
+            "incomplete": False,
+        }
+        for i, gain in enumerate(gains)
+    ]
     return pd.DataFrame(rows)
 
 
@@ -30,8 +44,9 @@ def test_arms_from_two_reports_pair_over_shared_seeds_as_one_report_pairs_them(t
     rng = np.random.default_rng(0)
     baseline = rng.normal(0.0, 0.3, 10)
     arm = baseline + rng.normal(0.2, 0.1, 10)
-    committed = write(tmp_path, "committed", pd.concat([per_seed("grpo", list(baseline)),
-                                                        per_seed("gspo", list(arm[:8]))]))  # gspo: 8 seeds only
+    committed = write(
+        tmp_path, "committed", pd.concat([per_seed("grpo", list(baseline)), per_seed("gspo", list(arm[:8]))])
+    )  # gspo: 8 seeds only
     new = write(tmp_path, "new", per_seed("grpo + r2", list(baseline - 0.3), prefix="other"))
     out = tmp_path / "out"
     main([str(committed), str(new / "per_seed.csv"), "--out", str(out)])
@@ -49,8 +64,9 @@ def test_arms_from_two_reports_pair_over_shared_seeds_as_one_report_pairs_them(t
 
 def test_the_pooled_comparison_equals_the_one_report_of_the_same_runs(tmp_path):
     """Splitting one report's table by arm into two files changes nothing in its comparisons."""
-    table = pd.concat([per_seed("grpo", [0.1, -0.2, 0.3, 0.0, 0.05, -0.1]),
-                       per_seed("gspo", [0.2, 0.0, 0.25, 0.1, 0.2, 0.0])])
+    table = pd.concat(
+        [per_seed("grpo", [0.1, -0.2, 0.3, 0.0, 0.05, -0.1]), per_seed("gspo", [0.2, 0.0, 0.25, 0.1, 0.2, 0.0])]
+    )
     table["seed"] = table["seed"].astype(str)
     whole = arm_comparisons(table, "grpo", [])
     rows, axes, _ = pool_from(tmp_path, table[table["arm"] == "grpo"], table[table["arm"] == "gspo"])
@@ -87,8 +103,11 @@ def test_the_same_arm_and_seed_twice_is_refused(tmp_path, capsys):
 
 def test_arms_picked_from_each_source_and_renamed_meet_the_same_arm_name_of_another(tmp_path, capsys):
     """GRPO at two learning rates in two reports: the second, renamed, is the baseline of the first's arms."""
-    committed = write(tmp_path, "committed", pd.concat([per_seed("grpo", [0.0, 0.1, 0.2, 0.3]),
-                                                        per_seed("gspo", [0.2, 0.3, 0.4, 0.5])]))
+    committed = write(
+        tmp_path,
+        "committed",
+        pd.concat([per_seed("grpo", [0.0, 0.1, 0.2, 0.3]), per_seed("gspo", [0.2, 0.3, 0.4, 0.5])]),
+    )
     matched = write(tmp_path, "matched", per_seed("grpo", [0.1, 0.2, 0.3, 0.4], prefix="matched"))
     out = tmp_path / "out"
     main([str(committed), f"{matched}:grpo=grpo-matched", "--baseline", "grpo-matched", "--out", str(out)])
@@ -120,9 +139,13 @@ def test_tables_of_other_axes_and_files_that_are_not_tables_are_refused(tmp_path
 
 
 def test_cells_of_a_swept_axis_are_compared_apart(tmp_path):
-    table = pd.concat([per_seed(arm, gains, **{"routing.flip_rate": rate})
-                       for rate, offset in ((0.0, 0.0), (0.2, 0.5))
-                       for arm, gains in (("grpo", [0.0, 0.1, 0.2]), ("gspo", [offset, 0.1 + offset, 0.2 + offset]))])
+    table = pd.concat(
+        [
+            per_seed(arm, gains, **{"routing.flip_rate": rate})
+            for rate, offset in ((0.0, 0.0), (0.2, 0.5))
+            for arm, gains in (("grpo", [0.0, 0.1, 0.2]), ("gspo", [offset, 0.1 + offset, 0.2 + offset]))
+        ]
+    )
     rows, axes, _ = pool_from(tmp_path, table)
     assert axes == ["routing.flip_rate"]
     write_comparison(rows, axes, None, tmp_path / "out")
@@ -135,8 +158,9 @@ def test_runs_from_other_cold_starts_are_refused_even_at_the_same_start_accuracy
     """Starts at 0 (or few evaluation prompts) give two cold starts one held-out accuracy: the weights' sha256 tells
     them apart, and the pairing refuses them in one line naming both runs and both starts."""
     ours = write(tmp_path, "ours", per_seed("grpo", [0.1, 0.2, 0.3], start=0.0).assign(start_sha256="a" * 64))
-    theirs = write(tmp_path, "theirs", per_seed("gspo", [0.1, 0.2, 0.3], start=0.0, prefix="outside")
-                   .assign(start_sha256="b" * 64))
+    theirs = write(
+        tmp_path, "theirs", per_seed("gspo", [0.1, 0.2, 0.3], start=0.0, prefix="outside").assign(start_sha256="b" * 64)
+    )
     with pytest.raises(SystemExit) as exit_info:
         main([str(ours), str(theirs), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
@@ -150,6 +174,7 @@ def test_starts_of_two_cold_start_recipes_are_never_pooled(tmp_path, capsys):
     """Two reports, each of GRPO and GSPO from a start of its own: the starts pair within each report, and pooled
     they would be two draws of one recipe; their tables say the recipes differ (`start_recipe`), and the comparison
     refuses in one line naming both. Two starts of one recipe pool."""
+
     def report(name, start, recipe):
         table = pd.concat([per_seed(arm, [0.1, 0.2, 0.3], prefix=name) for arm in ("grpo", "gspo")])
         return write(tmp_path, name, table.assign(start_sha256=start * 64, start_recipe=recipe * 64))
@@ -167,8 +192,14 @@ def test_starts_of_two_cold_start_recipes_are_never_pooled(tmp_path, capsys):
 
 def test_tables_that_name_no_start_are_paired_on_their_accuracy_and_the_report_says_only_that(tmp_path):
     old = write(tmp_path, "old", per_seed("grpo", [0.0, 0.1, 0.2]))  # written before per-seed tables named the start
-    main([str(old), str(write(tmp_path, "also_old", per_seed("gspo", [0.1, 0.2, 0.3], prefix="b"))),
-          "--out", str(tmp_path / "out")])
+    main(
+        [
+            str(old),
+            str(write(tmp_path, "also_old", per_seed("gspo", [0.1, 0.2, 0.3], prefix="b"))),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     report = (tmp_path / "out" / "report.md").read_text()
     assert "No table names its runs' start" in report and "the pairing is not checked beyond that" in report
     assert "arms from a shared cold start (its weights' sha256)" not in report

@@ -23,11 +23,17 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments.config import PROJECT_ROOT
+from experiments.step import concurrent
 from experiments.step.batch import Rollout, split_minibatches, step_seed
 from experiments.step.checks import check_run
-from experiments.step import concurrent
 from experiments.step.concurrent import (
-    Batch, ConcurrentRollouts, Sampler, SamplerFailed, Shared, WorkerSettings, check_batch,
+    Batch,
+    ConcurrentRollouts,
+    Sampler,
+    SamplerFailed,
+    Shared,
+    WorkerSettings,
+    check_batch,
 )
 from experiments.step.engines import EngineNumerics, KVCache, Sampling, full_weights
 from experiments.step.metrics import SAMPLER_WAIT_TIME, STALENESS_MAX, STALENESS_MEAN, STEP
@@ -97,13 +103,20 @@ def mu_old_under(trainer: RLTrainer, rollout: Rollout, weights: dict[str, torch.
 
 # -- before any work -----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (["rollout.max_staleness=-1"], 1, "rollout.max_staleness=-1 must be >= 0"),
-    ([*CONCURRENT, "rollout.lag=1"], 1, "rollout.concurrent=true with rollout.lag=1: the exact lag is the science "
-                                        "mode"),
-    ([*CONCURRENT, "rollout.engine=vllm"], 1, "rollout.engine=vllm is not supported there: use rollout.engine=hf"),
-    (CONCURRENT, 2, "runs one worker beside one trainer process, and this run has 2 ranks: use one rank"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["rollout.max_staleness=-1"], 1, "rollout.max_staleness=-1 must be >= 0"),
+        (
+            [*CONCURRENT, "rollout.lag=1"],
+            1,
+            "rollout.concurrent=true with rollout.lag=1: the exact lag is the science mode",
+        ),
+        ([*CONCURRENT, "rollout.engine=vllm"], 1, "rollout.engine=vllm is not supported there: use rollout.engine=hf"),
+        (CONCURRENT, 2, "runs one worker beside one trainer process, and this run has 2 ranks: use one rank"),
+    ],
+)
 def test_settings_the_concurrent_sampler_cannot_serve_are_refused_before_any_work(tmp_path, overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         check_run(compose_train(*overrides), world, memory=False)
@@ -121,20 +134,36 @@ def test_the_plan_recomputes_pi_old_because_the_engine_is_the_workers():
 
 # -- the checks, the gate and the stamps, in this process -----------------------------------------------------------
 
+
 def batch_of(step: int, versions: list[int]) -> Batch:
     return Batch(step, rollout=None, versions=torch.tensor(versions), sample_s=0.0, wait_s=0.0)
 
 
-@pytest.mark.parametrize("batch, previous, message", [
-    (batch_of(4, [2, 2]), 2, None),
-    (batch_of(5, [3, 3]), 2, "the concurrent sampler sent step 5's rollouts when step 4 needed its own"),
-    (batch_of(4, [4, 4]), 2, "step 4's rollouts are stamped with weight version 4, which the trainer has not "
-                             "published: θ_old is version 3"),
-    (batch_of(4, [1, 1]), 2, "the weight version went backwards: step 4's rollouts were sampled with version 1, after "
-                             "the step before's with version 2"),
-    (batch_of(4, [1, 2]), 1, r"1 sample\(s\) older than rollout.max_staleness=1 slipped through: step 4 trains from "
-                             "version 3, and they were sampled with version 1, 2 versions behind"),
-])
+@pytest.mark.parametrize(
+    "batch, previous, message",
+    [
+        (batch_of(4, [2, 2]), 2, None),
+        (batch_of(5, [3, 3]), 2, "the concurrent sampler sent step 5's rollouts when step 4 needed its own"),
+        (
+            batch_of(4, [4, 4]),
+            2,
+            "step 4's rollouts are stamped with weight version 4, which the trainer has not "
+            "published: θ_old is version 3",
+        ),
+        (
+            batch_of(4, [1, 1]),
+            2,
+            "the weight version went backwards: step 4's rollouts were sampled with version 1, after "
+            "the step before's with version 2",
+        ),
+        (
+            batch_of(4, [1, 2]),
+            1,
+            r"1 sample\(s\) older than rollout.max_staleness=1 slipped through: step 4 trains from "
+            "version 3, and they were sampled with version 1, 2 versions behind",
+        ),
+    ],
+)
 def test_a_batch_the_step_must_not_train_on_is_refused_naming_why(batch, previous, message):
     if message is None:
         check_batch(batch, 4, previous, bound=1)
@@ -154,9 +183,17 @@ def sampler():
     shared = Shared(weights, context.Value("q", 0, lock=False), context.Lock(), context.Semaphore(0))
     settings = WorkerSettings(
         model=model_cfg,
-        dataset=OmegaConf.to_container(cfg.dataset, resolve=True), device="cpu", seed=cfg.seed, prompts=4,
-        sampling=Sampling(4, 4, 1.0), numerics=EngineNumerics(), kv_cache=KVCache.preallocated, min_new_tokens=0,
-        max_staleness=1, first=1)
+        dataset=OmegaConf.to_container(cfg.dataset, resolve=True),
+        device="cpu",
+        seed=cfg.seed,
+        prompts=4,
+        sampling=Sampling(4, 4, 1.0),
+        numerics=EngineNumerics(),
+        kv_cache=KVCache.preallocated,
+        min_new_tokens=0,
+        max_staleness=1,
+        first=1,
+    )
     alive = {"trainer": True}
     return Sampler(settings, shared, lambda: alive["trainer"]), shared, alive
 
@@ -198,10 +235,12 @@ def test_a_published_version_that_goes_backwards_is_refused_by_the_worker(sample
 
 # -- a worker beside the trainer -------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bound", [0, 1])
 def test_the_sampler_never_trains_a_sample_above_its_bound_and_stamps_each_with_the_version_that_sampled_it(
-        tmp_path, monkeypatch, bound):
+    tmp_path, monkeypatch, bound
+):
     """The trainer is slower than the worker, so the worker runs ahead to its bound and waits there. Every sample's
     μ_old is the log-probs of the weights of the version it is stamped with, and not of the next version's."""
     watched = Watched(monkeypatch)
@@ -238,11 +277,13 @@ def test_r3_replays_the_routes_the_worker_recorded(tmp_path, monkeypatch):
     monkeypatch.setattr(Recompute, "__call__", recompute)
     train(compose_train(*CONCURRENT, "routing.replay=r3"), tmp_path / "run")
     assert replayed and all(routes is not None and replay is routes for routes, replay in replayed)
-    assert max(row["mismatch/expert_frac"] for row in read_metrics(tmp_path / "run")) > 0, \
+    assert max(row["mismatch/expert_frac"] for row in read_metrics(tmp_path / "run")) > 0, (
         "the stale worker's routes differ from θ_old's"
+    )
 
 
 # -- how a run with a worker ends ------------------------------------------------------------------------------------
+
 
 def ends_failed(tmp_path: Path, error: pytest.ExceptionInfo, why: str) -> list[dict]:
     """The run's one line says `why` (a regex) and where its log and summary are; both are whole and say failed."""
@@ -271,8 +312,12 @@ def test_a_killed_worker_ends_the_run_in_one_line_with_its_log_whole(tmp_path, m
         train(compose_train(*CONCURRENT, "trainer.steps=6"), tmp_path / "run")
     # Killed while it waits for a batch, or while it publishes (the worker may die holding the weights' lock, as it
     # loads the version just published).
-    logged = ends_failed(tmp_path, ended, r"the concurrent sampler's worker \(pid \d+\) was killed by SIGKILL while "
-                                          r"step \d (waited for its rollouts|published its weights)")
+    logged = ends_failed(
+        tmp_path,
+        ended,
+        r"the concurrent sampler's worker \(pid \d+\) was killed by SIGKILL while "
+        r"step \d (waited for its rollouts|published its weights)",
+    )
     assert len(logged) >= 2 and f"while step {len(logged) + 1} " in str(ended.value)
     assert not watched.worker
 
@@ -312,9 +357,13 @@ def test_a_worker_killed_in_any_window_ends_the_run_in_one_line_within_seconds(t
     # sent it (on a loaded machine, not yet), so the trainer meets the death in step DIES_AT - 1 or DIES_AT. In the
     # other windows the worker already holds version DIES_AT - 1, which the trainer publishes after training that step.
     steps = (DIES_AT - 1, DIES_AT) if window == "between batches" else (DIES_AT,)
-    logged = ends_failed(tmp_path, ended, rf"the concurrent sampler's worker \(pid {started['pid']}\) was killed by "
-                                          rf"{signum.name} while step ({'|'.join(map(str, steps))}) (waited for its "
-                                          "rollouts|published its weights)")
+    logged = ends_failed(
+        tmp_path,
+        ended,
+        rf"the concurrent sampler's worker \(pid {started['pid']}\) was killed by "
+        rf"{signum.name} while step ({'|'.join(map(str, steps))}) (waited for its "
+        "rollouts|published its weights)",
+    )
     assert len(logged) + 1 in steps and f"while step {len(logged) + 1} " in str(ended.value)
     assert took < 5, f"the run took {took:.1f} s to notice its worker's death"
     assert not watched.worker and not Path(f"/proc/{started['pid']}").exists(), "the worker is left"
@@ -327,12 +376,17 @@ def test_a_failing_worker_ends_the_run_in_one_line_naming_its_error(tmp_path, mo
     """The trainer publishes its step 3 as version 0: the worker, which held a later one, refuses it."""
     Watched(monkeypatch)
     real_publish = ConcurrentRollouts.publish
-    monkeypatch.setattr(ConcurrentRollouts, "publish",
-                        lambda source, step: real_publish(source, 0 if step == 3 else step))
+    monkeypatch.setattr(
+        ConcurrentRollouts, "publish", lambda source, step: real_publish(source, 0 if step == 3 else step)
+    )
     with pytest.raises(SystemExit) as ended:
         train(compose_train(*CONCURRENT, "trainer.steps=8"), tmp_path / "run")
-    ends_failed(tmp_path, ended, r"the concurrent sampler's worker failed while sampling step \d's rollouts: weight "
-                                 r"version 0 was published after version \d: versions only grow")
+    ends_failed(
+        tmp_path,
+        ended,
+        r"the concurrent sampler's worker failed while sampling step \d's rollouts: weight "
+        r"version 0 was published after version \d: versions only grow",
+    )
 
 
 @pytest.mark.slow
@@ -348,9 +402,13 @@ def test_a_sample_older_than_the_bound_that_slipped_through_stops_the_run(tmp_pa
     monkeypatch.setattr(ConcurrentRollouts, "_start", start_with_a_tighter_check)
     with pytest.raises(SystemExit) as ended:
         train(compose_train(*CONCURRENT, "rollout.max_staleness=1", "trainer.steps=4"), tmp_path / "run")
-    logged = ends_failed(tmp_path, ended, r"16 sample\(s\) older than rollout.max_staleness=0 slipped through: step "
-                                          r"\d trains from version \d, and they were sampled with version \d, 1 "
-                                          "versions behind")
+    logged = ends_failed(
+        tmp_path,
+        ended,
+        r"16 sample\(s\) older than rollout.max_staleness=0 slipped through: step "
+        r"\d trains from version \d, and they were sampled with version \d, 1 "
+        "versions behind",
+    )
     assert all(row[STALENESS_MAX] == 0 for row in logged)
 
 
@@ -371,9 +429,22 @@ def children(pid: int) -> dict[int, str]:
 @pytest.mark.parametrize("signum, code, group", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)])
 def test_a_stop_to_the_trainer_stops_its_worker_too(tmp_path, signum, code, group):
     """SIGTERM to the trainer, and Ctrl-C in a terminal: SIGINT to the whole process group, the worker's too."""
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.train", *MICRO_RUN, *CONCURRENT, "trainer.steps=500",
-                             f"hydra.run.dir={tmp_path}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=PROJECT_ROOT, start_new_session=group)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            *MICRO_RUN,
+            *CONCURRENT,
+            "trainer.steps=500",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=PROJECT_ROOT,
+        start_new_session=group,
+    )
     wait_for_lines(tmp_path / "metrics.jsonl", 2, proc, timeout=300)
     (worker,) = [pid for pid, command in children(proc.pid).items() if "spawn_main" in command]
     if group:

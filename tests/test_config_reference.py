@@ -13,8 +13,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments import config_reference
-from experiments.config import PROJECT_ROOT, register_configs
 from experiments.conf_files import REFERENCE_COMMAND, first_sentence
+from experiments.config import PROJECT_ROOT, register_configs
 from experiments.config_reference import REFERENCE, field_comments, missing_comments, reference
 
 
@@ -40,7 +40,9 @@ class Base:
     bare: str = "x"
     both: bool = True  # second
     spread: tuple[int, ...] = (  # a field written over
-        1, 2)  # two lines
+        1,
+        2,
+    )  # two lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +54,13 @@ class Child(Base):
 def test_field_comments_are_the_lines_above_then_the_one_beside():
     comments = field_comments(Child)
     assert comments == {
-        "above": "Two lines of comment just above the field.", "beside": "the subclass's own comment wins",
-        "weight": "a ClassVar's comment, for a key such as algo.advantage_std", "bare": "", "both": "second",
-        "spread": "a field written over two lines", "extra": "",
+        "above": "Two lines of comment just above the field.",
+        "beside": "the subclass's own comment wins",
+        "weight": "a ClassVar's comment, for a key such as algo.advantage_std",
+        "bare": "",
+        "both": "second",
+        "spread": "a field written over two lines",
+        "extra": "",
     }
 
 
@@ -70,8 +76,11 @@ def test_a_field_without_a_comment_is_reported(monkeypatch):
 
 @pytest.mark.parametrize(
     "text, sentence",
-    [("Dr. GRPO (arXiv 2503.20783): no std. The rest.", "Dr. GRPO (arXiv 2503.20783): no std."),
-     ("GSPO (eqs. 5-7), e.g. Here. Next", "GSPO (eqs. 5-7), e.g. Here."), ("One sentence only", "One sentence only")],
+    [
+        ("Dr. GRPO (arXiv 2503.20783): no std. The rest.", "Dr. GRPO (arXiv 2503.20783): no std."),
+        ("GSPO (eqs. 5-7), e.g. Here. Next", "GSPO (eqs. 5-7), e.g. Here."),
+        ("One sentence only", "One sentence only"),
+    ],
 )
 def test_a_choice_is_described_by_its_first_sentence(text, sentence):
     assert first_sentence(text) == sentence
@@ -89,8 +98,13 @@ def test_help_lists_the_groups_a_user_picks_and_points_to_the_reference(entry):
 
 @pytest.mark.slow
 def test_train_help_on_the_command_line():
-    done = subprocess.run([sys.executable, "-m", "experiments.train", "--help"], cwd=PROJECT_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--help"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("`python -m experiments.train`: one RL run.")
     assert "docs/configuration.md" in done.stdout and "schema/" not in done.stdout

@@ -79,14 +79,20 @@ def test_the_quickstart_runs_each_synthetic_drift_alone_with_each_arms_own_repla
         runs = [compose("train", overrides=["experiment=quickstart", *job]) for job in jobs]
     ran = sorted((cfg.routing.replay.value, cfg.routing.flip_rate, cfg.routing.perturb_rate, cfg.seed) for cfg in runs)
     cells = ((0.2, 0.0), (0.0, 0.1))  # (flip_rate, perturb_rate)
-    assert ran == sorted((replay, flip, noise, seed) for replay in ("none", "r2") for flip, noise in cells
-                         for seed in range(3))
+    assert ran == sorted(
+        (replay, flip, noise, seed) for replay in ("none", "r2") for flip, noise in cells for seed in range(3)
+    )
 
 
 @pytest.mark.parametrize(
     "override, key",
-    [("trainer.stpes=3", "stpes"), ("trainer.steps=many", "steps"), ("model.hiden_size=8", "hiden_size"),
-     ("dataset.digitz=3", "digitz"), ("routing.replai=r2", "replai")],
+    [
+        ("trainer.stpes=3", "stpes"),
+        ("trainer.steps=many", "steps"),
+        ("model.hiden_size=8", "hiden_size"),
+        ("dataset.digitz=3", "digitz"),
+        ("routing.replai=r2", "replai"),
+    ],
 )
 def test_misspelt_or_mistyped_keys_fail_at_composition(override, key):
     with pytest.raises(Exception, match=key):
@@ -95,12 +101,17 @@ def test_misspelt_or_mistyped_keys_fail_at_composition(override, key):
 
 @pytest.mark.parametrize(
     "override, allowed",
-    [("routing.replay=r5", "[none, r2, r3]"), ("trainer.pi_old=cached", "[auto, bypass, decoupled]"),
-     ("trainer.minibatch_layout=prompts", "[auto, groups, rows]"), ("model.moe_backend=cuda", "[hf, torch_dmoe"),
-     ("algo.loss_agg=sum", "[token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm]"),
-     ("logger.wandb.mode=on", "[offline, online, disabled]"), ("model.dtype=fp8", "[float32, bfloat16, float16]"),
-     ("comparison.primary=reward", "[gain, gain_area, split_gain]"),
-     ("comparison.early_stopped=ignored", "[exclude, failed]")],
+    [
+        ("routing.replay=r5", "[none, r2, r3]"),
+        ("trainer.pi_old=cached", "[auto, bypass, decoupled]"),
+        ("trainer.minibatch_layout=prompts", "[auto, groups, rows]"),
+        ("model.moe_backend=cuda", "[hf, torch_dmoe"),
+        ("algo.loss_agg=sum", "[token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm]"),
+        ("logger.wandb.mode=on", "[offline, online, disabled]"),
+        ("model.dtype=fp8", "[float32, bfloat16, float16]"),
+        ("comparison.primary=reward", "[gain, gain_area, split_gain]"),
+        ("comparison.early_stopped=ignored", "[exclude, failed]"),
+    ],
 )
 def test_a_value_outside_an_enum_is_refused_at_composition_naming_the_allowed_ones(override, allowed):
     with pytest.raises(Exception) as raised:
@@ -109,31 +120,31 @@ def test_a_value_outside_an_enum_is_refused_at_composition_naming_the_allowed_on
     assert f"Invalid value '{override.split('=')[1]}', expected one of {allowed}" in text
 
 
+def _parents(path: Path, group: str, schema: object) -> DictConfig:
+    """What the yaml `path` of `group` inherits: the schema, merged with each of its defaults resolved in turn."""
+    own = OmegaConf.load(path)
+    base = OmegaConf.structured(schema)
+    for parent in [entry for entry in own.get("defaults", []) if entry != "_self_"]:
+        base = OmegaConf.merge(base, _resolved(CONF / group / f"{parent}.yaml", group, schema))
+    return base
+
+
+def _resolved(path: Path, group: str, schema: object) -> DictConfig:
+    """The yaml `path` of `group` with everything it inherits."""
+    own = OmegaConf.load(path)
+    return OmegaConf.merge(_parents(path, group, schema), {k: v for k, v in own.items() if k != "defaults"})
+
+
 def test_each_yaml_holds_only_what_differs_from_what_it_inherits():
     """A yaml value equal to what its parent (another file of the group, or the schema) already gives would
     declare it twice; a value that differs from the parent is a delta even when it equals the schema default."""
     from experiments.config import TrainConfig
     from models.policy import ModelConfig
 
-    schemas = {"model": ModelConfig()}
-    for group, schema in schemas.items():
-
-        def inherited(path: Path) -> DictConfig:
-            own = OmegaConf.load(path)
-            parents = [entry for entry in own.get("defaults", []) if entry != "_self_"]
-            base = OmegaConf.structured(schema)
-            for parent in parents:
-                base = OmegaConf.merge(base, resolved(CONF / group / f"{parent}.yaml"))
-            return base
-
-        def resolved(path: Path) -> DictConfig:
-            own = OmegaConf.load(path)
-            return OmegaConf.merge(inherited(path), {k: v for k, v in own.items() if k != "defaults"})
-
-        for path in sorted((CONF / group).glob("*.yaml")):
-            own, base = OmegaConf.load(path), inherited(path)
-            restated = [key for key in own if key not in ("defaults", "name") and key in base and own[key] == base[key]]
-            assert not restated, f"{path.name} restates inherited values {restated}"
+    for path in sorted((CONF / "model").glob("*.yaml")):
+        own, base = OmegaConf.load(path), _parents(path, "model", ModelConfig())
+        restated = [key for key in own if key not in ("defaults", "name") and key in base and own[key] == base[key]]
+        assert not restated, f"{path.name} restates inherited values {restated}"
     top = OmegaConf.load(CONF / "train.yaml")
     schema = OmegaConf.structured(TrainConfig)
     assert not [key for key in top if key not in ("defaults", "hydra") and top[key] == schema.get(key)]
@@ -177,8 +188,11 @@ def test_experiment_and_search_yamls_hold_only_what_differs_from_what_they_inher
             conf = tmp_path / group / path.stem
             shutil.copytree(CONF, conf)
             base = _inherited(conf, group, path.stem)
-            restated += [f"{group}/{path.name}: {key}: {value}" for key, value in own.items()
-                         if key in base and base[key] == value]
+            restated += [
+                f"{group}/{path.name}: {key}: {value}"
+                for key, value in own.items()
+                if key in base and base[key] == value
+            ]
     assert not restated, "yaml values that repeat what the file inherits:\n" + "\n".join(restated)
 
 
@@ -232,4 +246,3 @@ def test_every_setting_the_docs_name_is_a_key_of_a_schema():
     assert len(checked) > 20, checked
     unknown = [f"{page}: {key}" for page, key in checked if not any(holds(cfg, key) for cfg in composed)]
     assert not unknown, unknown
-

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import statistics
+from analysis import statistics, unpaired
 from analysis.compare import pool
 from analysis.contrasts import DIFFERENCE, FALL, FALL_DIFFERENCE, Contrast, judge, unit_values
 from analysis.family import DEFAULT_FAMILY, load_family, main
@@ -21,8 +21,14 @@ from experiments.config import PROJECT_ROOT
 K = 4  # k* in these tables
 FAMILY = load_family(DEFAULT_FAMILY).contrasts  # the pre-registration's five, from their data file
 EXPLORATORY = PROJECT_ROOT / "docs" / "results" / "async" / "exploratory_n4_family.yaml"
-NAIVE, TIS, MINIRL, R3, PR2, GSPO = ("grpo (π_old = μ_old)", "grpo + tis", "minirl", "minirl + r3",
-                                     "minirl + r3 + predictive", "gspo")
+NAIVE, TIS, MINIRL, R3, PR2, GSPO = (
+    "grpo (π_old = μ_old)",
+    "grpo + tis",
+    "minirl",
+    "minirl + r3",
+    "minirl + r3 + predictive",
+    "gspo",
+)
 # The cells the pre-registration runs: every MoE arm at k*, three of them at 0 too; the dense control's minirl at both.
 MOE_CELLS = [(arm, K) for arm in (NAIVE, TIS, MINIRL, R3, PR2, GSPO)] + [(arm, 0) for arm in (TIS, MINIRL, GSPO)]
 DENSE_CELLS = [(MINIRL, 0), (MINIRL, K)]
@@ -32,19 +38,35 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def per_seed(area: Callable[[str, int, int, int], float], cells=MOE_CELLS, starts: int = 8, seeds: int = 2,
-             model: str = "moe") -> pd.DataFrame:
+def per_seed(
+    area: Callable[[str, int, int, int], float], cells=MOE_CELLS, starts: int = 8, seeds: int = 2, model: str = "moe"
+) -> pd.DataFrame:
     """A per-seed table with the columns analysis.report writes, `area(arm, lag, start, seed)` its gain_area."""
     rows = []
     for start in range(starts):
         for seed in range(seeds):
             for arm, lag in cells:
                 begin, value = 0.3 + 0.01 * start, area(arm, lag, start, seed)
-                rows.append({"run": f"{model}/{arm}_k{lag}_st{start}_s{seed}", "arm": arm, "seed": seed,
-                             "rollout.lag": lag, "start": begin, "end": begin + 2 * value, "gain": 2 * value,
-                             "gain_area": value, "split_start": begin, "split_end": begin, "split_gain": 0.0,
-                             "incomplete": False, "status": "finished", "counted": "yes",
-                             "start_sha256": sha(f"{model}-{start}"), "start_recipe": sha(model)})
+                rows.append(
+                    {
+                        "run": f"{model}/{arm}_k{lag}_st{start}_s{seed}",
+                        "arm": arm,
+                        "seed": seed,
+                        "rollout.lag": lag,
+                        "start": begin,
+                        "end": begin + 2 * value,
+                        "gain": 2 * value,
+                        "gain_area": value,
+                        "split_start": begin,
+                        "split_end": begin,
+                        "split_gain": 0.0,
+                        "incomplete": False,
+                        "status": "finished",
+                        "counted": "yes",
+                        "start_sha256": sha(f"{model}-{start}"),
+                        "start_recipe": sha(model),
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -58,17 +80,33 @@ def run(tmp_path, moe: pd.DataFrame, dense: pd.DataFrame, lag: int = K) -> tuple
     moe.to_csv(tmp_path / "moe.csv", index=False)
     dense.to_csv(tmp_path / "dense.csv", index=False)
     out = tmp_path / "out"
-    main(["--moe", str(tmp_path / "moe.csv"), "--dense", str(tmp_path / "dense.csv"), "--lag", str(lag),
-          "--out", str(out)])
+    main(
+        [
+            "--moe",
+            str(tmp_path / "moe.csv"),
+            "--dense",
+            str(tmp_path / "dense.csv"),
+            "--lag",
+            str(lag),
+            "--out",
+            str(out),
+        ]
+    )
     assert (out / "report.md").is_file() and (out / "units.csv").is_file()
-    return (pd.read_csv(out / "contrasts.csv").set_index("comparison"),
-            pd.read_csv(out / "left_out.csv", dtype={"seed": str}))
+    return (
+        pd.read_csv(out / "contrasts.csv").set_index("comparison"),
+        pd.read_csv(out / "left_out.csv", dtype={"seed": str}),
+    )
 
 
 def dense_table(fall: Callable[[int, int], float] = lambda start, seed: 0.0, starts: int = 8) -> pd.DataFrame:
     """The dense control's minirl at 0 and k*, falling by `fall(start, seed)`."""
-    return per_seed(lambda arm, lag, start, seed: 0.2 - (fall(start, seed) if lag else 0.0), DENSE_CELLS,
-                    starts=starts, model="dense")
+    return per_seed(
+        lambda arm, lag, start, seed: 0.2 - (fall(start, seed) if lag else 0.0),
+        DENSE_CELLS,
+        starts=starts,
+        model="dense",
+    )
 
 
 def test_a_planted_fall_difference_is_recovered_exactly_as_the_estimate(tmp_path):
@@ -96,7 +134,7 @@ def test_the_paired_differences_equal_a_hand_computation(tmp_path):
         assert contrasts.loc[name, "p_value"] == pytest.approx(statistics.sign_flip_p(per_start.to_numpy()))
         written = dict(part.split(" (")[0].split("=") for part in contrasts.loc[name, "per_start"].split("; "))
         assert {start: float(value) for start, value in written.items()} == pytest.approx(per_start.to_dict())
-    falls = ((area.loc[GSPO, 0] - area.loc[GSPO, K]) - (area.loc[TIS, 0] - area.loc[TIS, K]))
+    falls = (area.loc[GSPO, 0] - area.loc[GSPO, K]) - (area.loc[TIS, 0] - area.loc[TIS, K])
     assert contrasts.loc["5 (H3)", "estimate"] == pytest.approx(falls.groupby(level=0).mean().mean(), abs=1e-12)
 
 
@@ -104,15 +142,20 @@ def test_an_interaction_with_every_moe_fall_above_every_dense_fall_reaches_the_s
     moe = per_seed(lambda arm, lag, start, seed: 0.3 - (0.2 + 0.01 * start + 0.002 * seed if lag else 0.0))
     contrasts, _ = run(tmp_path, moe, dense_table(lambda start, seed: 0.01 * start - 0.002 * seed))
     h2 = contrasts.loc["4 (H2, interaction)"]
-    assert h2["p_value"] == pytest.approx(2 / 12870) == statistics.smallest_permutation_p(8, 8)
+    assert h2["p_value"] == pytest.approx(2 / 12870) == unpaired.smallest_permutation_p(8, 8)
     assert h2["low"] > 0 and h2["signs_agree"] and h2["starts"] == "8+8"
     assert h2["estimate"] == pytest.approx(0.2 + 0.001 - (-0.001), abs=1e-12)
     assert h2["holm_p"] < statistics.ALPHA and h2["verdict"] == "separates above 0"
 
 
-@pytest.mark.parametrize("dense_fall", [lambda start, seed: 0.2 + 0.01 * start,  # the MoE's falls, exactly
-                                        lambda start, seed: 0.2 + 0.01 * ((start * 3) % 8) + 0.005],  # interleaved
-                         ids=["equal", "shuffled"])
+@pytest.mark.parametrize(
+    "dense_fall",
+    [
+        lambda start, seed: 0.2 + 0.01 * start,  # the MoE's falls, exactly
+        lambda start, seed: 0.2 + 0.01 * ((start * 3) % 8) + 0.005,
+    ],  # interleaved
+    ids=["equal", "shuffled"],
+)
 def test_equal_or_shuffled_falls_do_not_separate(tmp_path, dense_fall):
     moe = per_seed(lambda arm, lag, start, seed: 0.3 - (0.2 + 0.01 * start if lag else 0.0))
     contrasts, _ = run(tmp_path, moe, dense_table(dense_fall))
@@ -123,17 +166,26 @@ def test_equal_or_shuffled_falls_do_not_separate(tmp_path, dense_fall):
 
 def test_a_unit_missing_one_run_is_left_out_of_what_needs_it_and_named(tmp_path):
     moe = per_seed(noise)
+
     def run_of(arm, lag, start, seed):
-        return ((moe["arm"] == arm) & (moe["rollout.lag"] == lag) & (moe["start_sha256"] == sha(f"moe-{start}"))
-                & (moe["seed"] == seed))
+        return (
+            (moe["arm"] == arm)
+            & (moe["rollout.lag"] == lag)
+            & (moe["start_sha256"] == sha(f"moe-{start}"))
+            & (moe["seed"] == seed)
+        )
 
     lacking, stopped = run_of(R3, K, 3, 1), run_of(GSPO, 0, 5, 0)
     moe.loc[stopped, ["counted", "status", "incomplete"]] = ["excluded", "interrupted", True]
     contrasts, left = run(tmp_path, moe[~lacking], dense_table())
     assert list(zip(left["comparison"], left["start_sha256"], left["seed"])) == [
-        ("2 (H2)", sha("moe-3"), "1"), ("5 (H3)", sha("moe-5"), "0")]
-    assert left["why"].tolist() == ["no run of minirl + r3 at rollout.lag 4",
-                                    "gspo at rollout.lag 0: moe/gspo_k0_st5_s0 did not finish (interrupted)"]
+        ("2 (H2)", sha("moe-3"), "1"),
+        ("5 (H3)", sha("moe-5"), "0"),
+    ]
+    assert left["why"].tolist() == [
+        "no run of minirl + r3 at rollout.lag 4",
+        "gspo at rollout.lag 0: moe/gspo_k0_st5_s0 did not finish (interrupted)",
+    ]
     assert "(1)" in contrasts.loc["2 (H2)", "per_start"] and "(1)" not in contrasts.loc["3 (H2)", "per_start"]
     moe.to_csv(tmp_path / "table.csv", index=False)
     rows, _, _ = pool([tmp_path / "table.csv"])
@@ -145,14 +197,17 @@ def test_holm_runs_over_the_five_comparisons(tmp_path):
     contrasts, _ = run(tmp_path, per_seed(noise), dense_table(lambda start, seed: noise("d", 1, start, seed)))
     assert len(contrasts) == 5 and set(contrasts["family"]) == {5}
     assert contrasts["holm_p"].tolist() == pytest.approx(list(statistics.holm(contrasts["p_value"].to_numpy())))
-    assert (contrasts["separates"] == ((contrasts["low"] > 0) | (contrasts["high"] < 0))
-            & (contrasts["holm_p"] < statistics.ALPHA)).all()
+    assert (
+        contrasts["separates"]
+        == ((contrasts["low"] > 0) | (contrasts["high"] < 0)) & (contrasts["holm_p"] < statistics.ALPHA)
+    ).all()
 
 
 def test_judge_adjusts_over_the_contrasts_it_is_given():
     values = {f"s{start}": {"0": 0.1 + start, "1": 0.1 + start} for start in range(8)}
-    judged = judge([Contrast("a", DIFFERENCE, "x", "y", 1), Contrast("b", FALL_DIFFERENCE, "x", "y", 1)],
-                   [[values], [values]])
+    judged = judge(
+        [Contrast("a", DIFFERENCE, "x", "y", 1), Contrast("b", FALL_DIFFERENCE, "x", "y", 1)], [[values], [values]]
+    )
     assert [result.holm_p for result in judged] == pytest.approx([2 * 2 / 2**8] * 2)
     assert all(result.separates for result in judged)
 
@@ -187,53 +242,94 @@ def test_the_exploratory_family_reads_the_moe_table_alone_and_recovers_a_planted
     assert all(f"`{sha(f'moe-{start}')[:12]}`" in report for start in range(8))  # each start named where it ran
 
 
-@pytest.mark.parametrize("family, dense, said", [
-    (DEFAULT_FAMILY, False, f"--family {DEFAULT_FAMILY} compares the MoE rung with the dense control: give --dense"),
-    (EXPLORATORY, True, f"--family {EXPLORATORY} compares no models"),
-])
-def test_the_dense_table_is_needed_by_and_only_by_a_family_that_compares_models(tmp_path, capsys, family, dense,
-                                                                                said):
+@pytest.mark.parametrize(
+    "family, dense, said",
+    [
+        (
+            DEFAULT_FAMILY,
+            False,
+            f"--family {DEFAULT_FAMILY} compares the MoE rung with the dense control: give --dense",
+        ),
+        (EXPLORATORY, True, f"--family {EXPLORATORY} compares no models"),
+    ],
+)
+def test_the_dense_table_is_needed_by_and_only_by_a_family_that_compares_models(tmp_path, capsys, family, dense, said):
     per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
     dense_table().to_csv(tmp_path / "dense.csv", index=False)
     with pytest.raises(SystemExit) as stop:
-        main(["--family", str(family), "--moe", str(tmp_path / "moe.csv"), "--lag", str(K), "--out", str(tmp_path / "out")]
-             + (["--dense", str(tmp_path / "dense.csv")] if dense else []))
+        main(
+            [
+                "--family",
+                str(family),
+                "--moe",
+                str(tmp_path / "moe.csv"),
+                "--lag",
+                str(K),
+                "--out",
+                str(tmp_path / "out"),
+            ]
+            + (["--dense", str(tmp_path / "dense.csv")] if dense else [])
+        )
     assert stop.value.code == 2 and said in capsys.readouterr().err  # a usage error, as a lag below 1
     assert not (tmp_path / "out").exists()
 
 
 def test_the_permutation_p_of_two_small_groups_is_the_hand_counted_share():
     # splits of {1, 2, 3, 4} into two pairs: {1, 2} | {3, 4} and its mirror reach |1.5 − 3.5|; the four others not
-    assert statistics.permutation_p([1.0, 2.0], [3.0, 4.0]) == pytest.approx(2 / 6)
-    assert statistics.permutation_p([1.0, 2.0], [2.0, 1.0]) == 1.0
+    assert unpaired.permutation_p([1.0, 2.0], [3.0, 4.0]) == pytest.approx(2 / 6)
+    assert unpaired.permutation_p([1.0, 2.0], [2.0, 1.0]) == 1.0
 
 
 def test_beyond_the_exact_splits_the_permutation_p_is_drawn_from_a_fixed_stream():
     # 12 + 12 starts: C(24, 12) = 2,704,156 splits, past EXACT_SPLITS_UP_TO; every first value above every second
     first, second = np.arange(12.0) + 100, np.arange(12.0)
-    drawn = statistics.permutation_p(first, second)
-    assert drawn == statistics.permutation_p(first, second) and 1 / 100_001 <= drawn < 1e-3
-    assert statistics.permutation_p(second, second[::-1]) == 1.0
-    assert statistics.permutation_p(np.arange(24.0)[::2], np.arange(24.0)[1::2]) > 0.5
+    drawn = unpaired.permutation_p(first, second)
+    assert drawn == unpaired.permutation_p(first, second) and 1 / 100_001 <= drawn < 1e-3
+    assert unpaired.permutation_p(second, second[::-1]) == 1.0
+    assert unpaired.permutation_p(np.arange(24.0)[::2], np.arange(24.0)[1::2]) > 0.5
 
 
 REFUSALS = {
-    "a lag not in the tables": (lambda moe, dense: (moe, dense), 2,
-                                "has no counted run at rollout.lag 2; its lags: 0, 4"),
+    "a lag not in the tables": (
+        lambda moe, dense: (moe, dense),
+        2,
+        "has no counted run at rollout.lag 2; its lags: 0, 4",
+    ),
     "an arm missing": (lambda moe, dense: (moe[moe["arm"] != PR2], dense), K, "has no arm 'minirl + r3 + predictive'"),
-    "an arm missing at 0": (lambda moe, dense: (moe[(moe["arm"] != GSPO) | (moe["rollout.lag"] != 0)], dense), K,
-                            "has no counted run of 'gspo' at rollout.lag 0"),
+    "an arm missing at 0": (
+        lambda moe, dense: (moe[(moe["arm"] != GSPO) | (moe["rollout.lag"] != 0)], dense),
+        K,
+        "has no counted run of 'gspo' at rollout.lag 0",
+    ),
     "one start": (lambda moe, dense: (moe[moe["start_sha256"] == sha("moe-0")], dense), K, "holds 1 start(s)"),
     "a routing arm on the dense model": (
-        lambda moe, dense: (moe, pd.concat([dense, per_seed(noise, [(R3, K)], model="dense")])), K,
-        "holds 'minirl + r3': the dense control runs only the arms without routing"),
-    "two recipes": (lambda moe, dense: (moe.assign(start_recipe=np.where(moe["start_sha256"] == sha("moe-7"), sha("x"),
-                                                                          moe["start_recipe"])), dense), K,
-                    "of recipe " + sha("x")[:12]),
-    "a start on both models": (lambda moe, dense: (moe, dense.assign(start_sha256=dense["start_sha256"].where(
-        dense["start_sha256"] != sha("dense-0"), sha("moe-0")))), K, f"start {sha('moe-0')[:12]} is in both"),
-    "no lag column": (lambda moe, dense: (moe[moe["rollout.lag"] == K].drop(columns="rollout.lag"), dense), K,
-                      "has no rollout.lag column"),
+        lambda moe, dense: (moe, pd.concat([dense, per_seed(noise, [(R3, K)], model="dense")])),
+        K,
+        "holds 'minirl + r3': the dense control runs only the arms without routing",
+    ),
+    "two recipes": (
+        lambda moe, dense: (
+            moe.assign(start_recipe=np.where(moe["start_sha256"] == sha("moe-7"), sha("x"), moe["start_recipe"])),
+            dense,
+        ),
+        K,
+        "of recipe " + sha("x")[:12],
+    ),
+    "a start on both models": (
+        lambda moe, dense: (
+            moe,
+            dense.assign(
+                start_sha256=dense["start_sha256"].where(dense["start_sha256"] != sha("dense-0"), sha("moe-0"))
+            ),
+        ),
+        K,
+        f"start {sha('moe-0')[:12]} is in both",
+    ),
+    "no lag column": (
+        lambda moe, dense: (moe[moe["rollout.lag"] == K].drop(columns="rollout.lag"), dense),
+        K,
+        "has no rollout.lag column",
+    ),
 }
 
 
@@ -259,33 +355,56 @@ def test_a_family_is_a_data_file_and_a_new_one_needs_no_code(tmp_path):
     written to a new file is judged as declared there."""
     declared = load_family(DEFAULT_FAMILY)
     assert [(c.name, c.kind, c.arm, c.other) for c in declared.contrasts] == [
-        ("1 (H1)", DIFFERENCE, TIS, NAIVE), ("2 (H2)", DIFFERENCE, R3, MINIRL), ("3 (H2)", DIFFERENCE, PR2, MINIRL),
-        ("4 (H2, interaction)", "interaction", MINIRL, None), ("5 (H3)", FALL_DIFFERENCE, GSPO, TIS)]
+        ("1 (H1)", DIFFERENCE, TIS, NAIVE),
+        ("2 (H2)", DIFFERENCE, R3, MINIRL),
+        ("3 (H2)", DIFFERENCE, PR2, MINIRL),
+        ("4 (H2, interaction)", "interaction", MINIRL, None),
+        ("5 (H3)", FALL_DIFFERENCE, GSPO, TIS),
+    ]
     assert declared.dense_arms == (NAIVE, TIS, MINIRL, GSPO) and "preregistration.md" in declared.declared
     mine = tmp_path / "mine.yaml"
-    mine.write_text('title: Mine\ndeclared: my notes\ncontrasts:\n  - {name: M1, kind: difference, arm: "minirl + r3", '
-                    'other: minirl}\n', encoding="utf-8")
+    mine.write_text(
+        'title: Mine\ndeclared: my notes\ncontrasts:\n  - {name: M1, kind: difference, arm: "minirl + r3", '
+        "other: minirl}\n",
+        encoding="utf-8",
+    )
     per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
     main(["--family", str(mine), "--moe", str(tmp_path / "moe.csv"), "--lag", str(K), "--out", str(tmp_path / "out")])
     report = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
     assert report.startswith("# Mine") and "The 1 comparisons of my notes" in report
 
 
-@pytest.mark.parametrize("text, said", [
-    ("title: t\ndeclared: d\n", "must be a mapping with title, declared and contrasts"),
-    ("title: t\ndeclared: d\ncontrasts: []\nseeds: 3\n", "has seeds: a family holds only"),
-    ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: sum, arm: x}]\n", "kind 'sum' is not one of"),
-    ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: difference, arm: x}]\n", "a difference needs an other arm"),
-    ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: interaction, arm: x}]\n", "it must name dense_arms"),
-    ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, lag: 2}]\n", "must have name, kind and arm"),
-    ("title: [\n", "is not yaml"),
-])
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("title: t\ndeclared: d\n", "must be a mapping with title, declared and contrasts"),
+        ("title: t\ndeclared: d\ncontrasts: []\nseeds: 3\n", "has seeds: a family holds only"),
+        ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: sum, arm: x}]\n", "kind 'sum' is not one of"),
+        (
+            "title: t\ndeclared: d\ncontrasts: [{name: a, kind: difference, arm: x}]\n",
+            "a difference needs an other arm",
+        ),
+        ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: interaction, arm: x}]\n", "it must name dense_arms"),
+        ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, lag: 2}]\n", "must have name, kind and arm"),
+        ("title: [\n", "is not yaml"),
+    ],
+)
 def test_a_family_file_that_is_not_a_family_is_refused_in_one_line(tmp_path, capsys, text, said):
     (tmp_path / "bad.yaml").write_text(text, encoding="utf-8")
     per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
     with pytest.raises(SystemExit) as stop:
-        main(["--family", str(tmp_path / "bad.yaml"), "--moe", str(tmp_path / "moe.csv"), "--lag", str(K), "--out",
-              str(tmp_path / "out")])
+        main(
+            [
+                "--family",
+                str(tmp_path / "bad.yaml"),
+                "--moe",
+                str(tmp_path / "moe.csv"),
+                "--lag",
+                str(K),
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and said in error and str(tmp_path / "bad.yaml") in error
     assert not (tmp_path / "out").exists()

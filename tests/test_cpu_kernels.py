@@ -26,18 +26,34 @@ def cold_start_sha(tmp_path, environment: dict[str, str], mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in cpu_kernels.PORTABLE_ENVIRONMENT} | environment
     out = tmp_path / f"{mode}-{len(os.listdir(tmp_path))}"
     overrides = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()] + [
-        "sft.max_steps=4", "sft.batch_size=16", "sft.eval_every=4", "sft.eval_prompts=4", "sft.lr=3e-3",
-        "dataset.train_size=64", "dataset.test_size=8", "logger.wandb.mode=disabled", f"cpu_kernels={mode}",
-        f"sft.output_dir={out / 'ckpt'}", f"hydra.run.dir={out / 'run'}",
+        "sft.max_steps=4",
+        "sft.batch_size=16",
+        "sft.eval_every=4",
+        "sft.eval_prompts=4",
+        "sft.lr=3e-3",
+        "dataset.train_size=64",
+        "dataset.test_size=8",
+        "logger.wandb.mode=disabled",
+        f"cpu_kernels={mode}",
+        f"sft.output_dir={out / 'ckpt'}",
+        f"hydra.run.dir={out / 'run'}",
     ]
-    done = subprocess.run([sys.executable, "-m", "experiments.sft", *overrides], cwd=PROJECT_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.sft", *overrides],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads((out / "ckpt" / "cold_start.json").read_text())
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
-                    reason="the portable kernels need an x86-64 CPU with AVX2")
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
+    reason="the portable kernels need an x86-64 CPU with AVX2",
+)
 def test_a_portable_cold_start_is_the_same_bits_whatever_kernels_the_environment_chose(tmp_path):
     machine = cold_start_sha(tmp_path, MACHINE_KERNELS, "portable")
     other = cold_start_sha(tmp_path, OTHER_KERNELS, "portable")
@@ -45,8 +61,10 @@ def test_a_portable_cold_start_is_the_same_bits_whatever_kernels_the_environment
     assert machine["kernels"]["aten_capability"] == other["kernels"]["aten_capability"] == "AVX2"
     assert machine["kernels"]["mkl_branch"] in ("COMPATIBLE", "unknown")
     # The control: left to choose, the two environments compute other bits, which is what the pin removes.
-    assert (cold_start_sha(tmp_path, MACHINE_KERNELS, "native")["weights_sha256"]
-            != cold_start_sha(tmp_path, OTHER_KERNELS, "native")["weights_sha256"])
+    assert (
+        cold_start_sha(tmp_path, MACHINE_KERNELS, "native")["weights_sha256"]
+        != cold_start_sha(tmp_path, OTHER_KERNELS, "native")["weights_sha256"]
+    )
 
 
 @pytest.mark.slow

@@ -30,8 +30,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)}
 
 
 def torchrun(ranks: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*TORCHRUN, f"--nproc_per_node={ranks}", *args], capture_output=True, text=True,
-                          cwd=PROJECT_ROOT, env=ENV, timeout=timeout)
+    return subprocess.run(
+        [*TORCHRUN, f"--nproc_per_node={ranks}", *args],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +49,24 @@ def one_and_two_ranks(tmp_path_factory):
     return (torch.load(out / "w1.pt", weights_only=False), torch.load(out / "w2.pt", weights_only=False))
 
 
-@pytest.mark.parametrize("case", ["grpo seq-mean-token-mean", "grpo token-mean", "dr_grpo seq-mean-token-sum-norm",
-                                  "gspo", "grpo + r2", "gspo + r2", "grpo + load-balancing loss",
-                                  "grpo + r2 full replay", "gspo + r2 soft replay", "grpo + router shift",
-                                  "grpo + decomposition", "grpo + r2 + decomposition", "grpo + pr2"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "grpo seq-mean-token-mean",
+        "grpo token-mean",
+        "dr_grpo seq-mean-token-sum-norm",
+        "gspo",
+        "grpo + r2",
+        "gspo + r2",
+        "grpo + load-balancing loss",
+        "grpo + r2 full replay",
+        "gspo + r2 soft replay",
+        "grpo + router shift",
+        "grpo + decomposition",
+        "grpo + r2 + decomposition",
+        "grpo + pr2",
+    ],
+)
 def test_two_ranks_make_the_update_one_process_makes(one_and_two_ranks, case):
     one, two = (result[case] for result in one_and_two_ranks)
     assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3, "the batch must carry a gradient"
@@ -99,8 +119,14 @@ def _children(pid: int) -> list[int]:
 
 def test_ranks_die_with_their_killed_launcher(tmp_path):
     """kill -9 of torchrun alone (its workers live in sessions of their own) must not leave ranks behind."""
-    proc = subprocess.Popen(_command(2, tmp_path / "run", "trainer.steps=400"), stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "err.txt", "w"), cwd=PROJECT_ROOT, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(2, tmp_path / "run", "trainer.steps=400"),
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "err.txt", "w"),
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        start_new_session=True,
+    )
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -112,8 +138,10 @@ def test_ranks_die_with_their_killed_launcher(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 10
-        while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-                  for pid in ranks):
+        while any(
+            Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+            for pid in ranks
+        ):
             assert time.monotonic() < deadline, "a rank outlived its launcher"
             time.sleep(0.1)
     finally:
@@ -129,15 +157,27 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-RESUMABLE = [*MICRO_RUN, "trainer.steps=40", "trainer.checkpoint_every=10", "trainer.eval_every=15",
-             "trainer.save_checkpoint=true"]
+RESUMABLE = [
+    *MICRO_RUN,
+    "trainer.steps=40",
+    "trainer.checkpoint_every=10",
+    "trainer.eval_every=15",
+    "trainer.save_checkpoint=true",
+]
 
 
 def _command(ranks: int, run_dir: Path, *extra: str) -> list[str]:
     if ranks == 1:
         return [sys.executable, "-m", "experiments.train", *RESUMABLE, f"hydra.run.dir={run_dir}", *extra]
-    return [*TORCHRUN, f"--nproc_per_node={ranks}", "-m", "experiments.train", *RESUMABLE, f"hydra.run.dir={run_dir}",
-            *extra]
+    return [
+        *TORCHRUN,
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "experiments.train",
+        *RESUMABLE,
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("ranks, lag", [(1, 0), (2, 3)])
@@ -145,12 +185,25 @@ def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
     """One process, and two ranks under a lag (the engine's weight versions are in the checkpoint): the resumed run
     samples what the whole one sampled, on each rank."""
     lagged = (f"rollout.lag={lag}",) if lag else ()
-    whole = subprocess.run(_command(ranks, tmp_path / "whole", *lagged), capture_output=True, text=True,
-                           cwd=PROJECT_ROOT, env=ENV, timeout=600)
+    whole = subprocess.run(
+        _command(ranks, tmp_path / "whole", *lagged),
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        timeout=600,
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_command(ranks, killed, *lagged), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, cwd=PROJECT_ROOT, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(ranks, killed, *lagged),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step_000020").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
@@ -159,13 +212,21 @@ def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
     proc.wait()
     time.sleep(0.5)
     assert not (killed / "summary.json").exists(), "the kill came after the end: nothing was tested"
-    resumed = subprocess.run(_command(ranks, killed, *lagged, "resume=auto"), capture_output=True, text=True,
-                             cwd=PROJECT_ROOT, env=ENV, timeout=600)
+    resumed = subprocess.run(
+        _command(ranks, killed, *lagged, "resume=auto"),
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr and "step_000020" in resumed.stderr
     assert _without_timings(_metrics(killed)) == _without_timings(_metrics(tmp_path / "whole"))
-    a, b = load_file(killed / "checkpoint" / "model.safetensors"), load_file(tmp_path / "whole" / "checkpoint" /
-                                                                              "model.safetensors")
+    a, b = (
+        load_file(killed / "checkpoint" / "model.safetensors"),
+        load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors"),
+    )
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_000030", "step_000040"], "keep=2"
@@ -174,16 +235,18 @@ def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
 def test_a_killed_sweep_relaunched_finishes_what_is_missing(tmp_path):
     sweep = tmp_path / "sweep"
     command = [sys.executable, "-m", "experiments.train", "-m", "seed=0,1", *RESUMABLE, f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=PROJECT_ROOT, env=ENV,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=PROJECT_ROOT, env=ENV, start_new_session=True
+    )
     deadline = time.time() + 300
     while not list(sweep.glob("1_*/checkpoints/step_000010")):
         assert proc.poll() is None and time.time() < deadline, "the sweep ended before job 1's first checkpoint"
         time.sleep(0.02)
     kill_tree(proc.pid)
     proc.wait()
-    relaunched = subprocess.run([*command, "resume=auto"], capture_output=True, text=True, cwd=PROJECT_ROOT, env=ENV,
-                                timeout=600)
+    relaunched = subprocess.run(
+        [*command, "resume=auto"], capture_output=True, text=True, cwd=PROJECT_ROOT, env=ENV, timeout=600
+    )
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
     assert "already holds this run, finished after 40 steps" in relaunched.stderr
     for job in sorted(sweep.glob("[01]_*")):
@@ -192,11 +255,14 @@ def test_a_killed_sweep_relaunched_finishes_what_is_missing(tmp_path):
         assert json.loads((job / "summary.json").read_text())["status"] == "finished"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["resume=/nonexistent/step_000010"], "holds no checkpoint"),
-    (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0 must be >= 1"),
-    (["trainer.checkpoint_every=-1"], "trainer.checkpoint_every=-1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["resume=/nonexistent/step_000010"], "holds no checkpoint"),
+        (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0 must be >= 1"),
+        (["trainer.checkpoint_every=-1"], "trainer.checkpoint_every=-1 must be >= 0"),
+    ],
+)
 def test_bad_resume_settings_are_refused(tmp_path, overrides, message):
     with pytest.raises(SystemExit) as raised:
         train(compose_train(*overrides), tmp_path)
@@ -223,13 +289,27 @@ def test_a_stop_that_reaches_one_rank_in_its_checkpoint_ends_every_rank_after_th
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
     )
     (tmp_path / "stop_rank_1.py").write_text(
-        stop_rank_1_in_its_first_checkpoint +
-        "import runpy; runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)\n")
+        stop_rank_1_in_its_first_checkpoint
+        + "import runpy; runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)\n"
+    )
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", str(tmp_path / "stop_rank_1.py"), *MICRO_RUN,
-                             "trainer.steps=50", "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=PROJECT_ROOT, env=ENV,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            *TORCHRUN,
+            "--nproc_per_node=2",
+            str(tmp_path / "stop_rank_1.py"),
+            *MICRO_RUN,
+            "trainer.steps=50",
+            "trainer.checkpoint_every=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         _, stderr = proc.communicate(timeout=300)
     finally:
@@ -245,8 +325,15 @@ def test_a_checkpoint_of_one_rank_is_refused_on_every_rank_of_two_before_any_col
     run_dir = tmp_path / "run"
     train(compose_train("trainer.checkpoint_every=3"), run_dir)
     (run_dir / "summary.json").unlink()
-    done = torchrun(2, "-m", "experiments.train", *MICRO_RUN, "trainer.checkpoint_every=3", "resume=auto",
-                    f"hydra.run.dir={run_dir}")
+    done = torchrun(
+        2,
+        "-m",
+        "experiments.train",
+        *MICRO_RUN,
+        "trainer.checkpoint_every=3",
+        "resume=auto",
+        f"hydra.run.dir={run_dir}",
+    )
     assert "step_000003 was written by 1 ranks, this run has 2" in done.stderr
     assert done.stderr.count("moe-rl-lab:") == 1 and "gloo" not in done.stderr, done.stderr[-3000:]
 
@@ -271,26 +358,45 @@ def test_the_slurm_cluster_config_composes_and_each_job_starts_torchrun_per_gpu(
     from experiments.run.relaunch import torchrun_command
 
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["cluster=slurm", "hydra.launcher.gpus_per_node=4", "seed=3"],
-                      return_hydra_config=True)
+        cfg = compose(
+            "train", overrides=["cluster=slurm", "hydra.launcher.gpus_per_node=4", "seed=3"], return_hydra_config=True
+        )
     HydraConfig.instance().set_config(cfg)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.tasks_per_node == 1
     assert cfg.launch.nproc_per_node == 4, "one rank per GPU of the node"
-    job = SimpleNamespace(overrides=SimpleNamespace(task=["cluster=slurm", "seed=3", "launch.nproc_per_node=4"]),
-                          runtime=SimpleNamespace(output_dir="/sweep/3_grpo_none_tiny_moe_s3"))
+    job = SimpleNamespace(
+        overrides=SimpleNamespace(task=["cluster=slurm", "seed=3", "launch.nproc_per_node=4"]),
+        runtime=SimpleNamespace(output_dir="/sweep/3_grpo_none_tiny_moe_s3"),
+    )
     command = torchrun_command(cfg, job)
     assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
-    assert command[6:] == ["experiments.train", "cluster=slurm", "seed=3", "hydra.run.dir=/sweep/3_grpo_none_tiny_moe_s3"]
+    assert command[6:] == [
+        "experiments.train",
+        "cluster=slurm",
+        "seed=3",
+        "hydra.run.dir=/sweep/3_grpo_none_tiny_moe_s3",
+    ]
 
 
 def test_a_parallel_sweep_needs_its_threads_to_fit_and_then_runs_its_jobs_side_by_side(tmp_path):
     base = [sys.executable, "-m", "experiments.train", "-m", "hydra/launcher=joblib", "seed=0,1", *MICRO_RUN]
-    refused = subprocess.run([*base, "hydra.launcher.n_jobs=2", "trainer.threads=null",
-                              f"hydra.sweep.dir={tmp_path / 'a'}"],
-                             capture_output=True, text=True, cwd=PROJECT_ROOT, env=ENV, timeout=300)
+    refused = subprocess.run(
+        [*base, "hydra.launcher.n_jobs=2", "trainer.threads=null", f"hydra.sweep.dir={tmp_path / 'a'}"],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        timeout=300,
+    )
     assert refused.returncode != 0 and "x trainer.threads=None threads each is more than the" in refused.stderr
     cores = len(os.sched_getaffinity(0))
-    done = subprocess.run([*base, f"hydra.launcher.n_jobs={min(2, cores)}", f"hydra.sweep.dir={tmp_path / 'b'}"],
-                          capture_output=True, text=True, cwd=PROJECT_ROOT, env=ENV, timeout=600)  # one thread each
+    done = subprocess.run(
+        [*base, f"hydra.launcher.n_jobs={min(2, cores)}", f"hydra.sweep.dir={tmp_path / 'b'}"],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=ENV,
+        timeout=600,
+    )  # one thread each
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(list((tmp_path / "b").glob("*/summary.json"))) == 2

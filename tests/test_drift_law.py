@@ -10,7 +10,13 @@ import pytest
 from algos.objective import TOKEN_RATIO_VAR
 from analysis import drift_fit, drift_law
 from experiments.step.metrics import (
-    DRIFT_PER_UPDATE, ENGINE_EXPERTS, ENGINE_TOKENS, LENGTH, LOGIT_MARGIN, MISMATCH_K3, ROUTING_SHARE,
+    DRIFT_PER_UPDATE,
+    ENGINE_EXPERTS,
+    ENGINE_TOKENS,
+    LENGTH,
+    LOGIT_MARGIN,
+    MISMATCH_K3,
+    ROUTING_SHARE,
     TOPK_MARGIN_MEDIAN,
 )
 
@@ -19,28 +25,50 @@ CONSTANT = 50.0
 
 
 def law(layers: int, lr: float, experts: int, top_k: int) -> float:
-    return (CONSTANT * layers ** EXPONENTS["layers"] * lr ** EXPONENTS["lr"]
-            * (experts / top_k) ** EXPONENTS["experts_per_slot"])
+    return (
+        CONSTANT
+        * layers ** EXPONENTS["layers"]
+        * lr ** EXPONENTS["lr"]
+        * (experts / top_k) ** EXPONENTS["experts_per_slot"]
+    )
 
 
-def write_probe(root, name, layers, experts, top_k, lrs, diverged_lr=None, drift=None, cold_start=None,
-                model_type=None):
+def write_probe(
+    root, name, layers, experts, top_k, lrs, diverged_lr=None, drift=None, cold_start=None, model_type=None
+):
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("model:\n  name: m\n  path: null\n  hidden_size: 64\n")
     drift = drift or (lambda lr: law(layers, lr, experts, top_k))
-    settings = [{"lr": lr, DRIFT_PER_UPDATE: drift(lr), "drift_per_layer": [drift(lr)] * layers, ROUTING_SHARE: 0.1,
-                 LOGIT_MARGIN: 0.2, TOKEN_RATIO_VAR: 0.01, LENGTH: 3.5}
-                for lr in lrs]
+    settings = [
+        {
+            "lr": lr,
+            DRIFT_PER_UPDATE: drift(lr),
+            "drift_per_layer": [drift(lr)] * layers,
+            ROUTING_SHARE: 0.1,
+            LOGIT_MARGIN: 0.2,
+            TOKEN_RATIO_VAR: 0.01,
+            LENGTH: 3.5,
+        }
+        for lr in lrs
+    ]
     if diverged_lr:
         settings.append({"lr": diverged_lr, "diverged": "the trainer's model produced logits that are NaN or inf"})
-    summary = {"status": "finished", "model": name, "dataset": {"name": "addition", "digits": 2}, "answer_tokens": 3.9,
-               "policy": {"num_moe_layers": layers, "num_experts": experts, "num_experts_per_tok": top_k,
-                          **({"model_type": model_type} if model_type else {})},
-               "cold_start": cold_start,
-               "settings": settings,
-               "precision_mismatch": [{"precision": "bf16", ENGINE_EXPERTS: 0.01,
-                                       ENGINE_TOKENS: 0.2, MISMATCH_K3: 1e-4}]}
+    summary = {
+        "status": "finished",
+        "model": name,
+        "dataset": {"name": "addition", "digits": 2},
+        "answer_tokens": 3.9,
+        "policy": {
+            "num_moe_layers": layers,
+            "num_experts": experts,
+            "num_experts_per_tok": top_k,
+            **({"model_type": model_type} if model_type else {}),
+        },
+        "cold_start": cold_start,
+        "settings": settings,
+        "precision_mismatch": [{"precision": "bf16", ENGINE_EXPERTS: 0.01, ENGINE_TOKENS: 0.2, MISMATCH_K3: 1e-4}],
+    }
     (run / "summary.json").write_text(json.dumps(summary))
 
 
@@ -63,7 +91,7 @@ def test_the_fit_recovers_a_known_law_and_where_it_reaches_the_papers_drift(tmp_
     # lr over 100x moves drift 100x; depth over 6x moves it by 6^-0.5; 4x more experts per slot by 4^0.3
     effects = drift_fit.knob_effects(fit, rows)
     assert [name for name, *_ in effects] == ["lr", "layers", "experts_per_slot"]
-    assert [factor for *_, factor in effects] == pytest.approx([100.0, 6 ** -0.5, 4 ** 0.3])
+    assert [factor for *_, factor in effects] == pytest.approx([100.0, 6**-0.5, 4**0.3])
 
 
 def test_the_cli_writes_its_report_and_refuses_a_folder_without_probes(tmp_path, capsys):
@@ -86,6 +114,7 @@ def test_the_cold_starts_margin_and_the_family_enter_the_law_and_give_the_margin
     """drift = 0.02 · (lr / 1e-4)^0.9 · (m / 0.01)^-0.5 · e^{0.7 · sigmoid}: the fit recovers the margin's exponent and
     the family's factor, and the margin it says 5% drift needs at lr 1e-4 on a softmax start gives 5% under the true
     law."""
+
     def truth(lr, margin, sigmoid):
         return 0.02 * (lr / 1e-4) ** 0.9 * (margin / 0.01) ** -0.5 * math.exp(0.7 * sigmoid)
 
@@ -93,9 +122,17 @@ def test_the_cold_starts_margin_and_the_family_enter_the_law_and_give_the_margin
     starts = [("qwen3_moe", 0.002), ("qwen3_moe", 0.01), ("glm4_moe", 0.01), ("glm4_moe", 0.05)]
     for i, (family, margin) in enumerate(starts):
         sigmoid = float(family == "glm4_moe")
-        write_probe(tmp_path, f"s{i}", 16, 128, 8, lrs, drift=lambda lr, m=margin, s=sigmoid: truth(lr, m, s),
-                    cold_start={"eval_greedy_accuracy": 0.5, "routing": {TOPK_MARGIN_MEDIAN: margin}},
-                    model_type=family)
+        write_probe(
+            tmp_path,
+            f"s{i}",
+            16,
+            128,
+            8,
+            lrs,
+            drift=lambda lr, m=margin, s=sigmoid: truth(lr, m, s),
+            cold_start={"eval_greedy_accuracy": 0.5, "routing": {TOPK_MARGIN_MEDIAN: margin}},
+            model_type=family,
+        )
     rows, _ = drift_law.load_probes([tmp_path])
     fit = drift_fit.fit_law(rows)
     assert fit.regressors == ["lr", "margin", "sigmoid"]
@@ -104,7 +141,7 @@ def test_the_cold_starts_margin_and_the_family_enter_the_law_and_give_the_margin
     needed = drift_fit.margin_for_drift(fit, rows, lr=1e-4, drift=0.05)
     assert truth(1e-4, needed, 0.0) == pytest.approx(0.05)
     effects = dict((name, factor) for name, _, _, factor in drift_fit.knob_effects(fit, rows))
-    assert effects["sigmoid"] == pytest.approx(math.exp(0.7)) and effects["margin"] == pytest.approx(25 ** -0.5)
+    assert effects["sigmoid"] == pytest.approx(math.exp(0.7)) and effects["margin"] == pytest.approx(25**-0.5)
     drift_law.main([str(tmp_path), "--out", str(tmp_path / "law")])
     report = (tmp_path / "law" / "report.md").read_text()
     assert f"- lr 1e-04: m ≈ {needed:.2g}" in report
@@ -114,8 +151,17 @@ def test_the_cold_starts_margin_and_the_family_enter_the_law_and_give_the_margin
 
 def test_a_margin_that_does_not_lower_drift_gives_no_margin_to_aim_for(tmp_path):
     for i, margin in enumerate((0.002, 0.02)):
-        write_probe(tmp_path, f"s{i}", 16, 128, 8, [1e-4, 3e-4], drift=lambda lr, m=margin: 10 * lr * m,
-                    cold_start={"routing": {TOPK_MARGIN_MEDIAN: margin}}, model_type="qwen3_moe")
+        write_probe(
+            tmp_path,
+            f"s{i}",
+            16,
+            128,
+            8,
+            [1e-4, 3e-4],
+            drift=lambda lr, m=margin: 10 * lr * m,
+            cold_start={"routing": {TOPK_MARGIN_MEDIAN: margin}},
+            model_type="qwen3_moe",
+        )
     rows, _ = drift_law.load_probes([tmp_path])
     fit = drift_fit.fit_law(rows)
     assert fit.exponent("margin") == pytest.approx(1.0) and drift_fit.margin_for_drift(fit, rows, 1e-4) is None

@@ -1,4 +1,5 @@
-"""The synthetic flip switch (`routing.flip_rate`, `models.routing.flips.flip_routing`): what it swaps, that rate 0 is the
+"""The synthetic flip switch (`routing.flip_rate`, `models.routing.flips.flip_routing`): what it swaps, that rate 0 is
+the
 untouched forward, that replay overrides it, and that it reaches only π_θ's update forwards."""
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def test_a_flip_rate_outside_0_1_is_refused_in_one_line(tmp_path, rate):
 
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", *RUN, f"routing.flip_rate={rate}", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (

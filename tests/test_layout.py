@@ -25,8 +25,14 @@ def room(module: str) -> str | None:
         return parts[0] if parts[0] in PACKAGES else None
     if len(parts) == 1:
         return "doors"
-    rooms = {"tasks": "tasks", "step": "step", "run": "run", "config": "config", "conf_files": "config",
-             "config_reference": "config"}
+    rooms = {
+        "tasks": "tasks",
+        "step": "step",
+        "run": "run",
+        "config": "config",
+        "conf_files": "config",
+        "config_reference": "config",
+    }
     return rooms.get(parts[1], "doors")
 
 
@@ -72,11 +78,20 @@ OUTSIDE = re.compile(r"(?<![\w.])/(?:work|home|Users|mnt)/|(?<![\w/.-])(?:shared
 
 
 def test_no_file_names_a_path_outside_the_project():
-    files = [*sources(), *(PROJECT_ROOT / "conf").rglob("*.yaml"), *(PROJECT_ROOT / "docs").glob("*.md"),
-             PROJECT_ROOT / "README.md", PROJECT_ROOT / "Makefile", PROJECT_ROOT / "pyproject.toml"]
-    named = [f"{path.relative_to(PROJECT_ROOT)}:{number}: {line.strip()}"
-             for path in files for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             if OUTSIDE.search(line)]
+    files = [
+        *sources(),
+        *(PROJECT_ROOT / "conf").rglob("*.yaml"),
+        *(PROJECT_ROOT / "docs").glob("*.md"),
+        PROJECT_ROOT / "README.md",
+        PROJECT_ROOT / "Makefile",
+        PROJECT_ROOT / "pyproject.toml",
+    ]
+    named = [
+        f"{path.relative_to(PROJECT_ROOT)}:{number}: {line.strip()}"
+        for path in files
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert not named, "paths outside the project:\n" + "\n".join(named)
 
 
@@ -88,11 +103,21 @@ STEP_ROOMS = ("models/", "algos/", "experiments/tasks/", "experiments/step/")
 WRAPPERS = ("torch/utils/_contextlib.py", "/contextlib.py", "/functools.py")
 
 
-@pytest.mark.parametrize("overrides", [
-    [],  # the default step
-    ["routing.replay=r2", "correction=tis", "rollout.precision=bf16", "routing.flip_rate=0.2", "routers=[aux_loss]",
-     "routing.decompose_every=1", "routing_variant=full_replay"],  # many parts on at once
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # the default step
+        [
+            "routing.replay=r2",
+            "correction=tis",
+            "rollout.precision=bf16",
+            "routing.flip_rate=0.2",
+            "routers=[aux_loss]",
+            "routing.decompose_every=1",
+            "routing_variant=full_replay",
+        ],  # many parts on at once
+    ],
+)
 def test_a_step_runs_code_of_the_step_rooms_only(overrides):
     """Calls the step's own code makes, on one rank; what transformers and torch call back (the model's forward with
     its kernels and routing hooks, the learning-rate schedule) is theirs and not counted."""
@@ -171,13 +196,15 @@ def test_no_module_imports_itself_round_a_circle():
     """An import circle works only in the order the imports happen to run, and one hidden by an import inside a
     function is still a circle: every import counts, at any depth, and each pair's dependency has one direction."""
     paths = {module_name(path): path for path in sources()}
-    graph = {module: {theirs for _, name in imported(path) if (theirs := resolved(name, set(paths)))} - {module}
-             for module, path in paths.items()}
+    graph = {
+        module: {theirs for _, name in imported(path) if (theirs := resolved(name, set(paths)))} - {module}
+        for module, path in paths.items()
+    }
     circles, done = [], set()
 
     def visit(module: str, trail: list[str]) -> None:
         if module in trail:
-            circles.append(" -> ".join(trail[trail.index(module):] + [module]))
+            circles.append(" -> ".join(trail[trail.index(module) :] + [module]))
             return
         if module in done:
             return
@@ -212,11 +239,13 @@ def test_every_function_local_import_of_the_project_says_why():
                 else:
                     continue
                 ours = [name for name in modules if name.split(".")[0] in PACKAGES]
-                said = any(LOCAL_IMPORT_REASON in line for line in lines[max(0, node.lineno - 2):node.lineno])
+                said = any(LOCAL_IMPORT_REASON in line for line in lines[max(0, node.lineno - 2) : node.lineno])
                 if ours and not said:
                     unexplained.append(f"{where}:{node.lineno} imports {', '.join(ours)} inside {function.name}")
-    assert not unexplained, (f"function-local imports of the project without `{LOCAL_IMPORT_REASON} <reason>`:\n"
-                             + "\n".join(sorted(set(unexplained))))
+    assert not unexplained, (
+        f"function-local imports of the project without `{LOCAL_IMPORT_REASON} <reason>`:\n"
+        + "\n".join(sorted(set(unexplained)))
+    )
 
 
 @pytest.mark.parametrize("door", ["train.py", "sft.py", "probe.py"])

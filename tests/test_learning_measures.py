@@ -60,8 +60,16 @@ def test_a_run_that_barely_moves_stays_at_the_start_and_one_that_moves_leaves_it
     of prompts whose samples agree, and the training prompts' greedy accuracy."""
     logs = {}
     for lr in ("1e-9", "3e-2"):
-        train(compose_train("trainer.measure_learning=true", "trainer.eval_train=true", "trainer.eval_samples=8",
-                            "trainer.eval_every=3", f"trainer.lr={lr}"), tmp_path / lr)
+        train(
+            compose_train(
+                "trainer.measure_learning=true",
+                "trainer.eval_train=true",
+                "trainer.eval_samples=8",
+                "trainer.eval_every=3",
+                f"trainer.lr={lr}",
+            ),
+            tmp_path / lr,
+        )
         logs[lr] = read_metrics(tmp_path / lr)
     still, moved = logs["1e-9"][-1], logs["3e-2"][-1]
     assert still[m.KL_TO_START] < 1e-6 < 1e-3 < moved[m.KL_TO_START]
@@ -78,12 +86,25 @@ def test_the_learnability_table_reads_each_runs_start_gain_signal_and_evaluation
     for seed, curve in greedy.items():
         records = []
         for step in range(1, 31):
-            record = {STEP: step, m.REWARD: 0.4 + 0.01 * step * (seed == 0), m.ZERO_STD_GROUPS: 0.5,
-                      m.WITHIN_GROUP_STD: 0.3, m.GRAD_NORM: 1.0, m.UPDATE_RATIO: 1e-3, m.KL_TO_START: 1e-4 * step,
-                      m.ENTROPY: 0.5}
+            record = {
+                STEP: step,
+                m.REWARD: 0.4 + 0.01 * step * (seed == 0),
+                m.ZERO_STD_GROUPS: 0.5,
+                m.WITHIN_GROUP_STD: 0.3,
+                m.GRAD_NORM: 1.0,
+                m.UPDATE_RATIO: 1e-3,
+                m.KL_TO_START: 1e-4 * step,
+                m.ENTROPY: 0.5,
+            }
             if step == 1:
-                record.update({m.started(m.EVAL_GREEDY): curve[0], m.started(m.EVAL_ACCURACY): 0.3,
-                               m.started(m.EVAL_PASS_AT_K): 0.7, m.started(m.EVAL_ALL_SAME): 0.4})
+                record.update(
+                    {
+                        m.started(m.EVAL_GREEDY): curve[0],
+                        m.started(m.EVAL_ACCURACY): 0.3,
+                        m.started(m.EVAL_PASS_AT_K): 0.7,
+                        m.started(m.EVAL_ALL_SAME): 0.4,
+                    }
+                )
             if step % 10 == 0:
                 record.update({m.EVAL_GREEDY: curve[step // 10], m.EVAL_ACCURACY: 0.3, m.EVAL_PASS_AT_K: 0.7})
             records.append(record)
@@ -102,13 +123,29 @@ def test_the_learnability_table_reads_each_runs_start_gain_signal_and_evaluation
     assert "grpo: 8 prompts, N 3, G 8, lr 0.0001, 20 steps; evaluated on 500 | 2 | +0.150, +0.000 |" in text
 
 
-def _map_run(root, rung: str, start: int, lever: dict, split: tuple[float, float], rise: float, cpu_s: float,
-             arm: str = "grpo", finished: bool = True) -> None:
+def _map_run(
+    root,
+    rung: str,
+    start: int,
+    lever: dict,
+    split: tuple[float, float],
+    rise: float,
+    cpu_s: float,
+    arm: str = "grpo",
+    finished: bool = True,
+) -> None:
     """One run of a synthetic learnability map: the whole test split scored `split` at its start and end, a training
     reward that rises by `rise` between its first and last ten steps, and the CPU time its summary records."""
     trainer = {**learnability.MAP_RULE.centre, **lever}
-    cfg = config(arm, 100, prompts_per_step=trainer["prompts"], minibatches=trainer["N"], group_size=trainer["G"],
-                 lr=trainer["lr"], steps=trainer["steps"])
+    cfg = config(
+        arm,
+        100,
+        prompts_per_step=trainer["prompts"],
+        minibatches=trainer["N"],
+        group_size=trainer["G"],
+        lr=trainer["lr"],
+        steps=trainer["steps"],
+    )
     cfg["model"]["name"] = rung
     records = []
     for step in range(1, 21):

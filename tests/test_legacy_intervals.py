@@ -37,7 +37,10 @@ def test_each_arm_gets_welchs_interval_against_grpo_in_its_cell_and_three_seeds_
     a, b = 0.036**2 / 3, 0.021**2 / 3
     df = (a + b) ** 2 / (a**2 / 2 + b**2 / 2)
     half = stats.t.ppf(0.975, df) * math.sqrt(a + b)
-    assert f"| routing.flip_rate (SYNTHETIC)=0 | grpo + r2 − grpo | 3 | +0.029 [{0.029 - half:+.3f}, {0.029 + half:+.3f}]" in text
+    assert (
+        f"| routing.flip_rate (SYNTHETIC)=0 | grpo + r2 − grpo | 3 | +0.029 [{0.029 - half:+.3f}, {0.029 + half:+.3f}]"
+        in text
+    )
     assert "not distinguishable (3 against 3 seeds: no exact test reaches p < 0.05, its smallest p is 0.1)" in text
     assert "| routing.flip_rate (SYNTHETIC)=0.5 | gspo − grpo | 1 | – | one seed: no interval |" in text
     assert text.count(SECTION) == 1 and text.startswith(GAIN_REPORT.rstrip("\n"))

@@ -59,9 +59,18 @@ def test_torch_dmoe_output_and_gradients_match_hf_on_cuda_in_float32():
 
 def tiny_bf16_policy() -> Qwen3MoeForCausalLM:
     cfg = Qwen3MoeConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
@@ -103,8 +112,15 @@ def test_megablocks_policy_log_probs_match_hf_and_leave_megablocks_lists_empty(t
 @pytest.mark.slow
 def test_three_step_rl_run_with_megablocks(tmp_path):
     command = [
-        sys.executable, "-m", "experiments.train", "model.moe_backend=megablocks", "model.dtype=bfloat16",
-        "device=cuda", "trainer.steps=3", "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path}",
+        sys.executable,
+        "-m",
+        "experiments.train",
+        "model.moe_backend=megablocks",
+        "model.dtype=bfloat16",
+        "device=cuda",
+        "trainer.steps=3",
+        "logger.wandb.mode=disabled",
+        f"hydra.run.dir={tmp_path}",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

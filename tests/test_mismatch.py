@@ -15,15 +15,27 @@ from algos.corrections import CorrectionInputs, build_correction
 from algos.corrections.base import seq_frac, token_frac
 from algos.minirl import TRUNCATED as MINIRL_TRUNCATED
 from algos.objective import CLIP, POLICY_LOSS, TOKEN_RATIO_MEAN
-from experiments.step.engines import EngineNumerics, HFEngine
+from experiments.step.batch import collect_rollout
+from experiments.step.engines import EngineNumerics, HFEngine, Sampling
 from experiments.step.engines.hf import fake_quantize
 from experiments.step.metrics import (
-    CHI2_SEQ, CHI2_TOKEN, ENGINE_EXPERTS, ESS, EXTREME_TOKENS, IS_WEIGHT_MAX, IS_WEIGHT_MIN, MISMATCH_K1,
-    MISMATCH_K3, ROUTING_SHARE, ROUTING_VAR, TOTAL_VAR, WEIGHTS_VAR, decomposition_metrics, mismatch_metrics,
+    CHI2_SEQ,
+    CHI2_TOKEN,
+    ENGINE_EXPERTS,
+    ESS,
+    EXTREME_TOKENS,
+    IS_WEIGHT_MAX,
+    IS_WEIGHT_MIN,
+    MISMATCH_K1,
+    MISMATCH_K3,
+    ROUTING_SHARE,
+    ROUTING_VAR,
+    TOTAL_VAR,
+    WEIGHTS_VAR,
+    decomposition_metrics,
+    mismatch_metrics,
 )
 from experiments.step.scoring import FED, ScoreOptions, score_responses
-from experiments.step.batch import collect_rollout
-from experiments.step.engines import Sampling
 from experiments.step.trainer import RLTrainer
 from experiments.tasks import build_task
 from experiments.train import train
@@ -41,6 +53,7 @@ def inputs_from(rho: list[list[float]], advantages: list[float], theta: list[lis
 
 
 # -- corrections against hand-computed weights ---------------------------------------------------------------------
+
 
 def test_tis_truncates_token_and_sequence_weights():
     inputs = inputs_from([[0.5, 3.0], [1.5, 1.2]], [1.0, -1.0])
@@ -146,6 +159,7 @@ def test_mismatch_metrics_by_hand():
 
 # -- engines that differ from the trainer ----------------------------------------------------------------------------
 
+
 def _engine_logp(micro_policy, numerics, seed=0):
     model, tokenizer = micro_policy
     task = build_task("addition", digits=2, train_size=50, test_size=10)
@@ -165,11 +179,14 @@ def test_an_engine_copy_with_every_setting_off_reproduces_the_trainer(micro_poli
     assert kl < 1e-10 and experts == 0.0
 
 
-@pytest.mark.parametrize("smaller, larger", [
-    (EngineNumerics(router_noise=0.05), EngineNumerics(router_noise=1.0)),
-    (EngineNumerics(weight_quant="int8"), EngineNumerics(weight_quant="fp8")),
-    (EngineNumerics(), EngineNumerics(precision="bf16")),
-])
+@pytest.mark.parametrize(
+    "smaller, larger",
+    [
+        (EngineNumerics(router_noise=0.05), EngineNumerics(router_noise=1.0)),
+        (EngineNumerics(weight_quant="int8"), EngineNumerics(weight_quant="fp8")),
+        (EngineNumerics(), EngineNumerics(precision="bf16")),
+    ],
+)
 def test_the_mismatch_is_there_and_grows_with_the_setting(micro_policy, smaller, larger):
     kl_small, _ = _engine_logp(micro_policy, smaller)
     kl_large, experts_large = _engine_logp(micro_policy, larger)
@@ -194,6 +211,7 @@ def test_the_engine_copy_takes_the_trainers_weights_after_a_step(tmp_path):
 
 
 # -- in the loop --------------------------------------------------------------------------------------------------
+
 
 def test_with_the_trainers_own_engine_mismatch_is_zero_and_decoupled_equals_bypass(tmp_path):
     runs = {}
@@ -234,7 +252,8 @@ def test_r3_under_a_mismatched_engine_replays_the_engines_experts():
         engine = mb.engine_routes.experts.reshape(L, B * S, K).long()[:, valid]
         assert torch.equal(routed.reshape(L, B * S, K)[:, valid], engine)
         noisy_somewhere |= old_policy.routes is not None and not torch.equal(
-            old_policy.routes.experts.reshape(L, B * S, K).long()[:, valid], engine)
+            old_policy.routes.experts.reshape(L, B * S, K).long()[:, valid], engine
+        )
     for handle in handles:
         handle.remove()
     assert noisy_somewhere, "the engine's noise must have chosen other experts than the trainer somewhere"
@@ -262,16 +281,20 @@ def test_the_decomposition_parts_sum_to_the_total_log_ratio(tmp_path, replay):
 
 # -- bad input ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, message", [
-    (["correction=tis", "correction.threshold=0"], "correction tis: threshold must be > 0"),
-    (["correction=icepop", "correction.low=5", "correction.high=1"], "needs 0 <= low < high"),
-    (["correction=icepop", "correction.low=-1"], "needs 0 <= low < high"),
-    (["correction=opsm", "correction.delta=-0.1"], "delta must be >= 0"),
-    (["rollout.router_noise=-1"], "rollout.router_noise=-1.0 must be a finite number >= 0"),
-    (["correction=tis", "trainer.pi_old=bypass"], "which trainer.pi_old=bypass makes 1"),
-    (["algo=minirl", "correction=tis"], "would weigh the mismatch twice"),
-    (["rollout.weight_quant=int8", "model.moe_backend=torch_dmoe"], "use model.moe_backend=hf"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["correction=tis", "correction.threshold=0"], "correction tis: threshold must be > 0"),
+        (["correction=icepop", "correction.low=5", "correction.high=1"], "needs 0 <= low < high"),
+        (["correction=icepop", "correction.low=-1"], "needs 0 <= low < high"),
+        (["correction=opsm", "correction.delta=-0.1"], "delta must be >= 0"),
+        (["rollout.router_noise=-1"], "rollout.router_noise=-1.0 must be a finite number >= 0"),
+        (["correction=tis", "trainer.pi_old=bypass"], "which trainer.pi_old=bypass makes 1"),
+        (["algo=minirl", "correction=tis"], "would weigh the mismatch twice"),
+        (["rollout.weight_quant=int8", "model.moe_backend=torch_dmoe"], "use model.moe_backend=hf"),
+    ],
+)
 def test_bad_mismatch_settings_are_refused_in_one_line(tmp_path, overrides, message):
     with pytest.raises(SystemExit) as raised:
         train(compose_train(*overrides), tmp_path)
@@ -298,7 +321,8 @@ def _readme_recipe(title: str) -> str:
 
 
 def test_the_documented_example_correction_weighs_by_the_untruncated_ratio_and_runs_in_the_loop(tmp_path):
-    """`Add a correction` in docs/extending.md is code a newcomer copies: it must run as printed, and through the loop."""
+    """`Add a correction` in docs/extending.md is code a newcomer copies: it must run as printed, and through the
+    loop."""
     from algos.corrections import CORRECTIONS
 
     try:

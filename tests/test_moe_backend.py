@@ -25,12 +25,15 @@ from transformers import (
 )
 
 import models.megablocks_experts as megablocks_experts
-import models.moe_backend as moe_backend
-
 from models.dmoe_reference import RoutedGLU, dmoe_glu_reference
 from models.moe_backend import (
-    DroplessGLUExperts, MOE_BACKENDS, apply_moe_backend, describe_experts_backend, find_moe_experts,
-    hf_to_megablocks, megablocks_to_hf,
+    MOE_BACKENDS,
+    DroplessGLUExperts,
+    apply_moe_backend,
+    describe_experts_backend,
+    find_moe_experts,
+    hf_to_megablocks,
+    megablocks_to_hf,
 )
 
 ATOL = 1e-6
@@ -40,8 +43,14 @@ SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_h
 
 def qwen3_moe() -> Qwen3MoeForCausalLM:
     cfg = Qwen3MoeConfig(
-        **SMALL, intermediate_size=64, moe_intermediate_size=16, head_dim=8, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
+        **SMALL,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
     )
     return build(Qwen3MoeForCausalLM, cfg)
 
@@ -119,8 +128,13 @@ FAMILIES = {
     "qwen2_moe": lambda: build(
         Qwen2MoeForCausalLM,
         Qwen2MoeConfig(
-            **SMALL, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-            num_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+            **SMALL,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
         ),
     ),
     "olmoe": lambda: build(
@@ -130,7 +144,11 @@ FAMILIES = {
     "mixtral": lambda: build(
         MixtralForCausalLM,
         MixtralConfig(
-            **SMALL, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
+            **SMALL,
+            intermediate_size=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=8,
             max_position_embeddings=64,
         ),
     ),
@@ -264,7 +282,8 @@ def test_every_family_swaps_every_moe_block_and_keeps_its_logits(family):
         torch.testing.assert_close(
             other(input_ids, attention_mask=attention_mask).logits,
             model(input_ids, attention_mask=attention_mask).logits,
-            atol=LOGP_ATOL, rtol=0,
+            atol=LOGP_ATOL,
+            rtol=0,
         )
 
 
@@ -384,7 +403,8 @@ def test_save_pretrained_from_hf_loads_into_the_dmoe_backend(tmp_path):
         torch.testing.assert_close(
             loaded(input_ids, attention_mask=attention_mask).logits,
             model(input_ids, attention_mask=attention_mask).logits,
-            atol=LOGP_ATOL, rtol=0,
+            atol=LOGP_ATOL,
+            rtol=0,
         )
 
 
@@ -468,7 +488,16 @@ def test_megablocks_refuses_float32_experts_at_apply_time(monkeypatch):
 def test_megablocks_forward_refuses_tensors_off_cuda():
     dmoe = DroplessGLUExperts(experts_of(qwen3_moe())[0], "megablocks").to(torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA bfloat16"):
-        megablocks_experts.megablocks_glu_forward(None, RoutedGLU(
-            torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2),
-            dmoe.w1, dmoe.v1, dmoe.w2, 8, dmoe.act_fn,
-        ))
+        megablocks_experts.megablocks_glu_forward(
+            None,
+            RoutedGLU(
+                torch.zeros(2, 32, dtype=torch.bfloat16),
+                torch.zeros(2, 2, dtype=torch.long),
+                torch.ones(2, 2),
+                dmoe.w1,
+                dmoe.v1,
+                dmoe.w2,
+                8,
+                dmoe.act_fn,
+            ),
+        )

@@ -16,8 +16,18 @@ from omegaconf import OmegaConf
 
 from algos import OBJECTIVES, ObjectiveOutput, build_objective
 from algos.objective import (
-    CLIP, CLIP_SEQ, KL_OLD, KL_REF, LOSS_AGG_MODES, POLICY_LOSS, SEQ_RATIO_MEAN, SEQ_RATIO_VAR, TOKEN_RATIO_MAX,
-    TOKEN_RATIO_MEAN, TOKEN_RATIO_VAR, aggregate,
+    CLIP,
+    CLIP_SEQ,
+    KL_OLD,
+    KL_REF,
+    LOSS_AGG_MODES,
+    POLICY_LOSS,
+    SEQ_RATIO_MEAN,
+    SEQ_RATIO_VAR,
+    TOKEN_RATIO_MAX,
+    TOKEN_RATIO_MEAN,
+    TOKEN_RATIO_VAR,
+    aggregate,
 )
 from experiments.config import register_configs
 
@@ -172,9 +182,7 @@ def test_sapo_soft_gate_loss_gradient_and_gate_metric():
     seq1 = 2 * f(0.5, 1.05)
     assert out.loss.item() == pytest.approx((seq0 + seq1) / 2, rel=1e-6)
     # Per token: -Â·sech²(τ(r-1)/2)·r / (|y_i|·B).
-    expected = torch.tensor(
-        [[-1.0 / 4, -sech2(0.25) * 1.5 / 4], [2 * sech2(1.05 * -0.5 / 2) * 0.5 / 2, 0.0]]
-    )
+    expected = torch.tensor([[-1.0 / 4, -sech2(0.25) * 1.5 / 4], [2 * sech2(1.05 * -0.5 / 2) * 0.5 / 2, 0.0]])
     torch.testing.assert_close(grad, expected, **TOL)
     assert out.metrics[CLIP] == 0.0 and out.metrics[CLIP_SEQ] == 0.0
     gate = (1 + sech2(0.25) + sech2(1.05 * -0.5 / 2)) / 3
@@ -186,8 +194,13 @@ def ragged_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     lengths = torch.tensor([4, 1, 6, 3])
     mask = torch.arange(6)[None, :] < lengths[:, None]
     logp = -torch.rand(4, 6, generator=generator) * 3
-    return dict(logp=logp, old_logp=logp.clone(), advantages=torch.tensor([1.5, -0.5, 0.7, -1.2]), mask=mask,
-                rollout_logp=logp.clone())  # on-policy: the engine that sampled is π_θ too (read by MiniRL)
+    return dict(
+        logp=logp,
+        old_logp=logp.clone(),
+        advantages=torch.tensor([1.5, -0.5, 0.7, -1.2]),
+        mask=mask,
+        rollout_logp=logp.clone(),
+    )  # on-policy: the engine that sampled is π_θ too (read by MiniRL)
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
@@ -285,8 +298,13 @@ def expected_kl_term(estimator: str, theta: torch.Tensor, old_logp: torch.Tensor
     objective = build_objective("grpo", kl_coef=1.0, kl_estimator=estimator)
     value = torch.zeros(())
     for y in range(theta.numel()):
-        out = objective(logp=logp[y].view(1, 1), old_logp=old_logp[y].view(1, 1), advantages=torch.zeros(1),
-                        mask=torch.ones(1, 1), ref_logp=ref_logp[y].view(1, 1))
+        out = objective(
+            logp=logp[y].view(1, 1),
+            old_logp=old_logp[y].view(1, 1),
+            advantages=torch.zeros(1),
+            mask=torch.ones(1, 1),
+            ref_logp=ref_logp[y].view(1, 1),
+        )
         value = value + old_logp[y].exp() * out.loss
     (grad,) = torch.autograd.grad(value, theta)
     return value.detach(), grad
@@ -330,8 +348,9 @@ def test_unbiased_kl_gradient_per_token_is_the_ratio_times_the_log_ratio_to_the_
     """d[(π_θ/π_old)·k3]/d log π_θ = (π_θ/π_old)·(log π_θ − log π_ref): the ratio's own gradient included."""
     inputs = batch_from_ratios([[1.5, 1.0]], [0.0], width=2)
     ref_logp = inputs["logp"] + 0.3  # log(π_ref/π_θ) = 0.3 on both tokens
-    out, grad = loss_and_grad(build_objective("grpo", kl_coef=1.0, kl_estimator="unbiased_k3"),
-                              {**inputs, "ref_logp": ref_logp})
+    out, grad = loss_and_grad(
+        build_objective("grpo", kl_coef=1.0, kl_estimator="unbiased_k3"), {**inputs, "ref_logp": ref_logp}
+    )
     k3 = math.exp(0.3) - 0.3 - 1
     assert out.loss.item() == pytest.approx((1.5 * k3 + k3) / 2, rel=1e-5)
     torch.testing.assert_close(grad, torch.tensor([[1.5, 1.0]]) * -0.3 / 2, **TOL)

@@ -20,7 +20,10 @@ def _interpreters() -> list[str]:
     found = []
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     for version in ("3.12", "3.13"):
-        candidates = [shutil.which(f"python{version}"), *sorted(map(str, pyenv.glob(f"{version}*/bin/python{version}")))]
+        candidates = [
+            shutil.which(f"python{version}"),
+            *sorted(map(str, pyenv.glob(f"{version}*/bin/python{version}"))),
+        ]
         for path in filter(None, candidates):
             if subprocess.run([path, "-c", "import pip"], capture_output=True).returncode == 0:
                 found.append(path)
@@ -40,17 +43,35 @@ def test_the_wheel_installs_and_the_sources_compile_on_newer_pythons(python, tmp
     for package in PACKAGES:
         shutil.copytree(PROJECT_ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-         str(source)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert built.returncode == 0, built.stderr[-2000:]
     wheel = next(Path(tmp_path).glob("moe_rl_lab-*.whl"))
     # pip refuses a wheel whose Requires-Python excludes the interpreter; --no-deps: torch and friends are the
     # target machine's own, and nothing is downloaded.
-    install = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index", str(wheel)],
-                             capture_output=True, text=True, timeout=300)
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0 and "Would install moe-rl-lab" in install.stdout, install.stderr[-2000:]
-    compiled = subprocess.run([python, "-m", "compileall", "-q", *PACKAGES], capture_output=True, text=True,
-                              cwd=source, timeout=300)
+    compiled = subprocess.run(
+        [python, "-m", "compileall", "-q", *PACKAGES], capture_output=True, text=True, cwd=source, timeout=300
+    )
     assert compiled.returncode == 0, compiled.stdout[-2000:] + compiled.stderr[-2000:]

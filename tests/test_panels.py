@@ -58,5 +58,6 @@ def test_a_key_no_run_has_is_refused_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as raised:
         panels.main([str(_sweep(tmp_path / "sweep")), "--by", "trainer.minibatchez", "--out", str(tmp_path / "o")])
     assert raised.value.code == 2
-    assert capsys.readouterr().err.strip() == ("error: --by trainer.minibatchez: no run's config has this key (a "
-                                               "swept key, e.g. trainer.minibatches)")
+    assert capsys.readouterr().err.strip() == (
+        "error: --by trainer.minibatchez: no run's config has this key (a swept key, e.g. trainer.minibatches)"
+    )

@@ -14,8 +14,16 @@ from models.routing.measures import routing_drift
 from models.routing.trace import find_routers
 from models.tokenizer import build_char_tokenizer
 
-SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-             intermediate_size=32, num_experts_per_tok=2, max_position_embeddings=64)
+SMALL = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=32,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
 
 
 def _save(tmp_path, config):
@@ -38,15 +46,14 @@ OTHER_FAMILIES = {
     "mixtral": MixtralConfig(**SMALL, num_local_experts=8),
 }
 # Every family: `config=None` stands for the Qwen3-MoE built in code.
-every_family = pytest.mark.parametrize(
-    "config", [None, *OTHER_FAMILIES.values()], ids=["qwen3_moe", *OTHER_FAMILIES]
-)
+every_family = pytest.mark.parametrize("config", [None, *OTHER_FAMILIES.values()], ids=["qwen3_moe", *OTHER_FAMILIES])
 
 
 @pytest.mark.parametrize("config", list(OTHER_FAMILIES.values()), ids=list(OTHER_FAMILIES))
 def test_local_checkpoints_of_other_moe_families_load_and_replay(tmp_path, config):
-    model, tokenizer = build_policy(ModelConfig(name="ckpt", path=_save(tmp_path, config),
-                                                experts_implementation="eager"))
+    model, tokenizer = build_policy(
+        ModelConfig(name="ckpt", path=_save(tmp_path, config), experts_implementation="eager")
+    )
     model.eval()
     assert describe_policy(model)["num_moe_layers"] == 2
     enc = tokenizer(["12+34=", "7+8="], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -79,10 +86,14 @@ def test_missing_or_empty_checkpoint_path_is_refused(tmp_path):
 
 @pytest.mark.parametrize(
     "field, value, message",
-    [("experts_implementation", "fast", "experts_implementation='fast'"), ("dtype", "fp8", "dtype='fp8'"),
-     ("attn_implementation", "fast", "attn_implementation='fast' is not one of"),
-     ("architecture", "llama", "architecture='llama'"), ("num_experts_per_tok", 20, "num_experts_per_tok=20"),
-     ("router_init_std", 0.0, "router_init_std=0.0")],
+    [
+        ("experts_implementation", "fast", "experts_implementation='fast'"),
+        ("dtype", "fp8", "dtype='fp8'"),
+        ("attn_implementation", "fast", "attn_implementation='fast' is not one of"),
+        ("architecture", "llama", "architecture='llama'"),
+        ("num_experts_per_tok", 20, "num_experts_per_tok=20"),
+        ("router_init_std", 0.0, "router_init_std=0.0"),
+    ],
 )
 def test_bad_model_settings_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -99,7 +110,15 @@ def test_models_built_in_code_depend_on_init_seed_only():
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_attention_implementation_is_applied_to_models_built_in_code(attention):
-    model, _ = build_policy(ModelConfig(hidden_size=32, num_hidden_layers=1, head_dim=8, num_experts=4,
-                                        moe_intermediate_size=16, attn_implementation=attention))
+    model, _ = build_policy(
+        ModelConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            head_dim=8,
+            num_experts=4,
+            moe_intermediate_size=16,
+            attn_implementation=attention,
+        )
+    )
     assert model.config._attn_implementation == attention
     assert describe_policy(model)["attention"] == attention

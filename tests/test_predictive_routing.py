@@ -38,8 +38,9 @@ def _states(engine_router: torch.nn.Module, tokens: int, generator: torch.Genera
     inputs = torch.randn(tokens, engine_router.weight.shape[1], generator=generator)
     with torch.no_grad():
         logits, _, own = engine_router(inputs)
-    return RoutingTrace(own[None, None], ("layer",), engine_router.num_experts, inputs=inputs[None, None],
-                        logits=logits[None, None])
+    return RoutingTrace(
+        own[None, None], ("layer",), engine_router.num_experts, inputs=inputs[None, None], logits=logits[None, None]
+    )
 
 
 def test_a_predictor_fitted_to_a_planted_drift_predicts_it(micro_policy):
@@ -71,9 +72,13 @@ def test_a_predictor_fitted_to_a_planted_drift_predicts_it(micro_policy):
         _, predicted = predicted_route(engine, inputs, logits, torch.zeros_like(own, dtype=torch.float32), own)
         moved = router(inputs)[2]
     assert topk_agreement(predicted, moved).mean() > 0.98 > 0.8 > topk_agreement(own, moved).mean()
-    measured = variant.fit([router], RoutingTrace(predicted[None, None], ("layer",), router.num_experts,
-                                                  inputs=trace.inputs, logits=trace.logits),
-                           train=False, tokens=4096, ranks=1).metrics(lambda total: total)
+    measured = variant.fit(
+        [router],
+        RoutingTrace(predicted[None, None], ("layer",), router.num_experts, inputs=trace.inputs, logits=trace.logits),
+        train=False,
+        tokens=4096,
+        ranks=1,
+    ).metrics(lambda total: total)
     assert measured[PREDICTED_ACC] > 0.98 > 0.8 > measured[UNPREDICTED_ACC]
     assert LOSS not in measured, "no loss is logged where none was trained"
 
@@ -83,13 +88,16 @@ def test_an_engine_with_zero_predictors_samples_bit_for_bit_as_without_them(arch
     """Both families: the sigmoid one's own top-k is unsorted, so only keeping the router's output where the predicted
     experts are its own makes the experts compute in the router's slot order, and the samples equal."""
     family = SIGMOID if architecture == "deepseek_v3" else {}
-    model, tokenizer = build_policy(ModelConfig(**{**MICRO_MODEL, **family, "architecture": architecture,
-                                                   "experts_implementation": "eager"}))
+    model, tokenizer = build_policy(
+        ModelConfig(**{**MICRO_MODEL, **family, "architecture": architecture, "experts_implementation": "eager"})
+    )
     model.eval()
     if family:
         _move_biases(model)
-    prompts, sampling = ["12+34=", "7+8="], dict(group_size=3, max_new_tokens=6, temperature=1.0, record_routing=True,
-                                                 record_gates=True)
+    prompts, sampling = (
+        ["12+34=", "7+8="],
+        dict(group_size=3, max_new_tokens=6, temperature=1.0, record_routing=True, record_gates=True),
+    )
 
     def sampled(predict: bool):
         torch.manual_seed(0)
@@ -137,8 +145,8 @@ def test_the_first_minibatch_trains_no_predictor_and_the_second_its_kl_to_the_mo
     first = trainer.update(minibatches[0], old[0])
     assert LOSS not in first and PREDICTED_ACC in first
     assert all(predictor.weight.grad is None and not predictor.weight.any() for predictor in mine)
-    # By hand, before the second update: Σ over layers of the mean over routed tokens of KL(softmax(z_θ) ‖ softmax(p_old)),
-    # the predictors being still zero, z_θ the router after one update on the engine's recorded inputs.
+    # By hand, before the second update: Σ over layers of the mean over routed tokens of KL(softmax(z_θ) ‖
+    # softmax(p_old)), the predictors being still zero, z_θ the router after one update on the engine's recorded inputs.
     states = minibatches[1].engine_routes
     routed = states.recorded()
     expected = 0.0
@@ -146,8 +154,12 @@ def test_the_first_minibatch_trains_no_predictor_and_the_second_its_kl_to_the_mo
         for layer, router in enumerate(find_routers(trainer.model).values()):
             current = router(states.inputs[layer][routed[layer]])[0].float()
             old_logits = states.logits[layer][routed[layer]].float()
-            expected += F.kl_div(torch.log_softmax(old_logits, -1), torch.log_softmax(current, -1), log_target=True,
-                                 reduction="batchmean").item()
+            expected += F.kl_div(
+                torch.log_softmax(old_logits, -1),
+                torch.log_softmax(current, -1),
+                log_target=True,
+                reduction="batchmean",
+            ).item()
     second = trainer.update(minibatches[1], old[1])
     assert second[LOSS] == pytest.approx(expected, rel=1e-5) and expected > 1e-4, "the routers moved: a loss to fit"
     assert all(predictor.weight.any() for predictor in mine), "the second update trained every predictor"
@@ -193,10 +205,17 @@ def test_the_engine_routes_by_its_predictors_only_while_it_samples_and_training_
         assert torch.equal(used[layer][where].long(), replayed.experts[layer].reshape(where.shape[0], -1)[where].long())
 
 
-def test_under_a_lag_the_engine_routes_with_its_versions_predictor_and_a_killed_run_resumes_exactly(tmp_path,
-                                                                                                   monkeypatch):
-    settings = [*PR2, "rollout.lag=2", "trainer.steps=5", "trainer.checkpoint_every=1", "trainer.lr=3e-2",
-                "trainer.save_checkpoint=true"]
+def test_under_a_lag_the_engine_routes_with_its_versions_predictor_and_a_killed_run_resumes_exactly(
+    tmp_path, monkeypatch
+):
+    settings = [
+        *PR2,
+        "rollout.lag=2",
+        "trainer.steps=5",
+        "trainer.checkpoint_every=1",
+        "trainer.lr=3e-2",
+        "trainer.save_checkpoint=true",
+    ]
     served, made = {}, {}
     real_sample, real_publish = HFEngine.sample, RLTrainer.publish
 
@@ -239,23 +258,42 @@ def test_under_a_lag_the_engine_routes_with_its_versions_predictor_and_a_killed_
     assert any(row[PREDICTED_ACC] != row[UNPREDICTED_ACC] for row in whole), "the prediction changed routes"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["routing_variant=predictive", "model=tiny_dense", "model.hidden_size=32", "model.num_hidden_layers=2",
-      "model.head_dim=8", "model.intermediate_size=64"],
-     "routing_variant=predictive changes how MoE routers route or weigh tokens, and model 'micro_moe' has no MoE "
-     "layers"),
-    ([*PR2, "routing_variant.lr_scale=0"],
-     "routing_variant=predictive lr_scale=0.0 must be a finite number > 0 (the predictors' learning rate as a "
-     "multiple of trainer.lr)"),
-    ([*PR2, "routing_variant.lr_scale=-1"], "routing_variant=predictive lr_scale=-1.0 must be a finite number > 0"),
-    (["routing_variant=predictive"],
-     "routing_variant=predictive replays the route the engine predicted, which only the engine's recording holds: "
-     "use routing.replay=r3, not none"),
-    (["routing_variant=predictive", "routing.replay=r2"], "use routing.replay=r3, not r2"),
-    ([*PR2, "trainer.minibatches=1"],
-     "routing_variant=predictive trains its predictors from the second minibatch of a step on, and "
-     "trainer.minibatches=1 has none: use trainer.minibatches >= 2"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [
+                "routing_variant=predictive",
+                "model=tiny_dense",
+                "model.hidden_size=32",
+                "model.num_hidden_layers=2",
+                "model.head_dim=8",
+                "model.intermediate_size=64",
+            ],
+            "routing_variant=predictive changes how MoE routers route or weigh tokens, and model 'micro_moe' has no "
+            "MoE "
+            "layers",
+        ),
+        (
+            [*PR2, "routing_variant.lr_scale=0"],
+            "routing_variant=predictive lr_scale=0.0 must be a finite number > 0 (the predictors' learning rate as a "
+            "multiple of trainer.lr)",
+        ),
+        ([*PR2, "routing_variant.lr_scale=-1"], "routing_variant=predictive lr_scale=-1.0 must be a finite number > 0"),
+        (
+            ["routing_variant=predictive"],
+            "routing_variant=predictive replays the route the engine predicted, which only the engine's recording "
+            "holds: "
+            "use routing.replay=r3, not none",
+        ),
+        (["routing_variant=predictive", "routing.replay=r2"], "use routing.replay=r3, not r2"),
+        (
+            [*PR2, "trainer.minibatches=1"],
+            "routing_variant=predictive trains its predictors from the second minibatch of a step on, and "
+            "trainer.minibatches=1 has none: use trainer.minibatches >= 2",
+        ),
+    ],
+)
 def test_what_pr2_cannot_serve_is_refused_in_one_line_before_any_work(tmp_path, overrides, message):
     with pytest.raises(SystemExit) as raised:
         train(compose_train(*overrides), tmp_path)
@@ -271,5 +309,7 @@ def test_pr2_with_an_engine_that_routes_inside_its_kernels_is_refused(tmp_path, 
     monkeypatch.setattr(HFEngine, "name", VLLMEngine.name)
     with pytest.raises(SystemExit) as raised:
         train(compose_train(*PR2), tmp_path)
-    assert str(raised.value) == ("moe-rl-lab: routing_variant=predictive routes the engine by its routers' predictors, "
-                                 "and rollout.engine=vllm routes inside its own kernels: use rollout.engine=hf")
+    assert str(raised.value) == (
+        "moe-rl-lab: routing_variant=predictive routes the engine by its routers' predictors, "
+        "and rollout.engine=vllm routes inside its own kernels: use rollout.engine=hf"
+    )

@@ -12,9 +12,17 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.config import PROJECT_ROOT
-from experiments.probe import PHASE as PROBE_PHASE, SETTING_STEP as PROBE_SETTING_STEP, run_probe
+from experiments.probe import PHASE as PROBE_PHASE
+from experiments.probe import SETTING_STEP as PROBE_SETTING_STEP
+from experiments.probe import run_probe
 from experiments.step.metrics import (
-    DRIFT_PER_UPDATE, ENGINE_EXPERTS, MARGIN, ROUTING_SHARE, STEP, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL,
+    DRIFT_PER_UPDATE,
+    ENGINE_EXPERTS,
+    MARGIN,
+    ROUTING_SHARE,
+    STEP,
+    TOPK_MARGIN_MEDIAN,
+    TOPK_MARGIN_SMALL,
 )
 from tests.conftest import MICRO_RUN
 
@@ -48,7 +56,10 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
     assert all(0 <= m[ENGINE_EXPERTS] <= 1 for m in summary["precision_mismatch"])
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # warm and measured steps of both rates, then one step per engine precision
-    assert [line[PROBE_PHASE] for line in lines] == ["warm", "measure", "measure"] * 2 + ["precision_bf16", "precision_fp16"]
+    assert [line[PROBE_PHASE] for line in lines] == ["warm", "measure", "measure"] * 2 + [
+        "precision_bf16",
+        "precision_fp16",
+    ]
     assert [line[STEP] for line in lines] == list(range(1, 9))  # one increasing step for the log and W&B
     assert [line[PROBE_SETTING_STEP] for line in lines] == [1, 2, 3] * 2 + [1, 1]
     assert json.loads((tmp_path / "summary.json").read_text())["settings"][1]["lr"] == 3e-2
@@ -67,7 +78,8 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
 def test_bad_probe_settings_are_refused_in_one_line(tmp_path, override, message):
     result = subprocess.run(
         [sys.executable, "-m", "experiments.probe", *PROBE_RUN, override, f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 1
     assert message in result.stderr.strip().splitlines()[-1]
@@ -86,8 +98,11 @@ def test_a_learning_rate_that_diverges_is_an_entry_that_says_so_and_the_next_is_
     "override, message",
     [
         ("model=tiny_dense", "model 'micro_moe' is dense: the probe measures how far an update moves the routing"),
-        ("model.path={missing}", "model.path='{missing}' does not exist: make this cold start with `python -m "
-                                 "experiments.sft model=micro_moe dataset=addition sft.output_dir={missing}`"),
+        (
+            "model.path={missing}",
+            "model.path='{missing}' does not exist: make this cold start with `python -m "
+            "experiments.sft model=micro_moe dataset=addition sft.output_dir={missing}`",
+        ),
     ],
 )
 def test_the_probe_refuses_in_its_own_terms_before_it_claims_its_directory(tmp_path, override, message):

@@ -25,8 +25,13 @@ needs_library = pytest.mark.skipif(
 CHAIN_SUM = {"task": "chain_sum", "params": {"max_terms": 2, "max_digits": 2}, "train_size": 300, "test_size": 50}
 # One-digit operands, two terms, no parentheses: answers of at most 3 characters ("-81"), prompts of at most 27
 # ("Calculate -5 * -9.\nAnswer: "), within the micro model's 64 positions. Hydra adds a key to a dict with `+`.
-SMALL_ARITHMETIC = ["dataset=reasoning_gym", "dataset.task=basic_arithmetic", "+dataset.params.max_terms=2",
-                    "+dataset.params.max_digits=1", "+dataset.params.allow_parentheses=false"]
+SMALL_ARITHMETIC = [
+    "dataset=reasoning_gym",
+    "dataset.task=basic_arithmetic",
+    "+dataset.params.max_terms=2",
+    "+dataset.params.max_digits=1",
+    "+dataset.params.allow_parentheses=false",
+]
 
 
 def library_items(task: str, params: dict, seed: int, count: int) -> list[dict]:
@@ -61,8 +66,15 @@ def test_the_reward_is_the_librarys_score_answer():
     task = build_task("reasoning_gym", **CHAIN_SUM)
     example = task.examples("test")[0]
     assert example.prompt.endswith("15 - 43 =\nAnswer: ") and example.answer == "-28"
-    for completion, reward in [("-28", 1.0), (" -28\n", 1.0), ("-028.0", 1.0), ("-28 0", 0.6), ("28", 0.0),
-                               ("", 0.0), ("x-28", 0.75)]:
+    for completion, reward in [
+        ("-28", 1.0),
+        (" -28\n", 1.0),
+        ("-028.0", 1.0),
+        ("-28 0", 0.6),
+        ("28", 0.0),
+        ("", 0.0),
+        ("x-28", 0.75),
+    ]:
         assert task.reward(completion, example) == pytest.approx(reward), completion
         assert task.is_correct(completion, example) == (reward == 1.0)
     with pytest.raises(ValueError, match="not a prompt of its splits"):
@@ -72,15 +84,22 @@ def test_the_reward_is_the_librarys_score_answer():
 @needs_library
 @pytest.mark.parametrize(
     "params, message",
-    [({"task": "chain_summ"}, "reasoning_gym.task='chain_summ' is not a reasoning-gym dataset; one of: ab, acre, "),
-     ({"task": "chain_sum", "params": {"max_term": 2}},
-      "reasoning_gym.params has no setting 'max_term' for task=chain_sum; its settings: allow_negation, max_digits, "),
-     ({"task": "chain_sum", "params": {"min_terms": 3, "max_terms": 2}}, "max_terms must be >= min_terms"),
-     ({"task": "chain_sum", "params": {"seed": 3}}, "dataset.seed, dataset.train_size and dataset.test_size set"),
-     ({"task": "chain_sum", "params": [2]}, "reasoning_gym.params=[2] must be of type dict"),
-     ({"task": "chain_sum", "prompt_template": "Q: {q}"}, "prompt_template='Q: {q}' must contain the field"),
-     ({"task": "coin_flip", "params": {"min_trials": 1, "max_trials": 2}},
-      "drew 10 distinct questions and 0 train ones in 41000 draws")],
+    [
+        ({"task": "chain_summ"}, "reasoning_gym.task='chain_summ' is not a reasoning-gym dataset; one of: ab, acre, "),
+        (
+            {"task": "chain_sum", "params": {"max_term": 2}},
+            "reasoning_gym.params has no setting 'max_term' for task=chain_sum; its settings: allow_negation, "
+            "max_digits, ",
+        ),
+        ({"task": "chain_sum", "params": {"min_terms": 3, "max_terms": 2}}, "max_terms must be >= min_terms"),
+        ({"task": "chain_sum", "params": {"seed": 3}}, "dataset.seed, dataset.train_size and dataset.test_size set"),
+        ({"task": "chain_sum", "params": [2]}, "reasoning_gym.params=[2] must be of type dict"),
+        ({"task": "chain_sum", "prompt_template": "Q: {q}"}, "prompt_template='Q: {q}' must contain the field"),
+        (
+            {"task": "coin_flip", "params": {"min_trials": 1, "max_trials": 2}},
+            "drew 10 distinct questions and 0 train ones in 41000 draws",
+        ),
+    ],
 )
 def test_bad_settings_are_refused_in_one_line(params, message):
     with pytest.raises(ConfigError) as raised:
@@ -109,12 +128,21 @@ def compose_train(*overrides: str):
 @needs_library
 @pytest.mark.parametrize(
     "overrides, message",
-    [(["dataset=reasoning_gym", "dataset.task=chain_summ"], "reasoning_gym.task='chain_summ' is not a reasoning-gym"),
-     # basic_arithmetic's own settings: up to 6 terms of 4 digits, answers of up to 17 characters
-     (["dataset=reasoning_gym", "dataset.task=basic_arithmetic", "trainer.max_new_tokens=8"],
-      "trainer.max_new_tokens=8 cannot hold the answers of dataset 'reasoning_gym': up to "),
-     (["dataset=reasoning_gym", "dataset.task=prime_factorization"],
-      "dataset 'reasoning_gym' writes characters the model's tokenizer does not know: '×'")],
+    [
+        (
+            ["dataset=reasoning_gym", "dataset.task=chain_summ"],
+            "reasoning_gym.task='chain_summ' is not a reasoning-gym",
+        ),
+        # basic_arithmetic's own settings: up to 6 terms of 4 digits, answers of up to 17 characters
+        (
+            ["dataset=reasoning_gym", "dataset.task=basic_arithmetic", "trainer.max_new_tokens=8"],
+            "trainer.max_new_tokens=8 cannot hold the answers of dataset 'reasoning_gym': up to ",
+        ),
+        (
+            ["dataset=reasoning_gym", "dataset.task=prime_factorization"],
+            "dataset 'reasoning_gym' writes characters the model's tokenizer does not know: '×'",
+        ),
+    ],
 )
 def test_a_run_refuses_a_task_it_cannot_train_before_any_work(tmp_path, overrides, message):
     from experiments.train import train
@@ -132,9 +160,17 @@ def test_a_reasoning_gym_task_trains_end_to_end_from_a_cold_start(tmp_path):
     from experiments.train import train
 
     sft_overrides = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()] + [
-        *SMALL_ARITHMETIC, "dataset.train_size=200", "dataset.test_size=20", "sft.max_steps=6", "sft.batch_size=16",
-        "sft.eval_every=3", "sft.eval_prompts=8", "sft.lr=3e-3", f"sft.output_dir={tmp_path / 'ckpt'}",
-        "logger.wandb.mode=disabled", "cpu_kernels=native",
+        *SMALL_ARITHMETIC,
+        "dataset.train_size=200",
+        "dataset.test_size=20",
+        "sft.max_steps=6",
+        "sft.batch_size=16",
+        "sft.eval_every=3",
+        "sft.eval_prompts=8",
+        "sft.lr=3e-3",
+        f"sft.output_dir={tmp_path / 'ckpt'}",
+        "logger.wandb.mode=disabled",
+        "cpu_kernels=native",
     ]
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         sft_cfg = compose("sft", overrides=sft_overrides)
@@ -145,8 +181,10 @@ def test_a_reasoning_gym_task_trains_end_to_end_from_a_cold_start(tmp_path):
     recorded = json.loads((tmp_path / "ckpt" / "cold_start.json").read_text())["dataset"]
     assert recorded["task"] == "basic_arithmetic" and recorded["params"]["max_digits"] == 1
 
-    summary = train(compose_train(*SMALL_ARITHMETIC, f"model.path={tmp_path / 'ckpt'}", "trainer.steps=2",
-                                  "trainer.eval_every=1"), tmp_path / "rl")
+    summary = train(
+        compose_train(*SMALL_ARITHMETIC, f"model.path={tmp_path / 'ckpt'}", "trainer.steps=2", "trainer.eval_every=1"),
+        tmp_path / "rl",
+    )
     lines = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [line[STEP] for line in lines] == [1, 2]
     assert all(0.0 <= line[REWARD] <= 1.0 for line in lines)

@@ -44,8 +44,9 @@ CLI = [sys.executable, "-m", "experiments.train"]
 
 
 def run_cli(*args: str, cwd: Path = PROJECT_ROOT, timeout: int = 300, module: str = "experiments.train"):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout
+    )
 
 
 def one_line(stderr: str) -> str:
@@ -58,20 +59,28 @@ def run_patched(tmp_path: Path, fault: str, *args: str) -> subprocess.CompletedP
     """`python -m experiments.train *args`, with `fault` (Python source) run first: the fault it plants."""
     (tmp_path / "fault.py").write_text(fault)
     code = "import fault, runpy; runpy.run_module('experiments.train', run_name='__main__', alter_sys=True)"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=PROJECT_ROOT,
-                          timeout=600, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}"})
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}"},
+    )
 
 
 def fault_in_the_checkpoint_writer(fault: str) -> str:
     """Python source that runs `fault` (statements of a function of `self`, torch's checkpoint writer, indented by
     four spaces) each time the writer is about to write a checkpoint's state, then lets it write."""
-    return ("import errno, os, signal\n"
-            "from torch.distributed.checkpoint import filesystem\n"
-            "write = filesystem._FileSystemWriter.write_data\n"
-            "def faulty_write(self, plan, planner):\n"
-            f"{fault}"
-            "    return write(self, plan, planner)\n"
-            "filesystem._FileSystemWriter.write_data = faulty_write\n")
+    return (
+        "import errno, os, signal\n"
+        "from torch.distributed.checkpoint import filesystem\n"
+        "write = filesystem._FileSystemWriter.write_data\n"
+        "def faulty_write(self, plan, planner):\n"
+        f"{fault}"
+        "    return write(self, plan, planner)\n"
+        "filesystem._FileSystemWriter.write_data = faulty_write\n"
+    )
 
 
 def start(*args: str, cwd: Path = PROJECT_ROOT) -> subprocess.Popen:
@@ -90,6 +99,7 @@ def wait_for_lines(path: Path, count: int, proc: subprocess.Popen, timeout: floa
 
 
 # -- data lost or mixed up ----------------------------------------------------------------------------------------
+
 
 def test_a_rerun_into_a_run_directory_is_refused_and_the_first_log_stays(tmp_path):
     first = run_cli(*MICRO_RUN, f"hydra.run.dir={tmp_path}")
@@ -144,15 +154,23 @@ def test_sigterm_and_ctrl_c_end_the_run_cleanly(tmp_path, signum, code):
 
 def test_one_bad_cell_of_a_sweep_is_reported_before_the_start_and_the_others_run(tmp_path):
     sweep = tmp_path / "sweep"
-    result = run_cli("-m", "routing.replay=r2,none", "model=tiny_moe,tiny_dense", *MICRO_RUN, "trainer.steps=1",
-                     f"hydra.sweep.dir={sweep}", timeout=600)
+    result = run_cli(
+        "-m",
+        "routing.replay=r2,none",
+        "model=tiny_moe,tiny_dense",
+        *MICRO_RUN,
+        "trainer.steps=1",
+        f"hydra.sweep.dir={sweep}",
+        timeout=600,
+    )
     assert result.returncode != 0
     head = result.stderr.split("\n")[0]
     assert head == "moe-rl-lab: 1 of 4 jobs of this sweep will be refused; the other 3 run:", result.stderr[-3000:]
     assert "routing.replay=r2 model=tiny_dense" in result.stderr and "needs an MoE model" in result.stderr
     tail = result.stderr.split("moe-rl-lab: 1 job(s) of the sweep did not finish")[1]
-    assert ("1_grpo_r2_micro_moe_s0 (refused by the sweep's start-up check: routing.replay=r2 needs an MoE model"
-            in tail), "the sweep says which job it refused itself"
+    assert (
+        "1_grpo_r2_micro_moe_s0 (refused by the sweep's start-up check: routing.replay=r2 needs an MoE model" in tail
+    ), "the sweep says which job it refused itself"
     assert len(list(sweep.glob("*/summary.json"))) == 3
 
 
@@ -162,10 +180,13 @@ def test_a_sweep_whose_every_job_lacks_its_cold_start_names_the_command_and_laun
     sweep, missing = tmp_path / "sweep", tmp_path / "cold_start"
     result = run_cli("-m", "seed=0,1", *MICRO_RUN, f"model.path={missing}", f"hydra.sweep.dir={sweep}")
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("moe-rl-lab: every one of the 2 jobs of this sweep would be refused, so none is "
-                                    "launched:"), result.stderr[-2000:]
-    assert (f"make this cold start with `python -m experiments.sft model=micro_moe dataset=addition "
-            f"sft.output_dir={missing}`") in result.stderr
+    assert result.stderr.startswith(
+        "moe-rl-lab: every one of the 2 jobs of this sweep would be refused, so none is launched:"
+    ), result.stderr[-2000:]
+    assert (
+        f"make this cold start with `python -m experiments.sft model=micro_moe dataset=addition "
+        f"sft.output_dir={missing}`"
+    ) in result.stderr
     assert not sweep.exists(), "no job was launched, and the sweep's directory it made is not left empty"
 
 
@@ -209,8 +230,16 @@ def test_a_stop_during_a_step_commit_lands_after_it_even_when_another_thread_tak
 def test_killing_a_joblib_sweep_ends_its_running_jobs_as_interrupted(tmp_path):
     """SIGKILL of the Hydra process leaves no orphaned worker training on: each running job ends as interrupted."""
     sweep = tmp_path / "sweep"
-    proc = start("-m", "seed=0,1", *MICRO_RUN, "trainer.steps=500", "trainer.threads=1", "hydra/launcher=joblib",
-                 "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}")
+    proc = start(
+        "-m",
+        "seed=0,1",
+        *MICRO_RUN,
+        "trainer.steps=500",
+        "trainer.threads=1",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        f"hydra.sweep.dir={sweep}",
+    )
     deadline = time.time() + 180
     while len([p for p in sweep.glob("*/metrics.jsonl") if p.read_text().count("\n") >= 2]) < 2:
         assert proc.poll() is None and time.time() < deadline, "both jobs should be training"
@@ -251,16 +280,23 @@ def test_a_disk_that_fills_in_the_middle_of_a_line_leaves_only_whole_lines(tmp_p
     way a 5.8 kB piece of a line was once left behind). The limit is put halfway into step 2's line, measured by the
     same run without a limit (a line's size follows the metrics logged, ~7 kB today; the runs are the same bits)."""
     free, full = tmp_path / "a", tmp_path / "b"  # paths of one length: the lines differ in nothing else
-    subprocess.run([*CLI, *MICRO_RUN, f"hydra.run.dir={free}"], capture_output=True, cwd=PROJECT_ROOT, timeout=300,
-                   check=True)
+    subprocess.run(
+        [*CLI, *MICRO_RUN, f"hydra.run.dir={free}"], capture_output=True, cwd=PROJECT_ROOT, timeout=300, check=True
+    )
     first, second = ((free / "metrics.jsonl").read_text().splitlines(keepends=True))[:2]
     limit = len(first.encode()) + len(second.encode()) // 2
 
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: the write fails instead
 
-    done = subprocess.run([*CLI, *MICRO_RUN, f"hydra.run.dir={full}"], capture_output=True, text=True,
-                          cwd=PROJECT_ROOT, timeout=300, preexec_fn=limited)
+    done = subprocess.run(
+        [*CLI, *MICRO_RUN, f"hydra.run.dir={full}"],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=300,
+        preexec_fn=limited,
+    )
     assert done.returncode == 1
     line = one_line(done.stderr)
     assert f"cannot write metrics.jsonl in {full}: File too large" in line
@@ -289,8 +325,9 @@ def test_a_run_directory_removed_mid_run_stops_the_run_at_the_next_step_in_one_l
     with pytest.raises(SystemExit) as ended:
         train(compose_train("trainer.steps=6"), run_dir)
     line = str(ended.value)
-    assert "\n" not in line and line.startswith(f"moe-rl-lab: the run directory {run_dir} was removed after step 2 "
-                                                "(noticed as step 3 was to be logged)"), line
+    assert "\n" not in line and line.startswith(
+        f"moe-rl-lab: the run directory {run_dir} was removed after step 2 (noticed as step 3 was to be logged)"
+    ), line
     assert f"cannot write summary.json in {run_dir}: No such file or directory; the log is gone with it" in line
     assert "holds" not in line, "the line claims a log that no longer exists"
     assert not run_dir.exists(), "nothing was written into a new directory of the old name"
@@ -319,10 +356,14 @@ def test_a_log_removed_or_replaced_mid_run_stops_the_run_and_the_summary_says_fa
 
 # -- runs that end early: divergence, signals during a checkpoint -------------------------------------------------
 
-@pytest.mark.parametrize("lr, why", [
-    ("1e39", "update 0 of the step left the weights non-finite"),  # AdamW's first step moves each weight by ~lr
-    ("1e30", "the trainer's model produced logits that are NaN or inf"),  # finite weights, overflowing forward
-])
+
+@pytest.mark.parametrize(
+    "lr, why",
+    [
+        ("1e39", "update 0 of the step left the weights non-finite"),  # AdamW's first step moves each weight by ~lr
+        ("1e30", "the trainer's model produced logits that are NaN or inf"),  # finite weights, overflowing forward
+    ],
+)
 def test_a_run_that_diverges_ends_in_one_line_with_its_log_whole_and_status_diverged(tmp_path, lr, why):
     done = run_cli(*MICRO_RUN, f"trainer.lr={lr}", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 1
@@ -338,18 +379,19 @@ def test_sigterm_while_a_checkpoint_is_written_lands_after_the_write(tmp_path):
     """torch's checkpoint writer catches whatever is raised inside it and raises CheckpointException instead: a stop
     that landed there ended the run with exit code 1, a traceback and no summary."""
     stop_in_checkpoint = fault_in_the_checkpoint_writer(
-        "    os.kill(os.getpid(), signal.SIGTERM)  # handled at the next instruction: inside the writer\n")
+        "    os.kill(os.getpid(), signal.SIGTERM)  # handled at the next instruction: inside the writer\n"
+    )
     run_dir = tmp_path / "run"
-    done = run_patched(tmp_path, stop_in_checkpoint, *MICRO_RUN, "trainer.checkpoint_every=1",
-                       f"hydra.run.dir={run_dir}")
+    done = run_patched(
+        tmp_path, stop_in_checkpoint, *MICRO_RUN, "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"
+    )
     assert done.returncode == 143
     assert "interrupted by SIGTERM after 1 of 3 steps" in one_line(done.stderr)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000001"], "the checkpoint was finished"
 
 
-def test_a_full_disk_during_a_checkpoint_write_is_one_line_removes_the_partial_checkpoint_and_keeps_the_last(
-        tmp_path):
+def test_a_full_disk_during_a_checkpoint_write_is_one_line_removes_the_partial_checkpoint_and_keeps_the_last(tmp_path):
     """The write failed in a 28-frame traceback, with no summary and the partial checkpoint left to keep the disk
     full."""
     disk_full_at_the_second_checkpoint = fault_in_the_checkpoint_writer(
@@ -359,12 +401,19 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_removes_the_partial_c
         "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
     )
     run_dir = tmp_path / "run"
-    done = run_patched(tmp_path, disk_full_at_the_second_checkpoint, *MICRO_RUN, "trainer.checkpoint_every=1",
-                       f"hydra.run.dir={run_dir}")
+    done = run_patched(
+        tmp_path,
+        disk_full_at_the_second_checkpoint,
+        *MICRO_RUN,
+        "trainer.checkpoint_every=1",
+        f"hydra.run.dir={run_dir}",
+    )
     assert done.returncode == 1
     line = one_line(done.stderr)
-    assert (f"cannot write checkpoint step_000002 in {run_dir / 'checkpoints'}: No space left on device; the partial "
-            "one was removed, and step_000001 is the newest checkpoint") in line
+    assert (
+        f"cannot write checkpoint step_000002 in {run_dir / 'checkpoints'}: No space left on device; the partial "
+        "one was removed, and step_000001 is the newest checkpoint"
+    ) in line
     assert "holds 2 step(s), and" in line and "says status 'failed'" in line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "No space left on device" in summary["failed"]
@@ -374,7 +423,8 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_removes_the_partial_c
 
 
 def test_wandb_online_without_its_server_waits_a_bounded_time_and_the_summary_says_it_never_started(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """logger.wandb.mode=online on a machine that cannot reach W&B waited ~100 s per job in silence (W&B's own
     90 s init timeout), then fell back to metrics.jsonl with nothing in the summary saying W&B never started. A server
     that accepts connections and never answers plays the unreachable one."""
@@ -384,8 +434,14 @@ def test_wandb_online_without_its_server_waits_a_bounded_time_and_the_summary_sa
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    with server, pytest.warns(UserWarning, match=r"W&B did not start in online mode within "
-                                                 r"logger.wandb.init_timeout=2 s \(.*\); logging to metrics.jsonl"):
+    with (
+        server,
+        pytest.warns(
+            UserWarning,
+            match=r"W&B did not start in online mode within "
+            r"logger.wandb.init_timeout=2 s \(.*\); logging to metrics.jsonl",
+        ),
+    ):
         summary = train(compose_train("logger.wandb.mode=online", "logger.wandb.init_timeout=2"), tmp_path)
     assert summary["status"] == "finished"
     recorded = json.loads((tmp_path / "summary.json").read_text())["wandb"]
@@ -410,8 +466,10 @@ def test_ctrl_c_while_wandb_starts_ends_the_run_as_interrupted_with_its_summary(
     # the same run again into its directory is refused, and told how to continue the interrupted one
     with pytest.raises(SystemExit) as raised:
         train(compose_train(), run_dir)
-    assert ("already holds a run (0 logged steps, status 'interrupted'); it is never overwritten: resume=auto "
-            "continues it (from its newest checkpoint, or from its start when it has none)") in str(raised.value)
+    assert (
+        "already holds a run (0 logged steps, status 'interrupted'); it is never overwritten: resume=auto "
+        "continues it (from its newest checkpoint, or from its start when it has none)"
+    ) in str(raised.value)
     assert train(compose_train("resume=auto"), run_dir)["status"] == "finished"
 
 
@@ -426,13 +484,15 @@ def test_ctrl_c_during_the_imports_ends_the_process_without_a_traceback(tmp_path
         "        return None\n"
         "sys.meta_path.insert(0, Interrupt())\n"
     )
-    done = run_patched(tmp_path, interrupt_at_the_first_import_of_torch, *MICRO_RUN,
-                       f"hydra.run.dir={tmp_path / 'run'}")
+    done = run_patched(
+        tmp_path, interrupt_at_the_first_import_of_torch, *MICRO_RUN, f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert done.returncode == -signal.SIGINT, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
 
 # -- launchers: SLURM, torchrun -----------------------------------------------------------------------------------
+
 
 def test_cluster_slurm_without_a_sweep_or_without_slurm_is_one_line(tmp_path):
     single = run_cli(*MICRO_RUN, "cluster=slurm", f"hydra.run.dir={tmp_path / 'run'}")
@@ -441,8 +501,14 @@ def test_cluster_slurm_without_a_sweep_or_without_slurm_is_one_line(tmp_path):
     assert "cluster=slurm submits the jobs of a sweep to SLURM, and without -m this is one run" in line
     assert not (tmp_path / "run").exists(), "no rank started here"
     no_slurm_path = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no sbatch, no srun on it
-    sweep = subprocess.run([*CLI, "-m", *MICRO_RUN, "cluster=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                           capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, env=no_slurm_path)
+    sweep = subprocess.run(
+        [*CLI, "-m", *MICRO_RUN, "cluster=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=300,
+        env=no_slurm_path,
+    )
     assert sweep.returncode == 1
     line = one_line(sweep.stderr)
     assert "with sbatch and srun, and this machine has no sbatch or srun: run the sweep on a SLURM login node" in line
@@ -466,34 +532,63 @@ def test_a_job_of_several_ranks_refuses_its_run_directory_and_checkpoint_before_
     assert again.returncode == 1 and "already holds a run (3 logged steps, status 'finished')" in one_line(again.stderr)
     assert again.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in again.stderr
     (run_dir / "summary.json").unlink()  # as a kill after the last checkpoint leaves it
-    resumed = run_cli(*MICRO_RUN, "trainer.checkpoint_every=3", "launch.nproc_per_node=2", "resume=auto",
-                      f"hydra.run.dir={run_dir}")
+    resumed = run_cli(
+        *MICRO_RUN, "trainer.checkpoint_every=3", "launch.nproc_per_node=2", "resume=auto", f"hydra.run.dir={run_dir}"
+    )
     assert resumed.returncode == 1
     assert "step_000003 was written by 1 ranks, this run has 2" in one_line(resumed.stderr)
     assert resumed.stderr.count("moe-rl-lab:") == 1 and "ChildFailedError" not in resumed.stderr
     assert not (run_dir / "checkpoints" / "step_000003.superseded").exists(), "the check changed nothing"
     # the check leaves the directory to the ranks: a job of two ranks runs, and resumes, as before
-    two_ranks = [*MICRO_RUN, "trainer.checkpoint_every=3", "launch.nproc_per_node=2",
-                 f"hydra.run.dir={tmp_path / 'two'}"]
+    two_ranks = [
+        *MICRO_RUN,
+        "trainer.checkpoint_every=3",
+        "launch.nproc_per_node=2",
+        f"hydra.run.dir={tmp_path / 'two'}",
+    ]
     assert run_cli(*two_ranks).returncode == 0
     (tmp_path / "two" / "summary.json").unlink()
     done = run_cli(*two_ranks, "resume=auto")
     assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("schema, arguments, refusal", [
-    (TrainConfig, ["rollout.lag=1.5"], "rollout.lag=1.5 is refused: Value '1.5' of type 'float' could not be converted "
-                                       "to Integer"),
-    (TrainConfig, ["rollout.lag=abc"], "rollout.lag=abc is refused: Value 'abc' of type 'str' could not be converted"),
-    (TrainConfig, ["rollout.max_staleness=0.5"], "rollout.max_staleness=0.5 is refused"),
-    (TrainConfig, ["-m", "algo=grpo,gspo", "rollout.lag=0,2.5"], "rollout.lag=2.5 is refused"),
-    (TrainConfig, ["trainer.steps=true"], "trainer.steps=true is refused: Value 'True' of type 'bool'"),
-    (TrainConfig, ["cpu_kernels=fast"], "cpu_kernels=fast is refused: Invalid value 'fast', expected one of "
-                                        "[portable, native]"),
-    (SFTConfig, ["sft.max_steps=ten"], "sft.max_steps=ten is refused"),
-    (TrainConfig, ["rollout.lag=0,2", "algo=gspo", "algo.clip_eps=0.1", "seed=range(0,3)", "model.path=null",
-                   "rollout.max_staleness=${rollout.lag}", "+extra=1"], None),
-])
+@pytest.mark.parametrize(
+    "schema, arguments, refusal",
+    [
+        (
+            TrainConfig,
+            ["rollout.lag=1.5"],
+            "rollout.lag=1.5 is refused: Value '1.5' of type 'float' could not be converted to Integer",
+        ),
+        (
+            TrainConfig,
+            ["rollout.lag=abc"],
+            "rollout.lag=abc is refused: Value 'abc' of type 'str' could not be converted",
+        ),
+        (TrainConfig, ["rollout.max_staleness=0.5"], "rollout.max_staleness=0.5 is refused"),
+        (TrainConfig, ["-m", "algo=grpo,gspo", "rollout.lag=0,2.5"], "rollout.lag=2.5 is refused"),
+        (TrainConfig, ["trainer.steps=true"], "trainer.steps=true is refused: Value 'True' of type 'bool'"),
+        (
+            TrainConfig,
+            ["cpu_kernels=fast"],
+            "cpu_kernels=fast is refused: Invalid value 'fast', expected one of [portable, native]",
+        ),
+        (SFTConfig, ["sft.max_steps=ten"], "sft.max_steps=ten is refused"),
+        (
+            TrainConfig,
+            [
+                "rollout.lag=0,2",
+                "algo=gspo",
+                "algo.clip_eps=0.1",
+                "seed=range(0,3)",
+                "model.path=null",
+                "rollout.max_staleness=${rollout.lag}",
+                "+extra=1",
+            ],
+            None,
+        ),
+    ],
+)
 def test_a_value_its_key_cannot_hold_is_refused_in_one_line_before_hydra(schema, arguments, refusal):
     """A sweep's every value is checked; keys the root schema does not type (a group's choice, an objective's field, an
     added key) and interpolations pass on to Hydra."""
@@ -508,10 +603,12 @@ def test_a_value_its_key_cannot_hold_is_refused_in_one_line_before_hydra(schema,
 def test_a_non_integer_lag_on_the_command_line_is_one_line(tmp_path):
     done = run_cli(*MICRO_RUN, "rollout.lag=1.5", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 1 and done.stderr.strip() == (
-        "moe-rl-lab: rollout.lag=1.5 is refused: Value '1.5' of type 'float' could not be converted to Integer")
+        "moe-rl-lab: rollout.lag=1.5 is refused: Value '1.5' of type 'float' could not be converted to Integer"
+    )
 
 
 # -- crashes late that a start-up check catches -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "overrides, message",
@@ -591,12 +688,15 @@ def test_a_routing_trace_replays_only_on_a_model_of_its_expert_count(recorded_on
         recorder(input_ids=ids)
     with torch.no_grad(), replay_routing(target, recording.trace), pytest.raises(ValueError) as raised:
         target(input_ids=ids)
-    assert str(raised.value) == (f"routing trace was recorded with num_experts={recorded_on}, and this model routes "
-                                 f"over num_experts={replayed_on}: a trace replays only on a model of its own expert "
-                                 "count")
+    assert str(raised.value) == (
+        f"routing trace was recorded with num_experts={recorded_on}, and this model routes "
+        f"over num_experts={replayed_on}: a trace replays only on a model of its own expert "
+        "count"
+    )
 
 
 # -- corrupted checkpoints and data files ------------------------------------------------------------------------
+
 
 @pytest.fixture
 def checkpoint(tmp_path) -> Path:
@@ -626,9 +726,14 @@ def _break(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize(
     "how, message",
-    [("config", "config.json is not a JSON object"), ("model_type", "is a 'mamba2' model; supported: MoE families"),
-     ("no_weights", "holds no weights"), ("truncated", "the weights do not load"),
-     ("shape", "the weights do not load"), ("no_tokenizer", "holds no tokenizer")],
+    [
+        ("config", "config.json is not a JSON object"),
+        ("model_type", "is a 'mamba2' model; supported: MoE families"),
+        ("no_weights", "holds no weights"),
+        ("truncated", "the weights do not load"),
+        ("shape", "the weights do not load"),
+        ("no_tokenizer", "holds no tokenizer"),
+    ],
 )
 def test_a_broken_checkpoint_is_refused_in_one_line(tmp_path, checkpoint, how, message):
     _break(checkpoint, how)
@@ -658,8 +763,9 @@ def _damage(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["truncated", "deleted"])
 @pytest.mark.parametrize("name", DAMAGEABLE)
-def test_a_damaged_checkpoint_is_named_by_its_file_before_anything_loads(killed_after_three_checkpoints, tmp_path,
-                                                                        name, how):
+def test_a_damaged_checkpoint_is_named_by_its_file_before_anything_loads(
+    killed_after_three_checkpoints, tmp_path, name, how
+):
     """Each damaged file raised its own traceback (zip, EOFError, JSONDecodeError, FileNotFoundError,
     CheckpointException), some after the model had been loaded from it."""
     run_dir = tmp_path / "run"
@@ -675,7 +781,8 @@ def test_a_damaged_checkpoint_is_named_by_its_file_before_anything_loads(killed_
 
 
 def test_resume_refuses_a_damaged_checkpoint_and_auto_takes_the_newest_intact_one_saying_so(
-        killed_after_three_checkpoints, tmp_path):
+    killed_after_three_checkpoints, tmp_path
+):
     run_dir = tmp_path / "run"
     shutil.copytree(killed_after_three_checkpoints, run_dir)
     newest = run_dir / "checkpoints" / "step_000003"
@@ -688,8 +795,10 @@ def test_resume_refuses_a_damaged_checkpoint_and_auto_takes_the_newest_intact_on
     assert "bytes its index needs; resume=auto takes the newest intact one" in line
     auto = run_cli(*settings, "resume=auto")
     assert auto.returncode == 0, auto.stderr[-3000:]
-    assert (f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2), the newest intact checkpoint, passing "
-            f"over 1 damaged: {newest / 'state' / '__0_0.distcp'} holds ") in auto.stderr
+    assert (
+        f"resuming from {run_dir / 'checkpoints' / 'step_000002'} (step 2), the newest intact checkpoint, passing "
+        f"over 1 damaged: {newest / 'state' / '__0_0.distcp'} holds "
+    ) in auto.stderr
     assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 
@@ -710,13 +819,14 @@ def _overwrite_a_tensor(state: Path, how: str, marker: Path) -> Path:
     from experiments.run.checkpoint import read_index
 
     index = read_index(state / ".metadata")
-    stored = next(info for key, info in index.storage_data.items()
-                  if key.fqn.startswith("model.") and info.length > 1024)
+    stored = next(
+        info for key, info in index.storage_data.items() if key.fqn.startswith("model.") and info.length > 1024
+    )
     shard = state / stored.relative_path
     data = bytearray(shard.read_bytes())
     if how == "payload":
         payload = pickle.dumps(_Code(marker))
-        data[stored.offset: stored.offset + len(payload)] = payload
+        data[stored.offset : stored.offset + len(payload)] = payload
     else:
         middle = stored.offset + stored.length // 2
         data[middle] ^= 0x40
@@ -725,8 +835,9 @@ def _overwrite_a_tensor(state: Path, how: str, marker: Path) -> Path:
 
 
 @pytest.mark.parametrize("how", ["payload", "flipped"])
-def test_a_tensor_whose_bytes_changed_in_place_is_damage_and_auto_falls_back(killed_after_three_checkpoints, tmp_path,
-                                                                             how):
+def test_a_tensor_whose_bytes_changed_in_place_is_damage_and_auto_falls_back(
+    killed_after_three_checkpoints, tmp_path, how
+):
     """The damage check measured the tensor files' lengths alone: a payload in a tensor's bytes passed it and failed
     inside the checkpoint's load in a 24-frame traceback, and resume=auto took that checkpoint every time instead of
     the intact one before it; a flipped bit in a weight resumed silently with another weight."""
@@ -747,31 +858,43 @@ def test_a_tensor_whose_bytes_changed_in_place_is_damage_and_auto_falls_back(kil
     assert not marker.exists(), "the checkpoint's code ran"
 
 
-def test_a_checkpoint_written_before_its_files_hashes_were_recorded_still_resumes(killed_after_three_checkpoints,
-                                                                                 tmp_path):
+def test_a_checkpoint_written_before_its_files_hashes_were_recorded_still_resumes(
+    killed_after_three_checkpoints, tmp_path
+):
     run_dir = tmp_path / "run"
     shutil.copytree(killed_after_three_checkpoints, run_dir)
     newest = run_dir / "checkpoints" / "step_000003"
     saved = json.loads((newest / "trainer.json").read_text())
-    assert set(saved["files"]) == {"rng_rank0.pt", "python_random_rank0.json", "state/.metadata",
-                                   "state/__0_0.distcp"}, "every file the load reads"
+    assert set(saved["files"]) == {
+        "rng_rank0.pt",
+        "python_random_rank0.json",
+        "state/.metadata",
+        "state/__0_0.distcp",
+    }, "every file the load reads"
     del saved["files"]
     (newest / "trainer.json").write_text(json.dumps(saved))
     assert find_checkpoint(run_dir, str(newest)) == (newest, [])
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("computed_under", {"first_step": 1}, 'computed_under={"first_step": 1}, not a list of environments'),
-    ("computed_under", ["torch"], 'computed_under=["torch"], not a list of environments (each an object with'),
-    ("computed_under", [{"first_step": 0, "versions": None, "kernels": None}], "computed_under=[{"),
-    ("computed_under", [{"first_step": 1, "versions": {"torch": ["2.13.0"]}, "kernels": None}],
-     'computed_under=[{"first_step": 1, "versions": {"torch": ["2.13.0"]}, "ke...'),
-    ("world", "1", 'world="1", not a number of ranks (an integer >= 1)'),
-    ("step", -3, "step=-3, not a count (an integer >= 0)"),
-    ("experiment", [], "experiment as a list, not an object"),
-])
-def test_a_malformed_value_in_trainer_json_is_damage_in_one_line(killed_after_three_checkpoints, tmp_path, key, value,
-                                                                 message):
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("computed_under", {"first_step": 1}, 'computed_under={"first_step": 1}, not a list of environments'),
+        ("computed_under", ["torch"], 'computed_under=["torch"], not a list of environments (each an object with'),
+        ("computed_under", [{"first_step": 0, "versions": None, "kernels": None}], "computed_under=[{"),
+        (
+            "computed_under",
+            [{"first_step": 1, "versions": {"torch": ["2.13.0"]}, "kernels": None}],
+            'computed_under=[{"first_step": 1, "versions": {"torch": ["2.13.0"]}, "ke...',
+        ),
+        ("world", "1", 'world="1", not a number of ranks (an integer >= 1)'),
+        ("step", -3, "step=-3, not a count (an integer >= 0)"),
+        ("experiment", [], "experiment as a list, not an object"),
+    ],
+)
+def test_a_malformed_value_in_trainer_json_is_damage_in_one_line(
+    killed_after_three_checkpoints, tmp_path, key, value, message
+):
     """A malformed computed_under passed the damage check (which looked for the keys alone) and crashed the resume
     with `KeyError: -1` in experiments.run.provenance."""
     run_dir = tmp_path / "run"
@@ -788,7 +911,8 @@ def test_a_malformed_value_in_trainer_json_is_damage_in_one_line(killed_after_th
 
 
 def test_a_checkpoint_index_that_is_code_is_refused_unread_on_resume_and_passed_over_by_auto(
-        killed_after_three_checkpoints, tmp_path):
+    killed_after_three_checkpoints, tmp_path
+):
     """torch reads the state's .metadata with plain pickle.load: resume=<checkpoint>, and resume=auto's scan, ran the
     command of a .metadata replaced by a pickle with a __reduce__ (the file it creates was made)."""
     run_dir = tmp_path / "run"
@@ -797,11 +921,15 @@ def test_a_checkpoint_index_that_is_code_is_refused_unread_on_resume_and_passed_
     marker = tmp_path / "code_ran"
     (newest / "state" / ".metadata").write_bytes(pickle.dumps(_Code(marker)))
     with pytest.raises(SystemExit) as raised:
-        train(compose_train("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3", f"resume={newest}"),
-              tmp_path / "elsewhere")
+        train(
+            compose_train("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3", f"resume={newest}"),
+            tmp_path / "elsewhere",
+        )
     line = str(raised.value)
-    assert (f"is a damaged checkpoint: {newest / 'state' / '.metadata'} is not a checkpoint index: it names "
-            f"{os.system.__module__}.system, which Distributed Checkpoint's index never holds; refused unread") in line
+    assert (
+        f"is a damaged checkpoint: {newest / 'state' / '.metadata'} is not a checkpoint index: it names "
+        f"{os.system.__module__}.system, which Distributed Checkpoint's index never holds; refused unread"
+    ) in line
     assert "\n" not in line
     found, passed_over = find_checkpoint(run_dir, "auto")
     assert found == run_dir / "checkpoints" / "step_000002" and "is not a checkpoint index" in passed_over[0]
@@ -832,8 +960,9 @@ def test_a_value_stored_as_bytes_that_is_code_is_refused_before_any_loads(killed
     settings = ["trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"]
     with pytest.raises(SystemExit) as raised:
         train(compose_train(*settings, f"resume={state.parent}"), tmp_path / "elsewhere")
-    assert (f"{stored} stores optimizer.param_groups.0.lr as something other than data, refused unread"
-            in str(raised.value)) and "\n" not in str(raised.value)
+    assert (
+        f"{stored} stores optimizer.param_groups.0.lr as something other than data, refused unread" in str(raised.value)
+    ) and "\n" not in str(raised.value)
     with pytest.raises(CheckpointException):  # torch's own planner would unpickle it; the project's only as data
         load(RLTrainer(compose_train(*settings)), state.parent)
     assert not marker.exists(), "the checkpoint's code ran"
@@ -846,8 +975,11 @@ def test_a_disk_that_fills_inside_torch_save_ends_the_run_in_one_line_and_remove
     (measured on the same run's checkpoint, written in-process without a limit: the runs are the same bits)."""
     train(compose_train("trainer.steps=1", "trainer.checkpoint_every=1"), tmp_path / "free")
     index = FileSystemReader(str(tmp_path / "free" / "checkpoints" / "step_000001" / "state")).read_metadata()
-    tensors = [stored for key, stored in index.storage_data.items()
-               if not isinstance(index.state_dict_metadata[key.fqn], BytesStorageMetadata)]
+    tensors = [
+        stored
+        for key, stored in index.storage_data.items()
+        if not isinstance(index.state_dict_metadata[key.fqn], BytesStorageMetadata)
+    ]
     tensor = max((stored for stored in tensors if stored.offset > 100_000), key=lambda stored: stored.length)
     limit = tensor.offset + tensor.length // 2
     run_dir = tmp_path / "run"
@@ -855,12 +987,20 @@ def test_a_disk_that_fills_inside_torch_save_ends_the_run_in_one_line_and_remove
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    done = subprocess.run([*CLI, *MICRO_RUN, "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, preexec_fn=limited)
+    done = subprocess.run(
+        [*CLI, *MICRO_RUN, "trainer.checkpoint_every=1", f"hydra.run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=300,
+        preexec_fn=limited,
+    )
     assert done.returncode == 1
     line = one_line(done.stderr)
-    assert (f"cannot write checkpoint step_000001 in {run_dir / 'checkpoints'}: File too large; the partial one was "
-            "removed, and there is no earlier checkpoint") in line and "says status 'failed'" in line
+    assert (
+        f"cannot write checkpoint step_000001 in {run_dir / 'checkpoints'}: File too large; the partial one was "
+        "removed, and there is no earlier checkpoint"
+    ) in line and "says status 'failed'" in line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "File too large" in summary["failed"]
     assert [row[STEP] for row in read_metrics(run_dir)] == [1]
@@ -897,19 +1037,30 @@ def test_a_kill_while_rotation_deletes_a_checkpoint_leaves_no_checkpoint_half_de
 
 # -- real data: the whole split in batches, prompts within the model's positions ----------------------------------
 
+
 def gsm8k_run(tmp_path: Path, questions: list[str], *overrides: str):
     """A micro run on GSM8K-format files: 8 training problems, and `questions` as the test split."""
+
     def write(path: Path, texts: list[str]) -> Path:
-        path.write_text("".join(json.dumps({"question": text, "answer": f"{text} = 2\n#### 2"}) + "\n"
-                                for text in texts))
+        path.write_text(
+            "".join(json.dumps({"question": text, "answer": f"{text} = 2\n#### 2"}) + "\n" for text in texts)
+        )
         return path
 
     train_file = write(tmp_path / "train.jsonl", [f"{i}+{2 - i}?" for i in range(3)] * 3)
     test_file = write(tmp_path / "test.jsonl", questions)
     micro = [o for o in MICRO_RUN if not o.startswith("dataset.")]
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=[*micro, "dataset=gsm8k", f"dataset.train_path={train_file}",
-                                           f"dataset.test_path={test_file}", *overrides])
+        return compose(
+            "train",
+            overrides=[
+                *micro,
+                "dataset=gsm8k",
+                f"dataset.train_path={train_file}",
+                f"dataset.test_path={test_file}",
+                *overrides,
+            ],
+        )
 
 
 def test_the_whole_split_is_evaluated_in_batches_that_the_memory_check_counts(tmp_path, monkeypatch, capsys):
@@ -923,8 +1074,13 @@ def test_the_whole_split_is_evaluated_in_batches_that_the_memory_check_counts(tm
     assert 1 < batch < 200, "the split is larger than one batch here"
     sampled = []
     sample = HFEngine.sample
-    monkeypatch.setattr(HFEngine, "sample", lambda engine, prompts, *args, **kwargs: sampled.append(len(prompts))
-                        or sample(engine, prompts, *args, **kwargs))
+    monkeypatch.setattr(
+        HFEngine,
+        "sample",
+        lambda engine, prompts, *args, **kwargs: (
+            sampled.append(len(prompts)) or sample(engine, prompts, *args, **kwargs)
+        ),
+    )
     trainer.evaluate(whole_split=True)
     assert sampled == [batch] * (200 // batch) + ([200 % batch] if 200 % batch else [])
     monkeypatch.setattr(HFEngine, "sample", sample)
@@ -947,15 +1103,19 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_at_start_up(tmp_pa
     with pytest.raises(SystemExit) as raised:
         train(cfg, tmp_path / "run")
     line = str(raised.value)
-    assert ("the longest prompt of dataset 'gsm8k' (test prompt 2, 99 tokens) and trainer.max_new_tokens=4 need 103 "
-            "positions, and model 'micro_moe' has max_position_embeddings=64") in line and "\n" not in line
+    assert (
+        "the longest prompt of dataset 'gsm8k' (test prompt 2, 99 tokens) and trainer.max_new_tokens=4 need 103 "
+        "positions, and model 'micro_moe' has max_position_embeddings=64"
+    ) in line and "\n" not in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 # -- what computed a result: versions, kernels, the start's ---------------------------------------------------------
 
+
 def test_a_summary_names_its_versions_and_its_start_and_a_resume_under_other_versions_says_so(
-        tmp_path, checkpoint, monkeypatch, capsys):
+    tmp_path, checkpoint, monkeypatch, capsys
+):
     """summary.json recorded the start's sha256 and this process's kernels, but no library versions, nor the kernels
     its start was made with; a resume under another torch was recorded as if one process had run every step."""
     import transformers
@@ -975,34 +1135,49 @@ def test_a_summary_names_its_versions_and_its_start_and_a_resume_under_other_ver
     here = provenance.versions()
     monkeypatch.setattr(provenance, "versions", lambda: {**here, "torch": "9.9.9"})
     extended = train(compose_train(*settings, "trainer.steps=4", "resume=auto"), run_dir)
-    assert (f"warning: step_000003 was computed under other libraries, kernels or threads than this process (torch "
-            f"{torch.__version__} there, 9.9.9 here)") in capsys.readouterr().err
+    assert (
+        f"warning: step_000003 was computed under other libraries, kernels or threads than this process (torch "
+        f"{torch.__version__} there, 9.9.9 here)"
+    ) in capsys.readouterr().err
     assert [(part["first_step"], part["versions"]["torch"]) for part in extended["computed_under"]] == [
-        (1, torch.__version__), (4, "9.9.9")]
+        (1, torch.__version__),
+        (4, "9.9.9"),
+    ]
     assert json.loads((run_dir / "summary.json").read_text())["computed_under"] == extended["computed_under"]
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
-                    reason="the portable kernels need an x86-64 CPU with AVX2")
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_VNNI"),
+    reason="the portable kernels need an x86-64 CPU with AVX2",
+)
 def test_a_resume_under_other_kernels_is_recorded_as_such(tmp_path):
     """cpu_kernels may change on resume (it computes the same steps with other rounding): the summary then named the
     new kernels alone, as if the whole run had used them."""
     run_dir = tmp_path / "run"
     train(compose_train("trainer.checkpoint_every=3"), run_dir)  # this process: the machine's own kernels
-    done = run_cli(*MICRO_RUN, "trainer.checkpoint_every=3", "trainer.steps=4", "resume=auto", "cpu_kernels=portable",
-                   f"hydra.run.dir={run_dir}")
+    done = run_cli(
+        *MICRO_RUN,
+        "trainer.checkpoint_every=3",
+        "trainer.steps=4",
+        "resume=auto",
+        "cpu_kernels=portable",
+        f"hydra.run.dir={run_dir}",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kernels mode native there, portable here" in done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [(part["first_step"], part["kernels"]["mode"]) for part in summary["computed_under"]] == [
-        (1, "native"), (4, "portable")]
+        (1, "native"),
+        (4, "portable"),
+    ]
     assert summary["kernels"]["mode"] == "portable", "the kernels of the process that wrote the summary"
 
 
 def _but_timings(lines: list[dict]) -> list[dict]:
     """Each line's numbers but the times it took (`perf/threads` stays: it is how the step computed)."""
-    return [{key: value for key, value in line.items() if not key.startswith("perf/") or key == THREADS}
-            for line in lines]
+    return [
+        {key: value for key, value in line.items() if not key.startswith("perf/") or key == THREADS} for line in lines
+    ]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the budget reads Linux's /proc/stat")
@@ -1045,11 +1220,14 @@ def test_a_resume_under_another_thread_count_is_recorded_as_such(tmp_path, capsy
 
     run_dir = tmp_path / "run"
     train(compose_train("trainer.checkpoint_every=3", "trainer.threads=2"), run_dir)
-    extended = train(compose_train("trainer.checkpoint_every=3", "trainer.steps=4", "trainer.threads=null",
-                                   "resume=auto"), run_dir)
-    assert ("warning: step_000003 was computed under other libraries, kernels or threads than this process "
-            "(trainer.threads 2 there, null (the free cores) here): the steps after 3 are not the bits an "
-            "uninterrupted run would give") in capsys.readouterr().err
+    extended = train(
+        compose_train("trainer.checkpoint_every=3", "trainer.steps=4", "trainer.threads=null", "resume=auto"), run_dir
+    )
+    assert (
+        "warning: step_000003 was computed under other libraries, kernels or threads than this process "
+        "(trainer.threads 2 there, null (the free cores) here): the steps after 3 are not the bits an "
+        "uninterrupted run would give"
+    ) in capsys.readouterr().err
     assert [(part["first_step"], part["threads"]) for part in extended["computed_under"]] == [(1, 2), (4, None)]
     recorded_before_threads = {"versions": provenance.versions(), "kernels": extended["kernels"]}
     _, differs = provenance.resumed_under([{"first_step": 1, **recorded_before_threads}], 3, "native", 1)
@@ -1071,13 +1249,21 @@ def test_the_lock_pins_every_requirement_make_installs_within_its_range_and_make
     lock = (PROJECT_ROOT / "constraints.txt").read_text()
     assert "make constraints" in lock, "the lock says how it is refreshed"
     pins = dict(line.split("==") for line in lock.splitlines() if line and not line.startswith("#"))
-    installs = [line for line in subprocess.run(["make", "-n", "-B", "install", "bench", "constraints"],
-                                                cwd=PROJECT_ROOT, capture_output=True, text=True,
-                                                check=True).stdout.splitlines()
-                if "pip install" in line]
+    installs = [
+        line
+        for line in subprocess.run(
+            ["make", "-n", "-B", "install", "bench", "constraints"],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        if "pip install" in line
+    ]
     assert installs and all("-c constraints.txt" in line for line in installs), installs
-    installed_extras = {extra for line in installs for listed in re.findall(r"\.\[([^]]*)\]", line)
-                        for extra in listed.split(",")}
+    installed_extras = {
+        extra for line in installs for listed in re.findall(r"\.\[([^]]*)\]", line) for extra in listed.split(",")
+    }
     assert installed_extras == set(LOCKED_EXTRAS), f"make installs {installed_extras}, the lock covers {LOCKED_EXTRAS}"
     extras = project["optional-dependencies"]
     for line in [*project["dependencies"], *(line for extra in LOCKED_EXTRAS for line in extras[extra])]:
@@ -1094,15 +1280,22 @@ def test_the_lock_is_refused_from_an_environment_that_lacks_a_requirement(monkey
     from experiments.run import provenance
 
     requires = metadata.requires
-    monkeypatch.setattr(metadata, "requires", lambda distribution: [
-        "a-distribution-not-installed>=1; extra == 'bench'", "another-one-not-installed; extra == 'megablocks'",
-    ] if distribution == provenance.PROJECT else requires(distribution))
+    monkeypatch.setattr(
+        metadata,
+        "requires",
+        lambda distribution: (
+            ["a-distribution-not-installed>=1; extra == 'bench'", "another-one-not-installed; extra == 'megablocks'"]
+            if distribution == provenance.PROJECT
+            else requires(distribution)
+        ),
+    )
     with pytest.raises(SystemExit, match="the lock needs a-distribution-not-installed ") as refusal:
         provenance.locked()
     assert "\n" not in str(refusal.value) and "another-one" not in str(refusal.value)
 
 
 # -- resume: what it compares, what it keeps, what it sets aside ---------------------------------------------------
+
 
 def killed(run_dir: Path) -> Path:
     """The run directory as a kill after its last step leaves it: no summary."""
@@ -1118,8 +1311,10 @@ def test_rotation_never_deletes_the_only_intact_checkpoint_and_sets_damaged_ones
     damaged = killed(run_dir) / "checkpoints" / "step_000004"
     _damage(damaged / "state" / "__0_0.distcp", "truncated")
     (run_dir / "checkpoints" / "step_000009.tmp" / "state").mkdir(parents=True)  # a write a kill cut: not a checkpoint
-    train(compose_train("trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", "resume=auto"),
-          run_dir)
+    train(
+        compose_train("trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", "resume=auto"),
+        run_dir,
+    )
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000003", "step_000004.damaged"]
     assert find_checkpoint(run_dir, "auto") == (run_dir / "checkpoints" / "step_000003", [])
     assert [row[STEP] for row in read_metrics(run_dir)] == [1, 2, 3]
@@ -1141,8 +1336,15 @@ def test_a_kill_while_resume_cuts_the_log_leaves_the_log_whole(killed_after_thre
         "    return handle\n"
         "builtins.open = io.open = opening\n"
     )
-    done = run_patched(tmp_path, kill_when_the_log_is_opened_for_writing, *MICRO_RUN, "trainer.checkpoint_every=1",
-                       "trainer.keep_checkpoints=3", "resume=auto", f"hydra.run.dir={run_dir}")
+    done = run_patched(
+        tmp_path,
+        kill_when_the_log_is_opened_for_writing,
+        *MICRO_RUN,
+        "trainer.checkpoint_every=1",
+        "trainer.keep_checkpoints=3",
+        "resume=auto",
+        f"hydra.run.dir={run_dir}",
+    )
     assert done.returncode == (-signum if signum == signal.SIGKILL else 128 + signum), done.stderr[-2000:]
     assert (run_dir / "metrics.jsonl").read_text() == logged
 
@@ -1160,7 +1362,8 @@ def test_resume_compares_every_setting_the_run_was_trained_with(tmp_path):
     with pytest.raises(SystemExit) as raised:
         train(compose_train(f"resume={checkpoint}"), tmp_path / "elsewhere")
     assert f"checkpoint {checkpoint} is of another experiment: routing.flip_rate=0.2 there, 0.0 here" in str(
-        raised.value)
+        raised.value
+    )
 
 
 @dataclass
@@ -1171,17 +1374,21 @@ class TrainerWithANewField(TrainerConfig):
 def with_perturb_rate(cfg, rate: float | None):
     """`cfg` under a schema that has the new field, set to `rate` (None: the schema without it)."""
     if rate is not None:
-        cfg.trainer = OmegaConf.structured(TrainerWithANewField(**dataclasses.asdict(OmegaConf.to_object(cfg.trainer)),
-                                                                perturb_rate=rate))
+        cfg.trainer = OmegaConf.structured(
+            TrainerWithANewField(**dataclasses.asdict(OmegaConf.to_object(cfg.trainer)), perturb_rate=rate)
+        )
     return cfg
 
 
-@pytest.mark.parametrize("written, resumed, refused", [
-    (0.1, 0.3, "trainer.perturb_rate=0.1 there, 0.3 here"),
-    (None, 0.3, "trainer.perturb_rate absent there, 0.3 here"),  # written before the field existed
-    (None, 0.0, None),  # ... and resumed at the field's default: what runs did before it existed
-    (0.1, 0.1, None),
-])
+@pytest.mark.parametrize(
+    "written, resumed, refused",
+    [
+        (0.1, 0.3, "trainer.perturb_rate=0.1 there, 0.3 here"),
+        (None, 0.3, "trainer.perturb_rate absent there, 0.3 here"),  # written before the field existed
+        (None, 0.0, None),  # ... and resumed at the field's default: what runs did before it existed
+        (0.1, 0.1, None),
+    ],
+)
 def test_a_new_setting_is_compared_on_resume_unless_declared_safe(tmp_path, monkeypatch, written, resumed, refused):
     run_dir = tmp_path / "run"
     train(with_perturb_rate(compose_train("trainer.checkpoint_every=3"), written), run_dir)
@@ -1239,12 +1446,15 @@ def test_another_length_under_a_schedule_that_decays_over_it_is_refused(tmp_path
     assert "trainer.steps=5 would join two schedules" in line and "\n" not in line
 
 
-@pytest.mark.parametrize("damage, problem", [
-    (lambda text: b"", "which is empty"),
-    (lambda text: text.replace(b"grpo", b"gr\xffo"), "which is not UTF-8 (byte 0xff at offset"),
-    (lambda text: text.replace(b"trainer:", b"trainer: [", 1), "which is not valid YAML ("),
-    (lambda text: b"\n".join(text.split(b"\n")[:20]), "and it lacks settings this run has (model."),
-])
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda text: b"", "which is empty"),
+        (lambda text: text.replace(b"grpo", b"gr\xffo"), "which is not UTF-8 (byte 0xff at offset"),
+        (lambda text: text.replace(b"trainer:", b"trainer: [", 1), "which is not valid YAML ("),
+        (lambda text: b"\n".join(text.split(b"\n")[:20]), "and it lacks settings this run has (model."),
+    ],
+)
 def test_a_damaged_recorded_config_is_named_on_resume(tmp_path, damage, problem):
     """A damaged .hydra/config.yaml ended resume in a YAML or Unicode traceback; an empty or cut one was "another
     experiment: X=None there"."""
@@ -1263,16 +1473,22 @@ def test_a_checkpoint_cadence_beyond_the_run_writes_the_final_checkpoint_and_say
     """trainer.checkpoint_every > trainer.steps wrote no checkpoint, and said nothing."""
     train(compose_train("trainer.checkpoint_every=10"), tmp_path / "run")
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000003"]
-    assert ("trainer.checkpoint_every=10 is more than trainer.steps=3: the run's one checkpoint is its last step's"
-            in capsys.readouterr().err)
+    assert (
+        "trainer.checkpoint_every=10 is more than trainer.steps=3: the run's one checkpoint is its last step's"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_dataset_file_that_is_not_utf8_names_its_line(tmp_path):
     good = '{"question": "1+1?", "answer": "#### 2"}\n'
-    (tmp_path / "train.jsonl").write_bytes(good.encode() + '{"question": "caf\xe9", "answer": "#### 1"}\n'.encode("latin-1"))
+    (tmp_path / "train.jsonl").write_bytes(
+        good.encode() + '{"question": "caf\xe9", "answer": "#### 1"}\n'.encode("latin-1")
+    )
     (tmp_path / "test.jsonl").write_text(good)
     overrides = [o for o in MICRO_RUN if not o.startswith("dataset.")] + [
-        "dataset=gsm8k", f"dataset.train_path={tmp_path / 'train.jsonl'}", f"dataset.test_path={tmp_path / 'test.jsonl'}",
+        "dataset=gsm8k",
+        f"dataset.train_path={tmp_path / 'train.jsonl'}",
+        f"dataset.test_path={tmp_path / 'test.jsonl'}",
         "trainer.eval_prompts=1",
     ]
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
@@ -1284,34 +1500,70 @@ def test_a_dataset_file_that_is_not_utf8_names_its_line(tmp_path):
 
 # -- the other entry points -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "override, message",
-    [("sft.batch_size=0", "sft.batch_size=0 must be >= 1"), ("sft.target_accuracy=1.5", "must be in (0, 1]"),
-     ("device=foo", "device='foo' is not one of cpu, cuda, cuda:<index>"),
-     ("sft.eval_prompts=100000", "sft.eval_prompts=100000 is more than the 500 held-out examples"),
-     ("+sft.epochs=3", "unknown config key(s) sft.epochs")],
+    [
+        ("sft.batch_size=0", "sft.batch_size=0 must be >= 1"),
+        ("sft.target_accuracy=1.5", "must be in (0, 1]"),
+        ("device=foo", "device='foo' is not one of cpu, cuda, cuda:<index>"),
+        ("sft.eval_prompts=100000", "sft.eval_prompts=100000 is more than the 500 held-out examples"),
+        ("+sft.epochs=3", "unknown config key(s) sft.epochs"),
+    ],
 )
 def test_the_cold_start_refuses_bad_settings_in_one_line(tmp_path, override, message):
-    result = run_cli(override, f"sft.output_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}",
-                     "logger.wandb.mode=disabled", module="experiments.sft")
+    result = run_cli(
+        override,
+        f"sft.output_dir={tmp_path / 'ckpt'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "logger.wandb.mode=disabled",
+        module="experiments.sft",
+    )
     assert result.returncode != 0 and message in one_line(result.stderr)
 
 
-@pytest.mark.parametrize("module, overrides", [
-    ("experiments.sft", ["sft.max_steps=100000", "sft.target_accuracy=1.0", "sft.eval_every=1000"]),
-    ("experiments.probe", ["model.path=null", "probe.lrs=[1e-3,1e-3]", "probe.warm_steps=200",
-                           "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.max_new_tokens=4",
-                           "dataset.train_size=200",
-                           "dataset.test_size=20", "trainer.eval_prompts=4", "probe.precisions=[]"]),
-])
+@pytest.mark.parametrize(
+    "module, overrides",
+    [
+        ("experiments.sft", ["sft.max_steps=100000", "sft.target_accuracy=1.0", "sft.eval_every=1000"]),
+        (
+            "experiments.probe",
+            [
+                "model.path=null",
+                "probe.lrs=[1e-3,1e-3]",
+                "probe.warm_steps=200",
+                "trainer.prompts_per_step=4",
+                "trainer.group_size=4",
+                "trainer.max_new_tokens=4",
+                "dataset.train_size=200",
+                "dataset.test_size=20",
+                "trainer.eval_prompts=4",
+                "probe.precisions=[]",
+            ],
+        ),
+    ],
+)
 def test_a_cold_start_and_a_probe_end_a_stop_as_a_run_does(tmp_path, module, overrides):
     """SIGTERM ends a cold start or a probe as it ends an RL run (`experiments.run.life`): exit code 143, one line,
     the log whole and `summary.json` saying `interrupted`; a cold start saves no checkpoint."""
     micro = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()]
     out = [f"sft.output_dir={tmp_path / 'ckpt'}", "sft.batch_size=4"] if module == "experiments.sft" else []
-    proc = subprocess.Popen([sys.executable, "-m", module, *micro, *overrides, *out, f"hydra.run.dir={tmp_path}",
-                             "logger.wandb.mode=disabled"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=PROJECT_ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            module,
+            *micro,
+            *overrides,
+            *out,
+            f"hydra.run.dir={tmp_path}",
+            "logger.wandb.mode=disabled",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=PROJECT_ROOT,
+    )
     wait_for_lines(tmp_path / "metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
@@ -1327,9 +1579,18 @@ def test_a_cold_start_and_a_probe_end_a_stop_as_a_run_does(tmp_path, module, ove
 def test_a_cold_start_that_diverges_ends_in_one_line_and_saves_no_checkpoint(tmp_path):
     """Evaluating non-finite weights used to score a greedy argmax over NaN logits, and the checkpoint was saved."""
     micro = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()]
-    done = run_cli(*micro, "sft.lr=1e30", "sft.max_steps=3", "sft.eval_every=1", "sft.eval_prompts=4",
-                   "sft.batch_size=4", f"sft.output_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'run'}",
-                   "logger.wandb.mode=disabled", module="experiments.sft")
+    done = run_cli(
+        *micro,
+        "sft.lr=1e30",
+        "sft.max_steps=3",
+        "sft.eval_every=1",
+        "sft.eval_prompts=4",
+        "sft.batch_size=4",
+        f"sft.output_dir={tmp_path / 'ckpt'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "logger.wandb.mode=disabled",
+        module="experiments.sft",
+    )
     assert done.returncode == 1
     line = one_line(done.stderr)
     assert "the cold start diverged in step" in line and "logits that are NaN or inf" in line
@@ -1349,8 +1610,13 @@ def test_the_report_refuses_an_unwritable_out_no_runs_and_wandb_without_a_key_le
     assert result.returncode == 2 and "no runs found" in one_line(result.stderr)
     assert not (tmp_path / "reports").exists(), "the failed report left the folders it created"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")} | {"HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "analysis.report", "--wandb", "ent/proj", "--out",
-                             str(tmp_path / "wb")], capture_output=True, text=True, cwd=PROJECT_ROOT, env=env,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "analysis.report", "--wandb", "ent/proj", "--out", str(tmp_path / "wb")],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 2 and "--wandb needs an API key" in one_line(result.stderr)
     assert not (tmp_path / "wb").exists()

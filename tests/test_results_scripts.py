@@ -24,8 +24,17 @@ SCRIPT = RESULTS / "experiment.sh"
 SCRIPTS = sorted(RESULTS.rglob("*.sh"))  # every command file, and args.sh, the checks they source
 COMMANDS = [script for script in SCRIPTS if script.name != "args.sh"]
 # The results' commands over experiment.sh: their cold start's recipe is their own, other runs go after `--`.
-OVER_EXPERIMENT_SH = ["claim1_deep", "deep_long", "deep_long_seeds", "few_experts", "flip_dose", "flip_dose_seeds",
-                      "long_answers", "replay_variants", "router_noise_dose"]
+OVER_EXPERIMENT_SH = [
+    "claim1_deep",
+    "deep_long",
+    "deep_long_seeds",
+    "few_experts",
+    "flip_dose",
+    "flip_dose_seeds",
+    "long_answers",
+    "replay_variants",
+    "router_noise_dose",
+]
 
 
 def recording_python(tmp_path) -> tuple[dict[str, str], Path]:
@@ -53,8 +62,15 @@ def run_with_a_recording_python(tmp_path, *args: str) -> list[list[str]]:
 
 def test_overrides_after_the_separator_reach_the_runs_and_the_report_goes_elsewhere(tmp_path):
     sft, train, report = run_with_a_recording_python(
-        tmp_path, "deep_long_seeds", str(tmp_path / "no-checkpoint"), "model=qwen30b_l16", "dataset=scratchpad",
-        "--", "seed=10,11", "trainer.steps=2")
+        tmp_path,
+        "deep_long_seeds",
+        str(tmp_path / "no-checkpoint"),
+        "model=qwen30b_l16",
+        "dataset=scratchpad",
+        "--",
+        "seed=10,11",
+        "trainer.steps=2",
+    )
     assert sft == ["-m", "experiments.sft", "model=qwen30b_l16", "dataset=scratchpad"]
     assert train[:3] == ["-m", "experiments.train", "-m"] and train[3] == "experiment=deep_long_seeds"
     assert train[-2:] == ["seed=10,11", "trainer.steps=2"]
@@ -73,30 +89,49 @@ def test_without_run_overrides_the_result_is_regenerated_in_place(tmp_path):
 def test_a_start_without_a_recipe_is_refused_before_any_is_made(tmp_path):
     env, log = recording_python(tmp_path)
     script = SCRIPT.parent / "router_starts.sh"
-    done = subprocess.run(["bash", str(script), "glm4_moe_l16-addition-tied", "qwen30b_l16-addition-flat"], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", str(script), "glm4_moe_l16-addition-tied", "qwen30b_l16-addition-flat"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and not log.exists()  # the known name before the unknown one is not made either
-    assert done.stderr.strip() == ("error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the "
-                                   f"fifteen listed in {script})")
+    assert done.stderr.strip() == (
+        f"error: no cold-start recipe named 'qwen30b_l16-addition-flat' (allowed: the fifteen listed in {script})"
+    )
 
 
 def test_k_starts_of_a_recipe_draw_its_seeds_and_start_0_is_the_documented_one(tmp_path):
     env, log = recording_python(tmp_path)
     env["COLD_STARTS"] = str(tmp_path / "starts")
     script = SCRIPT.parent / "router_starts.sh"
-    done = subprocess.run(["bash", str(script), "--starts", "3", "tiny_moe-addition"], env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["bash", str(script), "--starts", "3", "tiny_moe-addition"], env=env, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     calls = calls_in(log)
-    assert calls == [["-m", "experiments.sft", "model=tiny_moe", f"sft.output_dir={tmp_path}/starts/tiny_moe-addition"],
-                     *[["-m", "experiments.sft", "model=tiny_moe", f"model.init_seed={k}", f"seed={k}",
-                        f"sft.output_dir={tmp_path}/starts/tiny_moe-addition-start{k}"] for k in (1, 2)]]
-    where = subprocess.run(["bash", str(script), "--path", "2", "tiny_moe-addition"], env=env, capture_output=True,
-                           text=True)
+    assert calls == [
+        ["-m", "experiments.sft", "model=tiny_moe", f"sft.output_dir={tmp_path}/starts/tiny_moe-addition"],
+        *[
+            [
+                "-m",
+                "experiments.sft",
+                "model=tiny_moe",
+                f"model.init_seed={k}",
+                f"seed={k}",
+                f"sft.output_dir={tmp_path}/starts/tiny_moe-addition-start{k}",
+            ]
+            for k in (1, 2)
+        ],
+    ]
+    where = subprocess.run(
+        ["bash", str(script), "--path", "2", "tiny_moe-addition"], env=env, capture_output=True, text=True
+    )
     assert where.stdout.strip() == f"{tmp_path}/starts/tiny_moe-addition-start2"
     for bad in ("0", "two"):
-        refused = subprocess.run(["bash", str(script), "--starts", bad, "tiny_moe-addition"], env=env,
-                                 capture_output=True, text=True)
+        refused = subprocess.run(
+            ["bash", str(script), "--starts", bad, "tiny_moe-addition"], env=env, capture_output=True, text=True
+        )
         assert refused.returncode == 2 and f"--starts '{bad}' must be a whole number >= 1" in refused.stderr
 
 
@@ -119,8 +154,10 @@ def test_the_reasoning_gym_result_makes_the_cold_start_its_experiment_starts_fro
     reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
     # a report per task: one of both would pool the two recipes' starts as two starts of one recipe
     assert [report[report.index("--out") + 1] for report in reports] == [
-        "docs/results/reasoning_gym", "docs/results/reasoning_gym/addition"]
-    swept = [report[2:report.index("--out")] for report in reports]  # the sweeps each report reads
+        "docs/results/reasoning_gym",
+        "docs/results/reasoning_gym/addition",
+    ]
+    swept = [report[2 : report.index("--out")] for report in reports]  # the sweeps each report reads
     assert [len(sweeps) for sweeps in swept] == [1, 1]
     assert swept[0][0].endswith("/reasoning_gym") and swept[1][0].endswith("/addition")
     register_configs()
@@ -197,25 +234,28 @@ def test_a_run_override_without_its_separator_is_refused_not_dropped(tmp_path, r
     assert_refused(tmp_path, RESULTS / name / "command.sh", ["--", "10,11"], "'10,11'")
 
 
-@pytest.mark.parametrize(("script", "args", "named"), [
-    ("staleness/command.sh", ["cells", "3"], "'3'"),  # ran no cell, yet made six cold starts and rewrote the panels
-    ("staleness/command.sh", ["cells", "0"], "'0'"),
-    ("staleness/command.sh", ["cells", "2", "3"], "'3'"),
-    ("staleness/command.sh", ["cells"], "cells needs the N"),
-    ("staleness/command.sh", ["map", "8"], "'8'"),
-    ("router_starts.sh", ["--starts"], "--starts needs a value"),  # exited 1 without a word
-    ("router_starts.sh", ["--path"], "--path needs a value"),
-    ("router_starts.sh", ["--start", "2", "tiny_moe-addition"], "'--start'"),
-    ("experiment.sh", [], "expected NAME CHECKPOINT"),  # bash's "unbound variable"
-    ("experiment.sh", ["flip_dose", "checkpoints/cold_start/tiny_moe-addition", "seed=10,11"], "'seed=10,11'"),
-    ("experiment.sh", ["no_such_experiment", "checkpoints/cold_start/tiny_moe-addition"], "'no_such_experiment'"),
-    ("experiment.sh", ["flip_dose", "model=tiny_moe"], "'model=tiny_moe'"),
-    ("claims.sh", [], "claim ''"),  # bash's "unbound variable"
-    ("claims.sh", ["claim4_early_warning"], "'claim4_early_warning'"),  # a part of claim 4 over its whole report
-    ("claims.sh", ["claim1_fig3", "seed=3"], "'seed=3'"),
-    ("recipe_claims/command.sh", ["deep_long", "report", "seed=3"], "'seed=3'"),
-    ("real_routers/command.sh", ["seed=3"], "'seed=3'"),
-])
+@pytest.mark.parametrize(
+    ("script", "args", "named"),
+    [
+        ("staleness/command.sh", ["cells", "3"], "'3'"),  # ran no cell, yet made six cold starts and rewrote the panels
+        ("staleness/command.sh", ["cells", "0"], "'0'"),
+        ("staleness/command.sh", ["cells", "2", "3"], "'3'"),
+        ("staleness/command.sh", ["cells"], "cells needs the N"),
+        ("staleness/command.sh", ["map", "8"], "'8'"),
+        ("router_starts.sh", ["--starts"], "--starts needs a value"),  # exited 1 without a word
+        ("router_starts.sh", ["--path"], "--path needs a value"),
+        ("router_starts.sh", ["--start", "2", "tiny_moe-addition"], "'--start'"),
+        ("experiment.sh", [], "expected NAME CHECKPOINT"),  # bash's "unbound variable"
+        ("experiment.sh", ["flip_dose", "checkpoints/cold_start/tiny_moe-addition", "seed=10,11"], "'seed=10,11'"),
+        ("experiment.sh", ["no_such_experiment", "checkpoints/cold_start/tiny_moe-addition"], "'no_such_experiment'"),
+        ("experiment.sh", ["flip_dose", "model=tiny_moe"], "'model=tiny_moe'"),
+        ("claims.sh", [], "claim ''"),  # bash's "unbound variable"
+        ("claims.sh", ["claim4_early_warning"], "'claim4_early_warning'"),  # a part of claim 4 over its whole report
+        ("claims.sh", ["claim1_fig3", "seed=3"], "'seed=3'"),
+        ("recipe_claims/command.sh", ["deep_long", "report", "seed=3"], "'seed=3'"),
+        ("real_routers/command.sh", ["seed=3"], "'seed=3'"),
+    ],
+)
 def test_a_bad_argument_is_refused_in_one_line_before_any_work(tmp_path, results_untouched, script, args, named):
     assert_refused(tmp_path, RESULTS / script, args, named)
 
@@ -240,8 +280,7 @@ def test_overridden_runs_are_reported_elsewhere_and_runs_side_by_side_in_place(t
     assert all(re.fullmatch(r"reports/real_routers-[0-9_-]+/\w+", out) for out in outputs(calls))
 
 
-def test_other_seeds_of_the_dose_response_run_without_the_pilot_and_are_reported_elsewhere(tmp_path,
-                                                                                           results_untouched):
+def test_other_seeds_of_the_dose_response_run_without_the_pilot_and_are_reported_elsewhere(tmp_path, results_untouched):
     script = RESULTS / "router_noise_dose" / "command.sh"
     done, calls = run_script(tmp_path, script, "--", "seed=10,11")
     assert done.returncode == 0, done.stderr
@@ -249,8 +288,10 @@ def test_other_seeds_of_the_dose_response_run_without_the_pilot_and_are_reported
     assert [call for call in calls if "seed=10,11" in call][0][3] == "experiment=router_noise_dose"
     assert len(outputs(calls)) == 1 and outputs(calls)[0].startswith("reports/router_noise_dose-")
     done, calls = run_script(tmp_path, script)
-    assert done.returncode == 0 and outputs(calls) == ["docs/results/router_noise_dose/pilot",
-                                                       "docs/results/router_noise_dose"]
+    assert done.returncode == 0 and outputs(calls) == [
+        "docs/results/router_noise_dose/pilot",
+        "docs/results/router_noise_dose",
+    ]
 
 
 def apply_the_staleness_rule(tmp_path, areas: dict[str, dict[tuple[str, int], float]]) -> subprocess.CompletedProcess:
@@ -268,8 +309,12 @@ def apply_the_staleness_rule(tmp_path, areas: dict[str, dict[tuple[str, int], fl
     python = tmp_path / "bin" / "python"
     python.parent.mkdir()
     python.symlink_to(sys.executable)
-    return subprocess.run(["bash", str(results / "async" / "command.sh"), "rule"], capture_output=True, text=True,
-                          env={**os.environ, "PATH": f"{python.parent}:{os.environ['PATH']}"})
+    return subprocess.run(
+        ["bash", str(results / "async" / "command.sh"), "rule"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{python.parent}:{os.environ['PATH']}"},
+    )
 
 
 def map_of(falls: dict[str, dict[int, float]]) -> dict[tuple[str, int], float]:
@@ -303,8 +348,12 @@ def test_the_staleness_cells_run_every_start_on_seed_0_first_and_the_family_last
     at lag 0, the dense control's MiniRL at 0 and K, on starts 0-7 of seed 0 before any of seed 1; then a report per
     model and the declared family at K from those two reports."""
     env, log = recording_python(tmp_path)
-    done = subprocess.run(["bash", str(RESULTS / "async" / "command.sh"), "cells", "glm4_moe_l16", "4"],
-                          env={**env, "COLD_STARTS": str(tmp_path / "starts")}, capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", str(RESULTS / "async" / "command.sh"), "cells", "glm4_moe_l16", "4"],
+        env={**env, "COLD_STARTS": str(tmp_path / "starts")},
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     calls = calls_in(log)
     trains = [call for call in calls if call[:2] == ["-m", "experiments.train"]]
@@ -317,16 +366,21 @@ def test_the_staleness_cells_run_every_start_on_seed_0_first_and_the_family_last
     assert seeds == ["0"] * 24 + ["1"] * 24
     assert all(setting(call, "resume") == "auto" for call in trains)  # run again, the cells go on where they stopped
     assert [setting(call, "model.path").rsplit("/", 1)[1] for call in trains[:6:3]] == [
-        "glm4_moe_l16-addition-balanced-target", "glm4_moe_l16-addition-balanced-target-start1"]
+        "glm4_moe_l16-addition-balanced-target",
+        "glm4_moe_l16-addition-balanced-target-start1",
+    ]
     lagged, synchronous, dense = trains[:3]
     assert setting(lagged, "rollout.lag") == "4" and setting(lagged, "arm") == (
-        "grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo")
+        "grpo_naive_async,grpo_decoupled,minirl,minirl_r3,minirl_pr2,gspo"
+    )
     assert setting(synchronous, "rollout.lag") == "0"
     assert setting(dense, "hydra.sweeper.params.model") == "qwen30b_l16_dense"
     assert setting(dense, "rollout.lag") == "0,4" and setting(dense, "arm") == "minirl"
     reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
     assert [call[call.index("--out") + 1] for call in reports] == [
-        "docs/results/async/cells/glm4_moe_l16", "docs/results/async/cells/qwen30b_l16_dense"]
+        "docs/results/async/cells/glm4_moe_l16",
+        "docs/results/async/cells/qwen30b_l16_dense",
+    ]
     assert len(reports[0]) == 2 + 2 * 16 + 4 and calls[-1][:2] == ["-m", "analysis.family"]
     assert calls[-1][-4:] == ["--lag", "4", "--out", "docs/results/async/contrasts"]
 
@@ -336,20 +390,38 @@ def test_the_exploratory_n4_runs_minirl_at_two_lags_and_r3_at_2_from_eight_start
     of the cells' size, minirl and minirl_r3 at lag 2 and minirl at 0, resumed if begun; then one report and the
     exploratory family (never the declared one) from it."""
     env, log = recording_python(tmp_path)
-    done = subprocess.run(["bash", str(RESULTS / "async" / "command.sh"), "n4"],
-                          env={**env, "COLD_STARTS": str(tmp_path / "starts")}, capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", str(RESULTS / "async" / "command.sh"), "n4"],
+        env={**env, "COLD_STARTS": str(tmp_path / "starts")},
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     calls = calls_in(log)
-    trains = [dict(arg.split("=", 1) for arg in call[2:] if "=" in arg) for call in calls
-              if call[:2] == ["-m", "experiments.train"]]
-    assert [(train["rollout.lag"], train["arm"]) for train in trains[:2]] == [("2", "minirl,minirl_r3"),
-                                                                           ("0", "minirl")]
+    trains = [
+        dict(arg.split("=", 1) for arg in call[2:] if "=" in arg)
+        for call in calls
+        if call[:2] == ["-m", "experiments.train"]
+    ]
+    assert [(train["rollout.lag"], train["arm"]) for train in trains[:2]] == [
+        ("2", "minirl,minirl_r3"),
+        ("0", "minirl"),
+    ]
     assert len(trains) == 16 and all(
-        (train["seed"], train["trainer.minibatches"], train["trainer.prompts_per_step"], train["resume"],
-         train["hydra.sweeper.params.model"]) == ("0", "4", "16", "auto", "glm4_moe_l16") for train in trains)
+        (
+            train["seed"],
+            train["trainer.minibatches"],
+            train["trainer.prompts_per_step"],
+            train["resume"],
+            train["hydra.sweeper.params.model"],
+        )
+        == ("0", "4", "16", "auto", "glm4_moe_l16")
+        for train in trains
+    )
     recipe = "glm4_moe_l16-addition-balanced-target"
     assert [train["model.path"].rsplit("/", 1)[1] for train in trains[::2]] == [recipe] + [
-        f"{recipe}-start{k}" for k in range(1, 8)]
+        f"{recipe}-start{k}" for k in range(1, 8)
+    ]
     report, contrast = calls[-2:]
     assert report[:2] == ["-m", "analysis.report"] and len(report) == 2 + 16 + 4
     assert contrast[:4] == ["-m", "analysis.family", "--family", "docs/results/async/exploratory_n4_family.yaml"]

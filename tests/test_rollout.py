@@ -61,8 +61,7 @@ def test_the_cache_written_in_place_samples_what_the_concatenating_one_samples(m
     for kind in KVCache:
         torch.manual_seed(0)
         engine = HFEngine(model, tokenizer, min_new_tokens=NEW, kv_cache=kind)
-        rollouts[kind] = collect_rollout(engine, task, examples,
-                                         Sampling(group_size, NEW, 1.0, record_routing=True))
+        rollouts[kind] = collect_rollout(engine, task, examples, Sampling(group_size, NEW, 1.0, record_routing=True))
     reference, rollout = rollouts[KVCache.concat], rollouts[KVCache.preallocated]
     assert torch.equal(rollout.input_ids, reference.input_ids)
     assert torch.equal(rollout.logp, reference.logp)
@@ -106,8 +105,11 @@ def test_a_cache_written_in_place_refuses_a_model_with_sliding_windows(micro_pol
     model, tokenizer = micro_policy
     model.config.sliding_window, model.config.use_sliding_window = 4, True
     try:
-        with pytest.raises(ConfigError, match=r"rollout.kv_cache='preallocated' .* DynamicSlidingWindowLayer layers: "
-                                              r"use rollout.kv_cache=concat"):
+        with pytest.raises(
+            ConfigError,
+            match=r"rollout.kv_cache='preallocated' .* DynamicSlidingWindowLayer layers: "
+            r"use rollout.kv_cache=concat",
+        ):
             HFEngine(model, tokenizer)
         assert isinstance(HFEngine(model, tokenizer, kv_cache=KVCache.concat), HFEngine)
     finally:
@@ -121,9 +123,14 @@ def test_shared_prefill_changes_nothing_but_the_cost(micro_policy):
     rollout = collect_rollout(HFEngine(model, tokenizer), task, examples, Sampling(G, NEW, 1.0, greedy=True))
     prompts = [example.prompt for example in examples for _ in range(G)]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    plain = model.generate(**encoded, max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                           eos_token_id=tokenizer.eos_token_id)
-    expected = tokenizer.batch_decode(plain[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+    plain = model.generate(
+        **encoded,
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    expected = tokenizer.batch_decode(plain[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
     assert rollout.completions == expected
     assert len(set(rollout.completions)) > 1, "a degenerate model would make this comparison vacuous"
 
@@ -142,11 +149,15 @@ def test_the_documented_example_engine_returns_text_only_and_the_run_adapts(tmp_
         summary = train(compose_train("rollout.engine=text_only", "trainer.steps=1"), tmp_path / "run")
         assert summary["engine"] == "text_only" and summary["pi_old"] == "decoupled"
         assert MISMATCH_K3 not in read_metrics(tmp_path / "run")[0], "no μ_old to measure the mismatch against"
-        with pytest.raises(SystemExit, match="correction=tis / algo=grpo read μ_old's log-probs, which "
-                                             "rollout.engine=text_only does not return"):
+        with pytest.raises(
+            SystemExit,
+            match="correction=tis / algo=grpo read μ_old's log-probs, which rollout.engine=text_only does not return",
+        ):
             train(compose_train("rollout.engine=text_only", "correction=tis"), tmp_path / "refused")
-        with pytest.raises(SystemExit, match="routing.replay=r3 replays the engine's experts, which "
-                                             "rollout.engine=text_only does not report"):
+        with pytest.raises(
+            SystemExit,
+            match="routing.replay=r3 replays the engine's experts, which rollout.engine=text_only does not report",
+        ):
             train(compose_train("rollout.engine=text_only", "routing.replay=r3"), tmp_path / "r3")
     finally:
         ENGINES._classes.pop("text_only", None)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from experiments.step.metrics import DRIFT_PER_UPDATE, ENTROPY, PERTURB_FRAC, REWARD
-from models.routing.perturbation import moved_share, perturb_routers, router_inputs
 from models.routing.hooks import record_routing
+from models.routing.perturbation import moved_share, perturb_routers, router_inputs
 from models.routing.trace import find_routers
 from tests.conftest import MICRO_RUN
 from tests.test_routing import _batch, _forward
@@ -87,10 +87,16 @@ def test_the_policy_carries_the_noise_and_replay_meets_it(tmp_path):
     assert r2[0][DRIFT_PER_UPDATE] > 0.1 and r2[1][ENTROPY] != plain[1][ENTROPY]
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["routing.perturb_rate=-0.1"], "routing.perturb_rate=-0.1 must be in [0, 1)"),
-    (["routing.perturb_rate=0.1", "model.architecture=qwen3"], "routing.perturb_rate=0.1 perturbs routers: needs an MoE"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["routing.perturb_rate=-0.1"], "routing.perturb_rate=-0.1 must be in [0, 1)"),
+        (
+            ["routing.perturb_rate=0.1", "model.architecture=qwen3"],
+            "routing.perturb_rate=0.1 perturbs routers: needs an MoE",
+        ),
+    ],
+)
 def test_bad_perturbation_settings_are_refused_before_any_work(overrides, message):
     from experiments.step.checks import check_run
     from models.registry import ConfigError
@@ -109,4 +115,5 @@ def test_a_perturbation_rate_of_one_is_refused_in_one_line_through_the_cli(tmp_p
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         "moe-rl-lab: routing.perturb_rate=1.0 must be in [0, 1) (the share of activated experts the router noise "
-        "moves after each update)")
+        "moves after each update)"
+    )

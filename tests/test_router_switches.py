@@ -14,13 +14,13 @@ from omegaconf import OmegaConf
 
 from algos.objective import POLICY_LOSS, TOKEN_RATIO_VAR
 from algos.routers import ROUTER_SWITCHES
+from algos.routers.balancing import global_balance_loss, sequence_balance_loss
 from algos.routers.bias_update import BIAS, ROUTE_CHANGE, TRAINED_ROUTE_CHANGE, update_biases
 from algos.routers.lagged_replay import LAG
 from experiments.config import register_configs
 from experiments.step.metrics import DRIFT_PER_UPDATE, GRAD_NORM, REWARD
 from experiments.step.scoring import ScoreOptions
 from experiments.train import RLTrainer, train
-from algos.routers.balancing import global_balance_loss, sequence_balance_loss
 from models.routing.hooks import RouterCalls
 from models.routing.trace import find_routers
 from tests.test_sigmoid_family import SIGMOID
@@ -35,11 +35,18 @@ def _softmax_router(top_k=2):
 
 
 def _sigmoid_router(bias, top_k=1):
-    return SimpleNamespace(top_k=top_k, e_score_correction_bias=torch.tensor(bias), num_group=1, topk_group=1,
-                           norm_topk_prob=True, routed_scaling_factor=1.0)
+    return SimpleNamespace(
+        top_k=top_k,
+        e_score_correction_bias=torch.tensor(bias),
+        num_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+    )
 
 
 # -- the losses by hand -------------------------------------------------------------------------------------------
+
 
 def test_global_balance_loss_and_its_gradient_by_hand():
     """One layer, E = 3, top-1, three tokens, the last padding: f = (1/2, 1/2, 0) (the two real tokens choose 0 and
@@ -93,13 +100,16 @@ def test_the_bias_update_by_hand():
 
 # -- through the loop ---------------------------------------------------------------------------------------------
 
+
 def test_aux_loss_adds_its_coefficient_times_the_logged_loss(monkeypatch):
     """The update's loss is the objective's plus coef · the global-batch loss the step logs as moe/aux_loss."""
     trainer = RLTrainer(compose_train("routers=[aux_loss]", "routers.aux_loss.coef=0.5"))
     _, _, minibatches, old = first_step_inputs(trainer)
     seen = []
     backward = torch.Tensor.backward
-    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: seen.append(float(self.detach())) or backward(self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "backward", lambda self, *a, **k: seen.append(float(self.detach())) or backward(self, *a, **k)
+    )
     metrics = trainer.update(minibatches[0], old[0])
     assert seen[0] == pytest.approx(metrics[POLICY_LOSS] + 0.5 * metrics["moe/aux_loss"], rel=1e-5)
 
@@ -119,8 +129,9 @@ def test_freeze_keeps_the_routers_out_of_training():
 
 def test_lagged_replay_at_lag_0_is_r2_bit_for_bit(tmp_path):
     r2 = read_metrics(_run(tmp_path / "r2", "routing.replay=r2"))
-    lag0 = read_metrics(_run(tmp_path / "lag0", "routing.replay=r2", "routers=[lagged_replay]",
-                             "routers.lagged_replay.lag=0"))
+    lag0 = read_metrics(
+        _run(tmp_path / "lag0", "routing.replay=r2", "routers=[lagged_replay]", "routers.lagged_replay.lag=0")
+    )
     for key in (POLICY_LOSS, TOKEN_RATIO_VAR, DRIFT_PER_UPDATE, REWARD, GRAD_NORM):
         assert [line[key] for line in lag0] == [line[key] for line in r2], key
 
@@ -134,12 +145,22 @@ def test_lagged_replay_replays_the_experts_of_the_weights_lag_updates_back(monke
     """lag 1: in step 2 every update computes with the experts the policy routed to one applied update before
     θ_old (the weights after step 1's first update), on every fed position; in step 1 no update had been made, so
     the starting weights route (the lag served is 0)."""
-    trainer = RLTrainer(compose_train("routing.replay=r2", "routers=[lagged_replay]", "routers.lagged_replay.lag=1",
-                                      "trainer.lr=5e-2", "trainer.minibatch_layout=rows"))
+    trainer = RLTrainer(
+        compose_train(
+            "routing.replay=r2",
+            "routers=[lagged_replay]",
+            "routers.lagged_replay.lag=1",
+            "trainer.lr=5e-2",
+            "trainer.minibatch_layout=rows",
+        )
+    )
     snapshots = []
     check = trainer._refuse_non_finite_weights  # runs right after each applied optimizer step
-    monkeypatch.setattr(trainer, "_refuse_non_finite_weights",
-                        lambda update: snapshots.append(copy.deepcopy(trainer.model)) or check(update))
+    monkeypatch.setattr(
+        trainer,
+        "_refuse_non_finite_weights",
+        lambda update: snapshots.append(copy.deepcopy(trainer.model)) or check(update),
+    )
     first = trainer.step()
     assert [mb[LAG] for mb in first["minibatches"]] == [0.0, 0.0]
     assert len(snapshots) == 2
@@ -165,17 +186,30 @@ def test_lagged_replay_logs_the_lag_it_serves_while_its_history_fills(monkeypatc
     """lag 3, two updates a step: step 2 replays the starting weights, 2 updates before θ_old, and step 3 the
     weights after the run's first update, 3 before. While the history filled, routers/replay_lag logged 0 in step
     2 (the served lag changed only when the oldest weights kept did), though 2 updates separated them from θ_old."""
-    trainer = RLTrainer(compose_train("routing.replay=r2", "routers=[lagged_replay]", "routers.lagged_replay.lag=3",
-                                      "trainer.lr=5e-2"))
+    trainer = RLTrainer(
+        compose_train("routing.replay=r2", "routers=[lagged_replay]", "routers.lagged_replay.lag=3", "trainer.lr=5e-2")
+    )
     start = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
     snapshots = []
     check = trainer._refuse_non_finite_weights  # runs right after each applied optimizer step
-    monkeypatch.setattr(trainer, "_refuse_non_finite_weights", lambda update: snapshots.append(
-        {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}) or check(update))
+    monkeypatch.setattr(
+        trainer,
+        "_refuse_non_finite_weights",
+        lambda update: (
+            snapshots.append({name: tensor.clone() for name, tensor in trainer.model.state_dict().items()})
+            or check(update)
+        ),
+    )
     routed_with = []  # what the copy held when it routed, at every π_old pass
     serve = type(trainer.switches[0]).routing_model
-    monkeypatch.setattr(type(trainer.switches[0]), "routing_model", lambda switch: routed_with.append(
-        {name: tensor.clone() for name, tensor in serve(switch).state_dict().items()}) or serve(switch))
+    monkeypatch.setattr(
+        type(trainer.switches[0]),
+        "routing_model",
+        lambda switch: (
+            routed_with.append({name: tensor.clone() for name, tensor in serve(switch).state_dict().items()})
+            or serve(switch)
+        ),
+    )
     served = [[mb[LAG] for mb in trainer.step()["minibatches"]] for _ in range(3)]
     assert served == [[0.0, 0.0], [2.0, 2.0], [3.0, 3.0]]
     assert len(routed_with) == 3 * 2  # one π_old pass per minibatch: the start in steps 1 and 2, then update 1's
@@ -188,8 +222,13 @@ def test_lagged_replay_logs_the_lag_it_serves_while_its_history_fills(monkeypatc
 def test_a_lag_no_step_of_the_run_reaches_is_refused_at_start_up(tmp_path, steps, minibatches, lag, refused):
     """lag 5 in a run of 3 steps x 2 updates: θ_old of the last step is 4 updates from the start, so every update
     replayed the start's experts, silently (only history bounded the lag)."""
-    cfg = compose_train("routing.replay=r2", "routers=[lagged_replay]", f"routers.lagged_replay.lag={lag}",
-                        f"trainer.steps={steps}", f"trainer.minibatches={minibatches}")
+    cfg = compose_train(
+        "routing.replay=r2",
+        "routers=[lagged_replay]",
+        f"routers.lagged_replay.lag={lag}",
+        f"trainer.steps={steps}",
+        f"trainer.minibatches={minibatches}",
+    )
     if not refused:
         assert train(cfg, tmp_path)["status"] == "finished"
         assert read_metrics(tmp_path)[-1]["minibatches"][0][LAG] == lag, "the last step serves the lag asked for"
@@ -197,8 +236,10 @@ def test_a_lag_no_step_of_the_run_reaches_is_refused_at_start_up(tmp_path, steps
     with pytest.raises(SystemExit) as raised:
         train(cfg, tmp_path)
     reached = (steps - 1) * minibatches
-    assert (f"routers.lagged_replay lag={lag} is never served: the run makes {reached} optimizer updates before its "
-            f"last step starts") in str(raised.value) and "\n" not in str(raised.value)
+    assert (
+        f"routers.lagged_replay lag={lag} is never served: the run makes {reached} optimizer updates before its "
+        f"last step starts"
+    ) in str(raised.value) and "\n" not in str(raised.value)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -207,10 +248,14 @@ def test_the_bias_moves_the_routers_own_routes_and_not_replayed_training_routes(
     off-policy minibatches are replayed, so none of what it moves there is trained on, while the router's own choice
     (the next rollout's) moves as much."""
     free = read_metrics(_run(tmp_path / "free", *GLM, "routers=[bias_update]", "routers.bias_update.rate=0.3"))
-    replayed = read_metrics(_run(tmp_path / "r2", *GLM, "routers=[bias_update]", "routers.bias_update.rate=0.3",
-                                 "routing.replay=r2"))
-    assert all(mb[ROUTE_CHANGE] > 0 and mb[TRAINED_ROUTE_CHANGE] == mb[ROUTE_CHANGE]
-               for line in free for mb in line["minibatches"])
+    replayed = read_metrics(
+        _run(tmp_path / "r2", *GLM, "routers=[bias_update]", "routers.bias_update.rate=0.3", "routing.replay=r2")
+    )
+    assert all(
+        mb[ROUTE_CHANGE] > 0 and mb[TRAINED_ROUTE_CHANGE] == mb[ROUTE_CHANGE]
+        for line in free
+        for mb in line["minibatches"]
+    )
     off_policy = [mb for line in replayed for mb in line["minibatches"] if mb["minibatch"] > 0]
     assert all(mb[ROUTE_CHANGE] > 0 and mb[TRAINED_ROUTE_CHANGE] == 0.0 for mb in off_policy)
     assert replayed[-1][BIAS] > replayed[0][BIAS] > 0
@@ -218,17 +263,28 @@ def test_the_bias_moves_the_routers_own_routes_and_not_replayed_training_routes(
 
 # -- configuration and refusals -----------------------------------------------------------------------------------
 
+
 def test_every_switch_is_a_yaml_that_only_selects_it_and_all_compose_at_once():
     names = sorted(path.stem for path in (CONF / "routers").glob("*.yaml"))
     assert names == sorted(ROUTER_SWITCHES)
-    assert all((CONF / "routers" / f"{name}.yaml").read_text().startswith(f"# @package routers.{name}\n")
-               and OmegaConf.to_container(OmegaConf.load(CONF / "routers" / f"{name}.yaml"))
-               == {"defaults": [f"/schema/routers/{name}@_here_"]} for name in names)
+    assert all(
+        (CONF / "routers" / f"{name}.yaml").read_text().startswith(f"# @package routers.{name}\n")
+        and OmegaConf.to_container(OmegaConf.load(CONF / "routers" / f"{name}.yaml"))
+        == {"defaults": [f"/schema/routers/{name}@_here_"]}
+        for name in names
+    )
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         composed = OmegaConf.to_container(compose("train", overrides=[f"routers=[{','.join(names)}]"]).routers)
-    assert composed == {name: {"name": name, **{key: ROUTER_SWITCHES[name].__dataclass_fields__[key].default
-                                                 for key in ROUTER_SWITCHES.parameters(name)}} for name in names}
+    assert composed == {
+        name: {
+            "name": name,
+            **{
+                key: ROUTER_SWITCHES[name].__dataclass_fields__[key].default for key in ROUTER_SWITCHES.parameters(name)
+            },
+        }
+        for name in names
+    }
     cfg = compose_train("arm=grpo_frozen_routers")
     assert (cfg.algo.name, list(cfg.routers)) == ("grpo", ["freeze"])
 
@@ -237,27 +293,58 @@ def test_every_switch_is_a_yaml_that_only_selects_it_and_all_compose_at_once():
     "overrides, message",
     [
         (["routers=[aux_loss]", "routers.aux_loss.coef=0"], "routers.aux_loss coef=0.0 must be in (0, 1]"),
-        (["routers=[bias_update]", *GLM, "routers.bias_update.rate=1.5"], "routers.bias_update rate=1.5 must be in (0, 1)"),
-        (["routers=[bias_update]", *GLM, "routers.bias_update.seq_coef=-1"],
-         "routers.bias_update seq_coef=-1.0 must be in [0, 1]"),
-        (["routers=[bias_update]"],
-         "routers.bias_update moves a selection bias, and model 'micro_moe' routes by softmax without one"),
-        (["routers=[lagged_replay]", "routing.replay=r2", "routers.lagged_replay.lag=9"],
-         "routers.lagged_replay lag=9 must be between 0 (R2) and history=8"),
-        (["routers=[lagged_replay]", "routing.replay=r2", "routers.lagged_replay.lag=-1"],
-         "routers.lagged_replay lag=-1 must be between 0 (R2) and history=8"),
-        (["routers=[lagged_replay]"], "routers.lagged_replay moves R2's experts back by `lag` updates: use "
-                                      "routing.replay=r2, not none"),
-        (["routers=[lagged_replay]", "routing.replay=r2", "trainer.checkpoint_every=1"],
-         "trainer.checkpoint_every=1 would resume another run"),
-        (["routers=[lagged_replay]", "routing.replay=r2", "routing_variant=soft_replay"],
-         "routing_variant=soft_replay changes replayed forwards: use routing_variant=none"),
-        (["routers=[freeze]", "trainer.router_lr_scale=10"],
-         "routers.freeze leaves the routers out of the optimizer, so trainer.router_lr_scale=10.0 would scale nothing"),
-        (["trainer.router_lr_scale=0"], "trainer.router_lr_scale=0.0 must be a finite number > 0 (to freeze the "
-                                        "routers: routers=[freeze])"),
-        (["routers=[aux_loss]", "model=tiny_dense", "model.hidden_size=32", "model.num_hidden_layers=2",
-          "model.head_dim=8", "model.intermediate_size=64"], "routers=[aux_loss] act on MoE routers"),
+        (
+            ["routers=[bias_update]", *GLM, "routers.bias_update.rate=1.5"],
+            "routers.bias_update rate=1.5 must be in (0, 1)",
+        ),
+        (
+            ["routers=[bias_update]", *GLM, "routers.bias_update.seq_coef=-1"],
+            "routers.bias_update seq_coef=-1.0 must be in [0, 1]",
+        ),
+        (
+            ["routers=[bias_update]"],
+            "routers.bias_update moves a selection bias, and model 'micro_moe' routes by softmax without one",
+        ),
+        (
+            ["routers=[lagged_replay]", "routing.replay=r2", "routers.lagged_replay.lag=9"],
+            "routers.lagged_replay lag=9 must be between 0 (R2) and history=8",
+        ),
+        (
+            ["routers=[lagged_replay]", "routing.replay=r2", "routers.lagged_replay.lag=-1"],
+            "routers.lagged_replay lag=-1 must be between 0 (R2) and history=8",
+        ),
+        (
+            ["routers=[lagged_replay]"],
+            "routers.lagged_replay moves R2's experts back by `lag` updates: use routing.replay=r2, not none",
+        ),
+        (
+            ["routers=[lagged_replay]", "routing.replay=r2", "trainer.checkpoint_every=1"],
+            "trainer.checkpoint_every=1 would resume another run",
+        ),
+        (
+            ["routers=[lagged_replay]", "routing.replay=r2", "routing_variant=soft_replay"],
+            "routing_variant=soft_replay changes replayed forwards: use routing_variant=none",
+        ),
+        (
+            ["routers=[freeze]", "trainer.router_lr_scale=10"],
+            "routers.freeze leaves the routers out of the optimizer, so trainer.router_lr_scale=10.0 would scale "
+            "nothing",
+        ),
+        (
+            ["trainer.router_lr_scale=0"],
+            "trainer.router_lr_scale=0.0 must be a finite number > 0 (to freeze the routers: routers=[freeze])",
+        ),
+        (
+            [
+                "routers=[aux_loss]",
+                "model=tiny_dense",
+                "model.hidden_size=32",
+                "model.num_hidden_layers=2",
+                "model.head_dim=8",
+                "model.intermediate_size=64",
+            ],
+            "routers=[aux_loss] act on MoE routers",
+        ),
     ],
 )
 def test_what_a_switch_cannot_serve_is_refused_in_one_line(tmp_path, overrides, message):

@@ -10,16 +10,24 @@ import pytest
 import torch
 
 from experiments.step.metrics import (
-    DRIFT, FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, TOPK_MASS,
-    drift_metrics, per_layer,
+    DRIFT,
+    FRAGILE,
+    LOGIT_MARGIN,
+    MARGIN,
+    TOPK_MARGIN_MEAN,
+    TOPK_MARGIN_MEDIAN,
+    TOPK_MARGIN_SMALL,
+    TOPK_MASS,
+    drift_metrics,
+    per_layer,
 )
 from experiments.step.scoring import position_ids
 from models.moe_backend import apply_moe_backend
 from models.policy import ModelConfig, build_policy
 from models.routing.families import replayed_gate_weights, route, router_logprobs, selection_scores
-from models.routing.hooks import record_routing, replay_routing, RouterCalls
+from models.routing.hooks import RouterCalls, record_routing, replay_routing
 from models.routing.measures import MarginSummary, gate_shift, routing_drift, top_gap_share, topk_margin
-from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
+from models.routing.trace import NO_ROUTE, RoutingTrace, find_routers
 from models.statistics import median_interval, weighted_median
 from tests.conftest import MICRO_MODEL
 
@@ -144,9 +152,19 @@ def test_replayed_gates_are_the_quotient_whatever_the_logit_gap(family, gap):
     """The replayed experts [1, 2] sit `gap` below expert 0. Their gates are p_e / (p_1 + p_2) (times the sigmoid
     family's scaling, with its 1e-20), as float64 computes them, and their gradients finite: past a gap of ~100 the
     softmax probabilities underflow in fp32 and the plain quotient is 0/0."""
-    router = (SimpleNamespace(top_k=2, norm_topk_prob=True) if family.startswith("softmax") else
-              SimpleNamespace(top_k=2, num_experts=4, e_score_correction_bias=torch.zeros(4), num_group=1,
-                              topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5))
+    router = (
+        SimpleNamespace(top_k=2, norm_topk_prob=True)
+        if family.startswith("softmax")
+        else SimpleNamespace(
+            top_k=2,
+            num_experts=4,
+            e_score_correction_bias=torch.zeros(4),
+            num_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        )
+    )
     logits = torch.tensor([[gap, 0.3, -0.2, -1.0]], requires_grad=True)
     replayed = torch.tensor([[1, 2]])
     weights = replayed_gate_weights(router, logits, replayed, logits)
@@ -171,8 +189,9 @@ def test_replay_stays_finite_when_the_router_moved_past_the_replayed_experts(fam
     hundreds): for tokens whose recorded experts the moved router ranks far below its best, their probabilities
     underflow in fp32. The replayed forward's logits, its loss and every router's gradient stay finite, and the
     recorded experts are still the ones computed with."""
-    model, tokenizer = build_policy(ModelConfig(**{**MICRO_MODEL, "experts_implementation": "eager",
-                                                   **FAMILY_BUILDS[family]}))
+    model, tokenizer = build_policy(
+        ModelConfig(**{**MICRO_MODEL, "experts_implementation": "eager", **FAMILY_BUILDS[family]})
+    )
     model.eval()
     ids, mask, old = _record_then_perturb(model, tokenizer)
     with torch.no_grad():
@@ -230,8 +249,13 @@ def test_generate_trace_lines_up_with_tokens(micro_policy):
     torch.manual_seed(0)
     with record_routing(model, generate=True) as recording:
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=True,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
         )
     trace = recording.trace
     assert trace.shape[1:3] == tuple(out.shape)
@@ -292,8 +316,12 @@ def test_drift_refuses_mismatched_shapes():
         (lambda t: RoutingTrace(t.experts[..., :1], t.layer_names, t.num_experts), "top-k"),
         (lambda t: RoutingTrace(t.experts.clone().fill_(9), t.layer_names, t.num_experts), "expert id 9"),
         (lambda t: RoutingTrace(t.experts.clone().fill_(3), t.layer_names, t.num_experts), "same expert twice"),
-        (lambda t: RoutingTrace(torch.where(torch.arange(2) == 0, t.experts, NO_ROUTE).to(t.experts.dtype),
-                                t.layer_names, t.num_experts), "mixes NO_ROUTE"),
+        (
+            lambda t: RoutingTrace(
+                torch.where(torch.arange(2) == 0, t.experts, NO_ROUTE).to(t.experts.dtype), t.layer_names, t.num_experts
+            ),
+            "mixes NO_ROUTE",
+        ),
     ],
 )
 def test_mismatched_trace_is_refused(micro_policy, mutate, message):
@@ -333,12 +361,14 @@ def test_router_fragility_by_hand():
 
 
 def test_topk_margin_on_hand_made_scores():
-    scores = torch.tensor([
-        [0.5, 0.3, 0.2, 0.1, 0.05, 0.0],  # top-4: (0.3 - 0.2) / (0.5 - 0.1) = 0.25
-        [0.2, 0.2, 0.2, 0.2, 0.2, 0.2],  # a tie of the 2k best: at the cut, 0
-        [0.9, 0.8, -math.inf, 0.7, -math.inf, -math.inf],  # groups left 3 experts: s[2k-1] is the lowest allowed
-        [0.9, 0.4, 0.399, 0.1, 0.0, 0.0],  # just above the cut: (0.4 - 0.399) / 0.8
-    ])
+    scores = torch.tensor(
+        [
+            [0.5, 0.3, 0.2, 0.1, 0.05, 0.0],  # top-4: (0.3 - 0.2) / (0.5 - 0.1) = 0.25
+            [0.2, 0.2, 0.2, 0.2, 0.2, 0.2],  # a tie of the 2k best: at the cut, 0
+            [0.9, 0.8, -math.inf, 0.7, -math.inf, -math.inf],  # groups left 3 experts: s[2k-1] is the lowest allowed
+            [0.9, 0.4, 0.399, 0.1, 0.0, 0.0],  # just above the cut: (0.4 - 0.399) / 0.8
+        ]
+    )
     margins = topk_margin(scores, k=2)
     torch.testing.assert_close(margins, torch.tensor([0.25, 0.0, 0.5, 0.00125]))
     torch.testing.assert_close(topk_margin(10 * scores[[0, 3]] + 3, k=2), margins[[0, 3]])  # scale-free
@@ -378,8 +408,9 @@ def test_the_median_interval_covers_the_true_median_when_tokens_of_a_sequence_mo
     weights = torch.ones(sequences * tokens)
     covered = {"sequences": 0, "tokens": 0}
     for trial in range(100):
-        values = (torch.randn(sequences, generator=generator).repeat_interleave(tokens)
-                  + 0.1 * torch.randn(sequences * tokens, generator=generator))
+        values = torch.randn(sequences, generator=generator).repeat_interleave(tokens) + 0.1 * torch.randn(
+            sequences * tokens, generator=generator
+        )
         for name, unit in (("sequences", groups), ("tokens", torch.arange(sequences * tokens))):
             low, high = median_interval(values, weights, unit, resamples=400, seed=trial)
             assert low <= weighted_median(values, weights) <= high
@@ -392,8 +423,15 @@ def test_the_median_interval_covers_the_true_median_when_tokens_of_a_sequence_mo
 
 
 def _sigmoid_router(bias, groups=2, kept=1):
-    return SimpleNamespace(top_k=2, num_experts=4, e_score_correction_bias=torch.tensor(bias), num_group=groups,
-                           topk_group=kept, norm_topk_prob=True, routed_scaling_factor=2.5)
+    return SimpleNamespace(
+        top_k=2,
+        num_experts=4,
+        e_score_correction_bias=torch.tensor(bias),
+        num_group=groups,
+        topk_group=kept,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
 
 
 def test_the_sigmoid_familys_bias_chooses_and_never_weighs():
@@ -411,7 +449,9 @@ def test_the_sigmoid_familys_bias_chooses_and_never_weighs():
         torch.testing.assert_close(weights[0], expected)
     # a replayed route's gates do not see the bias: the same numbers under both routers
     replayed = torch.tensor([[2, 3]])
-    torch.testing.assert_close(replayed_gate_weights(biased, z, replayed, z), replayed_gate_weights(plain, z, replayed, z))
+    torch.testing.assert_close(
+        replayed_gate_weights(biased, z, replayed, z), replayed_gate_weights(plain, z, replayed, z)
+    )
     torch.testing.assert_close(router_logprobs(biased, z), torch.nn.functional.logsigmoid(z))
 
 

@@ -20,19 +20,21 @@ from algos import OBJECTIVES, build_objective
 from algos.objective import POLICY_LOSS, TOKEN_RATIO_VAR
 from algos.routing_variants import ROUTING_VARIANTS
 from algos.routing_variants.full_replay import GateReplay
-from algos.routing_variants.predictive import LOSS as PREDICTIVE_LOSS, PREDICTED_ACC
-from algos.routing_variants.router_shift import (
-    DEVIATION as SHIFT_DEVIATION, FLOOR_FRAC as SHIFT_FLOOR_FRAC, KeepOwnRouting, WEIGHT as SHIFT_WEIGHT,
-    router_shift,
-)
-from algos.routing_variants.soft_replay import KEPT as SOFT_REPLAY_KEPT, SoftReplayRule, fill_rejected, kept_experts
+from algos.routing_variants.predictive import LOSS as PREDICTIVE_LOSS
+from algos.routing_variants.predictive import PREDICTED_ACC
+from algos.routing_variants.router_shift import DEVIATION as SHIFT_DEVIATION
+from algos.routing_variants.router_shift import FLOOR_FRAC as SHIFT_FLOOR_FRAC
+from algos.routing_variants.router_shift import WEIGHT as SHIFT_WEIGHT
+from algos.routing_variants.router_shift import KeepOwnRouting, router_shift
+from algos.routing_variants.soft_replay import KEPT as SOFT_REPLAY_KEPT
+from algos.routing_variants.soft_replay import SoftReplayRule, fill_rejected, kept_experts
 from experiments.config import register_configs
 from experiments.step.engines import HFEngine, Sampling
 from experiments.step.metrics import DRIFT_PER_UPDATE, GRAD_NORM, REWARD, per_layer
 from experiments.step.scoring import FED, ScoreOptions, score_responses
 from experiments.train import RLTrainer, train
 from models.routing.flips import flip_routing
-from models.routing.hooks import record_routing, replay_routing, ReplayedRoutes
+from models.routing.hooks import ReplayedRoutes, record_routing, replay_routing
 from models.routing.trace import find_routers
 from tests.test_objectives import batch_from_ratios, loss_and_grad
 from tests.test_routing import _batch, _forward, _perturb_routers, _record_then_perturb
@@ -48,16 +50,24 @@ def _routes(experts: list[list[int]], weights: torch.Tensor | None = None) -> Re
 
 # -- soft replay by hand ------------------------------------------------------------------------------------------
 
+
 def test_soft_replay_keeps_by_rank_or_probability_and_fills_from_the_routers_ranking():
-    probs = torch.tensor([[0.30, 0.25, 0.20, 0.12, 0.08, 0.05],   # ranked 0 1 2 3 4 5
-                          [0.05, 0.10, 0.15, 0.20, 0.22, 0.28],   # ranked 5 4 3 2 1 0
-                          [0.30, 0.25, 0.20, 0.12, 0.08, 0.05]])
+    probs = torch.tensor(
+        [
+            [0.30, 0.25, 0.20, 0.12, 0.08, 0.05],  # ranked 0 1 2 3 4 5
+            [0.05, 0.10, 0.15, 0.20, 0.22, 0.28],  # ranked 5 4 3 2 1 0
+            [0.30, 0.25, 0.20, 0.12, 0.08, 0.05],
+        ]
+    )
     replayed = torch.tensor([[3, 5], [4, 1], [4, 5]])
     # top-(k+1) = top-3; or at least 0.1. Token 0: expert 3 is 4th but has 0.12; token 1: 4 is 2nd, 1 has 0.10.
     keep = kept_experts(probs, replayed, top_margin=1, min_prob=0.1)
     assert keep.tolist() == [[True, False], [True, True], [False, False]]
-    assert kept_experts(probs, replayed, top_margin=1, min_prob=None).tolist() == [[False, False], [True, False],
-                                                                                  [False, False]]
+    assert kept_experts(probs, replayed, top_margin=1, min_prob=None).tolist() == [
+        [False, False],
+        [True, False],
+        [False, False],
+    ]
     # A rejected slot takes the router's own choice, then its ranking, skipping what is chosen: token 0 keeps 3 and
     # gets 0; token 2 gets the router's own two.
     own = probs.topk(2, dim=-1).indices
@@ -68,7 +78,9 @@ def test_soft_replay_keeps_by_rank_or_probability_and_fills_from_the_routers_ran
     assert fill_rejected(probs[:1], own[:1], torch.tensor([[0, 5]]), one_kept).tolist() == [[0, 5]]
     flipped = torch.tensor([[2, 3]])
     assert fill_rejected(probs[:1], flipped, torch.tensor([[1, 5]]), one_kept).tolist() == [[2, 5]]
-    assert fill_rejected(probs[:1], flipped, torch.tensor([[1, 5]]), torch.tensor([[False, False]])).tolist() == [[2, 3]]
+    assert fill_rejected(probs[:1], flipped, torch.tensor([[1, 5]]), torch.tensor([[False, False]])).tolist() == [
+        [2, 3]
+    ]
 
 
 def test_soft_replay_gates_and_their_gradient_by_hand():
@@ -106,13 +118,14 @@ def test_gate_replay_takes_the_recorded_gates_and_gives_the_router_no_gradient()
 
 # -- router shift by hand -----------------------------------------------------------------------------------------
 
+
 def test_router_shift_by_hand():
     """L = 2, K = 2, three tokens, the last one padding. d^ℓ = mean_k |Δ log r|, Δ = mean_ℓ d^ℓ,
     γ̃ = max(e^{−Δ}, 0.8)."""
-    old = torch.log(torch.tensor([[[[0.5, 0.3], [0.4, 0.4], [0.9, 0.05]]],
-                                  [[[0.6, 0.2], [0.4, 0.4], [0.5, 0.5]]]]))  # [L, B, T, K]
-    new = torch.log(torch.tensor([[[[0.5, 0.3], [0.2, 0.4], [0.1, 0.9]]],
-                                  [[[0.6, 0.1], [0.1, 0.4], [0.9, 0.1]]]]))
+    old = torch.log(
+        torch.tensor([[[[0.5, 0.3], [0.4, 0.4], [0.9, 0.05]]], [[[0.6, 0.2], [0.4, 0.4], [0.5, 0.5]]]])
+    )  # [L, B, T, K]
+    new = torch.log(torch.tensor([[[[0.5, 0.3], [0.2, 0.4], [0.1, 0.9]]], [[[0.6, 0.1], [0.1, 0.4], [0.9, 0.1]]]]))
     mask = torch.tensor([[True, True, False]])
     shift = router_shift(new, old, mask, floor=0.8)
     half_ln2, ln2 = math.log(2) / 2, math.log(2)
@@ -152,6 +165,7 @@ def test_router_shift_enters_gspos_sequence_ratio_as_a_geometric_mean():
 
 # -- the variants on a real (micro) MoE -------------------------------------------------------------------------
 
+
 def test_soft_replay_at_its_extremes_is_id_replay_and_no_replay_bit_for_bit(micro_policy):
     model, tokenizer = micro_policy
     ids, mask, old = _record_then_perturb(model, tokenizer)
@@ -166,6 +180,7 @@ def test_soft_replay_at_its_extremes_is_id_replay_and_no_replay_bit_for_bit(micr
     assert torch.equal(logits(SoftReplayRule(top_margin=2, min_prob=0.0)), replayed)
     assert torch.equal(logits(SoftReplayRule(top_margin=None, min_prob=2.0)), free)
     assert torch.equal(logits(SoftReplayRule(top_margin=None, min_prob=None)), free)
+
     # With synthetic flips replay still overrides them, and keeping nothing is the flipped forward.
     def flipped(rule=None, replay=True):
         with flip_routing(model, 0.5, torch.Generator().manual_seed(0)):
@@ -201,8 +216,11 @@ def test_full_replay_reproduces_the_recorded_forward_and_cuts_the_routers_gradie
     _perturb_routers(model)
     with torch.no_grad(), replay_routing(model, trace, GateReplay()):
         torch.testing.assert_close(_forward(model, ids, mask).logits[valid], recorded, rtol=0, atol=1e-6)
-    with torch.no_grad(), flip_routing(model, 1.0, torch.Generator().manual_seed(0)), \
-            replay_routing(model, trace, GateReplay()):
+    with (
+        torch.no_grad(),
+        flip_routing(model, 1.0, torch.Generator().manual_seed(0)),
+        replay_routing(model, trace, GateReplay()),
+    ):
         torch.testing.assert_close(_forward(model, ids, mask).logits[valid], recorded, rtol=0, atol=1e-6)
 
 
@@ -219,20 +237,23 @@ def test_a_trace_without_gates_cannot_be_replayed_with_them(micro_policy):
 def test_the_engine_records_the_gates_a_scoring_forward_computes(micro_policy):
     model, tokenizer = micro_policy
     torch.manual_seed(0)
-    samples = HFEngine(model, tokenizer).sample(["12+34=", "7+8="], Sampling(3, 4, 1.0, record_routing=True,
-                                                                             record_gates=True))
+    samples = HFEngine(model, tokenizer).sample(
+        ["12+34=", "7+8="], Sampling(3, 4, 1.0, record_routing=True, record_gates=True)
+    )
     with torch.no_grad():
         scored = score_responses(model, samples, 1.0, ScoreOptions(record=True, record_gates=True))
     engine = samples.routes.positions(FED)
     valid = samples.attention_mask[:, FED].bool()
     assert torch.equal(engine.experts[:, valid], scored.routes.experts[:, valid])
     for part in ("weights", "logprobs"):
-        torch.testing.assert_close(getattr(engine, part)[:, valid], getattr(scored.routes, part)[:, valid],
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            getattr(engine, part)[:, valid], getattr(scored.routes, part)[:, valid], rtol=0, atol=1e-5
+        )
     assert (engine.weights[:, ~valid] == 0).all()
 
 
 # -- through the RL loop ------------------------------------------------------------------------------------------
+
 
 def _metrics(tmp_path, name, *overrides):
     train(compose_train("trainer.steps=2", "trainer.threads=1", *overrides), tmp_path / name)
@@ -241,11 +262,13 @@ def _metrics(tmp_path, name, *overrides):
 
 def test_soft_replay_in_the_loop_at_its_extremes_is_r2_and_no_replay(tmp_path):
     r2 = _metrics(tmp_path, "r2", "routing.replay=r2")
-    everything = _metrics(tmp_path, "all", "routing.replay=r2", "routing_variant=soft_replay",
-                          "routing_variant.min_prob=0")
+    everything = _metrics(
+        tmp_path, "all", "routing.replay=r2", "routing_variant=soft_replay", "routing_variant.min_prob=0"
+    )
     none = _metrics(tmp_path, "none", "trainer.pi_old=decoupled")
-    nothing = _metrics(tmp_path, "nothing", "routing.replay=r2", "routing_variant=soft_replay",
-                       "routing_variant.top_margin=null")
+    nothing = _metrics(
+        tmp_path, "nothing", "routing.replay=r2", "routing_variant=soft_replay", "routing_variant.top_margin=null"
+    )
     assert everything[1][SOFT_REPLAY_KEPT] == 1.0 and nothing[1][SOFT_REPLAY_KEPT] == 0.0
     for key in (POLICY_LOSS, TOKEN_RATIO_VAR, DRIFT_PER_UPDATE, REWARD):
         assert everything[1][key] == r2[1][key], key
@@ -257,6 +280,7 @@ def test_full_replay_leaves_the_routers_to_the_load_balancing_loss():
     """The policy loss reaches no router through recorded gates: after a step of full replay (r2, and r3 whose first
     minibatch replays the engine's gates too) the routers are where they were; with ID replay, or with the
     load-balancing loss, they move."""
+
     def routers_moved(*overrides):
         trainer = RLTrainer(compose_train("trainer.lr=5e-2", *overrides))
         before = [router.weight.detach().clone() for router in find_routers(trainer.model).values()]
@@ -267,15 +291,18 @@ def test_full_replay_leaves_the_routers_to_the_load_balancing_loss():
     assert not routers_moved("routing.replay=r2", "routing_variant=full_replay")
     assert not routers_moved("routing.replay=r3", "routing_variant=full_replay")
     assert routers_moved("routing.replay=r2")
-    assert routers_moved("routing.replay=r2", "routing_variant=full_replay", "routers=[aux_loss]",
-                          "routers.aux_loss.coef=0.05")
+    assert routers_moved(
+        "routing.replay=r2", "routing_variant=full_replay", "routers=[aux_loss]", "routers.aux_loss.coef=0.05"
+    )
 
 
 def _router_logprobs(model, mb) -> torch.Tensor:
     """`[L, N, S, E]` log-softmax of every router's logits over a minibatch fed row by row (hooks of its own)."""
     found = []
-    handles = [router.register_forward_hook(lambda module, args, out: found.append(out[0].detach()))
-               for router in find_routers(model).values()]
+    handles = [
+        router.register_forward_hook(lambda module, args, out: found.append(out[0].detach()))
+        for router in find_routers(model).values()
+    ]
     with torch.no_grad():
         score_responses(model, mb, 1.0)
     for handle in handles:
@@ -285,8 +312,14 @@ def _router_logprobs(model, mb) -> torch.Tensor:
 
 
 def test_router_shift_hands_the_objective_pi_old_over_the_factor_recomputed_from_the_routers(monkeypatch):
-    trainer = RLTrainer(compose_train("routing_variant=router_shift", "routing_variant.floor=0.5",
-                                      "trainer.minibatch_layout=rows", "trainer.lr=5e-2"))
+    trainer = RLTrainer(
+        compose_train(
+            "routing_variant=router_shift",
+            "routing_variant.floor=0.5",
+            "trainer.minibatch_layout=rows",
+            "trainer.lr=5e-2",
+        )
+    )
     _, _, minibatches, old = first_step_inputs(trainer)
     theta_old = copy.deepcopy(trainer.model)
     seen = []
@@ -298,7 +331,7 @@ def test_router_shift_hands_the_objective_pi_old_over_the_factor_recomputed_from
     before, now = _router_logprobs(theta_old, mb), _router_logprobs(trainer.model, mb)
     chosen = before.topk(2, dim=-1).indices  # θ_old's experts
     P, T = mb.prompt_width, mb.response_mask.shape[1]
-    gap = (now.gather(-1, chosen) - before.gather(-1, chosen)).abs().mean(-1).mean(0)[:, P - 1: P - 1 + T]
+    gap = (now.gather(-1, chosen) - before.gather(-1, chosen)).abs().mean(-1).mean(0)[:, P - 1 : P - 1 + T]
     expected = torch.where(mb.response_mask, old[1].logp + gap.clamp(max=-math.log(0.5)), old[1].logp)
     later = trainer.update(mb, old[1])
     assert gap[mb.response_mask].mean() > 0.05, "the update must move the routers for the check to mean anything"
@@ -306,10 +339,15 @@ def test_router_shift_hands_the_objective_pi_old_over_the_factor_recomputed_from
     assert 0.5 <= later[SHIFT_WEIGHT] < 1.0
 
 
-@pytest.mark.parametrize("overrides", [("routing.replay=r2", "routing_variant=full_replay"),
-                                       ("routing.replay=r3", "routing_variant=soft_replay"),
-                                       ("routing_variant=router_shift",),
-                                       ("routing.replay=r3", "routing_variant=predictive")])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("routing.replay=r2", "routing_variant=full_replay"),
+        ("routing.replay=r3", "routing_variant=soft_replay"),
+        ("routing_variant=router_shift",),
+        ("routing.replay=r3", "routing_variant=predictive"),
+    ],
+)
 def test_every_objective_composes_with_every_variant(overrides):
     trainer = RLTrainer(compose_train("trainer.lr=5e-2", *overrides))
     _, _, minibatches, old = first_step_inputs(trainer)
@@ -332,6 +370,7 @@ def test_every_objective_composes_with_every_variant(overrides):
 
 # -- configuration and refusals -----------------------------------------------------------------------------------
 
+
 def test_every_yaml_only_selects_its_variant_whose_defaults_compose():
     paths = sorted((CONF / "routing_variant").glob("*.yaml"))
     assert sorted(path.stem for path in paths) == sorted(ROUTING_VARIANTS)
@@ -348,24 +387,46 @@ def test_every_yaml_only_selects_its_variant_whose_defaults_compose():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["routing_variant=full_replay"],
-         "routing_variant=full_replay replays the gate weights of a replayed routing: use routing.replay=r2 or r3, not "
-         "none"),
-        (["routing_variant=soft_replay"],
-         "routing_variant=soft_replay keeps some of a replayed routing's experts: use routing.replay=r2 or r3, not none"),
-        (["routing_variant=router_shift", "routing.replay=r3"],
-         "routing_variant=router_shift weighs each token's ratio by how far the router moved, instead of replaying: "
-         "use routing.replay=none, not r3"),
-        (["routing_variant=router_shift", "trainer.pi_old=bypass"],
-         "trainer.pi_old=bypass with routing_variant=router_shift: it compares the router with θ_old's"),
-        (["routing_variant=router_shift", "model=tiny_dense", "model.hidden_size=32", "model.num_hidden_layers=2",
-          "model.head_dim=8", "model.intermediate_size=64"],
-         "routing_variant=router_shift changes how MoE routers route or weigh tokens, and model 'micro_moe' has no "
-         "MoE layers"),
-        (["routing.replay=r2", "routing_variant=soft_replay", "routing_variant.top_margin=-1"],
-         "routing_variant=soft_replay top_margin=-1 must be >= 0"),
-        (["routing_variant=router_shift", "routing_variant.floor=1.5"],
-         "routing_variant=router_shift floor=1.5 must be in [0, 1]"),
+        (
+            ["routing_variant=full_replay"],
+            "routing_variant=full_replay replays the gate weights of a replayed routing: use routing.replay=r2 or r3, "
+            "not "
+            "none",
+        ),
+        (
+            ["routing_variant=soft_replay"],
+            "routing_variant=soft_replay keeps some of a replayed routing's experts: use routing.replay=r2 or r3, not "
+            "none",
+        ),
+        (
+            ["routing_variant=router_shift", "routing.replay=r3"],
+            "routing_variant=router_shift weighs each token's ratio by how far the router moved, instead of replaying: "
+            "use routing.replay=none, not r3",
+        ),
+        (
+            ["routing_variant=router_shift", "trainer.pi_old=bypass"],
+            "trainer.pi_old=bypass with routing_variant=router_shift: it compares the router with θ_old's",
+        ),
+        (
+            [
+                "routing_variant=router_shift",
+                "model=tiny_dense",
+                "model.hidden_size=32",
+                "model.num_hidden_layers=2",
+                "model.head_dim=8",
+                "model.intermediate_size=64",
+            ],
+            "routing_variant=router_shift changes how MoE routers route or weigh tokens, and model 'micro_moe' has no "
+            "MoE layers",
+        ),
+        (
+            ["routing.replay=r2", "routing_variant=soft_replay", "routing_variant.top_margin=-1"],
+            "routing_variant=soft_replay top_margin=-1 must be >= 0",
+        ),
+        (
+            ["routing_variant=router_shift", "routing_variant.floor=1.5"],
+            "routing_variant=router_shift floor=1.5 must be in [0, 1]",
+        ),
     ],
 )
 def test_what_a_variant_cannot_serve_is_refused_in_one_line(tmp_path, overrides, message):
@@ -410,8 +471,10 @@ def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_
     soft = compose_train("routing.replay=r2", "routing_variant=soft_replay")
     assert differences(before_variants, none) == []
     assert settings(soft)["routing_variant.top_margin"] == 2
-    assert {difference.key for difference in differences(before_variants, soft)} >= {"routing_variant.name",
-                                                                                       "routing_variant.top_margin"}
+    assert {difference.key for difference in differences(before_variants, soft)} >= {
+        "routing_variant.name",
+        "routing_variant.top_margin",
+    }
 
 
 def test_the_documented_example_routing_variant_replays_the_first_layers_only(micro_policy):
@@ -438,8 +501,11 @@ def test_the_documented_example_routing_variant_replays_the_first_layers_only(mi
         used, own = spy.used()[:, valid], replay.router_choice.experts.reshape(L, B * S, K)[:, valid].long()
         assert torch.equal(used[0], old.experts[0].reshape(B * S, K)[valid].long()), "layer 0 is replayed"
         assert torch.equal(used[1], own[1]) and not torch.equal(own[1], old.experts[1].reshape(B * S, K)[valid].long())
-        with pytest.raises(ConfigError, match="routing_variant=shallow_replay replays the first layers of a replayed "
-                                              "routing: use routing.replay=r2 or r3, not none"):
+        with pytest.raises(
+            ConfigError,
+            match="routing_variant=shallow_replay replays the first layers of a replayed "
+            "routing: use routing.replay=r2 or r3, not none",
+        ):
             variant.check("none", "micro_moe", True)
         with pytest.raises(ConfigError, match="layers=-1 must be >= 0"):
             build_routing_variant("shallow_replay", layers=-1)

@@ -38,8 +38,14 @@ def test_demonstration_batch_masks_prompts_and_pads_left(micro_policy):
 
 def _sft_config(tmp_path, *overrides):
     overrides = [f"model.{key}={value}" for key, value in MICRO_MODEL.items()] + [
-        "sft.max_steps=6", "sft.batch_size=16", "sft.eval_every=3", "sft.eval_prompts=8", "sft.lr=3e-3",
-        f"sft.output_dir={tmp_path / 'ckpt'}", "dataset.train_size=200", "dataset.test_size=20",
+        "sft.max_steps=6",
+        "sft.batch_size=16",
+        "sft.eval_every=3",
+        "sft.eval_prompts=8",
+        "sft.lr=3e-3",
+        f"sft.output_dir={tmp_path / 'ckpt'}",
+        "dataset.train_size=200",
+        "dataset.test_size=20",
         "logger.wandb.mode=disabled",
         "cpu_kernels=native",  # this process has computed already: the portable pin would refuse (test_cpu_kernels)
         *overrides,
@@ -68,12 +74,19 @@ def test_cold_start_trains_and_its_checkpoint_reloads_to_identical_logits(tmp_pa
     # an RL run from it records the recipe its start is a draw of
     from experiments.run.recipe import start_recipe
 
-    assert start_recipe(str(tmp_path / "ckpt")) == {"start_recipe": recipe,
-                                                    "start_recipe_sha256": recorded["recipe_sha256"]}
+    assert start_recipe(str(tmp_path / "ckpt")) == {
+        "start_recipe": recipe,
+        "start_recipe_sha256": recorded["recipe_sha256"],
+    }
 
-    reloaded, tokenizer = build_policy(ModelConfig(name="micro_moe", path=str(tmp_path / "ckpt"),
-                                                   experts_implementation=cfg.model.experts_implementation,
-                                                   attn_implementation=cfg.model.attn_implementation))
+    reloaded, tokenizer = build_policy(
+        ModelConfig(
+            name="micro_moe",
+            path=str(tmp_path / "ckpt"),
+            experts_implementation=cfg.model.experts_implementation,
+            attn_implementation=cfg.model.attn_implementation,
+        )
+    )
     fresh, _ = build_policy(ModelConfig(**MICRO_MODEL))
     enc = tokenizer(["12+34=", "7+8="], return_tensors="pt", padding=True, add_special_tokens=False)
     kwargs = dict(enc, position_ids=position_ids(enc["attention_mask"]))
@@ -134,17 +147,25 @@ def test_the_routing_profile_of_routers_that_tie_by_hand(micro_policy):
 def test_a_balanced_cold_start_pretrains_on_the_mixture_then_its_task(tmp_path):
     """The sigmoid family with its own balancing: 3 pretraining steps on every token of the mixture, then the task;
     the bias moves every step and the checkpoint keeps it; the summary reports how the cold start routes."""
-    cfg = _sft_config(tmp_path, "model.architecture=glm4_moe", *(f"model.{k}={v}" for k, v in SIGMOID.items()),
-                      "routers=[bias_update]", "routers.bias_update.rate=0.01", "sft.pretrain_steps=3",
-                      "sft.max_steps=3", "sft.target_accuracy=1.0")
+    cfg = _sft_config(
+        tmp_path,
+        "model.architecture=glm4_moe",
+        *(f"model.{k}={v}" for k, v in SIGMOID.items()),
+        "routers=[bias_update]",
+        "routers.bias_update.rate=0.01",
+        "sft.pretrain_steps=3",
+        "sft.max_steps=3",
+        "sft.target_accuracy=1.0",
+    )
     with pytest.warns(UserWarning, match="below sft.target_accuracy"):
         model, summary = cold_start(cfg, tmp_path / "run")
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line[SFT_PRETRAINING] for line in lines] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     # each step moves every bias by ±0.01 (by 0 only on an exact tie of loads): mean |b| is 0.01 after the first,
     # at most 0.01 x steps later
-    assert lines[0][BIAS] == pytest.approx(0.01) and all(0 < line[BIAS] <= 0.01 * step + 1e-6
-                                                         for step, line in enumerate(lines, 1))
+    assert lines[0][BIAS] == pytest.approx(0.01) and all(
+        0 < line[BIAS] <= 0.01 * step + 1e-6 for step, line in enumerate(lines, 1)
+    )
     assert "eval/greedy_accuracy" in lines[-1] and all("eval/greedy_accuracy" not in line for line in lines[:3])
     assert summary["pretrain_steps"] == 3 and summary["routers"] == ["bias_update"] and summary["steps"] == 6
     profile = json.loads((tmp_path / "ckpt" / "cold_start.json").read_text())["routing"]
@@ -161,12 +182,18 @@ def test_a_balanced_cold_start_pretrains_on_the_mixture_then_its_task(tmp_path):
     assert "3 + 3" in row and "bias_update" in row and f"{profile['load_entropy']:.3f}" in row
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["routers=[freeze]"], "routers.freeze acts on RL updates only, not on a cold start"),
-    (["routers=[bias_update]"], "routers.bias_update moves a selection bias, and model 'micro_moe' routes by softmax"),
-    (["sft.pretrain_steps=-1"], "sft.pretrain_steps=-1 must be >= 0"),
-    (["sft.pretrain_tasks=[addition,countdown]"], "unknown task 'countdown'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["routers=[freeze]"], "routers.freeze acts on RL updates only, not on a cold start"),
+        (
+            ["routers=[bias_update]"],
+            "routers.bias_update moves a selection bias, and model 'micro_moe' routes by softmax",
+        ),
+        (["sft.pretrain_steps=-1"], "sft.pretrain_steps=-1 must be >= 0"),
+        (["sft.pretrain_tasks=[addition,countdown]"], "unknown task 'countdown'"),
+    ],
+)
 def test_bad_cold_start_settings_are_refused_in_one_line(tmp_path, overrides, message):
     with pytest.raises(SystemExit) as raised:
         cold_start(_sft_config(tmp_path, *overrides), tmp_path / "run")
@@ -176,31 +203,41 @@ def test_bad_cold_start_settings_are_refused_in_one_line(tmp_path, overrides, me
 def test_the_margin_table_holds_each_checkpoint_against_its_familys_anchor(tmp_path):
     """A cold start (its task from cold_start.json) and a checkpoint without one (--dataset), softmax and sigmoid
     families: each row's median over its family's anchor, and one error line for a directory that is not one."""
-    from analysis.margins import main as margins, within_two_fold
+    from analysis.margins import main as margins
+    from analysis.margins import within_two_fold
 
     with pytest.warns(UserWarning, match="below sft.target_accuracy"):
-        cold_start(_sft_config(tmp_path, "sft.max_steps=2", "dataset=sorting", "dataset.train_size=200"),
-                   tmp_path / "run")
-    model, tokenizer = build_policy(ModelConfig(**MICRO_MODEL, architecture="glm4_moe",
-                                                **{k: v for k, v in SIGMOID.items() if k != "qk_rope_head_dim"}))
+        cold_start(
+            _sft_config(tmp_path, "sft.max_steps=2", "dataset=sorting", "dataset.train_size=200"), tmp_path / "run"
+        )
+    model, tokenizer = build_policy(
+        ModelConfig(
+            **MICRO_MODEL, architecture="glm4_moe", **{k: v for k, v in SIGMOID.items() if k != "qk_rope_head_dim"}
+        )
+    )
     model.save_pretrained(tmp_path / "glm")
     tokenizer.save_pretrained(tmp_path / "glm")
     margins([str(tmp_path / "ckpt"), str(tmp_path / "glm"), "--out", str(tmp_path / "table"), "--prompts", "8"])
     rows = json.loads((tmp_path / "table" / "margins.json").read_text())
     assert [row["task"] for row in rows] == ["sorting train_size=200 test_size=20", "addition"]  # what differs
-    softmax, sigmoid = (MARGIN_ANCHORS[next(name for name in MARGIN_ANCHORS if family in name)]
-                        for family in ("softmax", "sigmoid"))
+    softmax, sigmoid = (
+        MARGIN_ANCHORS[next(name for name in MARGIN_ANCHORS if family in name)] for family in ("softmax", "sigmoid")
+    )
     assert [row["anchor_margin"] for row in rows] == [softmax, sigmoid], "each checkpoint against its family's anchor"
     for row in rows:
         assert row["median_over_anchor"] == pytest.approx(row[TOPK_MARGIN_MEDIAN] / row["anchor_margin"])
         low, high = row["topk_margin_median_interval"]
         assert low <= row[TOPK_MARGIN_MEDIAN] <= high
-        assert row["median_over_anchor_interval"] == pytest.approx([low / row["anchor_margin"],
-                                                                     high / row["anchor_margin"]])
+        assert row["median_over_anchor_interval"] == pytest.approx(
+            [low / row["anchor_margin"], high / row["anchor_margin"]]
+        )
         assert 0.0 <= row["top_gap_share_median"] <= 1.0
     table = (tmp_path / "table" / "report.md").read_text()
-    assert [within_two_fold(interval) for interval in ([0.6, 1.9], [2.1, 3.0], [0.4, 0.6])] == \
-        ["within 2x", "outside 2x", "undecided"]
+    assert [within_two_fold(interval) for interval in ([0.6, 1.9], [2.1, 3.0], [0.4, 0.6])] == [
+        "within 2x",
+        "outside 2x",
+        "undecided",
+    ]
     recorded = json.loads((tmp_path / "ckpt" / "cold_start.json").read_text())["weights_sha256"]
     assert rows[0]["sha256"] == recorded, "the row names the start as its cold start and every RL run do"
     assert f"| ckpt | `{recorded[:12]}` | qwen3_moe (softmax) | 2 | 8 / 2 |" in table

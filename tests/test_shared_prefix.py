@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from experiments.step.scoring import FED, Responses, ScoreOptions, position_ids, score_responses
-from models.shared_prefix import SharedPrefix
 from models.policy import ModelConfig, build_policy
 from models.routing.trace import RoutingTrace
+from models.shared_prefix import SharedPrefix
 from tests.conftest import MICRO_MODEL
 from tests.test_policy import _save, every_family
 
@@ -42,8 +42,12 @@ def _policy(tmp_path, config):
 def _score(model, batch, group_size, **options):
     input_ids, attention_mask, width, response_mask = batch
     model.zero_grad(set_to_none=True)
-    scores = score_responses(model, Responses(input_ids, attention_mask, width), 0.7,
-                             ScoreOptions(aux_loss=True, group_size=group_size, **options))
+    scores = score_responses(
+        model,
+        Responses(input_ids, attention_mask, width),
+        0.7,
+        ScoreOptions(aux_loss=True, group_size=group_size, **options),
+    )
     # A loss that weighs every response token differently, so that no gradient is trivially zero.
     weights = torch.linspace(-1.0, 1.0, scores.logp.numel()).view_as(scores.logp)
     ((scores.logp * weights)[response_mask].sum() + scores.aux_loss).backward()
@@ -64,11 +68,16 @@ def test_packed_scoring_equals_row_scoring(tmp_path, config):
     torch.testing.assert_close(packed.aux_loss, rows.aux_loss, rtol=1e-6, atol=1e-7)
     input_ids, attention_mask = batch[0][:, FED], batch[1][:, FED]
     with torch.no_grad():  # the family's own loss, as its forward computes it
-        own = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                    output_router_logits=True).aux_loss
+        own = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            output_router_logits=True,
+        ).aux_loss
     torch.testing.assert_close(rows.aux_loss.detach(), own, rtol=1e-6, atol=1e-7)
-    metric = score_responses(model, Responses(*batch[:3]), 0.7,
-                             ScoreOptions(aux_loss=True, group_size=G, aux_loss_grad=False)).aux_loss
+    metric = score_responses(
+        model, Responses(*batch[:3]), 0.7, ScoreOptions(aux_loss=True, group_size=G, aux_loss_grad=False)
+    ).aux_loss
     assert not metric.requires_grad, "logged only: no graph behind it"
     torch.testing.assert_close(metric, own, rtol=1e-6, atol=1e-7)
     assert packed_grads.keys() == row_grads.keys()
@@ -104,14 +113,18 @@ def test_packed_scoring_refuses_what_it_cannot_pack():
     model.eval()
     input_ids, attention_mask, width, _ = _batch(tokenizer)
     with torch.no_grad():
-        trace = score_responses(model, Responses(input_ids, attention_mask, width), 1.0,
-                                ScoreOptions(record=True)).routes
+        trace = score_responses(
+            model, Responses(input_ids, attention_mask, width), 1.0, ScoreOptions(record=True)
+        ).routes
         diverged = trace.experts.clone()
         diverged[:, 1, width - 2] = (diverged[:, 1, width - 2] + 1) % 8  # row 1 routes its prompt unlike row 0
         with pytest.raises(ValueError, match="route their shared prompt differently"):
-            score_responses(model, Responses(input_ids, attention_mask, width), 1.0,
-                            ScoreOptions(group_size=G,
-                                         replay=RoutingTrace(diverged, trace.layer_names, trace.num_experts)))
+            score_responses(
+                model,
+                Responses(input_ids, attention_mask, width),
+                1.0,
+                ScoreOptions(group_size=G, replay=RoutingTrace(diverged, trace.layer_names, trace.num_experts)),
+            )
         mixed = input_ids.clone()
         mixed[1, width - 2] += 1  # row 1 no longer carries its group's prompt
         with pytest.raises(ValueError, match="do not share their prompt"):

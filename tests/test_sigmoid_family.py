@@ -13,18 +13,25 @@ from algos import OBJECTIVES
 from algos.objective import POLICY_LOSS
 from algos.routing_variants.full_replay import GateReplay
 from experiments.step.metrics import (
-    DRIFT, DRIFT_PER_UPDATE, ENGINE_EXPERTS, GRAD_NORM, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, per_layer,
+    DRIFT,
+    DRIFT_PER_UPDATE,
+    ENGINE_EXPERTS,
+    GRAD_NORM,
+    TOPK_MARGIN_MEDIAN,
+    TOPK_MARGIN_SMALL,
+    per_layer,
 )
 from experiments.train import train
 from models.policy import ModelConfig, build_policy, describe_policy
 from models.routing.families import chosen, has_selection_bias, route
 from models.routing.flips import flip_routing
-from models.routing.hooks import record_routing, replay_routing, router_calls, RouterCalls
+from models.routing.hooks import RouterCalls, record_routing, replay_routing, router_calls
 from models.routing.measures import routing_drift
 from models.routing.trace import find_routers
 from tests.conftest import MICRO_MODEL
 from tests.test_routing import _batch, _forward, _perturb_routers
-from tests.test_shared_prefix import G, _batch as _packed_batch, _score
+from tests.test_shared_prefix import G, _score
+from tests.test_shared_prefix import _batch as _packed_batch
 from tests.test_train import compose_train, read_metrics
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
@@ -33,8 +40,11 @@ SIGMOID = {"n_group": 4, "topk_group": 2, "qk_rope_head_dim": 4}
 
 
 def _policy(architecture: str, **options):
-    model, tokenizer = build_policy(ModelConfig(**{**MICRO_MODEL, **SIGMOID, "architecture": architecture,
-                                                   "experts_implementation": "eager", **options}))
+    model, tokenizer = build_policy(
+        ModelConfig(
+            **{**MICRO_MODEL, **SIGMOID, "architecture": architecture, "experts_implementation": "eager", **options}
+        )
+    )
     return model.eval(), tokenizer
 
 
@@ -50,11 +60,16 @@ class RouterSpy:
 
     def __init__(self, model):
         self.calls, self.received = [], []
-        self.handles = [router.register_forward_hook(lambda module, args, out: self.calls.append((module, out)))
-                        for router in find_routers(model).values()]
-        self.handles += [model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
-            lambda module, args: self.received.append((args[1].detach().clone(), args[2].detach().clone())))
-            for name in find_routers(model)]
+        self.handles = [
+            router.register_forward_hook(lambda module, args, out: self.calls.append((module, out)))
+            for router in find_routers(model).values()
+        ]
+        self.handles += [
+            model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
+                lambda module, args: self.received.append((args[1].detach().clone(), args[2].detach().clone()))
+            )
+            for name in find_routers(model)
+        ]
 
     def remove(self):
         for handle in self.handles:
@@ -189,7 +204,9 @@ def test_packed_scoring_equals_row_scoring(architecture):
     response_mask = batch[3]
     torch.testing.assert_close(packed.logp[response_mask], rows.logp[response_mask], rtol=0, atol=2e-6)
     torch.testing.assert_close(packed.aux_loss, rows.aux_loss, rtol=1e-6, atol=1e-7)
-    assert any("shared_experts" in name for name in packed_grads) and any("gate.weight" in name for name in packed_grads)
+    assert any("shared_experts" in name for name in packed_grads) and any(
+        "gate.weight" in name for name in packed_grads
+    )
     for name, grad in packed_grads.items():
         torch.testing.assert_close(grad, row_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert torch.equal(packed.routes.experts, rows.routes.experts)
@@ -198,10 +215,14 @@ def test_packed_scoring_equals_row_scoring(architecture):
 def test_sigmoid_settings_outside_their_ranges_are_refused():
     from models.registry import ConfigError
 
-    for options, message in (({"n_group": 3}, "model.n_group=3 must split model.num_experts=8"),
-                             ({"topk_group": 1, "n_group": 4, "num_experts_per_tok": 2},
-                              "groups of 2 experts must hold more than model.num_experts_per_tok=2"),
-                             ({"qk_rope_head_dim": 8}, "model.qk_rope_head_dim=8 must be even")):
+    for options, message in (
+        ({"n_group": 3}, "model.n_group=3 must split model.num_experts=8"),
+        (
+            {"topk_group": 1, "n_group": 4, "num_experts_per_tok": 2},
+            "groups of 2 experts must hold more than model.num_experts_per_tok=2",
+        ),
+        ({"qk_rope_head_dim": 8}, "model.qk_rope_head_dim=8 must be even"),
+    ):
         with pytest.raises(ConfigError, match=message):
             _policy("deepseek_v3", **options)
     with pytest.raises(ConfigError, match="model.n_group=4 groups experts for the sigmoid family"):
@@ -209,6 +230,7 @@ def test_sigmoid_settings_outside_their_ranges_are_refused():
 
 
 # -- through the RL loop ------------------------------------------------------------------------------------------
+
 
 def _family_run(architecture: str) -> list[str]:
     return [f"model.architecture={architecture}", *(f"model.{key}={value}" for key, value in SIGMOID.items())]

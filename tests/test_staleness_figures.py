@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from matplotlib.collections import LineCollection
 from matplotlib.colors import to_hex
 
@@ -27,9 +26,7 @@ from analysis import statistics  # noqa: E402
 from analysis.load import load_runs  # noqa: E402
 from analysis.plotting import FigureOutput, FigureSettings, arm_styles  # noqa: E402
 from analysis.staleness_figures import fig_gain_by_lag, fig_staleness_curves  # noqa: E402
-from experiments.step.metrics import (  # noqa: E402
-    ENGINE_EXPERTS, EVAL_GREEDY, LAG, MISMATCH_K3, REWARD, STEP, started,
-)
+from experiments.step.metrics import ENGINE_EXPERTS, EVAL_GREEDY, LAG, MISMATCH_K3, REWARD, STEP, started  # noqa: E402
 
 STEPS = 6
 START_A, START_B, START_C = "a" * 64, "b" * 64, "c" * 64
@@ -37,8 +34,16 @@ ARMS = {"grpo": ("grpo", "none"), "grpo + tis": ("grpo", "tis"), "minirl": ("min
 TRUNCATION = {"grpo + tis": token_frac(tis.TRUNCATED), "minirl": MINIRL_TRUNCATED}  # what each arm's weight logs
 
 
-def lagged_run(folder: Path, arm: str, lag: int, seed: int, gain: float, start: str = START_A, engine: bool = True,
-               finished: bool = True) -> Path:
+def lagged_run(
+    folder: Path,
+    arm: str,
+    lag: int,
+    seed: int,
+    gain: float,
+    start: str = START_A,
+    engine: bool = True,
+    finished: bool = True,
+) -> Path:
     """A run of `arm` at `rollout.lag` = `lag` whose held-out greedy accuracy goes from 0.5 at its start to 0.5 +
     `gain` at its last step (its only evaluations: its mean gain over the run is `gain` / 2); the lag it served,
     the mismatch (and with `engine`, the engine's routes) grow with it, and its arm's truncated share where it has
@@ -55,9 +60,16 @@ def lagged_run(folder: Path, arm: str, lag: int, seed: int, gain: float, start: 
         records.append(record)
     records[0][started(EVAL_GREEDY)] = 0.5
     records[-1][EVAL_GREEDY] = 0.5 + gain
-    cfg = {"algo": {"name": algo}, "routing": {"replay": "none"}, "correction": {"name": correction},
-           "rollout": {"lag": lag}, "model": {"name": "tiny_moe"}, "dataset": {"name": "addition"}, "seed": seed,
-           "trainer": {"steps": STEPS, "eval_every": 0}}
+    cfg = {
+        "algo": {"name": algo},
+        "routing": {"replay": "none"},
+        "correction": {"name": correction},
+        "rollout": {"lag": lag},
+        "model": {"name": "tiny_moe"},
+        "dataset": {"name": "addition"},
+        "seed": seed,
+        "trainer": {"steps": STEPS, "eval_every": 0},
+    }
     return syn.write_run(folder, cfg, records, finished=finished, start=start)
 
 
@@ -68,8 +80,11 @@ def drawn(draw, runset, settings: FigureSettings):
 
 def line_colors(ax) -> set[str]:
     """The colours of the curves drawn on `ax` (lines holding at least one finite point)."""
-    return {to_hex(line.get_color()) for line in ax.get_lines()
-            if np.isfinite(np.asarray(line.get_ydata(), dtype=float)).any()}
+    return {
+        to_hex(line.get_color())
+        for line in ax.get_lines()
+        if np.isfinite(np.asarray(line.get_ydata(), dtype=float)).any()
+    }
 
 
 def test_fig10_draws_a_column_per_lag_a_row_per_logged_metric_and_an_arm_in_one_colour_everywhere(tmp_path):
@@ -86,8 +101,9 @@ def test_fig10_draws_a_column_per_lag_a_row_per_logged_metric_and_an_arm_in_one_
     out = fig_staleness_curves(runset, settings)
     assert [path.name for path in out.files] == ["fig10_staleness_curves.png"]
     assert any(f"`{ENGINE_EXPERTS}`" in note and "row is left out" in note for note in out.notes)
-    assert any(f"`{TRUNCATION['grpo + tis']}` or `{MINIRL_TRUNCATED}`: not logged by grpo." == note
-               for note in out.notes)
+    assert any(
+        f"`{TRUNCATION['grpo + tis']}` or `{MINIRL_TRUNCATED}`: not logged by grpo." == note for note in out.notes
+    )
     assert "first k steps sample with the start" in out.caption and ENGINE_EXPERTS not in out.caption
 
     fig = drawn(fig_staleness_curves, runset, settings)
@@ -106,8 +122,9 @@ def test_fig10_draws_a_column_per_lag_a_row_per_logged_metric_and_an_arm_in_one_
     assert [text.get_text() for text in legend.get_texts()] == list(styles)
     assert [to_hex(handle.get_color()) for handle in legend.legend_handles] == list(styles.values())
     highest = max(np.nanmax(np.asarray(line.get_ydata(), dtype=float)) for ax in truncated for line in ax.get_lines())
-    assert highest > 0.1 and truncated[0].get_ylim()[1] >= highest, \
+    assert highest > 0.1 and truncated[0].get_ylim()[1] >= highest, (
         "lag 0's column (no truncation) shares the row's scale, which holds the largest lag's values"
+    )
 
 
 def test_fig11_draws_the_two_level_interval_over_starts_not_the_pooled_seeds_one(tmp_path):
@@ -118,8 +135,14 @@ def test_fig11_draws_the_two_level_interval_over_starts_not_the_pooled_seeds_one
         for lag in (0, 2):
             for start, offset in offsets.items():
                 for seed in (0, 1):
-                    lagged_run(tmp_path / "runs" / f"{arm}_{lag}_{start[0]}{seed}", arm, lag, seed,
-                               offset + 0.01 * seed - 0.05 * lag, start=start)
+                    lagged_run(
+                        tmp_path / "runs" / f"{arm}_{lag}_{start[0]}{seed}",
+                        arm,
+                        lag,
+                        seed,
+                        offset + 0.01 * seed - 0.05 * lag,
+                        start=start,
+                    )
     lagged_run(tmp_path / "runs" / "crashed", "grpo", 2, 9, 3.0, finished=False)
     runset = load_runs([tmp_path / "runs"])
     settings = FigureSettings(tmp_path / "fig", dpi=40)
@@ -129,20 +152,26 @@ def test_fig11_draws_the_two_level_interval_over_starts_not_the_pooled_seeds_one
 
     # GRPO at lag 2, each unit's mean gain over the run (half its final gain: a straight line from the start)
     by_start = [[(offset + 0.01 * seed - 0.1) / 2 for seed in (0, 1)] for offset in offsets.values()]
-    draws = statistics.multi_bootstrap([np.array(values) for values in by_start], statistics.RESAMPLES,
-                                       np.random.default_rng(statistics.RNG_SEED))
+    draws = statistics.multi_bootstrap(
+        [np.array(values) for values in by_start], statistics.RESAMPLES, np.random.default_rng(statistics.RNG_SEED)
+    )
     two_level = np.percentile(draws, [2.5, 97.5])
     pooled = statistics.mean_interval([value for values in by_start for value in values])
     assert pooled.high - pooled.low < 0.8 * (two_level[1] - two_level[0]), "pooling seeds misses the starts' spread"
 
     ax = drawn(fig_gain_by_lag, runset, settings).axes[0]
-    segments = [segment for collection in ax.collections if isinstance(collection, LineCollection)
-                for segment in collection.get_segments()]
+    segments = [
+        segment
+        for collection in ax.collections
+        if isinstance(collection, LineCollection)
+        for segment in collection.get_segments()
+    ]
     spans = [(segment[0][1], segment[1][1]) for segment in segments]
     assert any(np.allclose(span, two_level) for span in spans)
     assert not any(np.allclose(span, (pooled.low, pooled.high), atol=1e-3) for span in spans)
-    dots = np.concatenate([collection.get_offsets()[:, 1] for collection in ax.collections
-                           if not isinstance(collection, LineCollection)])
+    dots = np.concatenate(
+        [collection.get_offsets()[:, 1] for collection in ax.collections if not isinstance(collection, LineCollection)]
+    )
     assert len(dots) == 24 and dots.max() < 1.0, "every counted run a dot, the crashed run none"
 
 
@@ -156,8 +185,12 @@ def test_fig11_from_one_start_draws_the_interval_across_its_seeds(tmp_path):
     assert "bootstrap across the seeds of one start" in out.caption and "1 start × 3 seeds" in out.caption
     across_seeds = statistics.mean_interval([0.05, 0.1, 0.2])
     ax = drawn(fig_gain_by_lag, runset, settings).axes[0]
-    spans = [(segment[0][1], segment[1][1]) for collection in ax.collections
-             if isinstance(collection, LineCollection) for segment in collection.get_segments()]
+    spans = [
+        (segment[0][1], segment[1][1])
+        for collection in ax.collections
+        if isinstance(collection, LineCollection)
+        for segment in collection.get_segments()
+    ]
     assert any(np.allclose(span, (across_seeds.low, across_seeds.high)) for span in spans)
 
 

@@ -94,7 +94,9 @@ def test_interquartile_means_appear_from_five_seeds_and_bad_input_is_refused():
 def test_an_accuracys_interval_is_wilsons_and_narrows_with_more_prompts():
     from analysis.statistics import accuracy_interval
 
-    low, high = accuracy_interval(0.5, 100)  # Wilson by hand: (0.5 + z²/200 ± z·sqrt(0.25/100 + z²/40000)) / (1 + z²/100)
+    low, high = accuracy_interval(
+        0.5, 100
+    )  # Wilson by hand: (0.5 + z²/200 ± z·sqrt(0.25/100 + z²/40000)) / (1 + z²/100)
     z = 1.959964
     centre, half = (0.5 + z * z / 200) / (1 + z * z / 100), z * (0.25 / 100 + z * z / 40000) ** 0.5 / (1 + z * z / 100)
     assert (low, high) == pytest.approx((centre - half, centre + half), abs=1e-6)
@@ -119,12 +121,20 @@ def test_the_sign_flip_test_counts_ties_on_the_grid_of_k_over_n_accuracies():
     from fractions import Fraction
     from itertools import product
 
-    counts = [[261, 156, 334, 187], [220, 284, 242, 264], [267, 181, 152, 340], [311, 180, 284, 252],
-              [297, 178, 290, 293], [349, 205, 236, 176]]  # per seed: arm start, arm end, baseline start, end (of 500)
+    counts = [
+        [261, 156, 334, 187],
+        [220, 284, 242, 264],
+        [267, 181, 152, 340],
+        [311, 180, 284, 252],
+        [297, 178, 290, 293],
+        [349, 205, 236, 176],
+    ]  # per seed: arm start, arm end, baseline start, end (of 500)
     accuracy = (np.array(counts) / 500).astype(np.float32).astype(float)
     differences = (accuracy[:, 1] - accuracy[:, 0]) - (accuracy[:, 3] - accuracy[:, 2])
     exact = [Fraction(int(k[1] - k[0] - k[3] + k[2]), 500) for k in counts]
-    reached = sum(abs(sum(s * d for s, d in zip(signs, exact))) >= abs(sum(exact)) for signs in product((1, -1), repeat=6))
+    reached = sum(
+        abs(sum(s * d for s, d in zip(signs, exact))) >= abs(sum(exact)) for signs in product((1, -1), repeat=6)
+    )
     assert sign_flip_p(differences) == pytest.approx(reached / 64, abs=1e-12)
 
 
@@ -140,15 +150,18 @@ def test_holm_adjusts_a_family_by_hand():
 def test_the_share_of_pairs_ahead_is_the_paired_probability_of_improvement():
     comparison = compare([0.3, 0.5, 0.5, 0.1], [0.2, 0.5, 0.6, 0.0])  # ahead, tie, behind, ahead
     assert comparison.pairs_ahead == pytest.approx((1 + 0.5 + 0 + 1) / 4)
-    assert comparison.improvement.estimate == pytest.approx(probability_of_improvement(
-        np.array([0.3, 0.5, 0.5, 0.1]), np.array([0.2, 0.5, 0.6, 0.0])))  # rliable's, unpaired, stays in the CSV
+    assert comparison.improvement.estimate == pytest.approx(
+        probability_of_improvement(np.array([0.3, 0.5, 0.5, 0.1]), np.array([0.2, 0.5, 0.6, 0.0]))
+    )  # rliable's, unpaired, stays in the CSV
 
 
 def test_across_starts_weights_every_start_alike_and_tests_the_starts_signs():
     from analysis.statistics import across_starts, multi_bootstrap
 
-    by_start = {f"start{k}": np.full(2 if k else 40, 0.01 * (k + 1)) + np.linspace(-1e-3, 1e-3, 2 if k else 40)
-                for k in range(6)}
+    by_start = {
+        f"start{k}": np.full(2 if k else 40, 0.01 * (k + 1)) + np.linspace(-1e-3, 1e-3, 2 if k else 40)
+        for k in range(6)
+    }
     result = across_starts(by_start)
     assert result.starts == 6 and result.seeds["start0"] == 40
     assert result.per_start == pytest.approx({f"start{k}": 0.01 * (k + 1) for k in range(6)})

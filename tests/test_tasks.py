@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.config import register_configs
-from experiments.tasks import Example, TASKS, Task, build_task
+from experiments.tasks import TASKS, Example, Task, build_task
 from experiments.tasks.gsm8k import extract_final_number, normalize_number
 from models.registry import ConfigError
 from models.tokenizer import ALPHABET
@@ -25,6 +25,7 @@ def example(answer: str) -> Example:
 
 
 # --- rewards on known answers ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "completion, reward",
@@ -45,8 +46,7 @@ def test_addition_reward(completion: str, reward: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "completion, reward",
-    [("13578", 1.0), ("13587", 0.3), ("87531", 0.1), ("", 0.0), ("135789", 0.5), ("1357", 0.4)],
+    "completion, reward", [("13578", 1.0), ("13587", 0.3), ("87531", 0.1), ("", 0.0), ("135789", 0.5), ("1357", 0.4)]
 )
 def test_sorting_reward(completion: str, reward: float) -> None:
     task = build_task("sorting", **SMALL)
@@ -99,6 +99,7 @@ def test_sorting_answers_are_sorted_prompts() -> None:
 
 
 # --- splits ---------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", SYNTHETIC)
 def test_splits_are_deterministic_sized_and_disjoint(name: str) -> None:
@@ -174,6 +175,7 @@ def test_bad_parameters_are_refused(name: str, params: dict, message: str) -> No
 
 # --- GSM8K JSONL loader ---------------------------------------------------------------------------------------
 
+
 def write_jsonl(path: Path, lines: list[str]) -> Path:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
@@ -184,11 +186,14 @@ def record(question: str, answer: str) -> str:
 
 
 def test_gsm8k_loads_a_good_file(tmp_path: Path) -> None:
-    train = write_jsonl(tmp_path / "train.jsonl", [
-        record("What is 2+3?", "2+3 = <<2+3=5>>5\n#### 5"),
-        "",  # blank lines are skipped
-        record("How many cents in $12?", "12*100 = 1200\n#### 1,200"),
-    ])
+    train = write_jsonl(
+        tmp_path / "train.jsonl",
+        [
+            record("What is 2+3?", "2+3 = <<2+3=5>>5\n#### 5"),
+            "",  # blank lines are skipped
+            record("How many cents in $12?", "12*100 = 1200\n#### 1,200"),
+        ],
+    )
     test = write_jsonl(tmp_path / "test.jsonl", [record("What is 1+1?", "#### 2")])
     task = build_task("gsm8k", train_path=str(train), test_path=str(test))
     examples = task.examples("train")
@@ -287,6 +292,7 @@ def test_gsm8k_empty_file_is_refused(tmp_path: Path) -> None:
 
 # --- registry -------------------------------------------------------------------------------------------------
 
+
 def test_registry_has_the_tasks() -> None:
     assert {"addition", "sorting", "gsm8k"} <= set(TASKS)
     for name, cls in TASKS.items():
@@ -295,7 +301,9 @@ def test_registry_has_the_tasks() -> None:
 
 
 def test_build_task_unknown_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'additon'; valid names: addition, gsm8k, reasoning_gym, scratchpad, sorting"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'additon'; valid names: addition, gsm8k, reasoning_gym, scratchpad, sorting"
+    ):
         build_task("additon")
 
 
@@ -330,6 +338,7 @@ def test_register_task_refuses_duplicates_and_non_frozen_classes() -> None:
 
 # --- Hydra yamls ----------------------------------------------------------------------------------------------
 
+
 def test_every_task_has_a_yaml() -> None:
     assert {path.stem for path in CONF_DATASET.glob("*.yaml")} == set(TASKS)
 
@@ -342,8 +351,10 @@ def test_dataset_yaml_only_selects_the_dataclass_whose_defaults_compose(path: Pa
         config = OmegaConf.to_container(compose("train", overrides=[f"dataset={path.stem}"]).dataset)
     assert config.pop("name") == path.stem
     cls = TASKS[path.stem]
-    defaults = {field.name: field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
-                for field in dataclasses.fields(cls)}
+    defaults = {
+        field.name: field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+        for field in dataclasses.fields(cls)
+    }
     assert config == defaults
     assert build_task(path.stem, **config) == cls()
 
@@ -351,9 +362,9 @@ def test_dataset_yaml_only_selects_the_dataclass_whose_defaults_compose(path: Pa
 @pytest.mark.parametrize(
     "bad_line, column",
     [
-        ('{"question": "q", "answer": "#### 1"'.encode(), 37),  # cut short: wrong at its end, not at column 1
-        ('{"question": "q" "answer": "#### 1"}'.encode(), 18),
-        ('{"question": "café \xff"}'.encode("utf-8").replace(b"\xc3\xbf", b"\xff"), 20),  # in characters, not bytes
+        (b'{"question": "q", "answer": "#### 1"', 37),  # cut short: wrong at its end, not at column 1
+        (b'{"question": "q" "answer": "#### 1"}', 18),
+        ('{"question": "café \xff"}'.encode().replace(b"\xc3\xbf", b"\xff"), 20),  # in characters, not bytes
     ],
 )
 def test_gsm8k_bad_line_names_the_column_where_it_goes_wrong(tmp_path: Path, bad_line: bytes, column: int) -> None:

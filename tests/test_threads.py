@@ -21,8 +21,10 @@ import torch
 from experiments.run.threads import ThreadBudget
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the budget reads Linux's /proc/stat")
-real_load = pytest.mark.skipif(not os.environ.get("MOE_LAB_REAL_LOAD"), reason=(
-    "measures the machine's real load, which other test processes move: run alone with `make test-load`"))
+real_load = pytest.mark.skipif(
+    not os.environ.get("MOE_LAB_REAL_LOAD"),
+    reason=("measures the machine's real load, which other test processes move: run alone with `make test-load`"),
+)
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -44,8 +46,9 @@ def load_over(budget: ThreadBudget, seconds: float, work=time.sleep) -> float:
     return budget.other_load()
 
 
-def paired_loads(budget: ThreadBudget, work_on, start=lambda: None, stop=lambda: None, rounds: int = 5,
-                 seconds: float = 0.3) -> list[tuple[float, float]]:
+def paired_loads(
+    budget: ThreadBudget, work_on, start=lambda: None, stop=lambda: None, rounds: int = 5, seconds: float = 0.3
+) -> list[tuple[float, float]]:
     """(load without, load with) for `rounds` adjacent pairs of windows: idle, then `start()`, `work_on` for the
     window, `stop()`."""
     pairs = []
@@ -110,8 +113,13 @@ def test_a_busy_core_elsewhere_is_measured_as_one_core(all_cores):
     competitor.send_signal(signal.SIGSTOP)
     try:
         # Nine pairs, not five: beside a test process whose load swings, five pairs' median once read 1.36 cores.
-        pairs = paired_loads(budget, time.sleep, lambda: competitor.send_signal(signal.SIGCONT),
-                             lambda: competitor.send_signal(signal.SIGSTOP), rounds=9)
+        pairs = paired_loads(
+            budget,
+            time.sleep,
+            lambda: competitor.send_signal(signal.SIGCONT),
+            lambda: competitor.send_signal(signal.SIGSTOP),
+            rounds=9,
+        )
     finally:
         competitor.kill()
         competitor.wait()
@@ -127,8 +135,9 @@ def test_its_own_work_is_not_load(all_cores):
     assert statistics.median(with_ - without for without, with_ in pairs) < 0.35
 
 
-@pytest.mark.parametrize("others, expected", [(0.0, CORES), (0.3, CORES), (0.5, CORES - 1), (1.0, CORES - 1),
-                                              (CORES + 3.0, 1)])
+@pytest.mark.parametrize(
+    "others, expected", [(0.0, CORES), (0.3, CORES), (0.5, CORES - 1), (1.0, CORES - 1), (CORES + 3.0, 1)]
+)
 def test_the_next_step_gets_the_cores_left_and_at_least_one(all_cores, monkeypatch, others, expected):
     budget = ThreadBudget(None)
     monkeypatch.setattr(budget, "other_load", lambda: others)

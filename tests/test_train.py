@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,17 +15,56 @@ from hydra import compose, initialize_config_dir
 
 from algos import OBJECTIVES, group_advantages
 from algos.objective import (
-    CLIP, CLIP_SEQ, KL_OLD, KL_REF, POLICY_LOSS, SEQ_RATIO_MEAN, SEQ_RATIO_VAR, TOKEN_RATIO_MAX, TOKEN_RATIO_MEAN,
+    CLIP,
+    CLIP_SEQ,
+    KL_OLD,
+    KL_REF,
+    POLICY_LOSS,
+    SEQ_RATIO_MEAN,
+    SEQ_RATIO_VAR,
+    TOKEN_RATIO_MAX,
+    TOKEN_RATIO_MEAN,
     TOKEN_RATIO_VAR,
 )
 from experiments.config import PROJECT_ROOT
-from experiments.step.metrics import (
-    AUX_LOSS, DRIFT, DRIFT_OVER_MINIBATCHES, DRIFT_PER_UPDATE, ENGINE_EXPERTS, ENTROPY, ESS, EVAL_ACCURACY,
-    EVAL_GREEDY, EVAL_SPLIT_GREEDY, FRAGILE, GATE_DRIFT_PER_UPDATE, GRAD_NORM, LENGTH, LOAD_MAX_VIOLATION, LR, MARGIN,
-    MISMATCH_K1, MISMATCH_K3, REWARD, REWARD_ACCURACY, REWARD_STD, ROLLOUT_TIME, ROLLOUT_TOKENS_PER_S, SKIPPED, STEP, STEP_TIME, TOKENS,
-    TOKEN_DRIFT_PER_UPDATE, TOPK_MASS, TRAIN_TIME, TRUNCATED, ZERO_STD_GROUPS, per_layer, started,
-)
 from experiments.step.batch import minibatch_order, split_minibatches
+from experiments.step.metrics import (
+    AUX_LOSS,
+    DRIFT,
+    DRIFT_OVER_MINIBATCHES,
+    DRIFT_PER_UPDATE,
+    ENGINE_EXPERTS,
+    ENTROPY,
+    ESS,
+    EVAL_ACCURACY,
+    EVAL_GREEDY,
+    EVAL_SPLIT_GREEDY,
+    FRAGILE,
+    GATE_DRIFT_PER_UPDATE,
+    GRAD_NORM,
+    LENGTH,
+    LOAD_MAX_VIOLATION,
+    LR,
+    MARGIN,
+    MISMATCH_K1,
+    MISMATCH_K3,
+    REWARD,
+    REWARD_ACCURACY,
+    REWARD_STD,
+    ROLLOUT_TIME,
+    ROLLOUT_TOKENS_PER_S,
+    SKIPPED,
+    STEP,
+    STEP_TIME,
+    TOKEN_DRIFT_PER_UPDATE,
+    TOKENS,
+    TOPK_MASS,
+    TRAIN_TIME,
+    TRUNCATED,
+    ZERO_STD_GROUPS,
+    per_layer,
+    started,
+)
 from experiments.step.scoring import FED, ScoreOptions, score_responses
 from experiments.train import RLTrainer, train
 from models.routing.measures import routing_drift
@@ -36,14 +75,45 @@ from tests.conftest import MICRO_RUN
 CONF = str(PROJECT_ROOT / "conf")
 
 STEP_METRICS = [
-    STEP, TOKENS, REWARD, REWARD_STD, REWARD_ACCURACY, ZERO_STD_GROUPS,
-    LENGTH, TRUNCATED, TOKEN_RATIO_MEAN, TOKEN_RATIO_VAR, TOKEN_RATIO_MAX,
-    SEQ_RATIO_MEAN, SEQ_RATIO_VAR, CLIP, CLIP_SEQ, KL_OLD, POLICY_LOSS,
-    ENTROPY, GRAD_NORM, LR, SKIPPED, AUX_LOSS, LOAD_MAX_VIOLATION,
-    DRIFT_PER_UPDATE, per_layer(DRIFT_PER_UPDATE, 0), GATE_DRIFT_PER_UPDATE, per_layer(GATE_DRIFT_PER_UPDATE, 1),
-    per_layer(DRIFT_PER_UPDATE, 1), TOKEN_DRIFT_PER_UPDATE,
-    DRIFT_OVER_MINIBATCHES, TOPK_MASS, per_layer(MARGIN, 1),
-    FRAGILE, MISMATCH_K1, ESS, STEP_TIME, ROLLOUT_TIME, TRAIN_TIME, ROLLOUT_TOKENS_PER_S,
+    STEP,
+    TOKENS,
+    REWARD,
+    REWARD_STD,
+    REWARD_ACCURACY,
+    ZERO_STD_GROUPS,
+    LENGTH,
+    TRUNCATED,
+    TOKEN_RATIO_MEAN,
+    TOKEN_RATIO_VAR,
+    TOKEN_RATIO_MAX,
+    SEQ_RATIO_MEAN,
+    SEQ_RATIO_VAR,
+    CLIP,
+    CLIP_SEQ,
+    KL_OLD,
+    POLICY_LOSS,
+    ENTROPY,
+    GRAD_NORM,
+    LR,
+    SKIPPED,
+    AUX_LOSS,
+    LOAD_MAX_VIOLATION,
+    DRIFT_PER_UPDATE,
+    per_layer(DRIFT_PER_UPDATE, 0),
+    GATE_DRIFT_PER_UPDATE,
+    per_layer(GATE_DRIFT_PER_UPDATE, 1),
+    per_layer(DRIFT_PER_UPDATE, 1),
+    TOKEN_DRIFT_PER_UPDATE,
+    DRIFT_OVER_MINIBATCHES,
+    TOPK_MASS,
+    per_layer(MARGIN, 1),
+    FRAGILE,
+    MISMATCH_K1,
+    ESS,
+    STEP_TIME,
+    ROLLOUT_TIME,
+    TRAIN_TIME,
+    ROLLOUT_TOKENS_PER_S,
 ]
 
 
@@ -114,8 +184,15 @@ def test_every_objective_and_replay_mode_runs_and_logs(tmp_path, algo, replay):
 
 @pytest.mark.parametrize("layout", ["groups", "rows"])
 def test_r2_replays_recorded_experts_while_drift_stays_measurable(layout):
-    trainer = RLTrainer(compose_train("algo=grpo", "routing.replay=r2", "trainer.lr=5e-2", "trainer.minibatches=4",
-                                      f"trainer.minibatch_layout={layout}"))
+    trainer = RLTrainer(
+        compose_train(
+            "algo=grpo",
+            "routing.replay=r2",
+            "trainer.lr=5e-2",
+            "trainer.minibatches=4",
+            f"trainer.minibatch_layout={layout}",
+        )
+    )
     assert trainer.plan.layout == layout
     _, _, minibatches, old = first_step_inputs(trainer)
     used, handles = experts_used(trainer.model)
@@ -157,8 +234,16 @@ def test_same_config_and_seed_give_the_same_metrics(tmp_path):
 
 
 def test_dense_control_runs_without_routing_metrics(tmp_path):
-    train(compose_train("model=tiny_dense", "model.hidden_size=32", "model.num_hidden_layers=2",
-                        "model.head_dim=8", "model.intermediate_size=64"), tmp_path)
+    train(
+        compose_train(
+            "model=tiny_dense",
+            "model.hidden_size=32",
+            "model.num_hidden_layers=2",
+            "model.head_dim=8",
+            "model.intermediate_size=64",
+        ),
+        tmp_path,
+    )
     line = read_metrics(tmp_path)[0]
     assert REWARD in line and DRIFT not in line
 
@@ -181,8 +266,9 @@ def test_non_finite_losses_are_skipped_then_end_the_run_as_diverged(tmp_path, mo
             self.initial = {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
     trainers = []
-    monkeypatch.setattr("experiments.train.RLTrainer",
-                        lambda cfg, ranks: trainers.append(PoisonedTrainer(cfg, ranks)) or trainers[-1])
+    monkeypatch.setattr(
+        "experiments.train.RLTrainer", lambda cfg, ranks: trainers.append(PoisonedTrainer(cfg, ranks)) or trainers[-1]
+    )
     with pytest.raises(SystemExit) as raised:
         train(cfg, tmp_path)
     message = str(raised.value)
@@ -209,10 +295,14 @@ def test_non_finite_losses_are_skipped_then_end_the_run_as_diverged(tmp_path, mo
         (["model=checkpoint"], "(model=checkpoint) needs model.path=/local/checkpoint"),
         (["trainer.pi_old=bypass", "routing.replay=r2"], "trainer.pi_old=bypass with routing.replay=r2"),
         (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
-        (["trainer.minibatch_layout=groups", "trainer.minibatches=8"],
-         "trainer.minibatches=8 does not divide trainer.prompts_per_step=4"),
-        (["trainer.minibatch_layout=groups", "model.attn_implementation=sdpa"],
-         "needs model.attn_implementation=grouped_eager (this model uses 'sdpa')"),
+        (
+            ["trainer.minibatch_layout=groups", "trainer.minibatches=8"],
+            "trainer.minibatches=8 does not divide trainer.prompts_per_step=4",
+        ),
+        (
+            ["trainer.minibatch_layout=groups", "model.attn_implementation=sdpa"],
+            "needs model.attn_implementation=grouped_eager (this model uses 'sdpa')",
+        ),
     ],
 )
 def test_bad_input_is_refused_with_one_line(tmp_path, overrides, message):
@@ -224,8 +314,12 @@ def test_bad_input_is_refused_with_one_line(tmp_path, overrides, message):
 
 @pytest.mark.parametrize(
     "overrides, layout",
-    [([], "groups"), (["model.attn_implementation=sdpa"], "rows"), (["trainer.minibatches=8"], "rows"),
-     (["trainer.minibatch_layout=rows"], "rows")],
+    [
+        ([], "groups"),
+        (["model.attn_implementation=sdpa"], "rows"),
+        (["trainer.minibatches=8"], "rows"),
+        (["trainer.minibatch_layout=rows"], "rows"),
+    ],
 )
 def test_minibatch_layout_auto_packs_groups_where_it_can(tmp_path, overrides, layout):
     assert train(compose_train("trainer.steps=1", *overrides), tmp_path)["minibatch_layout"] == layout
@@ -233,8 +327,13 @@ def test_minibatch_layout_auto_packs_groups_where_it_can(tmp_path, overrides, la
 
 @pytest.mark.parametrize("layout", ["groups", "rows"])
 def test_reference_kl_and_router_aux_loss_enter_the_update(tmp_path, layout):
-    cfg = compose_train("algo.kl_coef=0.05", "routers=[aux_loss]", "routers.aux_loss.coef=0.01",
-                        f"trainer.minibatch_layout={layout}", "trainer.steps=2")
+    cfg = compose_train(
+        "algo.kl_coef=0.05",
+        "routers=[aux_loss]",
+        "routers.aux_loss.coef=0.01",
+        f"trainer.minibatch_layout={layout}",
+        "trainer.steps=2",
+    )
     assert train(cfg, tmp_path)["minibatch_layout"] == layout
     lines = read_metrics(tmp_path)
     assert lines[0]["minibatches"][0][KL_REF] == pytest.approx(0.0, abs=1e-7), "θ = reference before any update"
@@ -270,7 +369,10 @@ def test_checkpoint_model_group_trains_a_local_checkpoint_with_transformers_kern
 def test_cli_refuses_bad_input_without_a_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", *MICRO_RUN, "trainer.minibatches=3", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "trainer.minibatches=3 does not divide" in result.stderr
@@ -286,9 +388,21 @@ def test_misspelt_key_fails_at_composition():
 def test_multirun_gives_one_directory_per_job(tmp_path):
     sweep = tmp_path / "sweep"
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.train", "-m", "algo=grpo,gspo", "routing.replay=none,r2",
-         *MICRO_RUN, "trainer.steps=2", f"hydra.sweep.dir={sweep}"],
-        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "-m",
+            "algo=grpo,gspo",
+            "routing.replay=none,r2",
+            *MICRO_RUN,
+            "trainer.steps=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
@@ -326,12 +440,16 @@ def test_drift_metric_matches_a_recomputation():
 
 @pytest.mark.parametrize(
     "replay, setting, source",
-    [("none", "auto", "bypass"), ("r2", "auto", "decoupled"), ("r3", "auto", "decoupled"),
-     ("none", "decoupled", "decoupled"), ("r3", "bypass", "bypass")],
+    [
+        ("none", "auto", "bypass"),
+        ("r2", "auto", "decoupled"),
+        ("r3", "auto", "decoupled"),
+        ("none", "decoupled", "decoupled"),
+        ("r3", "bypass", "bypass"),
+    ],
 )
 def test_pi_old_is_recomputed_only_where_replay_needs_it_or_asked(tmp_path, replay, setting, source):
-    summary = train(compose_train(f"routing.replay={replay}", f"trainer.pi_old={setting}", "trainer.steps=1"),
-                    tmp_path)
+    summary = train(compose_train(f"routing.replay={replay}", f"trainer.pi_old={setting}", "trainer.steps=1"), tmp_path)
     assert summary["pi_old"] == source and summary["pi_old_why"]
 
 
@@ -377,7 +495,10 @@ def test_learning_rate_follows_the_schedule(tmp_path):
 def test_cli_lists_the_valid_algorithms_for_an_unknown_one(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", "algo=foo", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=120,
     )
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "Could not find 'algo/foo'" in result.stderr
@@ -390,15 +511,17 @@ def test_cli_lists_the_valid_algorithms_for_an_unknown_one(tmp_path):
 def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(replay, layout, monkeypatch):
     """The first update's π_θ equals θ_old scored by a separate forward of a frozen copy (row by row, its own hooks):
     ratios 1 to float rounding, nothing clipped, the same experts (under r3, replaying the engine's routing)."""
-    trainer = RLTrainer(compose_train(f"routing.replay={replay}", f"trainer.minibatch_layout={layout}",
-                                      "trainer.lr=5e-2"))
+    trainer = RLTrainer(
+        compose_train(f"routing.replay={replay}", f"trainer.minibatch_layout={layout}", "trainer.lr=5e-2")
+    )
     _, _, minibatches, old = first_step_inputs(trainer)
     mb = minibatches[0]
     theta_old = copy.deepcopy(trainer.model)
     replayed = mb.engine_routes if replay == "r3" else None
     with torch.no_grad():
-        independent = score_responses(theta_old, mb, trainer.cfg.trainer.temperature,
-                                      ScoreOptions(record=replayed is None, replay=replayed))
+        independent = score_responses(
+            theta_old, mb, trainer.cfg.trainer.temperature, ScoreOptions(record=replayed is None, replay=replayed)
+        )
     seen = {}
     objective, score = trainer.objective, trainer.score
 
@@ -424,7 +547,8 @@ def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(r
 
 
 def test_the_documented_example_step_hook_measures_every_update():
-    """`Add a step hook` in docs/extending.md is code a newcomer copies: it runs as printed, at its fixed point, in the loop."""
+    """`Add a step hook` in docs/extending.md is code a newcomer copies: it runs as printed, at its fixed point, in the
+    loop."""
     readme = (PROJECT_ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
     code = readme.split("## Add a step hook", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {"__name__": "readme"}

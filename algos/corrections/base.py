@@ -76,9 +76,11 @@ class CorrectionOutput:
             values[seq_frac(what)] = sequence_mean(hit.any(dim=1).float(), nonempty)
         return dict(zip(values, torch.stack(list(values.values())).tolist())) if values else {}
 
-    def gathered(self, rows: Callable[[Tensor], Tensor]) -> "CorrectionOutput":
+    def gathered(self, rows: Callable[[Tensor], Tensor]) -> CorrectionOutput:
         """This output over the rows of every data-parallel rank (`rows` concatenates them, padding with 0 / False)."""
-        return CorrectionOutput(rows(self.weight), rows(self.mask), {what: rows(hit) for what, hit in self.hits.items()})
+        return CorrectionOutput(
+            rows(self.weight), rows(self.mask), {what: rows(hit) for what, hit in self.hits.items()}
+        )
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.corrections.base import (
-    CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp,
-)
+from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp
 from algos.corrections.tis import TruncatedIS
 
 
@@ -31,8 +29,10 @@ class MaskedIS(Correction):
 
     def __call__(self, inputs: CorrectionInputs) -> CorrectionOutput:
         cap = math.log(self.threshold)
-        log_weight = inputs.log_rho if self.level == Level.token else inputs.sequence_log_rho()[:, None].expand_as(
+        log_weight = (
             inputs.log_rho
+            if self.level == Level.token
+            else inputs.sequence_log_rho()[:, None].expand_as(inputs.log_rho)
         )
         over = log_weight > cap
         weight = torch.where(inputs.mask & ~over, clamped_exp(log_weight, upper=cap), 0.0)

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.corrections.base import (
-    CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp,
-)
+from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput, Level, clamped_exp
 
 TRUNCATED = "truncated"  # what it does to a token whose weight passes C: its metrics are token_frac/seq_frac of it
 

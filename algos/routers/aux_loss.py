@@ -5,11 +5,11 @@
 the Switch Transformer loss (Fedus et al. 2021, eqs. 4-6) over every layer's tokens of the whole batch, as
 transformers' Qwen3-MoE computes it (`load_balancing_loss_func`, transformers 5.24) and as Qwen3 trains with
 global-batch balancing; Qwen3-MoE's configs set its coefficient `router_aux_loss_coef` to 0.001, the default here.
-On the sigmoid family the same loss is taken on the normalised sigmoid scores (`models.routing.families.normalised_scores`); that
-family's own balancing is `bias_update`. It reaches the routers through their scores (and, through the hidden
-states, the layers below); under full replay it is the only thing that trains them. Whether on or off, every RL
-update logs the loss's value as `moe/aux_loss`. In RL, Megatron's Qwen3-MoE recipes turn it off
-(`moe_router_load_balancing_type="none"`): this switch is the other arm.
+On the sigmoid family the same loss is taken on the normalised sigmoid scores
+(`models.routing.families.normalised_scores`); that family's own balancing is `bias_update`. It reaches the routers
+through their scores (and, through the hidden states, the layers below); under full replay it is the only thing that
+trains them. Whether on or off, every RL update logs the loss's value as `moe/aux_loss`. In RL, Megatron's Qwen3-MoE
+recipes turn it off (`moe_router_load_balancing_type="none"`): this switch is the other arm.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from algos.routers.base import ROUTER_SWITCHES, RouterSwitch, Summed
 from algos.routers.balancing import global_balance_loss
+from algos.routers.base import ROUTER_SWITCHES, RouterSwitch, Summed
 from models.routing.hooks import RouterCalls
 
 

@@ -78,13 +78,16 @@ class RouterSwitch(ABC):
     def check(self, run: RunFacts) -> None:
         """Refuse, in one line, a run this switch cannot serve (a subclass extends this, calling it first)."""
         if self.needs_selection_bias and not run.selection_bias:
-            self._fail(f"moves a selection bias, and model {run.model!r} routes by softmax without one: it serves the "
-                       "sigmoid family (model.architecture=deepseek_v3 or glm4_moe)")
+            self._fail(
+                f"moves a selection bias, and model {run.model!r} routes by softmax without one: it serves the "
+                "sigmoid family (model.architecture=deepseek_v3 or glm4_moe)"
+            )
         if run.replay is None and not self.in_cold_start:
             self._fail("acts on RL updates only, not on a cold start: remove it from routers=[...]")
         if run.replay is not None and run.replay not in self.replay_modes:
-            self._fail(f"{self.replay_modes_why}: use routing.replay={' or '.join(self.replay_modes)}, not "
-                       f"{run.replay}")
+            self._fail(
+                f"{self.replay_modes_why}: use routing.replay={' or '.join(self.replay_modes)}, not {run.replay}"
+            )
 
     def start(self, model: torch.nn.Module) -> None:
         """Once, after the policy is built and before its optimizer is."""
@@ -115,7 +118,8 @@ def build_router_switches(config: dict[str, dict] | None) -> list[RouterSwitch]:
         params = dict(params)
         name = params.pop("name", key)
         if name != key:
-            raise ConfigError(f"routers.{key} holds the parameters of router switch {name!r}; select it as "
-                              f"routers=[{name}]")
+            raise ConfigError(
+                f"routers.{key} holds the parameters of router switch {name!r}; select it as routers=[{name}]"
+            )
         switches.append(ROUTER_SWITCHES.build(name, **params))
     return switches

@@ -6,13 +6,13 @@
 with c_e the expert's load in the update's forward: the (token, slot) assignments of the router's own top-k, each
 token weighted as it counts in the batch (0 on padding), summed over every rank. An overloaded expert is chosen less
 next time, an underloaded one more. It comes with the complementary sequence-wise loss, `seq_coef` times
-`algos.routers.balancing.sequence_balance_loss` (eqs. 17-20). DeepSeek-V3 pre-trained with rate 0.001 and α = 0.0001 (Moonlight,
-issue #21, pairs the same rate with a 1e-4 sequence-wise loss): the defaults. The bias is a buffer, not a weight: no
-gradient reaches it, `freeze` leaves it moving, checkpoints and engine syncs carry it.
+`algos.routers.balancing.sequence_balance_loss` (eqs. 17-20). DeepSeek-V3 pre-trained with rate 0.001 and α = 0.0001
+(Moonlight, issue #21, pairs the same rate with a 1e-4 sequence-wise loss): the defaults. The bias is a buffer, not a
+weight: no gradient reaches it, `freeze` leaves it moving, checkpoints and engine syncs carry it.
 
 What it does under replay. The bias changes which experts the router chooses, never their gate weights
-(`models.routing.families.replayed_gate_weights`), so a replayed forward, which computes with the recorded experts, does not
-feel it: the bias moves the rollout's routes (the engine routes with it after the next sync) and an unreplayed
+(`models.routing.families.replayed_gate_weights`), so a replayed forward, which computes with the recorded experts, does
+not feel it: the bias moves the rollout's routes (the engine routes with it after the next sync) and an unreplayed
 update's, not the replayed training routes. Measured after every update, on its tokens (prime-rl #2953 argued it
 without a number):
 
@@ -31,8 +31,8 @@ from typing import ClassVar
 
 import torch
 
-from algos.routers.base import ROUTER_SWITCHES, RouterSwitch, Summed
 from algos.routers.balancing import sequence_balance_loss
+from algos.routers.base import ROUTER_SWITCHES, RouterSwitch, Summed
 from models.routing.families import chosen
 from models.routing.hooks import RouterCalls
 
@@ -74,8 +74,10 @@ class BiasUpdate(RouterSwitch):
 
     def validate(self) -> None:
         if not (math.isfinite(self.rate) and 0 < self.rate < 1):
-            self._fail(f"rate={self.rate} must be in (0, 1): a step of 1 would jump past every sigmoid score "
-                       "(DeepSeek-V3 trains with 0.001)")
+            self._fail(
+                f"rate={self.rate} must be in (0, 1): a step of 1 would jump past every sigmoid score "
+                "(DeepSeek-V3 trains with 0.001)"
+            )
         if not (math.isfinite(self.seq_coef) and 0 <= self.seq_coef <= 1):
             self._fail(f"seq_coef={self.seq_coef} must be in [0, 1] (0: no sequence-wise loss; DeepSeek-V3: 0.0001)")
 

@@ -24,8 +24,10 @@ class Freeze(RouterSwitch):
     def check(self, run: RunFacts) -> None:
         super().check(run)
         if run.router_lr_scale != 1:
-            self._fail(f"leaves the routers out of the optimizer, so trainer.router_lr_scale={run.router_lr_scale} would "
-                       "scale nothing: use trainer.router_lr_scale=1")
+            self._fail(
+                f"leaves the routers out of the optimizer, so trainer.router_lr_scale={run.router_lr_scale} would "
+                "scale nothing: use trainer.router_lr_scale=1"
+            )
 
     def start(self, model: torch.nn.Module) -> None:
         for router in find_routers(model).values():

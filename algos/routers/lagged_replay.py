@@ -73,26 +73,36 @@ class LaggedReplay(RouterSwitch):
         if self.history < 1:
             self._fail(f"history={self.history} must be >= 1 (updates whose weights are kept)")
         if not 0 <= self.lag <= self.history:
-            self._fail(f"lag={self.lag} must be between 0 (R2) and history={self.history}, the updates whose weights "
-                       "the run keeps")
+            self._fail(
+                f"lag={self.lag} must be between 0 (R2) and history={self.history}, the updates whose weights "
+                "the run keeps"
+            )
 
     def check(self, run: RunFacts) -> None:
         super().check(run)
         if not self.lag:
             return
         if run.routing_variant != "none":
-            self._fail(f"replays the lagged experts by ID; routing_variant={run.routing_variant} changes replayed "
-                       "forwards: use routing_variant=none")
+            self._fail(
+                f"replays the lagged experts by ID; routing_variant={run.routing_variant} changes replayed "
+                "forwards: use routing_variant=none"
+            )
         if run.world > 1:
-            self._fail(f"keeps whole copies of the policy's weights, which {run.world} ranks hold sharded: run one rank")
+            self._fail(
+                f"keeps whole copies of the policy's weights, which {run.world} ranks hold sharded: run one rank"
+            )
         if run.checkpoint_every:
-            self._fail(f"keeps weight copies that checkpoints do not hold, so trainer.checkpoint_every="
-                       f"{run.checkpoint_every} would resume another run: use trainer.checkpoint_every=0")
+            self._fail(
+                f"keeps weight copies that checkpoints do not hold, so trainer.checkpoint_every="
+                f"{run.checkpoint_every} would resume another run: use trainer.checkpoint_every=0"
+            )
         reached = run.updates_before_last_step
         if reached is not None and self.lag > reached:
-            self._fail(f"lag={self.lag} is never served: the run makes {reached} optimizer updates before its last "
-                       f"step starts ((trainer.steps - 1) x trainer.minibatches), so every step would replay the "
-                       f"experts of fewer updates back; use lag <= {reached} or a longer run")
+            self._fail(
+                f"lag={self.lag} is never served: the run makes {reached} optimizer updates before its last "
+                f"step starts ((trainer.steps - 1) x trainer.minibatches), so every step would replay the "
+                f"experts of fewer updates back; use lag <= {reached} or a longer run"
+            )
 
     def start(self, model: torch.nn.Module) -> None:
         # The history is state, not a parameter: held outside the frozen dataclass's fields.

@@ -39,8 +39,16 @@ class GateReplay(ReplayRule):
 
     needs_gates = True
 
-    def __call__(self, layer: int, router: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor,
-                 indices: torch.Tensor, replayed: ReplayedRoutes, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        layer: int,
+        router: torch.nn.Module,
+        logits: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        replayed: ReplayedRoutes,
+        first: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         recorded = replayed.recorded[:, None]
         forced = torch.where(recorded, replayed.experts, indices)
         return torch.where(recorded, replayed.weights.to(weights.dtype), weights), forced

@@ -64,8 +64,11 @@ from models.routing.families import selection_scores
 from models.routing.predictor import add_predictors, predicted_logits
 from models.routing.trace import RoutingTrace
 
-LOSS, PREDICTED_ACC, UNPREDICTED_ACC = ("routing/predictive_loss", "routing/predicted_route_acc",
-                                        "routing/unpredicted_route_acc")
+LOSS, PREDICTED_ACC, UNPREDICTED_ACC = (
+    "routing/predictive_loss",
+    "routing/predicted_route_acc",
+    "routing/unpredicted_route_acc",
+)
 
 
 def predictive_kl(current: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
@@ -118,8 +121,10 @@ class Predictive(RoutingVariant):
 
     def validate(self) -> None:
         if not (math.isfinite(self.lr_scale) and self.lr_scale > 0):
-            self._fail(f"lr_scale={self.lr_scale} must be a finite number > 0 (the predictors' learning rate as a "
-                       "multiple of trainer.lr)")
+            self._fail(
+                f"lr_scale={self.lr_scale} must be a finite number > 0 (the predictors' learning rate as a "
+                "multiple of trainer.lr)"
+            )
 
     def start(self, model: torch.nn.Module) -> None:
         add_predictors(model)
@@ -128,8 +133,9 @@ class Predictive(RoutingVariant):
     def predictor_lr_scale(self) -> float:
         return self.lr_scale
 
-    def fit(self, routers: list[torch.nn.Module], trace: RoutingTrace, train: bool, tokens: float,
-            ranks: int) -> PredictorFit:
+    def fit(
+        self, routers: list[torch.nn.Module], trace: RoutingTrace, train: bool, tokens: float, ranks: int
+    ) -> PredictorFit:
         """Fit the predictors of `routers` (the trainer's, in layer order) on the engine's recorded states in `trace`
         (the minibatch's), with gradient when `train`. `tokens`: the minibatch's routed tokens over every rank (the
         mean's denominator); `ranks`: how many ranks' gradients the data-parallel reduction averages (the loss is
@@ -147,8 +153,15 @@ class Predictive(RoutingVariant):
                 kl = predictive_kl(current, predicted_logits(router, inputs, old))
             losses.append(kl.sum())
             predicted = trace.experts[layer][routed[layer]].to(device)
-            sums.append(torch.stack([kl.detach().sum(), topk_agreement(predicted, own).sum(),
-                                     topk_agreement(unpredicted, own).sum(),
-                                     routed[layer].sum().to(kl)]).double())
+            sums.append(
+                torch.stack(
+                    [
+                        kl.detach().sum(),
+                        topk_agreement(predicted, own).sum(),
+                        topk_agreement(unpredicted, own).sum(),
+                        routed[layer].sum().to(kl),
+                    ]
+                ).double()
+            )
         loss = torch.stack(losses).sum() * ranks / max(tokens, 1.0) if train else 0.0
         return PredictorFit(loss, train, torch.stack(sums, dim=1))

@@ -47,16 +47,27 @@ from algos.objective import masked_mean
 from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
 from models.routing.hooks import ReplayedRoutes, ReplayRule
 
-WEIGHT, FLOOR_FRAC, DEVIATION = ("routing/router_shift_weight", "routing/router_shift_floor_frac",
-                                 "routing/router_shift_deviation")
+WEIGHT, FLOOR_FRAC, DEVIATION = (
+    "routing/router_shift_weight",
+    "routing/router_shift_floor_frac",
+    "routing/router_shift_deviation",
+)
 
 
 class KeepOwnRouting(ReplayRule):
     """Replays nothing: every token keeps the router's own experts and weights. With `score_replayed`, the forward
     still reads the current router's log-probabilities of a recorded trace's experts (θ_old's)."""
 
-    def __call__(self, layer: int, router: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor,
-                 indices: torch.Tensor, replayed: ReplayedRoutes, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        layer: int,
+        router: torch.nn.Module,
+        logits: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        replayed: ReplayedRoutes,
+        first: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return weights, indices
 
 
@@ -70,21 +81,23 @@ class Shift:
     floored: torch.Tensor
 
     @classmethod
-    def none(cls, mask: torch.Tensor, layers: int) -> "Shift":
+    def none(cls, mask: torch.Tensor, layers: int) -> Shift:
         """θ = θ_old: no shift, γ̃ = 1."""
         zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         return cls(zeros, zeros.expand(layers, *mask.shape), torch.zeros_like(mask, dtype=torch.bool))
 
-    def gathered(self, rows: Callable[..., torch.Tensor]) -> "Shift":
+    def gathered(self, rows: Callable[..., torch.Tensor]) -> Shift:
         """The shift of every data-parallel rank's rows (`rows(tensor, dim=...)` concatenates them, padding with 0 /
         False)."""
         return Shift(rows(self.log_weight), rows(self.deviation, dim=1), rows(self.floored))
 
     def metrics(self, mask: torch.Tensor) -> dict[str, float]:
         mask = mask.bool()
-        values = {WEIGHT: masked_mean(torch.exp(self.log_weight), mask),
-                  FLOOR_FRAC: masked_mean(self.floored.float(), mask),
-                  DEVIATION: masked_mean(self.deviation.mean(dim=0), mask)}
+        values = {
+            WEIGHT: masked_mean(torch.exp(self.log_weight), mask),
+            FLOOR_FRAC: masked_mean(self.floored.float(), mask),
+            DEVIATION: masked_mean(self.deviation.mean(dim=0), mask),
+        }
         values.update({f"{DEVIATION}/layer_{layer}": masked_mean(d, mask) for layer, d in enumerate(self.deviation)})
         return dict(zip(values, torch.stack(list(values.values())).tolist()))
 
@@ -103,7 +116,7 @@ def router_shift(current: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, f
 def response_positions(trace: torch.Tensor, prompt_width: int, tokens: int) -> torch.Tensor:
     """`[L, B, P+T-1, K]` values of a scoring forward's fed positions -> `[L, B, T, K]` at the positions whose output
     predicts each response token (P-1 .. P+T-2)."""
-    return trace[:, :, prompt_width - 1: prompt_width - 1 + tokens]
+    return trace[:, :, prompt_width - 1 : prompt_width - 1 + tokens]
 
 
 @ROUTING_VARIANTS.register("router_shift")

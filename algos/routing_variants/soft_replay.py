@@ -2,7 +2,8 @@
 expert is kept only where the current router still stands behind it; elsewhere the router's own choice.
 
 For each token and MoE layer, with p the current router's selection scores over all E experts (its softmax; for the
-sigmoid family sigmoid + bias, `models.routing.families.selection_scores`) and top_n(p) its n best-ranked experts, a replayed expert e (one of the trace's k for that token) is kept when
+sigmoid family sigmoid + bias, `models.routing.families.selection_scores`) and top_n(p) its n best-ranked experts, a
+replayed expert e (one of the trace's k for that token) is kept when
 
     e ∈ top_{k+m}(p)      (the router still ranks it within its top-(k + m); m = `top_margin`)
     or  p_e ≥ p_min       (the router still gives it at least `min_prob`)
@@ -36,8 +37,9 @@ from models.routing.hooks import ReplayedRoutes, ReplayRule
 KEPT = "routing/soft_replay_kept_frac"
 
 
-def kept_experts(probs: torch.Tensor, experts: torch.Tensor, top_margin: int | None,
-                 min_prob: float | None) -> torch.Tensor:
+def kept_experts(
+    probs: torch.Tensor, experts: torch.Tensor, top_margin: int | None, min_prob: float | None
+) -> torch.Tensor:
     """`[T, K]` bool: the replayed `experts [T, K]` that pass either test under the current router's `probs [T, E]`."""
     keep = torch.zeros_like(experts, dtype=torch.bool)
     if min_prob is not None:
@@ -73,8 +75,16 @@ class SoftReplayRule(ReplayRule):
         self.kept: dict[int, torch.Tensor] = {}
         self.replayed: dict[int, torch.Tensor] = {}
 
-    def __call__(self, layer: int, router: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor,
-                 indices: torch.Tensor, replayed: ReplayedRoutes, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        layer: int,
+        router: torch.nn.Module,
+        logits: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        replayed: ReplayedRoutes,
+        first: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         recorded = replayed.recorded[:, None]
         experts = replayed.experts.clamp_min(0)  # rows without a route keep the router's choice below
         probs = selection_scores(router, logits.detach())
@@ -100,8 +110,9 @@ class SoftReplay(RoutingVariant):
 
     def validate(self) -> None:
         if self.top_margin is not None and self.top_margin < 0:
-            self._fail(f"top_margin={self.top_margin} must be >= 0 (the ranks past the top-k a kept expert may fall), "
-                       "or null")
+            self._fail(
+                f"top_margin={self.top_margin} must be >= 0 (the ranks past the top-k a kept expert may fall), or null"
+            )
         if self.min_prob is not None and self.min_prob < 0:
             self._fail(f"min_prob={self.min_prob} must be >= 0 (a probability; above 1 nothing passes), or null")
 

@@ -40,8 +40,9 @@ import pickle
 import random
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,7 +50,10 @@ from omegaconf import DictConfig
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
 )
 
 from experiments.run import provenance
@@ -80,7 +84,7 @@ def checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / DIRECTORY
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
     return sorted(found, key=step_of)
 
 
@@ -121,8 +125,10 @@ class _Together:
             shutil.rmtree(self.partial, ignore_errors=True)
         earlier = [p.name for p in checkpoints(self.final.parent.parent) if p != self.final]
         kept = f"{earlier[-1]} is the newest checkpoint" if earlier else "there is no earlier checkpoint"
-        raise StorageError(f"cannot write checkpoint {self.final.name} in {self.final.parent}: {problems[0]}; the "
-                           f"partial one was removed, and {kept}")
+        raise StorageError(
+            f"cannot write checkpoint {self.final.name} in {self.final.parent}: {problems[0]}; the "
+            f"partial one was removed, and {kept}"
+        )
 
 
 def _write_failure(cause: BaseException) -> str | None:
@@ -160,18 +166,25 @@ def _write(trainer: Any, partial: Path) -> None:
 
 def _write_trainer(trainer: Any, partial: Path) -> None:
     """(rank 0, once every rank's files are written) `trainer.json`, with the sha256 of every file `load` reads."""
-    replace_file(partial / "trainer.json", json.dumps({
-        "step": trainer.step_index,
-        "tokens_seen": trainer.tokens_seen,
-        "skipped_updates": trainer.skipped_updates,
-        "consecutive_skips": trainer.consecutive_skips,
-        "scheduler": trainer.scheduler.state_dict(),
-        "experiment": settings(trainer.cfg),
-        "world": trainer.ranks.world,
-        "computed_under": computed_under(trainer),
-        "files": {name: _sha256(partial / name) for name in files_read(partial, trainer.ranks.world)},
-        **({} if trainer.versions is None else {ENGINE_VERSIONS: trainer.versions.versions()}),
-    }, indent=1, default=str))
+    replace_file(
+        partial / "trainer.json",
+        json.dumps(
+            {
+                "step": trainer.step_index,
+                "tokens_seen": trainer.tokens_seen,
+                "skipped_updates": trainer.skipped_updates,
+                "consecutive_skips": trainer.consecutive_skips,
+                "scheduler": trainer.scheduler.state_dict(),
+                "experiment": settings(trainer.cfg),
+                "world": trainer.ranks.world,
+                "computed_under": computed_under(trainer),
+                "files": {name: _sha256(partial / name) for name in files_read(partial, trainer.ranks.world)},
+                **({} if trainer.versions is None else {ENGINE_VERSIONS: trainer.versions.versions()}),
+            },
+            indent=1,
+            default=str,
+        ),
+    )
 
 
 def computed_under(trainer: Any) -> list[dict[str, Any]]:
@@ -223,8 +236,10 @@ def set_aside_after(run_dir: Path, step: int) -> list[str]:
     rotation would never count) and an intact one of the continuation the resume abandons (its log lines are cut).
     Return what each became. Partial ones, whose write a kill cut, are removed: they were never checkpoints; so are
     the remains of one whose deletion by rotation a kill cut."""
-    for unfinished in (*(run_dir / DIRECTORY).glob(f"{PREFIX}*{PARTIAL}"),
-                       *(run_dir / DIRECTORY).glob(f"{PREFIX}*{DELETING}")):
+    for unfinished in (
+        *(run_dir / DIRECTORY).glob(f"{PREFIX}*{PARTIAL}"),
+        *(run_dir / DIRECTORY).glob(f"{PREFIX}*{DELETING}"),
+    ):
         shutil.rmtree(unfinished)
     moved = []
     for later in checkpoints(run_dir):
@@ -235,8 +250,11 @@ def set_aside_after(run_dir: Path, step: int) -> list[str]:
 
 
 def _generators(trainer: Any) -> dict[str, torch.Tensor]:
-    return {"torch": torch.get_rng_state(), "sampler": trainer.generator.get_state(),
-            "noise": trainer.engine.noise.get_state()}
+    return {
+        "torch": torch.get_rng_state(),
+        "sampler": trainer.generator.get_state(),
+        "noise": trainer.engine.noise.get_state(),
+    }
 
 
 TRAINER_KEYS = ("step", "tokens_seen", "skipped_updates", "consecutive_skips", "scheduler", "experiment", "world")
@@ -255,19 +273,24 @@ def find(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
                 return candidate, passed_over
             passed_over.append(problem)
         if passed_over:
-            raise ConfigError(f"resume=auto finds no intact checkpoint in {run_dir / DIRECTORY}: {len(passed_over)} "
-                              f"damaged, the newest because {passed_over[0]}")
+            raise ConfigError(
+                f"resume=auto finds no intact checkpoint in {run_dir / DIRECTORY}: {len(passed_over)} "
+                f"damaged, the newest because {passed_over[0]}"
+            )
         return None, []
     path = Path(resume).expanduser()
     lacking = [part for part in (path / "trainer.json", path / "state") if not part.exists()]
     if lacking:
-        raise ConfigError(f"resume={resume!r} holds no checkpoint: {lacking[0]} is missing (a "
-                          f"{DIRECTORY}/{PREFIX}<step> directory holds trainer.json and state/); use resume=auto or "
-                          "point at one")
+        raise ConfigError(
+            f"resume={resume!r} holds no checkpoint: {lacking[0]} is missing (a "
+            f"{DIRECTORY}/{PREFIX}<step> directory holds trainer.json and state/); use resume=auto or "
+            "point at one"
+        )
     problem = damage(path)
     if problem is not None:
-        raise ConfigError(f"resume={resume!r} is a damaged checkpoint: {problem}; resume=auto takes the newest intact "
-                          "one")
+        raise ConfigError(
+            f"resume={resume!r} is a damaged checkpoint: {problem}; resume=auto takes the newest intact one"
+        )
     return path, []
 
 
@@ -304,8 +327,10 @@ def _is_count(value: Any, least: int = 0) -> bool:
 
 def _trainer_damage(saved: dict[str, Any]) -> str | None:
     """Which value of `trainer.json` is not what a checkpoint records, and what it must be; or None."""
-    wrong = next((key for key in ("step", "tokens_seen", "skipped_updates", "consecutive_skips")
-                  if not _is_count(saved[key])), None)
+    wrong = next(
+        (key for key in ("step", "tokens_seen", "skipped_updates", "consecutive_skips") if not _is_count(saved[key])),
+        None,
+    )
     if wrong is not None:
         return f"{wrong}={_shown(saved[wrong])}, not a count (an integer >= 0)"
     if not _is_count(saved["world"], least=1):
@@ -314,28 +339,36 @@ def _trainer_damage(saved: dict[str, Any]) -> str | None:
     if wrong is not None:
         return f"{wrong} as a {type(saved[wrong]).__name__}, not an object"
     environments = saved.get("computed_under")
-    if environments is not None and not (isinstance(environments, list) and environments
-                                         and all(map(_is_environment, environments))):
-        return (f"computed_under={_shown(environments)}, not a list of environments (each an object with first_step, "
-                "an integer >= 1, versions, null or an object of version strings, kernels, an object or null, and "
-                "threads, an integer >= 1 or null)")
+    if environments is not None and not (
+        isinstance(environments, list) and environments and all(map(_is_environment, environments))
+    ):
+        return (
+            f"computed_under={_shown(environments)}, not a list of environments (each an object with first_step, "
+            "an integer >= 1, versions, null or an object of version strings, kernels, an object or null, and "
+            "threads, an integer >= 1 or null)"
+        )
     files = saved.get("files")
     if files is not None and not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
         return f"files={_shown(files)}, not an object of each file's sha256"
     lag, versions = saved["experiment"].get("rollout.lag", 0), saved.get(ENGINE_VERSIONS)
     if lag and not (isinstance(versions, list) and versions and all(map(_is_count, versions))):
-        return (f"{ENGINE_VERSIONS}={_shown(versions)} of a run with rollout.lag={_shown(lag)}, not the list of weight "
-                "versions its engine samples with (integers >= 0)")
+        return (
+            f"{ENGINE_VERSIONS}={_shown(versions)} of a run with rollout.lag={_shown(lag)}, not the list of weight "
+            "versions its engine samples with (integers >= 0)"
+        )
     return None
 
 
 def _is_environment(part: Any) -> bool:
     """Whether `part` is an environment `experiments.run.provenance` records (threads: absent before recorded)."""
     versions = part.get("versions") if isinstance(part, dict) else None
-    return (isinstance(part, dict) and _is_count(part.get("first_step"), least=1)
-            and all(isinstance(part.get(key), (dict, type(None))) for key in ("versions", "kernels"))
-            and all(isinstance(version, str) for version in (versions or {}).values())
-            and (part.get("threads") is None or _is_count(part["threads"], least=1)))
+    return (
+        isinstance(part, dict)
+        and _is_count(part.get("first_step"), least=1)
+        and all(isinstance(part.get(key), (dict, type(None))) for key in ("versions", "kernels"))
+        and all(isinstance(version, str) for version in (versions or {}).values())
+        and (part.get("threads") is None or _is_count(part["threads"], least=1))
+    )
 
 
 def _shown(value: Any) -> str:
@@ -349,8 +382,11 @@ def files_read(path: Path, world: int) -> list[str]:
     each rank's generators, the state's index and every file the index points into."""
     index = read_index(path / "state" / INDEX)
     state_files = sorted({item.relative_path for item in index.storage_data.values()})
-    return [*(name for rank in range(world) for name in (f"rng_rank{rank}.pt", f"python_random_rank{rank}.json")),
-            f"state/{INDEX}", *(f"state/{name}" for name in state_files)]
+    return [
+        *(name for rank in range(world) for name in (f"rng_rank{rank}.pt", f"python_random_rank{rank}.json")),
+        f"state/{INDEX}",
+        *(f"state/{name}" for name in state_files),
+    ]
 
 
 def _sha256(file: Path) -> str:
@@ -369,8 +405,10 @@ def _contents_damage(path: Path, recorded: dict[str, str], world: int) -> str | 
         except OSError as error:
             return f"{path / name} does not read ({_reason(error)})"
         if held != recorded[name]:
-            return (f"{path / name} is not the file the checkpoint was written with: its sha256 is {held[:12]}, "
-                    f"{path / 'trainer.json'} records {recorded[name][:12]}")
+            return (
+                f"{path / name} is not the file the checkpoint was written with: its sha256 is {held[:12]}, "
+                f"{path / 'trainer.json'} records {recorded[name][:12]}"
+            )
     return None
 
 
@@ -428,8 +466,10 @@ def _bytes_damage(state: Path, index: Metadata) -> str | None:
         stored = index.storage_data[MetadataIndex(key)]
         where = state / stored.relative_path
         if stored.transform_descriptors:
-            return (f"{where} stores {key} transformed ({', '.join(stored.transform_descriptors)}), as no checkpoint "
-                    "of this project does")
+            return (
+                f"{where} stores {key} transformed ({', '.join(stored.transform_descriptors)}), as no checkpoint "
+                "of this project does"
+            )
         try:
             with open(where, "rb") as handle:
                 handle.seek(stored.offset)
@@ -444,16 +484,31 @@ def _bytes_damage(state: Path, index: Metadata) -> str | None:
 INDEX = ".metadata"  # Distributed Checkpoint's index of the state: a pickle, which torch reads with plain pickle.load
 # What the index may name: Distributed Checkpoint's own metadata types and the values they hold (a shape, a dtype, a
 # layout by name, the checkpoint's path). Any other global in the pickle is code, and the index is refused unread.
-INDEX_GLOBALS = frozenset({
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a layout by its name, as torch pickles `torch.strided`
-    *((module, name) for module in ("pathlib", "pathlib._local")
-      for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
-})
+INDEX_GLOBALS = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name, as torch pickles `torch.strided`
+        *(
+            (module, name)
+            for module in ("pathlib", "pathlib._local")
+            for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+        ),
+    }
+)
 
 
 class NotAnIndex(pickle.UnpicklingError):
@@ -472,8 +527,10 @@ class _IndexUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) in INDEX_GLOBALS or dtype:
             return super().find_class(module, name)
-        raise NotAnIndex(f"{self.path} is not a checkpoint index: it names {module}.{name}, which Distributed "
-                         "Checkpoint's index never holds; refused unread (a checkpoint is data, never code)")
+        raise NotAnIndex(
+            f"{self.path} is not a checkpoint index: it names {module}.{name}, which Distributed "
+            "Checkpoint's index never holds; refused unread (a checkpoint is data, never code)"
+        )
 
 
 def read_index(path: Path) -> Metadata:
@@ -525,8 +582,10 @@ def check(path: Path, cfg: DictConfig, world: int) -> None:
     if length is not None:
         raise ConfigError(f"checkpoint {path}: {length}")
     if saved["world"] != world:
-        raise ConfigError(f"checkpoint {path} was written by {saved['world']} ranks, this run has {world}: "
-                          "resume with as many (each rank's sampling continues from its own seed)")
+        raise ConfigError(
+            f"checkpoint {path} was written by {saved['world']} ranks, this run has {world}: "
+            "resume with as many (each rank's sampling continues from its own seed)"
+        )
 
 
 def load(trainer: Any, path: Path) -> None:
@@ -541,12 +600,14 @@ def load(trainer: Any, path: Path) -> None:
     state = {"model": model_state, "optimizer": optimizer_state}
     if trainer.versions is not None:  # room for each version the checkpoint holds, shaped as the full weights
         template = full_weights(trainer.model)
-        state[ENGINE_VERSIONS] = {version_key(version): {name: torch.empty_like(tensor, device="cpu")
-                                                         for name, tensor in template.items()}
-                                  for version in saved[ENGINE_VERSIONS]}
+        state[ENGINE_VERSIONS] = {
+            version_key(version): {name: torch.empty_like(tensor, device="cpu") for name, tensor in template.items()}
+            for version in saved[ENGINE_VERSIONS]
+        }
     dcp.load(state, storage_reader=_IndexReader(path / "state"), planner=_DataPlanner(), no_dist=not ranks.active)
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    set_state_dict(
+        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
     trainer.scheduler.load_state_dict(saved["scheduler"])
     trainer.step_index = saved["step"]
     trainer.tokens_seen = saved["tokens_seen"]
@@ -562,12 +623,16 @@ def load(trainer: Any, path: Path) -> None:
         trainer.engine.sync_weights(trainer.versions.restore(state[ENGINE_VERSIONS]))
     elif not trainer.engine.shares_trainer_weights:
         trainer.engine.sync_weights(full_weights(trainer.model))
-    trainer.computed_under, differs = provenance.resumed_under(saved.get("computed_under"), saved["step"],
-                                                               trainer.cfg.cpu_kernels, trainer.cfg.trainer.threads)
+    trainer.computed_under, differs = provenance.resumed_under(
+        saved.get("computed_under"), saved["step"], trainer.cfg.cpu_kernels, trainer.cfg.trainer.threads
+    )
     if differs and ranks.main:
-        print(f"moe-rl-lab: warning: {path.name} was computed under other libraries, kernels or threads than this "
-              f"process ({'; '.join(differs)}): the steps after {saved['step']} are not the bits an uninterrupted run "
-              f"would give; {SUMMARY_FILE}'s computed_under records both", file=sys.stderr)
+        print(
+            f"moe-rl-lab: warning: {path.name} was computed under other libraries, kernels or threads than this "
+            f"process ({'; '.join(differs)}): the steps after {saved['step']} are not the bits an uninterrupted run "
+            f"would give; {SUMMARY_FILE}'s computed_under records both",
+            file=sys.stderr,
+        )
 
 
 def saved_step(path: Path) -> int:

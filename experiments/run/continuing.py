@@ -18,8 +18,9 @@ from experiments.step.trainer import RLTrainer
 from models.registry import ConfigError
 
 
-def restore(trainer: RLTrainer, cfg: DictConfig, run_dir: Path,
-            finished: dict[str, Any] | None) -> list[dict[str, Any]]:
+def restore(
+    trainer: RLTrainer, cfg: DictConfig, run_dir: Path, finished: dict[str, Any] | None
+) -> list[dict[str, Any]]:
     """With `resume`, load the checkpoint it names and return the log lines up to its step (the rest of
     `metrics.jsonl` is cut: those steps run again); a fresh start otherwise, or when `auto` finds no checkpoint.
     `finished`: the summary of the finished run this one extends to a larger `trainer.steps`. Rank 0 finds and
@@ -50,16 +51,19 @@ def own_checkpoint(cfg: DictConfig, run_dir: Path, world: int, finished: dict[st
     return Found(path, passed_over, checkpoint.set_aside_after(run_dir, checkpoint.saved_step(path)))
 
 
-def resumable_checkpoint(cfg: DictConfig, run_dir: Path, world: int,
-                         finished: dict[str, Any] | None) -> tuple[Path | None, list[str]]:
+def resumable_checkpoint(
+    cfg: DictConfig, run_dir: Path, world: int, finished: dict[str, Any] | None
+) -> tuple[Path | None, list[str]]:
     """The checkpoint `resume` asks for, intact and this run's own on `world` ranks (`checkpoint.check`), and why
     each newer one `auto` passed over does not load; None from the start; `ConfigError` when there is none to take.
     It changes nothing in `run_dir`."""
     path, passed_over = checkpoint.find(run_dir, cfg.resume)
     if path is None and finished is not None:
-        raise ConfigError(f"{run_dir} holds this run, finished after {finished['steps']} steps, and no checkpoint to "
-                          "extend it from (it ran with trainer.checkpoint_every=0): run the longer one in a new "
-                          "directory")
+        raise ConfigError(
+            f"{run_dir} holds this run, finished after {finished['steps']} steps, and no checkpoint to "
+            "extend it from (it ran with trainer.checkpoint_every=0): run the longer one in a new "
+            "directory"
+        )
     if path is not None:
         checkpoint.check(path, cfg, world)
     return path, passed_over
@@ -72,11 +76,15 @@ def continue_log(run_dir: Path, step: int, found: Found, finished: dict[str, Any
         dropped = checkpoint.cut_log(metrics, step)
     where = f"from {found.path} (step {step})" if found.path else "from the start: no checkpoint in the run directory"
     if found.passed_over:
-        where += (f", the newest intact checkpoint, passing over {len(found.passed_over)} damaged: "
-                  f"{'; '.join(found.passed_over)}")
+        where += (
+            f", the newest intact checkpoint, passing over {len(found.passed_over)} damaged: "
+            f"{'; '.join(found.passed_over)}"
+        )
     if found.set_aside:
         where += f"; kept for inspection, the later {', '.join(found.set_aside)}"
     extending = f"extending the run finished after {finished['steps']} steps: " if finished else ""
-    print(f"moe-rl-lab: {extending}resuming {where}; {dropped} later line(s) of {metrics} are logged again",
-          file=sys.stderr)
+    print(
+        f"moe-rl-lab: {extending}resuming {where}; {dropped} later line(s) of {metrics} are logged again",
+        file=sys.stderr,
+    )
     return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()] if metrics.exists() else []

@@ -18,8 +18,9 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -104,6 +105,7 @@ def on_rank0(work: Callable[[], Any], ranks: Ranks) -> Any:
 
 # -- the run's directory, before Hydra writes there --------------------------------------------------------------------
 
+
 def _refuse_unwritable(key: str, path: str) -> list[Path]:
     try:
         return rundir.make_writable_dir(path)
@@ -132,6 +134,8 @@ class DirectoryGuard(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            exit_once("moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the sweep "
-                      "itself with cluster=slurm, or torchrun one run at a time")
+            exit_once(
+                "moe-rl-lab: a sweep (-m) under torchrun would run every job on every rank; launch the sweep "
+                "itself with cluster=slurm, or torchrun one run at a time"
+            )
         self.created = _refuse_unwritable("hydra.sweep.dir", config.hydra.sweep.dir)

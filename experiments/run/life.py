@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Iterator, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from omegaconf import DictConfig
 
@@ -142,8 +142,9 @@ class _Unstarted:
         try:
             write_summary(self.summary_dir, summary)
         except OSError as error:
-            raise rundir.StorageError(f"cannot write {rundir.SUMMARY_FILE} in {self.summary_dir}: "
-                                      f"{error.strerror}") from None
+            raise rundir.StorageError(
+                f"cannot write {rundir.SUMMARY_FILE} in {self.summary_dir}: {error.strerror}"
+            ) from None
 
     def abort(self) -> None:
         pass
@@ -154,8 +155,14 @@ class Life:
     run, a cold start, a probe); `finished`, the summary of the finished run a resumed job's directory holds (None:
     none)."""
 
-    def __init__(self, run_dir: Path, ranks: Ranks, claimed: rundir.RunDirectory | None, what: str,
-                 finished: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        ranks: Ranks,
+        claimed: rundir.RunDirectory | None,
+        what: str,
+        finished: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.ranks = ranks
         self.claimed = claimed
@@ -166,9 +173,15 @@ class Life:
         _Deferral.joint = ranks.active
 
     @classmethod
-    def begin(cls, run_dir: str | Path, cfg: DictConfig, hydra_cfg: Any, what: str,
-              prepare: Callable[[], Ranks | None] = lambda: None,
-              resume: bool = False) -> "Life":
+    def begin(
+        cls,
+        run_dir: str | Path,
+        cfg: DictConfig,
+        hydra_cfg: Any,
+        what: str,
+        prepare: Callable[[], Ranks | None] = lambda: None,
+        resume: bool = False,
+    ) -> Life:
         """Begin the job in `run_dir`: pin the CPU kernels before anything computes (the libraries fix their choice
         then), `prepare` (the job's own start-up checks, or the start of its ranks: their `Ranks`), then claim the
         directory (rank 0; every rank meets its refusal, in one line); with `resume`, read the summary of the
@@ -203,13 +216,16 @@ class Life:
                 exit_once(f"moe-rl-lab: {error}")
             if isinstance(error, StopRequested):
                 if self.ranks.main:
-                    print(f"moe-rl-lab: {self.what} was interrupted by {error.signal_name} before its first step",
-                          file=sys.stderr)
+                    print(
+                        f"moe-rl-lab: {self.what} was interrupted by {error.signal_name} before its first step",
+                        file=sys.stderr,
+                    )
                 raise SystemExit(error.exit_code) from None
             raise
 
-    def start_logging(self, cfg: DictConfig, name: str, tags: list[str], group: str | None = None,
-                      resume: bool = False) -> None:
+    def start_logging(
+        self, cfg: DictConfig, name: str, tags: list[str], group: str | None = None, resume: bool = False
+    ) -> None:
         """`metrics.jsonl` and W&B in the run directory (rank 0)."""
         if self.ranks.main:
             self.logger = RunLogger(self.run_dir, cfg, name, tags, group, resume=resume)
@@ -226,14 +242,21 @@ class Life:
             except rundir.StorageError as error:
                 raise SystemExit(f"moe-rl-lab: interrupted by {stop.signal_name}, and {error}") from None
             if self.ranks.main:
-                print(f"\nmoe-rl-lab: interrupted by {stop.signal_name} after {len(self.records)} of {total} steps; "
-                      f"{self.run_dir / rundir.METRICS_FILE} holds them and {self.run_dir / rundir.SUMMARY_FILE} says "
-                      "status 'interrupted'", file=sys.stderr)
+                print(
+                    f"\nmoe-rl-lab: interrupted by {stop.signal_name} after {len(self.records)} of {total} steps; "
+                    f"{self.run_dir / rundir.METRICS_FILE} holds them and {self.run_dir / rundir.SUMMARY_FILE} says "
+                    "status 'interrupted'",
+                    file=sys.stderr,
+                )
             raise SystemExit(stop.exit_code) from None
         except Diverged as error:
             step = len(self.records) + 1
-            self.end_early(summary("diverged"), "diverged", f"step {step}: {error}", f"{self.what} diverged in step "
-                           f"{step}: {error}")
+            self.end_early(
+                summary("diverged"),
+                "diverged",
+                f"step {step}: {error}",
+                f"{self.what} diverged in step {step}: {error}",
+            )
         except (rundir.StorageError, SamplerFailed) as error:
             self.end_early(summary("failed"), "failed", str(error), str(error))
         except ConfigError as error:  # a setting only the job's own start could refuse (a probe's later setting)
@@ -269,8 +292,11 @@ class Life:
             self.logger.finish(summary, exit_code=1)
         except rundir.StorageError as storage:
             raise SystemExit(f"moe-rl-lab: {line}; and {storage}") from None
-        held = (f"{self.run_dir / rundir.METRICS_FILE} holds {len(self.records)} step(s), and "
-                if self.logger.lost is None else "")  # a log removed under the run holds nothing to point to
+        held = (
+            f"{self.run_dir / rundir.METRICS_FILE} holds {len(self.records)} step(s), and "
+            if self.logger.lost is None
+            else ""
+        )  # a log removed under the run holds nothing to point to
         exit_once(f"moe-rl-lab: {line}. {held}{self.run_dir / rundir.SUMMARY_FILE} says status '{status}'")
 
     def on_rank0(self, work: Callable[[], Any]) -> Any:
@@ -311,8 +337,11 @@ def live(job: Job[Built, Result], run_dir: str | Path, cfg: DictConfig, hydra_cf
         try:
             if life.finished is not None and job.done(life.finished):
                 if life.claimed is not None:
-                    print(f"moe-rl-lab: {life.run_dir} already holds this {job.what.removeprefix('the ')}, finished "
-                          f"after {life.finished['steps']} steps; nothing to resume", file=sys.stderr)
+                    print(
+                        f"moe-rl-lab: {life.run_dir} already holds this {job.what.removeprefix('the ')}, finished "
+                        f"after {life.finished['steps']} steps; nothing to resume",
+                        file=sys.stderr,
+                    )
                 return life.finished
             with life.starting():
                 built = job.build(life)

@@ -1,9 +1,10 @@
 """Run logging: `metrics.jsonl` (the source of truth for `analysis/`) and the same numbers to W&B.
 
 `metrics.jsonl` gets one JSON object per RL step, handed to the kernel at once (unbuffered), so a crashed run keeps
-every finished step; the file is only ever appended to (a run directory is claimed by one run, `experiments.run.rundir`).
-A write that fails (a full disk) cuts the file back to its last whole line, so that no partial line is ever left,
-and raises `StorageError` naming the file, the last step it holds and the cut; closing after a failure never raises.
+every finished step; the file is only ever appended to (a run directory is claimed by one run,
+`experiments.run.rundir`). A write that fails (a full disk) cuts the file back to its last whole line, so that no
+partial line is ever left, and raises `StorageError` naming the file, the last step it holds and the cut; closing after
+a failure never raises.
 Before each step's line the writer checks that the file it holds open is still the run directory's `metrics.jsonl`:
 a directory removed (or a log removed or replaced) under a running run would otherwise take every later line into a
 file nobody can read, and the run would end claiming a log that no longer exists. It stops the run instead, in one
@@ -76,8 +77,9 @@ def flatten_for_wandb(record: dict[str, Any]) -> dict[str, Any]:
 class RunLogger:
     """Writes `metrics.jsonl`, `summary.json` and (unless disabled) a W&B run into `run_dir`."""
 
-    def __init__(self, run_dir: str | Path, cfg: DictConfig, name: str, tags: list[str], group: str | None,
-                 resume: bool = False) -> None:
+    def __init__(
+        self, run_dir: str | Path, cfg: DictConfig, name: str, tags: list[str], group: str | None, resume: bool = False
+    ) -> None:
         """`resume`: the run continues from a checkpoint; W&B continues the run whose id the directory recorded."""
         self.run_dir = Path(run_dir)
         self.last_step: int | None = None
@@ -127,15 +129,18 @@ class RunLogger:
         except Exception as error:  # a dashboard failure must not end the experiment
             why = f"{type(error).__name__}: {_first_line(error)}"
             self.wandb_record["problem"] = f"did not start ({why})"
-            warnings.warn(f"W&B did not start in {wandb_cfg.mode} mode within logger.wandb.init_timeout="
-                          f"{wandb_cfg.init_timeout:g} s ({why}); logging to metrics.jsonl only, and "
-                          f"{SUMMARY_FILE} records it")
+            warnings.warn(
+                f"W&B did not start in {wandb_cfg.mode} mode within logger.wandb.init_timeout="
+                f"{wandb_cfg.init_timeout:g} s ({why}); logging to metrics.jsonl only, and "
+                f"{SUMMARY_FILE} records it",
+                stacklevel=2,
+            )
             return None
 
     def _append(self, data: bytes) -> None:
         """Write all of `data` at the end of metrics.jsonl (a disk that fills on the way writes part, then fails)."""
         while data:
-            data = data[os.write(self._metrics, data):]
+            data = data[os.write(self._metrics, data) :]
 
     def _cut_back(self, step: int) -> str:
         """After a failed write: cut metrics.jsonl back to its last whole line; say what was cut, if anything."""
@@ -175,8 +180,10 @@ class RunLogger:
             self.lost = f"{path} was removed {after}"
         else:
             self.lost = f"{path} was replaced by another file {after}"
-        raise StorageError(f"{self.lost} (noticed as step {step} was to be logged): the steps it held are gone, and "
-                           "the run stops rather than log into a file nobody can read")
+        raise StorageError(
+            f"{self.lost} (noticed as step {step} was to be logged): the steps it held are gone, and "
+            "the run stops rather than log into a file nobody can read"
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         self._check_still_there(int(record[STEP]))
@@ -192,7 +199,7 @@ class RunLogger:
             try:
                 self._wandb.log(flatten_for_wandb(clean), step=int(record[STEP]))
             except Exception as error:
-                warnings.warn(f"W&B log failed ({error}); continuing with metrics.jsonl only")
+                warnings.warn(f"W&B log failed ({error}); continuing with metrics.jsonl only", stacklevel=2)
                 self.wandb_record["problem"] = f"stopped logging at step {record[STEP]} ({_first_line(error)})"
                 self._wandb = None
 
@@ -211,7 +218,7 @@ class RunLogger:
                 self._wandb.summary.update(_clean(summary))
                 self._wandb.finish(exit_code=exit_code)
             except Exception as error:
-                warnings.warn(f"W&B finish failed ({error}); the local summary.json is complete")
+                warnings.warn(f"W&B finish failed ({error}); the local summary.json is complete", stacklevel=2)
 
     def _close_metrics(self) -> None:
         """Close metrics.jsonl once: a second close of its number could close a file another thread opened since."""
@@ -230,7 +237,7 @@ class RunLogger:
             try:
                 self._wandb.finish(exit_code=1)
             except Exception as error:
-                warnings.warn(f"W&B finish failed ({error}) while closing a failed run")
+                warnings.warn(f"W&B finish failed ({error}) while closing a failed run", stacklevel=2)
 
 
 def sweep_group(hydra_cfg: Any) -> str | None:

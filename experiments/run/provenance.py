@@ -84,15 +84,17 @@ def from_the_start(kernels: cpu_kernels.CpuKernels | str, threads: int | None) -
     return [{"first_step": 1, **environment(kernels, threads)}]
 
 
-def resumed_under(saved: list[dict[str, Any]] | None, step: int, kernels: cpu_kernels.CpuKernels | str,
-                  threads: int | None) -> tuple[list[dict[str, Any]], list[str]]:
+def resumed_under(
+    saved: list[dict[str, Any]] | None, step: int, kernels: cpu_kernels.CpuKernels | str, threads: int | None
+) -> tuple[list[dict[str, Any]], list[str]]:
     """The environments of a run resumed after `step` from a checkpoint that recorded `saved` (None: one written
     before they were recorded), with this process's added when it differs from the last; and what differs (empty:
     the same)."""
     here = {"first_step": step + 1, **environment(kernels, threads)}
     if not saved:
         return [{"first_step": 1, "versions": None, "kernels": None}, here], [
-            "the checkpoint does not record its versions, kernels and threads (written before they were recorded)"]
+            "the checkpoint does not record its versions, kernels and threads (written before they were recorded)"
+        ]
     differs = changes(saved[-1], here)
     return [*saved, here] if differs else list(saved), differs
 
@@ -123,6 +125,7 @@ def run_fields(cfg: Any, computed_under: list[dict[str, Any]] | None) -> dict[st
 
 
 # -- the lock file --------------------------------------------------------------------------------------------------
+
 
 def _name(distribution: str) -> str:
     return re.sub(r"[-_.]+", "-", distribution).lower()
@@ -163,7 +166,7 @@ def locked() -> dict[str, str]:
 
 LOCK_HEADER = f"""\
 # The versions `make` installs (pip's -c): every distribution the project's requirements and the extras make installs
-# ({', '.join(LOCKED_EXTRAS)}) pull in, pinned, so that two installs a week apart compute with the same libraries
+# ({", ".join(LOCKED_EXTRAS)}) pull in, pinned, so that two installs a week apart compute with the same libraries
 # (pyproject.toml gives floors).
 # Refreshed on purpose, never by an install: upgrade in .venv (.venv/bin/pip install -U <name>), run `make test`,
 # then `make constraints` rewrites this file from .venv (python -m experiments.run.provenance), and commit it.

@@ -26,8 +26,11 @@ COLD_START_FILE = "cold_start.json"
 
 def recipe_of(cfg: DictConfig) -> dict[str, Any]:
     """The recipe of the cold start `cfg` makes: its settings, flat, less `NOT_RECIPE`."""
-    return {key: value for key, value in settings(cfg).items()
-            if not any(key == skip or (skip.endswith(".") and key.startswith(skip)) for skip in NOT_RECIPE)}
+    return {
+        key: value
+        for key, value in settings(cfg).items()
+        if not any(key == skip or (skip.endswith(".") and key.startswith(skip)) for skip in NOT_RECIPE)
+    }
 
 
 def recipe_sha256(recipe: dict[str, Any]) -> str:

@@ -21,9 +21,17 @@ def torchrun_command(cfg: DictConfig, hydra_cfg: Any) -> list[str]:
     """The command that runs this job again as `launch.nproc_per_node` ranks on this node, into this job's
     directory (a SLURM job's, under `cluster=slurm`)."""
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith(("launch.", "hydra.run.dir="))]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={cfg.launch.nproc_per_node}", "-m", "experiments.train", *overrides,
-            f"hydra.run.dir={hydra_cfg.runtime.output_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={cfg.launch.nproc_per_node}",
+        "-m",
+        "experiments.train",
+        *overrides,
+        f"hydra.run.dir={hydra_cfg.runtime.output_dir}",
+    ]
 
 
 def launch_ranks(cfg: DictConfig, hydra_cfg: Any) -> float | None:

@@ -44,12 +44,12 @@ SAFE_TO_CHANGE = (
 )
 # The config groups added since runs were first recorded, and the choice of each that runs made before it existed.
 BEFORE_THE_GROUP = {
-    "routing_variant.name": "none",  # no routing variant: plain replay, as before routing variants
+    "routing_variant.name": "none"  # no routing variant: plain replay, as before routing variants
 }
 # The settings retired since runs were first recorded, and the value at which a recorded run computed what today's
 # config computes without them.
 RETIRED = {
-    "trainer.router_aux_loss_coef": 0.0,  # the load-balancing loss's weight, now routers=[aux_loss]: 0 is no switch
+    "trainer.router_aux_loss_coef": 0.0  # the load-balancing loss's weight, now routers=[aux_loss]: 0 is no switch
 }
 
 
@@ -138,6 +138,8 @@ def length_change(recorded: dict[str, Any], cfg: DictConfig) -> str | None:
     planned, asked = recorded.get("trainer.steps"), cfg.trainer.steps
     if planned is None or planned == asked or cfg.trainer.lr_schedule == LRSchedule.constant:
         return None
-    return (f"its run was planned for trainer.steps={planned} under trainer.lr_schedule={cfg.trainer.lr_schedule}, "
-            f"whose learning rate decays over trainer.steps: trainer.steps={asked} would join two schedules (a run "
-            "changes length on resume under trainer.lr_schedule=constant only); start a new run for another length")
+    return (
+        f"its run was planned for trainer.steps={planned} under trainer.lr_schedule={cfg.trainer.lr_schedule}, "
+        f"whose learning rate decays over trainer.steps: trainer.steps={asked} would join two schedules (a run "
+        "changes length on resume under trainer.lr_schedule=constant only); start a new run for another length"
+    )

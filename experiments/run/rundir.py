@@ -87,8 +87,10 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
     except BlockingIOError:
         os.close(lock)
         if resume:  # this run is the one the directory holds: it can only wait for the other to end
-            raise ConfigError(f"run directory {str(path)!r} is in use by another run right now: resume it once that "
-                              "run has ended (or stop it first)") from None
+            raise ConfigError(
+                f"run directory {str(path)!r} is in use by another run right now: resume it once that "
+                "run has ended (or stop it first)"
+            ) from None
         raise ConfigError(
             f"run directory {str(path)!r} is in use by another run right now; give this one its own hydra.run.dir"
         ) from None
@@ -101,8 +103,11 @@ def claim(path: str | Path, cfg: DictConfig, hydra_cfg: Any = None, resume: bool
         if metrics.exists() or (path / SUMMARY_FILE).exists():
             steps = _logged_steps(metrics) if metrics.exists() else 0
             status = _status(path / SUMMARY_FILE)
-            go_on = "" if finished_summary(path) is not None else (
-                "resume=auto continues it (from its newest checkpoint, or from its start when it has none), or ")
+            go_on = (
+                ""
+                if finished_summary(path) is not None
+                else ("resume=auto continues it (from its newest checkpoint, or from its start when it has none), or ")
+            )
             raise ConfigError(
                 f"run directory {str(path)!r} already holds a run ({steps} logged steps, {status}); it is never "
                 f"overwritten: {go_on}give this run another hydra.run.dir"
@@ -127,9 +132,11 @@ def _refuse_another_experiment(path: Path, cfg: DictConfig) -> None:
     theirs = recorded_settings(recorded, where)
     differs = differences(theirs, cfg)
     if differs and all(difference.absent for difference in differs):
-        raise ConfigError(f"{where} compares this run with the settings {recorded} records, and it lacks settings "
-                          f"this run has ({described(differs)}): it was written before they existed (resume with "
-                          "them at their defaults), or it is cut short")
+        raise ConfigError(
+            f"{where} compares this run with the settings {recorded} records, and it lacks settings "
+            f"this run has ({described(differs)}): it was written before they existed (resume with "
+            "them at their defaults), or it is cut short"
+        )
     if differs:
         raise ConfigError(f"{where}, which holds another experiment: {described(differs)}")
     length = length_change(theirs, cfg)
@@ -140,9 +147,12 @@ def _refuse_another_experiment(path: Path, cfg: DictConfig) -> None:
 def recorded_settings(recorded: Path, where: str) -> dict[str, Any]:
     """The flat settings of a recorded config (`experiments.run.resume.settings`); `ConfigError` naming the file and
     what is wrong with it when they cannot be read."""
+
     def unreadable(problem: str) -> ConfigError:
-        return ConfigError(f"{where} compares this run with the settings {recorded} records, which {problem}; "
-                           "restore the file, or start the run in a new directory")
+        return ConfigError(
+            f"{where} compares this run with the settings {recorded} records, which {problem}; "
+            "restore the file, or start the run in a new directory"
+        )
 
     try:
         text = recorded.read_bytes().decode("utf-8")

@@ -22,8 +22,9 @@ def run_name(cfg: DictConfig) -> str:
     return f"{cfg.algo.name}{replay}{variant}-{cfg.model.name}-s{cfg.seed}"
 
 
-def summarize(trainer: RLTrainer, history: list[dict[str, Any]], status: str, run: str, run_dir: Path,
-              wall_s: float, cpu_s: float) -> dict[str, Any]:
+def summarize(
+    trainer: RLTrainer, history: list[dict[str, Any]], status: str, run: str, run_dir: Path, wall_s: float, cpu_s: float
+) -> dict[str, Any]:
     """`summary.json`: how the run ended and its headline numbers (None where no step finished)."""
     rewards = [r[m.REWARD] for r in history]
     final = history[-1] if history else {}

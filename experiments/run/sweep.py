@@ -151,17 +151,25 @@ class RunGuard(launch.DirectoryGuard):
                 except OmegaConfBaseException:  # a subdir naming what only the launcher sets: listed as unfinished
                     pass
         if refused and len(refused) == len(jobs):
-            raise SystemExit(f"moe-rl-lab: every one of the {len(jobs)} jobs of this sweep would be refused, so none "
-                             "is launched:\n" + "\n".join(refused))
+            raise SystemExit(
+                f"moe-rl-lab: every one of the {len(jobs)} jobs of this sweep would be refused, so none "
+                "is launched:\n" + "\n".join(refused)
+            )
         if refused:
-            print(f"moe-rl-lab: {len(refused)} of {len(jobs)} jobs of this sweep will be refused; the other "
-                  f"{len(jobs) - len(refused)} run:\n" + "\n".join(refused), file=sys.stderr, flush=True)
+            print(
+                f"moe-rl-lab: {len(refused)} of {len(jobs)} jobs of this sweep will be refused; the other "
+                f"{len(jobs) - len(refused)} run:\n" + "\n".join(refused),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         unfinished = unfinished_jobs(Path(config.hydra.sweep.dir), self.refused)
         if unfinished:
-            raise SystemExit(f"moe-rl-lab: {len(unfinished)} job(s) of the sweep did not finish (each said why above):"
-                             "\n  " + "\n  ".join(unfinished))
+            raise SystemExit(
+                f"moe-rl-lab: {len(unfinished)} job(s) of the sweep did not finish (each said why above):"
+                "\n  " + "\n  ".join(unfinished)
+            )
 
 
 def as_sweep_job(run: Callable[[], dict[str, Any]]) -> float | None:

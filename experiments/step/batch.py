@@ -72,8 +72,15 @@ def pass_at_k(correct: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return 1 - none_right
 
 
-def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], samples: int, max_new_tokens: int,
-             temperature: float, batch: int | None = None) -> dict[str, float]:
+def evaluate(
+    engine: RolloutEngine,
+    task: Task,
+    examples: list[Example],
+    samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    batch: int | None = None,
+) -> dict[str, float]:
     """Held-out accuracy on `examples` (the same fixed prefix of the test split at every evaluation and in every
     run, so curves compare point by point): `EVAL_ACCURACY`, the mean over prompts of the share of `samples` sampled
     completions that are correct (the unbiased pass@1 estimate; absent when `samples` is 0), with `samples` >=
@@ -81,17 +88,19 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], samples
     `EVAL_GREEDY`, the share of prompts answered correctly by greedy decoding. `batch`: at most this many prompts per
     rollout (the whole split's, sized by `experiments.step.memory`); None: all at once."""
     metrics = {}
-    chunks = [examples[i: i + batch] for i in range(0, len(examples), batch)] if batch else [examples]
+    chunks = [examples[i : i + batch] for i in range(0, len(examples), batch)] if batch else [examples]
     if samples > 0:
-        sampled = [collect_rollout(engine, task, chunk, Sampling(samples, max_new_tokens, temperature))
-                   for chunk in chunks]
+        sampled = [
+            collect_rollout(engine, task, chunk, Sampling(samples, max_new_tokens, temperature)) for chunk in chunks
+        ]
         correct = torch.cat([rollout.correct for rollout in sampled]).view(-1, samples)  # [prompts, samples]
         metrics[m.EVAL_ACCURACY] = float(correct.float().mean())
         if samples >= m.PASS_K:
             metrics[m.EVAL_PASS_AT_K] = float(pass_at_k(correct.sum(-1), samples, m.PASS_K).mean())
             metrics[m.EVAL_ALL_SAME] = float((correct.all(-1) | ~correct.any(-1)).float().mean())
-    greedy = [collect_rollout(engine, task, chunk, Sampling(1, max_new_tokens, temperature, greedy=True))
-              for chunk in chunks]
+    greedy = [
+        collect_rollout(engine, task, chunk, Sampling(1, max_new_tokens, temperature, greedy=True)) for chunk in chunks
+    ]
     metrics[m.EVAL_GREEDY] = float(torch.cat([rollout.correct for rollout in greedy]).float().mean())
     return metrics
 

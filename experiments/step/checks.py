@@ -84,8 +84,10 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     check_concurrent(cfg.rollout, world)
     check_routing(cfg.routing, moe, cfg.model.name)
     if cfg.routing.perturb_rate and world > 1:
-        raise ConfigError(f"routing.perturb_rate={cfg.routing.perturb_rate} sizes the router noise on one rank's "
-                          f"tokens and weights; run it on one rank (this run has {world})")
+        raise ConfigError(
+            f"routing.perturb_rate={cfg.routing.perturb_rate} sizes the router noise on one rank's "
+            f"tokens and weights; run it on one rank (this run has {world})"
+        )
     check_device(cfg.device)
     check_training_dtype(cfg.model.dtype, cfg.device)
     engine = ENGINES[cfg.rollout.engine]
@@ -95,18 +97,42 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     variant.check(plan.replay, cfg.model.name, moe)
     check_predictors(variant, cfg.trainer.minibatches, cfg.rollout.concurrent)
     t = cfg.trainer
-    check_switches(switches, RunFacts(cfg.model.name, hf_config.model_type in SIGMOID_FAMILIES, plan.replay,
-                                      variant.name, t.router_lr_scale, world, t.checkpoint_every,
-                                      (t.steps - 1) * t.minibatches),
-                   moe)
+    check_switches(
+        switches,
+        RunFacts(
+            cfg.model.name,
+            hf_config.model_type in SIGMOID_FAMILIES,
+            plan.replay,
+            variant.name,
+            t.router_lr_scale,
+            world,
+            t.checkpoint_every,
+            (t.steps - 1) * t.minibatches,
+        ),
+        moe,
+    )
     task, train_examples, test_examples = check_task(cfg, model_cfg)
-    prompt_tokens = check_positions(cfg, hf_config, tokenizer_of(model_cfg), task.name,
-                                    {"train": train_examples, "test": test_examples})
+    prompt_tokens = check_positions(
+        cfg, hf_config, tokenizer_of(model_cfg), task.name, {"train": train_examples, "test": test_examples}
+    )
     estimate = step_memory(hf_config, cfg, prompt_tokens, DTYPES[model_cfg.dtype].itemsize, world, len(test_examples))
     if memory:
         check_memory(cfg, estimate)
-    return RunParts(plan, model_cfg, EngineNumerics.of(cfg.rollout), engine, objective, advantage_std, correction,
-                    variant, switches, task, train_examples, test_examples, estimate.split_batch)
+    return RunParts(
+        plan,
+        model_cfg,
+        EngineNumerics.of(cfg.rollout),
+        engine,
+        objective,
+        advantage_std,
+        correction,
+        variant,
+        switches,
+        task,
+        train_examples,
+        test_examples,
+        estimate.split_batch,
+    )
 
 
 def algo_hyperparameters(algo_cfg: Any) -> tuple[str, bool, dict[str, Any]]:
@@ -116,7 +142,8 @@ def algo_hyperparameters(algo_cfg: Any) -> tuple[str, bool, dict[str, Any]]:
 
 
 def unknown_keys(node: Any, prefix: str = "") -> list[str]:
-    """Keys of `node` that its schema does not declare: Hydra lets `+key=value` add them, and nothing would read them."""
+    """Keys of `node` that its schema does not declare: Hydra lets `+key=value` add them, and nothing would read
+    them."""
     schema = OmegaConf.get_type(node)
     declared = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
     found = []
@@ -151,34 +178,46 @@ def check_logger(logger: Any) -> None:
 def check_lag(lag: int, steps: int) -> None:
     """`rollout.lag` (`experiments.step.versions`): versions behind θ_old, reached within the run."""
     if lag < 0:
-        raise ConfigError(f"rollout.lag={lag} must be >= 0: the weight versions the engine samples behind θ_old (0: "
-                          "the synchronous loop)")
+        raise ConfigError(
+            f"rollout.lag={lag} must be >= 0: the weight versions the engine samples behind θ_old (0: "
+            "the synchronous loop)"
+        )
     if lag >= steps:
-        raise ConfigError(f"rollout.lag={lag} is never reached in trainer.steps={steps}: step t samples min(t - 1, "
-                          f"{lag}) versions behind θ_old, so the lag is first served at step {lag + 1}; use a lag "
-                          f"below {steps}, or more steps")
+        raise ConfigError(
+            f"rollout.lag={lag} is never reached in trainer.steps={steps}: step t samples min(t - 1, "
+            f"{lag}) versions behind θ_old, so the lag is first served at step {lag + 1}; use a lag "
+            f"below {steps}, or more steps"
+        )
 
 
 def check_concurrent(rollout: Any, world: int) -> None:
     """The concurrent sampler's bound, and what it runs with (`rollout.concurrent`, `experiments.step.concurrent`)."""
     bound = rollout.max_staleness
     if bound < 0:
-        raise ConfigError(f"rollout.max_staleness={bound} must be >= 0: the weight versions a sample of the concurrent "
-                          "sampler may be behind θ_old when it is trained (0: its worker waits for every step's "
-                          "weights)")
+        raise ConfigError(
+            f"rollout.max_staleness={bound} must be >= 0: the weight versions a sample of the concurrent "
+            "sampler may be behind θ_old when it is trained (0: its worker waits for every step's "
+            "weights)"
+        )
     if not rollout.concurrent:
         return
     if rollout.lag:
-        raise ConfigError(f"rollout.concurrent=true with rollout.lag={rollout.lag}: the exact lag is the science mode "
-                          "(every step exactly that many versions behind, reproducible), the concurrent sampler the "
-                          "throughput mode (at most rollout.max_staleness behind, as the processes' timing falls); "
-                          "use one of them")
+        raise ConfigError(
+            f"rollout.concurrent=true with rollout.lag={rollout.lag}: the exact lag is the science mode "
+            "(every step exactly that many versions behind, reproducible), the concurrent sampler the "
+            "throughput mode (at most rollout.max_staleness behind, as the processes' timing falls); "
+            "use one of them"
+        )
     if rollout.engine != "hf":
-        raise ConfigError(f"rollout.concurrent=true samples in a worker process with the hf engine; rollout.engine="
-                          f"{rollout.engine} is not supported there: use rollout.engine=hf")
+        raise ConfigError(
+            f"rollout.concurrent=true samples in a worker process with the hf engine; rollout.engine="
+            f"{rollout.engine} is not supported there: use rollout.engine=hf"
+        )
     if world > 1:
-        raise ConfigError(f"rollout.concurrent=true runs one worker beside one trainer process, and this run has "
-                          f"{world} ranks: use one rank (launch.nproc_per_node=1)")
+        raise ConfigError(
+            f"rollout.concurrent=true runs one worker beside one trainer process, and this run has "
+            f"{world} ranks: use one rank (launch.nproc_per_node=1)"
+        )
 
 
 def check_trainer(t: Any, moe: bool, world: int) -> None:
@@ -195,7 +234,9 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
     if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
         raise ConfigError(f"trainer.weight_decay={t.weight_decay} must be a finite number >= 0")
     if t.keep_checkpoints < 1:
-        raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1 (the newest is what resume reads)")
+        raise ConfigError(
+            f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1 (the newest is what resume reads)"
+        )
     if 0 < t.eval_prompts < world:
         raise ConfigError(f"trainer.eval_prompts={t.eval_prompts} gives some of the {world} ranks no held-out prompt")
     if t.threads is not None and t.threads < 1:
@@ -218,11 +259,15 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
         if not (math.isfinite(t[key]) and t[key] > 0):
             raise ConfigError(f"trainer.{key}={t[key]} must be a finite number > 0")
     if not (math.isfinite(t.router_lr_scale) and t.router_lr_scale > 0):
-        raise ConfigError(f"trainer.router_lr_scale={t.router_lr_scale} must be a finite number > 0 (to freeze the "
-                          "routers: routers=[freeze])")
+        raise ConfigError(
+            f"trainer.router_lr_scale={t.router_lr_scale} must be a finite number > 0 (to freeze the "
+            "routers: routers=[freeze])"
+        )
     if t.lr < MIN_LR:
-        raise ConfigError(f"trainer.lr={t.lr} is below {MIN_LR:g}: an AdamW update moves each weight by about lr, "
-                          "less than float32 can add to any weight larger than 1e-3, so the run would train nothing")
+        raise ConfigError(
+            f"trainer.lr={t.lr} is below {MIN_LR:g}: an AdamW update moves each weight by about lr, "
+            "less than float32 can add to any weight larger than 1e-3, so the run would train nothing"
+        )
 
 
 def check_predictors(variant: RoutingVariant, minibatches: int, concurrent: bool) -> None:
@@ -230,20 +275,26 @@ def check_predictors(variant: RoutingVariant, minibatches: int, concurrent: bool
     Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them. The concurrent
     sampler's worker builds its engine from the model's config, without the predictors the trainer adds."""
     if variant.predicts_routes and minibatches < 2:
-        raise ConfigError(f"routing_variant={variant.name} trains its predictors from the second minibatch of a step "
-                          f"on, and trainer.minibatches={minibatches} has none: use trainer.minibatches >= 2")
+        raise ConfigError(
+            f"routing_variant={variant.name} trains its predictors from the second minibatch of a step "
+            f"on, and trainer.minibatches={minibatches} has none: use trainer.minibatches >= 2"
+        )
     if variant.predicts_routes and concurrent:
-        raise ConfigError(f"routing_variant={variant.name} routes the engine by predictors the trainer adds to its "
-                          "model, which the concurrent sampler's worker does not build: use rollout.lag=k (the exact "
-                          "lag) with it, or rollout.concurrent=false")
+        raise ConfigError(
+            f"routing_variant={variant.name} routes the engine by predictors the trainer adds to its "
+            "model, which the concurrent sampler's worker does not build: use rollout.lag=k (the exact "
+            "lag) with it, or rollout.concurrent=false"
+        )
 
 
 def check_switches(switches: list[RouterSwitch], run: RunFacts, moe: bool) -> None:
     """The router switches that are on: a dense model has no router to switch, and each refuses what it cannot
     serve (`algos.routers`)."""
     if switches and not moe:
-        raise ConfigError(f"routers=[{','.join(s.name for s in switches)}] act on MoE routers, and model {run.model!r} "
-                          "has none: use routers=[]")
+        raise ConfigError(
+            f"routers=[{','.join(s.name for s in switches)}] act on MoE routers, and model {run.model!r} "
+            "has none: use routers=[]"
+        )
     for switch in switches:
         switch.check(run)
 
@@ -254,8 +305,10 @@ def check_cold_start(cfg: DictConfig) -> None:
     path = cfg.model.path
     if path is None or Path(path).expanduser().exists():
         return
-    raise ConfigError(f"model.path={path!r} does not exist: make this cold start with `python -m experiments.sft "
-                      f"model={cfg.model.name} dataset={cfg.dataset.name} sft.output_dir={path}`")
+    raise ConfigError(
+        f"model.path={path!r} does not exist: make this cold start with `python -m experiments.sft "
+        f"model={cfg.model.name} dataset={cfg.dataset.name} sft.output_dir={path}`"
+    )
 
 
 def check_routing(routing: Any, moe: bool, model: str) -> None:
@@ -270,19 +323,26 @@ def check_routing(routing: Any, moe: bool, model: str) -> None:
     if routing.decompose_every < 0:
         raise ConfigError(f"routing.decompose_every={routing.decompose_every} must be >= 0 (0: never)")
     if routing.decompose_every and not moe:
-        raise ConfigError(f"routing.decompose_every={routing.decompose_every} splits a routing part: needs an MoE model")
+        raise ConfigError(
+            f"routing.decompose_every={routing.decompose_every} splits a routing part: needs an MoE model"
+        )
     flip_rate = routing.flip_rate
     if not (math.isfinite(flip_rate) and 0.0 <= flip_rate <= 1.0):
-        raise ConfigError(f"routing.flip_rate={flip_rate} must be a probability in [0, 1] (the share of experts flipped)")
+        raise ConfigError(
+            f"routing.flip_rate={flip_rate} must be a probability in [0, 1] (the share of experts flipped)"
+        )
     if flip_rate and not moe:
         raise ConfigError(f"routing.flip_rate={flip_rate} flips experts: needs an MoE model, and {model!r} is dense")
     perturb_rate = routing.perturb_rate
     if not (math.isfinite(perturb_rate) and 0.0 <= perturb_rate < 1.0):
-        raise ConfigError(f"routing.perturb_rate={perturb_rate} must be in [0, 1) (the share of activated experts "
-                          "the router noise moves after each update)")
+        raise ConfigError(
+            f"routing.perturb_rate={perturb_rate} must be in [0, 1) (the share of activated experts "
+            "the router noise moves after each update)"
+        )
     if perturb_rate and not moe:
-        raise ConfigError(f"routing.perturb_rate={perturb_rate} perturbs routers: needs an MoE model, and {model!r} "
-                          "is dense")
+        raise ConfigError(
+            f"routing.perturb_rate={perturb_rate} perturbs routers: needs an MoE model, and {model!r} is dense"
+        )
 
 
 def check_device(device: str) -> None:
@@ -318,10 +378,16 @@ def engine_needs(plan: StepPlan, objective: Objective, correction: Correction) -
     return Needs(
         logprobs=logprobs,
         routing="routing.replay=r3 replays the engine's experts" if plan.replay == Replay.r3 else None,
-        gate_weights=(f"routing_variant={plan.routing_variant} with routing.replay=r3 replays the engine's gate weights"
-                      if plan.engine_records_gates else None),
-        predicted_routes=(f"routing_variant={plan.routing_variant} routes the engine by its routers' predictors"
-                          if plan.engine_predicts_routes else None),
+        gate_weights=(
+            f"routing_variant={plan.routing_variant} with routing.replay=r3 replays the engine's gate weights"
+            if plan.engine_records_gates
+            else None
+        ),
+        predicted_routes=(
+            f"routing_variant={plan.routing_variant} routes the engine by its routers' predictors"
+            if plan.engine_predicts_routes
+            else None
+        ),
     )
 
 
@@ -356,8 +422,9 @@ def check_task(cfg: DictConfig, model_cfg: ModelConfig) -> tuple[Task, list[Exam
     return task, train_examples, test_examples
 
 
-def check_positions(cfg: DictConfig, hf_config: Any, tokenizer: Any, dataset: str,
-                    splits: dict[str, list[Example]]) -> int:
+def check_positions(
+    cfg: DictConfig, hf_config: Any, tokenizer: Any, dataset: str, splits: dict[str, list[Example]]
+) -> int:
     """The tokens of the longest prompt of the task's `splits`; refuse a prompt that, with the generation budget,
     needs more positions than the model has (transformers only warns, and computes past them)."""
     longest, where = 0, ""
@@ -404,9 +471,11 @@ def check_vocabulary(tokenizer, task: Task, examples: list[Example]) -> None:
     ids = tokenizer(characters, add_special_tokens=False)["input_ids"]
     unknown = "".join(char for char, char_ids in zip(characters, ids) if tokenizer.unk_token_id in char_ids)
     if unknown:
-        raise ConfigError(f"dataset {task.name!r} writes characters the model's tokenizer does not know: {unknown!r} "
-                          f"(it reads them as {tokenizer.unk_token}); choose a task or settings whose text it knows, "
-                          "or a checkpoint with its own tokenizer (model=checkpoint model.path=...)")
+        raise ConfigError(
+            f"dataset {task.name!r} writes characters the model's tokenizer does not know: {unknown!r} "
+            f"(it reads them as {tokenizer.unk_token}); choose a task or settings whose text it knows, "
+            "or a checkpoint with its own tokenizer (model=checkpoint model.path=...)"
+        )
 
 
 def longest_tokens(tokenizer, texts: list[str]) -> int:

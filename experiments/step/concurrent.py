@@ -151,19 +151,26 @@ def check_batch(batch: Batch, step: int, previous: int | None, bound: int) -> No
     if batch.step != step:
         raise SamplerFailed(f"the concurrent sampler sent step {batch.step}'s rollouts when step {step} needed its own")
     if newest > step - 1:
-        raise SamplerFailed(f"step {step}'s rollouts are stamped with weight version {newest}, which the trainer has "
-                            f"not published: θ_old is version {step - 1}")
+        raise SamplerFailed(
+            f"step {step}'s rollouts are stamped with weight version {newest}, which the trainer has "
+            f"not published: θ_old is version {step - 1}"
+        )
     if previous is not None and oldest < previous:
-        raise SamplerFailed(f"the weight version went backwards: step {step}'s rollouts were sampled with version "
-                            f"{oldest}, after the step before's with version {previous}")
+        raise SamplerFailed(
+            f"the weight version went backwards: step {step}'s rollouts were sampled with version "
+            f"{oldest}, after the step before's with version {previous}"
+        )
     if step - 1 - oldest > bound:
         stale = int((step - 1 - batch.versions > bound).sum())
-        raise SamplerFailed(f"{stale} sample(s) older than rollout.max_staleness={bound} slipped through: step {step} "
-                            f"trains from version {step - 1}, and they were sampled with version {oldest}, "
-                            f"{step - 1 - oldest} versions behind")
+        raise SamplerFailed(
+            f"{stale} sample(s) older than rollout.max_staleness={bound} slipped through: step {step} "
+            f"trains from version {step - 1}, and they were sampled with version {oldest}, "
+            f"{step - 1 - oldest} versions behind"
+        )
 
 
 # -- the worker process --------------------------------------------------------------------------------------------
+
 
 class Outbox:
     """The worker's end of its pipe to the trainer. A thread of its own writes each message, so that the worker samples
@@ -203,9 +210,14 @@ class Sampler:
         model.to(settings.device).eval()
         # Without numbers of its own the engine samples with the worker's module (its "trainer's weights"), into
         # which each version loads; with them it keeps its own copy, cast and quantized again at each load.
-        self.engine = HFEngine(model, tokenizer, settings.min_new_tokens, seed=settings.seed,
-                               kv_cache=settings.kv_cache,
-                               numerics=settings.numerics if settings.numerics.differs else None)
+        self.engine = HFEngine(
+            model,
+            tokenizer,
+            settings.min_new_tokens,
+            seed=settings.seed,
+            kv_cache=settings.kv_cache,
+            numerics=settings.numerics if settings.numerics.differs else None,
+        )
         self.task = build_task(**settings.dataset)
         self.examples = self.task.examples("train")
         self.generator = torch.Generator()
@@ -222,8 +234,9 @@ class Sampler:
             try:
                 newest = shared.version.value
                 if self.held is not None and newest < self.held:
-                    raise SamplerFailed(f"weight version {newest} was published after version {self.held}: versions "
-                                        "only grow")
+                    raise SamplerFailed(
+                        f"weight version {newest} was published after version {self.held}: versions only grow"
+                    )
                 if newest >= oldest:
                     waited = time.perf_counter() - start
                     if newest != self.held:
@@ -300,6 +313,7 @@ def serve(settings: WorkerSettings, shared: Shared, connection: Any) -> None:
 
 # -- the trainer's side --------------------------------------------------------------------------------------------
 
+
 class ConcurrentRollouts:
     """Where each step's rollout comes from under `rollout.concurrent`: the worker process (module docstring). The
     worker starts at the first `take`, holding the trainer's weights then (a resumed run's: its checkpoint's), and
@@ -321,13 +335,18 @@ class ConcurrentRollouts:
         check_batch(batch, step, self.previous, self.bound)
         self.previous = int(batch.versions.max())
         staleness = (step - 1 - batch.versions).float()
-        return Served(batch.rollout, batch.versions, batch.sample_s, {
-            m.ENGINE_VERSION: int(batch.versions.min()),
-            m.STALENESS_MEAN: float(staleness.mean()),
-            m.STALENESS_MAX: int(staleness.max()),
-            m.SAMPLER_WAIT_TIME: batch.wait_s,
-            m.SAMPLE_TIME: batch.sample_s,
-        })
+        return Served(
+            batch.rollout,
+            batch.versions,
+            batch.sample_s,
+            {
+                m.ENGINE_VERSION: int(batch.versions.min()),
+                m.STALENESS_MEAN: float(staleness.mean()),
+                m.STALENESS_MAX: int(staleness.max()),
+                m.SAMPLER_WAIT_TIME: batch.wait_s,
+                m.SAMPLE_TIME: batch.sample_s,
+            },
+        )
 
     def publish(self, step: int) -> None:
         """Publish the trainer's weights after `step` as version `step`, and wake the worker (nothing without one: the
@@ -354,8 +373,8 @@ class ConcurrentRollouts:
         """What `summary.json` says of the rollouts and their engine."""
         return {
             "rollouts": "concurrent: a worker process samples while the trainer updates, at most rollout.max_staleness="
-                        f"{self.bound} version(s) behind θ_old, and waits at that bound; not bit-reproducible (which "
-                        "version samples a batch depends on the two processes' timing): experiments use rollout.lag",
+            f"{self.bound} version(s) behind θ_old, and waits at that bound; not bit-reproducible (which "
+            "version samples a batch depends on the two processes' timing): experiments use rollout.lag",
             "engine": HFEngine.name,
             "engine_numerics": f"the worker's own copy: {EngineNumerics.of(self.trainer.cfg.rollout)}",
             "engine_details": {},
@@ -365,8 +384,10 @@ class ConcurrentRollouts:
         """Start the worker for the batches of `step` on, holding the trainer's weights now (version step − 1)."""
         trainer, cfg = self.trainer, self.trainer.cfg
         context = multiprocessing.get_context("spawn")
-        weights = {name: tensor.detach().to("cpu", copy=True).share_memory_()
-                   for name, tensor in full_weights(trainer.model).items()}
+        weights = {
+            name: tensor.detach().to("cpu", copy=True).share_memory_()
+            for name, tensor in full_weights(trainer.model).items()
+        }
         self.shared = Shared(weights, context.Value("q", step - 1, lock=False), context.Lock(), context.Semaphore(0))
         settings = WorkerSettings(
             model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)),
@@ -382,8 +403,9 @@ class ConcurrentRollouts:
             first=step,
         )
         self.inbox, writer = context.Pipe(duplex=False)
-        self.process = context.Process(target=serve, args=(settings, self.shared, writer), name="concurrent-sampler",
-                                       daemon=True)
+        self.process = context.Process(
+            target=serve, args=(settings, self.shared, writer), name="concurrent-sampler", daemon=True
+        )
         # Ctrl-C in a terminal reaches the whole process group: the worker starts with SIGINT blocked (a new process
         # inherits the mask), from its first instruction on, so that the trainer alone handles it and stops the worker.
         unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -412,6 +434,11 @@ class ConcurrentRollouts:
         """How the worker ended, in a clause."""
         self.process.join(CLOSE_S)
         code = self.process.exitcode
-        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with code {code}" if code is not None else "stopped answering")
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+            if code is not None
+            else "stopped answering"
+        )
         return f"the concurrent sampler's worker (pid {self.process.pid}) {how} {when}"

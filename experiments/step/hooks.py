@@ -35,7 +35,16 @@ from algos.routing_variants import RoutingVariant
 from experiments.step import metrics as m
 from experiments.step.batch import Minibatch
 from experiments.step.old_policy import (
-    AtOld, Bypass, EngineRoutes, FirstOnPolicy, NothingElse, OldPolicy, OlderWeights, Recompute, ReferencePolicy, Score,
+    AtOld,
+    Bypass,
+    EngineRoutes,
+    FirstOnPolicy,
+    NothingElse,
+    OlderWeights,
+    OldPolicy,
+    Recompute,
+    ReferencePolicy,
+    Score,
 )
 from experiments.step.plan import PiOld, Replay, StepPlan
 from experiments.step.ranks import Ranks, gather_rows, reduce_value, reshard, summed
@@ -48,7 +57,8 @@ from models.routing.trace import NO_ROUTE, RoutingTrace, find_routers
 
 @dataclass(frozen=True)
 class ObjectiveInputs:
-    """What the objective is given besides π_θ's log-probs and the aggregation's totals (`algos.objective.Objective`)."""
+    """What the objective is given besides π_θ's log-probs and the aggregation's totals
+    (`algos.objective.Objective`)."""
 
     old_logp: torch.Tensor  # π_old's, or what stands in for it (RSPO: π_old less log γ̃)
     advantages: torch.Tensor
@@ -79,7 +89,7 @@ class Rows:
     mask: torch.Tensor
 
     @classmethod
-    def of(cls, ranks: Ranks, mb: Minibatch) -> "Rows":
+    def of(cls, ranks: Ranks, mb: Minibatch) -> Rows:
         return cls(ranks, gather_rows(mb.response_mask, ranks, fill=False))
 
     def __call__(self, tensor: torch.Tensor, dim: int = 0, fill: float = 0) -> torch.Tensor:
@@ -89,11 +99,13 @@ class Rows:
         """A trace's experts, and its gate weights where it carries them, over every rank's rows (its router
         log-scores and states are not measured)."""
         weights = self(trace.weights, dim=1) if trace.weights is not None else None
-        return replace(trace.without_states(), experts=self(trace.experts, dim=1, fill=NO_ROUTE), weights=weights,
-                       logprobs=None)
+        return replace(
+            trace.without_states(), experts=self(trace.experts, dim=1, fill=NO_ROUTE), weights=weights, logprobs=None
+        )
 
     def gathered(self, output: Any) -> Any:
-        """An output that gathers itself (`.gathered(rows)`: the objective's, a correction's), over every rank's rows."""
+        """An output that gathers itself (`.gathered(rows)`: the objective's, a correction's), over every rank's
+        rows."""
         return output.gathered(self) if self.ranks.active else output
 
 
@@ -123,6 +135,7 @@ class StepHook:
 
 
 # -- routing: replay and its variants, RSPO's shift, the measurements ----------------------------------------------
+
 
 @dataclass(eq=False)
 class ReplayHook(StepHook):
@@ -164,15 +177,20 @@ class RouterShiftHook(StepHook):
 
     def objective_inputs(self, update: Update, inputs: ObjectiveInputs) -> ObjectiveInputs:
         mb, old = update.mb, update.old
-        shift = (self.variant.unshifted(mb.response_mask, self.layers) if old.on_policy else
-                 self.variant.shift(update.scores.replayed_logprobs, old.routes.logprobs, mb.prompt_width,
-                                    mb.response_mask))
+        shift = (
+            self.variant.unshifted(mb.response_mask, self.layers)
+            if old.on_policy
+            else self.variant.shift(
+                update.scores.replayed_logprobs, old.routes.logprobs, mb.prompt_width, mb.response_mask
+            )
+        )
         update.held[self, "shift"] = shift
         return replace(inputs, old_logp=inputs.old_logp - shift.log_weight)
 
     def measure(self, update: Update, rows: Rows) -> dict[str, float]:
-        metrics = self.variant.rule_metrics(update.held[self, "rule"], self.summed) if (
-            (self, "rule") in update.held) else {}
+        metrics = (
+            self.variant.rule_metrics(update.held[self, "rule"], self.summed) if ((self, "rule") in update.held) else {}
+        )
         return {**metrics, **update.held[self, "shift"].gathered(rows).metrics(rows.mask)}
 
 
@@ -190,8 +208,9 @@ class RoutePredictors(StepHook):
     def loss(self, update: Update) -> torch.Tensor | float:
         states = update.mb.engine_routes
         tokens = reduce_value(float(states.recorded()[0].sum()), self.ranks)
-        update.held[self] = fit = self.variant.fit(self.routers, states, train=update.mb.index > 0, tokens=tokens,
-                                                   ranks=self.ranks.world)
+        update.held[self] = fit = self.variant.fit(
+            self.routers, states, train=update.mb.index > 0, tokens=tokens, ranks=self.ranks.world
+        )
         return fit.loss
 
     def measure(self, update: Update, rows: Rows) -> dict[str, float]:
@@ -209,8 +228,14 @@ class RoutingMeasures(StepHook):
     ranks: Ranks
 
     def options(self, update: Update, options: ScoreOptions) -> ScoreOptions:
-        return replace(options, aux_loss=True, aux_loss_grad=False,  # logged; routers=[aux_loss] adds it to the loss
-                       record=options.replay is None, record_gates=True, fragile_margin=self.margin_threshold)
+        return replace(
+            options,
+            aux_loss=True,
+            aux_loss_grad=False,  # logged; routers=[aux_loss] adds it to the loss
+            record=options.replay is None,
+            record_gates=True,
+            fragile_margin=self.margin_threshold,
+        )
 
     def measure(self, update: Update, rows: Rows) -> dict[str, float]:
         mb, old, scores, ranks = update.mb, update.old, update.scores, self.ranks
@@ -264,8 +289,11 @@ class Decomposition(StepHook):
         else:
             with self.flips():
                 own = self.score(self.model, mb, ScoreOptions()).logp
-            replayed = self.score(self.model, mb, ScoreOptions(replay=old.replay.to(self.device))).logp if (
-                self.variant_changes_replay) else logp
+            replayed = (
+                self.score(self.model, mb, ScoreOptions(replay=old.replay.to(self.device))).logp
+                if (self.variant_changes_replay)
+                else logp
+            )
         reshard(self.model)  # forwards without a backward: a sharded model's parameters go back into their shards
         update.held[self] = (own - replayed, replayed - old.pi_old_logp(update.scores))
         return {}
@@ -278,6 +306,7 @@ class Decomposition(StepHook):
 
 
 # -- the router switches (algos.routers) -------------------------------------------------------------------------------
+
 
 @dataclass(eq=False)
 class RouterSwitches(StepHook):
@@ -303,6 +332,7 @@ class RouterSwitches(StepHook):
 
 
 # -- the SYNTHETIC interventions ---------------------------------------------------------------------------------------
+
 
 @dataclass(eq=False)
 class Flips(StepHook):
@@ -349,6 +379,7 @@ class RouterNoise(StepHook):
 
 # -- training–inference mismatch ---------------------------------------------------------------------------------------
 
+
 @dataclass(eq=False)
 class RolloutCorrection(StepHook):
     """A rollout correction (`correction=`, `algos.corrections`): each token's weight from the mismatch ratio ρ =
@@ -361,10 +392,14 @@ class RolloutCorrection(StepHook):
         mb, scores = update.mb, update.scores
         trainer = update.old.trainer_logp(scores)
         log_rho = trainer - mb.mu_logp if trainer is not None else torch.zeros_like(mb.mu_logp)
-        output = self.correction(CorrectionInputs(
-            log_rho=masked(log_rho, mb.response_mask), mask=mb.response_mask, advantages=mb.advantages,
-            theta_log_ratio=masked(scores.logp.detach() - mb.mu_logp, mb.response_mask),
-        ))
+        output = self.correction(
+            CorrectionInputs(
+                log_rho=masked(log_rho, mb.response_mask),
+                mask=mb.response_mask,
+                advantages=mb.advantages,
+                theta_log_ratio=masked(scores.logp.detach() - mb.mu_logp, mb.response_mask),
+            )
+        )
         update.held[self] = output
         return replace(inputs, weight=output.weight)
 
@@ -407,7 +442,9 @@ class Mismatch(StepHook):
         return m.mismatch_metrics(rows(trainer - update.mb.mu_logp), rows.mask)
 
 
-# -- assembly ------------------------------------------------------------------------------------------------------------
+# -- assembly
+# ------------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Assembly:
@@ -441,8 +478,15 @@ class StepParts:
 
 def assemble(parts: StepParts) -> Assembly:
     """The objects of a run's step (module docstring), from its plan and parts."""
-    plan, cfg, model, score, variant, switches, ranks = (parts.plan, parts.cfg, parts.model, parts.score,
-                                                         parts.variant, parts.switches, parts.ranks)
+    plan, cfg, model, score, variant, switches, ranks = (
+        parts.plan,
+        parts.cfg,
+        parts.model,
+        parts.score,
+        parts.variant,
+        parts.switches,
+        parts.ranks,
+    )
     device = torch.device(cfg.device)
     over_all = lambda tensor: summed(tensor, ranks)  # noqa: E731  a count over every rank's share of the batch
     if plan.replay == Replay.r3:
@@ -451,14 +495,21 @@ def assemble(parts: StepParts) -> Assembly:
         replay_from = OlderWeights(switches, score)
     else:
         replay_from = NothingElse()
-    common = dict(replay_from=replay_from, reference=ReferencePolicy(parts.reference, score),
-                  flips=bool(plan.flip_rate))
+    common = dict(
+        replay_from=replay_from, reference=ReferencePolicy(parts.reference, score), flips=bool(plan.flip_rate)
+    )
     if plan.pi_old == PiOld.bypass:
         source = Bypass(**common, track=plan.track_routing)
     else:
-        source = Recompute(**common, model=model, score=score, record=plan.track_routing or plan.pi_old_records_gates,
-                           record_gates=plan.pi_old_records_gates or plan.track_routing, r2=plan.replay == Replay.r2,
-                           rule=variant.replay_rule)
+        source = Recompute(
+            **common,
+            model=model,
+            score=score,
+            record=plan.track_routing or plan.pi_old_records_gates,
+            record_gates=plan.pi_old_records_gates or plan.track_routing,
+            r2=plan.replay == Replay.r2,
+            rule=variant.replay_rule,
+        )
     old_policy = FirstOnPolicy(source) if plan.first_minibatch_on_policy else source
 
     hooks: list[StepHook] = []
@@ -483,6 +534,14 @@ def assemble(parts: StepParts) -> Assembly:
     if cfg.trainer.measure_learning:
         hooks.append(LearningMeasures(model, parts.start, score))
     if cfg.routing.decompose_every:
-        hooks.append(Decomposition(cfg.routing.decompose_every, model, score, device, variant.changes_replay,
-                                   flips.flipping if flips is not None else contextlib.nullcontext))
+        hooks.append(
+            Decomposition(
+                cfg.routing.decompose_every,
+                model,
+                score,
+                device,
+                variant.changes_replay,
+                flips.flipping if flips is not None else contextlib.nullcontext,
+            )
+        )
     return Assembly(old_policy, hooks)

@@ -44,8 +44,12 @@ class StepMemory:
         return self.resident + max(self.rollout, self.evaluation, self.training, self.split_evaluation)
 
     def describe(self) -> str:
-        parts = {"weights, gradients and AdamW": self.resident, "rollout": self.rollout,
-                 "evaluation": self.evaluation, "a training minibatch": self.training}
+        parts = {
+            "weights, gradients and AdamW": self.resident,
+            "rollout": self.rollout,
+            "evaluation": self.evaluation,
+            "a training minibatch": self.training,
+        }
         if self.split_evaluation:
             parts[f"the whole split's evaluation in batches of {self.split_batch}"] = self.split_evaluation
         return ", ".join(f"{name} {value / GIB:.1f} GiB" for name, value in parts.items())
@@ -58,8 +62,9 @@ def parameter_count(config: PretrainedConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def step_memory(config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: int, world: int = 1,
-                split_prompts: int = 0) -> StepMemory:
+def step_memory(
+    config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: int, world: int = 1, split_prompts: int = 0
+) -> StepMemory:
     """The estimate (bytes) of one rank of `world` for the run `cfg` on the model `config` whose longest prompt has
     `prompt_tokens` (each rank samples and trains its share of the prompts, and holds the whole model while a layer
     is gathered: the resident part is not divided), and the batch its whole-split evaluation of `split_prompts` test

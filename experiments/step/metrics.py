@@ -95,8 +95,9 @@ TOPK_MASS = "routing/topk_mass"
 MARGIN = "routing/margin"
 FRAGILE = "routing/fragile_frac"
 LOGIT_MARGIN = "routing/logit_margin"
-# The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri issue #119 (`models.routing.measures.topk_margin`), over
-# tokens and layers: median and mean (the anchors: `models.routing.measures.MARGIN_ANCHORS`), share below 0.01
+# The scale-free margin (s[k−1] − s[k]) / (s[0] − s[2k−1]) of colibri issue #119
+# (`models.routing.measures.topk_margin`), over tokens and layers: median and mean (the anchors:
+# `models.routing.measures.MARGIN_ANCHORS`), share below 0.01
 TOPK_MARGIN_MEDIAN = "routing/topk_margin_median"
 TOPK_MARGIN_MEAN = "routing/topk_margin_mean"
 TOPK_MARGIN_SMALL = "routing/topk_margin_small_frac"
@@ -266,5 +267,5 @@ def step_means(per_minibatch: list[dict[str, float]]) -> dict[str, float]:
         if key == DRIFT:
             means[DRIFT_OVER_MINIBATCHES] = mean_of(values)
         if len(per_minibatch) > 1 and key in per_minibatch[1]:
-            means[AFTER_ONE_UPDATE[drift] + key[len(drift):]] = per_minibatch[1][key]
+            means[AFTER_ONE_UPDATE[drift] + key[len(drift) :]] = per_minibatch[1][key]
     return means

@@ -143,9 +143,14 @@ class Bypass(OldPolicySource):
 
     @torch.no_grad()
     def __call__(self, mb: Minibatch) -> OldPolicy:
-        return OldPolicy(on_policy=False, logp=mb.mu_logp, routes=mb.engine_routes if self.track else None,
-                         replay=self.replay_from(mb), ref_logp=self.reference(mb),
-                         at_old=self._at_old(mb, AtOld.nowhere))
+        return OldPolicy(
+            on_policy=False,
+            logp=mb.mu_logp,
+            routes=mb.engine_routes if self.track else None,
+            replay=self.replay_from(mb),
+            ref_logp=self.reference(mb),
+            at_old=self._at_old(mb, AtOld.nowhere),
+        )
 
 
 @dataclass(frozen=True)
@@ -164,13 +169,22 @@ class Recompute(OldPolicySource):
     @torch.no_grad()
     def __call__(self, mb: Minibatch) -> OldPolicy:
         replay, ref_logp = self.replay_from(mb), self.reference(mb)
-        options = ScoreOptions(record=self.record and replay is None, record_gates=self.record_gates,
-                               replay=replay, rule=self.rule() if replay is not None else None)
+        options = ScoreOptions(
+            record=self.record and replay is None,
+            record_gates=self.record_gates,
+            replay=replay,
+            rule=self.rule() if replay is not None else None,
+        )
         scored = self.score(self.model, mb, options)
         routes = scored.routes.to("cpu") if scored.routes is not None else None
-        return OldPolicy(on_policy=False, logp=scored.logp, routes=routes,
-                         replay=routes if self.r2 and replay is None else replay, ref_logp=ref_logp,
-                         at_old=self._at_old(mb, AtOld.recompute))
+        return OldPolicy(
+            on_policy=False,
+            logp=scored.logp,
+            routes=routes,
+            replay=routes if self.r2 and replay is None else replay,
+            ref_logp=ref_logp,
+            at_old=self._at_old(mb, AtOld.recompute),
+        )
 
 
 @dataclass(frozen=True)
@@ -182,5 +196,6 @@ class FirstOnPolicy:
     def __call__(self, mb: Minibatch) -> OldPolicy:
         if mb.index > 0:
             return self.source(mb)
-        return OldPolicy(on_policy=True, replay=self.source.replay_from(mb), ref_logp=self.source.reference(mb),
-                         at_old=AtOld.forward)
+        return OldPolicy(
+            on_policy=True, replay=self.source.replay_from(mb), ref_logp=self.source.reference(mb), at_old=AtOld.forward
+        )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -34,8 +35,9 @@ def lr_lambda(schedule: LRSchedule, warmup: int, total: int) -> Callable[[int], 
     return factor
 
 
-def rl_optimizer(model: torch.nn.Module, t: Any, predictor_lr_scale: float = 1.0
-                 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def rl_optimizer(
+    model: torch.nn.Module, t: Any, predictor_lr_scale: float = 1.0
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters of `model` with the settings of `trainer` (`t`), the routers at
     `lr × router_lr_scale` (frozen routers, `routers=[freeze]`, are left out), the routers' predictors (Predictive
     Routing Replay, `models.routing.predictor`) at `lr × predictor_lr_scale`, and its schedule over every optimizer
@@ -44,8 +46,10 @@ def rl_optimizer(model: torch.nn.Module, t: Any, predictor_lr_scale: float = 1.0
     predicting = {id(p) for predictor in predictors(model) for p in predictor.parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     rest = [p for p in trainable if id(p) not in routers and id(p) not in predicting]
-    scaled = [([p for p in trainable if id(p) in routers], t.router_lr_scale),
-              ([p for p in trainable if id(p) in predicting], predictor_lr_scale)]
+    scaled = [
+        ([p for p in trainable if id(p) in routers], t.router_lr_scale),
+        ([p for p in trainable if id(p) in predicting], predictor_lr_scale),
+    ]
     # fused: one kernel for all parameters instead of a Python loop over them (4x faster on the tiny MoE's CPU
     # update); the same AdamW.
     optimizer = torch.optim.AdamW(
@@ -55,13 +59,15 @@ def rl_optimizer(model: torch.nn.Module, t: Any, predictor_lr_scale: float = 1.0
         weight_decay=t.weight_decay,
         fused=True,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps,
-                                                                       t.steps * t.minibatches))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps * t.minibatches)
+    )
     return optimizer, scheduler
 
 
-def cold_start_optimizer(model: torch.nn.Module, s: Any,
-                         updates: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def cold_start_optimizer(
+    model: torch.nn.Module, s: Any, updates: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over every parameter of `model` with the cold start's settings (`sft`, `s`): one learning rate, torch's
     default betas and its loop over the parameters, as every committed cold start was made (`rl_optimizer`'s fused
     kernel is another implementation, with no promise of the same bits), and its schedule over the cold start's

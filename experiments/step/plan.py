@@ -67,9 +67,14 @@ class StepPlan:
     routing_variant: str = "none"  # `algos.routing_variants`: what replayed forwards or the ratios do beyond ID replay
 
     def describe(self) -> dict[str, Any]:
-        described = {"pi_old": self.pi_old, "pi_old_why": self.why, "minibatch_layout": self.layout,
-                     "replay": self.replay, "routing_variant": self.routing_variant,
-                     "first_minibatch_on_policy": self.first_minibatch_on_policy}
+        described = {
+            "pi_old": self.pi_old,
+            "pi_old_why": self.why,
+            "minibatch_layout": self.layout,
+            "replay": self.replay,
+            "routing_variant": self.routing_variant,
+            "first_minibatch_on_policy": self.first_minibatch_on_policy,
+        }
         if self.flip_rate:
             described["synthetic_flip_rate"] = self.flip_rate
         if self.perturb_rate:
@@ -77,8 +82,9 @@ class StepPlan:
         return described
 
 
-def plan_step(cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any, reads_pi_old: str | None = None,
-              world: int = 1) -> StepPlan:
+def plan_step(
+    cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any, reads_pi_old: str | None = None, world: int = 1
+) -> StepPlan:
     """Decide the step of the run `cfg` on `world` ranks. `engine`: the rollout engine's class; `variant`: the
     routing variant (`algos.routing_variants`); `reads_pi_old`: what, besides replay, needs the trainer's own π_old
     (a rollout correction's name), or None."""
@@ -88,8 +94,16 @@ def plan_step(cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any,
     concurrent = cfg.rollout.max_staleness if cfg.rollout.concurrent else None
     engine_is_trainer = engine.shares_weights_with_trainer(numerics, cfg.rollout.lag) and concurrent is None
     reads_old_router = variant.name if variant.reads_old_router else None
-    pi_old, why = _pi_old(PiOld(cfg.trainer.pi_old), replay, engine_is_trainer, engine.returns_logprobs, reads_pi_old,
-                          reads_old_router, cfg.rollout.lag, concurrent)
+    pi_old, why = _pi_old(
+        PiOld(cfg.trainer.pi_old),
+        replay,
+        engine_is_trainer,
+        engine.returns_logprobs,
+        reads_pi_old,
+        reads_old_router,
+        cfg.rollout.lag,
+        concurrent,
+    )
     track_routing = is_moe and (cfg.routing.metrics or replay != Replay.none or cfg.routing.decompose_every > 0)
     flip_rate = float(cfg.routing.flip_rate)
     own_forward_is_old = pi_old == PiOld.decoupled or engine_is_trainer
@@ -102,8 +116,8 @@ def plan_step(cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any,
         track_routing=track_routing,
         engine_is_trainer=engine_is_trainer,
         first_minibatch_on_policy=own_forward_is_old and flip_rate == 0 and not r2_gates,
-        engine_records_routing=replay == Replay.r3 or (
-            track_routing and engine.returns_routing and (pi_old == PiOld.bypass or not engine_is_trainer)),
+        engine_records_routing=replay == Replay.r3
+        or (track_routing and engine.returns_routing and (pi_old == PiOld.bypass or not engine_is_trainer)),
         engine_records_gates=variant.replays_gates and replay == Replay.r3,
         engine_predicts_routes=variant.predicts_routes,
         engine_gates_measured=track_routing and engine.returns_routing and engine.returns_gate_weights,
@@ -114,9 +128,16 @@ def plan_step(cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any,
     )
 
 
-def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, engine_returns_logprobs: bool,
-            reads_pi_old: str | None, reads_old_router: str | None, lag: int,
-            concurrent: int | None) -> tuple[PiOld, str]:
+def _pi_old(
+    asked: PiOld,
+    replay: Replay,
+    engine_is_trainer: bool,
+    engine_returns_logprobs: bool,
+    reads_pi_old: str | None,
+    reads_old_router: str | None,
+    lag: int,
+    concurrent: int | None,
+) -> tuple[PiOld, str]:
     """Where π_old comes from, and why. `concurrent`: the concurrent sampler's bound (`rollout.max_staleness`), or None
     without it."""
     if asked == PiOld.bypass and replay == Replay.r2:
@@ -131,29 +152,40 @@ def _pi_old(asked: PiOld, replay: Replay, engine_is_trainer: bool, engine_return
         )
     if asked == PiOld.bypass and reads_old_router:
         raise ConfigError(
-            f"trainer.pi_old=bypass with routing_variant={reads_old_router}: it compares the router with θ_old's, whose "
+            f"trainer.pi_old=bypass with routing_variant={reads_old_router}: it compares the router with θ_old's, "
+            "whose "
             "log-probabilities only the trainer's own π_old pass records; use trainer.pi_old=decoupled or auto"
         )
-    behind = f"; the engine samples {lag} versions behind θ_old" if lag else (
-        f"; the concurrent sampler's engine samples up to {concurrent} version(s) behind θ_old"
-        if concurrent is not None else "")
+    behind = (
+        f"; the engine samples {lag} versions behind θ_old"
+        if lag
+        else (
+            f"; the concurrent sampler's engine samples up to {concurrent} version(s) behind θ_old"
+            if concurrent is not None
+            else ""
+        )
+    )
     if asked == PiOld.decoupled:
         return asked, "asked: the trainer recomputes π_old at θ_old" + behind
     if asked == PiOld.bypass:
         return asked, "asked: π_old := μ_old, the engine's log-probs" + (
-            f" (naive asynchronous RL){behind}" if behind else "")
+            f" (naive asynchronous RL){behind}" if behind else ""
+        )
     if replay == Replay.r2:
         return PiOld.decoupled, "r2 records θ_old's routing in the trainer's π_old pass" + behind
     if replay == Replay.r3:
         return PiOld.decoupled, "r3 replays the engine's routing in the trainer's π_old pass" + behind
     if reads_old_router:
-        return PiOld.decoupled, (f"routing_variant={reads_old_router} reads θ_old's router in the trainer's π_old pass"
-                                 + behind)
+        return PiOld.decoupled, (
+            f"routing_variant={reads_old_router} reads θ_old's router in the trainer's π_old pass" + behind
+        )
     if lag:
         return PiOld.decoupled, f"the engine samples {lag} versions behind θ_old: its numbers are not π_old's"
     if concurrent is not None:
-        return PiOld.decoupled, (f"the concurrent sampler's engine is a worker process's own copy of the weights, up "
-                                 f"to {concurrent} version(s) behind θ_old: its numbers are not π_old's")
+        return PiOld.decoupled, (
+            f"the concurrent sampler's engine is a worker process's own copy of the weights, up "
+            f"to {concurrent} version(s) behind θ_old: its numbers are not π_old's"
+        )
     if not engine_is_trainer:
         return PiOld.decoupled, "the engine is not the trainer's model: its numbers are not π_old's"
     if not engine_returns_logprobs:
@@ -174,7 +206,8 @@ def _layout(cfg: Any, world: int) -> Layout:
         raise ConfigError(
             f"trainer.minibatch_layout=groups puts whole groups in each minibatch, but trainer.minibatches="
             f"{t.minibatches} does not divide trainer.prompts_per_step={t.prompts_per_step}"
-            + (f" / {world} ranks" if world > 1 else "") + "; use rows or auto"
+            + (f" / {world} ranks" if world > 1 else "")
+            + "; use rows or auto"
         )
     if t.minibatch_layout == Layout.groups and not packable:
         raise ConfigError(

@@ -81,7 +81,7 @@ def gather_rows(tensor: torch.Tensor, ranks: Ranks, dim: int = 0, fill: float = 
     dist.all_gather(sizes, torch.tensor(tensor.shape[dim]))
     # all_gather needs equal shapes: pad the gathered dimension too, then cut each piece back to its size.
     longest = max(int(size) for size in sizes)
-    equal = [*target[:dim], longest, *target[dim + 1:]]
+    equal = [*target[:dim], longest, *target[dim + 1 :]]
     mine = padded.new_full(equal, fill)
     mine.narrow(dim, 0, padded.shape[dim]).copy_(padded)
     pieces = [padded.new_empty(equal) for _ in range(ranks.world)]
@@ -108,6 +108,7 @@ def summed(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
 
 
 # -- object collectives ----------------------------------------------------------------------------------------------
+
 
 def broadcast_object(obj: Any, ranks: Ranks) -> Any:
     """Rank 0's `obj` on every rank."""

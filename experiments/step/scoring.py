@@ -29,11 +29,18 @@ from transformers import PreTrainedModel
 
 from algos.routers.balancing import global_balance_loss
 from experiments.step.metrics import (
-    FRAGILE, LOGIT_MARGIN, MARGIN, TOPK_MARGIN_MEAN, TOPK_MARGIN_MEDIAN, TOPK_MARGIN_SMALL, TOPK_MASS, per_layer,
+    FRAGILE,
+    LOGIT_MARGIN,
+    MARGIN,
+    TOPK_MARGIN_MEAN,
+    TOPK_MARGIN_MEDIAN,
+    TOPK_MARGIN_SMALL,
+    TOPK_MASS,
+    per_layer,
 )
 from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.routing.families import normalised_scores
-from models.routing.hooks import RouterCalls, RouterCapture, ReplayRule, record_routing, replay_routing, router_calls
+from models.routing.hooks import ReplayRule, RouterCalls, RouterCapture, record_routing, replay_routing, router_calls
 from models.routing.measures import MarginSummary, margin_of_ranked
 from models.routing.trace import RoutingTrace
 from models.shared_prefix import SharedPrefix
@@ -97,7 +104,8 @@ class ScoreOptions:
 
     group_size: int = 1  # > 1: rows j·G .. j·G+G-1 share their prompt and are fed packed (module docstring)
     record: bool = False  # return the routing of the fed positions (`Scores.routes`)
-    # with `record` (or `replay`: the router's own choice): the chosen experts' gate weights and router log-probabilities
+    # with `record` (or `replay`: the router's own choice): the chosen experts' gate weights and router
+    # log-probabilities
     record_gates: bool = False
     # Force this routing (`[L, N, P+T-1, K]`), as `rule` decides (None: ID replay); `Scores.routes` is then the
     # router's own choice.
@@ -113,8 +121,9 @@ class ScoreOptions:
     routers: bool = False  # return the forward's router calls (`Scores.routers`: what `algos.routers` read)
 
 
-def score_responses(model: PreTrainedModel, batch: ResponseBatch, temperature: float,
-                    options: ScoreOptions = ScoreOptions()) -> Scores:
+def score_responses(
+    model: PreTrainedModel, batch: ResponseBatch, temperature: float, options: ScoreOptions = ScoreOptions()
+) -> Scores:
     """Per-token log-probs of `batch`'s response tokens under `model`, in fp32 under `logits / temperature`,
     differentiable when grad is enabled, with what `options` asks for besides.
 
@@ -177,9 +186,17 @@ def score_responses(model: PreTrainedModel, batch: ResponseBatch, temperature: f
         replayed_logprobs = handle.replayed_logprobs
         if layout is not None:
             replayed_logprobs = layout.unpack(replayed_logprobs, dim=1)
-    return Scores(logp=logp, entropy=entropy, aux_loss=balance, routes=routes, router_stats=stats, aux_loss_value=value,
-                  replayed_logprobs=replayed_logprobs, routers=forward if options.routers else None,
-                  router_margins=None if margins is None else (margins, forward.flat_weights))
+    return Scores(
+        logp=logp,
+        entropy=entropy,
+        aux_loss=balance,
+        routes=routes,
+        router_stats=stats,
+        aux_loss_value=value,
+        replayed_logprobs=replayed_logprobs,
+        routers=forward if options.routers else None,
+        router_margins=None if margins is None else (margins, forward.flat_weights),
+    )
 
 
 @torch.no_grad()
@@ -236,8 +253,9 @@ def margin_stats(margins: torch.Tensor, weights: torch.Tensor) -> dict[str, floa
     return stats
 
 
-def _routing(model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Tensor,
-             options: ScoreOptions) -> contextlib.AbstractContextManager:
+def _routing(
+    model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Tensor, options: ScoreOptions
+) -> contextlib.AbstractContextManager:
     """The record or replay context of the forward; a replayed trace is packed like the batch when it is."""
     replay = options.replay
     if replay is not None:

@@ -43,11 +43,24 @@ import torch
 from omegaconf import DictConfig
 
 from algos.objective import (
-    ObjectiveOutput, Totals, group_advantages, masked_mean, within_group_std, zero_std_group_frac,
+    ObjectiveOutput,
+    Totals,
+    group_advantages,
+    masked_mean,
+    within_group_std,
+    zero_std_group_frac,
 )
 from experiments.step import metrics as m
 from experiments.step.batch import (
-    Minibatch, Rollout, Served, collect_rollout, draw_examples, evaluate, minibatch_order, split_minibatches, step_seed,
+    Minibatch,
+    Rollout,
+    Served,
+    collect_rollout,
+    draw_examples,
+    evaluate,
+    minibatch_order,
+    split_minibatches,
+    step_seed,
 )
 from experiments.step.checks import check_run
 from experiments.step.concurrent import ConcurrentRollouts
@@ -70,7 +83,8 @@ PERTURB_STREAM = 0xD21F7  # and the router perturbation's, likewise
 
 
 class RLTrainer:
-    """Holds the policy, its engine, optimizer, objective and task; `step()` runs one RL step and returns its metrics."""
+    """Holds the policy, its engine, optimizer, objective and task; `step()` runs one RL step and returns its
+    metrics."""
 
     def __init__(self, cfg: DictConfig, ranks: Ranks = Ranks()) -> None:
         self.cfg = cfg
@@ -94,8 +108,9 @@ class RLTrainer:
         # `rollout.concurrent` the worker process builds the engine that samples the steps, with the run's numbers;
         # the trainer's is then its own module, at no cost, and samples none of them.
         numerics = EngineNumerics() if cfg.rollout.concurrent else parts.numerics
-        self.engine = parts.engine.build(cfg, self.model, self.tokenizer, numerics, ranks,
-                                         self.plan.engine_records_routing)
+        self.engine = parts.engine.build(
+            cfg, self.model, self.tokenizer, numerics, ranks, self.plan.engine_records_routing
+        )
         # Under a lag, the versions the engine will still sample with, from the start (version 0) on.
         self.versions = WeightVersions(cfg.rollout.lag, full_weights(self.model)) if cfg.rollout.lag else None
         # Where each step's rollout comes from: the engine, in the step, or the concurrent sampler's worker.
@@ -110,13 +125,27 @@ class RLTrainer:
         self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer, self.variant.predictor_lr_scale)
         self.clipped = policy_parameters(self.model)  # the gradient clip bounds the policy's, not a predictor's
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.flip_generator = torch.Generator()  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
+        self.flip_generator = (
+            torch.Generator()
+        )  # the synthetic flips' own stream (routing.flip_rate), reseeded per step
         self.perturb_generator = torch.Generator()  # the synthetic router noise's (routing.perturb_rate), likewise
-        assembly = assemble(StepParts(
-            plan=self.plan, cfg=cfg, model=self.model, reference=reference, start=start, score=self.score,
-            variant=self.variant,
-            correction=self.correction, switches=self.switches, ranks=ranks, layers=len(find_routers(self.model)),
-            flip_generator=self.flip_generator, perturb_generator=self.perturb_generator))
+        assembly = assemble(
+            StepParts(
+                plan=self.plan,
+                cfg=cfg,
+                model=self.model,
+                reference=reference,
+                start=start,
+                score=self.score,
+                variant=self.variant,
+                correction=self.correction,
+                switches=self.switches,
+                ranks=ranks,
+                layers=len(find_routers(self.model)),
+                flip_generator=self.flip_generator,
+                perturb_generator=self.perturb_generator,
+            )
+        )
         self.old_policy, self.hooks = assembly.old_policy, assembly.hooks
         self.step_index = 0
         self.tokens_seen = 0
@@ -191,15 +220,21 @@ class RLTrainer:
     def sampling(self) -> Sampling:
         """How a step's rollouts are sampled: `group_size` completions per prompt, with the routing the plan asks."""
         t = self.cfg.trainer
-        return Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=self.plan.engine_records_routing,
-                        record_gates=self.plan.engine_records_gates or (self.plan.engine_records_routing
-                                                                         and self.plan.engine_gates_measured),
-                        predict_routes=self.plan.engine_predicts_routes)
+        return Sampling(
+            t.group_size,
+            t.max_new_tokens,
+            t.temperature,
+            record_routing=self.plan.engine_records_routing,
+            record_gates=self.plan.engine_records_gates
+            or (self.plan.engine_records_routing and self.plan.engine_gates_measured),
+            predict_routes=self.plan.engine_predicts_routes,
+        )
 
     def rollout(self) -> Rollout:
         """μ_old: `prompts_per_step` train prompts, `group_size` completions each, from the engine."""
-        examples = draw_examples(self.train_examples, self.cfg.trainer.prompts_per_step // self.ranks.world,
-                                 self.generator)
+        examples = draw_examples(
+            self.train_examples, self.cfg.trainer.prompts_per_step // self.ranks.world, self.generator
+        )
         return collect_rollout(self.engine, self.task, examples, self.sampling())
 
     def score(self, model: torch.nn.Module, mb: Minibatch, options: ScoreOptions = ScoreOptions()) -> Scores:
@@ -208,8 +243,9 @@ class RLTrainer:
         t = self.cfg.trainer
         group = t.group_size if self.plan.layout == Layout.groups else 1
         over_ranks = (lambda tensor: summed(tensor, self.ranks)) if self.ranks.active else None
-        return score_responses(model, mb, t.temperature,
-                               ScoreOptions(**{**vars(options), "group_size": group, "over_ranks": over_ranks}))
+        return score_responses(
+            model, mb, t.temperature, ScoreOptions(**{**vars(options), "group_size": group, "over_ranks": over_ranks})
+        )
 
     def update(self, mb: Minibatch, old: OldPolicy) -> dict[str, float]:
         """One optimizer update of π_θ on the minibatch, and its metrics, measured after it (ratios and drift after
@@ -223,8 +259,13 @@ class RLTrainer:
             for hook in self.hooks:
                 around.enter_context(hook.around_forward(update))
             update.scores = scores = self.score(self.model, mb, options)
-        inputs = ObjectiveInputs(old_logp=old.pi_old_logp(scores), advantages=mb.advantages, mask=mb.response_mask,
-                                 ref_logp=old.ref_logp, rollout_logp=mb.mu_logp)
+        inputs = ObjectiveInputs(
+            old_logp=old.pi_old_logp(scores),
+            advantages=mb.advantages,
+            mask=mb.response_mask,
+            ref_logp=old.ref_logp,
+            rollout_logp=mb.mu_logp,
+        )
         for hook in self.hooks:
             inputs = hook.objective_inputs(update, inputs)
         result = self.objective(logp=scores.logp, totals=self._totals(mb.response_mask), **vars(inputs))
@@ -288,30 +329,43 @@ class RLTrainer:
             return
         largest = float(torch.nn.utils.get_total_norm(weights, norm_type=math.inf))
         if not math.isfinite(largest):
-            raise Diverged(f"update {update} of the step left the weights non-finite (largest |w| = {largest}); "
-                           "lower trainer.lr")
+            raise Diverged(
+                f"update {update} of the step left the weights non-finite (largest |w| = {largest}); lower trainer.lr"
+            )
 
     def _totals(self, mask: torch.Tensor) -> Totals:
         """The aggregation denominators of the whole minibatch, summed over ranks (`algos.objective.Totals`)."""
         local = Totals.local(mask)
         if not self.ranks.active:
             return local
-        return Totals(reduce_value(local.tokens, self.ranks), reduce_value(local.sequences, self.ranks),
-                      reduce_value(local.nonempty, self.ranks), int(reduce_value(local.width, self.ranks, op="max")),
-                      self.ranks.world)
+        return Totals(
+            reduce_value(local.tokens, self.ranks),
+            reduce_value(local.sequences, self.ranks),
+            reduce_value(local.nonempty, self.ranks),
+            int(reduce_value(local.width, self.ranks, op="max")),
+            self.ranks.world,
+        )
 
     def evaluate(self, whole_split: bool = False) -> dict[str, float]:
         """Held-out accuracy of the trainer's own policy: on the first `eval_prompts` test prompts (`EVAL_*`), or
         greedy on every prompt of the test split (`EVAL_SPLIT_*`). On several ranks each takes every world-th prompt
         and the accuracies combine weighted by the prompts each rank held."""
         t = self.cfg.trainer
-        engine = HFEngine(self.model, self.tokenizer, synced=self.ranks.active,
-                          kv_cache=KVCache(self.cfg.rollout.kv_cache))
+        engine = HFEngine(
+            self.model, self.tokenizer, synced=self.ranks.active, kv_cache=KVCache(self.cfg.rollout.kv_cache)
+        )
 
         def accuracy(prompts: list, samples: int) -> dict[str, float]:
             mine = prompts[self.ranks.rank :: self.ranks.world]
-            local = evaluate(engine, self.task, mine, samples=samples, max_new_tokens=t.max_new_tokens,
-                             temperature=t.temperature, batch=self.eval_split_batch if whole_split else None)
+            local = evaluate(
+                engine,
+                self.task,
+                mine,
+                samples=samples,
+                max_new_tokens=t.max_new_tokens,
+                temperature=t.temperature,
+                batch=self.eval_split_batch if whole_split else None,
+            )
             return {name: reduce_value(value * len(mine), self.ranks) / len(prompts) for name, value in local.items()}
 
         if whole_split:
@@ -358,8 +412,8 @@ class EngineRollouts:
         """What `summary.json` says of the rollouts and their engine."""
         engine, lag = self.trainer.engine, self.trainer.cfg.rollout.lag
         return {
-            "rollouts": "synchronous: the engine samples each step's rollouts in the step" + (
-                f", with the weights {lag} versions behind θ_old (rollout.lag)" if lag else ""),
+            "rollouts": "synchronous: the engine samples each step's rollouts in the step"
+            + (f", with the weights {lag} versions behind θ_old (rollout.lag)" if lag else ""),
             "engine": engine.name,
             "engine_numerics": "the trainer's own model" if engine.shares_trainer_weights else str(engine.numerics),
             "engine_details": engine.describe(),

@@ -57,8 +57,10 @@ class WeightVersions:
         """Keep `weights`, the trainer's after step `version`, and drop what the engine will never sample with again;
         return the version the next step samples with when the engine does not hold it yet."""
         if version != self.held[-1][0] + 1:
-            raise RuntimeError(f"weight version {version} published after version {self.held[-1][0]}: versions must "
-                               "follow each other one step at a time")
+            raise RuntimeError(
+                f"weight version {version} published after version {self.held[-1][0]}: versions must "
+                "follow each other one step at a time"
+            )
         self.held.append((version, cpu_copy(weights)))
         before = self.served
         while self.held[0][0] < version - self.lag:
@@ -78,7 +80,9 @@ class WeightVersions:
         """Hold the versions of a checkpoint's `state` instead; return the one the engine must take (the oldest)."""
         versions = sorted(int(key.removeprefix(VERSION_PREFIX)) for key in state)
         if versions != list(range(versions[0], versions[0] + len(versions))) or len(versions) > self.lag + 1:
-            raise ValueError(f"a checkpoint's weight versions {versions} are not the consecutive versions, at most "
-                             f"{self.lag + 1}, that rollout.lag={self.lag} keeps")
+            raise ValueError(
+                f"a checkpoint's weight versions {versions} are not the consecutive versions, at most "
+                f"{self.lag + 1}, that rollout.lag={self.lag} keeps"
+            )
         self.held = deque((version, cpu_copy(state[version_key(version)])) for version in versions)
         return self.held[0][1]

@@ -80,8 +80,10 @@ def check_question_template(template: str, key: str) -> None:
     """Refuse a prompt template (the setting `key`) that is not `{question}` in literal text."""
     fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     if fields != {"question"}:
-        raise ConfigError(f"{key}={template!r} must contain the field {{question}} and no other fields (found "
-                          f"{sorted(fields)}); write literal braces as {{{{ and }}}}")
+        raise ConfigError(
+            f"{key}={template!r} must contain the field {{question}} and no other fields (found "
+            f"{sorted(fields)}); write literal braces as {{{{ and }}}}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

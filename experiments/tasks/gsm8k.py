@@ -108,8 +108,10 @@ def read_qa_jsonl(path: Path, config_key: str) -> list[tuple[str, str, str]]:
                 line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as error:
                 column = len(raw[: error.start].decode("utf-8")) + 1  # in characters, as an editor counts them
-                raise ConfigError(f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {column}); "
-                                  "GSM8K-format files are UTF-8 JSON lines") from None
+                raise ConfigError(
+                    f"{where}: not UTF-8 (byte {raw[error.start]:#04x} at column {column}); "
+                    "GSM8K-format files are UTF-8 JSON lines"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -118,7 +120,9 @@ def read_qa_jsonl(path: Path, config_key: str) -> list[tuple[str, str, str]]:
             except json.JSONDecodeError as error:
                 raise ConfigError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
             if not isinstance(record, dict):
-                raise ConfigError(f"{where}: expected a JSON object with 'question' and 'answer', got {type(record).__name__}")
+                raise ConfigError(
+                    f"{where}: expected a JSON object with 'question' and 'answer', got {type(record).__name__}"
+                )
             for field in ("question", "answer"):
                 if field not in record:
                     raise ConfigError(f"{where}: missing field {field!r} (fields present: {sorted(record)})")
@@ -129,7 +133,9 @@ def read_qa_jsonl(path: Path, config_key: str) -> list[tuple[str, str, str]]:
             if not mark:
                 raise ConfigError(f"{where}: answer has no '{FINAL_ANSWER_MARK} <final answer>' line")
             if not NUMBER.fullmatch(final.strip()):
-                raise ConfigError(f"{where}: final answer after '{FINAL_ANSWER_MARK}' is not a number: {final.strip()!r}")
+                raise ConfigError(
+                    f"{where}: final answer after '{FINAL_ANSWER_MARK}' is not a number: {final.strip()!r}"
+                )
             records.append((record["question"], solution, normalize_number(final.strip())))
     if not records:
         raise ConfigError(f"gsm8k: {path} has no examples (empty file)")

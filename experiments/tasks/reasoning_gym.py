@@ -105,18 +105,24 @@ class ReasoningGymTask(Task):
         """The library's config of `task` with `params`, checked by the library's own `validate`."""
         datasets = library()
         if self.task not in datasets:
-            raise ConfigError(f"reasoning_gym.task={self.task!r} is not a reasoning-gym dataset; one of: "
-                              f"{', '.join(sorted(datasets))}")
+            raise ConfigError(
+                f"reasoning_gym.task={self.task!r} is not a reasoning-gym dataset; one of: "
+                f"{', '.join(sorted(datasets))}"
+            )
         config_class = datasets[self.task][1]
         allowed = sorted(f.name for f in dataclasses.fields(config_class) if f.name not in ("seed", "size"))
         params = dict(self.params)
         if {"seed", "size"} & set(params):
-            raise ConfigError(f"reasoning_gym.params={params} sets the library's seed or size: dataset.seed, "
-                              "dataset.train_size and dataset.test_size set those")
+            raise ConfigError(
+                f"reasoning_gym.params={params} sets the library's seed or size: dataset.seed, "
+                "dataset.train_size and dataset.test_size set those"
+            )
         unknown = sorted(set(params) - set(allowed))
         if unknown:
-            raise ConfigError(f"reasoning_gym.params has no setting {', '.join(map(repr, unknown))} for "
-                              f"task={self.task}; its settings: {', '.join(allowed)}")
+            raise ConfigError(
+                f"reasoning_gym.params has no setting {', '.join(map(repr, unknown))} for "
+                f"task={self.task}; its settings: {', '.join(allowed)}"
+            )
         size = (self.train_size + self.test_size) * DRAWS_PER_ITEM
         try:
             config = config_class(**params, seed=self.seed * SEED_STRIDE, size=size)
@@ -129,8 +135,10 @@ class ReasoningGymTask(Task):
     @functools.cached_property
     def _splits(self) -> Splits:
         if self.task is None:
-            raise ConfigError(f"reasoning_gym.task is not set: name a reasoning-gym dataset (dataset.task=chain_sum; "
-                              f"every name: {', '.join(sorted(library()))})")
+            raise ConfigError(
+                f"reasoning_gym.task is not set: name a reasoning-gym dataset (dataset.task=chain_sum; "
+                f"every name: {', '.join(sorted(library()))})"
+            )
         config = self._config()
         dataset = library()[self.task][0](config=config)
         entries: dict[str, dict[str, Any]] = {}
@@ -144,7 +152,8 @@ class ReasoningGymTask(Task):
                     raise ConfigError(
                         f"reasoning_gym task={self.task} drew {len(test)} distinct questions and {len(train)} train "
                         f"ones in {config.size} draws, short of test_size={self.test_size} and train_size="
-                        f"{self.train_size}: lower test_size, or params with more distinct questions")
+                        f"{self.train_size}: lower test_size, or params with more distinct questions"
+                    )
                 entry = dataset[index]
                 example = self._example(entry)
                 entries.setdefault(example.prompt, entry)
@@ -156,8 +165,9 @@ class ReasoningGymTask(Task):
 
     def _example(self, entry: dict[str, Any]) -> Example:
         answer = str(entry["answer"])
-        return Example(prompt=self.prompt_template.format(question=entry["question"]), answer=answer,
-                       demonstration=answer)
+        return Example(
+            prompt=self.prompt_template.format(question=entry["question"]), answer=answer, demonstration=answer
+        )
 
     def examples(self, split: str) -> list[Example]:
         check_split(split)

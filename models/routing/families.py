@@ -107,4 +107,3 @@ def chosen(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """`[T, E]` fp32 one-hot sum of the router's own top-k (its selection scores, bias included)."""
     top = selection_scores(router, logits.detach()).topk(router.top_k, dim=-1).indices
     return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, top, 1.0)
-

@@ -3,8 +3,8 @@ swapped for the one its router ranks next (`flip_routing`). Its twin, drift the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -87,5 +87,3 @@ def flip_routing(model: torch.nn.Module, rate: float, generator: torch.Generator
     finally:
         for handle in handles:
             handle.remove()
-
-

@@ -3,9 +3,9 @@ the capture of a forward's router calls that balancing losses and margins read."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 import torch
 
@@ -34,8 +34,9 @@ class CallShape:
         self.valid = mask[:, -self.seq :].bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
-def _layout(flat: torch.Tensor, call: CallShape, fill: float = NO_ROUTE,
-            dtype: torch.dtype = TRACE_DTYPE) -> torch.Tensor:
+def _layout(
+    flat: torch.Tensor, call: CallShape, fill: float = NO_ROUTE, dtype: torch.dtype = TRACE_DTYPE
+) -> torch.Tensor:
     """`[B*S, K]` per-token router outputs -> `[B, S, K]` in `dtype`, with `fill` at unattended positions."""
     block = flat.detach().reshape(call.batch, call.seq, -1).to(dtype)
     if call.valid is not None:
@@ -60,7 +61,8 @@ class ReplayedRoutes:
 
 class ReplayRule:
     """What a replayed forward computes with at one router call. This base class is ID replay: the trace's experts,
-    gate weights from the current router's gate scores (`replayed_gate_weights`), the router's own choice where the trace
+    gate weights from the current router's gate scores (`replayed_gate_weights`), the router's own choice where the
+    trace
     has no route. Subclasses (the routing variants, `algos.routing_variants`) decide otherwise.
 
     Called with the MoE `layer` index, the router and its outputs (`logits [T, E]`, its own `weights` and `indices
@@ -71,8 +73,16 @@ class ReplayRule:
 
     needs_gates = False
 
-    def __call__(self, layer: int, router: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor,
-                 indices: torch.Tensor, replayed: ReplayedRoutes, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        layer: int,
+        router: torch.nn.Module,
+        logits: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        replayed: ReplayedRoutes,
+        first: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         forced = torch.where(replayed.recorded[:, None], replayed.experts, indices)
         return replayed_gate_weights(router, logits, forced, weights), forced
 
@@ -99,19 +109,22 @@ class _RouterHook:
             self.recording.append(_layout(indices, self.call))
         if self.gates is not None:
             logprobs = router_logprobs(router, logits).gather(-1, indices)
-            self.gates.append((_layout(weights, self.call, 0.0, torch.float32),
-                               _layout(logprobs, self.call, 0.0, torch.float32)))
+            self.gates.append(
+                (_layout(weights, self.call, 0.0, torch.float32), _layout(logprobs, self.call, 0.0, torch.float32))
+            )
         if self.states is not None:
             inputs = args[0].reshape(-1, args[0].shape[-1])
-            self.states.append((_layout(inputs, self.call, 0.0, inputs.dtype), _layout(logits, self.call, 0.0,
-                                                                                        logits.dtype)))
+            self.states.append(
+                (_layout(inputs, self.call, 0.0, inputs.dtype), _layout(logits, self.call, 0.0, logits.dtype))
+            )
         if self.replay is None:
             return None
         replayed = self._flat(indices.device)
         if self.scored is not None:
             logprobs = router_logprobs(router, logits).gather(-1, replayed.experts.clamp_min(0))
-            self.scored.append(_layout(logprobs.masked_fill(~replayed.recorded[:, None], 0.0), self.call, 0.0,
-                                       torch.float32))
+            self.scored.append(
+                _layout(logprobs.masked_fill(~replayed.recorded[:, None], 0.0), self.call, 0.0, torch.float32)
+            )
         new_weights, new_indices = self.rule(self.layer, router, logits, weights, indices, replayed, first)
         return logits, new_weights, new_indices
 
@@ -120,7 +133,6 @@ class _RouterHook:
         K = trace.shape[-1]
         flat = lambda tensor: tensor.reshape(-1, K) if tensor is not None else None  # noqa: E731
         return ReplayedRoutes(flat(trace.experts).long(), flat(trace.weights), flat(trace.logprobs))
-
 
 
 @contextmanager
@@ -142,7 +154,6 @@ def _hooks(model: torch.nn.Module) -> Iterator[list[_RouterHook]]:
             handle.remove()
 
 
-
 def _assemble(hooks: list[_RouterHook], num_experts: int) -> RoutingTrace:
     """Concatenate each layer's per-call blocks along positions (prefill, then one block per decode step)."""
     if not hooks[0].recording:
@@ -154,11 +165,10 @@ def _assemble(hooks: list[_RouterHook], num_experts: int) -> RoutingTrace:
         if getattr(hooks[0], kept) is None:
             continue
         for part, name in enumerate(names):
-            recorded[name] = torch.stack([torch.cat([pair[part] for pair in getattr(hook, kept)], dim=1)
-                                          for hook in hooks])
+            recorded[name] = torch.stack(
+                [torch.cat([pair[part] for pair in getattr(hook, kept)], dim=1) for hook in hooks]
+            )
     return replace(trace, **recorded)
-
-
 
 
 class Recording:
@@ -189,8 +199,9 @@ class Recording:
 
 
 @contextmanager
-def record_routing(model: torch.nn.Module, generate: bool = False, gates: bool = False,
-                   states: bool = False) -> Iterator[Recording]:
+def record_routing(
+    model: torch.nn.Module, generate: bool = False, gates: bool = False, states: bool = False
+) -> Iterator[Recording]:
     """Record every MoE layer's selected experts for the forward passes run inside the context.
 
     For a plain forward the trace has the shape of the input ids. With `generate=True` the prefill and every
@@ -255,7 +266,9 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
     if L != len(routers):
         raise ValueError(f"routing trace has {L} MoE layers but the model has {len(routers)}")
     if tuple(trace.layer_names) != tuple(routers):
-        raise ValueError(f"routing trace layers {trace.layer_names[:2]}... do not match the model's {tuple(routers)[:2]}...")
+        raise ValueError(
+            f"routing trace layers {trace.layer_names[:2]}... do not match the model's {tuple(routers)[:2]}..."
+        )
     if (B, S) != tuple(input_shape):
         raise ValueError(f"routing trace covers batch x positions {(B, S)} but the batch is {tuple(input_shape)}")
     top_k = next(iter(routers.values())).top_k
@@ -266,8 +279,10 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
             raise ValueError(f"routing trace {name} have shape {tuple(gates.shape)}, its experts {trace.shape}")
     num_experts = expert_count(model)
     if trace.num_experts != num_experts:
-        raise ValueError(f"routing trace was recorded with num_experts={trace.num_experts}, and this model routes over "
-                         f"num_experts={num_experts}: a trace replays only on a model of its own expert count")
+        raise ValueError(
+            f"routing trace was recorded with num_experts={trace.num_experts}, and this model routes over "
+            f"num_experts={num_experts}: a trace replays only on a model of its own expert count"
+        )
     experts = trace.experts
     sentinel = experts == NO_ROUTE
     partial = sentinel.any(-1) & ~sentinel.all(-1)
@@ -286,7 +301,10 @@ def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tup
 
 @contextmanager
 def replay_routing(
-    model: torch.nn.Module, trace: RoutingTrace, rule: ReplayRule | None = None, score_replayed: bool = False,
+    model: torch.nn.Module,
+    trace: RoutingTrace,
+    rule: ReplayRule | None = None,
+    score_replayed: bool = False,
     gates: bool = False,
 ) -> Iterator[Replaying]:
     """Force the forward passes inside the context (and their backward) to use the experts of `trace`, as `rule`
@@ -300,8 +318,10 @@ def replay_routing(
     """
     rule = rule if rule is not None else ReplayRule()
     if rule.needs_gates and not trace.has_gates:
-        raise ValueError(f"{type(rule).__name__} replays gate weights, and this routing trace was recorded without them "
-                         "(record_routing(..., gates=True))")
+        raise ValueError(
+            f"{type(rule).__name__} replays gate weights, and this routing trace was recorded without them "
+            "(record_routing(..., gates=True))"
+        )
     with _hooks(model) as hooks:
         if len(hooks) != trace.shape[0]:
             raise ValueError(f"routing trace has {trace.shape[0]} MoE layers but the model has {len(hooks)}")
@@ -323,7 +343,7 @@ def replay_routing(
 
         handle = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
         for layer, hook in enumerate(hooks):
-            hook.replay = trace.map(lambda tensor: tensor[layer])
+            hook.replay = trace.map(lambda tensor, layer=layer: tensor[layer])
             hook.rule = rule
             hook.recording = []
             hook.gates = [] if gates else None
@@ -363,7 +383,7 @@ class RouterCalls:
     _ranked: dict[int, torch.return_types.topk] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def of(cls, capture: RouterCapture, weights: torch.Tensor, replayed: torch.Tensor | None = None) -> "RouterCalls":
+    def of(cls, capture: RouterCapture, weights: torch.Tensor, replayed: torch.Tensor | None = None) -> RouterCalls:
         """The calls `router_calls` captured, with the tokens' `weights` and what was `replayed`."""
         return cls(capture.calls, weights, replayed, capture.own_experts)
 
@@ -410,5 +430,3 @@ def router_calls(model: torch.nn.Module) -> Iterator[RouterCapture]:
     finally:
         for handle in handles:
             handle.remove()
-
-

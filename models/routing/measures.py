@@ -30,8 +30,9 @@ def margin_of_ranked(top: torch.Tensor, k: int) -> torch.Tensor:
     if top.shape[-1] <= k:
         raise ValueError(f"the margin at the top-{k} cut needs more than {k} experts; the scores have {top.shape[-1]}")
     if (top[:, k] == float("-inf")).any():  # (NaN scores pass through: a diverged model is told apart elsewhere)
-        raise ValueError(f"the margin at the top-{k} cut needs {k + 1} allowed experts per token; a token's groups "
-                         f"leave it {k}")
+        raise ValueError(
+            f"the margin at the top-{k} cut needs {k + 1} allowed experts per token; a token's groups leave it {k}"
+        )
     return _over_spread(top[:, k - 1] - top[:, k], top)
 
 
@@ -51,7 +52,6 @@ def top_gap_share(top: torch.Tensor) -> torch.Tensor:
     return _over_spread(top[:, 0] - top[:, 1], top)
 
 
-
 @dataclass(frozen=True)
 class MarginSummary:
     """`topk_margin` over tokens: the weighted `median`, `mean` and share `small` below `SMALL_MARGIN`."""
@@ -61,13 +61,15 @@ class MarginSummary:
     small: float
 
     @classmethod
-    def of(cls, margins: torch.Tensor, weights: torch.Tensor) -> "MarginSummary":
+    def of(cls, margins: torch.Tensor, weights: torch.Tensor) -> MarginSummary:
         """Of `margins [N]` with token `weights [N]` (at least one positive)."""
         weights = weights.float()
         total = weights.sum()
-        return cls(weighted_median(margins, weights), float((margins * weights).sum() / total),
-                   float(((margins < SMALL_MARGIN).float() * weights).sum() / total))
-
+        return cls(
+            weighted_median(margins, weights),
+            float((margins * weights).sum() / total),
+            float(((margins < SMALL_MARGIN).float() * weights).sum() / total),
+        )
 
 
 @dataclass
@@ -124,7 +126,8 @@ class GateShift:
 
 
 def gate_shift(old: RoutingTrace, new: RoutingTrace, mask: torch.Tensor) -> GateShift:
-    """`GateShift` of two traces of the same tokens recorded with their gates (`[L, B, S, K]` each), on `mask [B, S]`."""
+    """`GateShift` of two traces of the same tokens recorded with their gates (`[L, B, S, K]` each), on `mask [B,
+    S]`."""
     if old.weights is None or new.weights is None:
         raise ValueError("the gate shift needs both traces recorded with their gates (record_routing(gates=True))")
     if old.shape != new.shape:
@@ -162,4 +165,3 @@ def load_max_violation(trace: RoutingTrace, mask: torch.Tensor) -> float:
     """MaxVio (DeepSeek's loss-free balancing): mean over layers of max_e load_e / mean load − 1 (0 = balanced)."""
     load = expert_load(trace, mask)
     return float((load.max(dim=1).values * trace.num_experts - 1.0).mean())
-

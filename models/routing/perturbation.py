@@ -13,17 +13,18 @@ routers' learned function, for every arm alike).
 Sizing. For each router, a noise direction N (standard normal, the weight's shape) is drawn, and its scale σ found
 by bisection so that, on the router's inputs captured in the update's forward (attended tokens, at most
 `MAX_TOKENS` of them), the routing by `W + σ N` activates a share `rate` of (token, slot) experts that `W` did not
-(the GSPO paper's "experts changed" statistic, `models.routing.measures.routing_drift`, for one layer at a time). Layers are
-sized independently; a change in one layer also changes what later routers see, so the drift measured over the
+(the GSPO paper's "experts changed" statistic, `models.routing.measures.routing_drift`, for one layer at a time). Layers
+are sized independently; a change in one layer also changes what later routers see, so the drift measured over the
 whole model is larger than `rate` (reported by the run's routing metrics). The router computes its own selection
 (`torch.func.functional_call` with the perturbed weight), so any family's top-k (bias, groups) is respected.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch.func import functional_call
@@ -66,6 +67,7 @@ def router_inputs(model: torch.nn.Module) -> Iterator[dict[str, list[torch.Tenso
             if call.valid is not None:
                 rows = rows[call.valid.reshape(-1).to(rows.device)]
             captured[name].append(rows)
+
         return hook
 
     handles = [model.register_forward_pre_hook(call, with_kwargs=True)]
@@ -88,9 +90,22 @@ def _selection(router: torch.nn.Module, weight: torch.Tensor, rows: torch.Tensor
     return functional_call(router, {"weight": weight}, (rows,))[2]
 
 
+def _share_moved(
+    router: torch.nn.Module,
+    weight: torch.Tensor,
+    noise: torch.Tensor,
+    rows: torch.Tensor,
+    before: torch.Tensor,
+    scale: float,
+) -> float:
+    """The share of `before`'s experts that `weight + scale · noise` moves (`moved_share`)."""
+    return moved_share(before, _selection(router, weight + scale * noise, rows))
+
+
 @torch.no_grad()
-def perturb_routers(model: torch.nn.Module, inputs: dict[str, list[torch.Tensor]], rate: float,
-                    generator: torch.Generator) -> Perturbation:
+def perturb_routers(
+    model: torch.nn.Module, inputs: dict[str, list[torch.Tensor]], rate: float, generator: torch.Generator
+) -> Perturbation:
     """Add to every router's weight the Gaussian noise that moves a share `rate` of the activated experts of its
     captured `inputs` (module docstring); `generator` draws the noise and the sized tokens. Returns what it did."""
     if not 0.0 <= rate < 1.0:
@@ -109,7 +124,7 @@ def perturb_routers(model: torch.nn.Module, inputs: dict[str, list[torch.Tensor]
             rows = rows[torch.randperm(len(rows), generator=generator)[:MAX_TOKENS].to(rows.device)]
         noise = torch.randn(weight.shape, generator=generator, dtype=torch.float32).to(weight.device, weight.dtype)
         before = _selection(router, weight, rows)
-        share_at = lambda scale: moved_share(before, _selection(router, weight + scale * noise, rows))  # noqa: E731
+        share_at = functools.partial(_share_moved, router, weight, noise, rows, before)
         rms = float(weight.float().pow(2).mean().sqrt())
         low, high = 0.0, rms
         for _ in range(DOUBLINGS):

@@ -34,8 +34,9 @@ def add_predictors(model: torch.nn.Module) -> None:
             raise ValueError(f"router {name} already has a predictor")
         experts, hidden = router.weight.shape
         # skip_init: no draw from the global generator, which the rest of the run's start goes on drawing from
-        predictor = torch.nn.utils.skip_init(torch.nn.Linear, hidden, experts, bias=False, dtype=router.weight.dtype,
-                                             device=router.weight.device)
+        predictor = torch.nn.utils.skip_init(
+            torch.nn.Linear, hidden, experts, bias=False, dtype=router.weight.dtype, device=router.weight.device
+        )
         torch.nn.init.zeros_(predictor.weight)
         router.add_module(PREDICTOR, predictor)
 
@@ -62,8 +63,9 @@ def predicted_logits(router: torch.nn.Module, inputs: torch.Tensor, logits: torc
     return logits.float() + predictor(inputs.to(predictor.weight.dtype)).float()
 
 
-def predicted_route(router: torch.nn.Module, inputs: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
-                    indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def predicted_route(
+    router: torch.nn.Module, inputs: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The `(weights, indices) [T, K]` a router call computes with when it routes by its predictor: the top-k of the
     family's selection scores of the predicted logits, gated by the router's own scores at them. A token whose
     predicted experts are the router's own keeps the router's own output as it is (its slot order and arithmetic), so

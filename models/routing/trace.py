@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -37,24 +37,24 @@ class RoutingTrace:
     def has_gates(self) -> bool:
         return self.weights is not None and self.logprobs is not None
 
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "RoutingTrace":
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RoutingTrace:
         """The trace with `fn` applied to its experts and to whatever else it recorded (all laid out alike)."""
         recorded = {name: fn(getattr(self, name)) for name in OPTIONAL_PARTS if getattr(self, name) is not None}
         return replace(self, experts=fn(self.experts), **recorded)
 
-    def without_states(self) -> "RoutingTrace":
+    def without_states(self) -> RoutingTrace:
         """The trace without the routers' states: what a replayed forward reads, not carried into it."""
         return replace(self, inputs=None, logits=None) if self.inputs is not None or self.logits is not None else self
 
-    def rows(self, index: torch.Tensor | slice) -> "RoutingTrace":
+    def rows(self, index: torch.Tensor | slice) -> RoutingTrace:
         """The trace of a subset of batch rows (a minibatch), in the given order."""
         return self.map(lambda tensor: tensor[:, index])
 
-    def positions(self, index: slice) -> "RoutingTrace":
+    def positions(self, index: slice) -> RoutingTrace:
         """The trace of a range of positions (e.g. those a scoring forward feeds the model)."""
         return self.map(lambda tensor: tensor[:, :, index])
 
-    def to(self, device: torch.device | str) -> "RoutingTrace":
+    def to(self, device: torch.device | str) -> RoutingTrace:
         return self.map(lambda tensor: tensor.to(device))
 
     def recorded(self) -> torch.Tensor:
@@ -73,7 +73,6 @@ def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
         for name, module in model.named_modules()
         if type(module).__name__.endswith(("TopKRouter", "TopkRouter"))
     }
-
 
 
 def expert_count(model: torch.nn.Module) -> int:

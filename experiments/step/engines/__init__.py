@@ -6,12 +6,32 @@ engine is one module that registers itself when imported here: `hf` (transformer
 """
 
 from experiments.step.engines.base import (
-    ENGINES, EngineNumerics, KVCache, Needs, Precision, RolloutEngine, Samples, Sampling, WeightQuant, full_weights,
+    ENGINES,
+    EngineNumerics,
+    KVCache,
+    Needs,
+    Precision,
+    RolloutEngine,
+    Samples,
+    Sampling,
+    WeightQuant,
+    full_weights,
 )
 
 # Importing a module registers its engine.
 from experiments.step.engines import hf, vllm  # noqa: E402,F401  isort: skip
 from experiments.step.engines.hf import HFEngine  # noqa: E402
 
-__all__ = ["ENGINES", "EngineNumerics", "HFEngine", "KVCache", "Needs", "Precision", "RolloutEngine", "Samples",
-           "Sampling", "WeightQuant", "full_weights"]
+__all__ = [
+    "ENGINES",
+    "EngineNumerics",
+    "HFEngine",
+    "KVCache",
+    "Needs",
+    "Precision",
+    "RolloutEngine",
+    "Samples",
+    "Sampling",
+    "WeightQuant",
+    "full_weights",
+]

@@ -65,7 +65,7 @@ class EngineNumerics:
     router_noise: float = 0.0  # σ of the Gaussian noise on the copy's router logits, before its top-k
 
     @classmethod
-    def of(cls, rollout: Any) -> "EngineNumerics":
+    def of(cls, rollout: Any) -> EngineNumerics:
         """The numerics of a `rollout` config node."""
         return cls(Precision(rollout.precision), WeightQuant(rollout.weight_quant), float(rollout.router_noise))
 
@@ -159,16 +159,27 @@ class RolloutEngine(ABC):
         if needs.routing and not cls.returns_routing:
             raise ConfigError(f"{needs.routing}, which rollout.engine={cls.name} does not report")
         if needs.gate_weights and not cls.returns_gate_weights:
-            raise ConfigError(f"{needs.gate_weights}, and rollout.engine={cls.name} reports the experts' ids only: use "
-                              "rollout.engine=hf or routing.replay=r2")
+            raise ConfigError(
+                f"{needs.gate_weights}, and rollout.engine={cls.name} reports the experts' ids only: use "
+                "rollout.engine=hf or routing.replay=r2"
+            )
         if needs.predicted_routes and not cls.routes_by_predictors:
-            raise ConfigError(f"{needs.predicted_routes}, and rollout.engine={cls.name} routes inside its own kernels: "
-                              "use rollout.engine=hf")
+            raise ConfigError(
+                f"{needs.predicted_routes}, and rollout.engine={cls.name} routes inside its own kernels: "
+                "use rollout.engine=hf"
+            )
 
     @classmethod
     @abstractmethod
-    def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
-              ranks: Ranks, records_routing: bool) -> "RolloutEngine":
+    def build(
+        cls,
+        cfg: Any,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        numerics: EngineNumerics,
+        ranks: Ranks,
+        records_routing: bool,
+    ) -> RolloutEngine:
         """The engine of a run: `model` is the trainer's policy (not yet sharded), `numerics` how the engine's
         numbers should differ from it, `records_routing` whether the loop will ask for its routing
         (`StepPlan.engine_records_routing`)."""

@@ -3,17 +3,17 @@
 Each prompt is prefilled once and its KV cache copied to its G rows, then decoded with the cache; μ_old is the
 fp32 log-softmax of each step's raw logits under `logits / temperature`, gathered for the sampled token. By default
 it runs on the trainer's own model, so its weight sync is a no-op and its numbers are the trainer's own up to the
-KV-cache path's rounding (~1e-6). Given `EngineNumerics` that differ, or a lag (`rollout.lag`: it samples with older weights,
-`experiments.step.versions`), it holds its own copy of the weights, as an inference server does, and differs from
-the trainer on purpose (training–inference mismatch that a run can dial):
+KV-cache path's rounding (~1e-6). Given `EngineNumerics` that differ, or a lag (`rollout.lag`: it samples with older
+weights, `experiments.step.versions`), it holds its own copy of the weights, as an inference server does, and differs
+from the trainer on purpose (training–inference mismatch that a run can dial):
     precision     fp32 | bf16 | fp16: the copy's dtype (its log-probs are still taken in fp32 from its logits);
     weight_quant  none | int8 | fp8: fake quantization of every linear and expert weight of the decoder layers, per
                   output channel (symmetric, scale = max |w| / 127 for int8, / 448 for FP8 e4m3, quantize then
                   dequantize), as an FP8 rollout of a bf16-trained model (arXiv 2512.01374's setup) in miniature;
                   routers, embeddings and the LM head keep their precision, as FP8 inference engines keep them;
     router_noise  σ: seeded Gaussian noise N(0, σ²) on the copy's router logits before its top-k (the family's own
-                  routing of the noisy logits, `models.routing.families.route`), so that near-tied routes flip in the engine
-                  and not in the trainer.
+                  routing of the noisy logits, `models.routing.families.route`), so that near-tied routes flip in the
+                  engine and not in the trainer.
 The copy takes the trainer's weights after every step's updates, or under a lag the version it is to sample with
 (cast, then re-quantized): the engine never trains.
 Predictive Routing Replay (`Sampling.predict_routes`, `routing_variant=predictive`): while it samples, and only then,
@@ -39,20 +39,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import (
-    Cache, DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase,
+    Cache,
+    DynamicCache,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
 from transformers.cache_utils import DynamicLayer
 
 from experiments.step.engines.base import (
-    ENGINES, EngineNumerics, KVCache, Precision, RolloutEngine, Samples, Sampling, WeightQuant,
+    ENGINES,
+    EngineNumerics,
+    KVCache,
+    Precision,
+    RolloutEngine,
+    Samples,
+    Sampling,
+    WeightQuant,
 )
-from experiments.step.scoring import position_ids
 from experiments.step.ranks import Ranks
+from experiments.step.scoring import position_ids
 from models.registry import ConfigError, Diverged
 from models.routing.families import route
 from models.routing.hooks import record_routing
 from models.routing.predictor import route_by_predictors
-from models.routing.trace import find_routers, NO_ROUTE, OPTIONAL_PARTS, RoutingTrace
+from models.routing.trace import NO_ROUTE, OPTIONAL_PARTS, RoutingTrace, find_routers
 
 DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 QUANT_RANGE = {WeightQuant.int8: 127.0, WeightQuant.fp8: 448.0}  # largest magnitude each format holds
@@ -78,15 +90,35 @@ class HFEngine(RolloutEngine):
         return not numerics.differs and lag == 0
 
     @classmethod
-    def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
-              ranks: Ranks, records_routing: bool) -> "HFEngine":
+    def build(
+        cls,
+        cfg: Any,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        numerics: EngineNumerics,
+        ranks: Ranks,
+        records_routing: bool,
+    ) -> HFEngine:
         shares = cls.shares_weights_with_trainer(numerics, cfg.rollout.lag)
-        return cls(model, tokenizer, numerics=None if shares else numerics,
-                   seed=cfg.seed, synced=ranks.active, kv_cache=KVCache(cfg.rollout.kv_cache))
+        return cls(
+            model,
+            tokenizer,
+            numerics=None if shares else numerics,
+            seed=cfg.seed,
+            synced=ranks.active,
+            kv_cache=KVCache(cfg.rollout.kv_cache),
+        )
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, min_new_tokens: int = 0,
-                 numerics: EngineNumerics | None = None, seed: int = 0, synced: bool = False,
-                 kv_cache: KVCache = KVCache.preallocated) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        min_new_tokens: int = 0,
+        numerics: EngineNumerics | None = None,
+        seed: int = 0,
+        synced: bool = False,
+        kv_cache: KVCache = KVCache.preallocated,
+    ) -> None:
         self.tokenizer = tokenizer
         self.min_new_tokens = min_new_tokens
         self.kv_cache = kv_cache
@@ -155,16 +187,22 @@ class HFEngine(RolloutEngine):
         # By the predictors only while it samples: an engine on the trainer's own module leaves its forwards alone.
         with route_by_predictors(model) if predict else contextlib.nullcontext():
             if group_size > 1 and prompt_width > 1:
-                prefix_trace = _prefill_once_per_prompt(model, unique, group_size, record_routing, record_gates,
-                                                        predict, options["cache"])
+                prefix_trace = _prefill_once_per_prompt(
+                    model, unique, group_size, record_routing, record_gates, predict, options["cache"]
+                )
             sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
             with sampled as logprobs, record_routing_if(model, record_routing, record_gates, predict) as recording:
                 sequences = model.generate(**encoded, **options)
         if logits_watch.seen(device, self.synced):
             numerics = self.numerics
-            sampler = "the trainer's model" if self.shares_trainer_weights else (
-                f"the engine's own copy (rollout.precision={numerics.precision}, rollout.weight_quant="
-                f"{numerics.weight_quant}, rollout.router_noise={numerics.router_noise})")
+            sampler = (
+                "the trainer's model"
+                if self.shares_trainer_weights
+                else (
+                    f"the engine's own copy (rollout.precision={numerics.precision}, rollout.weight_quant="
+                    f"{numerics.weight_quant}, rollout.router_noise={numerics.router_noise})"
+                )
+            )
             raise Diverged(f"{sampler} produced logits that are NaN or inf, with nothing to sample from")
         trace = None
         if recording is not None:
@@ -244,8 +282,9 @@ class _RouterNoise:
         return noisy, gates.to(weights.dtype), chosen.to(indices.dtype)
 
 
-def record_routing_if(model: PreTrainedModel, record: bool, gates: bool = False,
-                      states: bool = False) -> contextlib.AbstractContextManager:
+def record_routing_if(
+    model: PreTrainedModel, record: bool, gates: bool = False, states: bool = False
+) -> contextlib.AbstractContextManager:
     """`record_routing(model, generate=True, gates=gates, states=states)` when `record`, else a context that yields
     None."""
     return record_routing(model, generate=True, gates=gates, states=states) if record else contextlib.nullcontext()
@@ -261,8 +300,14 @@ def _without_last_call(block: torch.Tensor) -> torch.Tensor:
 
 def _joined(head: RoutingTrace, tail: RoutingTrace) -> RoutingTrace:
     """The trace of `head`'s positions followed by `tail`'s (the prefill's, then `generate`'s), all it recorded."""
-    return replace(tail, **{part: torch.cat([getattr(head, part), getattr(tail, part)], dim=2)
-                            for part in ("experts", *OPTIONAL_PARTS) if getattr(tail, part) is not None})
+    return replace(
+        tail,
+        **{
+            part: torch.cat([getattr(head, part), getattr(tail, part)], dim=2)
+            for part in ("experts", *OPTIONAL_PARTS)
+            if getattr(tail, part) is not None
+        },
+    )
 
 
 class _SampledLogProbs:
@@ -299,7 +344,7 @@ class _SampledLogProbs:
             self._take(last_tokens)
         return torch.stack(self.taken[:generated], dim=1).cpu()
 
-    def __enter__(self) -> "_SampledLogProbs":
+    def __enter__(self) -> _SampledLogProbs:
         self._handles = [
             self.model.register_forward_pre_hook(self._before, with_kwargs=True),
             self.model.register_forward_hook(self._after, with_kwargs=True),
@@ -323,7 +368,12 @@ def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pa
 
 
 def _prefill_once_per_prompt(
-    model: PreTrainedModel, unique: dict[str, torch.Tensor], group_size: int, record: bool, gates: bool, states: bool,
+    model: PreTrainedModel,
+    unique: dict[str, torch.Tensor],
+    group_size: int,
+    record: bool,
+    gates: bool,
+    states: bool,
     cache: Cache,
 ) -> RoutingTrace | None:
     """Fill the empty `cache` with every prompt but its last token, computed once per prompt and copied to its G
@@ -339,8 +389,14 @@ def _prefill_once_per_prompt(
     ids = unique["input_ids"][:, :-1].to(device)
     mask = unique["attention_mask"][:, :-1].to(device)
     with record_routing(model, gates=gates, states=states) if record else contextlib.nullcontext() as recording:
-        model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), cache=cache, use_cache=True,
-              logits_to_keep=1)
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids(mask),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     cache.batch_repeat_interleave(group_size)
     if not record:
         return None
@@ -378,8 +434,9 @@ class PreallocatedLayer(DynamicLayer):
 
         self._key_buffer, self._value_buffer = buffer(keys), buffer(values)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]

