@@ -44,6 +44,12 @@ class Diverged(ArithmeticError):
     """The run's numbers are non-finite and will stay so; the message (one line) says which, and where."""
 
 
+class RunFailed(Exception):
+    """The run cannot go on for a cause outside its settings and its numbers (its directory could not be written, a
+    process it relies on died); the message (one line) says what. The life cycle ends it with its log whole and status
+    failed, whatever part raised it (`experiments.run.life`), without naming that part."""
+
+
 class Registry(Generic[T]):
     """Named subclasses of `base`. With `fields_are_parameters` (the default) each is a frozen dataclass whose fields
     are its parameters, and `build(name, **params)` makes one; without, the classes build themselves (the rollout

@@ -14,15 +14,15 @@ with its `Job`: what it is called, its start-up checks, what builds it and what 
                 life.finish(summary(...))                  summary.json, W&B finished
             life.release()                                 however it ended
 
-How it ends: bad settings are refused before any work, in one line (`ConfigError`, exit code 1); any other exception
-is a bug and keeps its traceback (the run directory keeps every committed record and no summary); SIGTERM or Ctrl-C
-keeps the records committed so far, finishes W&B, writes `summary.json` with `status: interrupted` and says so in one
-line (exit code 143 or 130), also when the stop arrives while W&B starts or while a record is committed (it lands
-after the commit); numbers non-finite for good (`Diverged`) end with `status: diverged`, a full disk or a vanished
-directory (`StorageError`) and a concurrent sampler that failed (`SamplerFailed`: its worker raised or died, or sent
-a batch the trainer must not train on) with `status: failed` where it can still be written, each in one line (exit
-code 1). With
-several ranks a stop any rank receives ends every rank after the same record (`commit`), and rank 0 alone prints.
+How it ends: bad settings are refused before any work, in one line (`ConfigError`, exit code 1); any other exception is
+a bug and keeps its traceback (the run directory keeps every committed record and no summary); SIGTERM or Ctrl-C keeps
+the records committed so far, finishes W&B, writes `summary.json` with `status: interrupted` and says so in one line
+(exit code 143 or 130), also when the stop arrives while W&B starts or while a record is committed (it lands after the
+commit); numbers non-finite for good (`Diverged`) end with `status: diverged`; a failure outside the run's settings and
+numbers (`models.registry.RunFailed`: a full disk or a vanished directory, a concurrent sampler whose worker raised or
+died or sent a batch the trainer must not train on) with `status: failed` where it can still be written, each in one
+line (exit code 1); the life cycle names no part that raises them. With several ranks a stop any rank receives ends
+every rank after the same record (`commit`), and rank 0 alone prints.
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ from omegaconf import DictConfig
 from experiments.run import launch, rundir
 from experiments.run.launch import exit_once
 from experiments.run.logger import RunLogger, write_summary
-from experiments.step.concurrent import SamplerFailed
 from experiments.step.ranks import Ranks, broadcast_object, gather_objects
 from models import cpu_kernels
-from models.registry import ConfigError, Diverged
+from models.registry import ConfigError, Diverged, RunFailed
 
 
 class StopRequested(BaseException):
@@ -257,7 +256,7 @@ class Life:
                 f"step {step}: {error}",
                 f"{self.what} diverged in step {step}: {error}",
             )
-        except (rundir.StorageError, SamplerFailed) as error:
+        except RunFailed as error:  # a StorageError, a concurrent sampler that failed, ...
             self.end_early(summary("failed"), "failed", str(error), str(error))
         except ConfigError as error:  # a setting only the job's own start could refuse (a probe's later setting)
             self.logger.abort()

@@ -25,7 +25,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.run.resume import described, differences, length_change
-from models.registry import ConfigError, flat
+from models.registry import ConfigError, RunFailed, flat
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -33,7 +33,7 @@ LOCK_FILE = ".lock"
 CONFIG_DIR = ".hydra"
 
 
-class StorageError(OSError):
+class StorageError(OSError, RunFailed):
     """The run directory could not be written while the run went on (disk full, directory removed, ...)."""
 
 

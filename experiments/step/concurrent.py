@@ -71,12 +71,13 @@ from experiments.step.batch import Rollout, Served, collect_rollout, draw_exampl
 from experiments.step.engines import EngineNumerics, HFEngine, KVCache, Sampling, full_weights
 from experiments.tasks import build_task
 from models.policy import ModelConfig, build_policy
+from models.registry import RunFailed
 
 POLL_S = 0.5  # how often a process blocked on the other checks that the other still lives
 CLOSE_S = 10.0  # how long a stopped worker may take to exit before it is killed
 
 
-class SamplerFailed(Exception):
+class SamplerFailed(RunFailed):
     """The concurrent sampler cannot serve the run: its worker raised or died, or a batch failed the trainer's checks.
     The run ends in one line, with status failed (`experiments.run.life`)."""
 
