@@ -257,3 +257,10 @@ def test_each_door_enters_the_life_cycle_in_one_call(door):
     assert names.count("live") == 1, f"experiments/{door} calls live {names.count('live')} times"
     own = sorted({"Life.begin", "stop_signals", "life.starting", "life.release"} & set(names))
     assert not own, f"experiments/{door} writes the life's own steps: {own}"
+
+
+def test_the_life_cycle_names_no_part_of_the_step_it_ends():
+    """A run ends on a failure's kind (`models.registry.RunFailed`: a sampler that died, a directory that vanished),
+    never on a class the life cycle imports from the part that raised it."""
+    names = [name for _, name in imported(PROJECT_ROOT / "experiments" / "run" / "life.py")]
+    assert not [name for name in names if name.startswith("experiments.step.concurrent")], names
