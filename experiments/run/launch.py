@@ -18,6 +18,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -30,6 +31,9 @@ from omegaconf import DictConfig, read_write
 from experiments.run import rundir
 from experiments.step.ranks import Ranks, broadcast_object
 from models.registry import ConfigError
+
+# How long a rank other than 0 that meets a refusal waits for rank 0 to print it (`exit_once`); rank 0 ends the wait.
+QUIET_RANK_WAIT_S = 10.0
 
 
 def start(device: str) -> Ranks:
@@ -67,8 +71,16 @@ def exit_once(message: str) -> NoReturn:
     agent raises `ChildFailedError` for every rank that ends other than with exit code 0, whatever the rank wrote
     before (an error file only fills the table), and exit code 0 would tell a shell, SLURM or a sweep that a refused
     job finished. A refusal keeps its exit code 1; a job that starts its ranks itself (`launch.nproc_per_node` > 1,
-    every `cluster=slurm` job) refuses before torchrun starts instead (`relaunch.launch_ranks`)."""
-    raise SystemExit(message if int(os.environ.get("RANK", "0")) == 0 else 1) from None
+    every `cluster=slurm` job) refuses before torchrun starts instead (`relaunch.launch_ranks`).
+
+    The other ranks wait up to `QUIET_RANK_WAIT_S` before they end: torchrun ends every rank as soon as one fails, and
+    a rank that ended first on a loaded machine would have rank 0 killed before its line is out. Rank 0's own end
+    then ends their wait (torchrun's SIGTERM, taken with the default action)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        raise SystemExit(message) from None
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(QUIET_RANK_WAIT_S)
+    raise SystemExit(1) from None
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
