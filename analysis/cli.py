@@ -9,7 +9,6 @@ import contextlib
 import os
 import shlex
 import shutil
-import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.run.rundir import make_writable_dir
+from experiments.run.stops import StopRequested, stop_deferred, stop_signals
 
 # What reading the user's folders and files can raise that is the input's fault, not a bug: a missing or unreadable
 # path (OSError) and a value the command refuses (ValueError).
@@ -50,17 +50,6 @@ def command_line(module: str, argv: Sequence[str]) -> str:
     return f"python -m {module} " + " ".join(shlex.quote(str(arg)) for arg in argv)
 
 
-class Interrupted(BaseException):
-    """The command was asked to stop (SIGTERM, or SIGINT / Ctrl-C) while it wrote its output. A BaseException, as
-    KeyboardInterrupt: a library's `except Exception` must not swallow it."""
-
-    def __init__(self, signum: int, in_place: bool = False) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signal_name = signal.Signals(signum).name
-        self.exit_code = 128 + signum
-        self.in_place = in_place  # it arrived while the finished output was put in place, which went on to the end
-
-
 @contextlib.contextmanager
 def staged(out: Path, owned: Callable[[str], bool], index: str) -> Iterator[Path]:
     """A staging folder inside `out` (hidden: no loader reads it) into which a command writes its whole output; when
@@ -68,50 +57,36 @@ def staged(out: Path, owned: Callable[[str], bool], index: str) -> Iterator[Path
     the `index` file (report.md) lands last. Until then `out` keeps the previous output untouched; from the moment the
     old index is removed until the new one lands (renames, with SIGTERM and SIGINT held until they are done) `out`
     holds no index, so a report is whole or absent, never a mix. Other files in `out` (a command.sh, nested reports,
-    a W&B cache) are never touched. A stop while the files are written raises `Interrupted` after the staging folder
-    is removed; any other exception likewise leaves `out` as it was."""
+    a W&B cache) are never touched. A stop while the files are written raises `StopRequested` after the staging folder
+    is removed; any other exception likewise leaves `out` as it was. The stops are the runs' own
+    (`experiments.run.stops`): the renames are a block a stop must not cut."""
     out.mkdir(parents=True, exist_ok=True)
     stage = out / f".staging-{os.getpid()}"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
-    pending: list[int] = []
-    holding = False
-
-    def stop(signum: int, frame: Any) -> None:
-        if holding:
-            pending.append(signum)
-        else:
-            raise Interrupted(signum)
-
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
-    try:
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may take the signals
+    with stop_signals() if main else contextlib.nullcontext():
         try:
             yield stage
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
-        holding = True
-        written = sorted(path.name for path in stage.iterdir())
-        stale = [path for path in out.iterdir() if path.is_file() and owned(path.name) and path.name not in written]
-        (out / index).unlink(missing_ok=True)
-        for name in written:
-            if name != index:
-                os.replace(stage / name, out / name)
-        for path in stale:
-            path.unlink()
-        os.replace(stage / index, out / index)
-        stage.rmdir()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if pending:
-        raise Interrupted(pending[0], in_place=True)
+        with stop_deferred():
+            written = sorted(path.name for path in stage.iterdir())
+            stale = [path for path in out.iterdir() if path.is_file() and owned(path.name) and path.name not in written]
+            (out / index).unlink(missing_ok=True)
+            for name in written:
+                if name != index:
+                    os.replace(stage / name, out / name)
+            for path in stale:
+                path.unlink()
+            os.replace(stage / index, out / index)
+            stage.rmdir()
 
 
-def stopped(error: Interrupted, out: Path, index: str) -> SystemExit:
+def stopped(error: StopRequested, out: Path, index: str) -> SystemExit:
     """The one line a command interrupted while writing its output says (what `out` now holds), and its exit."""
-    if error.in_place:
+    if error.deferred:
         said = f"as the finished output was put in place, which it let end: {out / index} is the new one, whole"
     elif (out / index).is_file():
         said = f"while the output was written; nothing was put in place: {out} holds the previous {index}, untouched"
@@ -135,7 +110,7 @@ def publishing(out: Path, index: str, tidy: bool = False) -> Iterator[None]:
                 folder.rmdir()
             except OSError:
                 break
-        if isinstance(error, Interrupted):
+        if isinstance(error, StopRequested):
             raise stopped(error, out, index) from None
         raise
 

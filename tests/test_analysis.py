@@ -1303,6 +1303,29 @@ def test_an_interrupted_report_leaves_the_previous_one_whole_and_says_so(tmp_pat
     )
 
 
+def test_a_stop_while_the_report_is_put_in_place_lands_after_it_whole_and_says_so(tmp_path, monkeypatch, capsys):
+    """The renames that put a finished report in place are a block a stop must not cut (`experiments.run.stops`): a
+    SIGTERM that arrives among them ends the command once the new report is whole."""
+    runs, out, _ = _report_twice(tmp_path, monkeypatch, lambda _: None)
+    replace, sent = os.replace, []
+
+    def replace_then_stop(source, target):
+        replace(source, target)
+        if not sent:  # the first file moved, the others still in the staging folder
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+
+    monkeypatch.setattr("analysis.cli.os.replace", replace_then_stop)
+    with pytest.raises(SystemExit) as stop:
+        main([str(runs), "--out", str(out)])
+    assert stop.value.code == 128 + signal.SIGTERM and sent
+    assert (out / "fig1_reward_vs_compute.png").read_bytes() == b"" and (out / "report.md").is_file()
+    assert not list(out.glob(".staging-*")), "no staging folder left"
+    assert capsys.readouterr().err == (
+        f"error: interrupted by SIGTERM as the finished output was put in place, which it let end: "
+        f"{out / 'report.md'} is the new one, whole\n"
+    )
+
+
 def test_a_report_that_fails_midway_leaves_the_previous_one_and_no_staging(tmp_path, monkeypatch):
     def crash(out_dir):
         raise RuntimeError("a bug while drawing")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from algos.routing_variants import build_routing_variant
 from algos.routing_variants.predictive import LOSS, PREDICTED_ACC, UNPREDICTED_ACC, topk_agreement
-from experiments.run.life import StopRequested
+from experiments.run.stops import StopRequested
 from experiments.step.engines import HFEngine, Sampling
 from experiments.step.metrics import MINIBATCHES
 from experiments.step.scoring import ScoreOptions

@@ -213,7 +213,7 @@ def test_a_stop_during_a_step_commit_lands_after_it_even_when_another_thread_tak
     thread at once, which must not cut a commit (log line written, step not yet counted) in two."""
     import threading
 
-    from experiments.run.life import StopRequested, stop_deferred, stop_signals
+    from experiments.run.stops import StopRequested, stop_deferred, stop_signals
 
     other = threading.Thread(target=time.sleep, args=(2,), daemon=True)  # a thread that does not block signals
     other.start()

@@ -27,7 +27,6 @@ every rank after the same record (`commit`), and rank 0 alone prints.
 
 from __future__ import annotations
 
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,76 +39,10 @@ from omegaconf import DictConfig
 from experiments.run import launch, rundir
 from experiments.run.launch import exit_once
 from experiments.run.logger import RunLogger, write_summary
+from experiments.run.stops import Deferral, StopRequested, raise_stop, stop_deferred, stop_signals
 from experiments.step.ranks import Ranks, broadcast_object, gather_objects
 from models import cpu_kernels
 from models.registry import ConfigError, Diverged, RunFailed
-
-
-class StopRequested(BaseException):
-    """The run was asked to stop (SIGTERM, or SIGINT / Ctrl-C). A BaseException, as KeyboardInterrupt: the
-    `except Exception` of a library the signal lands in (W&B's logging, say) must not swallow it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.signal_name = signal.Signals(signum).name
-        self.exit_code = 128 + signum
-
-
-class _Deferral:
-    """Whether a block a stop must not cut is running (see `stop_deferred`), whether the run's ranks stop together
-    (see `stop_together`), the stop that arrived meanwhile, and whether the run is already stopping."""
-
-    active = False
-    joint = False
-    pending: StopRequested | None = None
-    stopping = False
-
-
-def _stop(interrupted: StopRequested) -> NoReturn:
-    """Raise the stop. Later signals change nothing while the run ends: a launcher that sees one rank end signals the
-    others, which must still finish their summary."""
-    _Deferral.pending, _Deferral.stopping = None, True
-    raise interrupted
-
-
-@contextmanager
-def stop_signals() -> Iterator[None]:
-    """Turn SIGTERM and SIGINT into `StopRequested` for the run inside; the previous handlers come back after."""
-
-    def stop(signum: int, frame: Any) -> None:
-        if _Deferral.stopping:
-            return
-        if _Deferral.active or _Deferral.joint:  # raised after the block, or where the ranks decide together
-            _Deferral.pending = _Deferral.pending or StopRequested(signum)
-            return
-        _stop(StopRequested(signum))
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _Deferral.joint, _Deferral.pending, _Deferral.stopping = False, None, False
-
-
-@contextmanager
-def stop_deferred() -> Iterator[None]:
-    """Run the block whole: a stop that arrives meanwhile is raised after it. A record's commit needs this (its log
-    line written, then counted: never a line the summary does not count; then a checkpoint, whose writer,
-    `torch.distributed.checkpoint`, catches whatever is raised inside it, `StopRequested` included, and raises its own
-    `CheckpointException` instead), and so does the log's cut on resume. Blocking the signals on this thread is not
-    enough: the kernel hands a process's signal to any thread that does not block it (W&B's, torch's), and Python
-    then runs the handler on this thread at its next instruction, so the handler itself defers while a block is
-    active. With several ranks the stop is left for `stop_together`."""
-    _Deferral.active = True
-    try:
-        yield
-    finally:
-        _Deferral.active = False
-    if _Deferral.pending is not None and not _Deferral.joint:
-        _stop(_Deferral.pending)
 
 
 def stop_together(ranks: Ranks) -> None:
@@ -118,9 +51,9 @@ def stop_together(ranks: Ranks) -> None:
     collective, for ever. One process stops where the signal finds it (`stop_signals`)."""
     if not ranks.active:
         return
-    signums = gather_objects(_Deferral.pending.signum if _Deferral.pending else 0, ranks)
+    signums = gather_objects(Deferral.pending.signum if Deferral.pending else 0, ranks)
     if any(signums):
-        _stop(StopRequested(max(signums)))
+        raise_stop(StopRequested(max(signums)))
 
 
 class _Unstarted:
@@ -169,7 +102,7 @@ class Life:
         self.finished = finished
         self.logger: Any = _Unstarted(run_dir if ranks.main else None)
         self.records: list[dict[str, Any]] = []  # every record committed (a resumed run's earlier ones first)
-        _Deferral.joint = ranks.active
+        Deferral.joint = ranks.active
 
     @classmethod
     def begin(
