@@ -39,14 +39,12 @@ import copy
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from algos.objective import CLIP, KL_OLD, SEQ_RATIO_VAR, TOKEN_RATIO_VAR
 from experiments.config import ProbeConfig, refuse_mistyped_overrides, register_configs
@@ -193,7 +191,6 @@ def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:
     """The probe's settings, each a short RL run from the cold start, then the engine's precisions (`run_probe`)."""
     p = cfg.probe
     name = f"probe-{cfg.model.name}-{cfg.dataset.name}"
-    start, cpu_start = time.perf_counter(), time.process_time()
     settings, mismatches, policy, answer_tokens = [], [], None, None
     steps = p.warm_steps + p.measure_steps
     threads = ThreadBudget(cfg.trainer.threads)
@@ -204,8 +201,8 @@ def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:
             "status": status,
             "run": name,
             "run_dir": str(life.run_dir),
-            "wall_s": time.perf_counter() - start,
-            "cpu_s": time.process_time() - cpu_start,  # this process's CPU time over the job: what the result cost
+            "wall_s": life.elapsed()[0],
+            "cpu_s": life.elapsed()[1],  # this process's CPU time over the job: what the result cost
             "model": cfg.model.name,
             "model_path": cfg.model.path,
             "cold_start": cold_start_record(cfg.model.path),
@@ -222,8 +219,8 @@ def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:
             "precision_mismatch": mismatches,
         }
 
-    with life.running(summary, total), tqdm(total=total, desc=name, unit="step", dynamic_ncols=True) as bar:
-        life.start_logging(cfg, name, ["probe", f"model:{cfg.model.name}"])
+    with life.running(summary, total, cfg, name, ["probe", f"model:{cfg.model.name}"]):
+        bar = life.progress()
         for lr in p.lrs:
             trainer = RLTrainer(setting_config(cfg, lr, steps))
             policy = policy or describe_policy(trainer.model)

@@ -29,10 +29,8 @@ import contextlib
 import json
 import math
 import sys
-import time
 import warnings
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,6 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from algos.routers import RouterSwitch, RunFacts, build_router_switches
@@ -282,14 +279,12 @@ class ColdStartParts:
 @dataclass
 class Progress:
     """Where a cold start stands: steps taken, the last step's loss, the last held-out greedy accuracy, whether
-    `sft.max_seconds` ran out; and its clocks, started with its first step."""
+    `sft.max_seconds` ran out."""
 
     step: int = 0
     loss: float = float("nan")
     accuracy: float = 0.0
     out_of_time: bool = False
-    start: float = field(default_factory=time.perf_counter)
-    cpu_start: float = field(default_factory=time.process_time)
 
 
 def train_cold_start(life: Life, cfg: DictConfig, parts: ColdStartParts) -> tuple[PreTrainedModel, dict[str, Any]]:
@@ -309,10 +304,12 @@ def train_cold_start(life: Life, cfg: DictConfig, parts: ColdStartParts) -> tupl
     batches = DemonstrationBatches(cfg, parts)
     name = f"sft-{cfg.model.name}-{cfg.dataset.name}"
     progress = Progress()
-    summary = partial(cold_start_summary, cfg, name, parts.switches, progress, life.records)
 
-    with life.running(summary, total), tqdm(total=total, desc=name, unit="step", dynamic_ncols=True) as bar:
-        life.start_logging(cfg, name, ["sft", f"model:{cfg.model.name}"])
+    def summary(status: str) -> dict[str, Any]:
+        return cold_start_summary(cfg, name, parts.switches, life.records, life.elapsed(), status)
+
+    with life.running(summary, total, cfg, name, ["sft", f"model:{cfg.model.name}"]):
+        bar = life.progress()
         while progress.step < total:
             progress.step += 1
             threads.begin()
@@ -320,7 +317,7 @@ def train_cold_start(life: Life, cfg: DictConfig, parts: ColdStartParts) -> tupl
             record = {m.STEP: progress.step, **update(parts, batches.next(progress.step), optimizer, scheduler, device)}
             progress.loss = record[m.SFT_LOSS]
             threads.end()
-            elapsed = time.perf_counter() - progress.start
+            elapsed = life.elapsed()[0]
             progress.out_of_time = elapsed >= s.max_seconds
             record[m.ELAPSED] = elapsed
             if s.pretrain_steps:
@@ -409,13 +406,13 @@ def cold_start_summary(
     cfg: DictConfig,
     name: str,
     switches: list[RouterSwitch],
-    progress: Progress,
     done: list[dict[str, Any]],
+    elapsed: tuple[float, float],
     status: str,
 ) -> dict[str, Any]:
     """What the cold start is so far: how it ended and its numbers (the finished one adds the checkpoint's), read
     from its committed steps (`done`, the life's records): a stop or divergence never counts the step it cut, whose
-    loss and evaluation `progress` may already hold."""
+    loss and evaluation the cold start's `Progress` may already hold; `elapsed`: its wall and CPU seconds so far."""
     s = cfg.sft
     evaluated = [record[m.EVAL_GREEDY] for record in done if m.EVAL_GREEDY in record]
     accuracy = evaluated[-1] if evaluated else 0.0
@@ -426,8 +423,8 @@ def cold_start_summary(
         "steps": len(done),
         "pretrain_steps": min(len(done), s.pretrain_steps),
         "routers": [switch.name for switch in switches],
-        "wall_s": time.perf_counter() - progress.start,
-        "cpu_s": time.process_time() - progress.cpu_start,  # this process's CPU time over the job: what it cost
+        "wall_s": elapsed[0],
+        "cpu_s": elapsed[1],  # this process's CPU time over the job: what it cost
         "final_loss": done[-1][m.SFT_LOSS] if done else float("nan"),
         "eval_greedy_accuracy": accuracy,
         "target_accuracy": s.target_accuracy,

@@ -11,11 +11,9 @@ checkpoint and log, `experiments.run.continuing`'s; a job of several ranks runs 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,6 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from algos.objective import CLIP
 from experiments.config import TrainConfig, refuse_mistyped_overrides, register_configs
@@ -84,45 +81,25 @@ def run_steps(
     """The run's steps from where `history` ends, each evaluated where the settings say and committed whole."""
     cfg, t = trainer.cfg, trainer.cfg.trainer
     name = run_name(cfg)
-    start, cpu_start = time.perf_counter(), time.process_time()
     life.records = history
 
     def summary(status: str) -> dict[str, Any]:
-        return summarize(
-            trainer,
-            life.records,
-            status,
-            name,
-            life.run_dir,
-            time.perf_counter() - start,
-            time.process_time() - cpu_start,
-        )
+        return summarize(trainer, life.records, status, name, life.run_dir, *life.elapsed())
 
-    with life.running(summary, t.steps), contextlib.ExitStack() as stack:  # the bar closes before any last line
-        tags = [
-            f"algo:{cfg.algo.name}",
-            f"replay:{cfg.routing.replay}",
-            f"routing_variant:{cfg.routing_variant.name}",
-            f"model:{cfg.model.name}",
-        ]
-        life.start_logging(cfg, name, tags, sweep_group(hydra_cfg), resume=bool(history))
+    tags = [
+        f"algo:{cfg.algo.name}",
+        f"replay:{cfg.routing.replay}",
+        f"routing_variant:{cfg.routing_variant.name}",
+        f"model:{cfg.model.name}",
+    ]
+    with life.running(summary, t.steps, cfg, name, tags, sweep_group(hydra_cfg), resume=bool(history)):
         say_once_per_run(trainer, life)
-        bar = stack.enter_context(
-            tqdm(
-                range(trainer.step_index, t.steps),
-                desc=name,
-                unit="step",
-                dynamic_ncols=True,
-                initial=trainer.step_index,
-                total=t.steps,
-                disable=not trainer.ranks.main,
-            )
-        )
+        bar = life.progress(done=trainer.step_index)
         # the run's change on held-out prompts is measured against its own start, on the same prompts
         start_eval = trainer.evaluate() if t.eval_prompts and t.eval_start and trainer.step_index == 0 else {}
         if t.eval_split and trainer.step_index == 0:
             start_eval.update(trainer.evaluate(whole_split=True))
-        for _ in bar:
+        for _ in range(trainer.step_index, t.steps):
             used = threads.threads  # the step's threads, measured over the step: the next step's follow the load
             threads.begin()
             record = trainer.step()
@@ -135,11 +112,12 @@ def run_steps(
                 record.update(trainer.evaluate())
             if t.eval_split and last:
                 record.update(trainer.evaluate(whole_split=True))
-            record[m.ELAPSED] = time.perf_counter() - start
+            record[m.ELAPSED] = life.elapsed()[0]
             saving = t.checkpoint_every and (last or trainer.step_index % t.checkpoint_every == 0)
             life.commit(
                 record, then=(lambda: checkpoint.save(trainer, life.run_dir, t.keep_checkpoints)) if saving else None
             )
+            bar.update(1)
             bar.set_postfix(reward=f"{record[m.REWARD]:.3f}", clip=f"{record[CLIP]:.1e}")
     result = summary("finished")
     if t.save_checkpoint:

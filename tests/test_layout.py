@@ -257,6 +257,9 @@ def test_each_door_enters_the_life_cycle_in_one_call(door):
     assert names.count("live") == 1, f"experiments/{door} calls live {names.count('live')} times"
     own = sorted({"Life.begin", "stop_signals", "life.starting", "life.release"} & set(names))
     assert not own, f"experiments/{door} writes the life's own steps: {own}"
+    # Nor its chores: the clocks, the log and the progress bar are `Life.running`'s (`elapsed`, `progress`).
+    chores = sorted({"time.perf_counter", "time.process_time", "tqdm", "life.start_logging"} & set(names))
+    assert not chores, f"experiments/{door} does the life's chores itself: {chores}"
 
 
 def test_the_life_cycle_names_no_part_of_the_step_it_ends():

@@ -27,14 +27,16 @@ every rank after the same record (`commit`), and rank 0 alone prints.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, NoReturn, TypeVar
 
 from omegaconf import DictConfig
+from tqdm import tqdm
 
 from experiments.run import launch, rundir
 from experiments.run.launch import exit_once
@@ -136,7 +138,7 @@ class Life:
             exit_once(f"moe-rl-lab: {problem}")
         return cls(run_dir, ranks, claimed, what, finished)
 
-    @contextmanager
+    @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
         """What builds the job: a refusal ends it in one line, a stop says it came before the first record; either
         way the directory is released."""
@@ -162,12 +164,27 @@ class Life:
         if self.ranks.main:
             self.logger = RunLogger(self.run_dir, cfg, name, tags, group, resume=resume)
 
-    @contextmanager
-    def running(self, summary: Callable[[str], dict[str, Any]], total: int) -> Iterator[None]:
-        """The job's records: how it ends when it cannot go on (module docstring). `summary(status)` is the summary
-        of the job as it stands; `total` the records it was to commit."""
+    @contextlib.contextmanager
+    def running(
+        self,
+        summary: Callable[[str], dict[str, Any]],
+        total: int,
+        cfg: DictConfig,
+        name: str,
+        tags: list[str],
+        group: str | None = None,
+        resume: bool = False,
+    ) -> Iterator[None]:
+        """The job's records, `name`: its log opened (`start_logging`: `tags`, `group`, `resume`), its clocks started
+        (`elapsed`), its progress bar (`progress`) closed before any last line, and how it ends when it cannot go on
+        (module docstring). `summary(status)` is the summary of the job as it stands; `total` the records it was to
+        commit."""
+        self._clock = (time.perf_counter(), time.process_time())
+        self._name, self._total = name, total
         try:
-            yield
+            with contextlib.ExitStack() as self._closing:
+                self.start_logging(cfg, name, tags, group, resume)
+                yield
         except StopRequested as stop:
             try:
                 self.logger.finish(summary("interrupted"), exit_code=stop.exit_code)
@@ -197,6 +214,25 @@ class Life:
         except BaseException:
             self.logger.abort()
             raise
+
+    def elapsed(self) -> tuple[float, float]:
+        """Wall-clock and this process's CPU seconds since the job's records began (`running`): what the job took, and
+        what it cost."""
+        wall, cpu = self._clock
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    def progress(self, done: int = 0) -> tqdm:
+        """The job's progress bar, `done` of its records already behind it (a resumed run's): drawn by rank 0, closed
+        when `running` ends, before any line it prints."""
+        bar = tqdm(
+            total=self._total,
+            initial=done,
+            desc=self._name,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not self.ranks.main,
+        )
+        return self._closing.enter_context(bar)
 
     def commit(self, record: dict[str, Any], then: Callable[[], None] | None = None) -> None:
         """Log `record` and count it (`records`), then run `then` (a checkpoint), all before a stop can land; with
