@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 
 from algos import group_advantages  # noqa: E402
+from experiments.ranks import Ranks  # noqa: E402
 from experiments.run import launch  # noqa: E402
 from experiments.step.batch import Rollout, collect_rollout, split_minibatches  # noqa: E402
 from experiments.step.engines import (
     HFEngine,  # noqa: E402
     Sampling,  # noqa: E402
 )
-from experiments.step.ranks import Ranks  # noqa: E402
 from experiments.step.trainer import RLTrainer  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
 from tests.test_train import compose_train  # noqa: E402

@@ -13,7 +13,16 @@ import pytest
 from experiments.config import PROJECT_ROOT
 
 # The rooms, bottom to top; rooms on one level stand side by side and import neither each other nor anything above.
-LEVELS = [("models",), ("algos",), ("tasks",), ("step",), ("config", "run"), ("doors",), ("analysis",), ("benchmarks",)]
+LEVELS = [
+    ("models",),
+    ("algos",),
+    ("tasks", "ranks"),
+    ("step",),
+    ("config", "run"),
+    ("doors",),
+    ("analysis",),
+    ("benchmarks",),
+]
 LEVEL = {room: level for level, rooms in enumerate(LEVELS) for room in rooms}
 PACKAGES = ("models", "algos", "experiments", "analysis", "benchmarks")
 
@@ -27,6 +36,7 @@ def room(module: str) -> str | None:
         return "doors"
     rooms = {
         "tasks": "tasks",
+        "ranks": "ranks",
         "step": "step",
         "run": "run",
         "config": "config",
@@ -96,9 +106,9 @@ def test_no_file_names_a_path_outside_the_project():
 
 
 # The rooms one RL step lives in (docs/architecture.md): the policy and its routing, the objectives and the parts that
-# switch on, the task, the step itself. The run around the steps (experiments/run), the doors, analysis and benchmarks
+# switch on, the task, which rank it is, the step itself. The run around the steps (experiments/run), the doors, analysis and benchmarks
 # are not the step's.
-STEP_ROOMS = ("models/", "algos/", "experiments/tasks/", "experiments/step/")
+STEP_ROOMS = ("models/", "algos/", "experiments/tasks/", "experiments/ranks.py", "experiments/step/")
 # Frames that only pass a call on (decorators, context managers): the call is their caller's.
 WRAPPERS = ("torch/utils/_contextlib.py", "/contextlib.py", "/functools.py")
 
@@ -262,8 +272,8 @@ def test_each_door_enters_the_life_cycle_in_one_call(door):
     assert not chores, f"experiments/{door} does the life's chores itself: {chores}"
 
 
-def test_the_life_cycle_names_no_part_of_the_step_it_ends():
+def test_the_life_cycle_imports_nothing_from_the_step():
     """A run ends on a failure's kind (`models.registry.RunFailed`: a sampler that died, a directory that vanished),
-    never on a class the life cycle imports from the part that raised it."""
+    never on a class the life cycle imports from the part that raised it; its ranks are `experiments.ranks`'."""
     names = [name for _, name in imported(PROJECT_ROOT / "experiments" / "run" / "life.py")]
-    assert not [name for name in names if name.startswith("experiments.step.concurrent")], names
+    assert not [name for name in names if name.startswith("experiments.step")], names

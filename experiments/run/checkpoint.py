@@ -56,12 +56,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from experiments.ranks import Ranks, barrier, gather_objects
 from experiments.run import provenance
 from experiments.run.resume import described, differences, length_change, settings
 from experiments.run.rundir import SUMMARY_FILE, StorageError, replace_file, sync_directory
 from experiments.step.engines import full_weights
 from experiments.step.metrics import STEP
-from experiments.step.ranks import Ranks, barrier, gather_objects
 from experiments.step.versions import version_key
 from models.registry import ConfigError
 from models.routing.predictor import without_predictors

@@ -11,9 +11,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from experiments.ranks import broadcast_object
 from experiments.run import checkpoint, launch, rundir
 from experiments.run.stops import stop_deferred
-from experiments.step.ranks import broadcast_object
 from experiments.step.trainer import RLTrainer
 from models.registry import ConfigError
 

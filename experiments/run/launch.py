@@ -8,7 +8,7 @@ ranks that die with their parent, work done on rank 0 alone whose refusal every 
 that checks, before torchrun starts them, all they would refuse (settings, run directory, checkpoint), since torchrun
 follows a refusal of its ranks with its own report (`exit_once`), and the Hydra callback that refuses an output
 directory in one line before Hydra writes there and gives every rank rank 0's (`DirectoryGuard`). The collectives
-themselves are `experiments.step.ranks`'.
+themselves are `experiments.step.data_parallel`'.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
+from experiments.ranks import Ranks, broadcast_object
 from experiments.run import rundir
-from experiments.step.ranks import Ranks, broadcast_object
 from models.registry import ConfigError
 
 # How long a rank other than 0 that meets a refusal waits for rank 0 to print it (`exit_once`); rank 0 ends the wait.

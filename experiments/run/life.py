@@ -38,11 +38,11 @@ from typing import Any, Generic, NoReturn, TypeVar
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from experiments.ranks import Ranks, broadcast_object, gather_objects
 from experiments.run import launch, rundir
 from experiments.run.launch import exit_once
 from experiments.run.logger import RunLogger, write_summary
 from experiments.run.stops import Deferral, StopRequested, raise_stop, stop_deferred, stop_signals
-from experiments.step.ranks import Ranks, broadcast_object, gather_objects
 from models import cpu_kernels
 from models.registry import ConfigError, Diverged, RunFailed
 

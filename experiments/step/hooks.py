@@ -32,8 +32,10 @@ from algos.corrections import Correction, CorrectionInputs
 from algos.objective import masked
 from algos.routers import RouterSwitch
 from algos.routing_variants import RoutingVariant
+from experiments.ranks import Ranks
 from experiments.step import metrics as m
 from experiments.step.batch import Minibatch
+from experiments.step.data_parallel import gather_rows, reduce_value, reshard, summed
 from experiments.step.old_policy import (
     AtOld,
     Bypass,
@@ -47,7 +49,6 @@ from experiments.step.old_policy import (
     Score,
 )
 from experiments.step.plan import PiOld, Replay, StepPlan
-from experiments.step.ranks import Ranks, gather_rows, reduce_value, reshard, summed
 from experiments.step.scoring import FED, ScoreOptions, Scores, margin_stats
 from models.routing.flips import flip_routing
 from models.routing.measures import gate_shift, load_max_violation, routing_drift

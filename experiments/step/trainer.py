@@ -24,12 +24,12 @@ variants, RSPO's shift, the routing measurements and the ratio decomposition, th
 flips and router noise, a rollout correction, the mismatch measurements. `update` calls every hook at every fixed
 point and asks none which it is.
 
-Ranks. Under torchrun each rank samples, scores and trains on whole groups of its share of the prompts; the policy
-is sharded with FSDP2 (`experiments.step.ranks.shard`), whose reduce-scatter averages the gradients, and the loss
-aggregates with the whole minibatch's token and sequence counts (`algos.objective.Totals`), so the averaged gradient
-is the gradient of one process with the whole batch (verl's `agg_loss` with `dp_size`). Every metric is measured
-once, after the update, over every rank's rows gathered (`hooks.Rows`): every logged number is the global value,
-read from the tensors the loss used; on one rank the gathers are identities.
+Ranks. Under torchrun each rank samples, scores and trains on whole groups of its share of the prompts; the policy is
+sharded with FSDP2 (`experiments.step.data_parallel.shard`), whose reduce-scatter averages the gradients, and the loss
+aggregates with the whole minibatch's token and sequence counts (`algos.objective.Totals`), so the averaged gradient is
+the gradient of one process with the whole batch (verl's `agg_loss` with `dp_size`). Every metric is measured once,
+after the update, over every rank's rows gathered (`hooks.Rows`): every logged number is the global value, read from the
+tensors the loss used; on one rank the gathers are identities.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from algos.objective import (
     within_group_std,
     zero_std_group_frac,
 )
+from experiments.ranks import Ranks
 from experiments.step import metrics as m
 from experiments.step.batch import (
     Minibatch,
@@ -64,12 +65,12 @@ from experiments.step.batch import (
 )
 from experiments.step.checks import check_run
 from experiments.step.concurrent import ConcurrentRollouts
+from experiments.step.data_parallel import gather_rows, reduce_value, shard, summed
 from experiments.step.engines import EngineNumerics, HFEngine, KVCache, Sampling, full_weights
 from experiments.step.hooks import ObjectiveInputs, Rows, StepParts, Update, assemble
 from experiments.step.old_policy import OldPolicy
 from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout
-from experiments.step.ranks import Ranks, gather_rows, reduce_value, shard, summed
 from experiments.step.scoring import ScoreOptions, Scores, score_responses
 from experiments.step.versions import WeightVersions
 from models.cpu_kernels import weights_sha256

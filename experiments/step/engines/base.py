@@ -30,7 +30,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from experiments.step.ranks import Ranks
+from experiments.ranks import Ranks
 from models.registry import ConfigError, Registry
 from models.routing.trace import RoutingTrace
 

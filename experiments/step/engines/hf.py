@@ -48,6 +48,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from experiments.ranks import Ranks
 from experiments.step.engines.base import (
     ENGINES,
     EngineNumerics,
@@ -58,7 +59,6 @@ from experiments.step.engines.base import (
     Sampling,
     WeightQuant,
 )
-from experiments.step.ranks import Ranks
 from experiments.step.scoring import position_ids
 from models.registry import ConfigError, Diverged
 from models.routing.families import route

@@ -85,6 +85,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from experiments.ranks import Ranks
 from experiments.step.engines.base import (
     ENGINES,
     EngineNumerics,
@@ -96,7 +97,6 @@ from experiments.step.engines.base import (
     Sampling,
     WeightQuant,
 )
-from experiments.step.ranks import Ranks
 from experiments.tasks import build_task
 from models.policy import ModelConfig, model_config
 from models.registry import ConfigError

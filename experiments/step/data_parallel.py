@@ -1,35 +1,16 @@
-"""The run's ranks and what passes between them: this process's place (`Ranks`), FSDP2 sharding, and the collectives,
-tensor ones (`gather_rows`, `reduce_value`, `summed`) named apart from object ones (`broadcast_object`,
-`gather_objects`, `barrier`). On one rank (no torchrun) every collective is the identity and no process group exists;
-`experiments.run.launch` starts the group and says which rank this process is.
+"""Data-parallel ranks in the step: FSDP2 sharding of the policy (`shard`, `reshard`) and the tensor collectives
+(`gather_rows`, `reduce_value`, `summed`). On one rank (no torchrun) every collective is the identity; which rank this
+process is, and the object collectives, are `experiments.ranks`'.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
+from experiments.ranks import Ranks
 from models.routing.predictor import PREDICTOR, predictors
 from models.routing.trace import find_routers
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place among the run's ranks (rank 0 of 1 without torchrun; `experiments.run.launch.start`)."""
-
-    rank: int = 0
-    world: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def active(self) -> bool:
-        return self.world > 1
 
 
 def shard(model: torch.nn.Module) -> None:
@@ -108,26 +89,3 @@ def summed(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
 
 
 # -- object collectives ----------------------------------------------------------------------------------------------
-
-
-def broadcast_object(obj: Any, ranks: Ranks) -> Any:
-    """Rank 0's `obj` on every rank."""
-    if not ranks.active:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def gather_objects(obj: Any, ranks: Ranks) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
-    if not ranks.active:
-        return [obj]
-    found: list[Any] = [None] * ranks.world
-    dist.all_gather_object(found, obj)
-    return found
-
-
-def barrier(ranks: Ranks) -> None:
-    if ranks.active:
-        dist.barrier()
