@@ -214,6 +214,20 @@ def sequence_mean(per_sequence: Tensor, nonempty: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
+class ObjectiveInputs:
+    """What an objective is given besides π_θ's log-probs and the aggregation's totals: built once per update by the
+    trainer (`experiments.step.trainer`), changed only by the hooks that own a field (RSPO's shift of `old_logp`, a
+    rollout correction's `weight`), and taken whole by every objective (`Objective.__call__`)."""
+
+    old_logp: Tensor  # [B, T] π_old's, or what stands in for it (RSPO: π_old less log γ̃)
+    advantages: Tensor  # [B] one per sequence
+    mask: Tensor  # [B, T] the valid response tokens
+    ref_logp: Tensor | None = None  # [B, T] the KL reference's
+    rollout_logp: Tensor | None = None  # [B, T] μ_old's, the engine that sampled (MiniRL's IS weight)
+    weight: Tensor | None = None  # [B, T] a rollout correction's per-token weight
+
+
+@dataclass(frozen=True)
 class PolicyBatch:
     """One validated minibatch, with the quantities every objective derives from it (all fp32).
 
@@ -245,18 +259,10 @@ class PolicyBatch:
         return self.lengths > 0
 
     @classmethod
-    def from_inputs(
-        cls,
-        *,
-        logp: Tensor,
-        old_logp: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        ref_logp: Tensor | None,
-        rollout_logp: Tensor | None = None,
-        weight: Tensor | None = None,
-    ) -> "PolicyBatch":
+    def from_inputs(cls, logp: Tensor, inputs: ObjectiveInputs) -> "PolicyBatch":
         """Validate shapes and dtypes (ValueError naming the offender) and build the fp32 quantities."""
+        old_logp, advantages, mask = inputs.old_logp, inputs.advantages, inputs.mask
+        ref_logp, rollout_logp, weight = inputs.ref_logp, inputs.rollout_logp, inputs.weight
         tensors = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "mask": mask}
         optional = {"ref_logp": ref_logp, "rollout_logp": rollout_logp, "weight": weight}
         tensors.update({name: value for name, value in optional.items() if value is not None})
@@ -445,31 +451,14 @@ class Objective(ABC):
     def policy_loss(self, batch: PolicyBatch) -> PolicyLoss:
         """The per-token policy loss of `batch`, where its clip binds, and how to aggregate it."""
 
-    def __call__(
-        self,
-        *,
-        logp: Tensor,
-        old_logp: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        ref_logp: Tensor | None = None,
-        rollout_logp: Tensor | None = None,
-        weight: Tensor | None = None,
-        totals: Totals | None = None,
-    ) -> ObjectiveOutput:
-        if self.kl_coef > 0 and ref_logp is None:
+    def __call__(self, logp: Tensor, inputs: ObjectiveInputs, totals: Totals | None = None) -> ObjectiveOutput:
+        """The loss of π_θ's log-probs `logp` [B, T] (differentiable) on `inputs`, aggregated with `totals` (the whole
+        minibatch's counts over every rank; this batch's own without)."""
+        if self.kl_coef > 0 and inputs.ref_logp is None:
             raise ValueError(f"{self.name}: kl_coef = {self.kl_coef} > 0 needs ref_logp (log π_ref, [B, T])")
-        if self.needs_rollout_logp and rollout_logp is None:
+        if self.needs_rollout_logp and inputs.rollout_logp is None:
             raise ValueError(f"{self.name}: needs rollout_logp (log μ_old of the engine that sampled, [B, T])")
-        batch = PolicyBatch.from_inputs(
-            logp=logp,
-            old_logp=old_logp,
-            advantages=advantages,
-            mask=mask,
-            ref_logp=ref_logp,
-            rollout_logp=rollout_logp,
-            weight=weight,
-        )
+        batch = PolicyBatch.from_inputs(logp, inputs)
         policy = self.policy_loss(batch)
         per_token = policy.per_token if batch.weight is None else policy.per_token * batch.weight
         policy_only = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens, totals)

@@ -5,6 +5,7 @@ whether it is on, and no file names a path outside the project."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
@@ -106,8 +107,8 @@ def test_no_file_names_a_path_outside_the_project():
 
 
 # The rooms one RL step lives in (docs/architecture.md): the policy and its routing, the objectives and the parts that
-# switch on, the task, which rank it is, the step itself. The run around the steps (experiments/run), the doors, analysis and benchmarks
-# are not the step's.
+# switch on, the task, which rank it is, the step itself. The run around the steps (experiments/run), the doors,
+# analysis and benchmarks are not the step's.
 STEP_ROOMS = ("models/", "algos/", "experiments/tasks/", "experiments/ranks.py", "experiments/step/")
 # Frames that only pass a call on (decorators, context managers): the call is their caller's.
 WRAPPERS = ("torch/utils/_contextlib.py", "/contextlib.py", "/functools.py")
@@ -277,3 +278,19 @@ def test_the_life_cycle_imports_nothing_from_the_step():
     never on a class the life cycle imports from the part that raised it; its ranks are `experiments.ranks`'."""
     names = [name for _, name in imported(PROJECT_ROOT / "experiments" / "run" / "life.py")]
     assert not [name for name in names if name.startswith("experiments.step")], names
+
+
+def test_the_objectives_request_is_written_once():
+    """`ObjectiveInputs` is algos/objective.py's own type: no other module defines it, and the objective takes it
+    whole (its call names no field of it)."""
+    import inspect
+
+    from algos.objective import Objective, ObjectiveInputs
+
+    defined = [
+        path.relative_to(PROJECT_ROOT).as_posix() for path in sources() if "class ObjectiveInputs" in path.read_text()
+    ]
+    assert defined == ["algos/objective.py"], defined
+    called_with = set(inspect.signature(Objective.__call__).parameters)
+    assert called_with == {"self", "logp", "inputs", "totals"}, called_with
+    assert not called_with & {field.name for field in dataclasses.fields(ObjectiveInputs)}

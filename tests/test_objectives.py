@@ -27,6 +27,7 @@ from algos.objective import (
     TOKEN_RATIO_MAX,
     TOKEN_RATIO_MEAN,
     TOKEN_RATIO_VAR,
+    ObjectiveInputs,
     aggregate,
 )
 from experiments.config import register_configs
@@ -49,9 +50,14 @@ def batch_from_ratios(ratios: list[list[float]], advantages: list[float], width:
     return dict(logp=logp, old_logp=old_logp, advantages=torch.tensor(advantages), mask=mask)
 
 
+def call(objective, logp: torch.Tensor, totals=None, **inputs: torch.Tensor) -> ObjectiveOutput:
+    """The objective on keyword inputs, as the trainer calls it: π_θ's log-probs, the `ObjectiveInputs`, the totals."""
+    return objective(logp, ObjectiveInputs(**inputs), totals)
+
+
 def loss_and_grad(objective, inputs: dict[str, torch.Tensor]) -> tuple[ObjectiveOutput, torch.Tensor]:
     logp = inputs["logp"].clone().requires_grad_(True)
-    out = objective(**{**inputs, "logp": logp})
+    out = call(objective, **{**inputs, "logp": logp})
     (grad,) = torch.autograd.grad(out.loss, logp)
     return out, grad
 
@@ -283,9 +289,9 @@ def test_kl_penalty_is_k3_added_per_token_and_aggregated_like_the_loss():
     assert out.metrics[POLICY_LOSS] == pytest.approx(-1.0)
     assert out.metrics[KL_REF] == pytest.approx((1 - math.log(2)) / 2, rel=1e-6)
 
-    out = build_objective("dr_grpo", kl_coef=0.1)(**inputs)  # same terms over B · T = 2
+    out = call(build_objective("dr_grpo", kl_coef=0.1), **inputs)  # same terms over B · T = 2
     assert out.loss.item() == pytest.approx((-2 + 0.1 * (1 - math.log(2))) / 2, rel=1e-6)
-    out = build_objective("grpo")(**inputs)  # β = 0: the KL is reported, not added
+    out = call(build_objective("grpo"), **inputs)  # β = 0: the KL is reported, not added
     assert out.loss.item() == pytest.approx(-1.0) and out.metrics[KL_REF] > 0
 
 
@@ -298,7 +304,8 @@ def expected_kl_term(estimator: str, theta: torch.Tensor, old_logp: torch.Tensor
     objective = build_objective("grpo", kl_coef=1.0, kl_estimator=estimator)
     value = torch.zeros(())
     for y in range(theta.numel()):
-        out = objective(
+        out = call(
+            objective,
             logp=logp[y].view(1, 1),
             old_logp=old_logp[y].view(1, 1),
             advantages=torch.zeros(1),
@@ -358,11 +365,11 @@ def test_unbiased_kl_gradient_per_token_is_the_ratio_times_the_log_ratio_to_the_
 
 def test_low_precision_and_integer_masks_are_accepted():
     inputs = ragged_batch()
-    reference = build_objective("grpo")(**inputs)
-    as_int = build_objective("grpo")(**{**inputs, "mask": inputs["mask"].long()})
+    reference = call(build_objective("grpo"), **inputs)
+    as_int = call(build_objective("grpo"), **{**inputs, "mask": inputs["mask"].long()})
     assert torch.equal(reference.loss, as_int.loss)
     bf16 = {**inputs, "logp": inputs["logp"].bfloat16(), "old_logp": inputs["old_logp"].bfloat16()}
-    out = build_objective("gspo")(**bf16)
+    out = call(build_objective("gspo"), **bf16)
     assert out.loss.dtype == torch.float32
     assert out.metrics[SEQ_RATIO_MEAN] == 1.0 and out.metrics[TOKEN_RATIO_VAR] == 0.0
 
@@ -434,7 +441,7 @@ def test_a_log_space_clip_may_exceed_one():
 
 def test_kl_coef_without_ref_logp_is_rejected():
     with pytest.raises(ValueError, match="kl_coef = 0.1 > 0 needs ref_logp"):
-        build_objective("grpo", kl_coef=0.1)(**ragged_batch())
+        call(build_objective("grpo", kl_coef=0.1), **ragged_batch())
 
 
 @pytest.mark.parametrize(
@@ -452,7 +459,7 @@ def test_kl_coef_without_ref_logp_is_rejected():
 )
 def test_bad_inputs_are_rejected_with_the_offender_named(change, message):
     with pytest.raises(ValueError, match=message):
-        build_objective("grpo")(**{**ragged_batch(), **change})
+        call(build_objective("grpo"), **{**ragged_batch(), **change})
 
 
 def test_every_yaml_only_selects_its_objective_whose_defaults_compose():

@@ -258,8 +258,8 @@ def test_non_finite_losses_are_skipped_then_end_the_run_as_diverged(tmp_path, mo
             super().__init__(cfg, ranks)
             honest = self.objective
 
-            def poisoned(**kwargs):
-                out = honest(**kwargs)
+            def poisoned(*args):
+                out = honest(*args)
                 return replace(out, loss=out.loss * float("nan"))
 
             self.objective = poisoned
@@ -525,9 +525,9 @@ def test_first_minibatch_is_on_policy_against_an_independent_pass_of_theta_old(r
     seen = {}
     objective, score = trainer.objective, trainer.score
 
-    def spy_objective(**kwargs):
-        seen["objective"] = kwargs
-        return objective(**kwargs)
+    def spy_objective(logp, inputs, totals=None):
+        seen["objective"] = {"logp": logp, **vars(inputs)}
+        return objective(logp, inputs, totals)
 
     def spy_score(model, minibatch, options=ScoreOptions()):
         seen["scores"] = score(model, minibatch, options)

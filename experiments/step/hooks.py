@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from algos.corrections import Correction, CorrectionInputs
-from algos.objective import masked
+from algos.objective import ObjectiveInputs, masked
 from algos.routers import RouterSwitch
 from algos.routing_variants import RoutingVariant
 from experiments.ranks import Ranks
@@ -54,19 +54,6 @@ from models.routing.flips import flip_routing
 from models.routing.measures import gate_shift, load_max_violation, routing_drift
 from models.routing.perturbation import perturb_routers, router_inputs
 from models.routing.trace import NO_ROUTE, RoutingTrace, find_routers
-
-
-@dataclass(frozen=True)
-class ObjectiveInputs:
-    """What the objective is given besides π_θ's log-probs and the aggregation's totals
-    (`algos.objective.Objective`)."""
-
-    old_logp: torch.Tensor  # π_old's, or what stands in for it (RSPO: π_old less log γ̃)
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    ref_logp: torch.Tensor | None  # the KL reference's
-    rollout_logp: torch.Tensor | None  # μ_old's (MiniRL's IS weight)
-    weight: torch.Tensor | None = None  # a rollout correction's per-token weight
 
 
 @dataclass

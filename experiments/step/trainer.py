@@ -43,6 +43,7 @@ import torch
 from omegaconf import DictConfig
 
 from algos.objective import (
+    ObjectiveInputs,
     ObjectiveOutput,
     Totals,
     group_advantages,
@@ -67,7 +68,7 @@ from experiments.step.checks import check_run
 from experiments.step.concurrent import ConcurrentRollouts
 from experiments.step.data_parallel import gather_rows, reduce_value, shard, summed
 from experiments.step.engines import EngineNumerics, HFEngine, KVCache, Sampling, full_weights
-from experiments.step.hooks import ObjectiveInputs, Rows, StepParts, Update, assemble
+from experiments.step.hooks import Rows, StepParts, Update, assemble
 from experiments.step.old_policy import OldPolicy
 from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout
@@ -269,7 +270,7 @@ class RLTrainer:
         )
         for hook in self.hooks:
             inputs = hook.objective_inputs(update, inputs)
-        result = self.objective(logp=scores.logp, totals=self._totals(mb.response_mask), **vars(inputs))
+        result = self.objective(scores.logp, inputs, self._totals(mb.response_mask))
         loss = result.loss + sum(hook.loss(update) for hook in self.hooks)
         grad_norm = self._backward(loss)
         lr = self.scheduler.get_last_lr()[0]
