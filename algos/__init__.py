@@ -7,13 +7,7 @@ objective on import (`@OBJECTIVES.register`), so a new objective is one module i
 
 # Importing a module registers its objective.
 from algos import cispo, dapo, dr_grpo, gmpo, grpo, gspo, gspo_token, minirl, sapo  # noqa: F401
-from algos.objective import (
-    OBJECTIVES,
-    Objective,
-    ObjectiveOutput,
-    build_objective,
-    group_advantages,
-    zero_std_group_frac,
-)
+from algos.advantages import group_advantages, zero_std_group_frac
+from algos.objective import OBJECTIVES, Objective, ObjectiveOutput, build_objective
 
 __all__ = ["OBJECTIVES", "Objective", "ObjectiveOutput", "build_objective", "group_advantages", "zero_std_group_frac"]

@@ -11,7 +11,8 @@ belong to the reward and the data.
 
 from dataclasses import dataclass
 
-from algos.objective import OBJECTIVES, LossAgg, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
+from algos.aggregation import LossAgg
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
 
 
 @OBJECTIVES.register("dapo")

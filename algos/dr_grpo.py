@@ -14,7 +14,8 @@ settings).
 from dataclasses import dataclass
 from typing import ClassVar
 
-from algos.objective import OBJECTIVES, LossAgg, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
+from algos.aggregation import LossAgg
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
 
 
 @OBJECTIVES.register("dr_grpo")

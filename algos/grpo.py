@@ -11,7 +11,8 @@ the GSPO paper tuned for its GRPO baseline (§5.1). Gradient of an unclipped tok
 
 from dataclasses import dataclass
 
-from algos.objective import OBJECTIVES, LossAgg, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
+from algos.aggregation import LossAgg
+from algos.objective import OBJECTIVES, Objective, PolicyBatch, PolicyLoss, token_clip_policy_loss
 
 
 @OBJECTIVES.register("grpo")

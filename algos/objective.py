@@ -80,17 +80,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from algos.aggregation import Totals, aggregate, k3, masked, masked_mean, masked_var, sequence_mean
 from models.registry import ConfigError, Registry, check_fields
 
 TOKEN_LOG_RATIO_BOUND = 20.0
 SEQ_LOG_RATIO_BOUND = 10.0
-
-# verl's names, hyphens included: each member's name is its value, which is what Hydra checks an override against.
-LossAgg = StrEnum(
-    "LossAgg",
-    [(mode, mode) for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")],
-)
-LOSS_AGG_MODES = tuple(LossAgg)
 
 
 class KLEstimator(StrEnum):
@@ -101,116 +95,6 @@ class KLEstimator(StrEnum):
     unbiased_k3 = (
         "unbiased_k3"  # k3 weighted by π_θ / π_old, in the graph: tokens are sampled from π_old (DeepSeek-V3.2 eq. 7)
     )
-
-
-def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """Advantages `[N]` of rewards `[N]` laid out in contiguous groups of `group_size` (N = prompts · G)."""
-    groups = _grouped(rewards, group_size)
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0 (it keeps a zero-std group at 0 instead of 0/0), got {eps}")
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    if scale_by_std:
-        centred = centred / (groups.std(dim=1, unbiased=True, keepdim=True) + eps)
-    return centred.reshape(-1)
-
-
-def zero_std_group_frac(rewards: Tensor, group_size: int) -> float:
-    """Share of groups whose `group_size` rewards are all equal (no learning signal), rewards `[N]`."""
-    groups = _grouped(rewards, group_size)
-    constant = groups.amax(dim=1) == groups.amin(dim=1)
-    return constant.float().mean().item()
-
-
-def within_group_std(rewards: Tensor, group_size: int) -> float:
-    """The reward's spread within a group (the std the advantage divides by, unbiased), averaged over the groups of
-    rewards `[N]`: how much a group has to tell apart, where the overall std also counts easy against hard prompts."""
-    return _grouped(rewards, group_size).std(dim=1, unbiased=True).mean().item()
-
-
-def _grouped(rewards: Tensor, group_size: int) -> Tensor:
-    """Rewards `[N]` as `[N / group_size, group_size]` in fp32, after checking the layout."""
-    if not isinstance(rewards, Tensor) or rewards.dim() != 1 or rewards.numel() == 0:
-        shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
-        raise ValueError(f"rewards must be a non-empty 1-D tensor [N], got {shape}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(
-            f"group_size must be an int >= 2 (a group-relative baseline needs 2 samples), got {group_size!r}"
-        )
-    if rewards.numel() % group_size:
-        raise ValueError(f"the number of rewards N = {rewards.numel()} is not divisible by group_size = {group_size}")
-    return rewards.detach().float().reshape(-1, group_size)
-
-
-def k3(log_ratio: Tensor) -> Tensor:
-    """Schulman's k3 KL estimator per token: ρ − 1 − log ρ with log ρ = `log_ratio` (≥ 0, unbiased)."""
-    return torch.expm1(log_ratio) - log_ratio
-
-
-def masked(x: Tensor, mask: Tensor) -> Tensor:
-    """`x` with every position outside the bool `mask` set to 0 (select, not multiply: padding may be NaN)."""
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of `x` over the positions where the bool `mask` is set; 0 when there are none."""
-    return masked(x, mask).sum() / mask.sum().clamp(min=1)
-
-
-def masked_var(x: Tensor, mask: Tensor) -> Tensor:
-    """Population variance of `x` over the positions where the bool `mask` is set; 0 when there are none."""
-    mean = masked_mean(x, mask)
-    return masked_mean((x - mean) ** 2, mask)
-
-
-@dataclass(frozen=True)
-class Totals:
-    """The denominators of an aggregation over the whole minibatch when each of `ranks` data-parallel ranks holds a
-    share: valid tokens, sequences and non-empty sequences summed over ranks, and the padded length T maximised.
-    A rank's loss is its own numerator over these, times `ranks`, because the data-parallel reduction averages the
-    ranks' gradients: the average is then the gradient of the whole minibatch (verl's `agg_loss`, `dp_size`)."""
-
-    tokens: float
-    sequences: float
-    nonempty: float
-    width: int
-    ranks: int
-
-    @classmethod
-    def local(cls, mask: Tensor) -> "Totals":
-        """The totals of `mask [B, T]` alone (one rank)."""
-        lengths = mask.sum(dim=1)
-        return cls(float(mask.sum()), float(mask.shape[0]), float((lengths > 0).sum()), int(mask.shape[1]), 1)
-
-
-def aggregate(
-    per_token_loss: Tensor, mask: Tensor, mode: str, norm_tokens: int | None = None, totals: Totals | None = None
-) -> Tensor:
-    """Reduce a per-token loss `[B, T]` to a scalar with one of `LOSS_AGG_MODES` (see the module docstring).
-
-    `mask` is `[B, T]` bool. `norm_tokens` is T_norm of `seq-mean-token-sum-norm` (default: T). `totals`: this
-    batch is one rank's share of a data-parallel minibatch, and the denominators are the whole one's (`Totals`).
-    """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {mode!r}")
-    if norm_tokens is not None and mode != "seq-mean-token-sum-norm":
-        raise ValueError(f"norm_tokens is only used by loss_agg 'seq-mean-token-sum-norm'; got mode {mode!r}")
-    totals = totals or Totals.local(mask)
-    loss = masked(per_token_loss, mask)
-    if mode == "token-mean":
-        return loss.sum() / max(totals.tokens, 1.0) * totals.ranks
-    if mode == "seq-mean-token-sum-norm":
-        width = norm_tokens if norm_tokens is not None else totals.width
-        return loss.sum() / (totals.sequences * width) * totals.ranks
-    lengths = mask.sum(dim=1)
-    per_sequence = loss.sum(dim=1)
-    if mode == "seq-mean-token-mean":
-        per_sequence = per_sequence / lengths.clamp(min=1)
-    return masked(per_sequence, lengths > 0).sum() / max(totals.nonempty, 1.0) * totals.ranks
-
-
-def sequence_mean(per_sequence: Tensor, nonempty: Tensor) -> Tensor:
-    """Mean of a per-sequence quantity `[B]` over the sequences flagged in `nonempty` `[B]`; 0 if none."""
-    return masked(per_sequence, nonempty).sum() / nonempty.sum().clamp(min=1)
 
 
 @dataclass(frozen=True)

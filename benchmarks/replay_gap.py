@@ -31,7 +31,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from algos import group_advantages
-from algos.objective import masked, masked_mean
+from algos.aggregation import masked, masked_mean
 from algos.routing_variants.full_replay import GateReplay
 from analysis.report import markdown_table
 from experiments.config import PROJECT_ROOT, register_configs

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from algos.objective import within_group_std
+from algos.advantages import within_group_std
 from analysis import learnability
 from experiments.step import metrics as m
 from experiments.step.batch import pass_at_k

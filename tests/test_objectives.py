@@ -15,12 +15,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from algos import OBJECTIVES, ObjectiveOutput, build_objective
+from algos.aggregation import LOSS_AGG_MODES, aggregate
 from algos.objective import (
     CLIP,
     CLIP_SEQ,
     KL_OLD,
     KL_REF,
-    LOSS_AGG_MODES,
     POLICY_LOSS,
     SEQ_RATIO_MEAN,
     SEQ_RATIO_VAR,
@@ -28,7 +28,6 @@ from algos.objective import (
     TOKEN_RATIO_MEAN,
     TOKEN_RATIO_VAR,
     ObjectiveInputs,
-    aggregate,
 )
 from experiments.config import register_configs
 

@@ -24,7 +24,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from algos.objective import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND, masked, masked_mean, sequence_mean
+from algos.aggregation import masked, masked_mean, sequence_mean
+from algos.objective import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND
 from models.registry import ConfigError, Registry, check_fields
 
 

@@ -15,8 +15,8 @@ from typing import ClassVar
 
 import torch
 
+from algos.aggregation import masked
 from algos.corrections.base import CORRECTIONS, Correction, CorrectionInputs, CorrectionOutput
-from algos.objective import masked
 
 
 @CORRECTIONS.register("opsm")

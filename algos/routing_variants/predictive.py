@@ -139,7 +139,7 @@ class Predictive(RoutingVariant):
         """Fit the predictors of `routers` (the trainer's, in layer order) on the engine's recorded states in `trace`
         (the minibatch's), with gradient when `train`. `tokens`: the minibatch's routed tokens over every rank (the
         mean's denominator); `ranks`: how many ranks' gradients the data-parallel reduction averages (the loss is
-        scaled back by it, as `algos.objective.Totals` does)."""
+        scaled back by it, as `algos.aggregation.Totals` does)."""
         routed = trace.recorded()
         losses, sums = [], []
         for layer, router in enumerate(routers):

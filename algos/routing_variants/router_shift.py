@@ -43,7 +43,7 @@ from typing import ClassVar
 
 import torch
 
-from algos.objective import masked_mean
+from algos.aggregation import masked_mean
 from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
 from models.routing.hooks import ReplayedRoutes, ReplayRule
 

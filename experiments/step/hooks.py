@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
+from algos.aggregation import masked
 from algos.corrections import Correction, CorrectionInputs
-from algos.objective import ObjectiveInputs, masked
+from algos.objective import ObjectiveInputs
 from algos.routers import RouterSwitch
 from algos.routing_variants import RoutingVariant
 from experiments.ranks import Ranks

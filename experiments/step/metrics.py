@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from algos.objective import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND, masked, masked_mean, sequence_mean
+from algos.aggregation import masked, masked_mean, sequence_mean
+from algos.objective import SEQ_LOG_RATIO_BOUND, TOKEN_LOG_RATIO_BOUND
 from models.routing.measures import GateShift, RoutingDrift, routing_drift
 from models.routing.trace import RoutingTrace
 

@@ -26,8 +26,8 @@ point and asks none which it is.
 
 Ranks. Under torchrun each rank samples, scores and trains on whole groups of its share of the prompts; the policy is
 sharded with FSDP2 (`experiments.step.data_parallel.shard`), whose reduce-scatter averages the gradients, and the loss
-aggregates with the whole minibatch's token and sequence counts (`algos.objective.Totals`), so the averaged gradient is
-the gradient of one process with the whole batch (verl's `agg_loss` with `dp_size`). Every metric is measured once,
+aggregates with the whole minibatch's token and sequence counts (`algos.aggregation.Totals`), so the averaged gradient
+is the gradient of one process with the whole batch (verl's `agg_loss` with `dp_size`). Every metric is measured once,
 after the update, over every rank's rows gathered (`hooks.Rows`): every logged number is the global value, read from the
 tensors the loss used; on one rank the gathers are identities.
 """
@@ -42,15 +42,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from algos.objective import (
-    ObjectiveInputs,
-    ObjectiveOutput,
-    Totals,
-    group_advantages,
-    masked_mean,
-    within_group_std,
-    zero_std_group_frac,
-)
+from algos.advantages import group_advantages, within_group_std, zero_std_group_frac
+from algos.aggregation import Totals, masked_mean
+from algos.objective import ObjectiveInputs, ObjectiveOutput
 from experiments.ranks import Ranks
 from experiments.step import metrics as m
 from experiments.step.batch import (
@@ -336,7 +330,7 @@ class RLTrainer:
             )
 
     def _totals(self, mask: torch.Tensor) -> Totals:
-        """The aggregation denominators of the whole minibatch, summed over ranks (`algos.objective.Totals`)."""
+        """The aggregation denominators of the whole minibatch, summed over ranks (`algos.aggregation.Totals`)."""
         local = Totals.local(mask)
         if not self.ranks.active:
             return local
