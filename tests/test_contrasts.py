@@ -34,6 +34,23 @@ MOE_CELLS = [(arm, K) for arm in (NAIVE, TIS, MINIRL, R3, PR2, GSPO)] + [(arm, 0
 DENSE_CELLS = [(MINIRL, 0), (MINIRL, K)]
 
 
+def judge_family(family, tmp_path, *extra: str) -> None:
+    """`analysis.family` on `family` over the MoE table planted at tmp_path/moe.csv, at k* = K, into tmp_path/out."""
+    main(
+        [
+            "--family",
+            str(family),
+            "--moe",
+            str(tmp_path / "moe.csv"),
+            "--lag",
+            str(K),
+            "--out",
+            str(tmp_path / "out"),
+            *extra,
+        ]
+    )
+
+
 def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -257,19 +274,7 @@ def test_the_dense_table_is_needed_by_and_only_by_a_family_that_compares_models(
     per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
     dense_table().to_csv(tmp_path / "dense.csv", index=False)
     with pytest.raises(SystemExit) as stop:
-        main(
-            [
-                "--family",
-                str(family),
-                "--moe",
-                str(tmp_path / "moe.csv"),
-                "--lag",
-                str(K),
-                "--out",
-                str(tmp_path / "out"),
-            ]
-            + (["--dense", str(tmp_path / "dense.csv")] if dense else [])
-        )
+        judge_family(family, tmp_path, *(["--dense", str(tmp_path / "dense.csv")] if dense else []))
     assert stop.value.code == 2 and said in capsys.readouterr().err  # a usage error, as a lag below 1
     assert not (tmp_path / "out").exists()
 
@@ -393,18 +398,7 @@ def test_a_family_file_that_is_not_a_family_is_refused_in_one_line(tmp_path, cap
     (tmp_path / "bad.yaml").write_text(text, encoding="utf-8")
     per_seed(noise).to_csv(tmp_path / "moe.csv", index=False)
     with pytest.raises(SystemExit) as stop:
-        main(
-            [
-                "--family",
-                str(tmp_path / "bad.yaml"),
-                "--moe",
-                str(tmp_path / "moe.csv"),
-                "--lag",
-                str(K),
-                "--out",
-                str(tmp_path / "out"),
-            ]
-        )
+        judge_family(tmp_path / "bad.yaml", tmp_path)
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and said in error and str(tmp_path / "bad.yaml") in error
     assert not (tmp_path / "out").exists()
