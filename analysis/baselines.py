@@ -93,7 +93,10 @@ def rows_of(baseline: Baseline, results: Path) -> pd.DataFrame:
         raise ValueError(f"{baseline.result}: {path} has no run of {baseline.arm!r} where {baseline.where}")
     if "counted" in rows:
         rows = rows[rows["counted"] == "yes"]
-    return rows[np.isfinite(rows[MEASURE])]
+    rows = rows[np.isfinite(rows[MEASURE])]
+    if rows.empty:
+        raise ValueError(f"{baseline.result}: {path} has no counted run of {baseline.arm!r} with a finite {MEASURE}")
+    return rows
 
 
 def learned(rows: pd.DataFrame) -> Learned:

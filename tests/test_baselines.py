@@ -88,10 +88,12 @@ def test_the_baselines_verdict_is_read_in_its_cell_over_counted_runs_and_across_
             "has no run of 'grpo' where",
         ),
         ({"result": "x", "table": "dose", "arms": "grpo"}, "must have result, table and arm"),
+        ({"result": "x", "table": "uncounted", "arm": "grpo"}, "has no counted run of 'grpo' with a finite gain"),
     ],
 )
 def test_a_baseline_the_table_cannot_give_is_refused_in_one_line(tmp_path, capsys, entry, said):
     _table(tmp_path / "dose", [{"arm": "grpo", "seed": s, "routing.flip_rate": 0.0, "gain": 0.1} for s in range(3)])
+    _table(tmp_path / "uncounted", [{"arm": "grpo", "seed": s, "gain": 0.1, "counted": "no"} for s in range(3)])
     with pytest.raises(SystemExit) as exit_:
         baselines.main([str(_declare(tmp_path, [entry])), "--out", str(tmp_path / "out.md")])
     error = capsys.readouterr().err.strip().splitlines()
