@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -53,7 +53,7 @@ def gap(logp: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> dict
     return {"mean_abs": float(masked_mean(diff, mask)), "max_abs": float(diff.max())}
 
 
-def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference: torch.Tensor) -> dict[str, dict]:
+def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference: torch.Tensor) -> dict[str, Any]:
     """The minibatch scored without replay, with `trace`'s experts, and with its experts and gates, against
     `reference`; the unreplayed forward's expert change against the trace too."""
     with torch.no_grad():
@@ -64,8 +64,9 @@ def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference
                 trainer.model, mb, ScoreOptions(replay=trace.to(trainer.device), rule=GateReplay())
             ),
         }
-    gaps = {name: gap(scored.logp, reference, mb.response_mask) for name, scored in scores.items()}
-    gaps["expert_change_frac"] = routing_drift(trace, scores["none"].routes.to("cpu"), mb.token_mask).expert_change_frac
+    gaps: dict[str, Any] = {name: gap(scored.logp, reference, mb.response_mask) for name, scored in scores.items()}
+    unreplayed = cast(RoutingTrace, scores["none"].routes)  # scored with record=True: its routes are there
+    gaps["expert_change_frac"] = routing_drift(trace, unreplayed.to("cpu"), mb.token_mask).expert_change_frac
     return gaps
 
 
@@ -82,12 +83,18 @@ def measure(trainer: RLTrainer, warm_steps: int) -> dict[str, Any]:
     advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=trainer.advantage_std)
     order = minibatch_order(trainer.plan.layout, rollout.size, t.group_size, trainer.generator)
     minibatches = split_minibatches(rollout, advantages, order, t.minibatches, trainer.device)
-    results: dict[str, Any] = {"r3": [three_ways(trainer, mb, mb.engine_routes, mb.mu_logp) for mb in minibatches]}
+    # Sampled with record_routing by an engine that returns its log-probs: every minibatch holds both.
+    results: dict[str, Any] = {
+        "r3": [
+            three_ways(trainer, mb, cast(RoutingTrace, mb.engine_routes), cast(torch.Tensor, mb.mu_logp))
+            for mb in minibatches
+        ]
+    }
     with torch.no_grad():
         olds = [trainer.score(trainer.model, mb, ScoreOptions(record=True, record_gates=True)) for mb in minibatches]
     results["r2"] = []
     for j, (mb, old) in enumerate(zip(minibatches, olds)):
-        routes = old.routes.to("cpu")
+        routes = cast(RoutingTrace, old.routes).to("cpu")  # scored with record=True
         if j > 0:
             results["r2"].append({"updates": j, **three_ways(trainer, mb, routes, old.logp)})
         trainer.update(mb, OldPolicy(on_policy=False, logp=old.logp, routes=routes))
