@@ -318,7 +318,7 @@ def replay_policy(
         **architecture, dtype=DType.bfloat16, moe_backend=MoEBackend(backend), experts_implementation=experts
     )
     model, tokenizer = build_policy(cfg)
-    # functools.wraps on PreTrainedModel.to hides from mypy that it is a method (typeshed's _Wrapped binds no self).
+    # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
     return model.to(device).eval(), tokenizer  # type: ignore[arg-type]
 
 

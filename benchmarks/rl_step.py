@@ -59,7 +59,6 @@ from typing import Any
 
 import torch
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from analysis.report import markdown_table
@@ -69,6 +68,7 @@ from benchmarks.worker import Worker
 from benchmarks.workload import VARIANTS, WORKLOADS, compose_workload
 from experiments.config import PROJECT_ROOT
 from models.policy import ModelConfig, config_in_code
+from models.registry import node_settings
 from models.tokenizer import build_char_tokenizer
 
 TRL_ALGO = {"grpo": "grpo", "gspo": "gspo", "grpo+r2": "grpo"}
@@ -233,7 +233,7 @@ def spread(values: list[float]) -> str:
 def step_flops(overrides: list[str], workload: str, prompt_width: int) -> dict[str, float]:
     """Model FLOPs of one RL step of `workload` with `overrides` (see `benchmarks.roofline`)."""
     cfg = compose_workload(overrides, workload)
-    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    model_cfg = ModelConfig(**node_settings(cfg.model))
     if model_cfg.path is not None:
         from transformers import AutoConfig
 

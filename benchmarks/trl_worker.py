@@ -39,12 +39,13 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
 from benchmarks.workload import WORKLOADS, compose_workload  # noqa: E402
 from experiments.tasks import build_task  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
+from models.registry import node_settings  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, TrainerControl, TrainerState, TrainingArguments
@@ -142,8 +143,8 @@ def main() -> None:
     # TRL runs the model as its users get it, as in the peer benchmark: transformers' default experts and attention.
     transformers_defaults = ["model.experts_implementation=grouped_mm", "model.attn_implementation=sdpa"]
     cfg = compose_workload([*json.loads(args.overrides), *transformers_defaults], args.workload)
-    model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
-    dataset_cfg = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+    model, tokenizer = build_policy(ModelConfig(**node_settings(cfg.model)))
+    dataset_cfg = dict(node_settings(cfg.dataset))
     task = build_task(dataset_cfg.pop("name"), **dataset_cfg)
     examples = task.examples("train")
     dataset = Dataset.from_dict({"prompt": [e.prompt for e in examples], "index": list(range(len(examples)))})

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.report import markdown_table
@@ -56,6 +56,7 @@ from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine, VLLMSt
 from experiments.step.scoring import FED, score_responses
 from experiments.tasks import build_task
 from models.policy import ModelConfig, build_policy
+from models.registry import node_settings
 from models.routing.families import router_weight
 from models.routing.hooks import Recording, record_routing
 from models.routing.trace import RoutingTrace, find_routers
@@ -76,7 +77,7 @@ MOE64 = [
 
 def _prompts(cfg: DictConfig, count: int) -> list[str]:
     """`count` train prompts picked as the trainer picks them (its seed's generator)."""
-    dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+    dataset = dict(node_settings(cfg.dataset))
     examples = build_task(dataset.pop("name"), **dataset).examples("train")
     picks = torch.randint(len(examples), (count,), generator=torch.Generator().manual_seed(cfg.seed))
     return [examples[i].prompt for i in picks.tolist()]
@@ -93,7 +94,7 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
     before the next model's section (`collected`)."""
     cfg = compose_workload(overrides)
     t = cfg.trainer
-    model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+    model, tokenizer = build_policy(ModelConfig(**node_settings(cfg.model)))
     model.eval()
     prompts = _prompts(cfg, t.prompts_per_step)
     hf = HFEngine(model, tokenizer, min_new_tokens=t.max_new_tokens)

@@ -33,6 +33,8 @@ import typing
 from collections.abc import Callable, ItemsView, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
+from omegaconf import OmegaConf
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -179,6 +181,13 @@ def _options(annotation: Any) -> tuple[Any, ...]:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return tuple(typing.get_args(annotation))
     return (annotation,)
+
+
+def node_settings(node: Any) -> dict[str, Any]:
+    """A config group's node (an omegaconf DictConfig) as the plain dict of settings a part is built from, its
+    interpolations resolved: `OmegaConf.to_container(node, resolve=True)`, typed as the mapping it is (OmegaConf types
+    a container as any of its kinds)."""
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
 
 
 def flat(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -60,18 +60,18 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from omegaconf import OmegaConf
 
 from experiments.step import metrics as m
 from experiments.step.batch import Rollout, Served, collect_rollout, draw_examples, step_seed
 from experiments.step.engines import EngineNumerics, HFEngine, KVCache, Sampling, full_weights
 from experiments.tasks import build_task
 from models.policy import ModelConfig, build_policy
-from models.registry import RunFailed
+from models.registry import RunFailed, node_settings
 
 POLL_S = 0.5  # how often a process blocked on the other checks that the other still lives
 CLOSE_S = 10.0  # how long a stopped worker may take to exit before it is killed
@@ -208,7 +208,8 @@ class Sampler:
     def __init__(self, settings: WorkerSettings, shared: Shared, alive: Callable[[], bool]) -> None:
         self.settings, self.shared, self.alive = settings, shared, alive
         model, tokenizer = build_policy(settings.model)
-        model.to(settings.device).eval()
+        # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+        model.to(settings.device).eval()  # type: ignore[arg-type]
         # Without numbers of its own the engine samples with the worker's module (its "trainer's weights"), into
         # which each version loads; with them it keeps its own copy, cast and quantized again at each load.
         self.engine = HFEngine(
@@ -273,12 +274,14 @@ class Sampler:
         examples = draw_examples(self.examples, self.settings.prompts, self.generator)
         start = time.perf_counter()
         rollout = collect_rollout(self.engine, self.task, examples, self.settings.sampling)
-        return Batch(step, rollout, torch.full((rollout.size,), self.held), time.perf_counter() - start, waited)
+        held = cast(int, self.held)  # `take_weights` held a version before any batch is sampled
+        return Batch(step, rollout, torch.full((rollout.size,), held), time.perf_counter() - start, waited)
 
 
 def parent_alive() -> bool:
     """Whether the trainer that started this worker process still lives."""
-    return multiprocessing.parent_process().is_alive()
+    parent = cast(BaseProcess, multiprocessing.parent_process())  # asked in the worker, which the trainer started
+    return parent.is_alive()
 
 
 def one_line(error: BaseException) -> str:
@@ -354,7 +357,8 @@ class ConcurrentRollouts:
         next `take` starts one with the weights then)."""
         if self.process is None:
             return
-        if not self.shared.announce(step, full_weights(self.trainer.model), self.process.is_alive):
+        shared = cast(Shared, self.shared)  # made with the process, in `_start`
+        if not shared.announce(step, full_weights(self.trainer.model), self.process.is_alive):
             raise SamplerFailed(self._death(f"while step {step} published its weights"))
 
     def close(self) -> None:
@@ -391,8 +395,8 @@ class ConcurrentRollouts:
         }
         self.shared = Shared(weights, context.Value("q", step - 1, lock=False), context.Lock(), context.Semaphore(0))
         settings = WorkerSettings(
-            model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)),
-            dataset=OmegaConf.to_container(cfg.dataset, resolve=True),
+            model=ModelConfig(**node_settings(cfg.model)),
+            dataset=node_settings(cfg.dataset),
             device=cfg.device,
             seed=cfg.seed,
             prompts=cfg.trainer.prompts_per_step,

@@ -37,10 +37,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig
+from transformers import PreTrainedModel
 
 from algos.advantages import group_advantages, within_group_std, zero_std_group_frac
 from algos.aggregation import Totals, masked_mean
@@ -68,6 +69,7 @@ from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout
 from experiments.step.scoring import ScoreOptions, Scores, score_responses
 from experiments.step.versions import WeightVersions
+from experiments.tasks import Example
 from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
 from models.registry import Diverged
@@ -96,7 +98,8 @@ class RLTrainer:
         self.start_sha256 = weights_sha256(self.model)  # the start's identity (a cold start's summary has the same)
         # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
         # same weights route identically and every measured drift comes from an update.
-        self.model.to(self.device).eval()
+        # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+        self.model.to(self.device).eval()  # type: ignore[arg-type]
         for switch in self.switches:  # before the engine copies the model and the optimizer takes its parameters
             switch.start(self.model)
         self.variant.start(self.model)  # likewise, and after the switches: a frozen router leaves its predictor trained
@@ -116,7 +119,8 @@ class RLTrainer:
         start = None  # the start, frozen: the KL term's reference, and what `measure_learning` measures the KL to
         if self.objective.kl_coef > 0 or cfg.trainer.measure_learning:
             start, _ = build_policy(parts.model_cfg)
-            start.to(self.device).eval().requires_grad_(False)
+            # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+            start.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
         reference = start if self.objective.kl_coef > 0 else None
         self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer, self.variant.predictor_lr_scale)
         self.clipped = policy_parameters(self.model)  # the gradient clip bounds the policy's, not a predictor's
@@ -239,8 +243,12 @@ class RLTrainer:
         t = self.cfg.trainer
         group = t.group_size if self.plan.layout == Layout.groups else 1
         over_ranks = (lambda tensor: summed(tensor, self.ranks)) if self.ranks.active else None
+        # Every model scored here is the policy's kind, a transformers causal LM (the policy, its start, a copy of it).
         return score_responses(
-            model, mb, t.temperature, ScoreOptions(**{**vars(options), "group_size": group, "over_ranks": over_ranks})
+            cast(PreTrainedModel, model),
+            mb,
+            t.temperature,
+            ScoreOptions(**{**vars(options), "group_size": group, "over_ranks": over_ranks}),
         )
 
     def update(self, mb: Minibatch, old: OldPolicy) -> dict[str, float]:
@@ -267,7 +275,7 @@ class RLTrainer:
         result = self.objective(scores.logp, inputs, self._totals(mb.response_mask))
         loss = result.loss + sum(hook.loss(update) for hook in self.hooks)
         grad_norm = self._backward(loss)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = cast(float, self.scheduler.get_last_lr()[0])  # a float learning rate (`trainer.lr`), never a tensor
         before = {name: value for hook in self.hooks for name, value in hook.before_step(update).items()}
         after = self._optimizer_step(math.isfinite(grad_norm), update)
         return {**self.measure(update, result, grad_norm, lr), **before, **after}
@@ -279,7 +287,7 @@ class RLTrainer:
         metrics: dict[str, float] = {m.MINIBATCH: update.mb.index, **rows.gathered(result).metrics}
         for hook in self.hooks:
             metrics.update(hook.measure(update, rows))
-        metrics[m.ENTROPY] = float(masked_mean(rows(update.scores.entropy), rows.mask))
+        metrics[m.ENTROPY] = float(masked_mean(rows(update.scored.entropy), rows.mask))
         metrics[m.GRAD_NORM] = grad_norm
         metrics[m.LR] = lr
         return metrics
@@ -351,7 +359,7 @@ class RLTrainer:
             self.model, self.tokenizer, synced=self.ranks.active, kv_cache=KVCache(self.cfg.rollout.kv_cache)
         )
 
-        def accuracy(prompts: list, samples: int) -> dict[str, float]:
+        def accuracy(prompts: list[Example], samples: int) -> dict[str, float]:
             mine = prompts[self.ranks.rank :: self.ranks.world]
             local = evaluate(
                 engine,
@@ -386,7 +394,7 @@ class EngineRollouts:
         rollout = self.trainer.rollout()
         sample_s = time.perf_counter() - start
         version = step - 1 if versions is None else versions.served
-        metrics = {} if versions is None else {m.ENGINE_VERSION: version, m.LAG: step - 1 - version}
+        metrics: dict[str, float] = {} if versions is None else {m.ENGINE_VERSION: version, m.LAG: step - 1 - version}
         return Served(rollout, torch.full((rollout.size,), version), sample_s, metrics)
 
     def publish(self, step: int) -> None:
@@ -395,9 +403,8 @@ class EngineRollouts:
         engine = self.trainer.engine
         if engine.shares_trainer_weights:
             return
-        weights = full_weights(self.trainer.model)
-        if self.trainer.versions is not None:
-            weights = self.trainer.versions.publish(step, weights)
+        full = full_weights(self.trainer.model)
+        weights = full if self.trainer.versions is None else self.trainer.versions.publish(step, full)
         if weights is not None:
             engine.sync_weights(weights)
 
