@@ -39,7 +39,7 @@ test: $(STAMP) lint
 
 # The house's habits (pyproject.toml's [tool.ruff]): the tree formatted as ruff formats it, and its lint rules clean.
 # `ruff format . && ruff check --fix .` mends most of what it reports. Then the type checker (pyproject.toml's
-# [tool.mypy]: every package and the tests, zero errors). First in `make test`, so in CI.
+# [tool.mypy]: every package, zero errors). First in `make test`, so in CI.
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check --quiet .
 	$(VENV)/bin/ruff check --quiet .
