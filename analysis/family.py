@@ -344,10 +344,7 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
             f"Every unit of {'both tables' if DENSE in read.paths else 'the table'} entered every "
             "comparison that reads it."
         ]
-    table = [
-        [row["comparison"], row["model"], row["start_sha256"][:12], row["seed"], row["why"]]
-        for row in rows_as_dicts(left)
-    ]
+    table = [[r["comparison"], r["model"], r["start_sha256"][:12], r["seed"], r["why"]] for r in rows_as_dicts(left)]
     return lines + [
         f"## Units left out ({len(left)})",
         "",
