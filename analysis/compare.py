@@ -100,10 +100,9 @@ def read_per_seed(path: Path) -> tuple[pd.DataFrame, list[str]]:
         table["start_sha256"] = UNKNOWN_START
     table["start_sha256"] = table["start_sha256"].fillna(UNKNOWN_START)
     if "counted" not in table:
-        incomplete = table["incomplete"].astype(bool) if "incomplete" in table else False
-        # Not a stub's fault: a bug mypy found and left as it is (no behaviour changes with the types). Without an
-        # `incomplete` column, ~False is -1, and `where` refuses it ("Array conditional must be same shape as self").
-        table["counted"] = pd.Series(COUNTED, index=table.index).where(~incomplete, EXCLUDED)  # type: ignore[arg-type]
+        # A table that says neither counts every run (nothing marked incomplete).
+        incomplete = table["incomplete"].astype(bool) if "incomplete" in table else pd.Series(False, index=table.index)
+        table["counted"] = pd.Series(COUNTED, index=table.index).where(~incomplete, EXCLUDED)
     return table, axes
 
 

@@ -107,9 +107,8 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
             prompts, Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=routing)
         )
         elapsed = time.perf_counter() - start
-        # Not a stub's fault: a bug mypy found and that is left as it is (no behaviour changes with the types).
-        # Samples has no `response_tokens`: this raises AttributeError (unless asserts are off).
-        assert samples.response_tokens == len(prompts) * t.group_size * t.max_new_tokens, "fixed-length rollout"  # type: ignore[attr-defined]
+        responses = int(samples.response_mask.sum())
+        assert responses == len(prompts) * t.group_size * t.max_new_tokens, "fixed-length rollout"
         return elapsed
 
     def alternate(vllm: VLLMEngine, routing: bool, suffix: str) -> None:
@@ -137,11 +136,9 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
         for _ in range(5):
             for p in model.parameters():
                 p.add_(1e-3 * torch.randn_like(p))
-            # Not a stub's fault: a bug mypy found and that is left as it is (no behaviour changes with the types).
-            # This rebinds `start`, the VLLMStart that `replace(start, ...)` below is given: it gets a float and raises.
-            start = time.perf_counter()  # type: ignore[assignment]
+            began = time.perf_counter()
             vllm.sync_weights(full_weights(model))
-            sync.append(time.perf_counter() - start)  # type: ignore[operator]
+            sync.append(time.perf_counter() - began)
     vllm.close()
     bare = VLLMEngine(model, tokenizer, replace(start, routing=False))
     alternate(bare, False, "_no_routing")
