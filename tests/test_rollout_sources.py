@@ -1,12 +1,15 @@
 """The rollout sources behind `rollout.source` (experiments/step/sources): a setting that names no source, or belongs
 to a source the run does not use, is refused in one line before any work; whether the engine is the trainer's own
-module is decided once, in the plan, and the engine built is what the plan says. The lagged source's own behaviour is
+module is decided once, in the plan, and the engine built is what the plan says; runs recorded before
+`rollout.source` existed resume and are read as the source they ran. The lagged source's own behaviour is
 tests/test_async.py's, the concurrent source's tests/test_concurrent.py's."""
 
 from __future__ import annotations
 
 import pytest
 
+from analysis.configs import as_today, schema_defaults
+from experiments.run.resume import described, differences, settings
 from experiments.step.checks import check_run
 from experiments.step.trainer import RLTrainer
 from experiments.train import train
@@ -65,3 +68,41 @@ def test_the_engine_built_is_the_trainers_module_exactly_where_the_plan_says(ove
     assert trainer.rollouts.engine.shares_trainer_weights is engine_is_trainer
     assert (trainer.rollouts.engine.model is trainer.model) is engine_is_trainer
     assert trainer.plan.pi_old == ("bypass" if engine_is_trainer else "decoupled")
+
+
+# -- runs recorded before rollout.source ------------------------------------------------------------------------------
+
+
+def recorded_before_the_source(*overrides: str, concurrent: bool = False) -> dict:
+    """The settings a run of `overrides` recorded before `rollout.source` and `rollout.overflow` existed, when
+    `rollout.concurrent` named the concurrent sampler."""
+    recorded = settings(compose_train(*overrides))
+    del recorded["rollout.source"], recorded["rollout.overflow"]
+    return {**recorded, "rollout.concurrent": concurrent}
+
+
+@pytest.mark.parametrize(
+    "then, concurrent, now, refused",
+    [
+        ([], False, [], None),
+        (["rollout.lag=2"], False, ["rollout.source=lagged", "rollout.lag=2"], None),
+        ([], True, ["rollout.source=concurrent"], None),
+        # a sweep over lags under the lagged source continues its runs at lag 0, which were synchronous
+        ([], False, ["rollout.source=lagged", "rollout.lag=0"], None),
+        ([], False, ["rollout.source=concurrent"], "rollout.source='synchronous' there, 'concurrent' here"),
+        ([], True, [], "rollout.source='concurrent' there, 'synchronous' here"),
+    ],
+)
+def test_a_run_recorded_before_the_source_resumes_as_the_source_it_ran(then, concurrent, now, refused):
+    found = differences(recorded_before_the_source(*then, concurrent=concurrent), compose_train(*now))
+    assert (described(found) or None) == refused
+
+
+def test_analysis_reads_a_run_recorded_before_the_source_as_the_source_it_ran():
+    defaults = schema_defaults()
+    old = {key: value for key, value in recorded_before_the_source().items() if key != "rollout.lag"}
+    assert as_today({**old, "rollout.lag": 2}, defaults)["rollout.source"] == "lagged"
+    assert as_today({**old, "rollout.concurrent": True}, defaults)["rollout.source"] == "concurrent"
+    synchronous = as_today(old, defaults)
+    assert synchronous["rollout.source"] == "synchronous" and "rollout.concurrent" not in synchronous
+    assert synchronous["rollout.overflow"] == "wait", "added since: at the schema's default"
