@@ -1,20 +1,26 @@
 """The rollout sources behind `rollout.source` (experiments/step/sources): a setting that names no source, or belongs
 to a source the run does not use, is refused in one line before any work; whether the engine is the trainer's own
 module is decided once, in the plan, and the engine built is what the plan says; runs recorded before
-`rollout.source` existed resume and are read as the source they ran. The lagged source's own behaviour is
-tests/test_async.py's, the concurrent source's tests/test_concurrent.py's."""
+`rollout.source` existed resume and are read as the source they ran; `Add a rollout source` in docs/extending.md
+runs as printed. The lagged source's own behaviour is tests/test_async.py's, the concurrent source's
+tests/test_concurrent.py's."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from analysis.configs import as_today, schema_defaults
 from experiments.run.resume import described, differences, settings
 from experiments.step.checks import check_run
+from experiments.step.metrics import ENGINE_VERSION, LAG, STEP
+from experiments.step.sources import ROLLOUT_SOURCES
 from experiments.step.trainer import RLTrainer
 from experiments.train import train
+from models.cpu_kernels import weights_sha256
 from models.registry import ConfigError
-from tests.test_train import compose_train
+from tests.test_train import compose_train, read_metrics
 
 
 @pytest.mark.parametrize(
@@ -106,3 +112,31 @@ def test_analysis_reads_a_run_recorded_before_the_source_as_the_source_it_ran():
     synchronous = as_today(old, defaults)
     assert synchronous["rollout.source"] == "synchronous" and "rollout.concurrent" not in synchronous
     assert synchronous["rollout.overflow"] == "wait", "added since: at the schema's default"
+
+
+# -- the documented example ---------------------------------------------------------------------------------------
+
+
+def test_the_documented_example_source_samples_every_step_with_the_start(tmp_path):
+    """`Add a rollout source` in docs/extending.md is code a newcomer copies: it must run as printed, through the loop.
+    Its engine is a copy that keeps the start's weights while the trainer's move, its rows are stamped version 0, and
+    π_old is the trainer's recompute."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text(encoding="utf-8")
+    code = readme.split("## Add a rollout source", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    try:
+        exec(compile(code, "docs/extending.md", "exec", dont_inherit=True), {"__name__": "readme"})
+        trainer = RLTrainer(compose_train("rollout.source=frozen", "trainer.lr=3e-2"))
+        assert not trainer.plan.engine_is_trainer and trainer.plan.pi_old == "decoupled"
+        assert "the engine samples with the start's weights: its numbers are not π_old's" == trainer.plan.why
+        served = []
+        for _ in range(3):
+            record = trainer.step()
+            served.append((record[ENGINE_VERSION], record[LAG]))
+            assert weights_sha256(trainer.rollouts.engine.model) == trainer.start_sha256, "the engine kept the start"
+        assert weights_sha256(trainer.model) != trainer.start_sha256, "the trainer's weights moved"
+        assert served == [(0, 0), (0, 1), (0, 2)]
+        summary = train(compose_train("rollout.source=frozen", "trainer.steps=2"), tmp_path / "run")
+        assert summary["status"] == "finished" and summary["rollouts"].startswith("frozen: the engine samples")
+        assert [row[STEP] for row in read_metrics(tmp_path / "run")] == [1, 2]
+    finally:
+        ROLLOUT_SOURCES._classes.pop("frozen", None)
