@@ -89,12 +89,12 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_ = timer.around(torch.nn.utils.clip_grad_norm_, "gradient clipping")
         trainer.optimizer.step = timer.around(trainer.optimizer.step, "optimizer step")
 
-    def take_and_keep(step: int) -> Served:
+    def take_and_keep(step: int, seed: int) -> Served:
         # Kept for the report: the prompt width is part of the work (the roofline's FLOP count needs it), and the
         # generate probe reuses the prompts.
         if timer is not None:
             timer.phase = "rollout"
-        served = take(step)
+        served = take(step, seed)
         if timer is not None:
             timer.phase = "scoring + training"
         rollouts[:] = [served.rollout]

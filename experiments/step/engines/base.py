@@ -219,7 +219,9 @@ class EngineFactory:
     records_routing: bool  # the loop will ask for its routing (`StepPlan.engine_records_routing`)
     min_new_tokens: int = 0
 
-    def __call__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ranks: Ranks, on_model: bool):
+    def __call__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ranks: Ranks, on_model: bool
+    ) -> RolloutEngine:
         """The engine, sampling with `model` itself (`on_model`: whoever calls decided it may) or with a copy of its
         own that differs from it by `numerics`."""
         engine = self.engine.build(

@@ -446,7 +446,7 @@ class ConcurrentSource(RolloutSource):
         """What `summary.json` says of the rollouts and their engine."""
         return {
             "rollouts": "concurrent: a worker process samples while the trainer updates, with rollout.max_staleness="
-            f"{self.bound}; past the bound it {self.overflow.what} (rollout.overflow={self.overflow.name}); not "
+            f"{self.bound}: past the bound it {self.overflow.what} (rollout.overflow={self.overflow.name}); not "
             "bit-reproducible (which version samples a batch depends on the two processes' timing): experiments "
             "use rollout.source=lagged",
             "engine": self.run.engines.engine.name,

@@ -38,7 +38,7 @@ class OverflowPolicy(ABC):
     """One policy past the bound (module docstring)."""
 
     name: ClassVar[str] = "overflow"  # the registry key, set by `OVERFLOW_POLICIES.register`
-    what: ClassVar[str] = ""  # what it does past the bound, as `summary.json`'s `rollouts` says it
+    what: ClassVar[str] = ""  # what happens past the bound, as `summary.json`'s `rollouts` says it
 
     @abstractmethod
     def may_start(self, batch: int, bound: int, published: int, taken: int) -> bool:
@@ -55,7 +55,7 @@ OVERFLOW_POLICIES: Registry[OverflowPolicy] = Registry("overflow policy", Overfl
 
 @OVERFLOW_POLICIES.register("wait")
 class Wait(OverflowPolicy):
-    what = "waits at that bound"
+    what = "waits for newer weights before sampling: no row is sampled past it"
 
     def may_start(self, batch: int, bound: int, published: int, taken: int) -> bool:
         return published >= batch - 1 - bound
@@ -73,7 +73,7 @@ class Queued(OverflowPolicy, ABC):
 
 @OVERFLOW_POLICIES.register("drop")
 class Drop(Queued):
-    what = "holds a queue of bound + 1 batches, and drops (never trains) a batch past the bound"
+    what = "drops the batch, never trained (the worker holds a queue of bound + 1 batches)"
 
     def verdict(self, past: int) -> Verdict:
         return Verdict.drop if past else Verdict.train
@@ -81,7 +81,7 @@ class Drop(Queued):
 
 @OVERFLOW_POLICIES.register("count")
 class Count(Queued):
-    what = "holds a queue of bound + 1 batches, and trains a batch past the bound, counting its rows"
+    what = "trains the batch, counting its rows (the worker holds a queue of bound + 1 batches)"
 
     def verdict(self, past: int) -> Verdict:
         return Verdict.train
