@@ -22,9 +22,11 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +160,36 @@ def test_the_drift_law_is_fitted_drawn_and_reported_again_from_its_rows(tmp_path
         assert same_pixels(tmp_path / png.name, png), f"{folder}/{png.name}"
     if folder not in EARLIER:
         assert (tmp_path / "report.md").read_bytes() == (committed / "report.md").read_bytes()
+
+
+DOCS_BUDGET_BYTES = (
+    10_000_000  # docs/ is read in a browser and cloned by every user: its tracked files stay under 10 MB
+)
+EMBEDDED_FIGURE = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")
+
+
+def tracked_docs() -> list[Path]:
+    """The files under docs/ that git tracks (what a clone holds), as paths from the project's root."""
+    listed = subprocess.run(["git", "ls-files", "-z", "docs"], cwd=PROJECT_ROOT, capture_output=True, check=True)
+    return [Path(name) for name in listed.stdout.decode().split("\0") if name]
+
+
+def test_docs_are_held_under_their_budget():
+    sizes = {path: (PROJECT_ROOT / path).stat().st_size for path in tracked_docs()}
+    largest = sorted(sizes, key=sizes.__getitem__, reverse=True)[:5]
+    assert sum(sizes.values()) < DOCS_BUDGET_BYTES, (
+        f"docs/ holds {sum(sizes.values()) / 1e6:.2f} MB of tracked files, over its 10 MB; the largest: "
+        + ", ".join(f"{path} ({sizes[path] / 1e3:.0f} kB)" for path in largest)
+    )
+
+
+def test_every_figure_a_page_embeds_is_committed():
+    tracked = set(tracked_docs()) | {Path("README.md")}
+    pages = [path for path in tracked if path.suffix == ".md"]
+    dangling = [
+        f"{page}: {target}"
+        for page in pages
+        for target in EMBEDDED_FIGURE.findall((PROJECT_ROOT / page).read_text())
+        if Path(os.path.normpath(page.parent / target)) not in tracked
+    ]
+    assert not dangling, "figures embedded but not committed:\n" + "\n".join(dangling)

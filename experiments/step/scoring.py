@@ -40,7 +40,7 @@ from experiments.step.metrics import (
 )
 from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.routing.families import normalised_scores
-from models.routing.hooks import ReplayRule, RouterCalls, RouterCapture, record_routing, replay_routing, router_calls
+from models.routing.hooks import ReplayRule, RouterCalls, RouterCapture, RoutingRequest, router_calls, routing
 from models.routing.measures import MarginSummary, margin_of_ranked
 from models.routing.trace import RoutingTrace
 from models.shared_prefix import SharedPrefix
@@ -145,8 +145,12 @@ def score_responses(
         if not layout.prefix_agrees(ids):
             raise ValueError(f"packed scoring: rows of one group of {options.group_size} do not share their prompt")
     capture = options.aux_loss or options.fragile_margin is not None or options.routers
-    routing = _routing(model, layout, ids, options)
-    with routing as handle, router_calls(model) if capture else contextlib.nullcontext(RouterCapture()) as calls:
+    request = routing_request(options, layout, ids)
+    unpacked = (lambda tensor: tensor) if layout is None else (lambda tensor: layout.unpack(tensor, dim=1))
+    with (
+        routing(model, request) as routed,
+        router_calls(model) if capture else contextlib.nullcontext(RouterCapture()) as calls,
+    ):
         if layout is None:
             logits = model(
                 input_ids=ids, attention_mask=fed_mask, position_ids=positions, use_cache=False, logits_to_keep=tail
@@ -168,24 +172,15 @@ def score_responses(
         entropy = -(log_probs.exp() * log_probs).sum(-1)
     balance = value = None
     weights = fed_mask if layout is None else layout.token_weights
-    replayed = None
-    if options.replay is not None:
-        replayed = options.replay.recorded()[0] if layout is None else layout.pack(options.replay.recorded()[0])
+    replayed = None if request.replay is None else request.replay.recorded()[0]  # as fed: packed with the batch
     forward = RouterCalls.of(calls, weights, replayed) if capture else None
     if options.aux_loss:
         with contextlib.nullcontext() if options.aux_loss_grad else torch.no_grad():
             balance, value = global_balance_loss(forward, options.over_ranks)
     margin = options.fragile_margin
     stats, margins = (None, None) if margin is None else router_fragility(forward, margin)
-    routes = replayed_logprobs = None
-    if options.replay is not None or options.record:
-        routes = handle.router_choice if options.replay is not None else handle.trace
-        if layout is not None:
-            routes = routes.map(lambda tensor: layout.unpack(tensor, dim=1))
-    if options.score_replayed:
-        replayed_logprobs = handle.replayed_logprobs
-        if layout is not None:
-            replayed_logprobs = layout.unpack(replayed_logprobs, dim=1)
+    routes = None if routed is None else routed.routes.map(unpacked)
+    replayed_logprobs = unpacked(routed.replayed_logprobs) if options.score_replayed else None
     return Scores(
         logp=logp,
         entropy=entropy,
@@ -253,24 +248,25 @@ def margin_stats(margins: torch.Tensor, weights: torch.Tensor) -> dict[str, floa
     return stats
 
 
-def _routing(
-    model: PreTrainedModel, layout: SharedPrefix | None, ids: torch.Tensor, options: ScoreOptions
-) -> contextlib.AbstractContextManager:
-    """The record or replay context of the forward; a replayed trace is packed like the batch when it is."""
+def routing_request(options: ScoreOptions, layout: SharedPrefix | None, ids: torch.Tensor) -> RoutingRequest:
+    """`options`' routing, resolved once for the forward (the one object the model's hooks are handed): a replayed
+    trace packed like the batch when the batch is packed, the router's own choice recorded where asked."""
     replay = options.replay
-    if replay is not None:
-        if layout is not None:
-            if replay.shape[1:3] != tuple(ids.shape):
-                raise ValueError(
-                    f"routing trace covers batch x positions {replay.shape[1:3]} but the batch is {tuple(ids.shape)}"
-                )
-            if not layout.prefix_agrees(replay.experts, dim=1):
-                raise ValueError(
-                    "packed scoring cannot replay this trace: rows of one group route their shared prompt "
-                    "differently; score it with group_size=1"
-                )
-            replay = replay.map(lambda tensor: layout.pack(tensor, dim=1))
-        return replay_routing(model, replay, options.rule, options.score_replayed, gates=options.record_gates)
-    if options.score_replayed:
-        raise ValueError("score_replayed scores the experts of a replayed trace: pass replay=")
-    return record_routing(model, gates=options.record_gates) if options.record else contextlib.nullcontext()
+    if replay is not None and layout is not None:
+        if replay.shape[1:3] != tuple(ids.shape):
+            raise ValueError(
+                f"routing trace covers batch x positions {replay.shape[1:3]} but the batch is {tuple(ids.shape)}"
+            )
+        if not layout.prefix_agrees(replay.experts, dim=1):
+            raise ValueError(
+                "packed scoring cannot replay this trace: rows of one group route their shared prompt "
+                "differently; score it with group_size=1"
+            )
+        replay = replay.map(lambda tensor: layout.pack(tensor, dim=1))
+    return RoutingRequest(
+        record=options.record,
+        gates=options.record_gates,
+        replay=replay,
+        rule=options.rule,
+        score_replayed=options.score_replayed,
+    )

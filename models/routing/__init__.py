@@ -5,7 +5,8 @@ Everything hooks the router module of each MoE block (transformers 5.x `*TopKRou
 
     trace.py        the trace (`RoutingTrace [L, B, S, K]`, `NO_ROUTE`) and where the routers are (`find_routers`)
     families.py     how each router family ranks and gates (softmax; sigmoid + selection bias)
-    hooks.py        the router hooks: record, replay (`ReplayRule`) and the captured router calls (`RouterCalls`)
+    hooks.py        the router hooks, armed from one `RoutingRequest` per forward (`routing`): record, replay
+                    (`ReplayRule`); and the captured router calls (`RouterCalls`)
     measures.py     what routing is measured by: drift between two traces, expert load, the margin at the top-k cut
     flips.py        SYNTHETIC drift in the forwards run inside a context (the flips)
     perturbation.py SYNTHETIC drift the policy carries (noise on the routers' weights)

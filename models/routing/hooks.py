@@ -87,26 +87,65 @@ class ReplayRule:
         return replayed_gate_weights(router, logits, forced, weights), forced
 
 
+@dataclass(frozen=True)
+class RoutingRequest:
+    """What one forward's routers do besides routing, resolved once by the caller and handed whole to the hooks
+    (`routing`): `replay` a trace laid out like the ids fed (`[L, B, S, K]`), as `rule` decides at each router call
+    (None: ID replay, `ReplayRule`); the router's own choice is recorded whenever the request is not idle (under replay
+    it is what the router would have chosen); `gates` with each chosen expert's gate weight and log-probability,
+    `states` with each router's inputs and logits; `score_replayed` the current router's log-probabilities of the
+    replayed experts; `generate`: the forwards are one `generate` call, a prefill and its decode steps. `record`
+    alone asks for the recording; a request that asks nothing is idle and installs no hook."""
+
+    record: bool = False
+    gates: bool = False
+    states: bool = False
+    replay: RoutingTrace | None = None
+    rule: ReplayRule | None = None
+    score_replayed: bool = False
+    generate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replay is None:
+            if self.score_replayed:
+                raise ValueError("score_replayed scores the experts of a replayed trace: pass replay=")
+            return
+        if self.generate:
+            raise ValueError("a replayed trace is laid out like one forward's ids: replay cannot span a generate call")
+        rule = self.rule if self.rule is not None else ReplayRule()
+        if rule.needs_gates and not self.replay.has_gates:
+            raise ValueError(
+                f"{type(rule).__name__} replays gate weights, and this routing trace was recorded without them "
+                "(record_routing(..., gates=True))"
+            )
+
+    @property
+    def idle(self) -> bool:
+        """Nothing asked: the forward routes as the model does and nothing is kept."""
+        return not self.record and self.replay is None
+
+
 class _RouterHook:
     """Forward hook on one router: records its own choice (and gates), and when replay data is set, hands the call to
     the replay rule."""
 
-    def __init__(self, name: str, layer: int, call: CallShape) -> None:
+    def __init__(self, name: str, layer: int, call: CallShape, request: RoutingRequest) -> None:
         self.name = name
         self.layer = layer
         self.call = call
-        self.recording: list[torch.Tensor] | None = None  # one [B, S, K] block per forward call
-        self.gates: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (weights, logprobs) blocks, when asked
-        self.states: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (inputs, logits) blocks, when asked
-        self.replay: RoutingTrace | None = None  # this layer's [B, S, K] share of the replayed trace
-        self.rule = ReplayRule()
-        self.scored: list[torch.Tensor] | None = None  # current log-probs of the replayed experts, when asked
+        self.recording: list[torch.Tensor] = []  # one [B, S, K] block per forward call
+        # (weights, logprobs) and (inputs, logits) blocks, when `request` asks for them
+        self.gates: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if request.gates else None
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if request.states else None
+        # this layer's [B, S, K] share of the replayed trace
+        self.replay = None if request.replay is None else request.replay.map(lambda tensor: tensor[layer])
+        self.rule = request.rule if request.rule is not None else ReplayRule()
+        self.scored: list[torch.Tensor] | None = [] if request.score_replayed else None  # log-probs of replayed experts
 
     def __call__(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
         logits, weights, indices = output
         first = not self.recording
-        if self.recording is not None:
-            self.recording.append(_layout(indices, self.call))
+        self.recording.append(_layout(indices, self.call))
         if self.gates is not None:
             logprobs = router_logprobs(router, logits).gather(-1, indices)
             self.gates.append(
@@ -136,15 +175,18 @@ class _RouterHook:
 
 
 @contextmanager
-def _hooks(model: torch.nn.Module) -> Iterator[list[_RouterHook]]:
+def _hooks(model: torch.nn.Module, request: RoutingRequest) -> Iterator[list[_RouterHook]]:
+    """One `_RouterHook` per MoE router of `model`, each armed from `request`, removed when the context ends."""
     routers = find_routers(model)
     if not routers:
         raise ValueError(f"{type(model).__name__} has no MoE router modules: nothing to record or replay")
+    if request.replay is not None and request.replay.shape[0] != len(routers):
+        raise ValueError(f"routing trace has {request.replay.shape[0]} MoE layers but the model has {len(routers)}")
     call = CallShape()
     handles = [model.register_forward_pre_hook(call, with_kwargs=True)]
     hooks = []
     for layer, (name, router) in enumerate(routers.items()):
-        hook = _RouterHook(name, layer, call)
+        hook = _RouterHook(name, layer, call, request)
         handles.append(router.register_forward_hook(hook))
         hooks.append(hook)
     try:
@@ -197,6 +239,11 @@ class Recording:
             self._trace = trace
         return self._trace
 
+    @property
+    def routes(self) -> RoutingTrace:
+        """The router's own choice in the forwards run (`trace`): what `Replaying.routes` is under replay."""
+        return self.trace
+
 
 @contextmanager
 def record_routing(
@@ -210,12 +257,8 @@ def record_routing(
     chosen expert's gate weight and router log-probability (`RoutingTrace.weights`, `.logprobs`); `states`: each
     router's input and logits (`RoutingTrace.inputs`, `.logits`). Run one forward (or one `generate`) per context.
     """
-    with _hooks(model) as hooks:
-        for hook in hooks:
-            hook.recording = []
-            hook.gates = [] if gates else None
-            hook.states = [] if states else None
-        yield Recording(hooks, expert_count(model), generate)
+    with routing(model, RoutingRequest(record=True, gates=gates, states=states, generate=generate)) as recording:
+        yield recording
 
 
 class Replaying:
@@ -241,6 +284,11 @@ class Replaying:
             return trace
         weights, logprobs = (torch.stack([hook.gates[0][part] for hook in self._hooks]) for part in (0, 1))
         return replace(trace, weights=weights, logprobs=logprobs)
+
+    @property
+    def routes(self) -> RoutingTrace:
+        """The router's own choice under replay (`router_choice`): what `Recording.routes` is without it."""
+        return self.router_choice
 
     @property
     def replayed_logprobs(self) -> torch.Tensor:
@@ -316,15 +364,24 @@ def replay_routing(
     mismatch raises `ValueError` at the forward that does not fit. Keep backward inside the context when activation
     checkpointing is on, so that recomputed layers replay too.
     """
-    rule = rule if rule is not None else ReplayRule()
-    if rule.needs_gates and not trace.has_gates:
-        raise ValueError(
-            f"{type(rule).__name__} replays gate weights, and this routing trace was recorded without them "
-            "(record_routing(..., gates=True))"
-        )
-    with _hooks(model) as hooks:
-        if len(hooks) != trace.shape[0]:
-            raise ValueError(f"routing trace has {trace.shape[0]} MoE layers but the model has {len(hooks)}")
+    request = RoutingRequest(record=True, gates=gates, replay=trace, rule=rule, score_replayed=score_replayed)
+    with routing(model, request) as replaying:
+        yield replaying
+
+
+@contextmanager
+def routing(model: torch.nn.Module, request: RoutingRequest) -> Iterator[Recording | Replaying | None]:
+    """The forwards run inside the context route as `request` asks, through one hook per router armed from it (the
+    one place a request reaches the routers): yields the handle whose `routes` is the router's own choice
+    (`Replaying` under replay, `Recording` otherwise), or None for an idle request, which installs nothing."""
+    if request.idle:
+        yield None
+        return
+    trace = request.replay
+    with _hooks(model, request) as hooks:
+        if trace is None:
+            yield Recording(hooks, expert_count(model), request.generate)
+            return
         checked = {"done": False}
 
         def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -342,18 +399,10 @@ def replay_routing(
                 )
 
         handle = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
-        for layer, hook in enumerate(hooks):
-            hook.replay = trace.map(lambda tensor, layer=layer: tensor[layer])
-            hook.rule = rule
-            hook.recording = []
-            hook.gates = [] if gates else None
-            hook.scored = [] if score_replayed else None
         try:
             yield Replaying(hooks, trace.num_experts)
         finally:
             handle.remove()
-            for hook in hooks:
-                hook.replay = None
 
 
 @dataclass
