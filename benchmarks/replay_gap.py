@@ -78,7 +78,7 @@ def measure(trainer: RLTrainer, warm_steps: int) -> dict[str, Any]:
         for i in torch.randint(len(trainer.train_examples), (t.prompts_per_step,), generator=trainer.generator).tolist()
     ]
     sampling = Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=True, record_gates=True)
-    rollout = collect_rollout(trainer.engine, trainer.task, examples, sampling)
+    rollout = collect_rollout(trainer.rollouts.engine, trainer.task, examples, sampling)
     advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=trainer.advantage_std)
     order = minibatch_order(trainer.plan.layout, rollout.size, t.group_size, trainer.generator)
     minibatches = split_minibatches(rollout, advantages, order, t.minibatches, trainer.device)
@@ -139,10 +139,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainer = RLTrainer(cfg)
     except ConfigError as error:
         raise SystemExit(f"replay_gap: {error}") from None
-    if not trainer.engine.returns_gate_weights:
-        raise SystemExit(f"replay_gap: rollout.engine={trainer.engine.name} reports no gate weights to replay")
+    sampler = trainer.rollouts.engine
+    if not sampler.returns_gate_weights:
+        raise SystemExit(f"replay_gap: rollout.engine={sampler.name} reports no gate weights to replay")
     results = measure(trainer, args.warm_steps)
-    numerics = trainer.engine.numerics
+    numerics = sampler.numerics
     engine = (
         "the trainer's own model"
         if numerics is None
