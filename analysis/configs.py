@@ -17,7 +17,7 @@ from typing import Any, cast
 from omegaconf import OmegaConf
 
 from experiments.config import TrainConfig
-from experiments.run.resume import node_recorded, retired_as_today
+from experiments.run.resume import in_todays_terms, node_recorded, retired_as_today
 
 # Config keys that never separate series: seeds are aggregated; logging, threads, checkpointing and the comparison an
 # experiment declares (how its report decides) do not change what a run computes. Everything else does (a checkpoint
@@ -58,11 +58,13 @@ def schema_defaults() -> dict[str, Any]:
 
 
 def as_today(flat: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """A recorded flat config in today's keys, by the rules resume applies (`experiments.run.resume`): every setting
-    added to one of its nodes since it was written, at the schema's default (what the run computed with), and every
-    setting retired since dropped where it holds the value that means what today's config does without it
-    (`RETIRED`). Without this, a field added or retired between two parts of a sweep splits its series by the
-    key's absence alone."""
+    """A recorded flat config in today's keys, by the rules resume applies (`experiments.run.resume`): the settings
+    that took over from retired ones as the run's said them (`in_todays_terms`: its `rollout.source` from its
+    `rollout.lag` and `rollout.concurrent`), every other setting added to one of its nodes since it was written at the
+    schema's default (what the run computed with), and every setting retired since dropped where it holds the value
+    that means what today's config does without it (`RETIRED`). Without this, a field added or retired between two
+    parts of a sweep splits its series by the key's absence alone."""
+    flat = in_todays_terms(flat)
     added = {key: value for key, value in defaults.items() if key not in flat and node_recorded(flat, key)}
     kept = {key: value for key, value in flat.items() if not retired_as_today(key, value)}
     return {**kept, **added}

@@ -105,7 +105,7 @@ MISMATCH_ROUNDING = 1e-6
 
 def mismatch_is_rounding(runset: RunSet) -> bool:
     """Whether no run varied the training–inference mismatch: each sampled with the trainer's own model (the default
-    engine, no engine numerics on, not behind θ_old: no `rollout.lag`, no concurrent sampler) and logged a mismatch
+    engine, no engine numerics on, not behind θ_old: the synchronous rollout source) and logged a mismatch
     k3 below `MISMATCH_ROUNDING`. Its figure and early-warning signal would then draw rounding noise as a result."""
     engine = RolloutConfig()
     for config in runset.runs["config"]:
@@ -116,7 +116,7 @@ def mismatch_is_rounding(runset: RunSet) -> bool:
         }
         if rollout["engine"] != engine.engine or EngineNumerics.of(SimpleNamespace(**rollout)).differs:
             return False
-        if config.get("rollout.lag", engine.lag) or config.get("rollout.concurrent", engine.concurrent):
+        if config.get("rollout.lag", engine.lag) or config.get("rollout.source", engine.source) != engine.source:
             return False
     values = runset.metric(MISMATCH_K3)["value"]
     return bool(values.abs().max() < MISMATCH_ROUNDING) if len(values) else True

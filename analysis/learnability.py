@@ -12,8 +12,9 @@ writes `runs.csv` (every run) and `table.md` (the mean over seeds per model, sta
 gain). With `--rule`, it also applies the learnability map's rule as docs/results/learnability/preregistration.md
 fixed it before the map ran (`MAP_RULE`) and writes `rule.md`: per lever, GRPO's held-out greedy gain on the whole
 test split (`split_gain`) and training-reward rise on every start of both MoE rungs, whether the lever learns, its
-mean CPU cost, and the lever the rule picks. A map missing a lever, a start or a finished run is refused in one line
-naming what is missing.
+mean CPU cost, and the lever the rule picks; and `regime.json`, that lever as the run overrides the learning study's
+command (docs/results/learning/command.sh) runs its family with. A map missing a lever, a start or a finished run is
+refused in one line naming what is missing.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class MapRule:
 
 
 EXTENSION = "extension"
+REGIME_FILE = "regime.json"  # the setting the rule chose, as run overrides: what the learning study's command reads
 MAP_RULE = MapRule(
     centre={"prompts": 16, "N": 2, "G": 8, "lr": 1e-4, "steps": 150},
     levers={
@@ -240,26 +242,47 @@ def apply_rule(rows: pd.DataFrame, rule: MapRule = MAP_RULE) -> tuple[pd.DataFra
         )
     table = pd.DataFrame(verdicts)
     learning = table[table["learns"] & (table["lever"] != EXTENSION)]
+    chosen = None
     if len(learning):
-        pick = learning.sort_values("mean_cpu_s").iloc[0]["lever"]
-        words = f"The rule picks **{pick}**: the cheapest lever in which GRPO learns from every start."
+        chosen = learning.sort_values("mean_cpu_s").iloc[0]["lever"]
+        words = f"The rule picks **{chosen}**: the cheapest lever in which GRPO learns from every start."
     elif EXTENSION not in levers:
         words = (
             f"No lever learns: the declared extension ({_change_words(rule.extension)}) is to be run from the "
             "same starts."
         )
     elif table.set_index("lever").loc[EXTENSION, "learns"]:
+        chosen = EXTENSION
         words = (
             f"No lever of the map learns; the extension ({_change_words(rule.extension)}) does: the family runs there."
         )
     else:
         best = table.sort_values("min_split_gain", ascending=False).iloc[0]
+        chosen = best["lever"]
         words = (
             f"Neither the map nor its extension learns: the family runs at **{best['lever']}**, whose smallest "
             f"split_gain over the starts is the largest ({best['min_split_gain']:+.3f}); every verdict there is "
             "labelled with the baseline's gain."
         )
-    return table, words
+    return table.assign(chosen=table["lever"] == chosen), words
+
+
+def regime(table: pd.DataFrame, rule: MapRule = MAP_RULE) -> dict[str, Any] | None:
+    """The setting the rule chose for the family (`apply_rule`'s `chosen` lever), as regime.json holds it: the lever,
+    whether GRPO learns there, its smallest split_gain and the run overrides that make it (every setting the rule
+    reads, the centre's included, so the family's command needs nothing else); None while the extension is to run."""
+    chosen = table[table["chosen"]]
+    if chosen.empty:
+        return None
+    row = chosen.iloc[0]
+    setting = {**rule.centre, **({**rule.levers, EXTENSION: rule.extension}[row["lever"]])}
+    keys = {name: key for key, name in SETTINGS.items()}
+    return {
+        "lever": row["lever"],
+        "learns": bool(row["learns"]),
+        "smallest_split_gain": round(float(row["min_split_gain"]), 6),
+        "overrides": [f"{keys[name]}={value:g}" for name, value in setting.items()],
+    }
 
 
 def _change_words(change: dict[str, Any]) -> str:
@@ -311,6 +334,9 @@ def write(rows: pd.DataFrame, args: argparse.Namespace, command: str) -> str:
         return f"table: {args.out / 'table.md'} ({len(rows)} runs)"
     verdicts, words = apply_rule(rows)
     (args.out / "rule.md").write_text(f"Made with `{command}`.\n\n" + rule_report(verdicts, words), encoding="utf-8")
+    chosen = regime(verdicts)
+    if chosen is not None:
+        (args.out / REGIME_FILE).write_text(json.dumps({"made_with": command, **chosen}, indent=2) + "\n")
     return f"table: {args.out / 'table.md'} ({len(rows)} runs); rule: {args.out / 'rule.md'}: {words}"
 
 

@@ -4,16 +4,16 @@ side in one run, as a ratio.
     python -m benchmarks.concurrent --rounds 4 --steps 4 --json-out concurrent.json
 
 On a benchmark workload (`benchmarks.workload`, grpo; eos banned, so every step does the same work), two loops, each
-in worker processes of its own (`benchmarks.lab_worker`): the synchronous loop as a run has it, its torch threads
-the cores other processes leave free, measured again after every step (`trainer.threads=null`,
-`experiments.run.threads`; `--threads N` fixes them), and the concurrent sampler (`rollout.concurrent=true`,
-`rollout.max_staleness=--bound`; `experiments.step.concurrent`), its trainer on one thread and its sampler process on
-one. Two threads of one process on a machine that other jobs load wait for each other at every operator (a step of
-the synchronous loop took 35 s on two threads at a load of 12, and 4.2 s on the one thread its budget chose), which
-is why the run's budget, not a fixed two, is the synchronous loop's. The loops take turns by blocks of `--steps` steps,
-the first loop alternating by round, so that the load of a shared machine hits both alike. The concurrent loop starts
-afresh every round, its first step untimed (it starts the sampler), and ends with its block: a sampler left running
-between blocks would sample ahead, and take a core from the other loop's block.
+in worker processes of its own (`benchmarks.lab_worker`): the synchronous loop as a run has it, its torch threads the
+cores other processes leave free, measured again after every step (`trainer.threads=null`, `experiments.run.threads`;
+`--threads N` fixes them), and the concurrent sampler (`rollout.source=concurrent`, `rollout.max_staleness=--bound`;
+`experiments.step.sources.concurrent`), its trainer on one thread and its sampler process on one. Two threads of one
+process on a machine that other jobs load wait for each other at every operator (a step of the synchronous loop took
+35 s on two threads at a load of 12, and 4.2 s on the one thread its budget chose), which is why the run's budget, not
+a fixed two, is the synchronous loop's. The loops take turns by blocks of `--steps` steps, the first loop alternating
+by round, so that the load of a shared machine hits both alike. The concurrent loop starts afresh every round, its
+first step untimed (it starts the sampler), and ends with its block: a sampler left running between blocks would
+sample ahead, and take a core from the other loop's block.
 
 A round's ratio is the synchronous loop's mean step time over the concurrent loop's: the concurrent mode's step
 throughput against the synchronous loop's (above 1: more steps per second). Beside it, from the synchronous loop's
@@ -73,7 +73,7 @@ def concurrent_block(overrides: list[str], args: argparse.Namespace, log_dir: Pa
 
 def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     overrides = [*VARIANTS["grpo"], *args.override]
-    concurrent = [*overrides, "rollout.concurrent=true", f"rollout.max_staleness={args.bound}"]
+    concurrent = [*overrides, "rollout.source=concurrent", f"rollout.max_staleness={args.bound}"]
     rounds = []
     with Worker(
         SYNCHRONOUS,

@@ -632,8 +632,8 @@ RL_STEP_WORKLOADS = {  # label -> (workload, overrides on top of it, backends)
 def time_rl_steps(workload: str, overrides: list[str], steps: int = 2) -> dict[str, Any]:
     """One warm-up RL step, then `steps` timed ones, of `workload` with `overrides` (in this process)."""
     build_start = time.perf_counter()
-    trainer = RLTrainer(compose_workload(overrides, workload))
-    fixed_length(trainer)
+    cfg = compose_workload(overrides, workload)
+    trainer = RLTrainer(cfg, min_new_tokens=fixed_length(cfg))
     result: dict[str, Any] = {
         "build_s": time.perf_counter() - build_start,
         "parameters": sum(p.numel() for p in trainer.model.parameters()),

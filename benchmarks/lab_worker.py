@@ -8,8 +8,8 @@ W&B when `logger.wandb.mode` is not `disabled`). The breakdown is the trainer's 
 prompts with the rollout's sampling settings, reported as `generate_s`: the reference for rollout throughput.
 `--profile`: each step also reports the self time of each part of the model's forwards, and of backward, gradient
 clipping and the optimizer step, in the rollout and in scoring + training (`benchmarks.module_time`), as `profile`.
-With `rollout.concurrent=true` a step's rollout is the wait for the sampler's batch, and the step also reports the
-sampler's own `async/*` numbers (`experiments.step.concurrent`).
+With `rollout.source=concurrent` a step's rollout is the wait for the sampler's batch, and the step also reports the
+sampler's own `async/*` numbers (`experiments.step.sources.concurrent`).
 """
 
 from __future__ import annotations
@@ -83,8 +83,7 @@ def main() -> None:
     overrides.append(f"trainer.threads={args.threads or 'null'}")
     cfg = compose_workload(overrides, args.workload)
     threads = ThreadBudget(cfg.trainer.threads)
-    trainer = RLTrainer(cfg)
-    fixed_length(trainer)
+    trainer = RLTrainer(cfg, min_new_tokens=fixed_length(cfg))
     rollouts: list[Rollout] = []
     take = trainer.rollouts.take
 
@@ -95,12 +94,12 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_ = timer.around(torch.nn.utils.clip_grad_norm_, "gradient clipping")
         trainer.optimizer.step = timer.around(trainer.optimizer.step, "optimizer step")
 
-    def take_and_keep(step: int) -> Served:
+    def take_and_keep(step: int, seed: int) -> Served:
         # Kept for the report: the prompt width is part of the work (the roofline's FLOP count needs it), and the
         # generate probe reuses the prompts.
         if timer is not None:
             timer.phase = "rollout"
-        served = take(step)
+        served = take(step, seed)
         if timer is not None:
             timer.phase = "scoring + training"
         rollouts[:] = [served.rollout]

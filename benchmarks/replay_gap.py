@@ -36,9 +36,10 @@ from algos.routing_variants.full_replay import GateReplay
 from analysis.report import markdown_table
 from experiments.config import PROJECT_ROOT, register_configs
 from experiments.step.batch import Minibatch, collect_rollout, minibatch_order, split_minibatches
-from experiments.step.engines import EngineNumerics, Sampling
+from experiments.step.engines import EngineNumerics, RolloutEngine, Sampling
 from experiments.step.old_policy import OldPolicy
 from experiments.step.scoring import ScoreOptions, Scores
+from experiments.step.sources.synchronous import SynchronousSource
 from experiments.step.trainer import RLTrainer
 from models.registry import ConfigError
 from models.routing.measures import routing_drift
@@ -70,6 +71,18 @@ def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference
     return gaps
 
 
+def sampler_of(trainer: RLTrainer) -> RolloutEngine:
+    """The engine that samples the trainer's rollouts in this process: the synchronous source's (the lagged one's
+    too). The concurrent source's samples in a worker process, out of this one's reach: refused."""
+    source = trainer.rollouts
+    if not isinstance(source, SynchronousSource):
+        raise SystemExit(
+            f"replay_gap: rollout.source={source.name} samples in another process; the gap is measured on an engine "
+            "in this one: use rollout.source=synchronous or lagged"
+        )
+    return source.engine
+
+
 def measure(trainer: RLTrainer, warm_steps: int) -> dict[str, Any]:
     t = trainer.cfg.trainer
     for _ in range(warm_steps):
@@ -79,7 +92,7 @@ def measure(trainer: RLTrainer, warm_steps: int) -> dict[str, Any]:
         for i in torch.randint(len(trainer.train_examples), (t.prompts_per_step,), generator=trainer.generator).tolist()
     ]
     sampling = Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=True, record_gates=True)
-    rollout = collect_rollout(trainer.engine, trainer.task, examples, sampling)
+    rollout = collect_rollout(sampler_of(trainer), trainer.task, examples, sampling)
     advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=trainer.advantage_std)
     order = minibatch_order(trainer.plan.layout, rollout.size, t.group_size, trainer.generator)
     minibatches = split_minibatches(rollout, advantages, order, t.minibatches, trainer.device)
@@ -146,10 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainer = RLTrainer(cfg)
     except ConfigError as error:
         raise SystemExit(f"replay_gap: {error}") from None
-    if not trainer.engine.returns_gate_weights:
-        raise SystemExit(f"replay_gap: rollout.engine={trainer.engine.name} reports no gate weights to replay")
+    sampler = sampler_of(trainer)
+    if not sampler.returns_gate_weights:
+        raise SystemExit(f"replay_gap: rollout.engine={sampler.name} reports no gate weights to replay")
     results = measure(trainer, args.warm_steps)
-    numerics = trainer.engine.numerics
+    numerics = sampler.numerics
     engine = (
         "the trainer's own model"
         if numerics is None

@@ -17,15 +17,10 @@ commit, which knows bench-tiny only, composes the same run when given the whole 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from experiments.config import PROJECT_ROOT, register_configs
-
-if TYPE_CHECKING:
-    from experiments.step.trainer import RLTrainer
 
 BENCH_TINY = [
     "model=tiny_moe",
@@ -49,10 +44,10 @@ WORKLOADS = {"tiny": BENCH_TINY, "deep": BENCH_DEEP}
 VARIANTS = {"grpo": ["algo=grpo"], "gspo": ["algo=gspo"], "grpo+r2": ["algo=grpo", "routing.replay=r2"]}
 
 
-def fixed_length(trainer: RLTrainer) -> None:
-    """Make `trainer`'s engine generate exactly `max_new_tokens` tokens per completion (the benchmark's workload;
-    μ_old is still scored from the raw logits, before the eos ban)."""
-    trainer.engine.min_new_tokens = trainer.cfg.trainer.max_new_tokens
+def fixed_length(cfg: DictConfig) -> int:
+    """The `min_new_tokens` (`RLTrainer`'s) that make its engine generate exactly `max_new_tokens` tokens per
+    completion (the benchmark's workload; μ_old is still scored from the raw logits, before the eos ban)."""
+    return cfg.trainer.max_new_tokens
 
 
 def compose_workload(overrides: list[str], workload: str = "tiny") -> DictConfig:

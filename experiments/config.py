@@ -124,18 +124,24 @@ class RolloutConfig(EngineNumerics):
     # The hf engine's KV cache: preallocated (written in place, the same numbers; cheaper) or concat (transformers'
     # own, grown by concatenation every step: the reference). vLLM pages its own cache and takes only the default.
     kv_cache: KVCache = KVCache.preallocated
-    # The exact lag (experiments.step.versions): step t's rollouts are sampled with the weights of this many versions
-    # before θ_old (a version: the weights after one RL step; the first steps sample with the start), so μ_old is
-    # that stale engine and π_old stays the trainer at θ_old. 0: the synchronous loop, bit for bit. docs/async.md.
+    # Where each step's rollouts come from, a name in `experiments.step.sources.ROLLOUT_SOURCES` (docs/async.md):
+    # synchronous (the engine samples each step in the step, with the weights the step before made), lagged (the
+    # same, exactly `lag` versions behind θ_old: the science mode, reproducible and resumable) or concurrent (a worker
+    # process with its own copy of the weights samples the next steps' rollouts while the trainer updates, at most
+    # `max_staleness` behind: the throughput mode, not bit-reproducible; hf engine, one rank).
+    source: str = "synchronous"
+    # The lagged source's k (experiments.step.versions): step t's rollouts are sampled with the weights of this many
+    # versions before θ_old (a version: the weights after one RL step; the first steps sample with the start), so
+    # μ_old is that stale engine and π_old stays the trainer at θ_old. 0: the synchronous loop, bit for bit.
     lag: int = 0
-    # The concurrent sampler (experiments/step/concurrent.py), the throughput mode: a worker process with its own copy
-    # of the weights samples the next steps' rollouts while the trainer updates. Not bit-reproducible (which version
-    # samples a batch depends on the two processes' timing); experiments use `lag`. hf engine, one rank. docs/async.md.
-    concurrent: bool = False
-    # The concurrent sampler's bound, in weight versions: no sample is trained more than this many versions after the
-    # one that sampled it (staleness = θ_old's version − the sample's). Past it the worker waits for newer weights
-    # before sampling; 0: it waits for every step's, so sampling and training take turns.
+    # The concurrent source's bound, in weight versions: a sample trained this many versions after the one that
+    # sampled it (staleness = θ_old's version − the sample's) is at the bound; past it `overflow` says what happens.
     max_staleness: int = 1
+    # What the concurrent source does past its bound (experiments.step.sources.overflow): wait (the worker waits for
+    # newer weights before sampling, so nothing is sampled past it; 0: sampling and training take turns), drop (the
+    # worker holds a queue of max_staleness + 1 batches; a batch past the bound is dropped, counted, never trained) or
+    # count (the same queue; a batch past the bound is trained and its rows counted).
+    overflow: str = "wait"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

@@ -1,10 +1,11 @@
 """A concurrent sampler's worker that kills itself in one chosen window: the target the kill tests of
-tests/test_concurrent.py start in place of `experiments.step.concurrent.serve`. The worker is a fresh interpreter, so
-the trainer's monkeypatches never reach it: this module patches the worker's own `Sampler` there, then serves as the
-real worker does until the window of its batch for step DIES_AT, where it writes the time to `stamp` and sends itself
-the signal: at the window's start, or, waiting at the bound, from a thread of its own while it sleeps in the wait
-(where a condition variable's waiter, killed, once hung the trainer forever). A signal the worker sends itself lands
-in the window; one sent from outside would land wherever the worker happened to be."""
+tests/test_concurrent.py start in place of `experiments.step.sources.concurrent.serve`. The worker is a fresh
+interpreter, so the trainer's monkeypatches never reach it: this module patches the worker's own `Sampler` there, then
+serves as the real worker does until the window of its batch DIES_AT (step DIES_AT's, under the wait policy), where it
+writes the time to `stamp` and sends itself the signal: at the window's start, or, waiting at the bound, from a thread
+of its own while it sleeps in the wait (where a condition variable's waiter, killed, once hung the trainer forever). A
+signal the worker sends itself lands in the window; one sent from outside would land wherever the worker happened to
+be."""
 
 from __future__ import annotations
 
@@ -17,19 +18,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.step import concurrent
+from experiments.step.sources import concurrent
 
-DIES_AT = 3  # the step whose batch the worker dies on: two steps are logged before it
+DIES_AT = 3  # the batch (and step) the worker dies on: two steps are logged before it
 INSIDE_S = 0.05  # how long into a wait the worker dies while it sleeps there (the wait itself lasts up to POLL_S)
 WINDOWS = ("sampling", "waiting at the bound", "loading a version", "between batches")
 
 
 def serve_and_die(window: str, signum: int, stamp: Path, settings: Any, shared: Any, connection: Any) -> None:
-    """`concurrent.serve`, with the worker sending itself `signum` in `window` (one of WINDOWS) of its batch for step
-    DIES_AT (the first batch is step 1's)."""
+    """`concurrent.serve`, with the worker sending itself `signum` in `window` (one of WINDOWS) of its batch DIES_AT
+    (the first batch is step 1's)."""
     sampler = concurrent.Sampler
-    oldest = DIES_AT - 1 - settings.max_staleness  # the version the batch for step DIES_AT waits for
-    asked = {"oldest": -1}  # the version the worker waits for now
+    oldest = DIES_AT - 1 - settings.bound  # the version batch DIES_AT waits for under the wait policy
+    asked = {"batch": -1}  # the batch the worker waits to start now
 
     def die() -> None:
         stamp.write_text(repr(time.time()))
@@ -52,23 +53,21 @@ def serve_and_die(window: str, signum: int, stamp: Path, settings: Any, shared: 
 
     def remember(method: Callable) -> Callable:
         @functools.wraps(method)
-        def wrapped(self, version):
-            asked["oldest"] = version
-            return method(self, version)
+        def wrapped(self, batch):
+            asked["batch"] = batch
+            return method(self, batch)
 
         return wrapped
 
     if window == "sampling":
-        sampler.sample = die_when(sampler.sample, lambda step, waited: step == DIES_AT)
+        sampler.sample = die_when(sampler.sample, lambda batch, waited: batch == DIES_AT)
     elif window == "waiting at the bound":
         sampler.take_weights = remember(sampler.take_weights)
-        sampler.wait_for_publication = die_when(
-            sampler.wait_for_publication, lambda: asked["oldest"] == oldest, inside=True
-        )
+        sampler.wait_for_trainer = die_when(sampler.wait_for_trainer, lambda: asked["batch"] == DIES_AT, inside=True)
     elif window == "loading a version":  # under the weights' lock
         sampler.load = die_when(sampler.load, lambda weights: shared.version.value >= oldest)
     elif window == "between batches":  # its last batch sent, the next not yet begun
-        sampler.take_weights = die_when(sampler.take_weights, lambda version: version == oldest)
+        sampler.take_weights = die_when(sampler.take_weights, lambda batch: batch == DIES_AT)
     else:
         raise ValueError(f"window={window!r}: one of {WINDOWS}")
     concurrent.serve(settings, shared, connection)

@@ -1403,6 +1403,7 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
         "few_experts",
         "few_experts_starts",
         "flip_dose_seeds",
+        "learning_family",
         "quickstart",
         "real_routers",
         "router_noise_dose",

@@ -1,5 +1,6 @@
-"""Asynchronous RL on the micro MoE: the exact lag (`rollout.lag`, experiments/step/versions.py) serves the engine the
-weights of k versions before θ_old, R3 replays the stale engine's routes, and bad lags are refused before any work."""
+"""Asynchronous RL on the micro MoE: the lagged source's exact lag (`rollout.source=lagged rollout.lag=k`,
+experiments/step/sources/lagged.py, versions.py) serves the engine the weights of k versions before θ_old, R3 replays
+the stale engine's routes, and bad lags are refused before any work."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from experiments.train import train
 from models.cpu_kernels import weights_sha256
 from models.registry import ConfigError
 from tests.test_train import compose_train, read_metrics
+
+LAGGED = ["rollout.source=lagged"]
 
 
 class Watched:
@@ -39,7 +42,7 @@ class Watched:
             real_publish(trainer)
 
         def sample(engine, prompts, sampling):
-            if engine is watched.trainer.engine:
+            if engine is watched.trainer.rollouts.engine:
                 watched.engine[watched.trainer.step_index] = weights_sha256(engine.model)
             return real_sample(engine, prompts, sampling)
 
@@ -53,7 +56,7 @@ def test_under_a_lag_the_engine_samples_with_the_trainers_weights_k_versions_bef
     tmp_path, monkeypatch, lag
 ):
     watched = Watched(monkeypatch)
-    train(compose_train("trainer.steps=5", f"rollout.lag={lag}"), tmp_path / "run")
+    train(compose_train("trainer.steps=5", *LAGGED, f"rollout.lag={lag}"), tmp_path / "run")
     assert len(set(watched.versions.values())) == 6, "every step moved the weights: the versions are told apart"
     for step, sha in watched.engine.items():
         assert sha == watched.versions[max(0, step - 1 - lag)], f"step {step}"
@@ -62,10 +65,12 @@ def test_under_a_lag_the_engine_samples_with_the_trainers_weights_k_versions_bef
     assert [row[ENGINE_VERSION] for row in logged] == [max(0, row[STEP] - 1 - lag) for row in logged]
 
 
-def test_without_a_lag_the_engine_is_the_trainer_and_nothing_is_logged_of_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", [[], [*LAGGED, "rollout.lag=0"]], ids=["synchronous", "lagged at 0"])
+def test_without_a_lag_the_engine_is_the_trainer_and_nothing_is_logged_of_one(tmp_path, monkeypatch, source):
     watched = Watched(monkeypatch)
-    train(compose_train("trainer.steps=3"), tmp_path / "run")
-    assert watched.trainer.engine.shares_trainer_weights and watched.trainer.versions is None
+    train(compose_train("trainer.steps=3", *source), tmp_path / "run")
+    engine = watched.trainer.rollouts.engine
+    assert engine.shares_trainer_weights and not watched.trainer.rollouts.held()
     assert all(sha == watched.versions[step - 1] for step, sha in watched.engine.items())
     assert all(LAG not in row for row in read_metrics(tmp_path / "run"))
 
@@ -82,7 +87,10 @@ def test_r3_under_a_lag_replays_the_stale_engines_recorded_routes(tmp_path, monk
         return old
 
     monkeypatch.setattr(Recompute, "__call__", recompute)
-    train(compose_train("trainer.steps=4", "rollout.lag=2", "routing.replay=r3", "trainer.lr=3e-2"), tmp_path / "run")
+    train(
+        compose_train("trainer.steps=4", *LAGGED, "rollout.lag=2", "routing.replay=r3", "trainer.lr=3e-2"),
+        tmp_path / "run",
+    )
     assert replayed
     for engine_routes, replay, _ in replayed:
         assert replay is engine_routes and engine_routes is not None
@@ -97,20 +105,20 @@ def test_weight_versions_keep_what_the_engine_will_still_sample_with():
     versions = WeightVersions(2, {"w": torch.zeros(1)})
     served = [versions.publish(step, {"w": torch.full((1,), float(step))}) for step in range(1, 6)]
     assert [None if s is None else int(s["w"]) for s in served] == [None, None, 1, 2, 3]
-    assert versions.versions() == [3, 4, 5] and versions.served == 3
+    assert sorted(versions.state()) == [3, 4, 5] and versions.served == 3
     with pytest.raises(RuntimeError, match="version 7 published after version 5"):
         versions.publish(7, {"w": torch.zeros(1)})
     restored = WeightVersions(2, {"w": torch.zeros(1)})
-    assert int(restored.restore(versions.state())["w"]) == 3 and restored.versions() == [3, 4, 5]
+    assert int(restored.restore(versions.state())["w"]) == 3 and sorted(restored.state()) == [3, 4, 5]
     with pytest.raises(ValueError, match="not the consecutive versions"):
-        restored.restore({key: value for key, value in versions.state().items() if not key.endswith("4")})
+        restored.restore({version: value for version, value in versions.state().items() if version != 4})
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.lag=-1"], "rollout.lag=-1 must be >= 0"),
-        (["rollout.lag=3"], "rollout.lag=3 is never reached in trainer.steps=3"),
+        ([*LAGGED, "rollout.lag=-1"], "rollout.lag=-1 must be >= 0"),
+        ([*LAGGED, "rollout.lag=3"], "rollout.lag=3 is never reached in trainer.steps=3"),
     ],
 )
 def test_a_lag_the_run_cannot_serve_is_refused_before_any_work(tmp_path, overrides, message):
@@ -130,7 +138,7 @@ def test_a_lag_the_run_cannot_serve_is_refused_before_any_work(tmp_path, overrid
     ],
 )
 def test_the_async_arms_name_their_three_policies_under_a_lag(arm, pi_old, first_on_policy, correction):
-    parts = check_run(compose_train(f"arm={arm}", "rollout.lag=2"), memory=False)
+    parts = check_run(compose_train(f"arm={arm}", *LAGGED, "rollout.lag=2"), memory=False)
     assert parts.plan.pi_old == pi_old and not parts.plan.engine_is_trainer
     assert parts.plan.first_minibatch_on_policy == first_on_policy
     assert parts.correction.name == correction

@@ -1,8 +1,9 @@
-"""The concurrent sampler (`rollout.concurrent`, experiments/step/concurrent.py) on the micro MoE: a worker process
-that never serves a sample above its bound and stamps every one with the version that sampled it; a worker that dies
-or fails, or a batch that slips past the bound, ends the run in one line with its log whole; SIGTERM and Ctrl-C stop
-both processes; bad settings are refused before any work. The tests that start a worker are slow: each spawns an
-interpreter that imports torch and transformers."""
+"""The concurrent source (`rollout.source=concurrent`, experiments/step/sources/concurrent.py) on the micro MoE: a
+worker process that stamps every sample with the version that sampled it and, past its bound, waits (never samples
+past it), drops (never trains past it, counting what it dropped) or counts (trains it, logging every row's staleness),
+as `rollout.overflow` says; a worker that dies or fails, or a batch that slips past the bound, ends the run in one line
+with its log whole; SIGTERM and Ctrl-C stop both processes; bad settings are refused before any work. The tests that
+start a worker are slow: each spawns an interpreter that imports torch and transformers."""
 
 from __future__ import annotations
 
@@ -23,21 +24,29 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments.config import PROJECT_ROOT
-from experiments.step import concurrent
 from experiments.step.batch import Rollout, split_minibatches, step_seed
 from experiments.step.checks import check_run
-from experiments.step.concurrent import (
+from experiments.step.engines import EngineFactory, EngineNumerics, HFEngine, Sampling, full_weights
+from experiments.step.metrics import (
+    DROPPED_BATCHES,
+    PAST_BOUND_ROWS,
+    SAMPLER_WAIT_TIME,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    STEP,
+)
+from experiments.step.old_policy import Recompute
+from experiments.step.sources import SamplingRun, concurrent
+from experiments.step.sources.concurrent import (
     Batch,
-    ConcurrentRollouts,
+    ConcurrentSource,
     Sampler,
     SamplerFailed,
     Shared,
     WorkerSettings,
     check_batch,
 )
-from experiments.step.engines import EngineNumerics, KVCache, Sampling, full_weights
-from experiments.step.metrics import SAMPLER_WAIT_TIME, STALENESS_MAX, STALENESS_MEAN, STEP
-from experiments.step.old_policy import Recompute
+from experiments.step.sources.overflow import OVERFLOW_POLICIES, Verdict
 from experiments.step.trainer import RLTrainer
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
@@ -47,7 +56,7 @@ from tests.dying_worker import DIES_AT, WINDOWS, dying_worker
 from tests.test_reliability import one_line, wait_for_lines
 from tests.test_train import compose_train, read_metrics
 
-CONCURRENT = ["rollout.concurrent=true"]
+CONCURRENT = ["rollout.source=concurrent"]
 SLOW_UPDATE_S = 0.25  # a trainer slower than the worker, so that the worker runs ahead to its bound
 
 
@@ -55,11 +64,11 @@ class Watched:
     """A concurrent run's trainer, the rollouts each step was served, and a CPU copy of the trainer's weights of every
     version (version t after step t; version 0 the start)."""
 
-    def __init__(self, monkeypatch, slow_update: bool = True) -> None:
+    def __init__(self, monkeypatch, slow_update: bool = True, update_s: float = SLOW_UPDATE_S) -> None:
         self.served: dict[int, object] = {}
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         watched = self
-        real_init, real_publish, real_take = RLTrainer.__init__, RLTrainer.publish, ConcurrentRollouts.take
+        real_init, real_publish, real_take = RLTrainer.__init__, RLTrainer.publish, ConcurrentSource.take
         real_update = RLTrainer.update
 
         def init(trainer, *args, **kwargs):
@@ -71,17 +80,17 @@ class Watched:
             watched.versions[trainer.step_index] = copy.deepcopy(full_weights(trainer.model))
             real_publish(trainer)
 
-        def take(source, step):
-            watched.served[step] = served = real_take(source, step)
+        def take(source, step, seed):
+            watched.served[step] = served = real_take(source, step, seed)
             return served
 
         def update(trainer, mb, old):
-            time.sleep(SLOW_UPDATE_S)
+            time.sleep(update_s)
             return real_update(trainer, mb, old)
 
         monkeypatch.setattr(RLTrainer, "__init__", init)
         monkeypatch.setattr(RLTrainer, "publish", publish)
-        monkeypatch.setattr(ConcurrentRollouts, "take", take)
+        monkeypatch.setattr(ConcurrentSource, "take", take)
         if slow_update:
             monkeypatch.setattr(RLTrainer, "update", update)
 
@@ -107,11 +116,18 @@ def mu_old_under(trainer: RLTrainer, rollout: Rollout, weights: dict[str, torch.
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
-        (["rollout.max_staleness=-1"], 1, "rollout.max_staleness=-1 must be >= 0"),
+        ([*CONCURRENT, "rollout.max_staleness=-1"], 1, "rollout.max_staleness=-1 must be >= 0"),
+        (
+            [*CONCURRENT, "rollout.overflow=skip"],
+            1,
+            r"rollout.overflow=skip is not one of wait, drop, count: what the concurrent source does with a batch "
+            "past rollout.max_staleness",
+        ),
         (
             [*CONCURRENT, "rollout.lag=1"],
             1,
-            "rollout.concurrent=true with rollout.lag=1: the exact lag is the science mode",
+            "rollout.lag=1 is a setting of rollout.source=lagged, and this run's source is concurrent: use "
+            "rollout.source=lagged, or leave rollout.lag at 0",
         ),
         ([*CONCURRENT, "rollout.engine=vllm"], 1, "rollout.engine=vllm is not supported there: use rollout.engine=hf"),
         (CONCURRENT, 2, "runs one worker beside one trainer process, and this run has 2 ranks: use one rank"),
@@ -135,15 +151,15 @@ def test_the_plan_recomputes_pi_old_because_the_engine_is_the_workers():
 # -- the checks, the gate and the stamps, in this process -----------------------------------------------------------
 
 
-def batch_of(step: int, versions: list[int]) -> Batch:
-    return Batch(step, rollout=None, versions=torch.tensor(versions), sample_s=0.0, wait_s=0.0)
+def batch_of(index: int, versions: list[int]) -> Batch:
+    return Batch(index, rollout=None, versions=torch.tensor(versions), sample_s=0.0, wait_s=0.0)
 
 
 @pytest.mark.parametrize(
     "batch, previous, message",
     [
         (batch_of(4, [2, 2]), 2, None),
-        (batch_of(5, [3, 3]), 2, "the concurrent sampler sent step 5's rollouts when step 4 needed its own"),
+        (batch_of(5, [3, 3]), 2, "the concurrent sampler sent batch 5 when step 4 needed batch 4"),
         (
             batch_of(4, [4, 4]),
             2,
@@ -154,22 +170,36 @@ def batch_of(step: int, versions: list[int]) -> Batch:
             batch_of(4, [1, 1]),
             2,
             "the weight version went backwards: step 4's rollouts were sampled with version 1, after "
-            "the step before's with version 2",
-        ),
-        (
-            batch_of(4, [1, 2]),
-            1,
-            r"1 sample\(s\) older than rollout.max_staleness=1 slipped through: step 4 trains from "
-            "version 3, and they were sampled with version 1, 2 versions behind",
+            "the batch before's with version 2",
         ),
     ],
 )
-def test_a_batch_the_step_must_not_train_on_is_refused_naming_why(batch, previous, message):
+def test_a_batch_the_step_must_not_take_is_refused_naming_why(batch, previous, message):
     if message is None:
-        check_batch(batch, 4, previous, bound=1)
+        check_batch(batch, 4, 4, previous)
         return
     with pytest.raises(SamplerFailed, match=message):
-        check_batch(batch, 4, previous, bound=1)
+        check_batch(batch, 4, 4, previous)
+
+
+@pytest.mark.parametrize(
+    "policy, starts, past_bound",
+    [
+        # (batch 5, bound 1): published versions and batches taken, whether it may start; a batch 1 row past the bound
+        ("wait", {(2, 0): False, (3, 0): True, (2, 4): False}, Verdict.refuse),
+        ("drop", {(2, 0): False, (0, 3): True, (3, 2): False}, Verdict.drop),
+        ("count", {(2, 0): False, (0, 3): True, (3, 2): False}, Verdict.train),
+    ],
+)
+def test_each_policy_gates_the_worker_on_its_own_counter_and_says_what_a_batch_past_the_bound_becomes(
+    policy, starts, past_bound
+):
+    """Wait gates batch b on version b − 1 − bound published; drop and count on batch b − 1 − bound taken (a queue of
+    bound + 1), so that a batch may come to its step past the bound, which drop drops and count trains."""
+    overflow = OVERFLOW_POLICIES[policy]()
+    for (published, taken), allowed in starts.items():
+        assert overflow.may_start(5, 1, published, taken) is allowed, (published, taken)
+    assert overflow.verdict(0) == Verdict.train and overflow.verdict(1) == past_bound
 
 
 @pytest.fixture
@@ -180,22 +210,29 @@ def sampler():
     model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     model, _ = build_policy(model_cfg)
     weights = {name: tensor.clone().share_memory_() for name, tensor in full_weights(model).items()}
-    shared = Shared(weights, context.Value("q", 0, lock=False), context.Lock(), context.Semaphore(0))
-    settings = WorkerSettings(
+    shared = Shared(
+        weights,
+        context.Value("q", 0, lock=False),
+        context.Value("q", 0, lock=False),
+        context.Lock(),
+        context.Semaphore(0),
+    )
+    run = SamplingRun(
         model=model_cfg,
         dataset=OmegaConf.to_container(cfg.dataset, resolve=True),
         device="cpu",
         seed=cfg.seed,
         prompts=4,
         sampling=Sampling(4, 4, 1.0),
-        numerics=EngineNumerics(),
-        kv_cache=KVCache.preallocated,
-        min_new_tokens=0,
-        max_staleness=1,
-        first=1,
+        engines=EngineFactory(HFEngine, cfg, EngineNumerics(), records_routing=False),
     )
     alive = {"trainer": True}
-    return Sampler(settings, shared, lambda: alive["trainer"]), shared, alive
+
+    def sampler_for(policy: str) -> Sampler:
+        settings = WorkerSettings(run, bound=1, overflow=OVERFLOW_POLICIES[policy](), first=1)
+        return Sampler(settings, shared, lambda: alive["trainer"])
+
+    return sampler_for, shared, alive
 
 
 def publish(shared: Shared, version: int, scale: float) -> None:
@@ -203,33 +240,49 @@ def publish(shared: Shared, version: int, scale: float) -> None:
 
 
 def test_the_worker_waits_at_its_bound_takes_the_newest_version_and_stamps_every_row(sampler):
-    sampler, shared, alive = sampler
-    assert sampler.take_weights(0) < 0.1 and sampler.held == 0
+    sampler_for, shared, alive = sampler
+    sampler = sampler_for("wait")
+    assert sampler.take_weights(2) < 0.1 and sampler.held == 0  # batch 2 at bound 1 needs version 0
     later = threading.Timer(0.5, publish, (shared, 2, 0.5))
     later.start()
-    waited = sampler.take_weights(1)  # version 1 is the oldest allowed: it waits, then takes version 2, the newest
+    waited = sampler.take_weights(3)  # batch 3 needs version 1: it waits, then takes version 2, the newest
     later.join()
     assert waited >= 0.4 and sampler.held == 2
     for name, tensor in sampler.engine.model.state_dict().items():
         assert torch.equal(tensor, shared.weights[name]), name
     batch = sampler.sample(7, waited)
-    assert batch.step == 7 and batch.wait_s == waited and batch.versions.tolist() == [2] * 16
+    assert batch.index == 7 and batch.wait_s == waited and batch.versions.tolist() == [2] * 16
     # the prompts are those the synchronous loop draws for step 7 of this seed
     generator = torch.Generator().manual_seed(step_seed(0, 7, 0))
     picks = torch.randint(len(sampler.examples), (4,), generator=generator).tolist()
     assert [e.prompt for e in batch.rollout.examples] == [sampler.examples[i].prompt for i in picks for _ in range(4)]
     alive["trainer"] = False
-    assert sampler.take_weights(3) is None, "a worker whose trainer is gone stops waiting"
+    assert sampler.take_weights(5) is None, "a worker whose trainer is gone stops waiting"
+
+
+@pytest.mark.parametrize("policy", ["drop", "count"])
+def test_under_a_queue_the_worker_waits_for_the_trainer_to_take_a_batch_not_for_a_version(sampler, policy):
+    """Batch 3 at bound 1 waits for batch 1 to be taken; the take wakes it, and it samples with the version it
+    holds, however far behind."""
+    sampler_for, shared, _ = sampler
+    sampler = sampler_for(policy)
+    assert sampler.take_weights(2) < 0.1 and sampler.held == 0  # batch 2 needs batch 0 taken: the count's start
+    later = threading.Timer(0.5, shared.took, (1, lambda: True))
+    later.start()
+    waited = sampler.take_weights(3)
+    later.join()
+    assert waited >= 0.4 and sampler.held == 0, "no version was published: it samples with version 0"
 
 
 def test_a_published_version_that_goes_backwards_is_refused_by_the_worker(sampler):
-    sampler, shared, _ = sampler
+    sampler_for, shared, _ = sampler
+    sampler = sampler_for("wait")
     publish(shared, 3, 1.0)
-    assert sampler.take_weights(2) is not None and sampler.held == 3
+    assert sampler.take_weights(4) is not None and sampler.held == 3
     later = threading.Timer(0.3, publish, (shared, 1, 1.0))
     later.start()
     with pytest.raises(SamplerFailed, match="weight version 1 was published after version 3: versions only grow"):
-        sampler.take_weights(4)  # waiting for version 4, it wakes at version 1
+        sampler.take_weights(6)  # batch 6 waits for version 4, and wakes at version 1
     later.join()
 
 
@@ -261,6 +314,37 @@ def test_the_sampler_never_trains_a_sample_above_its_bound_and_stamps_each_with_
         assert float(gap.max()) < 1e-4, f"step {step}: μ_old is version {version}'s"
         newer = mu_old_under(watched.trainer, served.rollout, watched.versions[version + 1])
         assert float(newer.max()) > 1e-3, f"step {step}: the versions are told apart"
+    assert not watched.worker, "the run's end stopped the worker"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [0, 1, 2])
+@pytest.mark.parametrize("policy", ["wait", "drop", "count"])
+def test_past_its_bound_the_worker_waits_drops_or_counts_behind_a_slow_trainer(tmp_path, monkeypatch, policy, bound):
+    """A trainer much slower than the worker (a second a step), so that the worker runs ahead as far as its policy
+    lets it. Wait: no batch past the bound, the worker held at it. Drop: batches past it dropped and counted, no row
+    trained past it. Count: batches past it trained, one version past at most (the queue), and every step logs its
+    rows' staleness as their stamps say."""
+    watched = Watched(monkeypatch, update_s=0.5)
+    overrides = [*CONCURRENT, f"rollout.max_staleness={bound}", f"rollout.overflow={policy}", "trainer.steps=6"]
+    summary = train(compose_train(*overrides), tmp_path / "run")
+    logged = read_metrics(tmp_path / "run")
+    assert [row[STEP] for row in logged] == [1, 2, 3, 4, 5, 6]
+    trained = {step: step - 1 - served.versions for step, served in watched.served.items()}  # from each row's stamp
+    for step, staleness in trained.items():
+        row = logged[step - 1]
+        assert row[STALENESS_MEAN] == float(staleness.float().mean()) and row[STALENESS_MAX] == int(staleness.max())
+        assert row[PAST_BOUND_ROWS] == int((staleness > bound).sum()), f"step {step}"
+    dropped = sum(row[DROPPED_BATCHES] for row in logged)
+    past = sum(row[PAST_BOUND_ROWS] for row in logged)
+    most = max(int(staleness.max()) for staleness in trained.values())
+    assert summary["dropped_batches"] == dropped and summary["past_bound_rows"] == past
+    if policy == "wait":
+        assert dropped == past == 0 and most == bound, "the worker ran ahead to its bound, and no further"
+    elif policy == "drop":
+        assert dropped > 0 and past == 0 and most <= bound, "batches past the bound were dropped, never trained"
+    else:
+        assert dropped == 0 and past > 0 and most == bound + 1, "batches past the bound were trained and counted"
     assert not watched.worker, "the run's end stopped the worker"
 
 
@@ -300,14 +384,14 @@ def ends_failed(tmp_path: Path, error: pytest.ExceptionInfo, why: str) -> list[d
 @pytest.mark.slow
 def test_a_killed_worker_ends_the_run_in_one_line_with_its_log_whole(tmp_path, monkeypatch):
     watched = Watched(monkeypatch)
-    real_publish = ConcurrentRollouts.publish
+    real_publish = ConcurrentSource.publish
 
     def publish_then_kill(source, step):
         real_publish(source, step)
         if step == 2:
             os.kill(source.process.pid, signal.SIGKILL)
 
-    monkeypatch.setattr(ConcurrentRollouts, "publish", publish_then_kill)
+    monkeypatch.setattr(ConcurrentSource, "publish", publish_then_kill)
     with pytest.raises(SystemExit) as ended:
         train(compose_train(*CONCURRENT, "trainer.steps=6"), tmp_path / "run")
     # Killed while it waits for a batch, or while it publishes (the worker may die holding the weights' lock, as it
@@ -337,13 +421,13 @@ def test_a_worker_killed_in_any_window_ends_the_run_in_one_line_within_seconds(t
     stamp = tmp_path / "killed_at"
     monkeypatch.setattr(concurrent, "serve", dying_worker(window, signum, stamp))
     started = {}
-    real_start = ConcurrentRollouts._start
+    real_start = ConcurrentSource._start
 
     def start(source, step):
         real_start(source, step)
         started["pid"] = source.process.pid
 
-    monkeypatch.setattr(ConcurrentRollouts, "_start", start)
+    monkeypatch.setattr(ConcurrentSource, "_start", start)
     # A trainer that hangs fails the test instead of the suite: SIGTERM after a minute ends the run as interrupted.
     watchdog = threading.Timer(60, os.kill, (os.getpid(), signal.SIGTERM))
     watchdog.start()
@@ -375,16 +459,16 @@ def test_a_worker_killed_in_any_window_ends_the_run_in_one_line_within_seconds(t
 def test_a_failing_worker_ends_the_run_in_one_line_naming_its_error(tmp_path, monkeypatch):
     """The trainer publishes its step 3 as version 0: the worker, which held a later one, refuses it."""
     Watched(monkeypatch)
-    real_publish = ConcurrentRollouts.publish
+    real_publish = ConcurrentSource.publish
     monkeypatch.setattr(
-        ConcurrentRollouts, "publish", lambda source, step: real_publish(source, 0 if step == 3 else step)
+        ConcurrentSource, "publish", lambda source, step: real_publish(source, 0 if step == 3 else step)
     )
     with pytest.raises(SystemExit) as ended:
         train(compose_train(*CONCURRENT, "trainer.steps=8"), tmp_path / "run")
     ends_failed(
         tmp_path,
         ended,
-        r"the concurrent sampler's worker failed while sampling step \d's rollouts: weight "
+        r"the concurrent sampler's worker failed while sampling batch \d: weight "
         r"version 0 was published after version \d: versions only grow",
     )
 
@@ -393,13 +477,13 @@ def test_a_failing_worker_ends_the_run_in_one_line_naming_its_error(tmp_path, mo
 def test_a_sample_older_than_the_bound_that_slipped_through_stops_the_run(tmp_path, monkeypatch):
     """A worker gated at 1 behind a trainer that checks 0: its first batch of staleness 1 is refused."""
     Watched(monkeypatch)
-    real_start = ConcurrentRollouts._start
+    real_start = ConcurrentSource._start
 
     def start_with_a_tighter_check(source, step):
         real_start(source, step)
         source.bound = 0
 
-    monkeypatch.setattr(ConcurrentRollouts, "_start", start_with_a_tighter_check)
+    monkeypatch.setattr(ConcurrentSource, "_start", start_with_a_tighter_check)
     with pytest.raises(SystemExit) as ended:
         train(compose_train(*CONCURRENT, "rollout.max_staleness=1", "trainer.steps=4"), tmp_path / "run")
     logged = ends_failed(

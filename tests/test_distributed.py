@@ -184,7 +184,7 @@ def _command(ranks: int, run_dir: Path, *extra: str) -> list[str]:
 def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
     """One process, and two ranks under a lag (the engine's weight versions are in the checkpoint): the resumed run
     samples what the whole one sampled, on each rank."""
-    lagged = (f"rollout.lag={lag}",) if lag else ()
+    lagged = ("rollout.source=lagged", f"rollout.lag={lag}") if lag else ()
     whole = subprocess.run(
         _command(ranks, tmp_path / "whole", *lagged),
         capture_output=True,

@@ -195,6 +195,40 @@ def test_the_maps_rule_picks_the_cheapest_lever_that_learns_from_every_start(tmp
     assert "picks **lr3e-5**" in words
     report = (tmp_path / "out" / "rule.md").read_text()
     assert "| lr3e-5 | 6 | +0.150 | +0.150 | +0.120 | yes | 100 |" in report and words in report
+    regime = json.loads((tmp_path / "out" / learnability.REGIME_FILE).read_text())
+    assert regime["lever"] == "lr3e-5" and regime["learns"] and regime["smallest_split_gain"] == pytest.approx(0.15)
+    assert set(regime["overrides"]) == {
+        "trainer.prompts_per_step=16",
+        "trainer.minibatches=2",
+        "trainer.group_size=8",
+        "trainer.lr=3e-05",
+        "trainer.steps=150",
+    }
+
+
+def test_where_no_lever_learns_the_extension_is_asked_for_then_decides(tmp_path):
+    """No lever learns: the rule asks for the declared extension and writes no regime; with the extension run and
+    failing too, the family's regime is the setting whose smallest gain is largest, marked as not learning."""
+    rule = learnability.MAP_RULE
+    for index, change in enumerate(rule.levers.values()):
+        for rung in rule.rungs:
+            for start in range(rule.starts):
+                gain = 0.01 * index + (0.02 if start == 1 else 0.0)
+                _map_run(tmp_path / "map", rung, start, change, (0.45, 0.45 + gain), 0.12, 200.0)
+    learnability.main([str(tmp_path / "map"), "--out", str(tmp_path / "out"), "--rule"])
+    assert (
+        "the declared extension (lr 3e-05, prompts 32, steps 400) is to be run"
+        in (tmp_path / "out" / "rule.md").read_text()
+    )
+    assert not (tmp_path / "out" / learnability.REGIME_FILE).exists()
+    for rung in rule.rungs:
+        for start in range(rule.starts):
+            _map_run(tmp_path / "map", rung, start, rule.extension, (0.45, 0.47), 0.12, 900.0)
+    learnability.main([str(tmp_path / "map"), "--out", str(tmp_path / "out"), "--rule"])
+    regime = json.loads((tmp_path / "out" / learnability.REGIME_FILE).read_text())
+    best = list(rule.levers)[-1]  # the last lever's smallest gain, 0.06, is the largest
+    assert regime["lever"] == best and not regime["learns"] and regime["smallest_split_gain"] == pytest.approx(0.06)
+    assert "trainer.steps=400" in regime["overrides"]
 
 
 def test_a_map_missing_a_start_or_an_unfinished_run_is_refused_in_one_line_naming_it(tmp_path, capsys):

@@ -204,9 +204,10 @@ def test_fake_quantization_is_per_output_channel():
 
 def test_the_engine_copy_takes_the_trainers_weights_after_a_step(tmp_path):
     trainer = RLTrainer(compose_train("rollout.precision=bf16", "trainer.lr=5e-2"))
-    assert not trainer.engine.shares_trainer_weights and trainer.plan.pi_old == "decoupled"
+    engine = trainer.rollouts.engine
+    assert not engine.shares_trainer_weights and trainer.plan.pi_old == "decoupled"
     trainer.step()
-    for (name, mine), (_, theirs) in zip(trainer.engine.model.named_parameters(), trainer.model.named_parameters()):
+    for (name, mine), (_, theirs) in zip(engine.model.named_parameters(), trainer.model.named_parameters()):
         assert mine.dtype == torch.bfloat16 and torch.equal(mine, theirs.to(torch.bfloat16)), name
 
 

@@ -167,7 +167,7 @@ def test_the_first_minibatch_trains_no_predictor_and_the_second_its_kl_to_the_mo
 
 def test_the_engine_routes_by_its_predictors_only_while_it_samples_and_training_replays_that_route():
     trainer = RLTrainer(compose_train(*PR2, "trainer.minibatch_layout=rows"))
-    assert trainer.engine.shares_trainer_weights, "the engine samples with the trainer's own module"
+    assert trainer.rollouts.engine.shares_trainer_weights, "the engine samples with the trainer's own module"
     routers = list(find_routers(trainer.model).values())
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -210,6 +210,7 @@ def test_under_a_lag_the_engine_routes_with_its_versions_predictor_and_a_killed_
 ):
     settings = [
         *PR2,
+        "rollout.source=lagged",
         "rollout.lag=2",
         "trainer.steps=5",
         "trainer.checkpoint_every=1",

@@ -8,6 +8,7 @@ overrides make other than the documented ones are reported in reports/, never ov
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -426,3 +427,54 @@ def test_the_exploratory_n4_runs_minirl_at_two_lags_and_r3_at_2_from_eight_start
     assert report[:2] == ["-m", "analysis.report"] and len(report) == 2 + 16 + 4
     assert contrast[:4] == ["-m", "analysis.family", "--family", "docs/results/async/exploratory_n4_family.yaml"]
     assert contrast[-4:] == ["--lag", "2", "--out", "docs/results/async/exploratory_n4/contrasts"]
+
+
+def test_the_learning_family_runs_in_the_maps_regime_from_ten_starts_that_meet_their_target(tmp_path):
+    """`docs/results/learning/command.sh sync` (a `python` that records every call but `python -c`, which it runs):
+    starts 3 on of each recipe, a start that missed its SFT's target (start 5) replaced by the next (13); the regime
+    regime.json names in every sweep; seed 0 on every start before seed 1; a report per rung. Without regime.json the
+    runs are refused in one line before any start is looked at."""
+    env, log = recording_python(tmp_path)
+    fake = Path(env["PATH"].split(":")[0]) / "python"
+    fake.write_text(
+        f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n' + fake.read_text().split("\n", 1)[1]
+    )
+    starts = tmp_path / "starts"
+    sigmoid, softmax = "glm4_moe_l16-addition-balanced-target-t1000", "qwen30b_l16-addition-balanced-t1000"
+    for recipe in (sigmoid, softmax):
+        for k in range(3, 14):
+            (starts / f"{recipe}-start{k}").mkdir(parents=True)
+            reached = not (recipe == sigmoid and k == 5)
+            (starts / f"{recipe}-start{k}" / "cold_start.json").write_text(json.dumps({"reached_target": reached}))
+    script = RESULTS / "learning" / "command.sh"
+    env = {**env, "COLD_STARTS": str(starts), "REGIME": str(tmp_path / "regime.json")}
+    refused = subprocess.run(["bash", str(script), "sync"], env=env, capture_output=True, text=True)
+    assert (
+        refused.returncode == 2
+        and refused.stderr.startswith("error: ")
+        and "regime.json does not exist" in refused.stderr
+    )
+    assert not calls_in(log)
+    regime = ["trainer.prompts_per_step=32", "trainer.lr=3e-05", "trainer.steps=400"]
+    (tmp_path / "regime.json").write_text(json.dumps({"lever": "extension", "overrides": regime}))
+    done = subprocess.run(["bash", str(script), "sync"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"{sigmoid}: start 5 missed its SFT's target, replaced by the next start" in done.stderr
+    calls = calls_in(log)
+    assert not [call for call in calls if call[:2] == ["-m", "experiments.sft"]], "every start was there already"
+    trains = [call for call in calls if call[:2] == ["-m", "experiments.train"]]
+
+    def setting(call: list[str], key: str) -> str:
+        return next(arg.split("=", 1)[1] for arg in call if arg.startswith(key + "="))
+
+    assert [setting(call, "hydra.sweeper.params.seed") for call in trains] == ["0"] * 3 + ["1"] * 3
+    assert all(set(regime) <= set(call) and setting(call, "resume") == "auto" for call in trains)
+    used = [path.rsplit("-start", 1)[1] for path in setting(trains[0], "model.path").split(",")]
+    assert used == ["3", "4", *map(str, range(6, 14))]
+    assert setting(trains[2], "model.path").split(",")[-1].endswith(f"{softmax}-start12")
+    assert setting(trains[0], "hydra.sweeper.params.arm") == "grpo,gspo,grpo_r2,grpo_r3"
+    assert setting(trains[1], "routing_variant.lr_scale") == "1,10000"
+    assert [call[call.index("--out") + 1] for call in calls if call[:2] == ["-m", "analysis.report"]] == [
+        "docs/results/learning/sync/glm4_moe_l16",
+        "docs/results/learning/sync/qwen30b_l16",
+    ]

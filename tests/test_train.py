@@ -142,7 +142,7 @@ def experts_used(model) -> tuple[list[torch.Tensor], list]:
 def first_step_inputs(trainer: RLTrainer):
     """What `RLTrainer.step` builds before its updates: the rollout, the minibatches and their π_old."""
     t = trainer.cfg.trainer
-    rollout = trainer.rollout()
+    rollout = trainer.rollout(trainer.rollouts.engine)
     advantages = group_advantages(rollout.rewards, t.group_size)
     order = minibatch_order(trainer.plan.layout, rollout.size, t.group_size, trainer.generator)
     minibatches = split_minibatches(rollout, advantages, order, t.minibatches, trainer.device)

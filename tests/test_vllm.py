@@ -280,7 +280,7 @@ def test_under_a_lag_vllm_samples_with_the_lagged_version_and_r3_replays_its_exp
     the mismatch is fp32's; from step 2 on the engine is a version behind, as far off as an engine never synced, and
     the updates replay the stale engine's experts."""
     checked = _replay_checked(monkeypatch)
-    summary = train(compose_train(*VLLM_RUN, *MOVING, "rollout.lag=1"), tmp_path / "lagged")
+    summary = train(compose_train(*VLLM_RUN, *MOVING, "rollout.source=lagged", "rollout.lag=1"), tmp_path / "lagged")
     assert summary["status"] == "finished" and len(checked) == 3 * 2 and min(checked) > 0
     lines = read_metrics(tmp_path / "lagged")
     assert [line[LAG] for line in lines] == [0, 1, 1] and [line[ENGINE_VERSION] for line in lines] == [0, 0, 1]

@@ -3,11 +3,13 @@
 `trainer.checkpoint_every=k` writes, after every k-th step's log line and after the run's last step,
 `checkpoints/step_<k>/` in the run directory:
     state/            model and optimizer, with `torch.distributed.checkpoint` (sharded over ranks under FSDP2,
-                      one process otherwise), and under `rollout.lag` the weight versions the engine will still
-                      sample with (`experiments.step.versions`; full weights, the same on every rank): its index
+                      one process otherwise), and the weight versions the rollout source keeps beyond the trainer's
+                      (`RolloutSource.held`: the lagged source's, which its engine will still sample with; full
+                      weights, the same on every rank): its index
                       (`.metadata`) and the optimizer's hyperparameters are pickles, read as data only
                       (`read_index`, `_DataPlanner`): a checkpoint is never code
-    rng_rank<r>.pt    every random generator of rank r (torch's, the prompt sampler's, the engine's router noise),
+    rng_rank<r>.pt    every random generator of rank r (torch's, the prompt sampler's, the rollout source's: its
+                      engine's router noise),
                       loaded with `weights_only=True`
     trainer.json      step and token counters, skipped updates, the scheduler's state, every setting of the run,
                       the environments its steps were computed under, and the sha256 of every other file `load`
@@ -62,7 +64,6 @@ from experiments.run.resume import described, differences, length_change, settin
 from experiments.run.rundir import SUMMARY_FILE, StorageError, replace_file, sync_directory
 from experiments.step.engines import full_weights
 from experiments.step.metrics import STEP
-from experiments.step.versions import version_key
 from models.registry import ConfigError
 from models.routing.predictor import without_predictors
 
@@ -72,7 +73,9 @@ PARTIAL = ".tmp"  # a checkpoint being written
 DAMAGED = ".damaged"  # set aside at resume: it does not load
 SUPERSEDED = ".superseded"  # set aside at resume: later than the checkpoint the run went back to
 DELETING = ".deleting"  # rotated out: renamed first, so that a kill while it is deleted leaves no checkpoint half gone
-ENGINE_VERSIONS = "engine_versions"  # under rollout.lag: the weight versions held, in trainer.json and the state
+ENGINE_VERSIONS = "engine_versions"  # the rollout source's weight versions (lagged), in trainer.json and the state
+# A version's key in the state: not a bare number, which Distributed Checkpoint would read back as a list index.
+VERSION_PREFIX = "version_"
 
 
 def step_of(path: Path) -> int:
@@ -155,8 +158,9 @@ def _write(trainer: Any, partial: Path) -> None:
     ranks: Ranks = trainer.ranks
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
-    if trainer.versions is not None:
-        state[ENGINE_VERSIONS] = trainer.versions.state()
+    held = trainer.rollouts.held()
+    if held:
+        state[ENGINE_VERSIONS] = {version_key(version): weights for version, weights in held.items()}
     dcp.save(state, checkpoint_id=str(partial / "state"), no_dist=not ranks.active)
     generators = io.BytesIO()
     torch.save(_generators(trainer), generators)
@@ -166,6 +170,7 @@ def _write(trainer: Any, partial: Path) -> None:
 
 def _write_trainer(trainer: Any, partial: Path) -> None:
     """(rank 0, once every rank's files are written) `trainer.json`, with the sha256 of every file `load` reads."""
+    held = sorted(trainer.rollouts.held())
     replace_file(
         partial / "trainer.json",
         json.dumps(
@@ -179,7 +184,7 @@ def _write_trainer(trainer: Any, partial: Path) -> None:
                 "world": trainer.ranks.world,
                 "computed_under": computed_under(trainer),
                 "files": {name: _sha256(partial / name) for name in files_read(partial, trainer.ranks.world)},
-                **({} if trainer.versions is None else {ENGINE_VERSIONS: trainer.versions.versions()}),
+                **({ENGINE_VERSIONS: held} if held else {}),
             },
             indent=1,
             default=str,
@@ -253,8 +258,12 @@ def _generators(trainer: Any) -> dict[str, torch.Tensor]:
     return {
         "torch": torch.get_rng_state(),
         "sampler": trainer.generator.get_state(),
-        "noise": trainer.engine.noise.get_state(),
+        **{name: generator.get_state() for name, generator in trainer.rollouts.generators().items()},
     }
+
+
+def version_key(version: int) -> str:
+    return f"{VERSION_PREFIX}{version}"
 
 
 TRAINER_KEYS = ("step", "tokens_seen", "skipped_updates", "consecutive_skips", "scheduler", "experiment", "world")
@@ -351,7 +360,9 @@ def _trainer_damage(saved: dict[str, Any]) -> str | None:
     if files is not None and not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
         return f"files={_shown(files)}, not an object of each file's sha256"
     lag, versions = saved["experiment"].get("rollout.lag", 0), saved.get(ENGINE_VERSIONS)
-    if lag and not (isinstance(versions, list) and versions and all(map(_is_count, versions))):
+    if (lag or versions is not None) and not (
+        isinstance(versions, list) and versions and all(map(_is_count, versions))
+    ):
         return (
             f"{ENGINE_VERSIONS}={_shown(versions)} of a run with rollout.lag={_shown(lag)}, not the list of weight "
             "versions its engine samples with (integers >= 0)"
@@ -598,11 +609,12 @@ def load(trainer: Any, path: Path) -> None:
     saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
-    if trainer.versions is not None:  # room for each version the checkpoint holds, shaped as the full weights
+    versions = saved.get(ENGINE_VERSIONS, [])
+    if versions:  # room for each version the checkpoint holds, shaped as the full weights
         template = full_weights(trainer.model)
         state[ENGINE_VERSIONS] = {
             version_key(version): {name: torch.empty_like(tensor, device="cpu") for name, tensor in template.items()}
-            for version in saved[ENGINE_VERSIONS]
+            for version in versions
         }
     dcp.load(state, storage_reader=_IndexReader(path / "state"), planner=_DataPlanner(), no_dist=not ranks.active)
     set_state_dict(
@@ -616,13 +628,11 @@ def load(trainer: Any, path: Path) -> None:
     generators = torch.load(path / f"rng_rank{ranks.rank}.pt", weights_only=True)
     torch.set_rng_state(generators["torch"])
     trainer.generator.set_state(generators["sampler"])
-    trainer.engine.noise.set_state(generators["noise"])
+    for name, generator in trainer.rollouts.generators().items():
+        generator.set_state(generators[name])
     python_random = json.loads((path / f"python_random_rank{ranks.rank}.json").read_text())
     random.setstate((python_random[0], tuple(python_random[1]), python_random[2]))
-    if trainer.versions is not None:
-        trainer.engine.sync_weights(trainer.versions.restore(state[ENGINE_VERSIONS]))
-    elif not trainer.engine.shares_trainer_weights:
-        trainer.engine.sync_weights(full_weights(trainer.model))
+    trainer.rollouts.restore({version: state[ENGINE_VERSIONS][version_key(version)] for version in versions})
     trainer.computed_under, differs = provenance.resumed_under(
         saved.get("computed_under"), saved["step"], trainer.cfg.cpu_kernels, trainer.cfg.trainer.threads
     )

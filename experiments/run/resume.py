@@ -7,8 +7,9 @@ unless it is added to `SAFE_TO_CHANGE`. A key the recorded run lacks is a settin
 the same setting when this run holds what runs did before it existed (a field's schema default, a config group's
 choice that changes nothing: `BEFORE_THE_GROUP`), and another experiment otherwise. A key the recorded run holds and
 today's schema lacks is a setting retired since: the same experiment only at the value that means what today's
-config does without it (`RETIRED`). The run's length is the one setting that may change under a rule of its own
-(`length_change`).
+config does without it (`RETIRED`). Where a setting took over from retired ones (`rollout.source` from `rollout.lag`
+and `rollout.concurrent`) both runs' settings are compared in today's terms (`in_todays_terms`). The run's length is
+the one setting that may change under a rule of its own (`length_change`).
 """
 
 from __future__ import annotations
@@ -77,10 +78,27 @@ def declared_safe(key: str) -> bool:
     return any(key == safe or key.startswith(f"{safe}.") for safe in SAFE_TO_CHANGE)
 
 
+def in_todays_terms(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's flat settings as today's keys say them. A run recorded before `rollout.source` existed ran the source
+    its `rollout.concurrent` (retired) and `rollout.lag` named: concurrent, lagged or synchronous. The lagged source at
+    lag 0 is the synchronous loop, bit for bit (it builds the synchronous source), and is named so: a sweep over lags
+    under `rollout.source=lagged` continues runs recorded at lag 0 without a source."""
+    today = dict(flat)
+    if "rollout.source" not in today and node_recorded(today, "rollout.source"):
+        concurrent = today.pop("rollout.concurrent", False)
+        today["rollout.source"] = (
+            "concurrent" if concurrent else "lagged" if today.get("rollout.lag") else "synchronous"
+        )
+    if today.get("rollout.source") == "lagged" and not today.get("rollout.lag"):
+        today["rollout.source"] = "synchronous"
+    return today
+
+
 def differences(recorded: dict[str, Any], cfg: DictConfig) -> list[Difference]:
     """Every compared setting in which `cfg` is another experiment than the run whose `settings` are `recorded`."""
     found = []
-    today = settings(cfg)
+    recorded = in_todays_terms(recorded)
+    today = in_todays_terms(settings(cfg))
     for key, ours in today.items():
         if declared_safe(key):
             continue

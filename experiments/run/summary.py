@@ -66,10 +66,15 @@ def summarize(
         **provenance.run_fields(trainer.cfg, checkpoint.computed_under(trainer)),
     }
     staleness = [r[m.STALENESS_MAX] for r in history if m.STALENESS_MAX in r]
-    if staleness:  # the concurrent sampler's: how far behind θ_old its samples were, and its waits at the bound
+    if staleness:  # the concurrent source's: how far behind θ_old its samples were, and what its policy did past it
         summary["staleness_mean"] = over_steps(m.STALENESS_MEAN)
         summary["staleness_max"] = max(staleness)
-        summary["sampler_wait_s"] = sum(r[m.SAMPLER_WAIT_TIME] for r in history if m.SAMPLER_WAIT_TIME in r)
+        for key, name in (
+            (m.SAMPLER_WAIT_TIME, "sampler_wait_s"),
+            (m.DROPPED_BATCHES, "dropped_batches"),
+            (m.PAST_BOUND_ROWS, "past_bound_rows"),
+        ):
+            summary[name] = sum(r[key] for r in history if key in r)
     if trainer.plan.track_routing:
         # The GSPO paper's "experts changed per update" is the drift after one update (minibatch index 1); the mean
         # over a step's minibatches counts minibatch 0, whose drift is 0 by construction.

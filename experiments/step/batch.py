@@ -54,7 +54,7 @@ def collect_rollout(engine: RolloutEngine, task: Task, examples: list[Example], 
 @dataclass(frozen=True)
 class Served:
     """A step's rollout as its source served it (`RLTrainer.rollouts`): sampled by the trainer's engine in the step, or
-    by the concurrent sampler's worker before it (`experiments.step.concurrent`)."""
+    by the concurrent sampler's worker before it (`experiments.step.sources`)."""
 
     rollout: Rollout
     versions: torch.Tensor  # [N] the weight version each row was sampled with (version t: the weights after step t)

@@ -4,7 +4,8 @@ A refusal is one line (`ConfigError`) naming the value and what is allowed. Each
 lives: the keys the schemas declare and the trainer's and routing's ranges here; an objective's, a correction's and a
 routing variant's and a router switch's parameters in their own `validate` (`algos/`); what a routing variant or a
 router switch can serve in its `check`;
-the engine's settings and what the run needs from it in the engine's `check` (`engines/`); where π_old comes from and
+the engine's settings and what the run needs from it in the engine's `check` (`engines/`); a rollout source's settings
+in its `check` (`sources/`), and which source's they are in `check_rollout_source`; where π_old comes from and
 the minibatch layout in `plan.plan_step`; the model's files and sizes in `models.policy.model_config`; a task's
 parameters in the task; and here what the parts must agree on, the task's budget and the step's memory.
 """
@@ -29,6 +30,7 @@ from algos.routing_variants import RoutingVariant, build_routing_variant
 from experiments.step.engines import ENGINES, EngineNumerics, Needs, RolloutEngine
 from experiments.step.memory import GIB, StepMemory, available_bytes, step_memory
 from experiments.step.plan import PiOld, Replay, StepPlan, plan_step
+from experiments.step.sources import ROLLOUT_SOURCES, RolloutSource
 from experiments.tasks import Example, Task, build_task
 from models.policy import DTYPES, SIGMOID_FAMILIES, ModelConfig, is_moe, model_config
 from models.registry import ConfigError, node_settings
@@ -52,6 +54,7 @@ class RunParts:
     model_cfg: ModelConfig
     numerics: EngineNumerics
     engine: type[RolloutEngine]
+    source: type[RolloutSource]
     objective: Objective
     advantage_std: bool
     correction: Correction
@@ -80,8 +83,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     check_known_keys(cfg)
     check_logger(cfg.logger)
     check_trainer(cfg.trainer, moe, world)
-    check_lag(cfg.rollout.lag, cfg.trainer.steps)
-    check_concurrent(cfg.rollout, world)
+    source = check_rollout_source(cfg.rollout, world, cfg.trainer.steps)
     check_routing(cfg.routing, moe, cfg.model.name)
     if cfg.routing.perturb_rate and world > 1:
         raise ConfigError(
@@ -91,11 +93,11 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     check_device(cfg.device)
     check_training_dtype(cfg.model.dtype, cfg.device)
     engine = ENGINES[cfg.rollout.engine]
-    plan = plan_step(cfg, moe, engine, variant, correction.name if correction.needs_decoupled else None, world)
+    plan = plan_step(cfg, moe, engine, source, variant, correction.name if correction.needs_decoupled else None, world)
     engine.check(cfg, world, engine_needs(plan, objective, correction))
     check_agreement(objective, correction)
     variant.check(plan.replay, cfg.model.name, moe)
-    check_predictors(variant, cfg.trainer.minibatches, cfg.rollout.concurrent)
+    check_predictors(variant, cfg.trainer.minibatches, source)
     t = cfg.trainer
     check_switches(
         switches,
@@ -123,6 +125,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
         model_cfg,
         EngineNumerics.of(cfg.rollout),
         engine,
+        source,
         objective,
         advantage_std,
         correction,
@@ -175,49 +178,23 @@ def check_logger(logger: Any) -> None:
         raise ConfigError(f"logger.wandb.init_timeout={timeout} must be a finite number of seconds > 0")
 
 
-def check_lag(lag: int, steps: int) -> None:
-    """`rollout.lag` (`experiments.step.versions`): versions behind θ_old, reached within the run."""
-    if lag < 0:
-        raise ConfigError(
-            f"rollout.lag={lag} must be >= 0: the weight versions the engine samples behind θ_old (0: "
-            "the synchronous loop)"
-        )
-    if lag >= steps:
-        raise ConfigError(
-            f"rollout.lag={lag} is never reached in trainer.steps={steps}: step t samples min(t - 1, "
-            f"{lag}) versions behind θ_old, so the lag is first served at step {lag + 1}; use a lag "
-            f"below {steps}, or more steps"
-        )
-
-
-def check_concurrent(rollout: Any, world: int) -> None:
-    """The concurrent sampler's bound, and what it runs with (`rollout.concurrent`, `experiments.step.concurrent`)."""
-    bound = rollout.max_staleness
-    if bound < 0:
-        raise ConfigError(
-            f"rollout.max_staleness={bound} must be >= 0: the weight versions a sample of the concurrent "
-            "sampler may be behind θ_old when it is trained (0: its worker waits for every step's "
-            "weights)"
-        )
-    if not rollout.concurrent:
-        return
-    if rollout.lag:
-        raise ConfigError(
-            f"rollout.concurrent=true with rollout.lag={rollout.lag}: the exact lag is the science mode "
-            "(every step exactly that many versions behind, reproducible), the concurrent sampler the "
-            "throughput mode (at most rollout.max_staleness behind, as the processes' timing falls); "
-            "use one of them"
-        )
-    if rollout.engine != "hf":
-        raise ConfigError(
-            f"rollout.concurrent=true samples in a worker process with the hf engine; rollout.engine="
-            f"{rollout.engine} is not supported there: use rollout.engine=hf"
-        )
-    if world > 1:
-        raise ConfigError(
-            f"rollout.concurrent=true runs one worker beside one trainer process, and this run has "
-            f"{world} ranks: use one rank (launch.nproc_per_node=1)"
-        )
+def check_rollout_source(rollout: Any, world: int, steps: int) -> type[RolloutSource]:
+    """The rollout source `rollout.source` names, whose settings it checks (`RolloutSource.check`); a setting of
+    another source off its schema default is refused, as nothing would read it."""
+    if rollout.source not in ROLLOUT_SOURCES:
+        raise ConfigError(f"rollout.source={rollout.source} is not one of {', '.join(ROLLOUT_SOURCES)}")
+    source = ROLLOUT_SOURCES[rollout.source]
+    schema = OmegaConf.get_type(rollout) if isinstance(rollout, DictConfig) else None
+    defaults = {f.name: f.default for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    for name, other in ROLLOUT_SOURCES.items():
+        for key in other.settings if other is not source else ():
+            if key in defaults and rollout[key] != defaults[key]:
+                raise ConfigError(
+                    f"rollout.{key}={rollout[key]} is a setting of rollout.source={name}, and this run's source is "
+                    f"{source.name}: use rollout.source={name}, or leave rollout.{key} at {defaults[key]}"
+                )
+    source.check(rollout, world, steps)
+    return source
 
 
 def check_trainer(t: Any, moe: bool, world: int) -> None:
@@ -270,20 +247,20 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
         )
 
 
-def check_predictors(variant: RoutingVariant, minibatches: int, concurrent: bool) -> None:
+def check_predictors(variant: RoutingVariant, minibatches: int, source: type[RolloutSource]) -> None:
     """A routing variant that trains route predictors trains them from the second minibatch of a step on (PR2's
-    Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them. The concurrent
-    sampler's worker builds its engine from the model's config, without the predictors the trainer adds."""
+    Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them. A source whose
+    engine builds its model from the config (the concurrent worker's) has no predictors the trainer adds."""
     if variant.predicts_routes and minibatches < 2:
         raise ConfigError(
             f"routing_variant={variant.name} trains its predictors from the second minibatch of a step "
             f"on, and trainer.minibatches={minibatches} has none: use trainer.minibatches >= 2"
         )
-    if variant.predicts_routes and concurrent:
+    if variant.predicts_routes and not source.serves_predictors:
         raise ConfigError(
             f"routing_variant={variant.name} routes the engine by predictors the trainer adds to its "
-            "model, which the concurrent sampler's worker does not build: use rollout.lag=k (the exact "
-            "lag) with it, or rollout.concurrent=false"
+            f"model, which rollout.source={source.name} does not build: use rollout.source=lagged (the exact "
+            "lag) or synchronous with it"
         )
 
 

@@ -37,17 +37,21 @@ TRAIN_TIME = "perf/train_s"
 ROLLOUT_TOKENS_PER_S = "perf/rollout_tokens_per_s"
 THREADS = "perf/threads"  # torch threads the step ran with (`experiments.run.threads`)
 ELAPSED = "perf/elapsed_s"  # since the run's first step
-# Under rollout.lag or rollout.concurrent: the weight version the step's rollouts were sampled with (the oldest of
+# Under rollout.source=lagged or concurrent: the weight version the step's rollouts were sampled with (the oldest of
 # their samples')
 ENGINE_VERSION = "async/engine_version"
-LAG = "async/lag"  # under rollout.lag: how many versions that is behind θ_old (rollout.lag once the run is that far)
-# Under rollout.concurrent (`experiments.step.concurrent`): each sample's staleness, θ_old's version minus the version
-# that sampled it, mean and max over the step's samples (never above rollout.max_staleness); the seconds the worker
-# waited at that bound before sampling the step's rollouts (its policy past the bound), and sampled them.
+LAG = "async/lag"  # lagged: how many versions that is behind θ_old (rollout.lag once the run is that far)
+# Under rollout.source=concurrent (`experiments.step.sources.concurrent`): each sample's staleness, θ_old's version
+# minus the version that sampled it, mean and max over the step's samples (above rollout.max_staleness only under
+# rollout.overflow=count); the seconds the worker waited for its policy's gate before sampling the step's batches
+# (under wait: at the bound), and sampling the one trained; the batches dropped past the bound before it (drop), and
+# its rows trained past the bound (count).
 STALENESS_MEAN = "async/staleness_mean"
 STALENESS_MAX = "async/staleness_max"
 SAMPLER_WAIT_TIME = "async/sampler_wait_s"
 SAMPLE_TIME = "async/sample_s"
+DROPPED_BATCHES = "async/dropped_batches"
+PAST_BOUND_ROWS = "async/past_bound_rows"
 MINIBATCHES = "minibatches"  # the list of per-minibatch records
 MINIBATCH = "minibatch"  # the index of one: updates since θ_old
 # Held-out evaluation (`experiments.step.batch.evaluate`)

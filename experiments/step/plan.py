@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from experiments.step.engines.base import EngineNumerics, RolloutEngine
+from experiments.step.engines.base import RolloutEngine
 from models.grouped_attention import NAME as PACKED_ATTENTION
 from models.registry import ConfigError
 
@@ -83,16 +83,21 @@ class StepPlan:
 
 
 def plan_step(
-    cfg: Any, is_moe: bool, engine: type[RolloutEngine], variant: Any, reads_pi_old: str | None = None, world: int = 1
+    cfg: Any,
+    is_moe: bool,
+    engine: type[RolloutEngine],
+    source: Any,
+    variant: Any,
+    reads_pi_old: str | None = None,
+    world: int = 1,
 ) -> StepPlan:
-    """Decide the step of the run `cfg` on `world` ranks. `engine`: the rollout engine's class; `variant`: the
-    routing variant (`algos.routing_variants`); `reads_pi_old`: what, besides replay, needs the trainer's own π_old
-    (a rollout correction's name), or None."""
+    """Decide the step of the run `cfg` on `world` ranks. `engine`: the rollout engine's class; `source`: the rollout
+    source's class (`experiments.step.sources.RolloutSource`), which says whether the engine that samples is the
+    trainer's own module and how far behind θ_old it samples; `variant`: the routing variant
+    (`algos.routing_variants`); `reads_pi_old`: what, besides replay, needs the trainer's own π_old (a rollout
+    correction's name), or None."""
     replay = Replay(cfg.routing.replay)
-    numerics = EngineNumerics.of(cfg.rollout)
-    # The concurrent sampler's engine is a worker process's own copy of the weights (`experiments.step.concurrent`).
-    concurrent = cfg.rollout.max_staleness if cfg.rollout.concurrent else None
-    engine_is_trainer = engine.shares_weights_with_trainer(numerics, cfg.rollout.lag) and concurrent is None
+    engine_is_trainer = source.engine_is_trainer(cfg.rollout, engine)
     reads_old_router = variant.name if variant.reads_old_router else None
     pi_old, why = _pi_old(
         PiOld(cfg.trainer.pi_old),
@@ -101,8 +106,7 @@ def plan_step(
         engine.returns_logprobs,
         reads_pi_old,
         reads_old_router,
-        cfg.rollout.lag,
-        concurrent,
+        source.behind(cfg.rollout),
     )
     track_routing = is_moe and (cfg.routing.metrics or replay != Replay.none or cfg.routing.decompose_every > 0)
     flip_rate = float(cfg.routing.flip_rate)
@@ -135,11 +139,10 @@ def _pi_old(
     engine_returns_logprobs: bool,
     reads_pi_old: str | None,
     reads_old_router: str | None,
-    lag: int,
-    concurrent: int | None,
+    behind: str | None,
 ) -> tuple[PiOld, str]:
-    """Where π_old comes from, and why. `concurrent`: the concurrent sampler's bound (`rollout.max_staleness`), or None
-    without it."""
+    """Where π_old comes from, and why. `behind`: how far behind θ_old the engine samples, as a clause
+    (`RolloutSource.behind`), or None where it samples with θ_old itself."""
     if asked == PiOld.bypass and replay == Replay.r2:
         raise ConfigError(
             "trainer.pi_old=bypass with routing.replay=r2: R2 replays θ_old's routing, which only the trainer's own "
@@ -156,36 +159,23 @@ def _pi_old(
             "whose "
             "log-probabilities only the trainer's own π_old pass records; use trainer.pi_old=decoupled or auto"
         )
-    behind = (
-        f"; the engine samples {lag} versions behind θ_old"
-        if lag
-        else (
-            f"; the concurrent sampler's engine samples up to {concurrent} version(s) behind θ_old"
-            if concurrent is not None
-            else ""
-        )
-    )
+    also = f"; {behind}" if behind else ""
     if asked == PiOld.decoupled:
-        return asked, "asked: the trainer recomputes π_old at θ_old" + behind
+        return asked, "asked: the trainer recomputes π_old at θ_old" + also
     if asked == PiOld.bypass:
         return asked, "asked: π_old := μ_old, the engine's log-probs" + (
-            f" (naive asynchronous RL){behind}" if behind else ""
+            f" (naive asynchronous RL){also}" if behind else ""
         )
     if replay == Replay.r2:
-        return PiOld.decoupled, "r2 records θ_old's routing in the trainer's π_old pass" + behind
+        return PiOld.decoupled, "r2 records θ_old's routing in the trainer's π_old pass" + also
     if replay == Replay.r3:
-        return PiOld.decoupled, "r3 replays the engine's routing in the trainer's π_old pass" + behind
+        return PiOld.decoupled, "r3 replays the engine's routing in the trainer's π_old pass" + also
     if reads_old_router:
         return PiOld.decoupled, (
-            f"routing_variant={reads_old_router} reads θ_old's router in the trainer's π_old pass" + behind
+            f"routing_variant={reads_old_router} reads θ_old's router in the trainer's π_old pass" + also
         )
-    if lag:
-        return PiOld.decoupled, f"the engine samples {lag} versions behind θ_old: its numbers are not π_old's"
-    if concurrent is not None:
-        return PiOld.decoupled, (
-            f"the concurrent sampler's engine is a worker process's own copy of the weights, up "
-            f"to {concurrent} version(s) behind θ_old: its numbers are not π_old's"
-        )
+    if behind:
+        return PiOld.decoupled, f"{behind}: its numbers are not π_old's"
     if not engine_is_trainer:
         return PiOld.decoupled, "the engine is not the trainer's model: its numbers are not π_old's"
     if not engine_returns_logprobs:

@@ -2,19 +2,18 @@
 
 Three policies are named in the step. μ_old is the rollout engine that sampled (its own log-probs and routing);
 π_old is the trainer at the weights θ_old the step started from; π_θ is the policy being updated. The token ratio
-the objectives clip is π_θ / π_old. With `rollout.lag=k` the engine samples with the weights of k versions before
-θ_old (`experiments.step.versions`): μ_old is that stale engine, π_old still the trainer at θ_old. With
-`rollout.concurrent` a worker process samples the next steps' rollouts while the trainer updates, at most
-`rollout.max_staleness` versions behind θ_old (`experiments.step.concurrent`); where a step's rollout comes from is
-one object decided at start-up (`self.rollouts`), and nothing after it asks which.
+the objectives clip is π_θ / π_old. Where a step's rollout comes from is the rollout source `rollout.source` names
+(`experiments.step.sources`), built once at start-up (`self.rollouts`), and nothing after it asks which: the engine
+in the step (synchronous), the same engine with the weights of exactly `rollout.lag` versions before θ_old (lagged:
+μ_old is that stale engine, π_old still the trainer at θ_old), or a worker process that samples the next steps'
+rollouts while the trainer updates (concurrent).
 
     rollout     = self.rollouts.take(step)                   μ_old: tokens, log-probs, routing when asked; rewards
     advantages  = group_advantages(rollout.rewards)          Â_i = (r_i − mean_group) / (std_group + eps)
     minibatches = split_minibatches(rollout, advantages, order)   pure: whole groups or shuffled rows (GSPO §5.1)
     old         = [old_policy(mb) for mb in minibatches]      π_old (and the KL reference), before any update
     for mb, old: update(mb, old)                              π_θ: forward, objective, loss, backward, AdamW, measure
-    publish()                                                 θ to the engine (or the version `rollout.lag` serves),
-                                                              or to the concurrent sampler's worker
+    publish()                                                 θ, as the next version, to the rollout source
 
 What the step is made of is decided once at start-up (`experiments.step.plan`, recorded in `summary.json`) and
 assembled into objects (`experiments.step.hooks.assemble`): where π_old comes from (`experiments.step.old_policy`:
@@ -51,7 +50,6 @@ from experiments.step import metrics as m
 from experiments.step.batch import (
     Minibatch,
     Rollout,
-    Served,
     collect_rollout,
     draw_examples,
     evaluate,
@@ -60,19 +58,18 @@ from experiments.step.batch import (
     step_seed,
 )
 from experiments.step.checks import check_run
-from experiments.step.concurrent import ConcurrentRollouts
 from experiments.step.data_parallel import gather_rows, reduce_value, shard, summed
-from experiments.step.engines import EngineNumerics, HFEngine, KVCache, Sampling, full_weights
+from experiments.step.engines import EngineFactory, HFEngine, KVCache, RolloutEngine, Sampling, full_weights
 from experiments.step.hooks import Rows, StepParts, Update, assemble
 from experiments.step.old_policy import OldPolicy
 from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout
 from experiments.step.scoring import ScoreOptions, Scores, score_responses
-from experiments.step.versions import WeightVersions
+from experiments.step.sources import SamplingRun, SourceInputs
 from experiments.tasks import Example
 from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
-from models.registry import Diverged
+from models.registry import Diverged, node_settings
 from models.routing.predictor import policy_parameters
 from models.routing.trace import find_routers
 
@@ -81,10 +78,10 @@ PERTURB_STREAM = 0xD21F7  # and the router perturbation's, likewise
 
 
 class RLTrainer:
-    """Holds the policy, its engine, optimizer, objective and task; `step()` runs one RL step and returns its
-    metrics."""
+    """Holds the policy, its rollout source, optimizer, objective and task; `step()` runs one RL step and returns its
+    metrics. `min_new_tokens`: the engine bans eos before that many tokens (the benchmarks' fixed-length steps)."""
 
-    def __init__(self, cfg: DictConfig, ranks: Ranks = Ranks()) -> None:
+    def __init__(self, cfg: DictConfig, ranks: Ranks = Ranks(), min_new_tokens: int = 0) -> None:
         self.cfg = cfg
         self.ranks = ranks
         parts = check_run(cfg, ranks.world)
@@ -103,17 +100,27 @@ class RLTrainer:
         for switch in self.switches:  # before the engine copies the model and the optimizer takes its parameters
             switch.start(self.model)
         self.variant.start(self.model)  # likewise, and after the switches: a frozen router leaves its predictor trained
-        # An engine with its own numbers copies the whole model before the trainer's is sharded across ranks. Under
-        # `rollout.concurrent` the worker process builds the engine that samples the steps, with the run's numbers;
-        # the trainer's is then its own module, at no cost, and samples none of them.
-        numerics = EngineNumerics() if cfg.rollout.concurrent else parts.numerics
-        self.engine = parts.engine.build(
-            cfg, self.model, self.tokenizer, numerics, ranks, self.plan.engine_records_routing
+        # Where each step's rollout comes from, given what it needs and not the trainer: the engine (on the trainer's
+        # own module where the plan says so, else a copy of its own, made before the trainer's model is sharded
+        # across ranks), how a step's rollout is drawn, the trainer's weights, and the run for a worker's process.
+        engines = EngineFactory(parts.engine, cfg, parts.numerics, self.plan.engine_records_routing, min_new_tokens)
+        self.rollouts = parts.source.build(
+            cfg.rollout,
+            SourceInputs(
+                make_engine=lambda: engines(self.model, self.tokenizer, ranks, on_model=self.plan.engine_is_trainer),
+                sample=self.rollout,
+                weights=lambda: full_weights(self.model),
+                run=SamplingRun(
+                    model=parts.model_cfg,
+                    dataset=node_settings(cfg.dataset),
+                    device=cfg.device,
+                    seed=cfg.seed,
+                    prompts=cfg.trainer.prompts_per_step,
+                    sampling=self.sampling(),
+                    engines=engines,
+                ),
+            ),
         )
-        # Under a lag, the versions the engine will still sample with, from the start (version 0) on.
-        self.versions = WeightVersions(cfg.rollout.lag, full_weights(self.model)) if cfg.rollout.lag else None
-        # Where each step's rollout comes from: the engine, in the step, or the concurrent sampler's worker.
-        self.rollouts = ConcurrentRollouts(self) if cfg.rollout.concurrent else EngineRollouts(self)
         if ranks.active:
             shard(self.model)
         start = None  # the start, frozen: the KL term's reference, and what `measure_learning` measures the KL to
@@ -167,9 +174,8 @@ class RLTrainer:
         self.generator.manual_seed(seed)
         self.flip_generator.manual_seed(seed + FLIP_STREAM)
         self.perturb_generator.manual_seed(seed + PERTURB_STREAM)
-        self.engine.reseed(seed)
         start = time.perf_counter()
-        served = self.rollouts.take(self.step_index)
+        served = self.rollouts.take(self.step_index, seed)
         rollout = served.rollout
         rollout_s = time.perf_counter() - start
         advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=self.advantage_std)
@@ -214,7 +220,7 @@ class RLTrainer:
         self.rollouts.publish(self.step_index)
 
     def close(self) -> None:
-        """Stop what runs beside the trainer (the concurrent sampler's worker), however the run ends."""
+        """Stop what runs beside the trainer (the concurrent source's worker), however the run ends."""
         self.rollouts.close()
 
     def sampling(self) -> Sampling:
@@ -230,12 +236,12 @@ class RLTrainer:
             predict_routes=self.plan.engine_predicts_routes,
         )
 
-    def rollout(self) -> Rollout:
-        """μ_old: `prompts_per_step` train prompts, `group_size` completions each, from the engine."""
+    def rollout(self, engine: RolloutEngine) -> Rollout:
+        """μ_old: `prompts_per_step` train prompts (this rank's share), `group_size` completions each, from `engine`."""
         examples = draw_examples(
             self.train_examples, self.cfg.trainer.prompts_per_step // self.ranks.world, self.generator
         )
-        return collect_rollout(self.engine, self.task, examples, self.sampling())
+        return collect_rollout(engine, self.task, examples, self.sampling())
 
     def score(self, model: torch.nn.Module, mb: Minibatch, options: ScoreOptions = ScoreOptions()) -> Scores:
         """`score_responses` of the minibatch under `model`, packed by group under the `groups` layout, its balancing
@@ -378,46 +384,3 @@ class RLTrainer:
         if t.eval_train:
             metrics[m.EVAL_TRAIN_GREEDY] = accuracy(self.train_examples[: t.eval_prompts], 0)[m.EVAL_GREEDY]
         return metrics
-
-
-class EngineRollouts:
-    """Where each step's rollout comes from in the synchronous loop: the trainer's engine samples it in the step
-    (`RLTrainer.rollout`), with the weights the step before handed it: the trainer's own, or under `rollout.lag` the
-    version that many behind them."""
-
-    def __init__(self, trainer: RLTrainer) -> None:
-        self.trainer = trainer
-
-    def take(self, step: int) -> Served:
-        versions = self.trainer.versions
-        start = time.perf_counter()
-        rollout = self.trainer.rollout()
-        sample_s = time.perf_counter() - start
-        version = step - 1 if versions is None else versions.served
-        metrics: dict[str, float] = {} if versions is None else {m.ENGINE_VERSION: version, m.LAG: step - 1 - version}
-        return Served(rollout, torch.full((rollout.size,), version), sample_s, metrics)
-
-    def publish(self, step: int) -> None:
-        """The engine takes the trainer's weights after `step`, or under a lag the version that many behind them
-        (nothing when the engine already holds it, or samples with the trainer's module itself)."""
-        engine = self.trainer.engine
-        if engine.shares_trainer_weights:
-            return
-        full = full_weights(self.trainer.model)
-        weights = full if self.trainer.versions is None else self.trainer.versions.publish(step, full)
-        if weights is not None:
-            engine.sync_weights(weights)
-
-    def close(self) -> None:
-        """Nothing runs beside the trainer."""
-
-    def describe(self) -> dict[str, Any]:
-        """What `summary.json` says of the rollouts and their engine."""
-        engine, lag = self.trainer.engine, self.trainer.cfg.rollout.lag
-        return {
-            "rollouts": "synchronous: the engine samples each step's rollouts in the step"
-            + (f", with the weights {lag} versions behind θ_old (rollout.lag)" if lag else ""),
-            "engine": engine.name,
-            "engine_numerics": "the trainer's own model" if engine.shares_trainer_weights else str(engine.numerics),
-            "engine_details": engine.describe(),
-        }

@@ -4,15 +4,16 @@ A version is the weights after one RL step: version 0 is the start, version t th
 trains from θ_old = version t − 1; with `rollout.lag=k` its rollouts are sampled with version max(0, t − 1 − k), so
 the engine is exactly k versions behind θ_old once the run has taken k steps (and as far behind as the run allows
 before: the first k steps sample with the start). k = 0 is the synchronous loop: the engine takes the weights every
-step has just made. This is the exact lag the experiments use (what an asynchronous trainer bounded at k versions
-serves at worst, every step at that bound); `experiments.step.concurrent` is the sampler that runs beside the trainer.
+step has just made (`rollout.source=lagged` then builds the synchronous source). This is the exact lag the experiments
+use (what an asynchronous trainer bounded at k versions serves at worst, every step at that bound), the lagged source's
+(`experiments.step.sources.lagged`); `experiments.step.sources.concurrent` is the sampler that runs beside the trainer.
 
 Where the versions live: a CPU copy of the full (unsharded) weights per version the engine may still need, from
 the one it holds to the newest: k + 1 copies once the run is k steps in (each rank holds its own under FSDP2, as
 every rank gathers the full weights for its engine). At a 30B scale that is (k + 1) × 60 GB of bf16 host memory per
 rank, which is why a run at that scale is the concurrent sampler's, whose engine keeps only the version it serves.
-A checkpoint holds the copies (`experiments.run.checkpoint`), so that a resumed lagged run samples what the
-uninterrupted one sampled.
+A checkpoint holds the copies (`state`, `restore`; `experiments.run.checkpoint`), so that a resumed lagged run samples
+what the uninterrupted one sampled.
 """
 
 from __future__ import annotations
@@ -23,12 +24,6 @@ from collections.abc import Mapping
 import torch
 
 Weights = Mapping[str, torch.Tensor]
-# A version's key in a checkpoint: not a bare number, which Distributed Checkpoint would read back as a list index.
-VERSION_PREFIX = "version_"
-
-
-def version_key(version: int) -> str:
-    return f"{VERSION_PREFIX}{version}"
 
 
 def cpu_copy(weights: Weights) -> dict[str, torch.Tensor]:
@@ -69,20 +64,17 @@ class WeightVersions:
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
-    def versions(self) -> list[int]:
-        return [version for version, _ in self.held]
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every held version's weights, by version (a checkpoint's `engine_versions`)."""
+        return dict(self.held)
 
-    def state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every held version's weights, under `version_key` (a checkpoint's `engine_versions`)."""
-        return {version_key(version): weights for version, weights in self.held}
-
-    def restore(self, state: Mapping[str, Weights]) -> dict[str, torch.Tensor]:
+    def restore(self, state: Mapping[int, Weights]) -> dict[str, torch.Tensor]:
         """Hold the versions of a checkpoint's `state` instead; return the one the engine must take (the oldest)."""
-        versions = sorted(int(key.removeprefix(VERSION_PREFIX)) for key in state)
+        versions = sorted(state)
         if versions != list(range(versions[0], versions[0] + len(versions))) or len(versions) > self.lag + 1:
             raise ValueError(
                 f"a checkpoint's weight versions {versions} are not the consecutive versions, at most "
                 f"{self.lag + 1}, that rollout.lag={self.lag} keeps"
             )
-        self.held = deque((version, cpu_copy(state[version_key(version)])) for version in versions)
+        self.held = deque((version, cpu_copy(state[version])) for version in versions)
         return self.held[0][1]

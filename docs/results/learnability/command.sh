@@ -17,6 +17,10 @@
 #                                                    time (p8, p32, lr3e-5, lr3e-4, g16, h400), MiniRL and GSPO at the
 #                                                    centre, the dense control's GRPO at the centre; then the table
 #                                                    and the pre-registered rule's verdict (rule.md)
+#   docs/results/learnability/command.sh extension   the map's one declared extension, run because no lever met the
+#                                                    rule: GRPO at lr 3e-5 with 32 prompts a step for 400 steps from
+#                                                    the same six MoE starts; then the rule again over the map and it
+#                                                    (rule.md, regime.json)
 # Every sweep resumes (resume=auto): run again, it goes on where it stopped. One run at a time on one thread
 # (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra arguments are run overrides passed to every
 # sweep; any but hydra.launcher.n_jobs makes other runs than the documented ones, whose sweeps go to
@@ -25,18 +29,21 @@ set -euo pipefail
 source "$(dirname "$0")/../args.sh"
 mode=${1:-}
 shift || true
-[[ $mode == diagnosis || $mode == map ]] || refuse "mode '$mode' is not one of: diagnosis, map"
+[[ $mode == diagnosis || $mode == map || $mode == extension ]] ||
+  refuse "mode '$mode' is not one of: diagnosis, map, extension"
 check_run_overrides "$@"
 destinations learnability --threads-pinned "$@"
 cd "$(dirname "$0")/../../.."
 starts=docs/results/router_starts.sh
-if [[ $mode == map ]]; then
+if [[ $mode == map || $mode == extension ]]; then
   sigmoid=glm4_moe_l16-addition-balanced-target-t1000 softmax=qwen30b_l16-addition-balanced-t1000
   dense=qwen30b_l16_dense-addition-t1000
   $starts --starts 3 $sigmoid $softmax $dense
   # Setting outermost, then rung: a command stopped part-way leaves each setting it reached on every start. The three
   # starts of a rung are one sweep (model.path swept), so that hydra.launcher.n_jobs=2 runs two of them side by side.
-  for setting in centre p8 p32 lr3e-5 lr3e-4 g16 h400; do
+  settings=(centre p8 p32 lr3e-5 lr3e-4 g16 h400)
+  [[ $mode == map ]] || settings=(extension)
+  for setting in "${settings[@]}"; do
     case $setting in
       centre) changes=(arm=grpo,minirl,gspo) ;;
       p8) changes=(trainer.prompts_per_step=8) ;;
@@ -45,6 +52,7 @@ if [[ $mode == map ]]; then
       lr3e-4) changes=(trainer.lr=3e-4) ;;
       g16) changes=(trainer.group_size=16) ;;
       h400) changes=(trainer.steps=400) ;;
+      extension) changes=(trainer.lr=3e-5 trainer.prompts_per_step=32 trainer.steps=400) ;;
     esac
     for rung in glm4_moe_l16 qwen30b_l16 qwen30b_l16_dense; do
       runs=("${changes[@]}")

@@ -7,6 +7,7 @@ engine is one module that registers itself when imported here: `hf` (transformer
 
 from experiments.step.engines.base import (
     ENGINES,
+    EngineFactory,
     EngineNumerics,
     KVCache,
     Needs,
@@ -24,6 +25,7 @@ from experiments.step.engines.hf import HFEngine  # noqa: E402
 
 __all__ = [
     "ENGINES",
+    "EngineFactory",
     "EngineNumerics",
     "HFEngine",
     "KVCache",

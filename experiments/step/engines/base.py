@@ -27,6 +27,7 @@ from enum import StrEnum
 from typing import Any, ClassVar, cast
 
 import torch
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -136,10 +137,10 @@ class RolloutEngine(ABC):
     min_new_tokens: int  # ban eos before this many tokens (the benchmark's fixed-length steps); 0: off
 
     @classmethod
-    def shares_weights_with_trainer(cls, numerics: EngineNumerics, lag: int = 0) -> bool:
-        """Whether the engine built for `numerics`, `lag` weight versions behind θ_old (`experiments.step.versions`),
-        samples with the trainer's own model, so that its numbers are π_old's (start-up decides where π_old comes from
-        on this). An engine behind the trainer never does: it holds older weights."""
+    def shares_weights_with_trainer(cls, numerics: EngineNumerics) -> bool:
+        """Whether the engine built for `numerics` can sample with the trainer's own model, so that its numbers are
+        π_old's. The rollout source decides whether it does (an engine behind θ_old holds older weights:
+        `RolloutSource.engine_is_trainer`), once, for the plan (`StepPlan.engine_is_trainer`)."""
         return False
 
     @classmethod
@@ -176,13 +177,14 @@ class RolloutEngine(ABC):
         cfg: Any,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        numerics: EngineNumerics,
+        numerics: EngineNumerics | None,
         ranks: Ranks,
         records_routing: bool,
     ) -> RolloutEngine:
-        """The engine of a run: `model` is the trainer's policy (not yet sharded), `numerics` how the engine's
-        numbers should differ from it, `records_routing` whether the loop will ask for its routing
-        (`StepPlan.engine_records_routing`)."""
+        """The engine of a run: `model` is the policy it samples (the trainer's, not yet sharded, or a worker's),
+        `numerics` how the engine's numbers should differ from it, or None where it samples with `model` itself (only
+        where `shares_weights_with_trainer` allows it: `EngineFactory`), `records_routing` whether the loop will ask
+        for its routing (`StepPlan.engine_records_routing`)."""
 
     @abstractmethod
     def sample(self, prompts: list[str], sampling: Sampling) -> Samples:
@@ -203,6 +205,39 @@ class RolloutEngine(ABC):
         """What `summary.json` records about this engine beyond its name and numerics (`engine_details`): for an
         external engine its build, the routing path that ran and its costs."""
         return {}
+
+
+@dataclass(frozen=True)
+class EngineFactory:
+    """How the run's engine is built, in whichever process samples: the trainer's, or a worker's that builds its own
+    model (picklable: a spawned worker receives it). `min_new_tokens`: ban eos before that many tokens (the
+    benchmarks' fixed-length steps; 0: off)."""
+
+    engine: type[RolloutEngine]
+    cfg: Any  # the run's config, which an engine builds itself from
+    numerics: EngineNumerics  # how its numbers differ from the trainer's (`rollout.precision`, ...)
+    records_routing: bool  # the loop will ask for its routing (`StepPlan.engine_records_routing`)
+    min_new_tokens: int = 0
+
+    def __call__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ranks: Ranks, on_model: bool
+    ) -> RolloutEngine:
+        """The engine, sampling with `model` itself (`on_model`: whoever calls decided it may) or with a copy of its
+        own that differs from it by `numerics`."""
+        engine = self.engine.build(
+            self.cfg, model, tokenizer, None if on_model else self.numerics, ranks, self.records_routing
+        )
+        engine.min_new_tokens = self.min_new_tokens
+        return engine
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with the config's values only: a composed config's schema classes are made at run time, and a
+        worker's interpreter could not find them."""
+        return {**vars(self), "cfg": OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True))}
+
+    def can_sample_on(self) -> bool:
+        """Whether the engine can sample with the model it is given itself: its numbers do not differ from it."""
+        return self.engine.shares_weights_with_trainer(self.numerics)
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,9 +3,9 @@
 Each prompt is prefilled once and its KV cache copied to its G rows, then decoded with the cache; μ_old is the
 fp32 log-softmax of each step's raw logits under `logits / temperature`, gathered for the sampled token. By default
 it runs on the trainer's own model, so its weight sync is a no-op and its numbers are the trainer's own up to the
-KV-cache path's rounding (~1e-6). Given `EngineNumerics` that differ, or a lag (`rollout.lag`: it samples with older
-weights, `experiments.step.versions`), it holds its own copy of the weights, as an inference server does, and differs
-from the trainer on purpose (training–inference mismatch that a run can dial):
+KV-cache path's rounding (~1e-6). Given `EngineNumerics` that differ, or where its rollout source samples behind θ_old
+(`rollout.source=lagged`: older weights, `experiments.step.versions`), it holds its own copy of the weights, as an
+inference server does, and differs from the trainer on purpose (training–inference mismatch that a run can dial):
     precision     fp32 | bf16 | fp16: the copy's dtype (its log-probs are still taken in fp32 from its logits);
     weight_quant  none | int8 | fp8: fake quantization of every linear and expert weight of the decoder layers, per
                   output channel (symmetric, scale = max |w| / 127 for int8, / 448 for FP8 e4m3, quantize then
@@ -87,8 +87,8 @@ class HFEngine(RolloutEngine):
     routes_by_predictors = True
 
     @classmethod
-    def shares_weights_with_trainer(cls, numerics: EngineNumerics, lag: int = 0) -> bool:
-        return not numerics.differs and lag == 0
+    def shares_weights_with_trainer(cls, numerics: EngineNumerics) -> bool:
+        return not numerics.differs
 
     @classmethod
     def build(
@@ -96,15 +96,14 @@ class HFEngine(RolloutEngine):
         cfg: Any,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        numerics: EngineNumerics,
+        numerics: EngineNumerics | None,
         ranks: Ranks,
         records_routing: bool,
     ) -> HFEngine:
-        shares = cls.shares_weights_with_trainer(numerics, cfg.rollout.lag)
         return cls(
             model,
             tokenizer,
-            numerics=None if shares else numerics,
+            numerics=numerics,
             seed=cfg.seed,
             synced=ranks.active,
             kv_cache=KVCache(cfg.rollout.kv_cache),

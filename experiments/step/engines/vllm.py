@@ -315,10 +315,13 @@ class VLLMEngine(RolloutEngine):
         cfg: Any,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        numerics: EngineNumerics,
+        numerics: EngineNumerics | None,
         ranks: Ranks,
         records_routing: bool,
     ) -> VLLMEngine:
+        # Never None: vLLM cannot sample with the trainer's module (`shares_weights_with_trainer` is False), so
+        # `EngineFactory` always hands it the run's numerics.
+        assert numerics is not None
         if cfg.rollout.kv_cache != KVCache.preallocated:
             raise ConfigError(
                 f"rollout.kv_cache={str(cfg.rollout.kv_cache)!r} chooses the hf engine's cache; vLLM "

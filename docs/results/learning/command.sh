@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Regenerates docs/results/learning, the standing questions asked where the baseline learns (issue 63, parts 3-5), as
+# docs/results/learning/preregistration.md fixed them before the learnability map's results were read. Every mode
+# runs in the regime the map's rule chose (docs/results/learnability/map/regime.json, written by
+# `docs/results/learnability/command.sh map`): it is refused in one line until that file exists.
+#   docs/results/learning/command.sh starts   the family's ten starts of each recipe, start 3 on (starts 0-2 picked
+#                                             the regime): glm4_moe_l16-addition-balanced-target-t1000 (sigmoid + bias)
+#                                             and qwen30b_l16-addition-balanced-t1000 (balanced softmax); a start that
+#                                             misses its SFT's 45% target is replaced by the next number, and named
+#   docs/results/learning/command.sh sync     the synchronous family against a bf16 engine, seed 0 on every start,
+#                                             then seed 1: on the sigmoid + bias rung GRPO, GSPO, GRPO + R2, GRPO + R3
+#                                             and GRPO + PR2 at predictor lr_scale 1 and 1e4; on the softmax rung GRPO
+#                                             and GSPO; a report per rung, then every result's baseline
+# Every sweep resumes (resume=auto): run again, a command goes on where it stopped. One run at a time on one thread
+# (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra arguments after the mode are run
+# overrides, passed to every sweep; any but hydra.launcher.n_jobs makes other runs than the documented ones, whose
+# sweeps go to multirun/learning/other-<date> and reports to reports/learning-<date>.
+set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+mode=${1:-}
+shift || true
+[[ $mode == starts || $mode == sync ]] || refuse "mode '$mode' is not one of: starts, sync"
+check_run_overrides "$@"
+destinations learning --threads-pinned "$@"
+cd "$(dirname "$0")/../../.."
+if [[ $mode == sync ]]; then
+  regime_file=${REGIME:-docs/results/learnability/map/regime.json}  # the rule's choice (a test's own elsewhere)
+  [[ -f $regime_file ]] ||
+    refuse "$regime_file does not exist: the family runs in the regime the learnability map's rule chose, which" \
+      "docs/results/learnability/command.sh map writes there once the map is whole"
+  regime=$(python -c 'import json, sys; print(*json.load(open(sys.argv[1]))["overrides"])' "$regime_file")
+  read -r -a regime <<<"$regime"
+fi
+starts=docs/results/router_starts.sh
+sigmoid=glm4_moe_l16-addition-balanced-target-t1000 softmax=qwen30b_l16-addition-balanced-t1000
+FIRST_START=3 FAMILY_STARTS=10 LAST_START=29  # a recipe that misses its target past start 29 is refused, not retried
+
+family_starts() {  # family_starts RECIPE: the family's starts of RECIPE, comma-separated paths, made where missing
+  local recipe=$1 k=$FIRST_START path found=()
+  while ((${#found[@]} < FAMILY_STARTS)); do
+    ((k <= LAST_START)) || refuse "$recipe: fewer than $FAMILY_STARTS of starts $FIRST_START-$LAST_START meet the target"
+    path=$($starts --path $k "$recipe")
+    [[ -f $path/cold_start.json ]] || $starts --starts $((k + 1)) "$recipe" >&2
+    [[ -f $path/cold_start.json ]] || refuse "start $k of $recipe was not made: $path holds no cold_start.json"
+    if python -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["reached_target"])' \
+      "$path/cold_start.json"; then
+      found+=("$PWD/$path")
+    else
+      echo "$recipe: start $k missed its SFT's target, replaced by the next start" >&2
+    fi
+    k=$((k + 1))
+  done
+  (IFS=,; echo "${found[*]}")
+}
+
+sweep() {  # sweep NAME RUNG PATHS OVERRIDES...: a sweep of RUNG from the starts PATHS in the regime, resumed if begun
+  local name=$1 rung=$2 paths=$3
+  shift 3
+  python -m experiments.train -m experiment=learning_family "hydra.sweeper.params.model=$rung" "model.path=$paths" \
+    "${regime[@]}" hydra.launcher.n_jobs=1 "hydra.sweep.dir=$sweeps_home/$name" resume=auto "$@"
+}
+
+sigmoid_starts=$(family_starts $sigmoid)
+softmax_starts=$(family_starts $softmax)
+[[ $mode == starts ]] && exit 0
+# Seed outermost: a command stopped part-way leaves seed 0 on every start before any seed 1.
+for seed in 0 1; do
+  sweep sync_glm4_moe_l16_s$seed glm4_moe_l16 "$sigmoid_starts" "hydra.sweeper.params.seed=$seed" \
+    "hydra.sweeper.params.arm=grpo,gspo,grpo_r2,grpo_r3" "$@"
+  sweep sync_glm4_moe_l16_pr2_s$seed glm4_moe_l16 "$sigmoid_starts" "hydra.sweeper.params.seed=$seed" \
+    hydra.sweeper.params.arm=grpo_pr2 routing_variant.lr_scale=1,10000 "$@"
+  sweep sync_qwen30b_l16_s$seed qwen30b_l16 "$softmax_starts" "hydra.sweeper.params.seed=$seed" "$@"
+done
+python -m analysis.report "$sweeps_home"/sync_glm4_moe_l16_* --out "$results_home/sync/glm4_moe_l16"
+python -m analysis.report "$sweeps_home"/sync_qwen30b_l16_s* --out "$results_home/sync/qwen30b_l16"

@@ -1,0 +1,518 @@
+"""The concurrent source (`rollout.source=concurrent`, the throughput mode): a worker process samples the next steps'
+rollouts while the trainer updates, with weights `rollout.max_staleness` = B versions behind θ_old at most, past which
+`rollout.overflow` says what happens (`experiments.step.sources.overflow`: wait, drop or count).
+
+Versions. A version is the weights after one RL step (`experiments.step.versions`): step t trains from θ_old =
+version t − 1. After each step the trainer publishes its weights as version t, into tensors in shared memory beside a
+counter of the newest version (`ConcurrentSource.publish`); one lock guards both, so the worker never reads half a
+version, and a semaphore released at each publication wakes a worker waiting for one. No wait of either process
+depends on the other's answer: with a condition variable it would (multiprocessing's `notify_all` blocks until each
+sleeping waiter acknowledges, and a killed one never does), while releasing a semaphore blocks on nothing. Before each
+batch the worker takes the newest version published and samples the whole batch with it, so every token of a row
+comes from one version, and stamps every row with it (`Served.versions`). A row's staleness is θ_old's version minus
+its own, (t − 1) − v, logged per step as the mean and max over the step's rows (`async/staleness_mean`,
+`async/staleness_max`; the rows of one batch share their version).
+
+The bound. Before batch b the worker waits for what the overflow policy says (`OverflowPolicy.may_start`): under
+`wait` (the default) for version b − 1 − B to be published, AReaL's gate at submission (`max_head_offpolicyness`), so
+that no row is ever sampled past the bound; under `drop` and `count` for the trainer to have taken batch b − 1 − B (a
+queue of B + 1 batches; the trainer counts the batches it takes in shared memory beside the version, and each take
+wakes the worker as a publication does). Why wait is the default: each batch goes to one step, in order, so whether it
+would be too old is known before it is sampled; waiting then never samples a row that no step trains (dropping spends
+the worker's core on them) and never trains a row past the bound the run declares (counting turns the bound into a
+report). Its price is a worker idling at the bound until the trainer publishes. At B = 0 under wait the worker waits
+for every step's weights and the two processes take turns; at 1 it samples step t + 1's batch while step t trains
+(one step of overlap, verl's one-step-off); the batches of at most B + 1 steps are held at once. Logged per step:
+the worker's seconds waiting before the step's batches (`async/sampler_wait_s`), the batches dropped before it
+(`async/dropped_batches`) and its rows trained past the bound (`async/past_bound_rows`); the trainer's own wait for
+its batch is the step's `perf/rollout_s`.
+
+Checks. The trainer checks every batch it takes (`check_batch`): the batch that comes next, a version it has
+published, versions that never go backwards; then what the policy says of a batch past the bound (`verdict`: under
+wait one is refused, as the gate should have held it). The worker refuses published versions that go backwards. A
+batch that fails a check, or a worker that raises or dies, ends the run with one line naming it (`SamplerFailed`;
+`experiments.run.life` writes the summary with status failed). Every wait of either process on the other (for the
+lock, for the trainer, for a batch) wakes every `POLL_S` to check that the other still lives, so a worker killed in
+any window (sampling, waiting at the bound, loading a version under the lock, between batches) ends the run within a
+second or so, its signal named. The trainer stops the worker when the run ends, however it ends (`close`); a worker
+whose trainer is gone (killed) exits at its next wait or batch.
+
+The three policies. μ_old is the worker's engine: the run's engine (`EngineFactory`; the hf engine, checked) on the
+worker's own model, with the run's engine numerics (`rollout.precision`, ...). π_old is recomputed by the trainer at
+θ_old (the plan says decoupled: `engine_is_trainer` is False), so the ratio's denominator is never the stale engine's
+unless `trainer.pi_old=bypass` asks for it; R3 replays the routes the worker recorded, which travel with the batch.
+The prompts come from the worker's own generator, seeded per batch from (seed, b) as the synchronous loop seeds step
+b's, so batch b asks the synchronous step b's prompts (under drop a later step may train it). Which version samples a
+batch depends on the two processes' timing, so a run is not bit-reproducible: the exact lag (`rollout.source=lagged`)
+is what experiments use.
+
+The worker is a fresh interpreter (multiprocessing's spawn: no thread, lock or signal handler of the trainer's comes
+with it) that builds the run's model and loads the published weights into it. Its torch ops run on one thread; the
+trainer's thread budget (`experiments.run.threads`) counts the worker's load as another process's, so on two cores
+each side has one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from experiments.ranks import Ranks
+from experiments.step import metrics as m
+from experiments.step.batch import Rollout, Served, collect_rollout, draw_examples, step_seed
+from experiments.step.engines import HFEngine, RolloutEngine
+from experiments.step.sources.base import ROLLOUT_SOURCES, RolloutSource, SamplingRun, SourceInputs
+from experiments.step.sources.overflow import OVERFLOW_POLICIES, OverflowPolicy, Verdict
+from experiments.step.versions import Weights
+from experiments.tasks import build_task
+from models.policy import build_policy
+from models.registry import ConfigError, RunFailed
+
+POLL_S = 0.5  # how often a process blocked on the other checks that the other still lives
+CLOSE_S = 10.0  # how long a stopped worker may take to exit before it is killed
+
+
+class SamplerFailed(RunFailed):
+    """The concurrent sampler cannot serve the run: its worker raised or died, or a batch failed the trainer's checks.
+    The run ends in one line, with status failed (`experiments.run.life`)."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the worker samples with (pickled into the new interpreter): the run, the bound and the policy past it."""
+
+    run: SamplingRun
+    bound: int  # rollout.max_staleness
+    overflow: OverflowPolicy  # rollout.overflow
+    first: int  # the index of the worker's first batch: the step the trainer takes it for
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the trainer and the worker share: the newest published weights, in shared memory, and their version; the
+    batches the trainer has taken; the lock that guards them, and the semaphore the trainer releases at each
+    publication and take to wake a waiting worker."""
+
+    weights: dict[str, torch.Tensor]
+    version: Any  # multiprocessing.Value("q")
+    taken: Any  # multiprocessing.Value("q"): the index of the last batch the trainer took
+    lock: Any  # multiprocessing.Lock
+    news: Any  # multiprocessing.Semaphore: released once per publication or take; the trainer never waits on it
+
+    def announce(self, version: int, weights: Mapping[str, torch.Tensor], alive: Callable[[], bool]) -> bool:
+        """Write `weights` as `version` under the lock, then wake the worker; False, writing nothing, when the worker
+        died holding the lock (`alive`: whether it lives)."""
+        if not acquire(self.lock, alive):
+            return False
+        try:
+            for name, tensor in weights.items():
+                self.weights[name].copy_(tensor)
+            self.version.value = version
+        finally:
+            self.lock.release()
+        self.news.release()
+        return True
+
+    def took(self, batch: int, alive: Callable[[], bool]) -> bool:
+        """Count batch `batch` taken under the lock, then wake the worker (a queue's room); False when the worker died
+        holding the lock."""
+        if not acquire(self.lock, alive):
+            return False
+        try:
+            self.taken.value = batch
+        finally:
+            self.lock.release()
+        self.news.release()
+        return True
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch of rollouts as the worker sends them, every row stamped with the version that sampled it."""
+
+    index: int  # the worker's count: under wait and count the step it is for
+    rollout: Rollout
+    versions: torch.Tensor  # [N]
+    sample_s: float  # the seconds the worker spent sampling it
+    wait_s: float  # and waiting for its policy's gate before it
+
+
+def acquire(lock: Any, alive: Callable[[], bool]) -> bool:
+    """Acquire `lock`, checking every `POLL_S` that the other process still lives (one killed while it held the lock
+    never releases it); False when it does not."""
+    while not lock.acquire(timeout=POLL_S):
+        if not alive():
+            return False
+    return True
+
+
+def check_batch(batch: Batch, expected: int, step: int, previous: int | None) -> None:
+    """Refuse, naming what is wrong, a batch that step `step` must not take: another than batch `expected`, the one
+    that comes next, or stamped with a version the trainer has not published or with one older than the batch before
+    it (`previous`: its version)."""
+    oldest, newest = int(batch.versions.min()), int(batch.versions.max())
+    if batch.index != expected:
+        raise SamplerFailed(f"the concurrent sampler sent batch {batch.index} when step {step} needed batch {expected}")
+    if newest > step - 1:
+        raise SamplerFailed(
+            f"step {step}'s rollouts are stamped with weight version {newest}, which the trainer has "
+            f"not published: θ_old is version {step - 1}"
+        )
+    if previous is not None and oldest < previous:
+        raise SamplerFailed(
+            f"the weight version went backwards: step {step}'s rollouts were sampled with version "
+            f"{oldest}, after the batch before's with version {previous}"
+        )
+
+
+def slipped_through(batch: Batch, step: int, bound: int) -> str:
+    """Why a batch past a bound that the worker's gate should have held ends the run."""
+    oldest = int(batch.versions.min())
+    stale = int((step - 1 - batch.versions > bound).sum())
+    return (
+        f"{stale} sample(s) older than rollout.max_staleness={bound} slipped through: step {step} "
+        f"trains from version {step - 1}, and they were sampled with version {oldest}, "
+        f"{step - 1 - oldest} versions behind"
+    )
+
+
+# -- the worker process --------------------------------------------------------------------------------------------
+
+
+class Outbox:
+    """The worker's end of its pipe to the trainer. A thread of its own writes each message, so that the worker samples
+    on while a batch waits for the trainer to read it (a pipe holds 64 KiB; a batch is more). The trainer holds no
+    write end, so a worker killed in the middle of a message leaves the pipe at its end, not a read that never ends."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._send, name="outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, kind: str, payload: Any) -> None:
+        """Queue ("batch", `Batch`) or ("failed", one line)."""
+        self.messages.put(pickle.dumps((kind, payload)))
+
+    def flush(self) -> None:
+        """Send what is queued, then stop."""
+        self.messages.put(None)
+        self.thread.join()
+
+    def _send(self) -> None:
+        while (message := self.messages.get()) is not None:
+            try:
+                self.connection.send_bytes(message)
+            except OSError:  # the trainer is gone: nobody reads
+                return
+
+
+class Sampler:
+    """The worker's side: the engine on a model of its own, the task, and the gate its policy sets. `alive` says
+    whether the trainer still lives."""
+
+    def __init__(self, settings: WorkerSettings, shared: Shared, alive: Callable[[], bool]) -> None:
+        self.settings, self.shared, self.alive = settings, shared, alive
+        run = settings.run
+        model, tokenizer = build_policy(run.model)
+        # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+        model.to(run.device).eval()  # type: ignore[arg-type]
+        # Without numbers of its own the engine samples with the worker's module (its "trainer's weights"), into
+        # which each version loads; with them it keeps its own copy, cast and quantized again at each load.
+        self.engine: RolloutEngine = run.engines(model, tokenizer, Ranks(), on_model=run.engines.can_sample_on())
+        self.task = build_task(**run.dataset)
+        self.examples = self.task.examples("train")
+        self.generator = torch.Generator()
+        self.held: int | None = None  # the version the engine holds
+
+    def take_weights(self, batch: int) -> float | None:
+        """Wait until the policy lets batch `batch` start (`OverflowPolicy.may_start`), then hold the newest version
+        published; the seconds waited, or None when the trainer is gone."""
+        start = time.perf_counter()
+        shared, settings = self.shared, self.settings
+        while True:
+            if not acquire(shared.lock, self.alive):
+                return None
+            try:
+                newest = shared.version.value
+                if self.held is not None and newest < self.held:
+                    raise SamplerFailed(
+                        f"weight version {newest} was published after version {self.held}: versions only grow"
+                    )
+                if settings.overflow.may_start(batch, settings.bound, newest, shared.taken.value):
+                    waited = time.perf_counter() - start
+                    if newest != self.held:
+                        self.load(shared.weights)
+                        self.held = newest
+                    return waited
+            finally:
+                shared.lock.release()
+            if not self.wait_for_trainer():
+                return None
+
+    def wait_for_trainer(self) -> bool:
+        """Sleep until the trainer publishes or takes a batch, or `POLL_S` passes (news since the last look left the
+        semaphore released, so none is missed; older news only wakes the worker to look again); False when the trainer
+        is gone."""
+        self.shared.news.acquire(timeout=POLL_S)
+        return self.alive()
+
+    def load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """The engine takes `weights` (a full state dict of the run's model)."""
+        if self.engine.shares_trainer_weights:
+            assert isinstance(self.engine, HFEngine)  # the one engine the concurrent source runs (`check`)
+            self.engine.model.load_state_dict(weights)
+        else:
+            self.engine.sync_weights(weights)
+
+    def sample(self, batch: int, waited: float) -> Batch:
+        """Batch `batch`, with the version held: the prompts and the sampling seeded from (seed, batch) as the
+        synchronous loop seeds step `batch` (one rank)."""
+        run = self.settings.run
+        seed = step_seed(run.seed, batch, 0)
+        torch.manual_seed(seed)
+        self.generator.manual_seed(seed)
+        self.engine.reseed(seed)
+        examples = draw_examples(self.examples, run.prompts, self.generator)
+        start = time.perf_counter()
+        rollout = collect_rollout(self.engine, self.task, examples, run.sampling)
+        assert self.held is not None  # `take_weights` held a version before any batch is sampled
+        return Batch(batch, rollout, torch.full((rollout.size,), self.held), time.perf_counter() - start, waited)
+
+
+def parent_alive() -> bool:
+    """Whether the trainer that started this worker process still lives."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None  # asked in the worker, which the trainer started
+    return parent.is_alive()
+
+
+def one_line(error: BaseException) -> str:
+    """An error of the worker in one line: a `SamplerFailed`'s message; else its type, message and where it was
+    raised."""
+    if isinstance(error, SamplerFailed):
+        return str(error)
+    where = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{type(error).__name__}: {' '.join(str(error).split())} ({Path(where.filename).name}:{where.lineno})"
+
+
+def serve(settings: WorkerSettings, shared: Shared, connection: Any) -> None:
+    """The worker process: sample one batch after the other, each once the policy allows, until the trainer stops it
+    or is gone. An error is sent to the trainer as one line, and ends the worker."""
+    torch.set_num_threads(1)
+    outbox = Outbox(connection)
+    batch = settings.first
+    try:
+        sampler = Sampler(settings, shared, parent_alive)
+        for batch in itertools.count(settings.first):
+            waited = sampler.take_weights(batch)
+            if waited is None:
+                return
+            sampled = sampler.sample(batch, waited)
+            if not parent_alive():
+                return
+            outbox.put("batch", sampled)
+    except Exception as error:
+        outbox.put("failed", f"while sampling batch {batch}: {one_line(error)}")
+        outbox.flush()
+        sys.exit(1)
+
+
+# -- the trainer's side --------------------------------------------------------------------------------------------
+
+
+@ROLLOUT_SOURCES.register("concurrent")
+class ConcurrentSource(RolloutSource):
+    """The worker process samples each step's rollouts (module docstring). It starts at the first `take`, holding
+    the trainer's weights then (a resumed run's: its checkpoint's), and `close` stops it; a `take` after that starts
+    another."""
+
+    settings = ("max_staleness", "overflow")
+    serves_predictors = False  # the worker builds the model from its config, without the predictors PR2 adds
+
+    @classmethod
+    def check(cls, rollout: Any, world: int, steps: int) -> None:
+        bound = rollout.max_staleness
+        if bound < 0:
+            raise ConfigError(
+                f"rollout.max_staleness={bound} must be >= 0: the weight versions a sample of the concurrent "
+                "source may be behind θ_old when it is trained (0: its worker waits for every step's weights)"
+            )
+        if rollout.overflow not in OVERFLOW_POLICIES:
+            raise ConfigError(
+                f"rollout.overflow={rollout.overflow} is not one of {', '.join(OVERFLOW_POLICIES)}: what the "
+                "concurrent source does with a batch past rollout.max_staleness (docs/async.md)"
+            )
+        if rollout.engine != "hf":
+            raise ConfigError(
+                f"rollout.source=concurrent samples in a worker process with the hf engine; rollout.engine="
+                f"{rollout.engine} is not supported there: use rollout.engine=hf"
+            )
+        if world > 1:
+            raise ConfigError(
+                f"rollout.source=concurrent runs one worker beside one trainer process, and this run has "
+                f"{world} ranks: use one rank (launch.nproc_per_node=1)"
+            )
+
+    @classmethod
+    def engine_is_trainer(cls, rollout: Any, engine: type[RolloutEngine]) -> bool:
+        return False  # the worker's engine samples with a model of its own
+
+    @classmethod
+    def behind(cls, rollout: Any) -> str | None:
+        return (
+            "the concurrent sampler's engine is a worker process's own copy of the weights, up to "
+            f"{rollout.max_staleness} version(s) behind θ_old"
+        )
+
+    @classmethod
+    def build(cls, rollout: Any, given: SourceInputs) -> ConcurrentSource:
+        return cls(given.run, rollout.max_staleness, OVERFLOW_POLICIES[rollout.overflow](), given.weights)
+
+    def __init__(self, run: SamplingRun, bound: int, overflow: OverflowPolicy, weights: Callable[[], Weights]) -> None:
+        self.run, self.bound, self.overflow, self.weights = run, bound, overflow, weights
+        self.process: Any = None
+        self.shared: Shared | None = None
+        self.inbox: Any = None  # the trainer's end of the worker's pipe
+        self.next_batch = 0  # the index of the batch the worker sends next (its first: the step it starts at)
+        self.previous: int | None = None  # the version the last batch taken was sampled with
+
+    def take(self, step: int, seed: int) -> Served:
+        """Step `step`'s rollouts from the worker, once it has sent them: each batch checked (`check_batch`), counted
+        taken, and trained or dropped as the policy says (`verdict`); the one trained is measured."""
+        if self.process is None:
+            self._start(step)
+        assert self.shared is not None  # made with the process, in `_start`
+        dropped, waited = 0, 0.0
+        while True:
+            batch = self._receive(step)
+            check_batch(batch, self.next_batch, step, self.previous)
+            self.next_batch, self.previous = batch.index + 1, int(batch.versions.max())
+            if not self.shared.took(batch.index, self.process.is_alive):
+                raise SamplerFailed(self._death(f"while step {step} took its rollouts"))
+            waited += batch.wait_s
+            past = int((step - 1 - batch.versions > self.bound).sum())
+            verdict = self.overflow.verdict(past)
+            if verdict == Verdict.refuse:
+                raise SamplerFailed(slipped_through(batch, step, self.bound))
+            if verdict == Verdict.train:
+                break
+            dropped += 1
+        staleness = (step - 1 - batch.versions).float()
+        return Served(
+            batch.rollout,
+            batch.versions,
+            batch.sample_s,
+            {
+                m.ENGINE_VERSION: int(batch.versions.min()),
+                m.STALENESS_MEAN: float(staleness.mean()),
+                m.STALENESS_MAX: int(staleness.max()),
+                m.SAMPLER_WAIT_TIME: waited,
+                m.SAMPLE_TIME: batch.sample_s,
+                m.DROPPED_BATCHES: dropped,
+                m.PAST_BOUND_ROWS: past,
+            },
+        )
+
+    def publish(self, version: int) -> None:
+        """Publish the trainer's weights after step `version` as version `version`, and wake the worker (nothing
+        without one: the next `take` starts one with the weights then)."""
+        if self.process is None:
+            return
+        assert self.shared is not None  # made with the process, in `_start`
+        if not self.shared.announce(version, self.weights(), self.process.is_alive):
+            raise SamplerFailed(self._death(f"while step {version} published its weights"))
+
+    def close(self) -> None:
+        """Stop the worker; the batches it sampled and no step took are dropped."""
+        process, self.process = self.process, None
+        if process is not None and process.pid is not None:
+            process.terminate()  # SIGTERM: the worker holds nothing that must outlive it
+            process.join(CLOSE_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if self.inbox is not None:
+            self.inbox.close()
+        self.shared = self.inbox = None
+
+    def describe(self) -> dict[str, Any]:
+        """What `summary.json` says of the rollouts and their engine."""
+        return {
+            "rollouts": "concurrent: a worker process samples while the trainer updates, with rollout.max_staleness="
+            f"{self.bound}: past the bound it {self.overflow.what} (rollout.overflow={self.overflow.name}); not "
+            "bit-reproducible (which version samples a batch depends on the two processes' timing): experiments "
+            "use rollout.source=lagged",
+            "engine": self.run.engines.engine.name,
+            "engine_numerics": f"the worker's own copy: {self.run.engines.numerics}",
+            "engine_details": {},
+        }
+
+    def _start(self, step: int) -> None:
+        """Start the worker for the batches of `step` on, holding the trainer's weights now (version step − 1)."""
+        context = multiprocessing.get_context("spawn")
+        weights = {
+            name: tensor.detach().to("cpu", copy=True).share_memory_() for name, tensor in self.weights().items()
+        }
+        self.shared = Shared(
+            weights,
+            context.Value("q", step - 1, lock=False),
+            context.Value("q", step - 1, lock=False),  # the batches before the first count as taken
+            context.Lock(),
+            context.Semaphore(0),
+        )
+        settings = WorkerSettings(self.run, self.bound, self.overflow, first=step)
+        self.next_batch = step
+        self.inbox, writer = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=serve, args=(settings, self.shared, writer), name="concurrent-sampler", daemon=True
+        )
+        # Ctrl-C in a terminal reaches the whole process group: the worker starts with SIGINT blocked (a new process
+        # inherits the mask), from its first instruction on, so that the trainer alone handles it and stops the worker.
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        writer.close()  # the worker holds the only write end: its death ends the pipe
+
+    def _receive(self, step: int) -> Batch:
+        """The worker's next batch, as step `step` waits for it, checking every `POLL_S` that the worker lives: its
+        death ends the pipe it alone writes, and the liveness check does not rest on that alone."""
+        died = f"while step {step} waited for its rollouts"
+        while not self.inbox.poll(POLL_S):  # a dead worker's pipe polls ready: at its end
+            if not self.process.is_alive():
+                raise SamplerFailed(self._death(died))
+        try:
+            kind, payload = pickle.loads(self.inbox.recv_bytes())  # this run's own worker's bytes
+        except (EOFError, OSError):  # the pipe ended, or ended inside a message: the worker died
+            raise SamplerFailed(self._death(died)) from None
+        if kind == "failed":
+            raise SamplerFailed(f"the concurrent sampler's worker failed {payload}")
+        return payload
+
+    def _death(self, when: str) -> str:
+        """How the worker ended, in a clause."""
+        self.process.join(CLOSE_S)
+        code = self.process.exitcode
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+            if code is not None
+            else "stopped answering"
+        )
+        return f"the concurrent sampler's worker (pid {self.process.pid}) {how} {when}"
