@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     numerics = sampler.numerics
     engine = (
         "the trainer's own model"
-        if numerics is None
+        if sampler.shares_trainer_weights
         else ", ".join(
             f"{key}={getattr(numerics, key)}"
             for key in ("precision", "weight_quant", "router_noise")
