@@ -38,10 +38,12 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 # The house's habits (pyproject.toml's [tool.ruff]): the tree formatted as ruff formats it, and its lint rules clean.
-# `ruff format . && ruff check --fix .` mends most of what it reports. First in `make test`, so in CI.
+# `ruff format . && ruff check --fix .` mends most of what it reports. Then the type checker (pyproject.toml's
+# [tool.mypy]: every package, zero errors). First in `make test`, so in CI.
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check --quiet .
 	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/mypy
 
 # The fast lane while working: every test but those marked slow (subprocesses, torchrun, the benchmarks' workers).
 test-fast: $(STAMP)

@@ -9,11 +9,9 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
-# verl's names, hyphens included: each member's name is its value, which is what Hydra checks an override against.
-LossAgg = StrEnum(
-    "LossAgg",
-    [(mode, mode) for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")],
-)
+# verl's names, hyphens included: each member's name is its value (StrEnum's own values: the name, lowercased), which
+# is what Hydra checks an override against.
+LossAgg = StrEnum("LossAgg", "token-mean seq-mean-token-mean seq-mean-token-sum seq-mean-token-sum-norm")
 LOSS_AGG_MODES = tuple(LossAgg)
 
 

@@ -21,7 +21,7 @@ clipping" ablation: M_t = 1 for every token.
 """
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -56,7 +56,8 @@ class MiniRL(Objective):
             (advantages < 0) & (ratio < 1 - self.clip_low)
         )
         masked_out &= self.mask_stale
-        is_log_ratio = batch.rollout_log_ratio if self.train_infer_is else batch.log_ratio
+        # needs_rollout_logp: `Objective.__call__` refuses a batch without μ_old, so rollout_log_ratio is there.
+        is_log_ratio = cast(torch.Tensor, batch.rollout_log_ratio) if self.train_infer_is else batch.log_ratio
         raw_weight = torch.exp(is_log_ratio).detach()
         weight = raw_weight.clamp(max=self.is_truncation)
         per_token = torch.where(masked_out, 0.0, -weight * advantages * batch.logp)

@@ -75,7 +75,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -286,15 +286,17 @@ class ObjectiveOutput:
         pads with 0, False for masks), and the policy loss aggregated again over them as one process would; `loss`
         stays this rank's."""
         gather = lambda tensor: rows(tensor) if tensor is not None else None  # noqa: E731
-        batch = PolicyBatch(**{f.name: gather(getattr(self.batch, f.name)) for f in fields(PolicyBatch)})
+        # Any: each field's tensor, or None where the batch has none (`ref_log_ratio`, ...), taken by name.
+        gathered: dict[str, Any] = {f.name: gather(getattr(self.batch, f.name)) for f in fields(PolicyBatch)}
+        batch = PolicyBatch(**gathered)
         policy = replace(
             self.policy,
-            per_token=gather(self.policy.per_token),
-            token_clipped=gather(self.policy.token_clipped),
-            seq_clipped=gather(self.policy.seq_clipped),
-            token_means={name: gather(value) for name, value in self.policy.token_means.items()},
+            per_token=rows(self.policy.per_token),
+            token_clipped=rows(self.policy.token_clipped),
+            seq_clipped=rows(self.policy.seq_clipped),
+            token_means={name: rows(value) for name, value in self.policy.token_means.items()},
         )
-        per_token = gather(self.per_token)
+        per_token = rows(self.per_token)
         policy_loss = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens)
         return ObjectiveOutput(self.loss, batch, policy, per_token, policy_loss)
 
@@ -348,7 +350,7 @@ class Objective(ABC):
         policy_only = aggregate(per_token, batch.mask, policy.aggregation, policy.norm_tokens, totals)
         loss = policy_only
         if self.kl_coef > 0:
-            kl = k3(batch.ref_log_ratio)
+            kl = k3(cast(Tensor, batch.ref_log_ratio))  # kl_coef > 0: refused above without ref_logp
             if self.kl_estimator == KLEstimator.unbiased_k3:
                 kl = torch.exp(batch.log_ratio) * kl  # the ratio's gradient is what makes eq. 7's gradient unbiased
             loss = aggregate(per_token + self.kl_coef * kl, batch.mask, policy.aggregation, policy.norm_tokens, totals)

@@ -5,12 +5,12 @@ within an arm) and its cells.
 
 from __future__ import annotations
 
-import json
+from typing import Any
 
 import pandas as pd
 
 from analysis.configs import SYNTHETIC_KEYS, format_value, ignored_key, method_name, short_key
-from analysis.records import RunSet
+from analysis.records import RunSet, run_configs
 
 # Config keys that are never a sweep's axis: who the run is (algorithm and replay make the arm; the seed is
 # averaged over) and what an arm implies or a run records about itself.
@@ -29,7 +29,7 @@ ARM_KEYS = (
 )
 
 
-def arm_of(cfg: dict) -> str:
+def arm_of(cfg: dict[str, Any]) -> str:
     """The arm: objective, replay and routing variant, and the engine's precision when it is not the trainer's fp32."""
     arm = method_name(cfg)
     if cfg.get("rollout.precision", "fp32") != "fp32":
@@ -37,7 +37,7 @@ def arm_of(cfg: dict) -> str:
     return arm
 
 
-def arm_names(configs: dict[str, dict]) -> dict[str, str]:
+def arm_names(configs: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Per run its arm (`arm_of`), and, where runs that share that name differ in another of the arm's own settings
     (`minirl` with and without `algo.mask_stale`), those settings in parentheses: two arms are never pooled as one."""
     names = {run: arm_of(cfg) for run, cfg in configs.items()}
@@ -59,15 +59,15 @@ def arm_names(configs: dict[str, dict]) -> dict[str, str]:
 
 def arms_of(runset: RunSet) -> dict[str, str]:
     """Per run of `runset` its arm (`arm_names`)."""
-    return arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()})
+    return arm_names(run_configs(runset.runs))
 
 
 def sweep_axes(runset: RunSet) -> list[str]:
     """The numeric config keys a sweep varied within at least one arm (an arm's own settings are not axes), in
     sorted order. Categorical keys (a model's name, a path) are left out: a numeric key varies with them."""
-    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    configs = run_configs(runset.runs)
     arms = arm_names(configs)
-    by_arm: dict[str, list[dict]] = {}
+    by_arm: dict[str, list[dict[str, Any]]] = {}
     for run, cfg in configs.items():
         by_arm.setdefault(arms[run], []).append(cfg)
     keys = sorted({k for cfg in configs.values() for k in cfg})
@@ -88,7 +88,7 @@ def arm_order(arm: str) -> tuple[bool, str]:
     return (arm.split(" ")[0] != "grpo", arm)
 
 
-def sweep_cells(gains: pd.DataFrame, axes: list[str]) -> list[tuple[dict, pd.DataFrame]]:
+def sweep_cells(gains: pd.DataFrame, axes: list[str]) -> list[tuple[dict[str, Any], pd.DataFrame]]:
     """The sweep's cells: (the axes' values, its runs), one per combination of swept values, in sorted order."""
     if not axes:
         return [({}, gains)]
@@ -98,7 +98,7 @@ def sweep_cells(gains: pd.DataFrame, axes: list[str]) -> list[tuple[dict, pd.Dat
     ]
 
 
-def cell_name(cell: dict) -> str:
+def cell_name(cell: dict[str, Any]) -> str:
     """A cell of a sweep as a reader names it: a SYNTHETIC intervention by what it is and its dose where it is on
     ("SYNTHETIC flips p=0.2"), any other setting as key=value; a cell whose interventions are all off and that sets
     nothing else says so."""
@@ -117,7 +117,7 @@ def seed_order(seed: str) -> tuple[bool, int, str]:
     return (not seed.isdigit(), int(seed) if seed.isdigit() else 0, seed)
 
 
-def in_cell(frame: pd.DataFrame, cell: dict) -> pd.Series:
+def in_cell(frame: pd.DataFrame, cell: dict[str, Any]) -> pd.Series:
     """Which rows of `frame` hold the cell's value of every axis."""
     inside = pd.Series(True, index=frame.index)
     for key, value in cell.items():

@@ -18,6 +18,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -40,7 +41,7 @@ class Baseline:
     result: str  # the result's name in docs/results/README.md's table
     table: str  # the folder under docs/results whose per_seed.csv holds the runs
     arm: str  # the baseline arm, as the table names it
-    where: dict = field(default_factory=dict)  # the cell: {column: value} every counted row must match
+    where: dict[str, Any] = field(default_factory=dict)  # the cell: {column: value} every counted row must match
     note: str = ""  # what the reader must know (a SYNTHETIC cell, an off-policy loop)
 
 

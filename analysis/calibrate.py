@@ -25,7 +25,7 @@ import pandas as pd
 
 from analysis.cli import Command, writable_out
 from analysis.load import load_runs
-from analysis.records import RunSet
+from analysis.records import RunSet, run_configs
 
 
 def per_run_measure(runset: RunSet, metric: str, steps: int) -> pd.Series:
@@ -38,10 +38,10 @@ def per_run_measure(runset: RunSet, metric: str, steps: int) -> pd.Series:
 def settings_table(runset: RunSet, metric: str, steps: int, keys: list[str]) -> pd.DataFrame:
     """One row per setting (the values of `keys`): the measure's mean and standard error over its seeds."""
     measure = per_run_measure(runset, metric, steps)
-    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    configs = run_configs(runset.runs)
     rows = [
         {**{key: configs[run].get(key) for key in keys}, "run": run, "seed": configs[run].get("seed"), "value": value}
-        for run, value in measure.items()
+        for run, value in zip(measure.index, measure)  # `items()`, with the runs' names typed as the index's
     ]
     frame = pd.DataFrame(rows)
     if frame.empty:

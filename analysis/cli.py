@@ -45,13 +45,13 @@ def writable_out(path: Path) -> None:
         raise ValueError(f"--out {path} cannot be written: {error.strerror}") from None
 
 
-def command_line(module: str, argv: Sequence[str]) -> str:
+def command_line(module: str, argv: Sequence[object]) -> str:
     """The command that made an output, as its report writes it (`Made with ...`)."""
     return f"python -m {module} " + " ".join(shlex.quote(str(arg)) for arg in argv)
 
 
 @contextlib.contextmanager
-def staged(out: Path, owned: Callable[[str], bool], index: str) -> Iterator[Path]:
+def staged(out: Path, owned: Callable[[str], object], index: str) -> Iterator[Path]:
     """A staging folder inside `out` (hidden: no loader reads it) into which a command writes its whole output; when
     the block ends, those files replace the output's files in `out` — the ones `owned` names, the ones it writes — and
     the `index` file (report.md) lands last. Until then `out` keeps the previous output untouched; from the moment the

@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from safetensors import safe_open
@@ -44,7 +45,7 @@ def find_cold_starts(paths: Sequence[str | Path]) -> list[Path]:
     return list(newest.values())
 
 
-def describe(run_dir: Path) -> dict:
+def describe(run_dir: Path) -> dict[str, Any]:
     """One cold start: its summary, the shape of its model (from the checkpoint's config) and its curve."""
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
@@ -79,7 +80,7 @@ def parameter_count(checkpoint: Path) -> int:
 
 
 @in_style
-def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
+def figure(rows: list[dict[str, Any]], out: Path, dpi: int = 150) -> Path:
     """`cold_starts.png`: held-out greedy accuracy and training loss against SFT step, a line per cold start."""
     fig = new_figure(TEXT_WIDTH_IN, 2.4)
     accuracy, loss = fig.subplots(1, 2)
@@ -106,7 +107,7 @@ def figure(rows: list[dict], out: Path, dpi: int = 150) -> Path:
     return save_png(fig, path, dpi)
 
 
-def report(rows: list[dict], out: Path, command: str) -> Path:
+def report(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
     """report.md: a row per cold start, what it cost and reached and how it routes."""
     lines = [
         "# Cold starts",
@@ -154,7 +155,7 @@ def report(rows: list[dict], out: Path, command: str) -> Path:
     return path
 
 
-def _start(summary: dict) -> str:
+def _start(summary: dict[str, Any]) -> str:
     """The weights' sha256 (12 digits) and the CPU kernels that computed them (mode, ATen's capability, MKL's
     branch): two cells; a cold start made before they were recorded says so."""
     if "weights_sha256" not in summary:
@@ -174,14 +175,14 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 
-def read(args: argparse.Namespace) -> list[dict]:
+def read(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every finished cold start described (`describe`), in table order; the output folder proved writable."""
     rows = [describe(run_dir) for run_dir in find_cold_starts(args.paths)]
     writable_out(args.out)
     return sorted(rows, key=lambda r: (r["task"], r["experts"] or 0, r["layers"] or 0, r["model"]))
 
 
-def write(rows: list[dict], args: argparse.Namespace, command: str) -> str:
+def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
     """The figure and the table; the line saying where."""
     figure(rows, args.out)
     return f"report: {report(rows, args.out, command)}"

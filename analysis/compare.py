@@ -32,14 +32,14 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import pandas as pd
 
 from analysis import declaration as declared
 from analysis.cli import Command, publishing, staged, writable_out
 from analysis.gains import COUNTED, EXCLUDED, GAIN_MEASURES, LEFT_OUT_COLUMNS, with_missing_units
-from analysis.records import UNKNOWN_START
+from analysis.records import UNKNOWN_START, cell_at
 from analysis.tables import (
     COMPARISONS_FILE,
     LEFT_OUT_FILE,
@@ -100,7 +100,8 @@ def read_per_seed(path: Path) -> tuple[pd.DataFrame, list[str]]:
         table["start_sha256"] = UNKNOWN_START
     table["start_sha256"] = table["start_sha256"].fillna(UNKNOWN_START)
     if "counted" not in table:
-        incomplete = table["incomplete"].astype(bool) if "incomplete" in table else False
+        # A table that says neither counts every run (nothing marked incomplete).
+        incomplete = table["incomplete"].astype(bool) if "incomplete" in table else pd.Series(False, index=table.index)
         table["counted"] = pd.Series(COUNTED, index=table.index).where(~incomplete, EXCLUDED)
     return table, axes
 
@@ -109,13 +110,14 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
     """The rows of every per-seed table (the arms each source names, renamed), with `source`, checked to pair (see
     the module's docstring), and what the report must say of how the starts were checked (empty: every row named its
     start)."""
-    tables, axes = [], None
-    sources = [source if isinstance(source, Source) else Source(source, {}) for source in sources]
-    for path, arms in sources:
+    tables: list[pd.DataFrame] = []
+    axes: list[str] | None = None
+    inputs = [source if isinstance(source, Source) else Source(source, {}) for source in sources]
+    for path, arms in inputs:
         table, own_axes = read_per_seed(path)
         if axes is not None and set(own_axes) != set(axes):
             raise ValueError(
-                f"{path} sweeps {own_axes or 'no axis'} but {sources[0].path} sweeps "
+                f"{path} sweeps {own_axes or 'no axis'} but {inputs[0].path} sweeps "
                 f"{axes or 'no axis'}: arms pair only within one cell of the same axes"
             )
         axes = own_axes
@@ -130,6 +132,7 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
             table = kept.assign(arm=kept["arm"].map(arms))
         tables.append(table.assign(source=str(path)))
     rows = pd.concat(tables, ignore_index=True)
+    assert axes is not None  # set by the first table: pd.concat above refuses none
     notes = _assume_starts(rows, axes)
     counted = rows[rows["counted"] != EXCLUDED]
     key = ["arm", *axes, "start_sha256", "seed"]
@@ -148,19 +151,20 @@ def pool(sources: Sequence[Source | Path]) -> tuple[pd.DataFrame, list[str], lis
             refuse_two_recipes(runs)
     for _, runs in counted.groupby([*axes, "start_sha256", "seed"], dropna=False):
         low, high = runs["start"].idxmin(), runs["start"].idxmax()
-        if runs.at[high, "start"] - runs.at[low, "start"] > START_TOLERANCE:
+        if cell_at(runs, high, "start") - cell_at(runs, low, "start") > START_TOLERANCE:
             raise ValueError(
-                f"seed {runs.at[low, 'seed']}: {runs.at[low, 'run']} ({runs.at[low, 'source']}) starts at "
-                f"{runs.at[low, 'start']:.4f} held-out accuracy, {runs.at[high, 'run']} ({runs.at[high, 'source']}) at "
-                f"{runs.at[high, 'start']:.4f}: they did not start from the same checkpoint on the same prompts, and "
-                "pairing them would compare their starts"
+                f"seed {cell_at(runs, low, 'seed')}: {cell_at(runs, low, 'run')} ({cell_at(runs, low, 'source')}) "
+                f"starts at {cell_at(runs, low, 'start'):.4f} held-out accuracy, {cell_at(runs, high, 'run')} "
+                f"({cell_at(runs, high, 'source')}) at {cell_at(runs, high, 'start'):.4f}: they did not start from "
+                "the same checkpoint on the same prompts, and pairing them would compare their starts"
             )
     return rows, axes, notes
 
 
 def _refuse_foreign_starts(runs: pd.DataFrame) -> None:
     """At one seed of one cell: two arms that share no start are from different cold starts (one line naming both)."""
-    starts = {arm: set(part["start_sha256"]) for arm, part in runs.groupby("arm")}
+    # An arm's name is text; pandas types a group's key as any scalar.
+    starts = {cast(str, arm): set(part["start_sha256"]) for arm, part in runs.groupby("arm")}
     for arm, own in starts.items():
         for other, theirs in starts.items():
             if arm < other and not own & theirs:
@@ -207,7 +211,7 @@ def _assume_starts(rows: pd.DataFrame, axes: list[str]) -> list[str]:
     for _, part in rows.groupby([*axes, "seed"], dropna=False):
         named = part[part["start_sha256"] != UNKNOWN_START]
         for index in part.index[part["start_sha256"] == UNKNOWN_START]:
-            same = named[(named["start"] - rows.at[index, "start"]).abs() <= START_TOLERANCE]
+            same = named[(named["start"] - cell_at(rows, index, "start")).abs() <= START_TOLERANCE]
             if same["start_sha256"].nunique() == 1:
                 rows.at[index, "start_sha256"] = same["start_sha256"].iloc[0]
                 assumed += 1

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
@@ -52,7 +52,8 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 
 def schema_defaults() -> dict[str, Any]:
     """Today's default of every key of the typed schema, flat, for configs written before the key existed."""
-    flat = flatten_config(OmegaConf.to_container(OmegaConf.structured(TrainConfig), throw_on_missing=False))
+    schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig), throw_on_missing=False)
+    flat = flatten_config(cast(dict[str, Any], schema))  # a structured config's container is a dict of its fields
     return {k: v for k, v in flat.items() if v != "???"}
 
 

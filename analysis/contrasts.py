@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pandas as pd
 import yaml
@@ -189,8 +189,11 @@ class Judged:
         """A flat record for a CSV: every number of the comparison; each start's value as `sha256=value (seeds)`, an
         interaction's second model's in `per_start_second`."""
         stats, contrast = self.statistics, self.contrast
-        paired = isinstance(stats, AcrossStarts)
-        sides = [(stats.per_start, stats.seeds)] if paired else list(zip(stats.per_start, stats.seeds))
+        sides = (
+            [(stats.per_start, stats.seeds)]
+            if isinstance(stats, AcrossStarts)
+            else list(zip(stats.per_start, stats.seeds))
+        )
         texts = [
             "; ".join(f"{start}={value!r} ({seeds[start]})" for start, value in values.items())
             for values, seeds in sides
@@ -201,7 +204,7 @@ class Judged:
             "arm": contrast.arm,
             "other": contrast.other,
             "lag": contrast.lag,
-            "starts": stats.starts if paired else "+".join(map(str, stats.starts)),
+            "starts": stats.starts if isinstance(stats, AcrossStarts) else "+".join(map(str, stats.starts)),
             "estimate": stats.difference.estimate,
             "low": stats.difference.low,
             "high": stats.difference.high,
@@ -277,7 +280,9 @@ def load_family(path: Path) -> Family:
                 f"--family {path}: contrast {number} ({entry!r}) must have name, kind and arm, and may have other"
             )
         try:
-            contrasts.append(Contrast(**{key: str(value) for key, value in entry.items()}))
+            # Any: the declared keys are Contrast's text fields, which `**` cannot tell from its `lag`.
+            declared_fields: dict[str, Any] = {key: str(value) for key, value in entry.items()}
+            contrasts.append(Contrast(**declared_fields))
         except ValueError as error:
             raise ValueError(f"--family {path}: {error}") from None
     if not contrasts:

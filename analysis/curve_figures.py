@@ -215,7 +215,7 @@ def fig_replay_grpo(runset: RunSet, settings: FigureSettings, out: FigureOutput)
     """Paper Fig. 3: GRPO with vs without Routing Replay, training reward against compute."""
     rows = runset.runs.drop_duplicates("label").set_index("label")
     grpo = [lab for lab in runset.labels if rows.loc[lab, "algo"] == "grpo"]
-    replays = {rows.loc[lab, "replay"] for lab in grpo}
+    replays = {rows["replay"].loc[lab] for lab in grpo}  # a column's cell: typed as the column's
     if "none" not in replays or not replays - {"none"}:
         found = ", ".join(sorted(replays)) if replays else "no GRPO runs"
         out.notes.append(

@@ -9,12 +9,13 @@ import json
 import math
 import re
 from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pandas as pd
 
 from analysis.arms import arms_of
-from analysis.records import RunSet
+from analysis.records import RunSet, runs_of
 from analysis.summaries import COLLAPSE_DROP, EMA_ALPHA, collapse_flag, ema
 from experiments.config import RolloutConfig
 from experiments.step.engines import EngineNumerics
@@ -89,7 +90,8 @@ def drift_by_depth(runset: RunSet) -> tuple[pd.DataFrame, str]:
 def layer_counts(runset: RunSet) -> dict[str, int]:
     """Number of MoE layers per label as configured (`model.num_hidden_layers`), where known."""
     known = runset.runs.dropna(subset=["num_layers"])
-    return {label: int(group["num_layers"].max()) for label, group in known.groupby("label")}
+    # A label is text; pandas types a group's key as any scalar.
+    return {cast(str, label): int(group["num_layers"].max()) for label, group in known.groupby("label")}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -186,7 +188,7 @@ AGAINST_THE_ENGINE = (ENGINE_EXPERTS, ENGINE_GATES, MISMATCH_K3)
 
 def lags_of(runset: RunSet) -> dict[str, int]:
     """Per run the lag its engine sampled at (`rollout.lag`; 0 where the run sets none)."""
-    return {row.run: int(json.loads(row.config).get(LAG, 0)) for row in runset.runs.itertuples()}
+    return {row.run: int(json.loads(row.config).get(LAG, 0)) for row in runs_of(runset.runs)}
 
 
 def staleness_by_lag(runset: RunSet) -> pd.DataFrame:

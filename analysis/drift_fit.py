@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -68,7 +69,7 @@ class Fit:
         """The coefficient of regressor `name` (an exponent, or the log factor of an indicator)."""
         return float(self.coef[1 + self.regressors.index(name)])
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """The fit as fit.json holds it."""
         return {
             "regressors": self.regressors,
@@ -184,7 +185,7 @@ def knob_range(rows: pd.DataFrame, column: str) -> str:
     return f"{values.min():.2g} to {values.max():.2g}"
 
 
-def fit_record(fit: Fit, rows: pd.DataFrame) -> dict:
+def fit_record(fit: Fit, rows: pd.DataFrame) -> dict[str, Any]:
     """What fit.json holds: the fit, the learning rate the paper's drift needs and, with the margin fitted, the margin
     `TARGET_DRIFT` needs at each probed learning rate."""
     record = {**fit.as_dict(), "lr_for_paper_drift": lr_for_paper_drift(fit, rows)}

@@ -42,6 +42,7 @@ from analysis.drift_fit import (
     margin_for_drift,
     paper_point,
 )
+from analysis.records import rows_as_dicts
 from analysis.tables import num
 from experiments.step import metrics as m
 from models.policy import SIGMOID_FAMILIES
@@ -256,10 +257,11 @@ def report(rows: pd.DataFrame, precision: pd.DataFrame, fit: Fit, out: Path, com
             "| model | task | precision | experts that differ | tokens with a difference | k3 |",
             "|---|---|---|---|---|---|",
         ]
-        for r in precision.itertuples():
+        for engine in rows_as_dicts(precision):
             lines.append(
-                f"| {r.model} | {r.task} | {r.precision} | {num(r.expert_mismatch, '.2%')} | "
-                f"{num(r.token_any_mismatch, '.2%')} | {r.kl_k3:.2g} |"
+                f"| {engine['model']} | {engine['task']} | {engine['precision']} | "
+                f"{num(engine['expert_mismatch'], '.2%')} | {num(engine['token_any_mismatch'], '.2%')} | "
+                f"{engine['kl_k3']:.2g} |"
             )
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

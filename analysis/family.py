@@ -54,8 +54,8 @@ from analysis.contrasts import (
     unit_values,
 )
 from analysis.gains import EXCLUDED
-from analysis.records import UNKNOWN_START
-from analysis.statistics import ALPHA, smallest_p
+from analysis.records import UNKNOWN_START, rows_as_dicts
+from analysis.statistics import ALPHA, AcrossStarts, smallest_p
 from analysis.tables import LEFT_OUT_FILE, REPORT_FILE, markdown_table
 from analysis.unpaired import smallest_permutation_p
 
@@ -243,7 +243,7 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
     for result, values in zip(judged, read.values):
         stats = result.statistics
         sides = [values[MOE]] if result.contrast.kind != INTERACTION else [values[MOE], values[DENSE]]
-        per_start = [stats.per_start] if len(sides) == 1 else list(stats.per_start)
+        per_start = [stats.per_start] if isinstance(stats, AcrossStarts) else list(stats.per_start)  # one side: paired
         units = ", ".join(
             f"{len(side)} × {_seeds(side)}" + (f" {model}" if len(sides) > 1 else "")
             for side, model in zip(sides, (MOE, DENSE))
@@ -344,7 +344,7 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
             f"Every unit of {'both tables' if DENSE in read.paths else 'the table'} entered every "
             "comparison that reads it."
         ]
-    table = [[row.comparison, row.model, row.start_sha256[:12], row.seed, row.why] for row in left.itertuples()]
+    table = [[r["comparison"], r["model"], r["start_sha256"][:12], r["seed"], r["why"]] for r in rows_as_dicts(left)]
     return lines + [
         f"## Units left out ({len(left)})",
         "",

@@ -6,11 +6,21 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pandas as pd
 
 from analysis.arms import arm_names, arm_order, in_cell, seed_order, sweep_axes, sweep_cells
-from analysis.records import INCOMPLETE, UNKNOWN_RECIPE, UNKNOWN_START, RunSet
+from analysis.records import (
+    INCOMPLETE,
+    UNKNOWN_RECIPE,
+    UNKNOWN_START,
+    RunSet,
+    rows_as_dicts,
+    run_configs,
+    runs_of,
+    unstarted_of,
+)
 from experiments.config import AccuracySummary, EarlyStopped
 from experiments.run.recipe import recipe_sha256
 from experiments.step.metrics import EVAL_GREEDY, EVAL_SPLIT_GREEDY, gain_area
@@ -48,7 +58,7 @@ PER_SEED_COLUMNS = [
 ]  # after run, arm, seed and the swept axes
 
 
-def _planned_evaluations(cfg: dict) -> list[int]:
+def _planned_evaluations(cfg: dict[str, Any]) -> list[int]:
     """The steps at which a run of `cfg` evaluates (every `trainer.eval_every` steps and at its last)."""
     steps, every = int(cfg.get("trainer.steps", 0)), int(cfg.get("trainer.eval_every", 0) or 0)
     return sorted({*(range(every, steps + 1, every) if every else ()), steps} - {0})
@@ -73,10 +83,10 @@ def accuracy_gain(runset: RunSet, early_stopped: str = EarlyStopped.exclude) -> 
     split = runset.metric(EVAL_SPLIT_GREEDY).sort_values("step")
     split_start = split[split["step"] == 0].groupby("run")["value"].first()
     split_end = split[split["step"] > 0].groupby("run")["value"].last()
-    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    configs = run_configs(runset.runs)
     arms, axes = arm_names(configs), sweep_axes(runset)
     rows = []
-    for row in runset.runs.itertuples():
+    for row in runs_of(runset.runs):
         if row.run not in start.index:
             continue
         cfg = configs[row.run]
@@ -115,7 +125,7 @@ def accuracy_gain(runset: RunSet, early_stopped: str = EarlyStopped.exclude) -> 
     return pd.DataFrame(rows, columns=["run", "arm", "seed", *axes, *PER_SEED_COLUMNS])
 
 
-def how_it_ended(status: str, last_step: int, cfg: dict) -> str:
+def how_it_ended(status: str, last_step: int, cfg: dict[str, Any]) -> str:
     """A run that did not finish, in words: how and at which of its planned steps it stopped."""
     at = f"step {last_step} of {cfg.get('trainer.steps', '?')}"
     return {
@@ -135,15 +145,15 @@ def left_out(
     """Every (arm, cell, start, seed) a comparison could have held and does not, with why: a run that did not finish
     (and is not scored by the declared rule), a run without an evaluation at its start or after it, a job that logged
     no step (`RunSet.unstarted`), and a seed another arm of the cell holds from a start this arm has no run from."""
-    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    configs = run_configs(runset.runs)
     jobs = {
-        f"unstarted {i}": json.loads(job.config) for i, job in enumerate(runset.unstarted.itertuples()) if job.config
+        f"unstarted {i}": json.loads(job.config) for i, job in enumerate(unstarted_of(runset.unstarted)) if job.config
     }
     arms = arm_names({**configs, **jobs})
     evaluated = runset.metric(EVAL_GREEDY)
     rule = f"comparison.early_stopped={early_stopped}"
     rows = []
-    for row in runset.runs.itertuples():
+    for row in runs_of(runset.runs):
         cfg = configs[row.run]
         listed = gains[gains["run"] == row.run]
         if not listed.empty and listed["counted"].iloc[0] != EXCLUDED:
@@ -167,7 +177,7 @@ def left_out(
                 "why": why,
             }
         )
-    for i, job in enumerate(runset.unstarted.itertuples()):
+    for i, job in enumerate(unstarted_of(runset.unstarted)):
         cfg = jobs.get(f"unstarted {i}", {})
         rows.append(
             {
@@ -187,7 +197,7 @@ def left_out(
 def with_missing_units(named: pd.DataFrame, gains: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
     """`named` (the left-out rows already known, with why) and, per cell, every (start, seed) some arm holds a counted
     run at and another arm has no run at (nor a named one): the missing seeds."""
-    rows = named.to_dict("records")
+    rows = rows_as_dicts(named)
     counted = gains[gains["counted"] != EXCLUDED]
     for cell, part in sweep_cells(counted, axes):
         units = set(zip(part["start_sha256"], part["seed"]))

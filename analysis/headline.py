@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import pandas as pd
 
@@ -17,7 +18,7 @@ from analysis.configs import SYNTHETIC_KEYS, format_value
 from analysis.declaration import Declaration
 from analysis.gains import EXCLUDED, GAIN_MEASURES
 from analysis.plotting import FigureOutput
-from analysis.records import UNKNOWN_START, RunSet
+from analysis.records import UNKNOWN_START, RunSet, rows_as_dicts
 from analysis.references import Reference
 from analysis.statistics import ALPHA, smallest_p
 from analysis.verdicts import PRIMARY
@@ -33,7 +34,7 @@ def _verdict_head(verdict: str) -> str:
     return str(verdict).split(" (")[0]
 
 
-def difference(row: dict, prefix: str = "difference") -> str:
+def difference(row: dict[str, Any], prefix: str = "difference") -> str:
     """`prefix`_estimate [`prefix`_low, `prefix`_high] of a row, signed, to 3 decimals."""
     estimate, low, high = (row.get(f"{prefix}_{part}", math.nan) for part in ("estimate", "low", "high"))
     if pd.isna(estimate):
@@ -50,7 +51,7 @@ def what_ran(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> str:
     starts = runs.loc[runs["start_sha256"] != UNKNOWN_START].groupby("start_sha256").size()
     started = (
         f"cold start{'s' * (len(starts) > 1)} (the weights' sha256) "
-        + ", ".join(f"`{start[:12]}` ({n} runs)" for start, n in starts.items())
+        + ", ".join(f"`{start[:12]}` ({n} runs)" for start, n in zip(starts.index, starts))  # typed `items()`
         if len(starts)
         else "no run's summary names its cold start"
     )
@@ -71,7 +72,8 @@ def skipped_updates(runset: RunSet, gains: pd.DataFrame) -> str:
     last = scalars[scalars["metric"] == SKIPPED].sort_values("step").groupby("run")["value"].last()
     arms = gains.set_index("run")["arm"] if not gains.empty else runset.runs.set_index("run")["label"]
     counted = pd.DataFrame({"arm": arms, "skipped": last.reindex(arms.index).fillna(0)})
-    skipping = [(arm, group) for arm, group in counted.groupby("arm") if group["skipped"].sum() > 0]
+    # An arm's name is text; pandas types a group's key as any scalar.
+    skipping = [(cast(str, arm), group) for arm, group in counted.groupby("arm") if group["skipped"].sum() > 0]
     if not skipping:
         return "**Updates skipped** for a non-finite loss or gradient: none, in any arm."
     said = "; ".join(
@@ -117,7 +119,7 @@ def verdict_lines(
             "report."
         ]
     baseline, family = declaration.reference(arms), declaration.family_of(arms)
-    primary = [row for row in comparisons.to_dict("records") if row["role"] == PRIMARY] if len(comparisons) else []
+    primary = [row for row in rows_as_dicts(comparisons) if row["role"] == PRIMARY] if len(comparisons) else []
     said = (
         f"**The declared comparisons**: {', '.join(family)} against {baseline} on `{declaration.primary}` "
         f"({GAIN_MEASURES[declaration.primary].split(':')[0]}), Holm's correction over {len(primary)}"
@@ -140,6 +142,7 @@ def verdict_lines(
         starts = row.get("starts")
         # starts == starts: not NaN (a table from before starts were counted)
         if starts == starts and (starts or 0) >= 2:
+            assert starts is not None  # (None or 0) >= 2 is False
             # several starts: the two-level interval decides, and it is the one said
             said = (
                 f"{difference(row, 'starts_difference')} over {row['seeds']} (start, seed) pairs from "
@@ -150,7 +153,7 @@ def verdict_lines(
         line = f"- {_cell_prefix(cell)}{means}; {row['arm']} − {baseline} {said}: **{_verdict_head(row['verdict'])}**"
         there = [
             match
-            for match in beside.to_dict("records")
+            for match in rows_as_dicts(beside)
             if match["measure"] == row["measure"] and match["arm"] == row["arm"] and match["cell"] == cell
         ]
         line += "".join(
@@ -168,7 +171,7 @@ def verdict_lines(
     return lines
 
 
-def _cell_prefix(cell: dict) -> str:
+def _cell_prefix(cell: dict[str, Any]) -> str:
     return f"{cell_name(cell)}: " if cell else ""
 
 

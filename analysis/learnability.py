@@ -25,13 +25,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from analysis.cli import Command, writable_out
 from analysis.load import load_runs
-from analysis.records import FINISHED
+from analysis.records import FINISHED, runs_of
 from experiments.run.rundir import SUMMARY_FILE
 from experiments.step import metrics as m
 
@@ -74,7 +75,7 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
     """One row per run under `paths` (module docstring)."""
     runset = load_runs(paths)
     rows = []
-    for run in runset.runs.itertuples():
+    for run in runs_of(runset.runs):
         config = json.loads(run.config)
         series = functools.partial(_series, runset.scalars, run.run)  # this run's metric by step
         greedy, train, pass1 = series(m.EVAL_GREEDY), series(m.EVAL_TRAIN_GREEDY), series(m.EVAL_ACCURACY)
@@ -110,7 +111,7 @@ def run_rows(paths: list[str]) -> pd.DataFrame:
             "entropy_first": entropy[0],
             "entropy_last": entropy[1],
             # Successive evaluations' changes: their spread is the noise a single evaluation adds to a gain.
-            "eval_step_sd": float(np.std(np.diff(greedy.values), ddof=1)) if len(greedy) > 2 else math.nan,
+            "eval_step_sd": float(np.std(np.diff(greedy.to_numpy()), ddof=1)) if len(greedy) > 2 else math.nan,
             "eval_prompts": config.get("trainer.eval_prompts"),
             "split_gain": _change(series(m.EVAL_SPLIT_GREEDY)),
             "reward_rise": reward[1] - reward[0],
@@ -171,10 +172,10 @@ class MapRule:
     average. Where none learns, the declared `extension` decides if it learns; otherwise the lever (or the extension)
     whose smallest split_gain is largest is the best found, not a learning regime."""
 
-    centre: dict  # the diagnosis's best setting, by the run row's names
-    levers: dict  # lever name -> its change from the centre
-    extension: dict  # the one extension, declared before the map: its change from the centre
-    rungs: tuple = ("glm4_moe_l16", "qwen30b_l16")  # the rule's MoE rungs (the dense control decides nothing)
+    centre: dict[str, Any]  # the diagnosis's best setting, by the run row's names
+    levers: dict[str, Any]  # lever name -> its change from the centre
+    extension: dict[str, Any]  # the one extension, declared before the map: its change from the centre
+    rungs: tuple[str, ...] = ("glm4_moe_l16", "qwen30b_l16")  # the rule's MoE rungs (the dense control decides nothing)
     starts: int = 3  # starts per rung
     arm: str = "grpo"  # the baseline the rule reads
     min_split_gain: float = 0.10
@@ -210,7 +211,8 @@ def apply_rule(rows: pd.DataFrame, rule: MapRule = MAP_RULE) -> tuple[pd.DataFra
     whether it learns and its mean CPU seconds; and the verdict in words. A ValueError names every lever, rung and
     start count the rule lacks (a run that did not finish counts as missing)."""
     baseline = rows[(rows["arm"] == rule.arm) & rows["model"].isin(rule.rungs)]
-    baseline = baseline.assign(lever=[rule.lever_of(row) for _, row in baseline.iterrows()])
+    # pandas-stubs take a column's cells as scalars without None, which a column of objects holds.
+    baseline = baseline.assign(lever=[rule.lever_of(row) for _, row in baseline.iterrows()])  # type: ignore[misc]
     finished = baseline[baseline["status"] == FINISHED]
     levers = list(rule.levers) + ([EXTENSION] if (baseline["lever"] == EXTENSION).any() else [])
     missing = [
@@ -265,7 +267,7 @@ def apply_rule(rows: pd.DataFrame, rule: MapRule = MAP_RULE) -> tuple[pd.DataFra
     return table.assign(chosen=table["lever"] == chosen), words
 
 
-def regime(table: pd.DataFrame, rule: MapRule = MAP_RULE) -> dict | None:
+def regime(table: pd.DataFrame, rule: MapRule = MAP_RULE) -> dict[str, Any] | None:
     """The setting the rule chose for the family (`apply_rule`'s `chosen` lever), as regime.json holds it: the lever,
     whether GRPO learns there, its smallest split_gain and the run overrides that make it (every setting the rule
     reads, the centre's included, so the family's command needs nothing else); None while the extension is to run."""
@@ -283,7 +285,7 @@ def regime(table: pd.DataFrame, rule: MapRule = MAP_RULE) -> dict | None:
     }
 
 
-def _change_words(change: dict) -> str:
+def _change_words(change: dict[str, Any]) -> str:
     return ", ".join(f"{key} {value:g}" for key, value in change.items())
 
 

@@ -43,7 +43,7 @@ CONFIG_FILE = Path(".hydra") / "config.yaml"
 MULTIRUN_FILE = "multirun.yaml"  # what Hydra writes at the top of a sweep directory, beside its jobs
 
 
-def _natural_key(path: Path) -> list:
+def _natural_key(path: Path) -> list[int | str]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
 
 
@@ -184,7 +184,7 @@ def load_runs(paths: Sequence[str | Path], skip: Sequence[Path] = ()) -> RunSet:
     `skip`) into a RunSet."""
     problems: list[str] = []
     rows = RecordRows(nulls_are_non_finite=True)
-    run_rows: list[dict] = []
+    run_rows: list[dict[str, Any]] = []
     taken: set[str] = set()
     defaults = schema_defaults()
     jobs: list[Path] = []

@@ -22,7 +22,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from analysis.cli import Command, writable_out
 from experiments.sft import MEDIAN_INTERVAL, routing_profile
@@ -31,9 +31,12 @@ from experiments.tasks import build_task
 from models.cpu_kernels import weights_sha256
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
-from models.routing.families import has_selection_bias
+from models.routing.families import has_selection_bias, router_num_experts, router_top_k
 from models.routing.measures import MARGIN_ANCHORS
 from models.routing.trace import find_routers
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 SOFTMAX_ANCHOR, SIGMOID_ANCHOR = MARGIN_ANCHORS.items()
 
@@ -51,18 +54,17 @@ def measure(checkpoint: Path, dataset: str, prompts: int) -> dict[str, Any]:
     sigmoid = has_selection_bias(routers[0])
     anchor_name, anchor = SIGMOID_ANCHOR if sigmoid else SOFTMAX_ANCHOR
     profile = routing_profile(model, tokenizer, task.examples("test")[:prompts])
+    assert profile is not None  # None only for a dense model, refused above
+    defaults = cast("DataclassInstance", task).__dataclass_fields__  # a task is a dataclass (its registry's rule)
     return {
         "checkpoint": str(checkpoint),
         "sha256": weights_sha256(model),  # the start's identity, as its cold_start.json and every RL run name it
         "family": f"{model.config.model_type} ({'sigmoid + bias' if sigmoid else 'softmax'})",
         "layers": len(routers),
-        "experts": int(routers[0].num_experts),
-        "top_k": int(routers[0].top_k),
+        "experts": int(router_num_experts(routers[0])),
+        "top_k": int(router_top_k(routers[0])),
         "task": " ".join(
-            [
-                task.name,
-                *(f"{key}={value}" for key, value in params.items() if value != task.__dataclass_fields__[key].default),
-            ]
+            [task.name, *(f"{key}={value}" for key, value in params.items() if value != defaults[key].default)]
         ),
         "prompts": min(prompts, len(task.examples("test"))),
         "anchor": anchor_name,

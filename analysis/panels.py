@@ -16,7 +16,6 @@ Writes `<out>/panels.png` (and `.pdf` with `--pdf`) and prints what it drew.
 from __future__ import annotations
 
 import argparse
-import json
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from analysis.arms import arm_names
 from analysis.cli import Command, writable_out
 from analysis.load import load_runs
 from analysis.plotting import STEP_LABEL, in_style, legend, new_figure, plot_band, save, series_styles
-from analysis.records import RunSet
+from analysis.records import RunSet, run_configs
 from analysis.style import TEXT_WIDTH_IN
 from analysis.summaries import EMA_ALPHA, curve
 from experiments.step import metrics as m
@@ -43,15 +42,15 @@ ROWS = (
 )
 
 
-def by_value(runset: RunSet, key: str) -> dict[float | str, RunSet]:
+def by_value(runset: RunSet, key: str) -> dict[float | str | None, RunSet]:
     """The runs of each value of the config key `key`, each run labelled by its arm; `ValueError` naming the key when
     no run has it."""
-    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    configs = run_configs(runset.runs)
     if not any(key in cfg for cfg in configs.values()):
         raise ValueError(f"--by {key}: no run's config has this key (a swept key, e.g. trainer.minibatches)")
     arms = arm_names(configs)
     runs = runset.runs.assign(label=runset.runs["run"].map(arms))
-    parts = {}
+    parts: dict[float | str | None, RunSet] = {}  # None: the runs whose config lacks the key
     for value in sorted({cfg.get(key) for cfg in configs.values()}, key=lambda v: (v is None, str(v).zfill(12))):
         chosen = [run for run, cfg in configs.items() if cfg.get(key) == value]
         parts[value] = replace(
@@ -85,22 +84,17 @@ def draw(
         else:
             rows.append(row)
     everyone = replace(
-        runset,
-        runs=runset.runs.assign(
-            label=runset.runs["run"].map(
-                arm_names({row.run: json.loads(row.config) for row in runset.runs.itertuples()})
-            )
-        ),
+        runset, runs=runset.runs.assign(label=runset.runs["run"].map(arm_names(run_configs(runset.runs))))
     )
     styles = series_styles(everyone)
     fig = new_figure(max(TEXT_WIDTH_IN, 2.2 * len(parts)), 1.5 * len(rows) + 0.8)
     grid = fig.subplots(len(rows), len(parts), squeeze=False, sharey="row")
     for col, (value, part) in enumerate(parts.items()):
-        for row, (metric, label, smoothed, log) in enumerate(rows):
-            ax = grid[row][col]
+        for line, (metric, label, smoothed, log) in enumerate(rows):
+            ax = grid[line][col]
             if not part.has(metric):
                 ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
-                ax.tick_params(labelbottom=row == len(rows) - 1)
+                ax.tick_params(labelbottom=line == len(rows) - 1)
             table = curve(part, metric, x="step", alpha=alpha if smoothed else None)
             for arm in part.labels:
                 arm_curve = table[table["label"] == arm]
@@ -109,11 +103,11 @@ def draw(
             if log:
                 ax.set_yscale("log")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if row == 0:
+            if line == 0:
                 ax.set_title(f"{key.rsplit('.', 1)[-1]} = {value}")
             if col == 0:
                 ax.set_ylabel(textwrap.fill(label, 24))
-            if row == len(rows) - 1:
+            if line == len(rows) - 1:
                 ax.set_xlabel(STEP_LABEL)
     legend(fig, everyone.labels, styles)
     files = save(fig, out, "panels", dpi, pdf)

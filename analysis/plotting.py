@@ -22,9 +22,11 @@ from typing import Any, TypeVar
 import matplotlib
 import numpy as np
 import pandas as pd
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.typing import LineStyleType
 from PIL import Image
 
 from analysis.arms import arm_order, arms_of
@@ -105,7 +107,7 @@ class SeriesStyle:
     """How one series is drawn: its colour, its line style and, as a bar, its hatch."""
 
     color: str
-    linestyle: str
+    linestyle: LineStyleType
     hatch: str
 
 
@@ -115,7 +117,7 @@ def series_styles(runset: RunSet) -> dict[str, SeriesStyle]:
     seen: dict[tuple[str, str], int] = {}
     styles = {}
     for label in runset.labels:
-        algo, replay = rows.loc[label, "algo"], rows.loc[label, "replay"]
+        algo, replay = rows["algo"].loc[label], rows["replay"].loc[label]  # a column's cell: typed as the column's
         rank = seen.get((algo, replay), 0)
         seen[(algo, replay)] = rank + 1
         styles[label] = SeriesStyle(shade(algo_color(algo), rank), replay_linestyle(replay), replay_hatch(replay))
@@ -173,9 +175,11 @@ def legend_rows_in(names: Sequence[str], width: float) -> float:
     return 0.14 * math.ceil(len(names) / legend_columns(width, names))
 
 
-def legend(fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], extra: Sequence = ()) -> None:
+def legend(
+    fig: Figure, labels: Sequence[str], styles: dict[str, SeriesStyle], extra: Sequence[tuple[Artist, str]] = ()
+) -> None:
     """One legend below the axes: a line per label in its series' style, then the `extra` (handle, name) pairs."""
-    handles = [Line2D([], [], color=styles[lab].color, linestyle=styles[lab].linestyle) for lab in labels]
+    handles: list[Artist] = [Line2D([], [], color=styles[lab].color, linestyle=styles[lab].linestyle) for lab in labels]
     names = list(labels)
     for handle, name in extra:
         handles.append(handle)

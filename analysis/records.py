@@ -20,9 +20,9 @@ import json
 import math
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import pandas as pd
 
@@ -58,6 +58,61 @@ UNKNOWN_RECIPE = ""  # the start_recipe of a run whose summary does not hold its
 _WANDB_MINIBATCH_KEY = re.compile("^" + re.escape(WANDB_MINIBATCH) + r"(\d+)/(.+)$")
 
 
+class RunRow(Protocol):
+    """One row of `RunSet.runs` (`RUN_COLUMNS`, as `run_row` and `finish` write them), read by column name."""
+
+    run: str
+    label: str
+    algo: str
+    replay: str
+    seed: str  # as the config names it; "" where it names none
+    model: str
+    num_layers: float  # NaN where the config names none
+    status: str
+    incomplete: bool
+    last_step: int
+    wall_s: float
+    start_sha256: str
+    start_recipe: str
+    source: str
+    config: str  # the flat config, as JSON
+
+
+class UnstartedRow(Protocol):
+    """One row of `RunSet.unstarted` (`UNSTARTED_COLUMNS`, as `unstarted_row` writes them)."""
+
+    where: str
+    seed: str
+    config: str  # the flat config, as JSON; "" where the job left none
+    why: str
+
+
+def runs_of(runs: pd.DataFrame) -> Iterable[RunRow]:
+    """`runs.itertuples()` with the cells' types: pandas types a row's cells as any scalar, whatever its column."""
+    return cast(Iterable[RunRow], runs.itertuples())
+
+
+def unstarted_of(unstarted: pd.DataFrame) -> Iterable[UnstartedRow]:
+    """`unstarted.itertuples()` with the cells' types (`runs_of`)."""
+    return cast(Iterable[UnstartedRow], unstarted.itertuples())
+
+
+def cell_at(frame: pd.DataFrame, row: Hashable, column: str) -> Any:
+    """`frame.at[row, column]`, typed as what its column holds (Any): pandas types a cell as any scalar."""
+    return frame.at[row, column]
+
+
+def rows_as_dicts(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """`frame.to_dict("records")`, keyed by column name: every frame here names its columns with text, which pandas
+    types as any hashable."""
+    return cast(list[dict[str, Any]], frame.to_dict("records"))
+
+
+def run_configs(runs: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """Each run's flat config by run name, from a `RunSet.runs` frame."""
+    return {row.run: json.loads(row.config) for row in runs_of(runs)}
+
+
 @dataclass
 class RunSet:
     """Everything the report needs, in long frames (see the module docstring for the columns)."""
@@ -89,7 +144,7 @@ class RunSet:
         return [lab for lab in self.labels if lab not in have]
 
 
-def _label_sort_key(row: pd.Series) -> tuple:
+def _label_sort_key(row: pd.Series) -> tuple[int, str, int, str]:
     algo_rank = ALGO_ORDER.index(row["algo"]) if row["algo"] in ALGO_ORDER else len(ALGO_ORDER)
     replay_rank = REPLAY_ORDER.index(row["replay"]) if row["replay"] in REPLAY_ORDER else len(REPLAY_ORDER)
     return (algo_rank, row["algo"], replay_rank, row["label"])
@@ -168,8 +223,8 @@ def add_record(rows: RecordRows, run: str, step: int, record: Mapping[str, Any])
             match = _WANDB_MINIBATCH_KEY.match(key)
             if match:
                 per_minibatch.setdefault(int(match.group(1)), {})[match.group(2)] = value
-        elif unstarted(key) is not None:
-            start[unstarted(key)] = value
+        elif (setting := unstarted(key)) is not None:
+            start[setting] = value
         elif key not in (MINIBATCHES, STEP) and not key.startswith("_"):
             scalars[key] = value
     entries = record.get(MINIBATCHES, [])
@@ -188,7 +243,9 @@ def add_record(rows: RecordRows, run: str, step: int, record: Mapping[str, Any])
     return bad
 
 
-def _long(ids: list[tuple], values: list[dict[str, Any]], id_columns: list[str]) -> pd.DataFrame:
+def _long(
+    ids: list[tuple[str, int]] | list[tuple[str, int, int]], values: list[dict[str, Any]], id_columns: list[str]
+) -> pd.DataFrame:
     """Wide records → long `[*id_columns, metric, value]`; a value logged twice for the same ids keeps the last."""
     wide = pd.DataFrame.from_records(values, index=range(len(values))).astype("float64")
     wide = pd.concat([pd.DataFrame(ids, columns=id_columns), wide], axis=1)
@@ -230,12 +287,12 @@ def run_row(
 
 
 def finish(
-    run_rows: list[dict],
+    run_rows: list[dict[str, Any]],
     scalars: pd.DataFrame,
     minibatches: pd.DataFrame,
     source: str,
     problems: list[str],
-    unstarted: list[dict] = (),
+    unstarted: Sequence[dict[str, Any]] = (),
 ) -> RunSet:
     """Attach labels and last steps; runs of one experiment, start and seed (a crashed run and its rerun) count once."""
     runs = pd.DataFrame(run_rows)
@@ -245,7 +302,7 @@ def finish(
     runs = runs[runs["run"].isin(kept)].reset_index(drop=True)
     scalars = scalars[scalars["run"].isin(kept)].reset_index(drop=True)
     minibatches = minibatches[minibatches["run"].isin(kept)].reset_index(drop=True)
-    configs = {row.run: json.loads(row.config) for row in runs.itertuples()}
+    configs = run_configs(runs)
     runs["label"] = runs["run"].map(label_runs(configs))
     runs = runs[RUN_COLUMNS].reset_index(drop=True)
     return RunSet(

@@ -21,12 +21,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from analysis.cli import Command
 from analysis.configs import ignored_key, schema_defaults, short_key
 from analysis.load import load_runs
+from analysis.records import RunSet, runs_of
 from analysis.summaries import collapse_flag
 from analysis.tables import markdown_table, num
 from experiments.step.metrics import DRIFT_PER_UPDATE, EVAL_GREEDY, MISMATCH_K3, REWARD
@@ -42,7 +44,7 @@ class RunOutcome:
     search: str
     arm: str
     seed: str
-    config: dict
+    config: dict[str, Any]
     start: float | None
     start_borrowed: bool
     end: float | None
@@ -51,7 +53,7 @@ class RunOutcome:
     mismatch: float | None
 
 
-def _mean_metric(runset, run: str, metric: str) -> float | None:
+def _mean_metric(runset: RunSet, run: str, metric: str) -> float | None:
     rows = runset.metric(metric)
     values = rows.loc[rows["run"] == run, "value"]
     return float(values.mean()) if len(values) else None
@@ -65,7 +67,7 @@ def outcomes(directories: Sequence[Path]) -> list[RunOutcome]:
         defaults = schema_defaults()
         greedy = runset.metric(EVAL_GREEDY)
         reward = runset.metric(REWARD)
-        for row in runset.runs.itertuples():
+        for row in runs_of(runset.runs):
             config = defaults | json.loads(row.config)
             arm = row.algo if row.replay == "none" else f"{row.algo} + {row.replay}"
             arm_settings = sorted(k for k in config if k.startswith("algo.") and k != "algo.name")
@@ -137,11 +139,12 @@ def verdict(runs: list[RunOutcome]) -> str:
     evaluated = [r.collapsed for r in runs if r.collapsed is not None]
     if any(evaluated):
         return f"collapsed {sum(evaluated)}/{len(evaluated)}"
-    if any(r.start is None or r.end is None for r in runs):
+    measured = [(r.start, r.end) for r in runs if r.start is not None and r.end is not None]
+    if len(measured) < len(runs):  # a run without its start or its end
         return "–"
-    if all(r.end > r.start for r in runs):
+    if all(end > start for start, end in measured):
         return "improves"
-    if all(r.end < r.start for r in runs):
+    if all(end < start for start, end in measured):
         return "declines"
     return "mixed"
 
@@ -157,7 +160,7 @@ def _arm_name(run: RunOutcome, found: list[RunOutcome]) -> str:
 def regimes_table(found: list[RunOutcome]) -> str:
     keys = knobs(found)
     all_keys = sorted({k for run in found for k in run.config})
-    groups: dict[tuple, list[RunOutcome]] = {}
+    groups: dict[tuple[str, tuple[str, ...], str], list[RunOutcome]] = {}
     for run in found:
         regime = tuple(f"{short_key(k, all_keys)}={run.config.get(k, '–')}" for k in keys)
         groups.setdefault((run.search, regime, _arm_name(run, found)), []).append(run)
@@ -168,7 +171,7 @@ def regimes_table(found: list[RunOutcome]) -> str:
             f"{num(r.start, '.2f')}{'*' if r.start_borrowed else ''}→{num(r.end, '.2f')}" for r in runs
         )
 
-        def mean(field: str, runs=runs) -> float | None:
+        def mean(field: str, runs: list[RunOutcome] = runs) -> float | None:
             values = [getattr(r, field) for r in runs if getattr(r, field) is not None]
             return float(np.mean(values)) if values else None
 

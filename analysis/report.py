@@ -42,7 +42,7 @@ from analysis.gains import EXCLUDED, accuracy_gain, left_out
 from analysis.headline import first_screen, headline_figure
 from analysis.load import load_runs
 from analysis.plotting import FigureSettings
-from analysis.records import RunSet
+from analysis.records import RunSet, run_configs
 from analysis.references import Reference, beside, held_settings
 from analysis.sections import (
     early_warning_section,
@@ -98,7 +98,7 @@ def decide(runset: RunSet, overrides: dict[str, Any] | None = None) -> Decision:
     gains it counts, the swept axes and the declared references, read; `ValueError` (one line) for a declaration that
     does not fit the runs, a reference that is not a report's folder, and runs of one cell, start and seed that
     differ beyond their arms. Everything a report refuses, before any figure."""
-    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    configs = run_configs(runset.runs)
     declaration = declared.read(configs, overrides)
     declaration.checked(arm_names(configs).values())
     references = declaration.read_references()

@@ -85,6 +85,7 @@ def heatmaps(tables: dict[str, pd.DataFrame], xlabel: str, integer_x: bool = Fal
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # a layer is a whole number: no tick at 2.5
         if len(layers) <= 12:
             ax.set_yticks(layers)
+    assert mesh is not None  # every series draws one, and there is one at least (`max` above)
     fig.colorbar(mesh, ax=grid.ravel().tolist(), label=DRIFT_LABEL, shrink=0.9)
     fig.supxlabel(xlabel)  # one label under all panels: per-panel labels would overlap
     return fig

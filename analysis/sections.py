@@ -19,7 +19,7 @@ from analysis.diagnostics import WARNING_SIGNALS, WARNING_SUSTAIN, early_warning
 from analysis.gains import GAIN_MEASURES, how_it_ended
 from analysis.headline import TITLE
 from analysis.plotting import FigureOutput
-from analysis.records import UNKNOWN_START, RunSet
+from analysis.records import UNKNOWN_START, RunSet, runs_of
 from analysis.summaries import COLLAPSE_MIN_TAIL, COLLAPSE_TAIL_FRACTION
 from analysis.tables import PER_SEED_FILE, SUMMARY_FILE, axis_header, markdown_table, num
 from experiments.step.metrics import DRIFT, FRAGILE, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME
@@ -118,7 +118,7 @@ def runs_section(runset: RunSet) -> list[str]:
         lines += [
             f"- `{r.run}` ({r.label}): last step {r.last_step}, "
             f"{how_it_ended(r.status, r.last_step, json.loads(r.config))}"
-            for r in incomplete.itertuples()
+            for r in runs_of(incomplete)
         ]
     if runset.problems:
         lines += ["", "Problems found while loading (each also printed to stderr):", ""]
@@ -130,7 +130,7 @@ def _starts_sentence(runs: pd.DataFrame) -> str:
     """Which cold starts the runs come from: each start's sha256 (its first 12 digits) and its runs."""
     named = runs[runs["start_sha256"] != UNKNOWN_START]
     counts = named.groupby("start_sha256").size()
-    said = ", ".join(f"`{start[:12]}` ({n} runs)" for start, n in counts.items())
+    said = ", ".join(f"`{start[:12]}` ({n} runs)" for start, n in zip(counts.index, counts))  # typed `items()`
     unnamed = len(runs) - len(named)
     if not said:
         return (

@@ -11,13 +11,16 @@ draws the drift against that engine per lag.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+from matplotlib.typing import RcKeyType
 
 from algos.corrections import tis
 from algos.corrections.base import token_frac
@@ -86,13 +89,13 @@ ROWS = (
     CurveRow((m.MISMATCH_K3,), "KL(μ_old ‖ π_old)\nk3", f"the k3 estimate of KL(μ_old ‖ π_old) (`{m.MISMATCH_K3}`)"),
 )
 # Five columns of up to seven arms each: lines thinner than the style's keep the arms apart.
-THIN = {"lines.linewidth": 0.7}
+THIN: dict[RcKeyType, Any] = {"lines.linewidth": 0.7}
 
 
 def row_series(runset: RunSet, row: CurveRow, alpha: float) -> pd.DataFrame:
     """Each run's curve of the row against step (`[run, label, x, y]`, the label the run's arm): of the row's metrics
     the first the run logged, smoothed per run with `alpha` where the row is."""
-    parts, seen = [], set()
+    parts, seen = [], set[str]()
     for metric in row.metrics:
         series = per_run_series(runset, metric, alpha=alpha if row.smoothed else None)
         series = series[~series["run"].isin(seen)]
@@ -191,7 +194,8 @@ def gain_by_lag(gains: pd.DataFrame, measure: str) -> pd.DataFrame:
     (`seeds`: per start, where every start holds as many)."""
     rows = []
     for (arm, lag), part in gains.groupby(["arm", "lag"]):
-        by_start = {start: group[measure].to_numpy(float) for start, group in part.groupby("start_sha256")}
+        # A start's sha256 is text; pandas types a group's key as any scalar.
+        by_start = {cast(str, start): group[measure].to_numpy(float) for start, group in part.groupby("start_sha256")}
         if len(by_start) >= 2:
             interval, kind = starts_interval(by_start), TWO_LEVEL
         elif len(part) >= 2:
@@ -226,16 +230,25 @@ def interval_text(table: pd.DataFrame) -> str:
     return "The interval is " + "; ".join(f"{INTERVALS[kind][0]} {INTERVALS[kind][1]}" for kind in kinds) + "."
 
 
+class _Point(Protocol):
+    """A row of `gain_by_lag`'s table, as `design_text` reads it."""
+
+    starts: int
+    runs: int
+    seeds: float  # NaN where its starts hold unequal numbers of seeds
+
+
 def design_text(table: pd.DataFrame) -> str:
     """How many starts × seeds the points of `gain_by_lag`'s table hold: one design for all, else each with its number
     of points."""
 
-    def design(point: tuple) -> str:
+    def design(point: _Point) -> str:
         if np.isnan(point.seeds):  # its starts hold unequal numbers of seeds
             return f"{point.starts} starts, {point.runs} runs"
         return f"{point.starts} start{'s' * (point.starts > 1)} × {point.seeds:g} seed{'s' * (point.seeds > 1)}"
 
-    designs = Counter(design(point) for point in table.itertuples())
+    # pandas types a row's cells as any scalar: these are the table's columns.
+    designs = Counter(design(point) for point in cast(Iterable[_Point], table.itertuples()))
     if len(designs) == 1:
         return f"Every point: {next(iter(designs))}."
     return "Points: " + ", ".join(f"{text} ({count})" for text, count in designs.most_common()) + "."

@@ -44,9 +44,12 @@ independently, which throws the pairing away), scipy has the paired bootstrap, a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from scipy import optimize, stats
 
 CONFIDENCE = 0.95
@@ -128,7 +131,7 @@ def _interquartile_mean(values: np.ndarray, axis: int = -1) -> np.ndarray:
     return stats.trim_mean(values, 0.25, axis=axis)
 
 
-def _bootstrap(data: tuple[np.ndarray, ...], statistic, paired: bool) -> Interval:
+def _bootstrap(data: tuple[np.ndarray, ...], statistic: Callable[..., Any], paired: bool) -> Interval:
     estimate = float(statistic(*data))
     if np.all([np.all(sample == sample[0]) for sample in data]):  # nothing to resample: the interval is the point
         return Interval(estimate, estimate, estimate)
@@ -145,7 +148,7 @@ def _bootstrap(data: tuple[np.ndarray, ...], statistic, paired: bool) -> Interva
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
 
 
-def mean_interval(values: np.ndarray | list[float]) -> Interval:
+def mean_interval(values: npt.ArrayLike) -> Interval:
     """An arm's mean over seeds with its 95% percentile bootstrap interval (the same bootstrap as `compare`): what a
     report with one arm, and so nothing to compare, can say of how far other seeds could move it."""
     values = np.asarray(values, dtype=float)
@@ -298,7 +301,7 @@ class AcrossStarts:
         }
 
 
-def across_starts(differences: dict[str, np.ndarray | list[float]]) -> AcrossStarts:
+def across_starts(differences: Mapping[str, np.ndarray | list[float]]) -> AcrossStarts:
     """The paired differences of an arm against the baseline grouped by cold start (`{start sha256: one difference
     per shared seed}`): the two-level bootstrap interval, the start-level sign-flip test and each start's own
     difference. A two-level interval needs at least 2 starts."""
@@ -320,7 +323,7 @@ def across_starts(differences: dict[str, np.ndarray | list[float]]) -> AcrossSta
     )
 
 
-def starts_interval(by_start: dict[str, np.ndarray | list[float]]) -> Interval:
+def starts_interval(by_start: Mapping[str, np.ndarray | list[float]]) -> Interval:
     """The mean over cold starts of each start's mean (`{start sha256: one value per seed}`, every start weighted
     equally, whatever its number of seeds) with its 95% interval from the two-level bootstrap (`multi_bootstrap`,
     percentile): how far other starts of the same recipe, and other seeds, could move it."""

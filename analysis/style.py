@@ -8,8 +8,10 @@ hatch), figures sized for a paper column (3.3 in) or the full text width (6.8 in
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 from matplotlib.colors import to_hex, to_rgb
+from matplotlib.typing import LineStyleType, RcKeyType
 
 COLUMN_WIDTH_IN = 3.3
 TEXT_WIDTH_IN = 6.8
@@ -30,10 +32,10 @@ OTHER_COLORS = ("#7f7f7f", "#bcbd22", "#393b79", "#637939", "#843c39", "#7b4173"
 
 ALGO_ORDER = tuple(ALGO_COLORS)
 REPLAY_ORDER = ("none", "r2", "r3")
-REPLAY_LINESTYLES: dict[str, str] = {"none": "-", "r2": "--", "r3": ":"}
+REPLAY_LINESTYLES: dict[str, LineStyleType] = {"none": "-", "r2": "--", "r3": ":"}
 REPLAY_HATCHES: dict[str, str] = {"none": "", "r2": "////", "r3": "...."}
 
-RC_PARAMS: dict[str, object] = {
+RC_PARAMS: dict[RcKeyType, Any] = {
     "font.size": 7,
     "axes.titlesize": 7,
     "axes.labelsize": 7,
@@ -69,10 +71,11 @@ def shade(color: str, rank: int) -> str:
     amount = min(0.25 * ((rank + 1) // 2), 0.75)
     target = (0.0, 0.0, 0.0) if rank % 2 else (1.0, 1.0, 1.0)
     rgb = to_rgb(color)
-    return to_hex(tuple(c + (t - c) * amount for c, t in zip(rgb, target)))
+    red, green, blue = (c + (t - c) * amount for c, t in zip(rgb, target))
+    return to_hex((red, green, blue))
 
 
-def replay_linestyle(replay: str) -> str:
+def replay_linestyle(replay: str) -> LineStyleType:
     return REPLAY_LINESTYLES.get(replay, "-.")
 
 

@@ -6,11 +6,14 @@ line per arm (one swept setting), a grid per arm (two crossed: the phase diagram
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.typing import LineStyleType
 
 from analysis.arms import arm_order, cell_name, sweep_axes, sweep_cells
 from analysis.configs import FLIP_RATE, PERTURB_RATE, SYNTHETIC_KEYS
@@ -41,7 +44,7 @@ def _axis_label(key: str) -> str:
     }.get(key, key)
 
 
-def _arm_color(arm: str) -> tuple[str, str]:
+def _arm_color(arm: str) -> tuple[str, LineStyleType]:
     algo = arm.split(" ")[0]
     replay = arm.split(" + ")[1].split(" ")[0] if " + " in arm else "none"
     return algo_color(algo), replay_linestyle(replay)
@@ -137,7 +140,8 @@ def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str
         ax = grid[index // columns][index % columns]
         table = gains[gains["arm"] == arm].groupby([y_axis, x_axis])["gain"].agg(["mean", "count"])
         values = np.full((len(ys), len(xs)), np.nan)
-        for (y, x), row in table.iterrows():
+        # A two-level index: each row's label is its (y, x) pair, which pandas types as any hashable.
+        for (y, x), row in cast(Iterable[tuple[tuple[Any, Any], pd.Series]], table.iterrows()):
             values[ys.index(y), xs.index(x)] = row["mean"]
             ax.text(
                 xs.index(x),
@@ -156,6 +160,7 @@ def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str
         ax.grid(False)
     for index in range(len(arms), rows * columns):
         grid[index // columns][index % columns].set_visible(False)
+    assert image is not None  # every arm draws one, and there is one at least (`rows` above divides by their count)
     fig.colorbar(image, ax=grid, shrink=0.8, label="held-out greedy accuracy, end − start")
     out.caption = (
         f"The stability phase diagram: per arm, the mean over seeds (their count in brackets) of each "
@@ -165,7 +170,9 @@ def _gain_grids(out: FigureOutput, gains: pd.DataFrame, x_axis: str, y_axis: str
     return fig
 
 
-def _gain_cells(out: FigureOutput, cells: list[tuple[dict, pd.DataFrame]], arms: list[str], measure: str) -> Figure:
+def _gain_cells(
+    out: FigureOutput, cells: list[tuple[dict[str, Any], pd.DataFrame]], arms: list[str], measure: str
+) -> Figure:
     """A panel per cell: each seed's `measure` per arm (a dot; one seed's runs joined across the arms, the pairs the
     comparisons take) and each arm's mean (a bar), on one y scale."""
     columns = min(len(cells), 4)
@@ -180,12 +187,12 @@ def _gain_cells(out: FigureOutput, cells: list[tuple[dict, pd.DataFrame]], arms:
             values = seed.drop_duplicates("arm").set_index("arm").reindex(arms)[measure].to_numpy(float)
             ax.plot(range(len(arms)), values, color="grey", linewidth=0.5, alpha=0.6, zorder=1)
         for x, arm in enumerate(arms):
-            values = part.loc[part["arm"] == arm, measure].dropna()
-            if values.empty:
+            own = part.loc[part["arm"] == arm, measure].dropna()
+            if own.empty:
                 continue
             color, style = _arm_color(arm)
-            ax.scatter(np.full(len(values), x), values, s=8, color=color, linewidths=0, zorder=2)
-            ax.hlines(values.mean(), x - 0.3, x + 0.3, color=color, linestyle=style, linewidth=1.5, zorder=3)
+            ax.scatter(np.full(len(own), x), own, s=8, color=color, linewidths=0, zorder=2)
+            ax.hlines(own.mean(), x - 0.3, x + 0.3, color=color, linestyle=style, linewidth=1.5, zorder=3)
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xlim(-0.5, len(arms) - 0.5)
         ax.set_xticks(

@@ -14,6 +14,7 @@ import pandas as pd
 from analysis import statistics
 from analysis.configs import SYNTHETIC_KEYS
 from analysis.headline import difference, no_match
+from analysis.records import rows_as_dicts
 from analysis.references import Reference
 from analysis.verdicts import PRIMARY, SECONDARY
 
@@ -31,8 +32,8 @@ def num(value: Any, fmt: str = ".3g") -> str:
     return format(value, fmt)
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A markdown table of `header` and `rows` (a `|` inside a cell escaped)."""
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table of `header` and `rows` (each cell as `str` writes it, a `|` inside it escaped)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -43,10 +44,11 @@ def axis_header(key: str) -> str:
     return f"{key} (SYNTHETIC)" if key in SYNTHETIC_KEYS else key
 
 
-def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str) -> list[str]:
+def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str | None) -> list[str]:
     """Every arm against the baseline arm, paired over shared (start, seed) units: the declared family first (its
     verdicts under Holm's correction), then every other comparison, labelled secondary; with ≥ 2 starts the two-level
-    statistics beside each, with one a sentence that says the numbers are that start's."""
+    statistics beside each, with one a sentence that says the numbers are that start's. `baseline` is None where the
+    runs hold no arm (`verdicts.baseline_arm`), and then there is no comparison."""
     if comparisons.empty:
         return []
     title = f"## Each arm against {baseline}, paired over shared seeds"
@@ -59,7 +61,7 @@ def comparison_section(comparisons: pd.DataFrame, axes: list[str], baseline: str
             f"each summary; `{COMPARISONS_FILE}`) could be made: the two arms of each share {shared} "
             "seed(s) there, and a paired comparison needs 2.",
         ]
-    records = comparisons.to_dict("records")
+    records = rows_as_dicts(comparisons)
     across = any(row.get("starts", 1) >= 2 for row in records if not pd.isna(row.get("starts", math.nan)))
     primary = [row for row in records if row["role"] == PRIMARY]
     secondary = [row for row in records if row["role"] == SECONDARY]
@@ -114,7 +116,7 @@ def references_section(matched: pd.DataFrame, references: Sequence[Reference], a
             row["there_verdict"],
             f"**{row['sign']}**",
         ]
-        for row in matched.to_dict("records")
+        for row in rows_as_dicts(matched)
     ]
     lines = ["## Beside the committed results", ""]
     if rows:
@@ -150,7 +152,9 @@ def references_section(matched: pd.DataFrame, references: Sequence[Reference], a
     return lines
 
 
-def _comparison_table(rows: list[dict], axes: list[str], baseline: str, across: bool, family: bool) -> str:
+def _comparison_table(
+    rows: list[dict[str, Any]], axes: list[str], baseline: str | None, across: bool, family: bool
+) -> str:
     header = [
         *[axis_header(key) for key in axes],
         "arm",
@@ -202,7 +206,7 @@ def _comparison_table(rows: list[dict], axes: list[str], baseline: str, across: 
     return markdown_table(header, table)
 
 
-def _starts_note(records: list[dict]) -> str:
+def _starts_note(records: list[dict[str, Any]]) -> str:
     """What the comparisons' numbers are about: one start (that checkpoint), or several (the recipe)."""
     starts = {str(row.get("per_start", "")).split(":")[0] for row in records if row.get("starts", 0) == 1}
     if any(row.get("starts", 0) >= 2 for row in records):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,7 @@ class BetweenStarts:
 
 
 def between_starts(
-    first: dict[str, np.ndarray | list[float]], second: dict[str, np.ndarray | list[float]]
+    first: Mapping[str, np.ndarray | list[float]], second: Mapping[str, np.ndarray | list[float]]
 ) -> BetweenStarts:
     """Two independent groups of starts (`{start sha256: one value per seed}` each; a start's value is the mean of
     its seeds, every start weighted equally): the difference of the groups' means, its interval from the two-level

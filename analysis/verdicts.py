@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import pandas as pd
 
 from analysis.arms import ARM_KEYS, NOT_AXES, arm_order, seed_order, sweep_cells
 from analysis.configs import format_value, ignored_key
 from analysis.gains import EXCLUDED, GAIN_MEASURES
-from analysis.records import UNKNOWN_RECIPE, UNKNOWN_START, RunSet
+from analysis.records import UNKNOWN_RECIPE, UNKNOWN_START, RunSet, run_configs, runs_of
 from analysis.statistics import ALPHA, across_starts, compare, holm, smallest_p
 from experiments.config import AccuracySummary
 
@@ -43,13 +44,15 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
     did not have): not compared. One arm holds at most one run there. Across the starts a cell pools (the recipe's
     view), the runs must agree in the same settings but `model.path`: starts of one recipe, never a start of another
     task or model whose only difference is a categorical key (a dataset's name is no axis)."""
-    configs = {row.run: json.loads(row.config) for row in runset.runs.itertuples()}
+    configs = run_configs(runset.runs)
     recipes = {
-        row.run: json.loads(row.start_recipe) for row in runset.runs.itertuples() if row.start_recipe != UNKNOWN_RECIPE
+        row.run: json.loads(row.start_recipe) for row in runs_of(runset.runs) if row.start_recipe != UNKNOWN_RECIPE
     }
     counted = gains[gains["counted"] != EXCLUDED]
     _check_one_recipe(configs, recipes, counted, axes)
-    for (start, seed), part in counted.groupby(["start_sha256", "seed"], sort=True):
+    # (start sha256, seed): text both, which pandas types as any hashable.
+    units = cast(Iterable[tuple[tuple[str, str], pd.DataFrame]], counted.groupby(["start_sha256", "seed"], sort=True))
+    for (start, seed), part in units:
         for cell, runs in sweep_cells(part, axes):
             twice = runs[runs.duplicated("arm", keep=False)]
             if not twice.empty:
@@ -73,7 +76,7 @@ def check_pairable(runset: RunSet, gains: pd.DataFrame, axes: list[str]) -> None
 
 
 def _first_difference(
-    configs: dict[str, dict], first: str, other: str, axes: list[str], path: bool
+    configs: dict[str, dict[str, Any]], first: str, other: str, axes: list[str], path: bool
 ) -> tuple[str | None, str, str]:
     """The first setting (in key order) two runs both recorded with different values, beyond their arms' own
     settings, the swept axes and what never changes a run's numbers; `model.path` only where `path`. (None, "", "")
@@ -100,7 +103,7 @@ def _first_difference(
 
 
 def _check_one_recipe(
-    configs: dict[str, dict], recipes: dict[str, dict], counted: pd.DataFrame, axes: list[str]
+    configs: dict[str, dict[str, Any]], recipes: dict[str, dict[str, Any]], counted: pd.DataFrame, axes: list[str]
 ) -> None:
     """Refuse a cell whose named starts' runs differ beyond their arms and `model.path`, or whose starts were made by
     two recipes (`recipes`: each run's start's SFT settings, where its summary holds them; `experiments.run.recipe`):
@@ -137,7 +140,7 @@ def _check_one_recipe(
                 )
 
 
-def _cell_text(cell: dict) -> str:
+def _cell_text(cell: dict[str, Any]) -> str:
     return "".join(f", {key}={format_value(value)}" for key, value in cell.items())
 
 
@@ -156,7 +159,7 @@ def _by_unit(rows: pd.DataFrame, measure: str) -> pd.Series:
 
 def arm_comparisons(
     gains: pd.DataFrame,
-    baseline: str,
+    baseline: str | None,
     axes: list[str],
     primary: str = AccuracySummary.gain_area,
     family: Sequence[str] = (),
@@ -167,7 +170,8 @@ def arm_comparisons(
     each with the cell's axes, `measure`, `arm`, `baseline`, `role` (primary: `primary` measure and an arm of
     `family`, every arm when empty; else secondary), the numbers and the `verdict`: Holm's correction over the
     primary rows decides theirs (on the start-level test where there are ≥ 2 starts), the secondary rows keep the
-    uncorrected rule and say so. Fewer than 2 shared units give a row that says so."""
+    uncorrected rule and say so. Fewer than 2 shared units give a row that says so. `baseline` is None where the runs
+    hold no arm (`baseline_arm`)."""
     counted = gains[gains["counted"] != EXCLUDED] if "counted" in gains else gains
     if "start_sha256" not in counted:  # a table from before runs named their start: every run from one, unnamed
         counted = counted.assign(start_sha256=UNKNOWN_START)

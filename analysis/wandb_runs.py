@@ -94,8 +94,8 @@ def load_wandb(
     filters = {"group": {"$in": list(groups)}} if groups else None
     problems: list[str] = []
     rows = RecordRows(nulls_are_non_finite=False)
-    run_rows: list[dict] = []
-    unstarted: list[dict] = []
+    run_rows: list[dict[str, Any]] = []
+    unstarted: list[dict[str, Any]] = []
     defaults = schema_defaults()
     for wb_run in api.runs(path, filters=filters):
         config = {k: v for k, v in dict(wb_run.config).items() if not str(k).startswith("_")}

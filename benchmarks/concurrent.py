@@ -58,7 +58,7 @@ def worker_args(overrides: list[str], threads: int, workload: str) -> list[str]:
     return ["--overrides", json.dumps(overrides), "--threads", str(threads), "--workload", workload]
 
 
-def concurrent_block(overrides: list[str], args, log_dir: Path, index: int) -> list[dict[str, Any]]:
+def concurrent_block(overrides: list[str], args: argparse.Namespace, log_dir: Path, index: int) -> list[dict[str, Any]]:
     """`--steps` timed steps of the concurrent loop, in a worker of their own that takes one untimed step first (it
     starts the sampler) and ends with the block, its sampler with it."""
     with Worker(
@@ -71,7 +71,7 @@ def concurrent_block(overrides: list[str], args, log_dir: Path, index: int) -> l
         return [worker.step() for _ in range(args.steps)]
 
 
-def run(args, log_dir: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     overrides = [*VARIANTS["grpo"], *args.override]
     concurrent = [*overrides, "rollout.source=concurrent", f"rollout.max_staleness={args.bound}"]
     rounds = []

@@ -121,7 +121,7 @@ def ways(batch: SortedRows, weight: torch.Tensor) -> dict[str, Callable[[], torc
     return {**calls, "MKL batch": mkl_batch}
 
 
-def _mkl_batch_gemm():
+def _mkl_batch_gemm() -> Callable[..., None] | None:
     """`cblas_sgemm_batch` (32-bit sizes) from torch's CPU library, or None where it does not link MKL."""
     try:
         gemm = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).cblas_sgemm_batch

@@ -46,11 +46,20 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers import DeepseekV3Config, Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+from transformers import (
+    DeepseekV3Config,
+    GenerationMixin,
+    Glm4MoeConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3MoeConfig,
+)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
@@ -60,8 +69,10 @@ from benchmarks.workload import compose_workload, fixed_length
 from experiments.step import metrics as m
 from experiments.step.scoring import position_ids
 from experiments.step.trainer import RLTrainer
-from models.moe_backend import DroplessGLUExperts, apply_moe_backend, hf_to_megablocks
-from models.policy import ModelConfig, build_policy
+from models.dmoe_reference import FusedExperts
+from models.moe_backend import DroplessGLUExperts, MoEBackend, apply_moe_backend, hf_to_megablocks
+from models.policy import DType, ExpertsImplementation, ModelConfig, build_policy
+from models.routing.families import router_weight
 from models.routing.hooks import record_routing, replay_routing
 from models.routing.measures import routing_drift
 from models.routing.trace import find_routers
@@ -196,7 +207,11 @@ def forward_backward(experts: nn.Module, routing: dict[str, torch.Tensor]) -> di
     if isinstance(experts, DroplessGLUExperts):
         param_grads = (experts.w1.grad, experts.v1.grad, experts.w2.grad)
     else:
-        param_grads = hf_to_megablocks(experts.gate_up_proj.grad, experts.down_proj.grad)
+        fused = cast(FusedExperts, experts)  # not dMoE: transformers' fused experts
+        # backward above reached both weights: their gradients are there
+        param_grads = hf_to_megablocks(
+            cast(torch.Tensor, fused.gate_up_proj.grad), cast(torch.Tensor, fused.down_proj.grad)
+        )
     result = {"out": out, "d_hidden": x.grad, "d_weights": w.grad}
     result |= {f"d_{name}": grad for name, grad in zip(("w1", "v1", "w2"), param_grads)}
     return {name: value.detach().float().cpu() for name, value in result.items()}
@@ -250,7 +265,7 @@ def experts_parity(
     return record | {"errors": relative_errors(got, truth)}
 
 
-def megablocks_verdict(megablocks: dict[str, object], baseline: dict[str, object]) -> dict[str, object]:
+def megablocks_verdict(megablocks: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     """Whether MegaBlocks in bfloat16 is within the bound set by transformers' experts in bfloat16, per quantity."""
     if "errors" not in megablocks or "errors" not in baseline:
         return {"judged": False, "why": megablocks.get("refused") or baseline.get("refused")}
@@ -287,19 +302,24 @@ def step_parity(context: dict[str, Any]) -> dict[str, Any]:
 # -- record / replay / drift ----------------------------------------------------------------------------------------
 
 PROMPTS = ("12+34=", "7+8=", "99+1=", "305+27=")
-REPLAY_MODELS = {
+REPLAY_MODELS: dict[str, dict[str, Any]] = {
     # the softmax family, and the sigmoid + bias family with its grouped top-k and shared expert
     "qwen3_moe": {"architecture": "qwen3_moe"},
     "deepseek_v3": {"architecture": "deepseek_v3", "n_group": 4, "topk_group": 2},
 }
 
 
-def replay_policy(architecture: dict[str, Any], backend: str, device: str):
+def replay_policy(
+    architecture: dict[str, Any], backend: str, device: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A small random policy of `architecture` (16 experts, top-2, hidden 256, 4 layers) in bfloat16 on `device`."""
-    experts = "grouped_mm" if device == "cuda" else "eager"
-    cfg = ModelConfig(**architecture, dtype="bfloat16", moe_backend=backend, experts_implementation=experts)
+    experts = ExpertsImplementation.grouped_mm if device == "cuda" else ExpertsImplementation.eager
+    cfg = ModelConfig(
+        **architecture, dtype=DType.bfloat16, moe_backend=MoEBackend(backend), experts_implementation=experts
+    )
     model, tokenizer = build_policy(cfg)
-    return model.to(device).eval(), tokenizer
+    # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+    return model.to(device).eval(), tokenizer  # type: ignore[arg-type]
 
 
 class ExpertsSpy:
@@ -309,11 +329,11 @@ class ExpertsSpy:
         self.calls: dict[str, list[torch.Tensor]] = {}
         self.handles = []
         for name in find_routers(model):
-            experts = model.get_submodule(name.rsplit(".", 1)[0]).experts
+            experts = cast(nn.Module, model.get_submodule(name.rsplit(".", 1)[0]).experts)  # the MoE block's experts
             self.handles.append(experts.register_forward_pre_hook(self._hook(name)))
 
-    def _hook(self, name: str):
-        def hook(module: nn.Module, args: tuple) -> None:
+    def _hook(self, name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             self.calls.setdefault(name, []).append(args[1].detach().clone())
 
         return hook
@@ -358,13 +378,15 @@ def r2_check(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[st
             ),
             "token_logp_max_abs_diff": float((replayed_logp - recorded_logp)[scored].abs().max()),
             "router_logp_max_abs_diff": float(
-                (replay.replayed_logprobs - trace.logprobs)[trace.recorded()].abs().max()
+                # recorded with gates: the trace holds its log-probabilities
+                (replay.replayed_logprobs - cast(torch.Tensor, trace.logprobs))[trace.recorded()].abs().max()
             ),
         }
         generator = torch.Generator().manual_seed(1)
         for router in find_routers(model).values():
-            noise = torch.randn(router.weight.shape, generator=generator) * router.weight.float().std().item() * 5
-            router.weight.add_(noise.to(router.weight))
+            weight = router_weight(router)
+            noise = torch.randn(weight.shape, generator=generator) * weight.float().std().item() * 5
+            weight.add_(noise.to(weight))
         with record_routing(model) as free:
             forward()
         spy = ExpertsSpy(model)
@@ -380,12 +402,19 @@ def r2_check(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[st
     return {"same_weights": same_weights, "routers_moved": moved}
 
 
-def r3_check(model: nn.Module, tokenizer, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int = 8) -> dict[str, Any]:
+def r3_check(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    new_tokens: int = 8,
+) -> dict[str, Any]:
     """R3: a trace recorded across `generate` replayed in one teacher-forced forward of the sampled sequences."""
     torch.manual_seed(0)
     with torch.no_grad():
         with record_routing(model, generate=True, gates=True) as recording:
-            out = model.generate(
+            # A causal LM (transformers' *ForCausalLM) generates; PreTrainedModel alone does not say so.
+            out = cast(GenerationMixin, model).generate(
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=new_tokens,
@@ -518,7 +547,9 @@ def experts_flops(tokens: int, top_k: int, hidden: int, width: int) -> int:
     return 3 * 2 * tokens * top_k * hidden * width
 
 
-def time_experts(experts: nn.Module, routing: dict[str, torch.Tensor], warmup: int = 2, iters: int = 5) -> dict:
+def time_experts(
+    experts: nn.Module, routing: dict[str, torch.Tensor], warmup: int = 2, iters: int = 5
+) -> dict[str, float]:
     """Forward and forward + backward milliseconds of `experts` on `routing` (bfloat16, CUDA)."""
     x = routing["hidden_states"].to(torch.bfloat16).requires_grad_(True)
     w = routing["top_k_weights"].to(torch.bfloat16).requires_grad_(True)
@@ -544,7 +575,8 @@ def step_expert_speed(context: dict[str, Any]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for label, backend, implementation in SPEED_BACKENDS:
         hf_experts = make_hf_experts(shape["num_experts"], shape["top_k"], shape["hidden"], shape["width"], seed=0)
-        hf_experts.config._experts_implementation = implementation or "eager"
+        config = cast(PretrainedConfig, hf_experts.config)  # transformers' experts keep their model's config
+        config._experts_implementation = implementation or "eager"
         try:
             experts = backend_module(hf_experts.to(torch.bfloat16), backend).cuda()
         except (ValueError, RuntimeError) as refusal:

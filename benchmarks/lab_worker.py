@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -33,6 +34,9 @@ from experiments.run.threads import ThreadBudget  # noqa: E402
 from experiments.step import metrics as m  # noqa: E402
 from experiments.step.batch import Rollout, Served  # noqa: E402
 from experiments.step.trainer import RLTrainer  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
 # The concurrent sampler's numbers a step reports as they are logged.
 SAMPLER = (m.SAMPLE_TIME, m.SAMPLER_WAIT_TIME, m.STALENESS_MAX)
@@ -56,7 +60,8 @@ def time_plain_generate(trainer: RLTrainer, rollout: Rollout) -> float:
     )
     start = time.perf_counter()
     with torch.no_grad():
-        trainer.model.generate(**encoded, **options)
+        # A causal LM (transformers' *ForCausalLM) generates; PreTrainedModel alone does not say so.
+        cast("GenerationMixin", trainer.model).generate(**encoded, **options)
     return time.perf_counter() - start
 
 
@@ -121,7 +126,7 @@ def main() -> None:
             logged = time.perf_counter()
             logger.log(record)
             end = time.perf_counter()
-            extra = {"profile": timer.take()} if timer is not None else {}
+            extra: dict[str, Any] = {"profile": timer.take()} if timer is not None else {}
             if args.probe_generate:
                 extra["generate_s"] = time_plain_generate(trainer, rollouts[0])
             channel.send(

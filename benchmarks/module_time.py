@@ -16,18 +16,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from models.moe_backend import find_moe_experts
 from models.routing.trace import find_routers
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 MODEL_PARTS = ("experts", "router", "attention", "norms", "lm head", "embeddings", "rest of the model")
 # Calls outside the model's forwards that `ModuleTimer.around` can time as parts too.
 PARTS = (*MODEL_PARTS, "backward", "gradient clipping", "optimizer step")
 
 
-def module_parts(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
+def module_parts(model: PreTrainedModel) -> dict[torch.nn.Module, str]:
     """The timed modules of `model` and the part each belongs to (the model itself is "rest of the model")."""
     parts = {module: "experts" for module in find_moe_experts(model).values()}
     parts.update({module: "router" for module in find_routers(model).values()})
@@ -45,7 +49,7 @@ def module_parts(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
 class ModuleTimer:
     """Self time per part of `model`'s forwards, accumulated under the current `phase` until `take()`."""
 
-    def __init__(self, model: torch.nn.Module, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, model: PreTrainedModel, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.phase = "unattributed"
         self.totals: dict[str, dict[str, float]] = {}
@@ -55,7 +59,7 @@ class ModuleTimer:
             self._handles.append(module.register_forward_pre_hook(self._enter))
             self._handles.append(module.register_forward_hook(self._leave_as(part)))
 
-    def around(self, function: Callable, part: str) -> Callable:
+    def around(self, function: Callable[..., Any], part: str) -> Callable[..., Any]:
         """`function`, its calls charged to `part` (e.g. `Tensor.backward` as "backward")."""
 
         def timed(*args: object, **kwargs: object) -> object:
@@ -67,11 +71,11 @@ class ModuleTimer:
 
         return timed
 
-    def _enter(self, module: torch.nn.Module | None, args: tuple) -> None:
+    def _enter(self, module: torch.nn.Module | None, args: tuple[Any, ...]) -> None:
         self._stack.append([self.clock(), 0.0])
 
-    def _leave_as(self, part: str) -> Callable:
-        def leave(module: torch.nn.Module | None, args: tuple, output: object) -> None:
+    def _leave_as(self, part: str) -> Callable[[torch.nn.Module | None, tuple[Any, ...], object], None]:
+        def leave(module: torch.nn.Module | None, args: tuple[Any, ...], output: object) -> None:
             start, children = self._stack.pop()
             elapsed = self.clock() - start
             phase = self.totals.setdefault(self.phase, dict.fromkeys(PARTS, 0.0))

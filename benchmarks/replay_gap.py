@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -36,9 +36,10 @@ from algos.routing_variants.full_replay import GateReplay
 from analysis.report import markdown_table
 from experiments.config import PROJECT_ROOT, register_configs
 from experiments.step.batch import Minibatch, collect_rollout, minibatch_order, split_minibatches
-from experiments.step.engines import EngineNumerics, Sampling
+from experiments.step.engines import EngineNumerics, RolloutEngine, Sampling
 from experiments.step.old_policy import OldPolicy
 from experiments.step.scoring import ScoreOptions, Scores
+from experiments.step.sources.synchronous import SynchronousSource
 from experiments.step.trainer import RLTrainer
 from models.registry import ConfigError
 from models.routing.measures import routing_drift
@@ -53,7 +54,7 @@ def gap(logp: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> dict
     return {"mean_abs": float(masked_mean(diff, mask)), "max_abs": float(diff.max())}
 
 
-def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference: torch.Tensor) -> dict[str, dict]:
+def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference: torch.Tensor) -> dict[str, Any]:
     """The minibatch scored without replay, with `trace`'s experts, and with its experts and gates, against
     `reference`; the unreplayed forward's expert change against the trace too."""
     with torch.no_grad():
@@ -64,9 +65,22 @@ def three_ways(trainer: RLTrainer, mb: Minibatch, trace: RoutingTrace, reference
                 trainer.model, mb, ScoreOptions(replay=trace.to(trainer.device), rule=GateReplay())
             ),
         }
-    gaps = {name: gap(scored.logp, reference, mb.response_mask) for name, scored in scores.items()}
-    gaps["expert_change_frac"] = routing_drift(trace, scores["none"].routes.to("cpu"), mb.token_mask).expert_change_frac
+    gaps: dict[str, Any] = {name: gap(scored.logp, reference, mb.response_mask) for name, scored in scores.items()}
+    unreplayed = cast(RoutingTrace, scores["none"].routes)  # scored with record=True: its routes are there
+    gaps["expert_change_frac"] = routing_drift(trace, unreplayed.to("cpu"), mb.token_mask).expert_change_frac
     return gaps
+
+
+def sampler_of(trainer: RLTrainer) -> RolloutEngine:
+    """The engine that samples the trainer's rollouts in this process: the synchronous source's (the lagged one's
+    too). The concurrent source's samples in a worker process, out of this one's reach: refused."""
+    source = trainer.rollouts
+    if not isinstance(source, SynchronousSource):
+        raise SystemExit(
+            f"replay_gap: rollout.source={source.name} samples in another process; the gap is measured on an engine "
+            "in this one: use rollout.source=synchronous or lagged"
+        )
+    return source.engine
 
 
 def measure(trainer: RLTrainer, warm_steps: int) -> dict[str, Any]:
@@ -78,16 +92,22 @@ def measure(trainer: RLTrainer, warm_steps: int) -> dict[str, Any]:
         for i in torch.randint(len(trainer.train_examples), (t.prompts_per_step,), generator=trainer.generator).tolist()
     ]
     sampling = Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=True, record_gates=True)
-    rollout = collect_rollout(trainer.rollouts.engine, trainer.task, examples, sampling)
+    rollout = collect_rollout(sampler_of(trainer), trainer.task, examples, sampling)
     advantages = group_advantages(rollout.rewards, t.group_size, scale_by_std=trainer.advantage_std)
     order = minibatch_order(trainer.plan.layout, rollout.size, t.group_size, trainer.generator)
     minibatches = split_minibatches(rollout, advantages, order, t.minibatches, trainer.device)
-    results: dict[str, Any] = {"r3": [three_ways(trainer, mb, mb.engine_routes, mb.mu_logp) for mb in minibatches]}
+    # Sampled with record_routing by an engine that returns its log-probs: every minibatch holds both.
+    results: dict[str, Any] = {
+        "r3": [
+            three_ways(trainer, mb, cast(RoutingTrace, mb.engine_routes), cast(torch.Tensor, mb.mu_logp))
+            for mb in minibatches
+        ]
+    }
     with torch.no_grad():
         olds = [trainer.score(trainer.model, mb, ScoreOptions(record=True, record_gates=True)) for mb in minibatches]
     results["r2"] = []
     for j, (mb, old) in enumerate(zip(minibatches, olds)):
-        routes = old.routes.to("cpu")
+        routes = cast(RoutingTrace, old.routes).to("cpu")  # scored with record=True
         if j > 0:
             results["r2"].append({"updates": j, **three_ways(trainer, mb, routes, old.logp)})
         trainer.update(mb, OldPolicy(on_policy=False, logp=old.logp, routes=routes))
@@ -139,14 +159,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainer = RLTrainer(cfg)
     except ConfigError as error:
         raise SystemExit(f"replay_gap: {error}") from None
-    sampler = trainer.rollouts.engine
+    sampler = sampler_of(trainer)
     if not sampler.returns_gate_weights:
         raise SystemExit(f"replay_gap: rollout.engine={sampler.name} reports no gate weights to replay")
     results = measure(trainer, args.warm_steps)
     numerics = sampler.numerics
     engine = (
         "the trainer's own model"
-        if numerics is None
+        if sampler.shares_trainer_weights
         else ", ".join(
             f"{key}={getattr(numerics, key)}"
             for key in ("precision", "weight_quant", "router_noise")

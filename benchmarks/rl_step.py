@@ -59,7 +59,6 @@ from typing import Any
 
 import torch
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from analysis.report import markdown_table
@@ -69,6 +68,7 @@ from benchmarks.worker import Worker
 from benchmarks.workload import VARIANTS, WORKLOADS, compose_workload
 from experiments.config import PROJECT_ROOT
 from models.policy import ModelConfig, config_in_code
+from models.registry import node_settings
 from models.tokenizer import build_char_tokenizer
 
 TRL_ALGO = {"grpo": "grpo", "gspo": "gspo", "grpo+r2": "grpo"}
@@ -233,7 +233,7 @@ def spread(values: list[float]) -> str:
 def step_flops(overrides: list[str], workload: str, prompt_width: int) -> dict[str, float]:
     """Model FLOPs of one RL step of `workload` with `overrides` (see `benchmarks.roofline`)."""
     cfg = compose_workload(overrides, workload)
-    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    model_cfg = ModelConfig(**node_settings(cfg.model))
     if model_cfg.path is not None:
         from transformers import AutoConfig
 
@@ -270,7 +270,9 @@ def paired_ratios(title: str, pairs: dict[str, tuple[Series, Series]]) -> dict[s
     return ratios
 
 
-def main_section(args, log_dir, peak_size, results, baseline: Path | None) -> None:
+def main_section(
+    args: argparse.Namespace, log_dir: Path, peak_size: int, results: dict[str, Any], baseline: Path | None
+) -> None:
     if not args.variants:
         return
     specs: dict[str, Spec] = {}
@@ -351,7 +353,7 @@ def _overhead_label(overrides: list[str]) -> str:
     return "grpo " + (" ".join(overrides) or "(workload)")
 
 
-def overheads_section(args, log_dir, peak_size, results) -> None:
+def overheads_section(args: argparse.Namespace, log_dir: Path, peak_size: int, results: dict[str, Any]) -> None:
     base = VARIANTS["grpo"]
     # The workload's own worker also times a plain `model.generate` on each of its batches (outside its step).
     specs = {_overhead_label([]): Spec("benchmarks.lab_worker", base, ["--probe-generate"])}
@@ -403,7 +405,7 @@ def compare_sides(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def compare_section(args, log_dir, peak_size, results) -> None:
+def compare_section(args: argparse.Namespace, log_dir: Path, peak_size: int, results: dict[str, Any]) -> None:
     sides = compare_sides(args)
     specs = {label: Spec("benchmarks.lab_worker", overrides) for label, overrides in sides.items()}
     print(f"compare: {' against '.join(specs)}", file=sys.stderr, flush=True)
@@ -424,7 +426,7 @@ def compare_section(args, log_dir, peak_size, results) -> None:
     print("\nstep ratio per round: " + " ".join(f"{r:.2f}" for r in ratios["step"]))
 
 
-def scaling_section(args, log_dir, peak_size, results) -> None:
+def scaling_section(args: argparse.Namespace, log_dir: Path, peak_size: int, results: dict[str, Any]) -> None:
     specs = {name: Spec("benchmarks.lab_worker", [*VARIANTS["grpo"], *extra]) for name, extra in SCALING.items()}
     print(f"scaling: {', '.join(specs)}", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
@@ -470,12 +472,12 @@ def scaling_section(args, log_dir, peak_size, results) -> None:
     )
 
 
-def profile_section(args, log_dir, peak_size, results) -> None:
+def profile_section(args: argparse.Namespace, log_dir: Path, peak_size: int, results: dict[str, Any]) -> None:
     specs = {"grpo, module timers": Spec("benchmarks.lab_worker", VARIANTS["grpo"], ["--profile"])}
     print("profile: grpo with module timers", file=sys.stderr, flush=True)
     series, _ = run_round_robin(specs, args, log_dir, peak_size)
     steps = series["grpo, module timers"].steps
-    columns = {}
+    columns: dict[str, tuple[float, dict[str, float]]] = {}
     for phase in ("rollout", "scoring + training"):
         phase_s = phase_seconds(steps, phase)
         parts = {part: [step["profile"].get(phase, {}).get(part, 0.0) for step in steps] for part in PARTS}
@@ -485,8 +487,8 @@ def profile_section(args, log_dir, peak_size, results) -> None:
     rows = []
     for part in [*PARTS, "everything else"]:
         row = [part]
-        for phase_s, parts in columns.values():
-            row += [f"{parts[part]:.3f}", f"{parts[part] / phase_s:.0%}"]
+        for median_s, medians in columns.values():
+            row += [f"{medians[part]:.3f}", f"{medians[part] / median_s:.0%}"]
         rows.append(row)
     print("\n## Where grpo's step goes (self time per part, median of timed steps; s)\n")
     print(markdown_table(["part", "rollout", "share", "scoring + training", "share"], rows))

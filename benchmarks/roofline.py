@@ -124,5 +124,5 @@ def matmul_gflops(size: int, seconds: float = 0.25, trials: int = 3) -> float:
 def matmul_peak(sizes: tuple[int, ...] = (256, 512, 1024, 2048)) -> tuple[int, float, dict[int, float]]:
     """The machine's fp32 matmul peak as measured: (best size, its GFLOP/s, GFLOP/s of every size)."""
     rates = {size: matmul_gflops(size) for size in sizes}
-    best = max(rates, key=rates.get)
+    best = max(rates, key=rates.__getitem__)
     return best, rates[best], rates

@@ -26,6 +26,8 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 for _name, _value in {
     "HF_HUB_OFFLINE": "1",
@@ -37,18 +39,25 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from benchmarks.worker import Channel, peak_rss_mib  # noqa: E402
 from benchmarks.workload import WORKLOADS, compose_workload  # noqa: E402
 from experiments.tasks import build_task  # noqa: E402
 from models.policy import ModelConfig, build_policy  # noqa: E402
+from models.registry import node_settings  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, TrainerControl, TrainerState, TrainingArguments
+    from trl import GRPOConfig
+
+T = TypeVar("T")
 
 # Our objective -> TRL's importance-sampling level; both aggregate per sequence, then over sequences.
 IMPORTANCE_SAMPLING_LEVEL = {"grpo": "token", "gspo": "sequence"}
 
 
-def trl_arguments(cfg: DictConfig, output_dir: str):
+def trl_arguments(cfg: DictConfig, output_dir: str) -> GRPOConfig:
     """The `GRPOConfig` that makes one TRL generation batch the work of one of our RL steps."""
     from trl import GRPOConfig
 
@@ -105,8 +114,8 @@ class _Timers:
         self.score_s = 0.0
         self.tokens = 0
 
-    def wrap(self, fn, field: str):
-        def timed(*args, **kwargs):
+    def wrap(self, fn: Callable[..., T], field: str) -> Callable[..., T]:
+        def timed(*args: Any, **kwargs: Any) -> T:
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             setattr(self, field, getattr(self, field) + time.perf_counter() - start)
@@ -134,24 +143,34 @@ def main() -> None:
     # TRL runs the model as its users get it, as in the peer benchmark: transformers' default experts and attention.
     transformers_defaults = ["model.experts_implementation=grouped_mm", "model.attn_implementation=sdpa"]
     cfg = compose_workload([*json.loads(args.overrides), *transformers_defaults], args.workload)
-    model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
-    dataset_cfg = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+    model, tokenizer = build_policy(ModelConfig(**node_settings(cfg.model)))
+    dataset_cfg = dict(node_settings(cfg.dataset))
     task = build_task(dataset_cfg.pop("name"), **dataset_cfg)
     examples = task.examples("train")
     dataset = Dataset.from_dict({"prompt": [e.prompt for e in examples], "index": list(range(len(examples)))})
     timers = _Timers()
 
-    def task_reward(prompts, completions, index, completion_ids=None, **kwargs):
-        timers.tokens += sum(len(ids) for ids in completion_ids)
+    def task_reward(
+        prompts: list[str],
+        completions: list[str],
+        index: list[int],
+        completion_ids: list[list[int]] | None = None,
+        **kwargs: Any,
+    ) -> list[float]:
+        # TRL hands every reward function the completions' token ids.
+        timers.tokens += sum(len(ids) for ids in cast(list[list[int]], completion_ids))
         return [task.reward(text, examples[i]) for text, i in zip(completions, index)]
 
-    model.generate = timers.wrap(model.generate, "generate_s")
+    causal_lm = cast("GenerationMixin", model)  # a causal LM generates; PreTrainedModel alone does not say so
+    causal_lm.generate = timers.wrap(causal_lm.generate, "generate_s")
     minibatches = cfg.trainer.minibatches
 
     class Lockstep(TrainerCallback):
         """Wait for "go" before each generation batch; report the batch after its last optimizer step."""
 
-        def on_train_begin(self, arguments, state, control, **kwargs):
+        def on_train_begin(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        ) -> None:
             channel.send(
                 "ready",
                 threads=torch.get_num_threads(),
@@ -161,7 +180,9 @@ def main() -> None:
             )
             self._next(control)
 
-        def on_step_end(self, arguments, state, control, **kwargs):
+        def on_step_end(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        ) -> None:
             if state.global_step % minibatches:
                 return
             seconds = time.perf_counter() - self.start
@@ -176,7 +197,7 @@ def main() -> None:
             )
             self._next(control)
 
-        def _next(self, control) -> None:
+        def _next(self, control: TrainerControl) -> None:
             if channel.wait():
                 timers.reset()
                 self.start = time.perf_counter()

@@ -42,21 +42,24 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from analysis.report import markdown_table
 from benchmarks.workload import compose_workload
-from experiments.step.engines.base import Sampling, full_weights
+from experiments.step.engines.base import RolloutEngine, Sampling, full_weights
 from experiments.step.engines.hf import HFEngine
 from experiments.step.engines.vllm import SUPPORTED_FAMILIES, VLLMEngine, VLLMStart, derived_model_len
 from experiments.step.scoring import FED, score_responses
 from experiments.tasks import build_task
 from models.policy import ModelConfig, build_policy
-from models.routing.hooks import record_routing
-from models.routing.trace import find_routers
+from models.registry import node_settings
+from models.routing.families import router_weight
+from models.routing.hooks import Recording, record_routing
+from models.routing.trace import RoutingTrace, find_routers
 from models.tokenizer import build_char_tokenizer
 
 MOE64 = [
@@ -72,9 +75,9 @@ MOE64 = [
 ]
 
 
-def _prompts(cfg, count: int) -> list[str]:
+def _prompts(cfg: DictConfig, count: int) -> list[str]:
     """`count` train prompts picked as the trainer picks them (its seed's generator)."""
-    dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+    dataset = dict(node_settings(cfg.dataset))
     examples = build_task(dataset.pop("name"), **dataset).examples("train")
     picks = torch.randint(len(examples), (count,), generator=torch.Generator().manual_seed(cfg.seed))
     return [examples[i].prompt for i in picks.tolist()]
@@ -91,23 +94,24 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
     before the next model's section (`collected`)."""
     cfg = compose_workload(overrides)
     t = cfg.trainer
-    model, tokenizer = build_policy(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+    model, tokenizer = build_policy(ModelConfig(**node_settings(cfg.model)))
     model.eval()
     prompts = _prompts(cfg, t.prompts_per_step)
     hf = HFEngine(model, tokenizer, min_new_tokens=t.max_new_tokens)
     max_model_len = derived_model_len(cfg, tokenizer, model)
     seconds: dict[str, list[float]] = {}
 
-    def timed(engine, routing: bool) -> float:
+    def timed(engine: RolloutEngine, routing: bool) -> float:
         start = time.perf_counter()
         samples = engine.sample(
             prompts, Sampling(t.group_size, t.max_new_tokens, t.temperature, record_routing=routing)
         )
         elapsed = time.perf_counter() - start
-        assert samples.response_tokens == len(prompts) * t.group_size * t.max_new_tokens, "fixed-length rollout"
+        responses = int(samples.response_mask.sum())
+        assert responses == len(prompts) * t.group_size * t.max_new_tokens, "fixed-length rollout"
         return elapsed
 
-    def alternate(vllm, routing: bool, suffix: str) -> None:
+    def alternate(vllm: VLLMEngine, routing: bool, suffix: str) -> None:
         """HF and vLLM one after the other, the order swapped every round, after a warm-up of each."""
         pair = {f"hf{suffix}": hf, f"vllm{suffix}": vllm}
         for engine in pair.values():
@@ -132,9 +136,9 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
         for _ in range(5):
             for p in model.parameters():
                 p.add_(1e-3 * torch.randn_like(p))
-            start = time.perf_counter()
+            began = time.perf_counter()
             vllm.sync_weights(full_weights(model))
-            sync.append(time.perf_counter() - start)
+            sync.append(time.perf_counter() - began)
     vllm.close()
     bare = VLLMEngine(model, tokenizer, replace(start, routing=False))
     alternate(bare, False, "_no_routing")
@@ -155,11 +159,12 @@ def rollout_section(name: str, overrides: list[str], rounds: int) -> dict[str, A
     return result
 
 
-def family_config(family: str, tokenizer) -> Any:
+def family_config(family: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     """A random model config of `family`: hidden 64, 2 layers, heads of 32, 8 experts top-2 of width 32 (MoE)."""
     import transformers
 
-    shared = dict(
+    # Any: each config's keyword arguments, of several types, which `**` cannot tell apart.
+    shared: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         num_hidden_layers=2,
@@ -171,12 +176,13 @@ def family_config(family: str, tokenizer) -> Any:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
-    moe = dict(num_experts_per_tok=2)
+    moe: dict[str, Any] = dict(num_experts_per_tok=2)
     configs = {
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
             **shared,
             **moe,
-            head_dim=32,
+            # transformers keeps a key its signature does not list as an attribute; its typed signature refuses it.
+            head_dim=32,  # type: ignore[call-arg]
             num_experts=8,
             moe_intermediate_size=32,
             intermediate_size=64,
@@ -201,18 +207,21 @@ def family_config(family: str, tokenizer) -> Any:
     return configs[family]()
 
 
-def _compare(engine, model, prompts: list[str]) -> tuple[float, float | None]:
+def _compare(engine: VLLMEngine, model: PreTrainedModel, prompts: list[str]) -> tuple[float, float | None]:
     """(max |μ_old − fp32 transformers|, routing agreement or None for a dense model) on one fresh sample."""
     moe = bool(find_routers(model))
     samples = engine.sample(prompts, Sampling(4, 6, 0.7, record_routing=moe))
     with torch.no_grad(), record_routing(model) if moe else contextlib.nullcontext() as recording:
         scored = score_responses(model, samples, 0.7)
-    diff = float((scored.logp.masked_fill(~samples.response_mask, 0.0) - samples.logp).abs().max())
+    mu_logp = cast(torch.Tensor, samples.logp)  # sampled at temperature 0.7: the engine's log-probs are there
+    diff = float((scored.logp.masked_fill(~samples.response_mask, 0.0) - mu_logp).abs().max())
     if not moe:
         return diff, None
-    engine_routes = samples.routes.positions(FED).experts
+    # An MoE model's sample records its routes, and its scoring forward was recorded.
+    engine_routes = cast(RoutingTrace, samples.routes).positions(FED).experts
     seen = engine_routes[0, ..., 0] != -1
-    same = (engine_routes.sort(-1).values == recording.trace.experts.sort(-1).values).all(-1)  # [L, B, S]
+    recorded = cast(Recording, recording).trace.experts
+    same = (engine_routes.sort(-1).values == recorded.sort(-1).values).all(-1)  # [L, B, S]
     return diff, float(same[:, seen].float().mean())
 
 
@@ -229,7 +238,7 @@ def families_section() -> list[dict[str, Any]]:
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(family_config(family, tokenizer)).eval()
             for router in find_routers(model).values():
-                torch.nn.init.normal_(router.weight, std=1.0)  # decisive routing, as models.policy does
+                torch.nn.init.normal_(router_weight(router), std=1.0)  # decisive routing, as models.policy does
             engine = VLLMEngine(model, tokenizer, VLLMStart(max_model_len=64, max_num_seqs=64))
             row["logp_diff"], row["routing_agreement"] = _compare(engine, model, prompts)
             with torch.no_grad():

@@ -22,7 +22,7 @@ import resource
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NoReturn, cast
 
 PREFIX = "@@bench "
 
@@ -104,13 +104,14 @@ class Worker:
 
     def _send(self, line: str) -> None:
         try:
-            self._proc.stdin.write(line + "\n")
-            self._proc.stdin.flush()
+            stdin = cast(IO[str], self._proc.stdin)  # opened with stdin=PIPE
+            stdin.write(line + "\n")
+            stdin.flush()
         except BrokenPipeError:
             self._died()
 
     def _receive(self, event: str) -> dict[str, Any]:
-        for line in self._proc.stdout:
+        for line in cast(IO[str], self._proc.stdout):  # opened with stdout=PIPE
             if line.startswith(PREFIX):
                 message = json.loads(line[len(PREFIX) :])
                 if message.get("event") != event:
@@ -118,7 +119,7 @@ class Worker:
                 return message
         self._died()
 
-    def _died(self) -> None:
+    def _died(self) -> NoReturn:
         self._proc.wait()
         self._log.flush()
         tail = self.log_path.read_text(encoding="utf-8", errors="replace")[-3000:]

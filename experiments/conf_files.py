@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
@@ -49,7 +49,8 @@ def picked_groups(entry: str) -> dict[str, Any]:
     """The groups of `conf/<entry>.yaml`'s defaults list, each with its default choice (None: none, [] for a set);
     not Hydra's own (`override hydra/...`)."""
     groups = {}
-    for item in OmegaConf.to_container(OmegaConf.load(CONF / f"{entry}.yaml"))["defaults"]:
+    entry_file = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.load(CONF / f"{entry}.yaml")))  # a mapping
+    for item in entry_file["defaults"]:
         if isinstance(item, dict):
             ((group, choice),) = item.items()
             if not group.startswith("override "):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -320,9 +321,10 @@ class ProbeConfig(TrainConfig):
 def _schema_from(cls: type, name: str, extra: list[tuple[str, type, Any]]) -> type:
     """A Hydra schema dataclass: `name` and `extra` fields, then the fields of `cls` with their defaults."""
     hints = typing.get_type_hints(cls)
-    fields = [("name", str, field(default=name))]
+    fields: list[tuple[str, Any, Any]] = [("name", str, field(default=name))]  # (name, type, its field)
     fields += [(key, typ, field(default=default)) for key, typ, default in extra]
-    for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only):  # the constructor's order
+    # The constructor's order: `fields` resolves every field's kw_only to a bool (never MISSING).
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only is True):
         if f.default_factory is not dataclasses.MISSING:  # a mutable default (a task's dict of settings)
             fields.append((f.name, hints[f.name], field(default_factory=f.default_factory)))
             continue
@@ -331,7 +333,9 @@ def _schema_from(cls: type, name: str, extra: list[tuple[str, type, Any]]) -> ty
     return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
 
 
-def _store_group(cs: ConfigStore, group: str, registry: Registry, extra) -> None:
+def _store_group(
+    cs: ConfigStore, group: str, registry: Registry[Any], extra: Callable[[type[Any]], list[tuple[str, type, Any]]]
+) -> None:
     for name, cls in registry.items():
         cs.store(group=f"schema/{group}", name=name, node=_schema_from(cls, name, extra(cls)))
 

@@ -35,7 +35,7 @@ import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -55,12 +55,12 @@ from experiments.conf_files import (
 )
 from experiments.config import ProbeConfig, SFTConfig, TrainConfig, register_configs
 from experiments.tasks import TASKS
-from models.registry import flat
+from models.registry import Registry, flat
 
 REFERENCE = PROJECT_ROOT / "docs" / "configuration.md"
 ENTRY_POINTS = {"train": TrainConfig, "sft": SFTConfig, "probe": ProbeConfig}
 # The groups whose choices are registered parts: each choice's keys are its schema's (`schema/<group>/<choice>`).
-PART_GROUPS = {
+PART_GROUPS: dict[str, Registry[Any]] = {
     "algo": OBJECTIVES,
     "correction": CORRECTIONS,
     "routing_variant": ROUTING_VARIANTS,
@@ -85,7 +85,8 @@ def field_comments(cls: type) -> dict[str, str]:
 def _own_comments(cls: type) -> dict[str, str]:
     source = textwrap.dedent(inspect.getsource(cls))  # a class defined in a function is indented
     body = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)).body
-    above_rows, on_rows = {}, {}  # comment text by source row: alone on its row, or after code
+    above_rows: dict[int, str] = {}  # comment text by source row: alone on its row, or after code
+    on_rows: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             rows = above_rows if token.line.strip().startswith("#") else on_rows
@@ -94,11 +95,13 @@ def _own_comments(cls: type) -> dict[str, str]:
     for node in body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        above, row = [], node.lineno - 1
+        above: list[str] = []
+        row = node.lineno - 1
         while row in above_rows:
             above.insert(0, above_rows[row])
             row -= 1
-        own = " ".join(on_rows[row] for row in range(node.lineno, node.end_lineno + 1) if row in on_rows)
+        last = cast(int, node.end_lineno)  # a node parsed from source knows where it ends
+        own = " ".join(on_rows[row] for row in range(node.lineno, last + 1) if row in on_rows)
         if above and above[-1].endswith(".") and own:
             own = own[:1].upper() + own[1:]  # a new sentence after the block above
         comments[node.target.id] = " ".join(above + [own] if own else above)
@@ -116,7 +119,7 @@ def docstring(cls: type) -> str:
 
 def entry_values(entry: str) -> dict[str, Any]:
     """What `conf/<entry>.yaml` sets over its schema (its keys other than the defaults list and Hydra's), flattened."""
-    own = OmegaConf.to_container(OmegaConf.load(CONF / f"{entry}.yaml"))
+    own = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.load(CONF / f"{entry}.yaml")))  # a mapping
     return flat({key: value for key, value in own.items() if key not in ("defaults", "hydra")})
 
 
@@ -173,7 +176,7 @@ def value_text(value: Any) -> str:
     return repr(value)
 
 
-def field_default(f: dataclasses.Field) -> Any:
+def field_default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
@@ -214,7 +217,7 @@ def part_sections(group: str) -> Iterator[Section]:
     register_configs()
     stored = ConfigStore.instance().repo["schema"][group]
     for choice in choices(group):
-        schema = OmegaConf.get_type(stored[f"{choice}.yaml"].node)
+        schema = cast(type[Any], OmegaConf.get_type(stored[f"{choice}.yaml"].node))  # a stored schema: a dataclass
         part = PART_GROUPS[group][choice]
         comments = field_comments(part)
         hints = typing.get_type_hints(schema)

@@ -57,7 +57,7 @@ from experiments.step.engines import Precision
 from experiments.step.trainer import RLTrainer
 from models import cpu_kernels
 from models.policy import ModelConfig, describe_policy, is_moe, model_config
-from models.registry import ConfigError, Diverged
+from models.registry import ConfigError, Diverged, node_settings
 
 # What a setting reports: the mean over its measured steps of each of these metrics (and every per-layer drift), with
 # its standard error, where the step logged it.
@@ -126,7 +126,7 @@ def check_probe(cfg: DictConfig) -> None:
             "trainer; engine precisions are probe.precisions"
         )
     check_cold_start(cfg)
-    if not is_moe(model_config(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))):
+    if not is_moe(model_config(ModelConfig(**node_settings(cfg.model)))):
         raise ConfigError(
             f"model {cfg.model.name!r} is dense: the probe measures how far an update moves the routing "
             "of an MoE model's experts, and it has none; probe an MoE cold start"
@@ -191,7 +191,9 @@ def probe(life: Life, cfg: DictConfig) -> dict[str, Any]:
     """The probe's settings, each a short RL run from the cold start, then the engine's precisions (`run_probe`)."""
     p = cfg.probe
     name = f"probe-{cfg.model.name}-{cfg.dataset.name}"
-    settings, mismatches, policy, answer_tokens = [], [], None, None
+    settings: list[dict[str, Any]] = []
+    mismatches: list[dict[str, Any]] = []
+    policy, answer_tokens = None, None
     steps = p.warm_steps + p.measure_steps
     threads = ThreadBudget(cfg.trainer.threads)
     total = len(p.lrs) * steps + len(p.precisions)

@@ -32,7 +32,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import torch
@@ -63,7 +63,7 @@ from experiments.step.scoring import margin_stats, position_ids, router_fragilit
 from experiments.tasks import Example, Task, build_task
 from models import cpu_kernels
 from models.policy import SIGMOID_FAMILIES, ModelConfig, build_policy, describe_policy, is_moe, model_config
-from models.registry import ConfigError
+from models.registry import ConfigError, node_settings
 from models.routing.families import route
 from models.routing.hooks import RouterCalls, RouterCapture, router_calls
 from models.routing.measures import SMALL_MARGIN, top_gap_share
@@ -134,7 +134,7 @@ def check_settings(cfg: DictConfig) -> None:
 
 def router_switches(cfg: DictConfig, model_cfg: ModelConfig) -> list[RouterSwitch]:
     """The router switches the cold start trains with, each checked against the model (`algos.routers`)."""
-    switches = build_router_switches(OmegaConf.to_container(cfg.routers, resolve=True))
+    switches = build_router_switches(node_settings(cfg.routers))
     family = model_config(model_cfg).model_type
     if switches and not is_moe(model_config(model_cfg)):
         raise ConfigError(
@@ -235,7 +235,7 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
     budget; save the checkpoint; return the model and a summary. It lives and ends as every run does
     (`experiments.run.life`): a stop or divergence keeps its log whole, says so in `summary.json` and one line, and
     saves no checkpoint."""
-    return live(
+    done = live(
         Job(
             "the cold start",
             lambda life, parts: train_cold_start(life, cfg, parts),
@@ -246,6 +246,8 @@ def cold_start(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> t
         cfg,
         hydra_cfg,
     )
+    # A job that does not resume returns its own result (`live`), never a finished run's summary.
+    return cast(tuple[PreTrainedModel, dict[str, Any]], done)
 
 
 @dataclass(frozen=True)
@@ -262,10 +264,10 @@ class ColdStartParts:
     @classmethod
     def build(cls, cfg: DictConfig) -> ColdStartParts:
         """The parts the settings name, each refused in one line when it cannot serve (before the first step)."""
-        model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+        model_cfg = ModelConfig(**node_settings(cfg.model))
         switches = router_switches(cfg, model_cfg)
         model, tokenizer = build_policy(model_cfg)
-        dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+        dataset = dict(node_settings(cfg.dataset))
         task = build_task(dataset.pop("name"), **dataset)
         check_vocabulary(tokenizer, task, task.examples("train") + task.examples("test"))
         if cfg.sft.eval_prompts > len(task.examples("test")):
@@ -293,7 +295,8 @@ def train_cold_start(life: Life, cfg: DictConfig, parts: ColdStartParts) -> tupl
     threads = ThreadBudget(s.threads)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
-    model.to(device)
+    # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+    model.to(device)  # type: ignore[arg-type]
     for switch in parts.switches:
         switch.start(model)
     test = parts.task.examples("test")[: s.eval_prompts]

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 if __name__ == "__main__":
     # Ctrl-C during the seconds the imports below take ends the process as it ends any program (exit code 130), not
@@ -33,6 +33,7 @@ from experiments.run import checkpoint, launch, relaunch
 from experiments.run.continuing import restore
 from experiments.run.life import Job, Life, live
 from experiments.run.logger import sweep_group
+from experiments.run.rundir import RunDirectory
 from experiments.run.summary import run_name, summarize, summary_paragraph
 from experiments.run.sweep import as_sweep_job
 from experiments.run.threads import ThreadBudget
@@ -51,7 +52,8 @@ def train(cfg: DictConfig, run_dir: str | Path, hydra_cfg: Any = None) -> dict[s
         trainer = RLTrainer(cfg, life.ranks)
         history = restore(trainer, cfg, life.run_dir, life.finished)
         if cfg.resume is not None:  # the run goes on: the directory's record becomes this run's settings
-            life.on_rank0(lambda: life.claimed.record(cfg, hydra_cfg))
+            # rank 0 claimed the directory when the life began (`Life.begin`)
+            life.on_rank0(lambda: cast(RunDirectory, life.claimed).record(cfg, hydra_cfg))
         return trainer, threads, history
 
     def run(life: Life, built: tuple[RLTrainer, ThreadBudget, list[dict[str, Any]]]) -> dict[str, Any]:

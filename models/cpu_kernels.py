@@ -30,6 +30,7 @@ import ctypes
 import hashlib
 import os
 import platform
+from collections.abc import Callable
 from enum import StrEnum
 from functools import cache
 from pathlib import Path
@@ -52,7 +53,7 @@ _X86 = ("x86_64", "amd64")
 
 
 @cache
-def _mkl_branch_getter():
+def _mkl_branch_getter() -> Callable[[int], int] | None:
     """MKL's `mkl_serv_cbwr_get` from torch's own library (MKL is linked into it), or None where this build has no
     MKL or does not export it."""
     library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"

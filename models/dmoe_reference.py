@@ -18,8 +18,25 @@ and summed over the k slots of each token. No token is dropped: there is no capa
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class FusedExperts(Protocol):
+    """transformers 5.x fused experts module (`*Experts`) as this project reads it. Its attributes are plain ones and
+    parameters, which torch's `Module.__getattr__` types alike as `Tensor | Module`: a module found to hold this
+    layout (`models.moe_backend.find_moe_experts`) is read through this type."""
+
+    num_experts: int
+    gate_up_proj: torch.nn.Parameter  # [E, 2F, H]: the gate rows, then the up rows
+    down_proj: torch.nn.Parameter  # [E, H, F]
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 def hf_to_megablocks(

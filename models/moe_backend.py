@@ -20,12 +20,14 @@ Checkpoints stay in transformers' layout whatever the backend: the module's `sta
 other. Apply the switch before building the optimizer: it replaces the experts' parameters.
 """
 
+from collections.abc import Callable
 from enum import StrEnum
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from models.dmoe_reference import RoutedGLU, dmoe_glu_reference, hf_to_megablocks, megablocks_to_hf
+from models.dmoe_reference import FusedExperts, RoutedGLU, dmoe_glu_reference, hf_to_megablocks, megablocks_to_hf
 from models.megablocks_experts import load_megablocks_kernels, megablocks_glu_forward, require_megablocks
 
 __all__ = [
@@ -60,20 +62,25 @@ class DroplessGLUExperts(nn.Module):
     `(act(x @ w1[e].T) * (x @ v1[e].T)) @ w2[e]` with `w[e] = w.view(E, F, H)[e]`.
     """
 
+    act_fn: Callable[[torch.Tensor], torch.Tensor]  # the gate's activation (a function or a module): a callable
+
     def __init__(self, experts: nn.Module, backend: str) -> None:
         """Take over the weights of transformers' `experts` (converted, not shared) and compute with `backend`."""
         super().__init__()
         if backend not in ("torch_dmoe", "megablocks"):
             raise ValueError(f"DroplessGLUExperts backend={backend!r} is not one of ['torch_dmoe', 'megablocks']")
-        num_experts, two_width, hidden = experts.gate_up_proj.shape
+        fused = cast(
+            FusedExperts, experts
+        )  # transformers' fused experts: the only modules given (`_check_convertible`)
+        num_experts, two_width, hidden = fused.gate_up_proj.shape
         self.num_experts = num_experts
         self.expert_width = two_width // 2
         self.hidden_size = hidden
         self.backend = backend
-        self.act_fn = experts.act_fn
-        requires_grad = experts.gate_up_proj.requires_grad
+        self.act_fn = fused.act_fn
+        requires_grad = fused.gate_up_proj.requires_grad
         with torch.no_grad():
-            w1, v1, w2 = hf_to_megablocks(experts.gate_up_proj, experts.down_proj)
+            w1, v1, w2 = hf_to_megablocks(fused.gate_up_proj, fused.down_proj)
         self.w1 = nn.Parameter(w1, requires_grad=requires_grad)
         self.v1 = nn.Parameter(v1, requires_grad=requires_grad)
         self.w2 = nn.Parameter(w2, requires_grad=requires_grad)
@@ -116,7 +123,9 @@ class DroplessGLUExperts(nn.Module):
         )
 
 
-def _state_dict_in_hf_layout(module: DroplessGLUExperts, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+def _state_dict_in_hf_layout(
+    module: DroplessGLUExperts, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
     """state_dict post-hook: write `gate_up_proj` / `down_proj` in place of `w1, v1, w2` (checkpoints stay HF)."""
     w1, v1, w2 = (state_dict.pop(prefix + name) for name in ("w1", "v1", "w2"))
     with torch.no_grad():
@@ -127,13 +136,13 @@ def _state_dict_in_hf_layout(module: DroplessGLUExperts, state_dict: dict, prefi
 
 def _load_hf_layout(
     module: DroplessGLUExperts,
-    state_dict: dict,
+    state_dict: dict[str, Any],
     prefix: str,
-    local_metadata: dict,
+    local_metadata: dict[str, Any],
     strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
 ) -> None:
     """load_state_dict pre-hook: accept transformers' layout (converted); a dMoE-layout state dict passes as is."""
     keys = (prefix + "gate_up_proj", prefix + "down_proj")
@@ -166,12 +175,13 @@ def _check_convertible(name: str, experts: nn.Module) -> None:
         and not getattr(experts, "has_post_expert_norm", False)
         and hasattr(experts, "act_fn")
     )
-    num_experts, two_width, hidden = experts.gate_up_proj.shape
-    shapes_ok = two_width % 2 == 0 and tuple(experts.down_proj.shape) == (num_experts, hidden, two_width // 2)
+    fused = cast(FusedExperts, experts)  # `find_moe_experts` found its fused parameters; the rest is checked here
+    num_experts, two_width, hidden = fused.gate_up_proj.shape
+    shapes_ok = two_width % 2 == 0 and tuple(fused.down_proj.shape) == (num_experts, hidden, two_width // 2)
     if not (layout_ok and shapes_ok):
         raise ValueError(
-            f"{name} ({type(experts).__name__}, gate_up_proj {tuple(experts.gate_up_proj.shape)}, down_proj "
-            f"{tuple(experts.down_proj.shape)}) cannot use a dMoE backend; supported: {SUPPORTED_LAYOUT}"
+            f"{name} ({type(experts).__name__}, gate_up_proj {tuple(fused.gate_up_proj.shape)}, down_proj "
+            f"{tuple(fused.down_proj.shape)}) cannot use a dMoE backend; supported: {SUPPORTED_LAYOUT}"
         )
 
 
@@ -204,8 +214,9 @@ def apply_moe_backend(model: nn.Module, backend: str) -> None:
             if isinstance(experts, DroplessGLUExperts):
                 require_megablocks(experts.hidden_size, experts.expert_width, experts.w1.dtype)
             else:
-                _, two_width, hidden = experts.gate_up_proj.shape
-                require_megablocks(hidden, two_width // 2, experts.gate_up_proj.dtype)
+                gate_up_proj = cast(FusedExperts, experts).gate_up_proj  # `find_moe_experts`: fused experts
+                _, two_width, hidden = gate_up_proj.shape
+                require_megablocks(hidden, two_width // 2, gate_up_proj.dtype)
 
     for name, experts in experts_by_name.items():
         parent_name, _, attribute = name.rpartition(".")

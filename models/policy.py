@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -43,6 +44,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from models import grouped_attention, sorted_experts
 from models.moe_backend import MoEBackend, apply_moe_backend, describe_experts_backend
 from models.registry import ConfigError, check_fields
+from models.routing.families import router_weight
 from models.routing.trace import find_routers
 from models.tokenizer import build_char_tokenizer
 
@@ -75,7 +77,8 @@ class ExpertsImplementation(StrEnum):
     batched_mm = "batched_mm"
 
 
-DType = StrEnum("DType", [(name, name) for name in DTYPES])
+# DTYPES' names, each member's value its name (StrEnum's own values: the name, lowercased).
+DType = StrEnum("DType", "float32 bfloat16 float16")
 
 
 @dataclass
@@ -279,7 +282,7 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
     if cfg.architecture == "qwen3":
         return Qwen3Config(**shared)
     if cfg.architecture.value in SIGMOID_FAMILIES:
-        sigmoid = dict(
+        sigmoid: dict[str, Any] = dict(
             n_routed_experts=cfg.num_experts,
             num_experts_per_tok=cfg.num_experts_per_tok,
             moe_intermediate_size=cfg.moe_intermediate_size,
@@ -302,7 +305,8 @@ def config_in_code(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pret
             qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim,
             v_head_dim=cfg.head_dim,
             # What DeepSeek-V3's own config.json says of its routing; transformers always routes so, vLLM reads them.
-            topk_method="noaux_tc",
+            # transformers keeps a key its signature does not list as an attribute; its typed signature refuses it.
+            topk_method="noaux_tc",  # type: ignore[call-arg]
             scoring_func="sigmoid",
         )
     return Qwen3MoeConfig(
@@ -335,6 +339,7 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     """Build (or load) the policy and its tokenizer on CPU, in `cfg.dtype`; the caller moves it to a device."""
     model_config(cfg)
     dtype = DTYPES[cfg.dtype]
+    tokenizer: PreTrainedTokenizerBase
     if cfg.path is None:
         tokenizer = build_char_tokenizer()
         config = config_in_code(cfg, tokenizer)
@@ -342,12 +347,12 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
             torch.manual_seed(cfg.init_seed)
             model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
             for router in find_routers(model).values():
-                torch.nn.init.normal_(router.weight, mean=0.0, std=cfg.router_init_std)
+                torch.nn.init.normal_(router_weight(router), mean=0.0, std=cfg.router_init_std)
             if cfg.depth_scaled_init:
                 scale_residual_outputs(model, config.initializer_range / math.sqrt(2 * cfg.num_hidden_layers))
         model = model.to(dtype)
     else:
-        model, tokenizer = _load_checkpoint(cfg, dtype)
+        model, tokenizer = _load_checkpoint(cfg, cfg.path, dtype)
     if find_routers(model):
         model.set_experts_implementation(cfg.experts_implementation)
         apply_moe_backend(model, cfg.moe_backend)
@@ -361,10 +366,12 @@ def build_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     return model, tokenizer
 
 
-def _load_checkpoint(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The checkpoint's model and tokenizer; files that do not load (truncated weights, tensors of another shape, a
-    broken tokenizer) raise `ConfigError` with the loader's own first line."""
-    path = os.path.expanduser(cfg.path)
+def _load_checkpoint(
+    cfg: ModelConfig, checkpoint: str, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and tokenizer of the `checkpoint` directory (`cfg.path`); files that do not load (truncated weights,
+    tensors of another shape, a broken tokenizer) raise `ConfigError` with the loader's own first line."""
+    path = os.path.expanduser(checkpoint)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as error:

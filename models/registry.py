@@ -30,10 +30,22 @@ import enum
 import math
 import types
 import typing
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, ItemsView, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
-T = TypeVar("T")
+from omegaconf import OmegaConf
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+
+class Part(Protocol):
+    """What a registry files: a class with a `name`, the registry key (`Registry.register` sets it)."""
+
+    name: ClassVar[str]
+
+
+T = TypeVar("T", bound=Part)
 
 
 class ConfigError(ValueError):
@@ -73,11 +85,12 @@ class Registry(Generic[T]):
                     f"registering {self.kind} {name!r} needs a subclass of {self.base.__name__}, got {cls!r}"
                 )
             if self.fields_are_parameters:
-                if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+                if not _frozen_dataclass(cls):
                     raise ValueError(
                         f"{self.kind} {cls.__name__} must be a frozen dataclass (its fields are its parameters)"
                     )
-                if "name" in {f.name for f in dataclasses.fields(cls)}:
+                fields = dataclasses.fields(cast("type[DataclassInstance]", cls))  # a dataclass: checked above
+                if "name" in {f.name for f in fields}:
                     raise ValueError(f"{self.kind} {cls.__name__} has a field 'name': the name is the registry key")
             cls.name = name
             self._classes[name] = cls
@@ -99,13 +112,16 @@ class Registry(Generic[T]):
     def __len__(self) -> int:
         return len(self._classes)
 
-    def items(self):
+    def items(self) -> ItemsView[str, type[T]]:
         return self._classes.items()
 
     def parameters(self, name: str) -> tuple[str, ...]:
         """The parameter (field) names of the class registered as `name`, in the order its constructor takes them
         (keyword-only fields, such as the split sizes every synthetic task shares, last)."""
-        return tuple(f.name for f in sorted(dataclasses.fields(self[name]), key=lambda f: f.kw_only))
+        # A registry whose fields are parameters files frozen dataclasses only (`register` refuses any other class).
+        parameters = dataclasses.fields(cast("type[DataclassInstance]", self[name]))
+        # `fields` resolves every field's kw_only to a bool (never MISSING): keyword-only fields sort last.
+        return tuple(f.name for f in sorted(parameters, key=lambda f: f.kw_only is True))
 
     def build(self, name: str, **params: Any) -> T:
         """The part registered as `name` with `params` overriding its defaults; unknown names or parameters raise
@@ -120,7 +136,12 @@ class Registry(Generic[T]):
         return cls(**params)
 
 
-def check_fields(part: object, label: str) -> None:
+def _frozen_dataclass(cls: type) -> bool:
+    # typeshed's DataclassInstance declares `__dataclass_fields__` only; every dataclass has `__dataclass_params__`.
+    return dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
+def check_fields(part: DataclassInstance, label: str) -> None:
     """Refuse a parameter of the wrong type, naming `label.field`; convert where the value is unambiguous.
 
     Fields are `float`, `int`, `str`, `bool`, a `StrEnum` of allowed values, a `dict[...]` or `list[...]` (its
@@ -155,11 +176,18 @@ def check_fields(part: object, label: str) -> None:
             raise ConfigError(f"{label}.{f.name}={value} must be finite")
 
 
-def _options(annotation: object) -> tuple[type, ...]:
-    """`int` -> (int,), `str | None` -> (str, NoneType)."""
+def _options(annotation: Any) -> tuple[Any, ...]:
+    """`int` -> (int,), `str | None` -> (str, NoneType); a generic alias (`dict[str, Any]`) stays one."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return tuple(typing.get_args(annotation))
     return (annotation,)
+
+
+def node_settings(node: Any) -> dict[str, Any]:
+    """A config group's node (an omegaconf DictConfig) as the plain dict of settings a part is built from, its
+    interpolations resolved: `OmegaConf.to_container(node, resolve=True)`, typed as the mapping it is (OmegaConf types
+    a container as any of its kinds)."""
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
 
 
 def flat(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:

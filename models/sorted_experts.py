@@ -22,11 +22,13 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from models.dmoe_reference import FusedExperts
+
 NAME = "sorted_mm"
 
 
 def sorted_mm_experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: FusedExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """`hidden_states [T, H]`, `top_k_index [T, k]`, `top_k_weights [T, k]` -> `[T, H]` (experts' weighted sum).
 

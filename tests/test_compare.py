@@ -225,3 +225,12 @@ def test_a_row_its_report_did_not_count_never_enters_and_is_named(tmp_path):
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Seeds left out of the comparisons" in report and "`sweep/2_gspo_s2`" in report
     assert "a run that did not finish never counts" in report
+
+
+def test_a_table_that_says_neither_what_counted_nor_what_was_incomplete_counts_every_run(tmp_path):
+    """The oldest per-seed tables hold neither `counted` nor `incomplete`: every seed is compared (mypy found this
+    path raising on its `~False` condition)."""
+    grpo, gspo = per_seed("grpo", [0.0, 0.1, 0.2]), per_seed("gspo", [0.1, 0.3, 0.4])
+    main([str(write(tmp_path, "t", pd.concat([grpo, gspo]).drop(columns="incomplete"))), "--out", str(tmp_path / "o")])
+    gain = pd.read_csv(tmp_path / "o" / "comparisons.csv").query("measure == 'gain'").iloc[0]
+    assert gain["seeds"] == 3 and gain["difference_estimate"] == pytest.approx(0.1667, abs=1e-3)

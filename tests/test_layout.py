@@ -294,3 +294,25 @@ def test_the_objectives_request_is_written_once():
     called_with = set(inspect.signature(Objective.__call__).parameters)
     assert called_with == {"self", "logp", "inputs", "totals"}, called_with
     assert not called_with & {field.name for field in dataclasses.fields(ObjectiveInputs)}
+
+
+def test_make_lint_type_checks_every_package_before_the_suite():
+    """The type checker is part of `make lint`, which `make test` (so CI) runs before any test, and of the pre-commit
+    hooks; it checks every package the project installs (pyproject.toml's [tool.mypy])."""
+    import subprocess
+    import tomllib
+
+    import yaml
+
+    planned = subprocess.run(
+        ["make", "-n", "-B", "test"], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    ruff, mypy, pytest_run = (
+        next(index for index, line in enumerate(planned) if re.search(pattern, line))
+        for pattern in (r"/ruff check\b", r"/mypy$", r"-m pytest\b")
+    )
+    assert ruff < mypy < pytest_run, planned
+    checked = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    assert sorted(checked) == sorted(PACKAGES), checked
+    hooks = yaml.safe_load((PROJECT_ROOT / ".pre-commit-config.yaml").read_text())["repos"][0]["hooks"]
+    assert any(hook["entry"] == ".venv/bin/mypy" and hook["pass_filenames"] is False for hook in hooks), hooks

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.routing.families import normalised_scores
+from models.routing.families import normalised_scores, router_top_k
 from models.routing.hooks import RouterCalls
 
 OverRanks = Callable[[torch.Tensor], torch.Tensor] | None
@@ -66,7 +66,7 @@ def sequence_balance_loss(routers: RouterCalls, over_ranks: OverRanks = None) ->
     total = torch.zeros((), dtype=torch.float32, device=w.device)
     for layer, (router, logits) in enumerate(routers.calls):
         E = logits.shape[-1]
-        f = (routers.chosen(layer).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router.top_k  # [B, E]
+        f = (routers.chosen(layer).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1) * E / router_top_k(router)  # [B, E]
         P = (normalised_scores(router, logits).view(B, S, E) * w.unsqueeze(-1)).sum(dim=1)
         per_sequence = (f * P).sum(dim=-1) / tokens.clamp_min(1.0) ** 2
         total = total + per_sequence[present].sum()

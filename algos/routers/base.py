@@ -30,7 +30,7 @@ from __future__ import annotations
 from abc import ABC
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -96,7 +96,7 @@ class RouterSwitch(ABC):
         """A term to add to the update's loss, from its forward's router calls (0.0: none)."""
         return 0.0
 
-    def after_update(self, model: torch.nn.Module, routers: RouterCalls | None, summed: Summed) -> dict[str, float]:
+    def after_update(self, model: torch.nn.Module, routers: RouterCalls, summed: Summed) -> dict[str, float]:
         """After each applied optimizer step, with the update's router calls; returns `routers/*` metrics."""
         return {}
 
@@ -111,7 +111,7 @@ class RouterSwitch(ABC):
 ROUTER_SWITCHES: Registry[RouterSwitch] = Registry("router switch", RouterSwitch)
 
 
-def build_router_switches(config: dict[str, dict] | None) -> list[RouterSwitch]:
+def build_router_switches(config: dict[str, dict[str, Any]] | None) -> list[RouterSwitch]:
     """The switches of a `routers` config node, `{name: {name, **parameters}}` (empty or None: none), in its order."""
     switches = []
     for key, params in (config or {}).items():

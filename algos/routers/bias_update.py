@@ -33,7 +33,7 @@ import torch
 
 from algos.routers.balancing import sequence_balance_loss
 from algos.routers.base import ROUTER_SWITCHES, RouterSwitch, Summed
-from models.routing.families import chosen
+from models.routing.families import chosen, router_top_k, selection_bias
 from models.routing.hooks import RouterCalls
 
 ROUTE_CHANGE = "routers/bias_route_change_frac"
@@ -53,11 +53,12 @@ def update_biases(routers: RouterCalls, rate: float, summed: Summed) -> dict[str
     for layer, (router, logits) in enumerate(routers.calls):
         before = routers.chosen(layer)  # [T, E], the router's own top-k with the bias its forward saw
         load = summed((before * w.unsqueeze(-1)).sum(dim=0))
-        router.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load).to(router.e_score_correction_bias))
+        bias = selection_bias(router)
+        bias.add_(rate * torch.sign(load.mean() - load).to(bias))
         changed = (chosen(router, logits) - before).clamp_min(0).sum(dim=-1)  # experts newly chosen, per token
         moved += torch.stack([(changed * w).sum(), (changed * trained).sum()]).double().cpu()
-        activated += torch.stack([w.sum(), trained.sum()]).double().cpu() * router.top_k
-        sizes.append(router.e_score_correction_bias.abs().mean())
+        activated += torch.stack([w.sum(), trained.sum()]).double().cpu() * router_top_k(router)
+        sizes.append(bias.abs().mean())
     moved, activated = summed(moved), summed(activated)
     share = (moved / activated.clamp_min(1.0)).tolist()
     return {ROUTE_CHANGE: share[0], TRAINED_ROUTE_CHANGE: share[1], BIAS: float(torch.stack(sizes).mean())}
@@ -84,5 +85,5 @@ class BiasUpdate(RouterSwitch):
     def loss(self, routers: RouterCalls, over_ranks: Summed | None) -> torch.Tensor | float:
         return self.seq_coef * sequence_balance_loss(routers, over_ranks)[0] if self.seq_coef else 0.0
 
-    def after_update(self, model: torch.nn.Module, routers: RouterCalls | None, summed: Summed) -> dict[str, float]:
+    def after_update(self, model: torch.nn.Module, routers: RouterCalls, summed: Summed) -> dict[str, float]:
         return update_biases(routers, self.rate, summed)

@@ -68,6 +68,9 @@ class LaggedReplay(RouterSwitch):
 
     lag: int = 1  # applied optimizer updates between the weights that route and θ_old; 0 is R2
     history: int = 8  # the most updates back the run may keep weights for (each a copy of the policy): lag <= history
+    # The weights kept, this instance's state that `start` sets. Declared a ClassVar (annotated only: no class value)
+    # so that the dataclass does not make it a field, i.e. a parameter.
+    _history: ClassVar[WeightHistory | None]
 
     def validate(self) -> None:
         if self.history < 1:
@@ -108,7 +111,7 @@ class LaggedReplay(RouterSwitch):
         # The history is state, not a parameter: held outside the frozen dataclass's fields.
         object.__setattr__(self, "_history", WeightHistory(model, self.lag) if self.lag else None)
 
-    def after_update(self, model: torch.nn.Module, routers: RouterCalls | None, summed: Summed) -> dict[str, float]:
+    def after_update(self, model: torch.nn.Module, routers: RouterCalls, summed: Summed) -> dict[str, float]:
         if self._history is None:
             return {}
         served = self._history.served

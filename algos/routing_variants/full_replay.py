@@ -25,7 +25,7 @@ selects it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -51,7 +51,8 @@ class GateReplay(ReplayRule):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         recorded = replayed.recorded[:, None]
         forced = torch.where(recorded, replayed.experts, indices)
-        return torch.where(recorded, replayed.weights.to(weights.dtype), weights), forced
+        gates = cast(torch.Tensor, replayed.weights)  # needs_gates: `replay_routing` refuses a trace without them
+        return torch.where(recorded, gates.to(weights.dtype), weights), forced
 
 
 @ROUTING_VARIANTS.register("full_replay")

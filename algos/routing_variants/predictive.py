@@ -54,13 +54,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 
 from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
-from models.routing.families import selection_scores
+from models.routing.families import router_top_k, router_weight, selection_scores
 from models.routing.predictor import add_predictors, predicted_logits
 from models.routing.trace import RoutingTrace
 
@@ -141,14 +141,16 @@ class Predictive(RoutingVariant):
         mean's denominator); `ranks`: how many ranks' gradients the data-parallel reduction averages (the loss is
         scaled back by it, as `algos.aggregation.Totals` does)."""
         routed = trace.recorded()
+        # predicts_routes: the engine records the routers' states in every trace of this run.
+        recorded_inputs, recorded_logits = cast(torch.Tensor, trace.inputs), cast(torch.Tensor, trace.logits)
         losses, sums = [], []
         for layer, router in enumerate(routers):
-            device, dtype = router.weight.device, router.weight.dtype
-            inputs = trace.inputs[layer][routed[layer]].to(device, dtype)
-            old = trace.logits[layer][routed[layer]].to(device)
+            device, dtype = router_weight(router).device, router_weight(router).dtype
+            inputs = recorded_inputs[layer][routed[layer]].to(device, dtype)
+            old = recorded_logits[layer][routed[layer]].to(device)
             with torch.no_grad():
                 current, _, own = router(inputs)
-                unpredicted = selection_scores(router, old).topk(router.top_k, dim=-1).indices
+                unpredicted = selection_scores(router, old).topk(router_top_k(router), dim=-1).indices
             with torch.set_grad_enabled(train):
                 kl = predictive_kl(current, predicted_logits(router, inputs, old))
             losses.append(kl.sum())

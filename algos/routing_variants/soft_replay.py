@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -119,12 +119,13 @@ class SoftReplay(RoutingVariant):
     def replay_rule(self) -> SoftReplayRule:
         return SoftReplayRule(self.top_margin, self.min_prob)
 
-    def rule_metrics(self, rule: SoftReplayRule, summed: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
-        if not rule.kept:
+    def rule_metrics(self, rule: ReplayRule, summed: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        own = cast(SoftReplayRule, rule)  # the step hands a variant the rule its own `replay_rule` made
+        if not own.kept:
             return {}
-        layers = sorted(rule.kept)
-        kept = summed(torch.stack([rule.kept[layer] for layer in layers]).double())
-        replayed = summed(torch.stack([rule.replayed[layer] for layer in layers]).double())
+        layers = sorted(own.kept)
+        kept = summed(torch.stack([own.kept[layer] for layer in layers]).double())
+        replayed = summed(torch.stack([own.replayed[layer] for layer in layers]).double())
         per_layer = (kept / replayed.clamp_min(1)).tolist()
         metrics = {KEPT: float(kept.sum() / replayed.sum().clamp_min(1))}
         metrics.update({f"{KEPT}/layer_{layer}": value for layer, value in zip(layers, per_layer)})

@@ -44,7 +44,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -157,7 +157,7 @@ def _write(trainer: Any, partial: Path) -> None:
     state's own)."""
     ranks: Ranks = trainer.ranks
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     held = trainer.rollouts.held()
     if held:
         state[ENGINE_VERSIONS] = {version_key(version): weights for version, weights in held.items()}
@@ -275,7 +275,7 @@ def find(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
     `auto`, the newest intact checkpoint of the run (None when the run has none at all); with a path, that one.
     `ConfigError` naming the damaged file when there is no intact one to take."""
     if resume == "auto":
-        passed_over = []
+        passed_over: list[str] = []
         for candidate in reversed(checkpoints(run_dir)):
             problem = damage(candidate)
             if problem is None:
@@ -608,7 +608,7 @@ def load(trainer: Any, path: Path) -> None:
     ranks: Ranks = trainer.ranks
     saved = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     versions = saved.get(ENGINE_VERSIONS, [])
     if versions:  # room for each version the checkpoint holds, shaped as the full weights
         template = full_weights(trainer.model)
@@ -675,7 +675,8 @@ def export(trainer: Any, directory: Path) -> Path:
     transformers loads it: without the routers' predictors (`routing_variant=predictive`), which only the run uses."""
     state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.ranks.main:
-        trainer.model.save_pretrained(directory, state_dict=without_predictors(state))
+        # a full state dict (full_state_dict=True): plain tensors
+        trainer.model.save_pretrained(directory, state_dict=without_predictors(cast(dict[str, torch.Tensor], state)))
         trainer.tokenizer.save_pretrained(directory)
     barrier(trainer.ranks)
     return directory

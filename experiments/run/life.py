@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar, cast
 
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -221,7 +221,7 @@ class Life:
         wall, cpu = self._clock
         return time.perf_counter() - wall, time.process_time() - cpu
 
-    def progress(self, done: int = 0) -> tqdm:
+    def progress(self, done: int = 0) -> tqdm[NoReturn]:
         """The job's progress bar, `done` of its records already behind it (a resumed run's): drawn by rank 0, closed
         when `running` ends, before any line it prints."""
         bar = tqdm(
@@ -234,7 +234,7 @@ class Life:
         )
         return self._closing.enter_context(bar)
 
-    def commit(self, record: dict[str, Any], then: Callable[[], None] | None = None) -> None:
+    def commit(self, record: dict[str, Any], then: Callable[[], object] | None = None) -> None:
         """Log `record` and count it (`records`), then run `then` (a checkpoint), all before a stop can land; with
         several ranks, stop together after it."""
         with stop_deferred():
@@ -291,7 +291,7 @@ class Job(Generic[Built, Result]):
 
     what: str
     run: Callable[[Life, Built], Result]
-    build: Callable[[Life], Built] = lambda life: None
+    build: Callable[[Life], Built] = lambda life: cast(Built, None)  # a job that builds nothing: Built is None
     prepare: Callable[[], Ranks | None] = lambda: None
     resume: bool = False
     done: Callable[[dict[str, Any]], bool] = lambda finished: False

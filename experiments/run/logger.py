@@ -24,10 +24,13 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    import wandb
 
 from experiments.run.rundir import METRICS_FILE, SUMMARY_FILE, StorageError, replace_file
 from experiments.step.metrics import MINIBATCH, MINIBATCHES, STEP
@@ -98,7 +101,9 @@ class RunLogger:
             self._close_metrics()
             raise
 
-    def _start_wandb(self, cfg: DictConfig, name: str, tags: list[str], group: str | None, resume: bool):
+    def _start_wandb(
+        self, cfg: DictConfig, name: str, tags: list[str], group: str | None, resume: bool
+    ) -> wandb.Run | None:
         wandb_cfg = cfg.logger.wandb
         if wandb_cfg.mode == "disabled":
             return None
@@ -118,7 +123,7 @@ class RunLogger:
                 tags=sorted(set(list(wandb_cfg.tags) + tags)),
                 mode=wandb_cfg.mode,
                 dir=str(self.run_dir),
-                config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                config=cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),  # a mapping
                 reinit="finish_previous",
                 # System-stats sampling runs in W&B's service process and competes for the cores the step needs.
                 settings=wandb.Settings(x_disable_stats=True, init_timeout=wandb_cfg.init_timeout),

@@ -139,7 +139,8 @@ def locked() -> dict[str, str]:
     from packaging.requirements import Requirement  # pip's own parser, installed with the project's requirements
 
     pins: dict[str, str] = {}
-    pending, seen = [(PROJECT, LOCKED_EXTRAS)], set()
+    pending: list[tuple[str, tuple[str, ...]]] = [(PROJECT, LOCKED_EXTRAS)]
+    seen: set[tuple[str, tuple[str, ...]]] = set()
     while pending:
         distribution, extras = pending.pop()
         for line in metadata.requires(distribution) or []:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -71,7 +71,7 @@ class Difference(NamedTuple):
 
 def settings(cfg: DictConfig) -> dict[str, Any]:
     """Every setting of `cfg`, resolved, as a flat `{dotted key: value}` (lists are values)."""
-    return flat(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    return flat(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))  # a mapping
 
 
 def declared_safe(key: str) -> bool:
@@ -126,7 +126,7 @@ def retired_as_today(key: str, value: Any) -> bool:
     return key in RETIRED and RETIRED[key] == value
 
 
-def node_recorded(recorded: dict[str, Any], key: str) -> bool:
+def node_recorded(recorded: Mapping[str, Any], key: str) -> bool:
     """Whether the recorded run holds the node `key` sits in: a field added to a node it had, not a node it lacks."""
     node = key.rpartition(".")[0]
     return not node or any(other.startswith(f"{node}.") for other in recorded)

@@ -19,7 +19,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -170,7 +170,7 @@ def recorded_settings(recorded: Path, where: str) -> dict[str, Any]:
         raise unreadable(f"is not valid YAML ({getattr(error, 'problem', None) or error}{at})") from None
     if not isinstance(loaded, DictConfig):
         raise unreadable("holds no mapping of settings")
-    return flat(OmegaConf.to_container(loaded))
+    return flat(cast(dict[str, Any], OmegaConf.to_container(loaded)))  # a run's config: a mapping
 
 
 def finished_summary(path: Path) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
@@ -105,7 +105,8 @@ def sweep_jobs(cfg: DictConfig) -> list[list[str]]:
     """The override list of every job the basic sweeper will launch for `cfg` (its params, then the command line)."""
     params = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.get("params") or {}).items()]
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-    overrides = parser.parse_overrides([*params, *OmegaConf.to_container(cfg.hydra.overrides.task)])
+    command_line = cast(list[str], OmegaConf.to_container(cfg.hydra.overrides.task))  # Hydra's list of overrides
+    overrides = parser.parse_overrides([*params, *command_line])
     return [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 

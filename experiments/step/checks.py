@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from algos import build_objective
 from algos.corrections import Correction, build_correction
@@ -33,7 +33,7 @@ from experiments.step.plan import PiOld, Replay, StepPlan, plan_step
 from experiments.step.sources import ROLLOUT_SOURCES, RolloutSource
 from experiments.tasks import Example, Task, build_task
 from models.policy import DTYPES, SIGMOID_FAMILIES, ModelConfig, is_moe, model_config
-from models.registry import ConfigError
+from models.registry import ConfigError, node_settings
 from models.tokenizer import build_char_tokenizer
 
 # The devices a run trains on, and the weight dtypes it trains in. Not float16: AdamW keeps its moments in the weights'
@@ -72,14 +72,14 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     (`memory`) whether one rank's step fits in the device's free memory. The whole-split evaluation's batch is sized
     whatever `memory` says: from the estimate, not from the machine."""
     check_cold_start(cfg)
-    model_cfg = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    model_cfg = ModelConfig(**node_settings(cfg.model))
     hf_config = model_config(model_cfg)
     moe = is_moe(hf_config)
     name, advantage_std, hyperparameters = algo_hyperparameters(cfg.algo)
     objective = build_objective(name, **hyperparameters)
-    correction = build_correction(**OmegaConf.to_container(cfg.correction, resolve=True))
-    variant = build_routing_variant(**OmegaConf.to_container(cfg.routing_variant, resolve=True))
-    switches = build_router_switches(OmegaConf.to_container(cfg.routers, resolve=True))
+    correction = build_correction(**node_settings(cfg.correction))
+    variant = build_routing_variant(**node_settings(cfg.routing_variant))
+    switches = build_router_switches(node_settings(cfg.routers))
     check_known_keys(cfg)
     check_logger(cfg.logger)
     check_trainer(cfg.trainer, moe, world)
@@ -381,7 +381,7 @@ def check_task(cfg: DictConfig, model_cfg: ModelConfig) -> tuple[Task, list[Exam
     """The task and its splits, held-out prompts enough for the evaluation, and a generation budget that holds its
     answers (a budget that cannot hold an answer and its eos makes every long answer a truncated, wrong one)."""
     t = cfg.trainer
-    task = build_task(**OmegaConf.to_container(cfg.dataset, resolve=True))
+    task = build_task(**node_settings(cfg.dataset))
     train_examples, test_examples = task.examples("train"), task.examples("test")
     if t.eval_prompts > len(test_examples):
         raise ConfigError(
@@ -432,14 +432,14 @@ def check_memory(cfg: DictConfig, memory: StepMemory) -> None:
         )
 
 
-def tokenizer_of(model_cfg: ModelConfig):
+def tokenizer_of(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The run's tokenizer, without building the model: the character tokenizer, or the checkpoint's own."""
     if model_cfg.path is None:
         return build_char_tokenizer()
     return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
 
 
-def check_vocabulary(tokenizer, task: Task, examples: list[Example]) -> None:
+def check_vocabulary(tokenizer: PreTrainedTokenizerBase, task: Task, examples: list[Example]) -> None:
     """Refuse a task whose text holds characters the tokenizer turns into its unknown token (the character tokenizer
     knows a fixed alphabet, `models.tokenizer.ALPHABET`): a prompt the model cannot read, an answer it cannot write."""
     if tokenizer.unk_token_id is None:
@@ -455,12 +455,12 @@ def check_vocabulary(tokenizer, task: Task, examples: list[Example]) -> None:
         )
 
 
-def longest_tokens(tokenizer, texts: list[str]) -> int:
+def longest_tokens(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> int:
     """Tokens of the longest text (measured on the 32 longest in characters)."""
     return longest_text(tokenizer, texts)[0]
 
 
-def longest_text(tokenizer, texts: list[str]) -> tuple[int, int]:
+def longest_text(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> tuple[int, int]:
     """Tokens of the longest text and its index in `texts` (measured on the 32 longest in characters)."""
     longest = sorted(range(len(texts)), key=lambda i: len(texts[i]))[-32:]
     counts = [len(ids) for ids in tokenizer([texts[i] for i in longest], add_special_tokens=False)["input_ids"]]

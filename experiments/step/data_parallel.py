@@ -5,6 +5,8 @@ process is, and the object collectives, are `experiments.ranks`'.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 
@@ -24,7 +26,8 @@ def shard(model: torch.nn.Module) -> None:
     for router in find_routers(model).values():
         if hasattr(router, PREDICTOR):
             fully_shard(router)
-    for layer in model.model.layers:
+    decoder = cast(torch.nn.Module, model.model)  # a transformers causal LM: its decoder, whose layers are the units
+    for layer in cast(torch.nn.ModuleList, decoder.layers):
         fully_shard(layer)
     fully_shard(model)
 

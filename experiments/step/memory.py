@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
+from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 GIB = 1024**3
@@ -63,7 +65,12 @@ def parameter_count(config: PretrainedConfig) -> int:
 
 
 def step_memory(
-    config: PretrainedConfig, cfg, prompt_tokens: int, dtype_bytes: int, world: int = 1, split_prompts: int = 0
+    config: PretrainedConfig,
+    cfg: DictConfig,
+    prompt_tokens: int,
+    dtype_bytes: int,
+    world: int = 1,
+    split_prompts: int = 0,
 ) -> StepMemory:
     """The estimate (bytes) of one rank of `world` for the run `cfg` on the model `config` whose longest prompt has
     `prompt_tokens` (each rank samples and trains its share of the prompts, and holds the whole model while a layer
@@ -75,7 +82,8 @@ def step_memory(
     kv_heads = getattr(config, "num_key_value_heads", heads) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     top_k = getattr(config, "num_experts_per_tok", 0) or 0
-    expert_width = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
+    # every model here has one of them: the experts' width, or the dense MLP's
+    expert_width = cast(int, getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0))
     params = parameter_count(config)
     reference = params * dtype_bytes if cfg.algo.get("kl_coef", 0.0) > 0 else 0
     resident = params * (dtype_bytes + 4 + 8) + reference

@@ -131,8 +131,8 @@ TOTAL_VAR = "decompose/total_var"
 ROUTING_SHARE = "decompose/routing_share"
 
 
-def per_layer(name: str, layer: int) -> str:
-    """The name of a metric's value in one MoE layer."""
+def per_layer(name: str, layer: int | str) -> str:
+    """The name of a metric's value in one MoE layer (layer "": the prefix every layer's name starts with)."""
     return f"{name}/layer_{layer}"
 
 

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import cast
 
 import torch
 
@@ -60,7 +61,8 @@ class OldPolicy:
 
     def pi_old_logp(self, scores: Scores) -> torch.Tensor:
         """π_old's log-probs, given the update forward's `scores`."""
-        return scores.logp.detach() if self.on_policy else self.logp
+        # off the update's forward, π_old was computed beforehand (μ_old's under bypass, a recompute's otherwise)
+        return scores.logp.detach() if self.on_policy else cast(torch.Tensor, self.logp)
 
     def trainer_logp(self, scores: Scores) -> torch.Tensor | None:
         """The trainer's log-probs at θ_old, given the update forward's `scores` (None: the step has none)."""
@@ -101,7 +103,9 @@ class OlderWeights(ReplayFrom):
     @torch.no_grad()
     def __call__(self, mb: Minibatch) -> RoutingTrace | None:
         model = next((m for m in (switch.routing_model() for switch in self.switches) if m is not None), None)
-        return self.score(model, mb, ScoreOptions(record=True)).routes.to("cpu") if model is not None else None
+        if model is None:
+            return None
+        return cast(RoutingTrace, self.score(model, mb, ScoreOptions(record=True)).routes).to("cpu")  # recorded
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -39,8 +39,16 @@ from experiments.step.metrics import (
     per_layer,
 )
 from models.grouped_attention import NAME as PACKED_ATTENTION
-from models.routing.families import normalised_scores
-from models.routing.hooks import ReplayRule, RouterCalls, RouterCapture, RoutingRequest, router_calls, routing
+from models.routing.families import normalised_scores, router_top_k
+from models.routing.hooks import (
+    Replaying,
+    ReplayRule,
+    RouterCalls,
+    RouterCapture,
+    RoutingRequest,
+    router_calls,
+    routing,
+)
 from models.routing.measures import MarginSummary, margin_of_ranked
 from models.routing.trace import RoutingTrace
 from models.shared_prefix import SharedPrefix
@@ -82,11 +90,17 @@ def can_pack(model: PreTrainedModel) -> bool:
 
 class ResponseBatch(Protocol):
     """What scoring reads of a batch of responses (a rollout's `Samples`, a `Minibatch`): `input_ids` and
-    `attention_mask [N, P+T]`, left-padded prompts of width `prompt_width`, then the responses."""
+    `attention_mask [N, P+T]`, left-padded prompts of width `prompt_width`, then the responses. Read only: a frozen
+    dataclass (`Minibatch`) is one."""
 
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    prompt_width: int
+    @property
+    def input_ids(self) -> torch.Tensor: ...
+
+    @property
+    def attention_mask(self) -> torch.Tensor: ...
+
+    @property
+    def prompt_width(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -174,13 +188,15 @@ def score_responses(
     weights = fed_mask if layout is None else layout.token_weights
     replayed = None if request.replay is None else request.replay.recorded()[0]  # as fed: packed with the batch
     forward = RouterCalls.of(calls, weights, replayed) if capture else None
+    captured = cast(RouterCalls, forward)  # read below only where asked for, and so `capture`d
     if options.aux_loss:
         with contextlib.nullcontext() if options.aux_loss_grad else torch.no_grad():
-            balance, value = global_balance_loss(forward, options.over_ranks)
+            balance, value = global_balance_loss(captured, options.over_ranks)
     margin = options.fragile_margin
-    stats, margins = (None, None) if margin is None else router_fragility(forward, margin)
+    stats, margins = (None, None) if margin is None else router_fragility(captured, margin)
     routes = None if routed is None else routed.routes.map(unpacked)
-    replayed_logprobs = unpacked(routed.replayed_logprobs) if options.score_replayed else None
+    # score_replayed asks for a replay: the handle is `Replaying`'s
+    replayed_logprobs = unpacked(cast(Replaying, routed).replayed_logprobs) if options.score_replayed else None
     return Scores(
         logp=logp,
         entropy=entropy,
@@ -190,7 +206,7 @@ def score_responses(
         aux_loss_value=value,
         replayed_logprobs=replayed_logprobs,
         routers=forward if options.routers else None,
-        router_margins=None if margins is None else (margins, forward.flat_weights),
+        router_margins=None if margins is None else (margins, captured.flat_weights),
     )
 
 
@@ -209,10 +225,10 @@ def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, flo
     mean over ranks gives, so the caller takes them (`margin_stats`) once it holds every token it reports on."""
     w = routers.flat_weights
     total = w.sum().clamp(min=1e-12)
-    by_layer = {TOPK_MASS: [], MARGIN: [], FRAGILE: [], LOGIT_MARGIN: []}
+    by_layer: dict[str, list[torch.Tensor]] = {TOPK_MASS: [], MARGIN: [], FRAGILE: [], LOGIT_MARGIN: []}
     margins = []
     for layer, (router, logits) in enumerate(routers.calls):
-        k = router.top_k
+        k = router_top_k(router)
         ranked = routers.ranked(layer)
         top, experts = ranked.values[:, : k + 1], ranked.indices[:, : k + 1]
         gap = top[:, k - 1] - top[:, k] if top.shape[-1] > k else top[:, k - 1]
@@ -224,11 +240,11 @@ def router_fragility(routers: RouterCalls, margin: float) -> tuple[dict[str, flo
         by_layer[LOGIT_MARGIN].append((logit_gap * w).sum() / total)
         by_layer[FRAGILE].append(((gap < margin).float() * w).sum() / total)
         margins.append(margin_of_ranked(ranked.values, k))
-    stats = {}
+    stats: dict[str, float] = {}
     for name, values in by_layer.items():
-        values = torch.stack(values).tolist()
-        stats[name] = sum(values) / len(values)
-        stats.update({per_layer(name, i): v for i, v in enumerate(values)})
+        means = torch.stack(values).tolist()
+        stats[name] = sum(means) / len(means)
+        stats.update({per_layer(name, i): v for i, v in enumerate(means)})
     return stats, torch.stack(margins)
 
 

@@ -36,10 +36,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from transformers import PreTrainedModel
 
 from algos.advantages import group_advantages, within_group_std, zero_std_group_frac
 from algos.aggregation import Totals, masked_mean
@@ -65,9 +66,10 @@ from experiments.step.optimizer import rl_optimizer
 from experiments.step.plan import Layout
 from experiments.step.scoring import ScoreOptions, Scores, score_responses
 from experiments.step.sources import SamplingRun, SourceInputs
+from experiments.tasks import Example
 from models.cpu_kernels import weights_sha256
 from models.policy import build_policy
-from models.registry import Diverged
+from models.registry import Diverged, node_settings
 from models.routing.predictor import policy_parameters
 from models.routing.trace import find_routers
 
@@ -93,7 +95,8 @@ class RLTrainer:
         self.start_sha256 = weights_sha256(self.model)  # the start's identity (a cold start's summary has the same)
         # No dropout in these models; eval() also keeps Mixtral-style router jitter off, so that two passes of the
         # same weights route identically and every measured drift comes from an update.
-        self.model.to(self.device).eval()
+        # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+        self.model.to(self.device).eval()  # type: ignore[arg-type]
         for switch in self.switches:  # before the engine copies the model and the optimizer takes its parameters
             switch.start(self.model)
         self.variant.start(self.model)  # likewise, and after the switches: a frozen router leaves its predictor trained
@@ -109,7 +112,7 @@ class RLTrainer:
                 weights=lambda: full_weights(self.model),
                 run=SamplingRun(
                     model=parts.model_cfg,
-                    dataset=OmegaConf.to_container(cfg.dataset, resolve=True),
+                    dataset=node_settings(cfg.dataset),
                     device=cfg.device,
                     seed=cfg.seed,
                     prompts=cfg.trainer.prompts_per_step,
@@ -123,7 +126,8 @@ class RLTrainer:
         start = None  # the start, frozen: the KL term's reference, and what `measure_learning` measures the KL to
         if self.objective.kl_coef > 0 or cfg.trainer.measure_learning:
             start, _ = build_policy(parts.model_cfg)
-            start.to(self.device).eval().requires_grad_(False)
+            # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+            start.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
         reference = start if self.objective.kl_coef > 0 else None
         self.optimizer, self.scheduler = rl_optimizer(self.model, cfg.trainer, self.variant.predictor_lr_scale)
         self.clipped = policy_parameters(self.model)  # the gradient clip bounds the policy's, not a predictor's
@@ -245,8 +249,12 @@ class RLTrainer:
         t = self.cfg.trainer
         group = t.group_size if self.plan.layout == Layout.groups else 1
         over_ranks = (lambda tensor: summed(tensor, self.ranks)) if self.ranks.active else None
+        # Every model scored here is the policy's kind, a transformers causal LM (the policy, its start, a copy of it).
         return score_responses(
-            model, mb, t.temperature, ScoreOptions(**{**vars(options), "group_size": group, "over_ranks": over_ranks})
+            cast(PreTrainedModel, model),
+            mb,
+            t.temperature,
+            ScoreOptions(**{**vars(options), "group_size": group, "over_ranks": over_ranks}),
         )
 
     def update(self, mb: Minibatch, old: OldPolicy) -> dict[str, float]:
@@ -273,7 +281,7 @@ class RLTrainer:
         result = self.objective(scores.logp, inputs, self._totals(mb.response_mask))
         loss = result.loss + sum(hook.loss(update) for hook in self.hooks)
         grad_norm = self._backward(loss)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = cast(float, self.scheduler.get_last_lr()[0])  # a float learning rate (`trainer.lr`), never a tensor
         before = {name: value for hook in self.hooks for name, value in hook.before_step(update).items()}
         after = self._optimizer_step(math.isfinite(grad_norm), update)
         return {**self.measure(update, result, grad_norm, lr), **before, **after}
@@ -285,7 +293,7 @@ class RLTrainer:
         metrics: dict[str, float] = {m.MINIBATCH: update.mb.index, **rows.gathered(result).metrics}
         for hook in self.hooks:
             metrics.update(hook.measure(update, rows))
-        metrics[m.ENTROPY] = float(masked_mean(rows(update.scores.entropy), rows.mask))
+        metrics[m.ENTROPY] = float(masked_mean(rows(update.scored.entropy), rows.mask))
         metrics[m.GRAD_NORM] = grad_norm
         metrics[m.LR] = lr
         return metrics
@@ -357,7 +365,7 @@ class RLTrainer:
             self.model, self.tokenizer, synced=self.ranks.active, kv_cache=KVCache(self.cfg.rollout.kv_cache)
         )
 
-        def accuracy(prompts: list, samples: int) -> dict[str, float]:
+        def accuracy(prompts: list[Example], samples: int) -> dict[str, float]:
             mine = prompts[self.ranks.rank :: self.ranks.world]
             local = evaluate(
                 engine,

@@ -21,9 +21,12 @@ import random
 import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from models.registry import ConfigError, Registry, check_fields
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 SPLITS = ("train", "test")
 
@@ -48,7 +51,7 @@ class Task(ABC):
     name: ClassVar[str]  # the registry key, set by `TASKS.register`; not a parameter
 
     def __post_init__(self) -> None:
-        check_fields(self, self.name)
+        check_fields(cast("DataclassInstance", self), self.name)  # a subclass: a frozen dataclass
 
     @abstractmethod
     def examples(self, split: str) -> list[Example]:

@@ -53,7 +53,7 @@ DRAWS_PER_ITEM = 2
 INSTALL = "pip install -c constraints.txt -e '.[reasoning]'"
 
 
-def library():
+def library() -> dict[str, tuple[type, type]]:
     """reasoning-gym's dataset registry (name -> (dataset class, config class)), or a refusal naming the extra."""
     try:
         from reasoning_gym.factory import DATASETS

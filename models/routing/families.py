@@ -3,8 +3,37 @@ expert groups. Pure functions of a router module and its logits."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
+
+# What a router call returns, and its forward hooks receive and may replace: `(logits [T, E], weights [T, K], indices
+# [T, K])`.
+RouterOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+# A router module's settings are plain attributes and its weight a parameter, which torch's `Module.__getattr__` types
+# alike as `Tensor | Module`: the readers below give each the type transformers' routers (`*TopKRouter`) hold.
+
+
+def router_top_k(router: torch.nn.Module) -> int:
+    """The experts `router` chooses for each token."""
+    return cast(int, router.top_k)
+
+
+def router_num_experts(router: torch.nn.Module) -> int:
+    """The experts `router` chooses among."""
+    return cast(int, router.num_experts)
+
+
+def router_weight(router: torch.nn.Module) -> torch.Tensor:
+    """`[E, H]`: the linear map of a token's hidden state to the router's logits."""
+    return cast(torch.Tensor, router.weight)
+
+
+def selection_bias(router: torch.nn.Module) -> torch.Tensor:
+    """`[E]`: the sigmoid family's per-expert selection bias (`e_score_correction_bias`; `has_selection_bias`)."""
+    return cast(torch.Tensor, router.e_score_correction_bias)
 
 
 def has_selection_bias(router: torch.nn.Module) -> bool:
@@ -26,7 +55,7 @@ def selection_scores(router: torch.nn.Module, logits: torch.Tensor) -> torch.Ten
     scores = gate_scores(router, logits)
     if not has_selection_bias(router):
         return scores
-    scores = scores + router.e_score_correction_bias.float()
+    scores = scores + selection_bias(router).float()
     groups = getattr(router, "num_group", 1) or 1
     kept = getattr(router, "topk_group", groups) or groups
     if groups == 1 or kept >= groups:
@@ -61,7 +90,7 @@ def replayed_gate_weights(
         else:
             weights = _renormalised_softmax(weights, router_logits, indices)
     if has_selection_bias(router):
-        weights = weights * router.routed_scaling_factor
+        weights = weights * cast(float, router.routed_scaling_factor)  # a plain attribute (`router_top_k`)
     return weights.to(like.dtype)
 
 
@@ -86,7 +115,7 @@ def route(router: torch.nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, 
     """The family's own routing of `logits [T, E]`: `(weights, indices) [T, K]`, the top-k of `selection_scores`
     (best first) and their `replayed_gate_weights`, in fp32. What the router itself returns, up to the order of the
     sigmoid family's slots (its top-k is unsorted)."""
-    indices = selection_scores(router, logits).topk(router.top_k, dim=-1).indices
+    indices = selection_scores(router, logits).topk(router_top_k(router), dim=-1).indices
     return replayed_gate_weights(router, logits, indices, logits.float()), indices
 
 
@@ -105,5 +134,5 @@ def normalised_scores(router: torch.nn.Module, logits: torch.Tensor) -> torch.Te
 
 def chosen(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """`[T, E]` fp32 one-hot sum of the router's own top-k (its selection scores, bias included)."""
-    top = selection_scores(router, logits.detach()).topk(router.top_k, dim=-1).indices
+    top = selection_scores(router, logits.detach()).topk(router_top_k(router), dim=-1).indices
     return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, top, 1.0)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-from models.routing.families import replayed_gate_weights, selection_scores
+from models.routing.families import RouterOutput, replayed_gate_weights, selection_scores
 from models.routing.trace import find_routers
 
 
@@ -36,7 +37,7 @@ class _FlipHook:
         self.flipped = 0
         self.activated = 0
 
-    def __call__(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+    def __call__(self, router: torch.nn.Module, args: tuple[Any, ...], output: RouterOutput) -> RouterOutput:
         logits, weights, indices = output
         draw = torch.rand(indices.shape, generator=self.generator, device=self.generator.device)
         flip = (draw < self.rate).to(indices.device)

@@ -6,10 +6,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import torch
 
-from models.routing.families import chosen, replayed_gate_weights, router_logprobs, selection_scores
+from models.routing.families import (
+    RouterOutput,
+    chosen,
+    replayed_gate_weights,
+    router_logprobs,
+    router_top_k,
+    selection_scores,
+)
 from models.routing.trace import NO_ROUTE, TRACE_DTYPE, RoutingTrace, expert_count, find_routers
 
 
@@ -25,10 +33,11 @@ class CallShape:
         self.seq = 0
         self.valid: torch.Tensor | None = None  # [B, S] bool, True where the token is attended
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
-        shape = ids.shape if ids is not None else embeds.shape[:2]
+        # A forward is fed `input_ids` or `inputs_embeds`.
+        shape = ids.shape if ids is not None else cast(torch.Tensor, embeds).shape[:2]
         self.batch, self.seq = int(shape[0]), int(shape[1])
         mask = kwargs.get("attention_mask")
         self.valid = mask[:, -self.seq :].bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
@@ -142,7 +151,7 @@ class _RouterHook:
         self.rule = request.rule if request.rule is not None else ReplayRule()
         self.scored: list[torch.Tensor] | None = [] if request.score_replayed else None  # log-probs of replayed experts
 
-    def __call__(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
+    def __call__(self, router: torch.nn.Module, args: tuple[Any, ...], output: RouterOutput) -> RouterOutput | None:
         logits, weights, indices = output
         first = not self.recording
         self.recording.append(_layout(indices, self.call))
@@ -158,7 +167,7 @@ class _RouterHook:
             )
         if self.replay is None:
             return None
-        replayed = self._flat(indices.device)
+        replayed = self._flat(self.replay, indices.device)
         if self.scored is not None:
             logprobs = router_logprobs(router, logits).gather(-1, replayed.experts.clamp_min(0))
             self.scored.append(
@@ -167,11 +176,12 @@ class _RouterHook:
         new_weights, new_indices = self.rule(self.layer, router, logits, weights, indices, replayed, first)
         return logits, new_weights, new_indices
 
-    def _flat(self, device: torch.device) -> ReplayedRoutes:
-        trace = self.replay.to(device)
+    @staticmethod
+    def _flat(replay: RoutingTrace, device: torch.device) -> ReplayedRoutes:
+        trace = replay.to(device)
         K = trace.shape[-1]
         flat = lambda tensor: tensor.reshape(-1, K) if tensor is not None else None  # noqa: E731
-        return ReplayedRoutes(flat(trace.experts).long(), flat(trace.weights), flat(trace.logprobs))
+        return ReplayedRoutes(trace.experts.reshape(-1, K).long(), flat(trace.weights), flat(trace.logprobs))
 
 
 @contextmanager
@@ -202,7 +212,7 @@ def _assemble(hooks: list[_RouterHook], num_experts: int) -> RoutingTrace:
         raise RuntimeError("no forward pass ran inside record_routing/replay_routing: the trace is empty")
     layers = [torch.cat(hook.recording, dim=1) for hook in hooks]
     trace = RoutingTrace(torch.stack(layers), tuple(hook.name for hook in hooks), num_experts)
-    recorded = {}
+    recorded: dict[str, Any] = {}  # Any: tensors, which `replace` takes by name beside fields of other types
     for kept, names in (("gates", ("weights", "logprobs")), ("states", ("inputs", "logits"))):
         if getattr(hooks[0], kept) is None:
             continue
@@ -258,7 +268,7 @@ def record_routing(
     router's input and logits (`RoutingTrace.inputs`, `.logits`). Run one forward (or one `generate`) per context.
     """
     with routing(model, RoutingRequest(record=True, gates=gates, states=states, generate=generate)) as recording:
-        yield recording
+        yield cast(Recording, recording)  # a request that records, without replay
 
 
 class Replaying:
@@ -282,7 +292,9 @@ class Replaying:
         trace = RoutingTrace(experts, tuple(hook.name for hook in self._hooks), self._num_experts)
         if self._hooks[0].gates is None:
             return trace
-        weights, logprobs = (torch.stack([hook.gates[0][part] for hook in self._hooks]) for part in (0, 1))
+        # The hooks of one context are armed alike: what holds of the first holds of every one.
+        gates = [cast(list[tuple[torch.Tensor, torch.Tensor]], hook.gates)[0] for hook in self._hooks]
+        weights, logprobs = (torch.stack([first[part] for first in gates]) for part in (0, 1))
         return replace(trace, weights=weights, logprobs=logprobs)
 
     @property
@@ -298,7 +310,8 @@ class Replaying:
             raise RuntimeError("replay_routing(..., score_replayed=False) does not score the replayed experts")
         if not self._hooks[0].scored:
             raise RuntimeError("no forward pass ran inside replay_routing: no replayed expert was scored")
-        return torch.stack([hook.scored[0] for hook in self._hooks])
+        # The hooks of one context are armed alike: what holds of the first holds of every one.
+        return torch.stack([cast(list[torch.Tensor], hook.scored)[0] for hook in self._hooks])
 
 
 def validate_trace(trace: RoutingTrace, model: torch.nn.Module, input_shape: tuple[int, int]) -> None:
@@ -366,7 +379,7 @@ def replay_routing(
     """
     request = RoutingRequest(record=True, gates=gates, replay=trace, rule=rule, score_replayed=score_replayed)
     with routing(model, request) as replaying:
-        yield replaying
+        yield cast(Replaying, replaying)  # a request that replays
 
 
 @contextmanager
@@ -384,7 +397,7 @@ def routing(model: torch.nn.Module, request: RoutingRequest) -> Iterator[Recordi
             return
         checked = {"done": False}
 
-        def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        def check(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # Every forward in the context must have the trace's layout; the ids are checked once (they do not
             # change), the shape at every call, so that a second forward of another layout is refused too.
             ids = kwargs.get("input_ids", args[0] if args else None)
@@ -450,7 +463,7 @@ class RouterCalls:
         if layer not in self._ranked:
             router, logits = self.calls[layer]
             scores = selection_scores(router, logits.detach())
-            self._ranked[layer] = scores.topk(min(2 * router.top_k, scores.shape[-1]), dim=-1)
+            self._ranked[layer] = scores.topk(min(2 * router_top_k(router), scores.shape[-1]), dim=-1)
         return self._ranked[layer]
 
     def chosen(self, layer: int) -> torch.Tensor:
@@ -469,7 +482,7 @@ def router_calls(model: torch.nn.Module) -> Iterator[RouterCapture]:
     before any other on the router, so the top-k is the router's even where a replay or flip hook replaces it."""
     capture = RouterCapture()
 
-    def take(module: torch.nn.Module, args: tuple, out: tuple) -> None:
+    def take(module: torch.nn.Module, args: tuple[Any, ...], out: RouterOutput) -> None:
         capture.calls.append((module, out[0]))
         capture.own_experts.append(out[2])
 

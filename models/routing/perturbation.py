@@ -22,7 +22,7 @@ whole model is larger than `rate` (reported by the run's routing metrics). The r
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -61,8 +61,8 @@ def router_inputs(model: torch.nn.Module) -> Iterator[dict[str, list[torch.Tenso
     call = CallShape()
     captured: dict[str, list[torch.Tensor]] = {name: [] for name in routers}
 
-    def capture(name: str):
-        def hook(router: torch.nn.Module, args: tuple) -> None:
+    def capture(name: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], None]:
+        def hook(router: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             rows = args[0].detach().reshape(-1, args[0].shape[-1])
             if call.valid is not None:
                 rows = rows[call.valid.reshape(-1).to(rows.device)]

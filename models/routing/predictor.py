@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-from models.routing.families import replayed_gate_weights, selection_scores
+from models.routing.families import RouterOutput, replayed_gate_weights, router_top_k, router_weight, selection_scores
 from models.routing.trace import find_routers
 
 PREDICTOR = "predictor"  # the attribute (and state-dict name) of a router's predictor
@@ -32,10 +33,11 @@ def add_predictors(model: torch.nn.Module) -> None:
     for name, router in find_routers(model).items():
         if hasattr(router, PREDICTOR):
             raise ValueError(f"router {name} already has a predictor")
-        experts, hidden = router.weight.shape
+        weight = router_weight(router)
+        experts, hidden = weight.shape
         # skip_init: no draw from the global generator, which the rest of the run's start goes on drawing from
         predictor = torch.nn.utils.skip_init(
-            torch.nn.Linear, hidden, experts, bias=False, dtype=router.weight.dtype, device=router.weight.device
+            torch.nn.Linear, hidden, experts, bias=False, dtype=weight.dtype, device=weight.device
         )
         torch.nn.init.zeros_(predictor.weight)
         router.add_module(PREDICTOR, predictor)
@@ -70,7 +72,9 @@ def predicted_route(
     family's selection scores of the predicted logits, gated by the router's own scores at them. A token whose
     predicted experts are the router's own keeps the router's own output as it is (its slot order and arithmetic), so
     a predictor that predicts no change routes bit for bit as the router does."""
-    chosen = selection_scores(router, predicted_logits(router, inputs, logits)).topk(router.top_k, dim=-1).indices
+    chosen = (
+        selection_scores(router, predicted_logits(router, inputs, logits)).topk(router_top_k(router), dim=-1).indices
+    )
     own = (chosen.unsqueeze(-1) == indices.unsqueeze(-2)).any(-1).all(-1, keepdim=True)
     gates = replayed_gate_weights(router, logits, chosen, weights)
     return torch.where(own, weights, gates), torch.where(own, indices, chosen.to(indices.dtype))
@@ -79,7 +83,7 @@ def predicted_route(
 class _RoutedByPredictor:
     """Forward hook on a router: route its call by its predictor (`predicted_route`); the logits stay its own."""
 
-    def __call__(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+    def __call__(self, router: torch.nn.Module, args: tuple[Any, ...], output: RouterOutput) -> RouterOutput:
         logits, weights, indices = output
         inputs = args[0].reshape(-1, args[0].shape[-1])
         return (logits, *predicted_route(router, inputs, logits, weights, indices))

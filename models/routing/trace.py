@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
+
+from models.routing.families import router_num_experts
 
 NO_ROUTE = -1
 TRACE_DTYPE = torch.int16  # expert ids < 32768; a quarter of int64's memory for long rollouts
@@ -31,7 +34,7 @@ class RoutingTrace:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return tuple(self.experts.shape)
+        return cast(tuple[int, int, int, int], tuple(self.experts.shape))  # experts is [L, B, S, K]
 
     @property
     def has_gates(self) -> bool:
@@ -39,7 +42,10 @@ class RoutingTrace:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RoutingTrace:
         """The trace with `fn` applied to its experts and to whatever else it recorded (all laid out alike)."""
-        recorded = {name: fn(getattr(self, name)) for name in OPTIONAL_PARTS if getattr(self, name) is not None}
+        # Any: the parts are tensors, which `replace` takes by name beside fields of other types.
+        recorded: dict[str, Any] = {
+            name: fn(getattr(self, name)) for name in OPTIONAL_PARTS if getattr(self, name) is not None
+        }
         return replace(self, experts=fn(self.experts), **recorded)
 
     def without_states(self) -> RoutingTrace:
@@ -78,4 +84,4 @@ def find_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def expert_count(model: torch.nn.Module) -> int:
     """The number of experts each router of `model` chooses among."""
     router = next(iter(find_routers(model).values()))
-    return int(router.num_experts)
+    return int(router_num_experts(router))

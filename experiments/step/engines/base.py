@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -243,7 +243,8 @@ class EngineFactory:
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's full state dict, gathered from every rank when it is sharded (FSDP2): what `sync_weights` takes.
     Of an unsharded model, its own tensors (no copy)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    # a full state dict (full_state_dict=True): plain tensors
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
 
 
 ENGINES: Registry[RolloutEngine] = Registry("rollout engine", RolloutEngine, fields_are_parameters=False)

@@ -34,13 +34,14 @@ import contextlib
 import copy
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from transformers import (
     Cache,
     DynamicCache,
+    GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
     PreTrainedModel,
@@ -61,8 +62,8 @@ from experiments.step.engines.base import (
 )
 from experiments.step.scoring import position_ids
 from models.registry import ConfigError, Diverged
-from models.routing.families import route
-from models.routing.hooks import record_routing
+from models.routing.families import RouterOutput, route
+from models.routing.hooks import Recording, record_routing
 from models.routing.predictor import route_by_predictors
 from models.routing.trace import NO_ROUTE, OPTIONAL_PARTS, RoutingTrace, find_routers
 
@@ -129,7 +130,8 @@ class HFEngine(RolloutEngine):
         if numerics is None:
             self.model = model
             return
-        self.model = copy.deepcopy(model).to(DTYPE[numerics.precision]).eval().requires_grad_(False)
+        # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+        self.model = copy.deepcopy(model).to(DTYPE[numerics.precision]).eval().requires_grad_(False)  # type: ignore[arg-type]
         self._quantize()
         if numerics.router_noise > 0:
             for router in find_routers(self.model).values():
@@ -191,7 +193,8 @@ class HFEngine(RolloutEngine):
                 )
             sampled = contextlib.nullcontext() if greedy else _SampledLogProbs(model, temperature)
             with sampled as logprobs, record_routing_if(model, record_routing, record_gates, predict) as recording:
-                sequences = model.generate(**encoded, **options)
+                # A causal LM (transformers' *ForCausalLM) generates; PreTrainedModel alone does not say so.
+                sequences = cast(GenerationMixin, model).generate(**encoded, **options)
         if logits_watch.seen(device, self.synced):
             numerics = self.numerics
             sampler = (
@@ -273,7 +276,7 @@ class _RouterNoise:
         self.sigma = sigma
         self.generator = generator
 
-    def __call__(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+    def __call__(self, router: torch.nn.Module, args: tuple[Any, ...], output: RouterOutput) -> RouterOutput:
         logits, weights, indices = output
         noise = torch.randn(logits.shape, generator=self.generator, dtype=torch.float32).to(logits.device)
         noisy = logits + (self.sigma * noise).to(logits.dtype)
@@ -283,7 +286,7 @@ class _RouterNoise:
 
 def record_routing_if(
     model: PreTrainedModel, record: bool, gates: bool = False, states: bool = False
-) -> contextlib.AbstractContextManager:
+) -> contextlib.AbstractContextManager[Recording | None]:
     """`record_routing(model, generate=True, gates=gates, states=states)` when `record`, else a context that yields
     None."""
     return record_routing(model, generate=True, gates=gates, states=states) if record else contextlib.nullcontext()
@@ -299,14 +302,13 @@ def _without_last_call(block: torch.Tensor) -> torch.Tensor:
 
 def _joined(head: RoutingTrace, tail: RoutingTrace) -> RoutingTrace:
     """The trace of `head`'s positions followed by `tail`'s (the prefill's, then `generate`'s), all it recorded."""
-    return replace(
-        tail,
-        **{
-            part: torch.cat([getattr(head, part), getattr(tail, part)], dim=2)
-            for part in ("experts", *OPTIONAL_PARTS)
-            if getattr(tail, part) is not None
-        },
-    )
+    # Any: tensors, which `replace` takes by name beside fields of other types.
+    joined: dict[str, Any] = {
+        part: torch.cat([getattr(head, part), getattr(tail, part)], dim=2)
+        for part in ("experts", *OPTIONAL_PARTS)
+        if getattr(tail, part) is not None
+    }
+    return replace(tail, **joined)
 
 
 class _SampledLogProbs:
@@ -324,15 +326,16 @@ class _SampledLogProbs:
         self.pending: torch.Tensor | None = None  # [N, V] fp32 log-probs of the next token
         self.taken: list[torch.Tensor] = []  # [N] per generated token
 
-    def _after(self, module, args, kwargs, output) -> None:
+    def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         self.pending = torch.log_softmax(output.logits[:, -1].float() / self.temperature, dim=-1)
 
-    def _before(self, module, args, kwargs) -> None:
+    def _before(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.pending is not None:
             self._take(kwargs["input_ids"][:, -1])
 
     def _take(self, tokens: torch.Tensor) -> None:
-        self.taken.append(self.pending.gather(-1, tokens[:, None].to(self.pending.device)).squeeze(-1))
+        pending = cast(torch.Tensor, self.pending)  # kept by the forward that produced `tokens`
+        self.taken.append(pending.gather(-1, tokens[:, None].to(pending.device)).squeeze(-1))
         self.pending = None
 
     def finish(self, last_tokens: torch.Tensor, generated: int) -> torch.Tensor:
@@ -355,7 +358,9 @@ class _SampledLogProbs:
             handle.remove()
 
 
-def _response_layout(sequences: torch.Tensor, prompt_width: int, eos_id: int, pad_id: int):
+def _response_layout(
+    sequences: torch.Tensor, prompt_width: int, eos_id: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cut each response after its first eos; return (input_ids, response_mask [N, T], truncated [N])."""
     response = sequences[:, prompt_width:]
     is_eos = response == eos_id
@@ -399,7 +404,7 @@ def _prefill_once_per_prompt(
     cache.batch_repeat_interleave(group_size)
     if not record:
         return None
-    return recording.trace.rows(torch.arange(ids.shape[0]).repeat_interleave(group_size))
+    return cast(Recording, recording).trace.rows(torch.arange(ids.shape[0]).repeat_interleave(group_size))
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -418,8 +423,9 @@ class PreallocatedLayer(DynamicLayer):
         """Whether `keys` and `values` are still the buffers' views and the buffers have room for `adding` more."""
         if self._key_buffer is None:
             return False
-        views = self.keys._base is self._key_buffer and self.values._base is self._value_buffer
-        return views and self.keys.shape[-2] + adding <= self._key_buffer.shape[-2]
+        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)  # a layer with buffers holds them
+        views = keys._base is self._key_buffer and values._base is self._value_buffer
+        return views and keys.shape[-2] + adding <= self._key_buffer.shape[-2]
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor, positions: int) -> None:
         """New buffers for `positions` positions, holding `keys` and `values` in their first ones."""
@@ -434,18 +440,21 @@ class PreallocatedLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = buffer(keys), buffer(values)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
-        length, adding = self.keys.shape[-2], key_states.shape[-2]
+        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)  # set above, if not before
+        length, adding = keys.shape[-2], key_states.shape[-2]
         end = length + adding
         if not self._holds_the_cache(adding):
-            self._allocate(self.keys, self.values, end + self.reserve)
-        self._key_buffer[..., length:end, :].copy_(key_states)
-        self._value_buffer[..., length:end, :].copy_(value_states)
-        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+            self._allocate(keys, values, end + self.reserve)
+        # the buffers held, or just allocated
+        key_buffer, value_buffer = cast(torch.Tensor, self._key_buffer), cast(torch.Tensor, self._value_buffer)
+        key_buffer[..., length:end, :].copy_(key_states)
+        value_buffer[..., length:end, :].copy_(value_states)
+        self.keys, self.values = key_buffer[..., :end, :], value_buffer[..., :end, :]
         return self.keys, self.values
 
 

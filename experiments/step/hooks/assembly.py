@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from algos.corrections import Correction
 from algos.routers import RouterSwitch
 from algos.routing_variants import RoutingVariant
+from algos.routing_variants.predictive import Predictive
+from algos.routing_variants.router_shift import RouterShift
 from experiments.ranks import Ranks
 from experiments.step.batch import Minibatch
 from experiments.step.data_parallel import summed
@@ -35,8 +37,10 @@ from experiments.step.old_policy import (
     NothingElse,
     OlderWeights,
     OldPolicy,
+    OldPolicySource,
     Recompute,
     ReferencePolicy,
+    ReplayFrom,
     Score,
 )
 from experiments.step.plan import PiOld, Replay, StepPlan
@@ -86,15 +90,17 @@ def assemble(parts: StepParts) -> Assembly:
     )
     device = torch.device(cfg.device)
     over_all = lambda tensor: summed(tensor, ranks)  # noqa: E731  a count over every rank's share of the batch
+    replay_from: ReplayFrom
     if plan.replay == Replay.r3:
         replay_from = EngineRoutes()
     elif switches:
         replay_from = OlderWeights(switches, score)
     else:
         replay_from = NothingElse()
-    common = dict(
+    common: dict[str, Any] = dict(  # Any: the sources' shared arguments, each of its own type
         replay_from=replay_from, reference=ReferencePolicy(parts.reference, score), flips=bool(plan.flip_rate)
     )
+    source: OldPolicySource
     if plan.pi_old == PiOld.bypass:
         source = Bypass(**common, track=plan.track_routing)
     else:
@@ -111,11 +117,13 @@ def assemble(parts: StepParts) -> Assembly:
 
     hooks: list[StepHook] = []
     if variant.reads_old_router:
-        hooks.append(RouterShiftHook(variant, device, parts.layers, over_all))
+        # the one variant that reads θ_old's router: RSPO's
+        hooks.append(RouterShiftHook(cast(RouterShift, variant), device, parts.layers, over_all))
     if plan.replay != Replay.none:
         hooks.append(ReplayHook(variant, device, over_all))
     if variant.predicts_routes:
-        hooks.append(RoutePredictors(variant, list(find_routers(model).values()), ranks))
+        # the one variant that predicts routes: PR2's
+        hooks.append(RoutePredictors(cast(Predictive, variant), list(find_routers(model).values()), ranks))
     if plan.track_routing:
         hooks.append(RoutingMeasures(cfg.routing.margin_threshold, ranks))
     if switches:
@@ -129,7 +137,8 @@ def assemble(parts: StepParts) -> Assembly:
         hooks.append(RolloutCorrection(parts.correction))
     hooks.append(Mismatch())
     if cfg.trainer.measure_learning:
-        hooks.append(LearningMeasures(model, parts.start, score))
+        # with trainer.measure_learning the start is kept (`StepParts.start`)
+        hooks.append(LearningMeasures(model, cast(torch.nn.Module, parts.start), score))
     if cfg.routing.decompose_every:
         hooks.append(
             Decomposition(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -28,6 +28,11 @@ class Update:
     old: OldPolicy
     scores: Scores | None = None
     held: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def scored(self) -> Scores:
+        """The forward's `scores`, as the fixed points after it read them (`loss` on): the forward has run."""
+        return cast(Scores, self.scores)
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ class StepHook:
     def options(self, update: Update, options: ScoreOptions) -> ScoreOptions:
         return options
 
-    def around_forward(self, update: Update) -> contextlib.AbstractContextManager:
+    def around_forward(self, update: Update) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
 
     def objective_inputs(self, update: Update, inputs: ObjectiveInputs) -> ObjectiveInputs:

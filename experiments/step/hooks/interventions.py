@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from experiments.ranks import Ranks
 from experiments.step import metrics as m
 from experiments.step.data_parallel import reduce_value
 from experiments.step.hooks.base import Rows, StepHook, Update
-from models.routing.flips import flip_routing
+from models.routing.flips import Flipping, flip_routing
 from models.routing.perturbation import perturb_routers, router_inputs
 
 
@@ -25,11 +26,11 @@ class Flips(StepHook):
     generator: torch.Generator
     ranks: Ranks
 
-    def flipping(self) -> contextlib.AbstractContextManager:
+    def flipping(self) -> contextlib.AbstractContextManager[Flipping]:
         return flip_routing(self.model, self.rate, self.generator)
 
     @contextlib.contextmanager
-    def around_forward(self, update: Update):
+    def around_forward(self, update: Update) -> Iterator[None]:
         with self.flipping() as flips:
             update.held[self] = flips
             yield
@@ -49,7 +50,7 @@ class RouterNoise(StepHook):
     generator: torch.Generator
 
     @contextlib.contextmanager
-    def around_forward(self, update: Update):
+    def around_forward(self, update: Update) -> Iterator[None]:
         with router_inputs(self.model) as inputs:
             update.held[self] = inputs
             yield

@@ -35,4 +35,4 @@ class LearningMeasures(StepHook):
     def measure(self, update: Update, rows: Rows) -> dict[str, float]:
         with torch.no_grad():
             start = self.score(self.start, update.mb, ScoreOptions()).logp
-        return {m.KL_TO_START: float(m.kl_k3(rows(start - update.scores.logp.detach()), rows.mask))}
+        return {m.KL_TO_START: float(m.kl_k3(rows(start - update.scored.logp.detach()), rows.mask))}

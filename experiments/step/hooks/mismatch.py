@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
@@ -22,15 +23,16 @@ class RolloutCorrection(StepHook):
     correction: Correction
 
     def objective_inputs(self, update: Update, inputs: ObjectiveInputs) -> ObjectiveInputs:
-        mb, scores = update.mb, update.scores
+        mb, scores = update.mb, update.scored
+        mu_logp = cast(torch.Tensor, mb.mu_logp)  # a correction's run samples with the engine's log-probs (its check)
         trainer = update.old.trainer_logp(scores)
-        log_rho = trainer - mb.mu_logp if trainer is not None else torch.zeros_like(mb.mu_logp)
+        log_rho = trainer - mu_logp if trainer is not None else torch.zeros_like(mu_logp)
         output = self.correction(
             CorrectionInputs(
                 log_rho=masked(log_rho, mb.response_mask),
                 mask=mb.response_mask,
                 advantages=mb.advantages,
-                theta_log_ratio=masked(scores.logp.detach() - mb.mu_logp, mb.response_mask),
+                theta_log_ratio=masked(scores.logp.detach() - mu_logp, mb.response_mask),
             )
         )
         update.held[self] = output
@@ -44,7 +46,7 @@ class Mismatch(StepHook):
     """The engine's log-probs against the trainer's at θ_old, where the step holds both (`metrics.mismatch_metrics`)."""
 
     def measure(self, update: Update, rows: Rows) -> dict[str, float]:
-        trainer = update.old.trainer_logp(update.scores)
+        trainer = update.old.trainer_logp(update.scored)
         if trainer is None or update.mb.mu_logp is None:
             return {}
         return m.mismatch_metrics(rows(trainer - update.mb.mu_logp), rows.mask)

@@ -6,19 +6,24 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
 from algos.objective import ObjectiveInputs
 from algos.routers import RouterSwitch
 from algos.routing_variants import RoutingVariant
+from algos.routing_variants.predictive import Predictive
+from algos.routing_variants.router_shift import RouterShift
 from experiments.ranks import Ranks
 from experiments.step import metrics as m
 from experiments.step.data_parallel import reduce_value, reshard, summed
 from experiments.step.hooks.base import Rows, StepHook, Update
 from experiments.step.old_policy import AtOld, Score
 from experiments.step.scoring import FED, ScoreOptions, margin_stats
+from models.routing.hooks import RouterCalls
 from models.routing.measures import gate_shift, load_max_violation, routing_drift
+from models.routing.trace import RoutingTrace
 
 
 @dataclass(eq=False)
@@ -47,7 +52,7 @@ class RouterShiftHook(StepHook):
     experts; the objective sees π_θ/π_old · γ̃ with γ̃ a constant, given as π_old's log-probs less log γ̃ (ratio and
     gradient); the shift's metrics. None on the on-policy minibatch, where θ = θ_old."""
 
-    variant: RoutingVariant
+    variant: RouterShift
     device: torch.device
     layers: int
     summed: Callable[[torch.Tensor], torch.Tensor]
@@ -57,7 +62,9 @@ class RouterShiftHook(StepHook):
             return options
         rule = self.variant.replay_rule()
         update.held[self, "rule"] = rule
-        return replace(options, replay=update.old.routes.to(self.device), rule=rule, score_replayed=True)
+        # off the update's own forward, θ_old's routing is recorded (with its gates: the variant reads θ_old's router)
+        old_routes = cast(RoutingTrace, update.old.routes)
+        return replace(options, replay=old_routes.to(self.device), rule=rule, score_replayed=True)
 
     def objective_inputs(self, update: Update, inputs: ObjectiveInputs) -> ObjectiveInputs:
         mb, old = update.mb, update.old
@@ -65,7 +72,11 @@ class RouterShiftHook(StepHook):
             self.variant.unshifted(mb.response_mask, self.layers)
             if old.on_policy
             else self.variant.shift(
-                update.scores.replayed_logprobs, old.routes.logprobs, mb.prompt_width, mb.response_mask
+                # `options` asked the forward to score the replayed experts; θ_old's routing carries its gates
+                cast(torch.Tensor, update.scored.replayed_logprobs),
+                cast(torch.Tensor, cast(RoutingTrace, old.routes).logprobs),
+                mb.prompt_width,
+                mb.response_mask,
             )
         )
         update.held[self, "shift"] = shift
@@ -85,12 +96,12 @@ class RoutePredictors(StepHook):
     from the second update of a step on; measured at every update: the loss, and the predicted and unpredicted routes'
     agreement with the current router's own top-k."""
 
-    variant: RoutingVariant
+    variant: Predictive
     routers: list[torch.nn.Module]  # the trainer's, in layer order
     ranks: Ranks
 
     def loss(self, update: Update) -> torch.Tensor | float:
-        states = update.mb.engine_routes
+        states = cast(RoutingTrace, update.mb.engine_routes)  # PR2 replays the engine's routes (r3), states and all
         tokens = reduce_value(float(states.recorded()[0].sum()), self.ranks)
         update.held[self] = fit = self.variant.fit(
             self.routers, states, train=update.mb.index > 0, tokens=tokens, ranks=self.ranks.world
@@ -122,19 +133,22 @@ class RoutingMeasures(StepHook):
         )
 
     def measure(self, update: Update, rows: Rows) -> dict[str, float]:
-        mb, old, scores, ranks = update.mb, update.old, update.scores, self.ranks
+        mb, old, scores, ranks = update.mb, update.old, update.scored, self.ranks
         token_mask = rows(mb.token_mask, fill=False)
-        own = rows.routes(scores.routes.to("cpu"))  # under replay: the router's own top-k, beside the replayed experts
-        theta_old = own if old.on_policy else rows.routes(old.routes)
+        # `options` asked the forward to record its routing (under replay: the router's own top-k, beside the replayed
+        # experts), the balancing loss and the routers' fragility; and π_old recorded θ_old's routing
+        own = rows.routes(cast(RoutingTrace, scores.routes).to("cpu"))
+        theta_old = own if old.on_policy else rows.routes(cast(RoutingTrace, old.routes))
         metrics = m.drift_metrics(routing_drift(theta_old, own, token_mask))
         if theta_old.weights is not None:  # θ_old's gates: its own forward's, the recompute's, or the engine's
             metrics.update(m.gate_drift_metrics(gate_shift(theta_old, own, token_mask)))
         metrics[m.LOAD_MAX_VIOLATION] = load_max_violation(theta_old, token_mask)
-        metrics[m.AUX_LOSS] = scores.aux_loss_value
+        metrics[m.AUX_LOSS] = cast(float, scores.aux_loss_value)
         mine = float(mb.attention_mask[:, FED].sum())  # the weight of this rank's fragility means
         fed = reduce_value(mine, ranks)
-        metrics.update({name: reduce_value(value * mine, ranks) / fed for name, value in scores.router_stats.items()})
-        margins, weights = scores.router_margins
+        router_stats = cast(dict[str, float], scores.router_stats)
+        metrics.update({name: reduce_value(value * mine, ranks) / fed for name, value in router_stats.items()})
+        margins, weights = cast(tuple[torch.Tensor, torch.Tensor], scores.router_margins)
         metrics.update(margin_stats(rows(margins, dim=1), rows(weights)))  # medians: of every rank's tokens
         trainer = {AtOld.forward: own, AtOld.recompute: old.routes, AtOld.nowhere: None}[old.at_old]  # at θ_old
         if mb.engine_routes is not None and trainer is not None:
@@ -160,16 +174,17 @@ class Decomposition(StepHook):
     score: Score
     device: torch.device
     variant_changes_replay: bool
-    flips: Callable[[], contextlib.AbstractContextManager]
+    flips: Callable[[], contextlib.AbstractContextManager[object]]
 
     @torch.no_grad()
     def before_step(self, update: Update) -> dict[str, float]:
         mb, old = update.mb, update.old
         if mb.index == 0 or update.step % self.every:
             return {}
-        logp = update.scores.logp.detach()
+        logp = update.scored.logp.detach()
         if old.replay is None:
-            own, replayed = logp, self.score(self.model, mb, ScoreOptions(replay=old.routes.to(self.device))).logp
+            routes = cast(RoutingTrace, old.routes)  # decomposing tracks routing: π_old recorded θ_old's (StepPlan)
+            own, replayed = logp, self.score(self.model, mb, ScoreOptions(replay=routes.to(self.device))).logp
         else:
             with self.flips():
                 own = self.score(self.model, mb, ScoreOptions()).logp
@@ -179,7 +194,7 @@ class Decomposition(StepHook):
                 else logp
             )
         reshard(self.model)  # forwards without a backward: a sharded model's parameters go back into their shards
-        update.held[self] = (own - replayed, replayed - old.pi_old_logp(update.scores))
+        update.held[self] = (own - replayed, replayed - old.pi_old_logp(update.scored))
         return {}
 
     def measure(self, update: Update, rows: Rows) -> dict[str, float]:
@@ -206,10 +221,14 @@ class RouterSwitches(StepHook):
         return replace(options, routers=True)
 
     def loss(self, update: Update) -> torch.Tensor | float:
-        return sum(switch.loss(update.scores.routers, self.over_ranks) for switch in self.switches)
+        return sum(switch.loss(self._calls(update), self.over_ranks) for switch in self.switches)
 
     def after_step(self, update: Update) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for switch in self.switches:
-            metrics.update(switch.after_update(self.model, update.scores.routers, self.summed))
+            metrics.update(switch.after_update(self.model, self._calls(update), self.summed))
         return metrics
+
+    @staticmethod
+    def _calls(update: Update) -> RouterCalls:
+        return cast(RouterCalls, update.scored.routers)  # `options` asks every update's forward for them

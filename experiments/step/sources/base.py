@@ -109,7 +109,7 @@ class RolloutSource(ABC):
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
-    def held(self) -> dict[int, Weights]:
+    def held(self) -> Mapping[int, Weights]:
         """The weight versions this source keeps beyond the trainer's own, by version, for a checkpoint to hold (its
         `engine_versions`); none by default."""
         return {}

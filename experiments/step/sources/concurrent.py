@@ -73,7 +73,7 @@ import torch
 from experiments.ranks import Ranks
 from experiments.step import metrics as m
 from experiments.step.batch import Rollout, Served, collect_rollout, draw_examples, step_seed
-from experiments.step.engines import RolloutEngine
+from experiments.step.engines import HFEngine, RolloutEngine
 from experiments.step.sources.base import ROLLOUT_SOURCES, RolloutSource, SamplingRun, SourceInputs
 from experiments.step.sources.overflow import OVERFLOW_POLICIES, OverflowPolicy, Verdict
 from experiments.step.versions import Weights
@@ -228,7 +228,8 @@ class Sampler:
         self.settings, self.shared, self.alive = settings, shared, alive
         run = settings.run
         model, tokenizer = build_policy(run.model)
-        model.to(run.device).eval()
+        # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
+        model.to(run.device).eval()  # type: ignore[arg-type]
         # Without numbers of its own the engine samples with the worker's module (its "trainer's weights"), into
         # which each version loads; with them it keeps its own copy, cast and quantized again at each load.
         self.engine: RolloutEngine = run.engines(model, tokenizer, Ranks(), on_model=run.engines.can_sample_on())
@@ -272,6 +273,7 @@ class Sampler:
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
         """The engine takes `weights` (a full state dict of the run's model)."""
         if self.engine.shares_trainer_weights:
+            assert isinstance(self.engine, HFEngine)  # the one engine the concurrent source runs (`check`)
             self.engine.model.load_state_dict(weights)
         else:
             self.engine.sync_weights(weights)
@@ -287,12 +289,15 @@ class Sampler:
         examples = draw_examples(self.examples, run.prompts, self.generator)
         start = time.perf_counter()
         rollout = collect_rollout(self.engine, self.task, examples, run.sampling)
+        assert self.held is not None  # `take_weights` held a version before any batch is sampled
         return Batch(batch, rollout, torch.full((rollout.size,), self.held), time.perf_counter() - start, waited)
 
 
 def parent_alive() -> bool:
     """Whether the trainer that started this worker process still lives."""
-    return multiprocessing.parent_process().is_alive()
+    parent = multiprocessing.parent_process()
+    assert parent is not None  # asked in the worker, which the trainer started
+    return parent.is_alive()
 
 
 def one_line(error: BaseException) -> str:
@@ -390,6 +395,7 @@ class ConcurrentSource(RolloutSource):
         taken, and trained or dropped as the policy says (`verdict`); the one trained is measured."""
         if self.process is None:
             self._start(step)
+        assert self.shared is not None  # made with the process, in `_start`
         dropped, waited = 0, 0.0
         while True:
             batch = self._receive(step)
@@ -426,6 +432,7 @@ class ConcurrentSource(RolloutSource):
         without one: the next `take` starts one with the weights then)."""
         if self.process is None:
             return
+        assert self.shared is not None  # made with the process, in `_start`
         if not self.shared.announce(version, self.weights(), self.process.is_alive):
             raise SamplerFailed(self._death(f"while step {version} published its weights"))
 

@@ -82,7 +82,7 @@ class LaggedSource(SynchronousSource):
     def described_lag(self) -> str:
         return f", with the weights {self.versions.lag} versions behind θ_old (rollout.lag)"
 
-    def held(self) -> dict[int, Weights]:
+    def held(self) -> Mapping[int, Weights]:
         return self.versions.state()
 
     def restore(self, held: Mapping[int, Weights]) -> None:
