@@ -110,11 +110,11 @@ def assemble(parts: StepParts) -> Assembly:
     old_policy = FirstOnPolicy(source) if plan.first_minibatch_on_policy else source
 
     hooks: list[StepHook] = []
-    if variant.reads_old_router:
+    if plan.reads_old_router:
         hooks.append(RouterShiftHook(variant, device, parts.layers, over_all))
     if plan.replay != Replay.none:
         hooks.append(ReplayHook(variant, device, over_all))
-    if variant.predicts_routes:
+    if plan.engine_predicts_routes:
         hooks.append(RoutePredictors(variant, list(find_routers(model).values()), ranks))
     if plan.track_routing:
         hooks.append(RoutingMeasures(cfg.routing.margin_threshold, ranks))
