@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from dataclasses import fields
+import re
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -17,8 +19,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from algos import OBJECTIVES, build_objective
+from algos.corrections import build_correction
 from algos.objective import POLICY_LOSS, TOKEN_RATIO_VAR
-from algos.routing_variants import ROUTING_VARIANTS
+from algos.routing_variants import ROUTING_VARIANTS, RoutingVariant, VariantNeeds, build_routing_variant
 from algos.routing_variants.full_replay import GateReplay
 from algos.routing_variants.predictive import LOSS as PREDICTIVE_LOSS
 from algos.routing_variants.predictive import PREDICTED_ACC
@@ -33,6 +36,7 @@ from experiments.step.engines import HFEngine, Sampling
 from experiments.step.metrics import DRIFT_PER_UPDATE, GRAD_NORM, REWARD, per_layer
 from experiments.step.scoring import FED, ScoreOptions, score_responses
 from experiments.train import RLTrainer, train
+from models.registry import ConfigError
 from models.routing.flips import flip_routing
 from models.routing.hooks import ReplayedRoutes, record_routing, replay_routing
 from models.routing.trace import find_routers
@@ -484,8 +488,6 @@ def test_a_checkpoint_from_before_routing_variants_resumes_as_none_and_no_other_
 
 def test_the_documented_example_routing_variant_replays_the_first_layers_only(micro_policy):
     """`Add a routing variant` in docs/extending.md is code a newcomer copies: it must run as printed."""
-    from algos.routing_variants import build_routing_variant
-    from models.registry import ConfigError
     from tests.test_routing import ExpertsSpy
 
     readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text(encoding="utf-8")
@@ -516,3 +518,61 @@ def test_the_documented_example_routing_variant_replays_the_first_layers_only(mi
             build_routing_variant("shallow_replay", layers=-1)
     finally:
         ROUTING_VARIANTS._classes.pop("shallow_replay", None)
+
+
+@pytest.mark.parametrize(
+    "needs, overrides, served, refusal",
+    [
+        (
+            VariantNeeds(old_router=True),
+            (),
+            {"pi_old": "decoupled", "pi_old_records_gates": True, "reads_old_router": True},
+            ("trainer.pi_old=bypass", "trainer.pi_old=bypass with routing_variant=watching: it compares the router"),
+        ),
+        (
+            VariantNeeds(predicted_routes=True),
+            ("routing.replay=r3", "trainer.minibatches=2"),
+            {"engine_predicts_routes": True, "reads_old_router": False},
+            ("trainer.minibatches=1", "routing_variant=watching trains its predictors from the second minibatch"),
+        ),
+        (
+            VariantNeeds(gate_weights=True),
+            ("routing.replay=r3",),
+            {"engine_records_gates": True, "pi_old_records_gates": False},
+            ("vllm", "routing_variant=watching with routing.replay=r3 replays the engine's gate weights, and "),
+        ),
+    ],
+    ids=["old_router", "predicted_routes", "gate_weights"],
+)
+def test_a_new_variant_is_served_and_refused_by_the_needs_it_declares(needs, overrides, served, refusal, monkeypatch):
+    """A variant no module knows by name, declaring one need: the plan serves it (where π_old comes from, what the
+    engine and the π_old pass record) and the start-up checks refuse what cannot serve it, naming the variant: the
+    declaration is all a variant writes for it."""
+    from experiments.step.checks import check_predictors, engine_needs
+    from experiments.step.engines.vllm import VLLMEngine
+    from experiments.step.plan import plan_step
+    from experiments.step.sources import ROLLOUT_SOURCES
+
+    @dataclass(frozen=True)
+    class Watching(RoutingVariant):
+        name: ClassVar[str] = "watching"
+
+    monkeypatch.setattr(Watching, "needs", needs)
+    cfg = compose_train(*overrides)
+    source = ROLLOUT_SOURCES["synchronous"]
+    plan = plan_step(cfg, True, HFEngine, source, Watching())
+    assert {field: str(getattr(plan, field)) for field in served} == {k: str(v) for k, v in served.items()}
+    declared_nothing = plan_step(cfg, True, HFEngine, source, build_routing_variant("none"))
+    assert any(getattr(declared_nothing, field) != getattr(plan, field) for field in served)
+    setting, message = refusal
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        if setting == "trainer.pi_old=bypass":
+            plan_step(compose_train(*overrides, setting), True, HFEngine, source, Watching())
+        elif setting == "trainer.minibatches=1":
+            check_predictors(
+                plan_step(compose_train(*overrides, setting), True, HFEngine, source, Watching()), 1, source
+            )
+        else:
+            monkeypatch.setattr(HFEngine, "returns_gate_weights", VLLMEngine.returns_gate_weights)
+            monkeypatch.setattr(HFEngine, "name", VLLMEngine.name)
+            HFEngine.check(cfg, 1, engine_needs(plan, build_objective("grpo"), build_correction("none")))

@@ -11,8 +11,11 @@ registered in `ROUTING_VARIANTS` with its formula, source and defaults. A varian
 - in the engine and beside the routers: `predictive` (PR2) gives every router a trained predictor of its logits'
   change, and the engine routes by it (what r3 then replays).
 
-What a variant cannot serve is refused at start-up in one line (`check`): the replay modes it needs, a dense model;
-an engine that cannot report what it replays is refused by the engine's own check.
+What a variant needs beyond ID replay (gate weights in the replayed trace, θ_old's router, an engine that routes by
+predictors) it declares once, as `VariantNeeds`; the step's plan (`experiments.step.plan`) reads that declaration and
+turns it into what the engine records, what the π_old pass keeps and which hooks run, so nothing else reads the variant
+for it. What a variant cannot serve is refused at start-up in one line (`check`): the replay modes it needs, a dense
+model; an engine that cannot report what it replays is refused by the engine's own check.
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ REPLAY_MODES = ("none", "r2", "r3")
 
 
 @dataclass(frozen=True)
+class VariantNeeds:
+    """What a routing variant needs from the rollout engine and the trainer's π_old pass, beyond ID replay's
+    experts."""
+
+    # The replayed trace carries gate weights: the π_old pass records θ_old's for r2, the engine reports its own for r3.
+    gate_weights: bool = False
+    # θ_old's router log-probabilities of θ_old's own experts, which only the trainer's π_old pass records.
+    old_router: bool = False
+    # The engine routes by the routers' predictors and records their inputs and logits, on which the predictors are
+    # trained from a step's second minibatch on.
+    predicted_routes: bool = False
+
+
+@dataclass(frozen=True)
 class RoutingVariant(ABC):
     """Base of every routing variant: a frozen dataclass whose fields are its parameters. The defaults of the class
     attributes and methods are ID replay's: the variant `none`."""
@@ -39,15 +56,11 @@ class RoutingVariant(ABC):
     # The `routing.replay` modes the variant serves, and why it refuses the others (one clause).
     replay_modes: ClassVar[tuple[str, ...]] = REPLAY_MODES
     replay_modes_why: ClassVar[str] = ""
-    # The replayed trace carries gate weights: the trainer records them for r2, the engine must report them for r3.
-    replays_gates: ClassVar[bool] = False
-    # Reads θ_old's router log-probabilities of θ_old's own experts: the trainer's π_old pass records them.
-    reads_old_router: ClassVar[bool] = False
+    # What it needs from the engine and the π_old pass (ID replay's: nothing more).
+    needs: ClassVar[VariantNeeds] = VariantNeeds()
     # Its replayed forwards compute with other experts or gates than ID replay's (the ratio decomposition then
     # replays θ_old's experts by ID in a forward of its own).
     changes_replay: ClassVar[bool] = False
-    # The engine routes by the routers' predictors and records their inputs and logits, on which they are trained.
-    predicts_routes: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_fields(self, f"routing_variant {self.name}")

@@ -29,7 +29,7 @@ from typing import ClassVar, cast
 
 import torch
 
-from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
+from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant, VariantNeeds
 from models.routing.hooks import ReplayedRoutes, ReplayRule
 
 
@@ -60,7 +60,7 @@ class GateReplay(ReplayRule):
 class FullReplay(RoutingVariant):
     replay_modes: ClassVar[tuple[str, ...]] = ("r2", "r3")
     replay_modes_why: ClassVar[str] = "replays the gate weights of a replayed routing"
-    replays_gates: ClassVar[bool] = True
+    needs: ClassVar[VariantNeeds] = VariantNeeds(gate_weights=True)
     changes_replay: ClassVar[bool] = True
 
     def replay_rule(self) -> ReplayRule:

@@ -59,7 +59,7 @@ from typing import ClassVar, cast
 import torch
 import torch.nn.functional as F
 
-from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
+from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant, VariantNeeds
 from models.routing.families import router_top_k, router_weight, selection_scores
 from models.routing.predictor import add_predictors, predicted_logits
 from models.routing.trace import RoutingTrace
@@ -113,7 +113,7 @@ class PredictorFit:
 class Predictive(RoutingVariant):
     replay_modes: ClassVar[tuple[str, ...]] = ("r3",)
     replay_modes_why: ClassVar[str] = "replays the route the engine predicted, which only the engine's recording holds"
-    predicts_routes: ClassVar[bool] = True
+    needs: ClassVar[VariantNeeds] = VariantNeeds(predicted_routes=True)
 
     # The predictors' learning rate as a multiple of trainer.lr: 1 moves W_p about as fast as the routers move (the
     # paper's 1e4 is at LLM learning rates near 1e-6; module docstring).

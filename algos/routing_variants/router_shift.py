@@ -44,7 +44,7 @@ from typing import ClassVar
 import torch
 
 from algos.aggregation import masked_mean
-from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant
+from algos.routing_variants.base import ROUTING_VARIANTS, RoutingVariant, VariantNeeds
 from models.routing.hooks import ReplayedRoutes, ReplayRule
 
 WEIGHT, FLOOR_FRAC, DEVIATION = (
@@ -124,7 +124,7 @@ def response_positions(trace: torch.Tensor, prompt_width: int, tokens: int) -> t
 class RouterShift(RoutingVariant):
     replay_modes: ClassVar[tuple[str, ...]] = ("none",)
     replay_modes_why: ClassVar[str] = "weighs each token's ratio by how far the router moved, instead of replaying"
-    reads_old_router: ClassVar[bool] = True
+    needs: ClassVar[VariantNeeds] = VariantNeeds(old_router=True)
 
     floor: float = 0.8  # γ_min: γ̃ = max(γ, γ_min); 1 turns the weighting off, 0 leaves γ unfloored
 

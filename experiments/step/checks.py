@@ -97,7 +97,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     engine.check(cfg, world, engine_needs(plan, objective, correction))
     check_agreement(objective, correction)
     variant.check(plan.replay, cfg.model.name, moe)
-    check_predictors(variant, cfg.trainer.minibatches, source)
+    check_predictors(plan, cfg.trainer.minibatches, source)
     t = cfg.trainer
     check_switches(
         switches,
@@ -247,18 +247,20 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
         )
 
 
-def check_predictors(variant: RoutingVariant, minibatches: int, source: type[RolloutSource]) -> None:
-    """A routing variant that trains route predictors trains them from the second minibatch of a step on (PR2's
-    Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them. A source whose
-    engine builds its model from the config (the concurrent worker's) has no predictors the trainer adds."""
-    if variant.predicts_routes and minibatches < 2:
+def check_predictors(plan: StepPlan, minibatches: int, source: type[RolloutSource]) -> None:
+    """Where the plan has the engine route by predictors, they are trained from the second minibatch of a step on
+    (PR2's Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them. A source
+    whose engine builds its model from the config (the concurrent worker's) has no predictors the trainer adds."""
+    if not plan.engine_predicts_routes:
+        return
+    if minibatches < 2:
         raise ConfigError(
-            f"routing_variant={variant.name} trains its predictors from the second minibatch of a step "
+            f"routing_variant={plan.routing_variant} trains its predictors from the second minibatch of a step "
             f"on, and trainer.minibatches={minibatches} has none: use trainer.minibatches >= 2"
         )
-    if variant.predicts_routes and not source.serves_predictors:
+    if not source.serves_predictors:
         raise ConfigError(
-            f"routing_variant={variant.name} routes the engine by predictors the trainer adds to its "
+            f"routing_variant={plan.routing_variant} routes the engine by predictors the trainer adds to its "
             f"model, which rollout.source={source.name} does not build: use rollout.source=lagged (the exact "
             "lag) or synchronous with it"
         )

@@ -62,6 +62,7 @@ class StepPlan:
     # engine reports them: the drift by gate mass reads them (`metrics.GATE_DRIFT`)
     engine_gates_measured: bool
     pi_old_records_gates: bool  # the π_old pass records θ_old's gates: r2 replays them, or router shift reads them
+    reads_old_router: bool  # the routing variant reads θ_old's router log-probabilities, from the π_old pass
     flip_rate: float = 0.0  # synthetic routing drift in the update forwards (routing.flip_rate)
     perturb_rate: float = 0.0  # synthetic router noise after each optimizer update (routing.perturb_rate)
     routing_variant: str = "none"  # `algos.routing_variants`: what replayed forwards or the ratios do beyond ID replay
@@ -94,24 +95,24 @@ def plan_step(
     """Decide the step of the run `cfg` on `world` ranks. `engine`: the rollout engine's class; `source`: the rollout
     source's class (`experiments.step.sources.RolloutSource`), which says whether the engine that samples is the
     trainer's own module and how far behind θ_old it samples; `variant`: the routing variant
-    (`algos.routing_variants`); `reads_pi_old`: what, besides replay, needs the trainer's own π_old (a rollout
-    correction's name), or None."""
+    (`algos.routing_variants`), whose declared needs (`VariantNeeds`) are read here and nowhere else; `reads_pi_old`:
+    what, besides replay, needs the trainer's own π_old (a rollout correction's name), or None."""
     replay = Replay(cfg.routing.replay)
     engine_is_trainer = source.engine_is_trainer(cfg.rollout, engine)
-    reads_old_router = variant.name if variant.reads_old_router else None
+    needs = variant.needs
     pi_old, why = _pi_old(
         PiOld(cfg.trainer.pi_old),
         replay,
         engine_is_trainer,
         engine.returns_logprobs,
         reads_pi_old,
-        reads_old_router,
+        variant.name if needs.old_router else None,
         source.behind(cfg.rollout),
     )
     track_routing = is_moe and (cfg.routing.metrics or replay != Replay.none or cfg.routing.decompose_every > 0)
     flip_rate = float(cfg.routing.flip_rate)
     own_forward_is_old = pi_old == PiOld.decoupled or engine_is_trainer
-    r2_gates = variant.replays_gates and replay == Replay.r2
+    r2_gates = needs.gate_weights and replay == Replay.r2
     return StepPlan(
         replay=replay,
         pi_old=pi_old,
@@ -122,10 +123,11 @@ def plan_step(
         first_minibatch_on_policy=own_forward_is_old and flip_rate == 0 and not r2_gates,
         engine_records_routing=replay == Replay.r3
         or (track_routing and engine.returns_routing and (pi_old == PiOld.bypass or not engine_is_trainer)),
-        engine_records_gates=variant.replays_gates and replay == Replay.r3,
-        engine_predicts_routes=variant.predicts_routes,
+        engine_records_gates=needs.gate_weights and replay == Replay.r3,
+        engine_predicts_routes=needs.predicted_routes,
         engine_gates_measured=track_routing and engine.returns_routing and engine.returns_gate_weights,
-        pi_old_records_gates=r2_gates or variant.reads_old_router,
+        pi_old_records_gates=r2_gates or needs.old_router,
+        reads_old_router=needs.old_router,
         flip_rate=flip_rate,
         perturb_rate=float(cfg.routing.perturb_rate),
         routing_variant=variant.name,

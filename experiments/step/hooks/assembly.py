@@ -116,12 +116,12 @@ def assemble(parts: StepParts) -> Assembly:
     old_policy = FirstOnPolicy(source) if plan.first_minibatch_on_policy else source
 
     hooks: list[StepHook] = []
-    if variant.reads_old_router:
+    if plan.reads_old_router:
         # the one variant that reads θ_old's router: RSPO's
         hooks.append(RouterShiftHook(cast(RouterShift, variant), device, parts.layers, over_all))
     if plan.replay != Replay.none:
         hooks.append(ReplayHook(variant, device, over_all))
-    if variant.predicts_routes:
+    if plan.engine_predicts_routes:
         # the one variant that predicts routes: PR2's
         hooks.append(RoutePredictors(cast(Predictive, variant), list(find_routers(model).values()), ranks))
     if plan.track_routing:
