@@ -478,3 +478,43 @@ def test_the_learning_family_runs_in_the_maps_regime_from_ten_starts_that_meet_t
         "docs/results/learning/sync/glm4_moe_l16",
         "docs/results/learning/sync/qwen30b_l16",
     ]
+
+
+def test_the_collapse_search_pushes_the_mini_batches_in_the_maps_regime_from_its_three_starts(tmp_path):
+    """`docs/results/collapse/command.sh minibatches` (a recording `python`, which runs `python -c`): refused in one
+    line before any start or run while regime.json is missing; then the regime's overrides in each sweep with N = 8,
+    then N = 16 after them (N is the push, whatever the regime's), from the sigmoid rung's map starts 0-2, a report
+    per N."""
+    env, log = recording_python(tmp_path)
+    fake = Path(env["PATH"].split(":")[0]) / "python"
+    fake.write_text(
+        f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n' + fake.read_text().split("\n", 1)[1]
+    )
+    recipe = "glm4_moe_l16-addition-balanced-target-t1000"
+    starts = tmp_path / "starts"
+    for suffix in ("", "-start1", "-start2"):
+        (starts / f"{recipe}{suffix}").mkdir(parents=True)
+        (starts / f"{recipe}{suffix}" / "config.json").write_text("{}")
+    script = RESULTS / "collapse" / "command.sh"
+    env = {**env, "COLD_STARTS": str(starts), "REGIME": str(tmp_path / "regime.json")}
+    refused = subprocess.run(["bash", str(script), "minibatches"], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: ") and "regime.json" in refused.stderr
+    assert not calls_in(log)
+    regime = ["trainer.lr=3e-05", "trainer.prompts_per_step=32", "trainer.steps=400", "trainer.minibatches=2"]
+    (tmp_path / "regime.json").write_text(json.dumps({"lever": "extension", "overrides": regime}))
+    done = subprocess.run(["bash", str(script), "minibatches"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    calls = calls_in(log)
+    trains = [call for call in calls if call[:2] == ["-m", "experiments.train"]]
+    pushed = [[arg for arg in call if arg.startswith("trainer.minibatches=")] for call in trains]
+    assert pushed == [
+        ["trainer.minibatches=2", "trainer.minibatches=8"],
+        ["trainer.minibatches=2", "trainer.minibatches=16"],
+    ]
+    assert all(set(regime) <= set(call) and "experiment=collapse_search" in call for call in trains)
+    paths = next(arg for arg in trains[0] if arg.startswith("model.path=")).split("=", 1)[1].split(",")
+    assert [Path(path).name for path in paths] == [recipe, f"{recipe}-start1", f"{recipe}-start2"]
+    assert [call[call.index("--out") + 1] for call in calls if call[:2] == ["-m", "analysis.report"]] == [
+        "docs/results/collapse/minibatches/n8",
+        "docs/results/collapse/minibatches/n16",
+    ]

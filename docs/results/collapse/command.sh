@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Regenerates docs/results/collapse, the collapse searched where the baseline learns (issue 63, part 4), as
+# docs/results/collapse/preregistration.md fixed it before its first run. It runs in the regime the learnability map's
+# rule chose (docs/results/learnability/map/regime.json): refused in one line until that file exists.
+#   docs/results/collapse/command.sh minibatches   stage 1: GRPO, GRPO + R2 and GSPO with the regime's prompts a step
+#                                                  split into N = 8, then N = 16 mini-batches, from the learnability
+#                                                  map's starts 0-2 of glm4_moe_l16-addition-balanced-target-t1000,
+#                                                  RL seed 100; a report per N
+# Every sweep resumes (resume=auto): run again, it goes on where it stopped. One run at a time on one thread
+# (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra arguments after the mode are run overrides,
+# passed to every sweep; any but hydra.launcher.n_jobs makes other runs than the documented ones, whose sweeps go to
+# multirun/collapse/other-<date> and reports to reports/collapse-<date>.
+set -euo pipefail
+source "$(dirname "$0")/../args.sh"
+mode=${1:-}
+shift || true
+[[ $mode == minibatches ]] || refuse "mode '$mode' is not one of: minibatches"
+check_run_overrides "$@"
+destinations collapse --threads-pinned "$@"
+cd "$(dirname "$0")/../../.."
+regime_file=${REGIME:-docs/results/learnability/map/regime.json}  # the rule's choice (a test's own elsewhere)
+[[ -f $regime_file ]] ||
+  refuse "$regime_file does not exist: the search runs in the regime the learnability map's rule chose, which" \
+    "docs/results/learnability/command.sh writes there once the map (and its extension, where run) is whole"
+regime=$(python -c 'import json, sys; print(*json.load(open(sys.argv[1]))["overrides"])' "$regime_file")
+read -r -a regime <<<"$regime"
+starts=docs/results/router_starts.sh
+sigmoid=glm4_moe_l16-addition-balanced-target-t1000
+$starts --starts 3 $sigmoid
+paths=$PWD/$($starts --path 0 $sigmoid),$PWD/$($starts --path 1 $sigmoid),$PWD/$($starts --path 2 $sigmoid)
+# The regime's overrides first, the push after them: N is what this stage changes, whatever the regime's was.
+for n in 8 16; do
+  python -m experiments.train -m experiment=collapse_search "model.path=$paths" "${regime[@]}" \
+    "trainer.minibatches=$n" hydra.launcher.n_jobs=1 "hydra.sweep.dir=$sweeps_home/minibatches_n$n" resume=auto "$@"
+  python -m analysis.report "$sweeps_home/minibatches_n$n" --out "$results_home/minibatches/n$n"
+done
