@@ -390,7 +390,23 @@ def test_a_family_is_a_data_file_and_a_new_one_needs_no_code(tmp_path):
             "a difference needs an other arm",
         ),
         ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: interaction, arm: x}]\n", "it must name dense_arms"),
-        ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, lag: 2}]\n", "must have name, kind and arm"),
+        ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, k: 2}]\n", "must have name, kind and arm"),
+        (
+            "title: t\ndeclared: d\ncontrasts: [{name: a, kind: difference, arm: x, other: y, lag: 2}]\n",
+            "contrast 1 declares lag 2: a contrast is at k* (the command's --lag), or at lag 0",
+        ),
+        (
+            "title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, lag: 0}]\n",
+            "contrast 'a' (fall) compares lag 0 with k*: only a difference is at lag 0",
+        ),
+        (
+            "title: t\ndeclared: d\ndense_arms: [x]\ncontrasts: [{name: a, kind: interaction, arm: x, table: t}]\n",
+            "an interaction reads the moe and dense tables, and names no table",
+        ),
+        (
+            "title: t\ndeclared: d\nmeasure: reward\ncontrasts: [{name: a, kind: fall, arm: x}]\n",
+            "measure 'reward' is not a measure of the per-seed tables (gain, gain_area, split_gain)",
+        ),
         ("title: [\n", "is not yaml"),
     ],
 )
