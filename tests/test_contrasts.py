@@ -265,9 +265,9 @@ def test_the_exploratory_family_reads_the_moe_table_alone_and_recovers_a_planted
         (
             DEFAULT_FAMILY,
             False,
-            f"--family {DEFAULT_FAMILY} compares the MoE rung with the dense control: give --dense",
+            f"--family {DEFAULT_FAMILY} reads the dense control (4 (H2, interaction)): give --dense REPORT_OR_CSV",
         ),
-        (EXPLORATORY, True, f"--family {EXPLORATORY} compares no models"),
+        (EXPLORATORY, True, f"dense.csv: --family {EXPLORATORY} reads no dense table (its: moe)"),
     ],
 )
 def test_the_dense_table_is_needed_by_and_only_by_a_family_that_compares_models(tmp_path, capsys, family, dense, said):
