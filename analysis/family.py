@@ -1,10 +1,12 @@
-"""`python -m analysis.family`: a declared family of comparisons across lags of the staleness study (by default the
-pre-registered five), from the per-seed tables of the MoE rung's cells and, where the family compares models, of the
-dense control's.
+"""`python -m analysis.family`: a declared family of comparisons (by default the staleness study's pre-registered
+five), from per-seed tables given by name: the MoE rung's cells (`--moe`) and, where the family compares models, the
+dense control's (`--dense`), or any table a contrast names (`--table NAME=REPORT_OR_CSV`).
 
     python -m analysis.family --moe REPORT_OR_CSV --dense REPORT_OR_CSV --lag K --out DIR
     python -m analysis.family --family docs/results/async/exploratory_n4_family.yaml --moe REPORT_OR_CSV --lag 2 \
         --out DIR
+    python -m analysis.family --family docs/results/learning/family.yaml --table sigmoid=REPORT_OR_CSV \
+        --table softmax=REPORT_OR_CSV --table staleness=REPORT_OR_CSV --lag K --out DIR
 
 A family is a data file beside the document that declared it, before its runs were read (`load_family`; a new family
 is a new file): docs/results/async/family.yaml, the pre-registration's (docs/results/async/preregistration.md,
@@ -12,15 +14,19 @@ is a new file): docs/results/async/family.yaml, the pre-registration's (docs/res
 each paired per (start, seed) on the MoE rung, and the interaction of `minirl`'s fall on the MoE rung with its fall on
 the dense control, unpaired between the two models; docs/results/async/exploratory_n4_family.yaml
 (docs/results/async/exploratory_n4.md, outside the declared family): `minirl`'s fall and `minirl + r3` − `minirl` at
-k, on the MoE rung alone. Each is computed on gain_area as analysis/contrasts.py says, with Holm's
-correction over the family. Each table is read and checked as `analysis.compare` reads one (`compare.pool`: one run
-per arm, lag, start and seed; arms of a seed from one start; runs that did not finish left out), and then refused in
-one line where the family cannot be computed from it: no `rollout.lag` column, another axis varied, a lag (0 or k*) or
-an arm the family needs absent, runs that name no start, fewer than 2 starts with a unit a comparison can use, starts
-of two cold-start recipes in one table, a start on both models, or a dense table that holds an arm with routing (the
-dense control runs only the arms without); `--dense` is refused for a family that compares no models and needed for
-one that does. Writes `contrasts.csv` (every comparison's numbers), `units.csv` (every unit's value), `left_out.csv`
-(every unit a comparison left out, with why) and `report.md`, through a staging folder.
+k, on the MoE rung alone; docs/results/learning/family.yaml (docs/results/learning/preregistration.md): nine paired
+differences on split_gain, six at lag 0 from the synchronous sweeps of two rungs and three at k* from the staleness
+cells. Each is computed on the family's measure (gain_area unless it declares another) as analysis/contrasts.py
+says, with Holm's correction over the family. Every table a contrast reads must be given and every table given read
+(`--moe` and `--dense` are the tables named moe and dense); `--lag` (k*) is needed by, and only by, a family with a
+contrast at k*. Each table is read, checked and refused in one line where the family cannot be computed from it as
+analysis/family_tables.py says: a `rollout.lag` column absent where a contrast reads the table at k*, or holding a lag
+other than 0 where every contrast reads it at lag 0; another axis varied; a lag or an arm the family needs absent;
+runs that name no start or lack the measure; fewer than 2 starts with a unit a comparison can use; starts of two
+cold-start recipes in one table; a start on both models; or a dense table that holds an arm with routing (the dense
+control runs only the arms without). Writes `contrasts.csv` (every comparison's numbers), `units.csv` (every unit's
+value, its table in `model`), `left_out.csv` (every unit a comparison left out, with why) and `report.md`, through a
+staging folder.
 Bad input ends with one `error:` line and exit code 2.
 """
 
@@ -34,15 +40,13 @@ from typing import NamedTuple
 import pandas as pd
 
 from analysis.cli import Command, publishing, staged, writable_out
-from analysis.compare import Source, per_seed_file, pool, refuse_two_recipes
+from analysis.compare import per_seed_file
 from analysis.contrasts import (
     DEFAULT_FAMILY,
     DIFFERENCE,
     FALL,
     FALL_DIFFERENCE,
     INTERACTION,
-    LAG,
-    MEASURE,
     WHY_COLUMNS,
     Contrast,
     Family,
@@ -50,105 +54,39 @@ from analysis.contrasts import (
     Values,
     judge,
     load_family,
-    needed_runs,
     unit_values,
 )
-from analysis.gains import EXCLUDED
-from analysis.records import UNKNOWN_START, rows_as_dicts
+from analysis.family_tables import named_table, read_tables, table_title, tables_given, unread_or_missing
+from analysis.records import rows_as_dicts
 from analysis.statistics import ALPHA, AcrossStarts, smallest_p
 from analysis.tables import LEFT_OUT_FILE, REPORT_FILE, markdown_table
 from analysis.unpaired import smallest_permutation_p
 
-MOE, DENSE = "moe", "dense"  # the two tables, as their flags and the output's `model` column name them
 CONTRASTS_FILE, UNITS_FILE = "contrasts.csv", "units.csv"
 _OUTPUT = {REPORT_FILE, CONTRASTS_FILE, UNITS_FILE, LEFT_OUT_FILE}  # what the command writes (and replaces)
 
 
 class Read(NamedTuple):
-    """What the command computes from: the family and its comparisons at k*, each comparison's per-unit values per
-    model, the units left out, and each table's path."""
+    """What the command computes from: the family and its comparisons at k* (or lag 0), each comparison's per-unit
+    values per table, the units left out, and each table's path (in the order the family first reads them)."""
 
     declared: Family
     family: tuple[Contrast, ...]
-    values: list[dict[str, Values]]  # per comparison, {model: values}; a paired comparison reads the MoE table only
+    values: list[dict[str, Values]]  # per comparison, {table: values}; a paired comparison reads one table
     left_out: pd.DataFrame
     paths: dict[str, Path]
 
 
-def read_table(path: Path, flag: str, lag: int, arms: Sequence[str] | None) -> pd.DataFrame:
-    """One model's per-seed table, pooled and checked as `analysis.compare` pools one (`compare.pool`), then refused
-    where the family cannot be computed from it (the module's docstring); `arms`: the only arms it may hold."""
-    rows, axes, _ = pool([Source(path, {})])
-    counted = rows[rows["counted"] != EXCLUDED]
-    if LAG not in axes:
-        raise ValueError(
-            f"--{flag} {path} has no {LAG} column among its swept axes ({', '.join(axes) or 'none'}): "
-            "not a table of the staleness study"
-        )
-    varied = [axis for axis in axes if axis != LAG and counted[axis].nunique() > 1]
-    if varied:
-        raise ValueError(
-            f"--{flag} {path} varies {', '.join(varied)} beside {LAG}: a contrast pools one cell's runs "
-            "across lags; give a table of one cell"
-        )
-    unnamed = counted[counted["start_sha256"] == UNKNOWN_START]
-    if not unnamed.empty:
-        raise ValueError(
-            f"--{flag} {path}: {len(unnamed)} runs name no start (start_sha256), {unnamed['run'].iloc[0]} "
-            "first: the contrasts are computed per start"
-        )
-    if "start_recipe" in counted:
-        refuse_two_recipes(counted)
-    if arms is not None:
-        foreign = sorted(set(rows["arm"]) - set(arms))
-        if foreign:
-            raise ValueError(
-                f"--{flag} {path} holds {', '.join(map(repr, foreign))}: the dense control runs only the "
-                f"arms without routing ({', '.join(arms)})"
-            )
-    lags = sorted(set(counted[LAG].astype(float)))
-    for needed in sorted({0, lag}):
-        if float(needed) not in lags:
-            raise ValueError(
-                f"--{flag} {path} has no counted run at {LAG} {needed}; its lags: "
-                f"{', '.join(f'{value:g}' for value in lags) or 'none'}"
-            )
-    starts = counted["start_sha256"].nunique()
-    if starts < 2:
-        raise ValueError(
-            f"--{flag} {path} holds {starts} start(s): the family's intervals and tests are over starts, "
-            "and need at least 2"
-        )
-    return rows
-
-
-def missing_arm(rows: pd.DataFrame, path: Path, flag: str, family: Sequence[Contrast]) -> str | None:
-    """The first (arm, lag) the family reads on this table that no counted run holds, as a refusal says it."""
-    counted = rows[rows["counted"] != EXCLUDED]
-    held = set(zip(counted["arm"], counted[LAG].astype(float)))
-    for arm, lag in needed_runs(family):
-        if (arm, float(lag)) not in held:
-            arms = sorted(set(counted["arm"]))
-            said = (
-                f"has no arm {arm!r}; its arms: {', '.join(arms)}"
-                if arm not in arms
-                else f"has no counted run of {arm!r} at {LAG} {lag}"
-            )
-            return f"--{flag} {path} {said}: the declared family needs it"
-    return None
-
-
 def family_values(
-    family: Sequence[Contrast], tables: dict[str, pd.DataFrame]
+    family: Sequence[Contrast], tables: dict[str, pd.DataFrame], measure: str
 ) -> tuple[list[dict[str, Values]], pd.DataFrame]:
-    """Each comparison's per-unit values per model it reads, and every unit left out (with comparison and model);
-    a comparison left with fewer than 2 starts on a model is refused, naming it."""
+    """Each comparison's per-unit values on `measure` per table it reads, and every unit left out (with comparison
+    and table, as `model`); a comparison left with fewer than 2 starts on a table is refused, naming it."""
     values, left = [], []
     for contrast in family:
-        models = (MOE, DENSE) if contrast.kind == INTERACTION else (MOE,)
         found = {}
-        for model in models:
-            found[model], out = unit_values(tables[model], contrast)
+        for model in contrast.tables:
+            found[model], out = unit_values(tables[model], contrast, measure)
             left.append(out.assign(comparison=contrast.name, model=model))
             if len(found[model]) < 2:
                 raise ValueError(
@@ -160,7 +98,7 @@ def family_values(
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    """The family, the models' per-seed tables, k*, where the report goes."""
+    """The family, its per-seed tables by name, k*, where the report goes."""
     parser.add_argument(
         "--family",
         type=Path,
@@ -172,41 +110,50 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--moe",
         type=Path,
-        required=True,
         metavar="REPORT_OR_CSV",
-        help="the MoE rung's cells: a report folder (its per_seed.csv) or a per-seed CSV",
+        help="the table named moe, the MoE rung's cells: a report folder (its per_seed.csv) or a per-seed CSV",
     )
     parser.add_argument(
         "--dense",
         type=Path,
         metavar="REPORT_OR_CSV",
-        help="the dense control's cells (a report folder or a per-seed CSV): needed by, and only by, a "
-        "family that compares the two models",
+        help="the table named dense, the dense control's cells (a report folder or a per-seed CSV), which an "
+        "interaction compares with moe",
+    )
+    parser.add_argument(
+        "--table",
+        type=named_table,
+        action="append",
+        metavar="NAME=REPORT_OR_CSV",
+        help="a table a contrast names (`table:` in the family file), as a report folder or a per-seed CSV; repeat "
+        "for each",
     )
     parser.add_argument(
         "--lag",
         type=int,
-        required=True,
         metavar="K",
-        help="k*, the lag the pre-registered rule picked (docs/results/async/command.sh rule)",
+        help="k*, the lag the study's pre-registered rule picked (docs/results/async/command.sh rule): needed by, "
+        "and only by, a family with a contrast at k*",
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 
 def check(args: argparse.Namespace) -> str | None:
-    """A lag below 1 has no fall from lag 0 to compare; the dense table given where the family reads none, or missing
-    where it does."""
-    if args.lag < 1:
+    """A lag below 1 has no fall from lag 0 to compare; k* missing where a contrast is at k*, or given where none is;
+    a table given twice, missing where a contrast reads it, or given where none does."""
+    if args.lag is not None and args.lag < 1:
         return f"--lag {args.lag}: k* is a lag above 0 (a fall is from lag 0 to k*)"
     try:
-        needs_dense = load_family(args.family).compares_models
+        declared = load_family(args.family)
+        tables = tables_given(args)
     except ValueError as error:
         return str(error)
-    if needs_dense and args.dense is None:
-        return f"--family {args.family} compares the MoE rung with the dense control: give --dense REPORT_OR_CSV"
-    if not needs_dense and args.dense is not None:
-        return f"--dense {args.dense}: --family {args.family} compares no models, and reads the MoE rung's table alone"
-    return None
+    at_k_star = ", ".join(contrast.name for contrast in declared.at_k_star)
+    if at_k_star and args.lag is None:
+        return f"--family {args.family} compares {at_k_star} at k*: give --lag K"
+    if not at_k_star and args.lag is not None:
+        return f"--lag {args.lag}: --family {args.family} compares every contrast at lag 0, and reads no k*"
+    return unread_or_missing(declared, tables, args.family)
 
 
 def read(args: argparse.Namespace) -> Read:
@@ -214,23 +161,9 @@ def read(args: argparse.Namespace) -> Read:
     writable."""
     declared = load_family(args.family)
     family = tuple(contrast.at(args.lag) for contrast in declared.contrasts)
-    paths = {MOE: per_seed_file(args.moe)}
-    tables = {MOE: read_table(paths[MOE], MOE, args.lag, None)}
-    if declared.compares_models:
-        paths[DENSE] = per_seed_file(args.dense)
-        tables[DENSE] = read_table(paths[DENSE], DENSE, args.lag, declared.dense_arms)
-        shared = set(tables[MOE]["start_sha256"]) & set(tables[DENSE]["start_sha256"])
-        if shared:
-            raise ValueError(
-                f"start {sorted(shared)[0][:12]} is in both --moe {paths[MOE]} and --dense "
-                f"{paths[DENSE]}: the interaction compares two models, each from its own starts"
-            )
-    for model in tables:
-        reads = family if model == MOE else [contrast for contrast in family if contrast.kind == INTERACTION]
-        problem = missing_arm(tables[model], paths[model], model, reads)
-        if problem:
-            raise ValueError(problem)
-    values, left_out = family_values(family, tables)
+    given = tables_given(args)
+    paths = {name: per_seed_file(given[name]) for name in declared.tables}
+    values, left_out = family_values(family, read_tables(declared, family, paths), declared.measure)
     writable_out(args.out)
     return Read(declared, family, values, left_out, paths)
 
@@ -239,19 +172,24 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
     """report.md: the family's table, how each comparison is computed and the smallest p it can reach, the units
     left out."""
     m = len(judged)
+    paired_tables: dict[str, list[str]] = {}  # the comparisons paired within each table
+    for contrast in read.family:
+        if contrast.kind != INTERACTION:
+            paired_tables.setdefault(contrast.table, []).append(contrast.name)
     rows, reach = [], []
     for result, values in zip(judged, read.values):
         stats = result.statistics
-        sides = [values[MOE]] if result.contrast.kind != INTERACTION else [values[MOE], values[DENSE]]
+        models = result.contrast.tables
+        sides = [values[model] for model in models]
         per_start = [stats.per_start] if isinstance(stats, AcrossStarts) else list(stats.per_start)  # one side: paired
-        units = ", ".join(
-            f"{len(side)} × {_seeds(side)}" + (f" {model}" if len(sides) > 1 else "")
-            for side, model in zip(sides, (MOE, DENSE))
+        units = ", ".join(  # each side's table named where an interaction reads two, or the paired ones several
+            f"{len(side)} × {_seeds(side)}" + (f" {model}" if len(sides) > 1 or len(paired_tables) > 1 else "")
+            for side, model in zip(sides, models)
         )
         shown = "; ".join(
             (f"{model}: " if len(sides) > 1 else "")
             + ", ".join(f"{start[:12]} {value:+.3f}" for start, value in starts.items())
-            for starts, model in zip(per_start, (MOE, DENSE))
+            for starts, model in zip(per_start, models)
         )
         rows.append(
             [
@@ -270,38 +208,55 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
         )
         reach.append(f"{result.contrast.name} {best:.3g}")
     kinds = {contrast.kind for contrast in read.family}
+    at_zero = [contrast.name for contrast in read.family if contrast.lag == 0]
     paired = [
         what
-        for kind, what in (
-            (DIFFERENCE, "the difference of two arms at k*"),
-            (FALL, "an arm's fall"),
-            (FALL_DIFFERENCE, "the difference of two arms' falls"),
+        for present, what in (
+            (any(c.kind == DIFFERENCE and c.lag for c in read.family), "the difference of two arms at k*"),
+            (bool(at_zero), "the difference of two arms at lag 0"),
+            (FALL in kinds, "an arm's fall"),
+            (FALL_DIFFERENCE in kinds, "the difference of two arms' falls"),
         )
-        if kind in kinds
+        if present
     ]
-    model_names = {MOE: "the MoE rung", DENSE: "the dense control"}
-    tables = " and ".join(f"`{path}` ({model_names[model]})" for model, path in read.paths.items())
+    given = [f"`{path}` ({table_title(model)})" for model, path in read.paths.items()]
+    k_star = next((contrast.lag for contrast in read.family if contrast.lag), None)
+    at = f"at k* = {k_star}" + (
+        f" (comparison{'s' * (len(at_zero) > 1)} {', '.join(at_zero)} at lag 0)" if at_zero else ""
+    )
     starts = {
         model: sorted({start for values in read.values for start in values.get(model, {})}) for model in read.paths
     }
     lines = [
         f"# {read.declared.title}",
         "",
-        f"The {m} comparisons of {read.declared.declared} at k* = {read.family[0].lag}, on {MEASURE}, from "
-        f"{tables}. Cold starts (the weights' sha256, its first 12 digits): "
+        f"The {m} comparisons of {read.declared.declared} {at if k_star else 'at lag 0'}, on "
+        f"{read.declared.measure}, from {' and '.join([', '.join(given[:-1]), given[-1]] if given[1:] else given)}. "
+        "Cold starts (the weights' sha256, its first 12 digits): "
         + "; ".join(
-            f"{model_names[model]}'s {len(shas)}, " + ", ".join(f"`{sha[:12]}`" for sha in shas)
+            f"{table_title(model)}'s {len(shas)}, " + ", ".join(f"`{sha[:12]}`" for sha in shas)
             for model, shas in starts.items()
         )
         + ".",
     ]
     if command:
         lines += ["", f"Made with `{command}`."]
-    how = ["A fall is an arm's gain_area at lag 0 minus at k* (positive: it learns less behind)."]
-    if paired:
+    how = []
+    if kinds - {DIFFERENCE}:
         how.append(
-            f"{_named(read.family, DIFFERENCE, FALL, FALL_DIFFERENCE)} paired per (start, seed) on the MoE "
-            f"rung ({'; '.join(paired)}): the estimate is the mean over starts of each start's mean over its "
+            f"A fall is an arm's {read.declared.measure} at lag 0 minus at k* (positive: it learns less behind)."
+        )
+    if len(paired_tables) > 1:
+        how.append(
+            "Each paired comparison reads one table: "
+            + "; ".join(f"{', '.join(names)}, {table_title(model)}" for model, names in paired_tables.items())
+            + "."
+        )
+    if paired:
+        where = f" on {table_title(next(iter(paired_tables)))}" if len(paired_tables) == 1 else ", each on its table"
+        how.append(
+            f"{_named(read.family, DIFFERENCE, FALL, FALL_DIFFERENCE)} paired per (start, seed){where} "
+            f"({'; '.join(paired)}): the estimate is the mean over starts of each start's mean over its "
             "seeds, the interval the two-level bootstrap (starts resampled, then seeds within each drawn "
             "start; every start weighted equally), the p the exact sign-flip test on the starts' values."
         )
@@ -340,15 +295,13 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
     ]
     left = read.left_out
     if left.empty:
-        return lines + [
-            f"Every unit of {'both tables' if DENSE in read.paths else 'the table'} entered every "
-            "comparison that reads it."
-        ]
+        every = {1: "the table", 2: "both tables"}.get(len(read.paths), "every table")
+        return lines + [f"Every unit of {every} entered every comparison that reads it."]
     table = [[r["comparison"], r["model"], r["start_sha256"][:12], r["seed"], r["why"]] for r in rows_as_dicts(left)]
     return lines + [
         f"## Units left out ({len(left)})",
         "",
-        markdown_table(["comparison", "model", "start", "seed", "why"], table),
+        markdown_table(["comparison", "table", "start", "seed", "why"], table),
     ]
 
 

@@ -1,7 +1,8 @@
 """`analysis.family`: the staleness study's declared family computed from planted per-seed tables of the MoE rung
 and the dense control, paired where the pre-registration pairs and unpaired between the models, Holm over the five,
 units that lack a run left out and named, and tables the family cannot be computed from refused in one line; the
-exploratory family (an arm's fall, a difference at k) from the MoE table alone."""
+exploratory family (an arm's fall, a difference at k) from the MoE table alone; the learning study's family on
+split_gain from three named tables, two without a lag axis, and the arms it names composed as its sweeps run them."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from analysis import statistics, unpaired
+from analysis.arms import arm_names
 from analysis.compare import pool
-from analysis.contrasts import DIFFERENCE, FALL, FALL_DIFFERENCE, Contrast, judge, unit_values
+from analysis.configs import flatten_config
+from analysis.contrasts import DIFFERENCE, FALL, FALL_DIFFERENCE, Contrast, judge, needed_runs, unit_values
 from analysis.family import DEFAULT_FAMILY, load_family, main
-from experiments.config import PROJECT_ROOT
+from experiments.config import PROJECT_ROOT, register_configs
 
 K = 4  # k* in these tables
 FAMILY = load_family(DEFAULT_FAMILY).contrasts  # the pre-registration's five, from their data file
@@ -56,9 +61,15 @@ def sha(text: str) -> str:
 
 
 def per_seed(
-    area: Callable[[str, int, int, int], float], cells=MOE_CELLS, starts: int = 8, seeds: int = 2, model: str = "moe"
+    area: Callable[[str, int, int, int], float],
+    cells=MOE_CELLS,
+    starts: int = 8,
+    seeds: int = 2,
+    model: str = "moe",
+    measure: str = "gain_area",
 ) -> pd.DataFrame:
-    """A per-seed table with the columns analysis.report writes, `area(arm, lag, start, seed)` its gain_area."""
+    """A per-seed table with the columns analysis.report writes, `area(arm, lag, start, seed)` its `measure` (the
+    other of gain_area and split_gain 0)."""
     rows = []
     for start in range(starts):
         for seed in range(seeds):
@@ -73,10 +84,9 @@ def per_seed(
                         "start": begin,
                         "end": begin + 2 * value,
                         "gain": 2 * value,
-                        "gain_area": value,
                         "split_start": begin,
                         "split_end": begin,
-                        "split_gain": 0.0,
+                        **{"gain_area": 0.0, "split_gain": 0.0, measure: value},
                         "incomplete": False,
                         "status": "finished",
                         "counted": "yes",
@@ -265,9 +275,9 @@ def test_the_exploratory_family_reads_the_moe_table_alone_and_recovers_a_planted
         (
             DEFAULT_FAMILY,
             False,
-            f"--family {DEFAULT_FAMILY} compares the MoE rung with the dense control: give --dense",
+            f"--family {DEFAULT_FAMILY} reads the dense control (4 (H2, interaction)): give --dense REPORT_OR_CSV",
         ),
-        (EXPLORATORY, True, f"--family {EXPLORATORY} compares no models"),
+        (EXPLORATORY, True, f"dense.csv: --family {EXPLORATORY} reads no dense table (its: moe)"),
     ],
 )
 def test_the_dense_table_is_needed_by_and_only_by_a_family_that_compares_models(tmp_path, capsys, family, dense, said):
@@ -390,7 +400,23 @@ def test_a_family_is_a_data_file_and_a_new_one_needs_no_code(tmp_path):
             "a difference needs an other arm",
         ),
         ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: interaction, arm: x}]\n", "it must name dense_arms"),
-        ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, lag: 2}]\n", "must have name, kind and arm"),
+        ("title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, k: 2}]\n", "must have name, kind and arm"),
+        (
+            "title: t\ndeclared: d\ncontrasts: [{name: a, kind: difference, arm: x, other: y, lag: 2}]\n",
+            "contrast 1 declares lag 2: a contrast is at k* (the command's --lag), or at lag 0",
+        ),
+        (
+            "title: t\ndeclared: d\ncontrasts: [{name: a, kind: fall, arm: x, lag: 0}]\n",
+            "contrast 'a' (fall) compares lag 0 with k*: only a difference is at lag 0",
+        ),
+        (
+            "title: t\ndeclared: d\ndense_arms: [x]\ncontrasts: [{name: a, kind: interaction, arm: x, table: t}]\n",
+            "an interaction reads the moe and dense tables, and names no table",
+        ),
+        (
+            "title: t\ndeclared: d\nmeasure: reward\ncontrasts: [{name: a, kind: fall, arm: x}]\n",
+            "measure 'reward' is not a measure of the per-seed tables (gain, gain_area, split_gain)",
+        ),
         ("title: [\n", "is not yaml"),
     ],
 )
@@ -402,3 +428,215 @@ def test_a_family_file_that_is_not_a_family_is_refused_in_one_line(tmp_path, cap
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and said in error and str(tmp_path / "bad.yaml") in error
     assert not (tmp_path / "out").exists()
+
+
+LEARNING = PROJECT_ROOT / "docs" / "results" / "learning" / "family.yaml"
+GRPO_BF16, GSPO_BF16 = "grpo (bf16 engine)", "gspo (bf16 engine)"
+PR2_LAB, PR2_PAPER = (f"grpo + r3 + predictive (bf16 engine) (lr_scale={scale})" for scale in ("1", "10000"))
+SIGMOID_ARMS = [GRPO_BF16, GSPO_BF16, "grpo + r2 (bf16 engine)", "grpo + r3 (bf16 engine)", PR2_LAB, PR2_PAPER]
+# The staleness cells of the learning study: the async study's arms at k*, three of them at 0 too (no minirl_pr2).
+STALENESS_CELLS = [(arm, K) for arm in (NAIVE, TIS, MINIRL, R3, GSPO)] + [(arm, 0) for arm in (TIS, MINIRL, GSPO)]
+
+
+def learning_tables(tmp_path) -> dict[str, pd.DataFrame]:
+    """The learning family's three tables, planted at tmp_path/NAME.csv, split_gain a fixed noise per run: sigmoid and
+    softmax, synchronous sweeps without a lag column; staleness, the sigmoid rung's starts at 0 and K."""
+
+    def table(name: str, cells, starts_of: str) -> pd.DataFrame:
+        gain = lambda arm, lag, start, seed: noise(f"{name}/{arm}", lag, start, seed)  # noqa: E731
+        return per_seed(gain, cells, model=starts_of, measure="split_gain")
+
+    tables = {
+        "sigmoid": table("sigmoid", [(arm, 0) for arm in SIGMOID_ARMS], "sigmoid").drop(columns="rollout.lag"),
+        "softmax": table("softmax", [(GRPO_BF16, 0), (GSPO_BF16, 0)], "softmax").drop(columns="rollout.lag"),
+        "staleness": table("staleness", STALENESS_CELLS, "sigmoid"),
+    }
+    for name, rows in tables.items():
+        rows.to_csv(tmp_path / f"{name}.csv", index=False)
+    return tables
+
+
+def learning_argv(tmp_path, *extra: str, tables=("sigmoid", "softmax", "staleness")) -> list[str]:
+    """`analysis.family` on the learning family over the planted tables, at k* = K, into tmp_path/out."""
+    named = [argument for name in tables for argument in ("--table", f"{name}={tmp_path / name}.csv")]
+    return ["--family", str(LEARNING), *named, "--lag", str(K), "--out", str(tmp_path / "out"), *extra]
+
+
+def test_the_learning_family_is_judged_on_split_gain_each_comparison_on_the_table_it_names(tmp_path):
+    tables = learning_tables(tmp_path)
+    main(learning_argv(tmp_path))
+    out = tmp_path / "out"
+    contrasts = pd.read_csv(out / "contrasts.csv", dtype={"comparison": str}).set_index("comparison")
+    gain = {
+        name: rows.assign(**{"rollout.lag": rows.get("rollout.lag", 0)})
+        .set_index(["arm", "rollout.lag", "start_sha256", "seed"])["split_gain"]
+        .sort_index()
+        for name, rows in tables.items()
+    }
+    by_hand = {  # per comparison, its value per (start, seed) unit from the table it names
+        "1": gain["sigmoid"].loc[GSPO_BF16, 0] - gain["sigmoid"].loc[GRPO_BF16, 0],
+        "2": gain["softmax"].loc[GSPO_BF16, 0] - gain["softmax"].loc[GRPO_BF16, 0],
+        **{
+            name: gain["sigmoid"].loc[arm, 0] - gain["sigmoid"].loc[GRPO_BF16, 0]
+            for name, arm in zip("3456", SIGMOID_ARMS[2:])
+        },
+        "7": gain["staleness"].loc[TIS, K] - gain["staleness"].loc[NAIVE, K],
+        "8": gain["staleness"].loc[R3, K] - gain["staleness"].loc[MINIRL, K],
+        "9": (gain["staleness"].loc[GSPO, 0] - gain["staleness"].loc[GSPO, K])
+        - (gain["staleness"].loc[TIS, 0] - gain["staleness"].loc[TIS, K]),
+    }
+    assert list(contrasts.index) == list(by_hand) and set(contrasts["family"]) == {9}
+    for name, by_unit in by_hand.items():
+        per_start = by_unit.groupby(level="start_sha256").mean()
+        assert contrasts.loc[name, "estimate"] == pytest.approx(per_start.mean(), abs=1e-12), name
+        assert contrasts.loc[name, "p_value"] == pytest.approx(statistics.sign_flip_p(per_start.to_numpy())), name
+    assert contrasts["lag"].tolist() == [0] * 6 + [K] * 3
+    assert contrasts["holm_p"].tolist() == pytest.approx(list(statistics.holm(contrasts["p_value"].to_numpy())))
+    units = pd.read_csv(out / "units.csv", dtype={"comparison": str}).groupby("comparison")["model"].unique()
+    assert {name: list(tables) for name, tables in units.items()} == {
+        name: ["softmax" if name == "2" else "staleness" if name in "789" else "sigmoid"] for name in by_hand
+    }
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert report.startswith("# The learning study's declared family")
+    assert "at k* = 4 (comparisons 1, 2, 3, 4, 5, 6 at lag 0), on split_gain, from " in report
+    assert f"`{tmp_path / 'softmax.csv'}` (the softmax table) and `{tmp_path / 'staleness.csv'}`" in report
+    assert "| 2: `gspo (bf16 engine)` − `grpo (bf16 engine)` at k = 0 | 8 × 2 softmax |" in report
+    assert "Each paired comparison reads one table: 1, 3, 4, 5, 6, the sigmoid table; 2, the softmax table; " in report
+    assert "A fall is an arm's split_gain at lag 0 minus at k*" in report and "gain_area" not in report
+    assert "the difference of two arms at k*; the difference of two arms at lag 0;" in report
+    assert "Every unit of every table entered every comparison that reads it." in report
+
+
+def test_a_family_of_differences_at_lag_0_needs_no_lag_column_and_takes_no_lag(tmp_path, capsys):
+    learning_tables(tmp_path)
+    mine = tmp_path / "sync.yaml"
+    mine.write_text(
+        "title: Sync\ndeclared: my notes\nmeasure: split_gain\ncontrasts:\n  - {name: S, kind: difference, "
+        f'arm: "{GSPO_BF16}", other: "{GRPO_BF16}", table: softmax, lag: 0}}\n',
+        encoding="utf-8",
+    )
+    argv = ["--family", str(mine), "--table", f"softmax={tmp_path / 'softmax.csv'}", "--out", str(tmp_path / "out")]
+    main(argv)
+    report = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert "comparisons of my notes at lag 0, on split_gain, from" in report and "fall" not in report
+    assert (
+        "Comparison S is paired per (start, seed) on the softmax table (the difference of two arms at lag 0)" in report
+    )
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--lag", "2"])
+    said = f"--lag 2: --family {mine} compares every contrast at lag 0, and reads no k*"
+    assert stop.value.code == 2 and said in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            lambda tmp: learning_argv(tmp, tables=("sigmoid", "staleness")),
+            f"--family {LEARNING} reads the softmax table (2): give --table softmax=REPORT_OR_CSV",
+        ),
+        (
+            lambda tmp: learning_argv(tmp, "--table", "extra=x.csv"),
+            f"--table extra=x.csv: --family {LEARNING} reads no extra table (its: sigmoid, softmax, staleness)",
+        ),
+        (
+            lambda tmp: learning_argv(tmp, "--moe", "x.csv", "--table", "moe=y.csv"),
+            "--table moe=y.csv: the moe table is given twice (--moe x.csv)",
+        ),
+        (
+            lambda tmp: learning_argv(tmp)[:-4] + ["--out", "o"],
+            f"--family {LEARNING} compares 7, 8, 9 at k*: give --lag K",
+        ),
+        (lambda tmp: learning_argv(tmp, "--table", "sigmoid"), "'sigmoid' is not NAME=REPORT_OR_CSV"),
+    ],
+    ids=["a table not given", "a table no contrast reads", "one table twice", "no k*", "a table without its name"],
+)
+def test_the_tables_and_k_star_a_family_reads_are_given_and_only_those(tmp_path, capsys, argv, said):
+    learning_tables(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(argv(tmp_path))
+    assert stop.value.code == 2 and said in capsys.readouterr().err.splitlines()[-1]  # a usage error, as a lag below 1
+    assert not (tmp_path / "out").exists()
+
+
+def _nan_split_gain(tables):
+    tables["staleness"].loc[0, "split_gain"] = float("nan")
+    return tables
+
+
+LEARNING_REFUSALS = {
+    "a lag-0 table with other lags": (
+        lambda tables: {**tables, "sigmoid": tables["staleness"]},
+        "sigmoid.csv holds runs at rollout.lag 0, 4: comparisons 1, 3, 4, 5, 6 compare at lag 0, from a table of "
+        "synchronous runs",
+    ),
+    "a k* table without lags": (
+        lambda tables: {**tables, "staleness": tables["sigmoid"]},
+        "staleness.csv has no rollout.lag column among its swept axes (none): its runs are all at lag 0, and "
+        "comparisons 7, 8, 9 compare at k*",
+    ),
+    "a run without the measure": (
+        _nan_split_gain,
+        "staleness.csv: 1 counted runs of the arms the family reads have no split_gain, sigmoid/grpo (π_old = μ_old)",
+    ),
+    "a PR2 setting missing": (
+        lambda tables: {**tables, "sigmoid": tables["sigmoid"][tables["sigmoid"]["arm"] != PR2_PAPER]},
+        f"sigmoid.csv has no arm {PR2_PAPER!r}; its arms: ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LEARNING_REFUSALS))
+def test_named_tables_the_family_cannot_be_computed_from_are_refused_in_one_line(tmp_path, capsys, case):
+    edit, said = LEARNING_REFUSALS[case]
+    for name, rows in edit(learning_tables(tmp_path)).items():
+        rows.to_csv(tmp_path / f"{name}.csv", index=False)
+    with pytest.raises(SystemExit) as stop:
+        main(learning_argv(tmp_path))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: --table ") and said in err, err
+    assert not (tmp_path / "out" / "report.md").exists()
+
+
+# The sweeps each table of the learning family pools, as docs/results/learning/command.sh runs them with
+# experiment=learning_family (the rung as its model): sync's sigmoid sweeps, four arms and then grpo_pr2 at predictor
+# lr_scale 1 and 1e4, pooled in one report, and its softmax sweep of the experiment's own arms (None: read from it); the
+# staleness cells at k* and 0, which command.sh does not run yet, with the pre-registration's fp32 engine ("Arms").
+LEARNING_SWEEPS = {
+    "sigmoid": [
+        (["model=glm4_moe_l16"], ["grpo", "gspo", "grpo_r2", "grpo_r3"]),
+        *((["model=glm4_moe_l16", f"routing_variant.lr_scale={scale}"], ["grpo_pr2"]) for scale in ("1", "10000")),
+    ],
+    "softmax": [(["model=qwen30b_l16"], None)],
+    "staleness": [
+        (["model=glm4_moe_l16", "rollout.precision=fp32", f"rollout.lag={lag}"], arms)
+        for lag, arms in (
+            (K, ["grpo_naive_async", "grpo_decoupled", "minirl", "minirl_r3", "gspo"]),
+            (0, ["grpo_decoupled", "minirl", "gspo"]),
+        )
+    ],
+}
+
+
+def test_the_learning_family_names_arms_its_tables_sweeps_run():
+    """Composed as its sweeps run them and named as a report names them (`arms.arm_names` over one table's runs), each
+    table's arms hold every arm the family reads there; the two PR2 settings are two arms by their lr_scale."""
+    declared = load_family(LEARNING)
+    assert declared.measure == "split_gain" and declared.tables == tuple(LEARNING_SWEEPS)
+    assert [contrast.name for contrast in declared.at_k_star] == ["7", "8", "9"]
+    register_configs()
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        for table, sweeps in LEARNING_SWEEPS.items():
+            configs = {}
+            for number, (overrides, arms) in enumerate(sweeps):
+                base = ["experiment=learning_family", *overrides]
+                if arms is None:  # the experiment's own sweep of arms
+                    sweep = compose("train", overrides=base, return_hydra_config=True)
+                    arms = str(sweep.hydra.sweeper.params.arm).split(",")
+                for arm in arms:
+                    run = compose("train", overrides=[*base, f"arm={arm}"])
+                    configs[f"{number} {arm}"] = flatten_config(OmegaConf.to_container(run, resolve=False))
+            names = set(arm_names(configs).values())
+            reads = [contrast.at(K) for contrast in declared.contrasts if contrast.table == table]
+            assert {arm for arm, _ in needed_runs(reads)} <= names, (table, names)
+    assert {PR2_LAB, PR2_PAPER} <= {contrast.arm for contrast in declared.contrasts}
