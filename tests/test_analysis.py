@@ -1405,6 +1405,7 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
         "few_experts_starts",
         "flip_dose_seeds",
         "learning_family",
+        "learning_staleness",
         "quickstart",
         "real_routers",
         "router_noise_dose",

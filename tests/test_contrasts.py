@@ -609,7 +609,7 @@ LEARNING_SWEEPS = {
     ],
     "softmax": [(["model=qwen30b_l16"], None)],
     "staleness": [
-        (["model=glm4_moe_l16", "rollout.precision=fp32", f"rollout.lag={lag}"], arms)
+        (["experiment=learning_staleness", f"rollout.lag={lag}"], arms)
         for lag, arms in (
             (K, ["grpo_naive_async", "grpo_decoupled", "minirl", "minirl_r3", "gspo"]),
             (0, ["grpo_decoupled", "minirl", "gspo"]),
@@ -629,7 +629,9 @@ def test_the_learning_family_names_arms_its_tables_sweeps_run():
         for table, sweeps in LEARNING_SWEEPS.items():
             configs = {}
             for number, (overrides, arms) in enumerate(sweeps):
-                base = ["experiment=learning_family", *overrides]
+                # The synchronous family's experiment, unless the sweep names its own (the staleness cells').
+                named = any(override.startswith("experiment=") for override in overrides)
+                base = [*([] if named else ["experiment=learning_family"]), *overrides]
                 if arms is None:  # the experiment's own sweep of arms
                     sweep = compose("train", overrides=base, return_hydra_config=True)
                     arms = str(sweep.hydra.sweeper.params.arm).split(",")

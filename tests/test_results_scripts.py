@@ -518,3 +518,60 @@ def test_the_collapse_search_pushes_the_mini_batches_in_the_maps_regime_from_its
         "docs/results/collapse/minibatches/n8",
         "docs/results/collapse/minibatches/n16",
     ]
+
+
+def test_the_learning_staleness_cells_run_at_the_k_star_their_lag_map_picked(tmp_path):
+    """`docs/results/learning/command.sh lagmap` then `staleness` (a recording `python`, which runs `python -c`): the
+    lag map sweeps the naive arm and MiniRL at k = 0, 1, 2, 4 from the sigmoid rung's map starts in the regime, then
+    its report and k*; the cells are refused in one line before any start or run until k_star.json exists, then run at
+    k* and at 0 from the family's starts, seed 0 before seed 1, with the async study's arms."""
+    env, log = recording_python(tmp_path)
+    fake = Path(env["PATH"].split(":")[0]) / "python"
+    fake.write_text(
+        f'#!/usr/bin/env bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\n' + fake.read_text().split("\n", 1)[1]
+    )
+    sigmoid, softmax = "glm4_moe_l16-addition-balanced-target-t1000", "qwen30b_l16-addition-balanced-t1000"
+    starts = tmp_path / "starts"
+    for recipe in (sigmoid, softmax):
+        for k in range(13):
+            folder = starts / (recipe if k == 0 else f"{recipe}-start{k}")
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text("{}")
+            (folder / "cold_start.json").write_text(json.dumps({"reached_target": True}))
+    regime = ["trainer.lr=3e-05", "trainer.prompts_per_step=32", "trainer.steps=400"]
+    (tmp_path / "regime.json").write_text(json.dumps({"lever": "extension", "overrides": regime}))
+    script = RESULTS / "learning" / "command.sh"
+    k_star = tmp_path / "k_star.json"
+    env = {**env, "COLD_STARTS": str(starts), "REGIME": str(tmp_path / "regime.json"), "K_STAR": str(k_star)}
+    refused = subprocess.run(["bash", str(script), "staleness"], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: ") and "k_star.json" in refused.stderr
+    assert not calls_in(log)
+    mapped = subprocess.run(["bash", str(script), "lagmap"], env=env, capture_output=True, text=True)
+    assert mapped.returncode == 0, mapped.stderr
+    calls = calls_in(log)
+    assert [call[:2] for call in calls] == [["-m", "experiments.train"], ["-m", "analysis.report"]] + [
+        ["-m", "analysis.staleness_lag"]
+    ]
+    lag_map = calls[0]
+    assert {"experiment=learning_staleness", "rollout.lag=0,1,2,4", *regime} <= set(lag_map)
+    paths = next(arg for arg in lag_map if arg.startswith("model.path=")).split("=", 1)[1].split(",")
+    assert [Path(path).name for path in paths] == [sigmoid, f"{sigmoid}-start1", f"{sigmoid}-start2"]
+    log.unlink()
+    k_star.write_text(json.dumps({"k_star": 2}))
+    done = subprocess.run(["bash", str(script), "staleness"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    trains = [call for call in calls_in(log) if call[:2] == ["-m", "experiments.train"]]
+
+    def setting(call: list[str], key: str) -> str:
+        return next(arg.split("=", 1)[1] for arg in call if arg.startswith(key + "="))
+
+    assert [(setting(call, "hydra.sweeper.params.seed"), setting(call, "rollout.lag")) for call in trains] == [
+        ("0", "2"),
+        ("0", "0"),
+        ("1", "2"),
+        ("1", "0"),
+    ]
+    assert setting(trains[0], "hydra.sweeper.params.arm") == "grpo_naive_async,grpo_decoupled,minirl,minirl_r3,gspo"
+    assert setting(trains[1], "hydra.sweeper.params.arm") == "grpo_decoupled,minirl,gspo"
+    used = [Path(path).name for path in setting(trains[0], "model.path").split(",")]
+    assert used == [f"{sigmoid}-start{k}" for k in range(3, 13)]

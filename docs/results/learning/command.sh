@@ -11,6 +11,16 @@
 #                                             then seed 1: on the sigmoid + bias rung GRPO, GSPO, GRPO + R2, GRPO + R3
 #                                             and GRPO + PR2 at predictor lr_scale 1 and 1e4; on the softmax rung GRPO
 #                                             and GSPO; a report per rung, then every result's baseline
+#   docs/results/learning/command.sh lagmap   the lag map that picks k*: the naive asynchronous arm and MiniRL at
+#                                             k = 0, 1, 2, 4 on the sigmoid + bias rung from the learnability map's
+#                                             starts 0-2, seed 100, the fp32 engine; its report, then k* by the old rule
+#                                             (python -m analysis.staleness_lag: lagmap/k_star.json)
+#   docs/results/learning/command.sh staleness   the staleness cells at k = 0 and k* (lagmap/k_star.json: refused in
+#                                             one line until it exists) from the sigmoid rung's family starts, seed 0
+#                                             on every start before seed 1: GRPO (π_old = μ_old), GRPO + TIS, MiniRL,
+#                                             MiniRL + R3 and GSPO at k*, GRPO + TIS, MiniRL and GSPO at 0; their
+#                                             report, then the declared family of nine (family.yaml) once the
+#                                             synchronous reports are there too
 # Every sweep resumes (resume=auto): run again, a command goes on where it stopped. One run at a time on one thread
 # (hydra.launcher.n_jobs=2 in the arguments runs two side by side). Extra arguments after the mode are run
 # overrides, passed to every sweep; any but hydra.launcher.n_jobs makes other runs than the documented ones, whose
@@ -19,11 +29,16 @@ set -euo pipefail
 source "$(dirname "$0")/../args.sh"
 mode=${1:-}
 shift || true
-[[ $mode == starts || $mode == sync ]] || refuse "mode '$mode' is not one of: starts, sync"
+[[ $mode == starts || $mode == sync || $mode == lagmap || $mode == staleness ]] ||
+  refuse "mode '$mode' is not one of: starts, sync, lagmap, staleness"
 check_run_overrides "$@"
 destinations learning --threads-pinned "$@"
 cd "$(dirname "$0")/../../.."
-if [[ $mode == sync ]]; then
+k_star_file=${K_STAR:-$results_home/lagmap/k_star.json}  # the lag map's k* (a test's own elsewhere)
+if [[ $mode == staleness && ! -f $k_star_file ]]; then
+  refuse "$k_star_file does not exist: the staleness cells run at the k* the lag map picks (command.sh lagmap)"
+fi
+if [[ $mode != starts ]]; then
   regime_file=${REGIME:-docs/results/learnability/map/regime.json}  # the rule's choice (a test's own elsewhere)
   [[ -f $regime_file ]] ||
     refuse "$regime_file does not exist: the family runs in the regime the learnability map's rule chose, which" \
@@ -53,23 +68,49 @@ family_starts() {  # family_starts RECIPE: the family's starts of RECIPE, comma-
   (IFS=,; echo "${found[*]}")
 }
 
-sweep() {  # sweep NAME RUNG PATHS OVERRIDES...: a sweep of RUNG from the starts PATHS in the regime, resumed if begun
-  local name=$1 rung=$2 paths=$3
-  shift 3
-  python -m experiments.train -m experiment=learning_family "hydra.sweeper.params.model=$rung" "model.path=$paths" \
+sweep() {  # sweep EXPERIMENT NAME RUNG PATHS OVERRIDES...: a sweep of RUNG from the starts PATHS in the regime
+  local experiment=$1 name=$2 rung=$3 paths=$4
+  shift 4
+  python -m experiments.train -m "experiment=$experiment" "hydra.sweeper.params.model=$rung" "model.path=$paths" \
     "${regime[@]}" hydra.launcher.n_jobs=1 "hydra.sweep.dir=$sweeps_home/$name" resume=auto "$@"
 }
+
+if [[ $mode == lagmap ]]; then
+  $starts --starts 3 $sigmoid
+  paths=$PWD/$($starts --path 0 $sigmoid),$PWD/$($starts --path 1 $sigmoid),$PWD/$($starts --path 2 $sigmoid)
+  sweep learning_staleness lagmap_glm4_moe_l16 glm4_moe_l16 "$paths" rollout.lag=0,1,2,4 "$@"
+  python -m analysis.report "$sweeps_home/lagmap_glm4_moe_l16" --out "$results_home/lagmap/glm4_moe_l16"
+  python -m analysis.staleness_lag "$results_home/lagmap/glm4_moe_l16" --out "$results_home/lagmap"
+  exit 0
+fi
 
 sigmoid_starts=$(family_starts $sigmoid)
 softmax_starts=$(family_starts $softmax)
 [[ $mode == starts ]] && exit 0
+if [[ $mode == staleness ]]; then
+  k=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["k_star"])' "$k_star_file")
+  for seed in 0 1; do
+    sweep learning_staleness staleness_glm4_moe_l16_lag${k}_s$seed glm4_moe_l16 "$sigmoid_starts" \
+      "hydra.sweeper.params.seed=$seed" "rollout.lag=$k" \
+      "hydra.sweeper.params.arm=grpo_naive_async,grpo_decoupled,minirl,minirl_r3,gspo" "$@"
+    sweep learning_staleness staleness_glm4_moe_l16_lag0_s$seed glm4_moe_l16 "$sigmoid_starts" \
+      "hydra.sweeper.params.seed=$seed" rollout.lag=0 \
+      "hydra.sweeper.params.arm=grpo_decoupled,minirl,gspo" "$@"
+  done
+  python -m analysis.report "$sweeps_home"/staleness_glm4_moe_l16_* --out "$results_home/staleness/glm4_moe_l16"
+  [[ -d $results_home/sync/glm4_moe_l16 && -d $results_home/sync/qwen30b_l16 ]] || exit 0
+  python -m analysis.family --family docs/results/learning/family.yaml \
+    --table "sigmoid=$results_home/sync/glm4_moe_l16" --table "softmax=$results_home/sync/qwen30b_l16" \
+    --table "staleness=$results_home/staleness/glm4_moe_l16" --lag "$k" --out "$results_home/family"
+  exit 0
+fi
 # Seed outermost: a command stopped part-way leaves seed 0 on every start before any seed 1.
 for seed in 0 1; do
-  sweep sync_glm4_moe_l16_s$seed glm4_moe_l16 "$sigmoid_starts" "hydra.sweeper.params.seed=$seed" \
+  sweep learning_family sync_glm4_moe_l16_s$seed glm4_moe_l16 "$sigmoid_starts" "hydra.sweeper.params.seed=$seed" \
     "hydra.sweeper.params.arm=grpo,gspo,grpo_r2,grpo_r3" "$@"
-  sweep sync_glm4_moe_l16_pr2_s$seed glm4_moe_l16 "$sigmoid_starts" "hydra.sweeper.params.seed=$seed" \
+  sweep learning_family sync_glm4_moe_l16_pr2_s$seed glm4_moe_l16 "$sigmoid_starts" "hydra.sweeper.params.seed=$seed" \
     hydra.sweeper.params.arm=grpo_pr2 routing_variant.lr_scale=1,10000 "$@"
-  sweep sync_qwen30b_l16_s$seed qwen30b_l16 "$softmax_starts" "hydra.sweeper.params.seed=$seed" "$@"
+  sweep learning_family sync_qwen30b_l16_s$seed qwen30b_l16 "$softmax_starts" "hydra.sweeper.params.seed=$seed" "$@"
 done
 python -m analysis.report "$sweeps_home"/sync_glm4_moe_l16_* --out "$results_home/sync/glm4_moe_l16"
 python -m analysis.report "$sweeps_home"/sync_qwen30b_l16_s* --out "$results_home/sync/qwen30b_l16"
