@@ -37,16 +37,9 @@ from experiments.step.metrics import (
 )
 from experiments.step.old_policy import Recompute
 from experiments.step.sources import SamplingRun, concurrent
-from experiments.step.sources.concurrent import (
-    Batch,
-    ConcurrentSource,
-    Sampler,
-    SamplerFailed,
-    Shared,
-    WorkerSettings,
-    check_batch,
-)
+from experiments.step.sources.concurrent import Batch, ConcurrentSource, Sampler, SamplerFailed, Shared, WorkerSettings
 from experiments.step.sources.overflow import OVERFLOW_POLICIES, Verdict
+from experiments.step.sources.workers import check_batch
 from experiments.step.trainer import RLTrainer
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
