@@ -24,10 +24,10 @@ from experiments.config import PROJECT_ROOT
 from experiments.step.batch import draw_examples, step_seed
 from experiments.step.checks import check_run
 from experiments.step.metrics import DROPPED_BATCHES, PAST_BOUND_ROWS, STALENESS_MAX, STALENESS_MEAN, STEP
-from experiments.step.trainer import RLTrainer
 from experiments.tasks import build_task
 from experiments.train import train
 from models.registry import ConfigError, node_settings
+from tests import test_concurrent as concurrent_tests
 from tests.conftest import MICRO_RUN
 from tests.test_concurrent import ends_failed
 from tests.test_reliability import one_line, wait_for_lines
@@ -116,41 +116,30 @@ def cluster():
             pass
 
 
-class Watched:
-    """A Ray run's served batches by step, the batches handed to each actor, and a slow trainer (so that the actors
-    run ahead as far as the policy lets them)."""
+class Watched(concurrent_tests.Watched):
+    """A Ray run watched as a local one is (its served batches by step, a slow trainer, so that the actors run ahead
+    as far as the policy lets them), and the batches handed to each actor."""
 
     def __init__(self, monkeypatch, update_s: float = 0.2) -> None:
         from experiments.step.sources.ray_transport import RaySource
 
-        self.served: dict[int, object] = {}
+        super().__init__(monkeypatch, update_s=update_s, source=RaySource)
         self.handed: list[tuple[int, int]] = []  # (actor, batch)
         self.sources: list[RaySource] = []
         watched = self
-        real_take, real_hand_out, real_update = RaySource.take, RaySource._hand_out, RLTrainer.update
-        real_start = RaySource._start
+        real_hand_out, real_start = RaySource._hand_out, RaySource._start
 
         def start(source, step):
             watched.sources.append(source)
             real_start(source, step)
-
-        def take(source, step, seed):
-            watched.served[step] = served = real_take(source, step, seed)
-            return served
 
         def hand_out(source):
             before = dict(source.calls)
             real_hand_out(source)
             watched.handed += [call for reference, call in source.calls.items() if reference not in before]
 
-        def update(trainer, mb, old):
-            time.sleep(update_s)
-            return real_update(trainer, mb, old)
-
         monkeypatch.setattr(RaySource, "_start", start)
-        monkeypatch.setattr(RaySource, "take", take)
         monkeypatch.setattr(RaySource, "_hand_out", hand_out)
-        monkeypatch.setattr(RLTrainer, "update", update)
 
 
 # -- before any work -----------------------------------------------------------------------------------------------

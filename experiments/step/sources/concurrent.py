@@ -1,6 +1,9 @@
 """The concurrent source (`rollout.source=concurrent`, the throughput mode): a worker process samples the next steps'
 rollouts while the trainer updates, with weights `rollout.max_staleness` = B versions behind θ_old at most, past which
-`rollout.overflow` says what happens (`experiments.step.sources.overflow`: wait, drop or count).
+`rollout.overflow` says what happens (`experiments.step.sources.overflow`: wait, drop or count). This module is its
+local transport (`rollout.transport=local`, the default): one worker process and shared memory. What the transports
+share (the settings' checks, the trainer's side of a step, the worker's engine) is `experiments.step.sources.workers`;
+Ray actors as the workers are `experiments.step.sources.ray_transport`.
 
 Versions. A version is the weights after one RL step (`experiments.step.versions`): step t trains from θ_old =
 version t − 1. After each step the trainer publishes its weights as version t, into tensors in shared memory beside a
