@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -45,22 +46,30 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def actors_alive() -> list[int]:
-    """The pids of this machine's processes that are Ray actors of the Ray transport."""
+class Cluster(NamedTuple):
+    address: str  # host:port of its head
+    session: int  # the session id of its processes (the head's pid): its actors' too, and no other test's
+
+
+def actors_alive(cluster: Cluster) -> list[int]:
+    """The pids of the cluster's processes that are Ray actors of the Ray transport (another test process's cluster,
+    under pytest-xdist, is another session)."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if cmdline.read_bytes().startswith(ACTOR.encode()):
-                found.append(int(cmdline.parent.name))
-        except OSError:
+            session = int(stat.read_text().rsplit(")", 1)[1].split()[3])
+            if session == cluster.session and (stat.parent / "cmdline").read_bytes().startswith(ACTOR.encode()):
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
             continue
     return found
 
 
-def no_actor_left(within: float = 30.0) -> bool:
-    """Whether every actor process has exited, waiting up to `within` seconds for the ones Ray is still stopping."""
+def no_actor_left(cluster: Cluster, within: float = 30.0) -> bool:
+    """Whether every actor process of the cluster has exited, waiting up to `within` seconds for the ones Ray is still
+    stopping."""
     deadline = time.time() + within
-    while actors_alive():
+    while actors_alive(cluster):
         if time.time() > deadline:
             return False
         time.sleep(0.2)
@@ -70,7 +79,7 @@ def no_actor_left(within: float = 30.0) -> bool:
 @pytest.fixture(scope="module")
 def cluster():
     """A Ray head on this machine with 2 CPUs, in a session of its own, stopped (with every process it started) when
-    the module's tests are done; its address."""
+    the module's tests are done."""
     if not HAS_RAY:
         pytest.skip("Ray is not installed: pip install -e '.[ray]' (make test does)")
     port = free_port()
@@ -105,7 +114,7 @@ def cluster():
             if head.poll() is not None or time.time() > deadline:
                 raise AssertionError(f"the Ray head did not start: {head.stderr.read().decode()[-2000:]}") from None
             time.sleep(0.2)
-    yield address
+    yield Cluster(address, head.pid)
     head.send_signal(signal.SIGTERM)  # `ray start --block` stops its node's processes on SIGTERM
     try:
         head.wait(30)
@@ -211,7 +220,7 @@ def test_the_ray_transport_without_ray_names_the_extra_to_install(tmp_path, monk
 
 def test_a_cluster_too_small_for_the_actors_is_refused_before_the_first_step(tmp_path, cluster):
     with pytest.raises(SystemExit, match=r"rollout.ray.workers=3 x rollout.ray.worker_cpus=1.0 needs 3 CPUs, and the "):
-        train(compose_train(*RAY, f"rollout.ray.address={cluster}", "rollout.ray.workers=3"), tmp_path / "run")
+        train(compose_train(*RAY, f"rollout.ray.address={cluster.address}", "rollout.ray.workers=3"), tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -227,7 +236,12 @@ def test_the_bound_and_each_policy_hold_across_the_actors(tmp_path, monkeypatch,
     once, in order, and with two actors both sample: disjoint rows, as whichever actor samples batch b draws the
     prompts seeded from (seed, b), the synchronous step b's, so no two batches share a seed."""
     watched = Watched(monkeypatch)
-    overrides = [*RAY, f"rollout.ray.address={cluster}", f"rollout.ray.workers={workers}", f"rollout.overflow={policy}"]
+    overrides = [
+        *RAY,
+        f"rollout.ray.address={cluster.address}",
+        f"rollout.ray.workers={workers}",
+        f"rollout.overflow={policy}",
+    ]
     cfg = compose_train(*overrides, "rollout.max_staleness=1", "trainer.steps=4")
     summary = train(cfg, tmp_path / "run")
     logged = read_metrics(tmp_path / "run")
@@ -254,8 +268,8 @@ def test_the_bound_and_each_policy_hold_across_the_actors(tmp_path, monkeypatch,
         batch = step + sum(row[DROPPED_BATCHES] for row in logged[:step])
         drawn = draw_examples(examples, 4, torch.Generator().manual_seed(step_seed(cfg.seed, batch, 0)))
         assert [e.prompt for e in served.rollout.examples] == [e.prompt for e in drawn for _ in range(4)], step
-    assert f"{workers} Ray actor(s) on the Ray cluster at {cluster}" in summary["rollouts"]
-    assert no_actor_left(), "the run's end stopped its actors"
+    assert f"{workers} Ray actor(s) on the Ray cluster at {cluster.address}" in summary["rollouts"]
+    assert no_actor_left(cluster), "the run's end stopped its actors"
 
 
 # -- how a run with actors ends --------------------------------------------------------------------------------------
@@ -277,12 +291,12 @@ def test_a_killed_actor_ends_the_run_in_one_line_with_its_log_whole_and_no_actor
 
     monkeypatch.setattr(RaySource, "publish", publish_then_kill)
     with pytest.raises(SystemExit) as ended:
-        train(compose_train(*RAY, f"rollout.ray.address={cluster}", "trainer.steps=6"), tmp_path / "run")
+        train(compose_train(*RAY, f"rollout.ray.address={cluster.address}", "trainer.steps=6"), tmp_path / "run")
     logged = ends_failed(
         tmp_path, ended, r"the concurrent sampler's Ray worker 0 died while step \d waited for its rollouts"
     )
     assert len(logged) >= 2 and not watched.sources[0].actors
-    assert no_actor_left()
+    assert no_actor_left(cluster)
 
 
 @pytest.mark.slow
@@ -305,14 +319,14 @@ def test_an_actor_that_raises_ends_the_run_in_one_line_naming_its_error(tmp_path
 
     monkeypatch.setattr(RaySource, "_put", put_a_broken_version)
     with pytest.raises(SystemExit) as ended:
-        train(compose_train(*RAY, f"rollout.ray.address={cluster}", "trainer.steps=6"), tmp_path / "run")
+        train(compose_train(*RAY, f"rollout.ray.address={cluster.address}", "trainer.steps=6"), tmp_path / "run")
     ends_failed(
         tmp_path,
         ended,
         r"the concurrent sampler's Ray worker 0 failed while sampling batch \d: RuntimeError: Error\(s\) in loading "
         r"state_dict for \w+: .* \(module.py:\d+\)",
     )
-    assert no_actor_left()
+    assert no_actor_left(cluster)
 
 
 @pytest.mark.slow
@@ -323,10 +337,10 @@ def test_a_version_that_goes_backwards_is_refused(tmp_path, monkeypatch, cluster
     real_publish = RaySource.publish
     monkeypatch.setattr(RaySource, "publish", lambda source, step: real_publish(source, 0 if step == 3 else step))
     with pytest.raises(SystemExit) as ended:
-        train(compose_train(*RAY, f"rollout.ray.address={cluster}", "trainer.steps=6"), tmp_path / "run")
+        train(compose_train(*RAY, f"rollout.ray.address={cluster.address}", "trainer.steps=6"), tmp_path / "run")
     logged = ends_failed(tmp_path, ended, "weight version 0 was published after version 2: versions only grow")
     assert len(logged) == 2, "step 3 publishes before its record is committed"
-    assert no_actor_left()
+    assert no_actor_left(cluster)
 
 
 @pytest.mark.slow
@@ -338,7 +352,7 @@ def test_sigterm_to_the_trainer_stops_every_actor(tmp_path, cluster):
             "experiments.train",
             *MICRO_RUN,
             *RAY,
-            f"rollout.ray.address={cluster}",
+            f"rollout.ray.address={cluster.address}",
             "rollout.ray.workers=2",
             "trainer.steps=500",
             f"hydra.run.dir={tmp_path}",
@@ -349,11 +363,11 @@ def test_sigterm_to_the_trainer_stops_every_actor(tmp_path, cluster):
         cwd=PROJECT_ROOT,
     )
     wait_for_lines(tmp_path / "metrics.jsonl", 2, proc, timeout=300)
-    assert len(actors_alive()) == 2
+    assert len(actors_alive(cluster)) == 2
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143
     assert "interrupted by SIGTERM after" in one_line(stderr)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps"] == len(read_metrics(tmp_path)) >= 2
-    assert no_actor_left(), "an actor outlived its trainer"
+    assert no_actor_left(cluster), "an actor outlived its trainer"
