@@ -343,8 +343,23 @@ def test_a_version_that_goes_backwards_is_refused(tmp_path, monkeypatch, cluster
     assert no_actor_left(cluster)
 
 
+def session_processes(session: int) -> list[str]:
+    """The command lines of the processes in session `session`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == session:
+                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@needs_ray
 @pytest.mark.slow
-def test_sigterm_to_the_trainer_stops_every_actor(tmp_path, cluster):
+def test_sigterm_to_the_trainer_stops_every_actor_and_the_ray_instance_it_started(tmp_path):
+    """`rollout.ray.address` null: the run starts a Ray instance of its own (whose SIGTERM handler would exit without
+    the summary); SIGTERM ends the run as interrupted, and leaves no process of its session: no actor, no Ray."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -352,7 +367,6 @@ def test_sigterm_to_the_trainer_stops_every_actor(tmp_path, cluster):
             "experiments.train",
             *MICRO_RUN,
             *RAY,
-            f"rollout.ray.address={cluster.address}",
             "rollout.ray.workers=2",
             "trainer.steps=500",
             f"hydra.run.dir={tmp_path}",
@@ -361,13 +375,17 @@ def test_sigterm_to_the_trainer_stops_every_actor(tmp_path, cluster):
         stderr=subprocess.PIPE,
         text=True,
         cwd=PROJECT_ROOT,
+        start_new_session=True,  # the trainer's session holds the Ray instance it starts, and its actors
     )
     wait_for_lines(tmp_path / "metrics.jsonl", 2, proc, timeout=300)
-    assert len(actors_alive(cluster)) == 2
+    assert len(actors_alive(Cluster("", proc.pid))) == 2
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143
     assert "interrupted by SIGTERM after" in one_line(stderr)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps"] == len(read_metrics(tmp_path)) >= 2
-    assert no_actor_left(cluster), "an actor outlived its trainer"
+    deadline = time.time() + 30
+    while (left := session_processes(proc.pid)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left behind: {left}"
