@@ -18,7 +18,7 @@ LOCK := constraints.txt
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install --quiet -c $(LOCK) torch
-	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev,reasoning]'
+	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev,reasoning,ray]'
 	@touch $@
 
 install: $(STAMP)
@@ -27,7 +27,7 @@ install: $(STAMP)
 # and a passing `make test`, never as a side effect of an install. It covers every extra make installs (the
 # provenance's LOCKED_EXTRAS: `make bench`'s too), so those go into .venv first, at the versions the lock holds.
 constraints: $(STAMP)
-	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev,reasoning,bench]'
+	$(VENV)/bin/pip install --quiet -c $(LOCK) -e '.[dev,reasoning,bench,ray]'
 	$(PY) -m experiments.run.provenance > $(LOCK).new && mv $(LOCK).new $(LOCK)
 
 # Test processes side by side (pytest-xdist); each test computes on one thread, so one per core. The slowest

@@ -114,6 +114,17 @@ class VLLMConfig:
 
 
 @dataclass
+class RayConfig:
+    """The concurrent source's Ray transport (`rollout.transport=ray`; `experiments.step.sources.ray_transport`)."""
+
+    # The Ray cluster's address as `ray start --head` prints it (host:port, on this machine or another host); null: a
+    # Ray instance of the run's own on this machine, started with the run and stopped at its end.
+    address: str | None = None
+    workers: int = 1  # rollout actors, each an engine of its own sampling batches of its own (disjoint rows)
+    worker_cpus: float = 1.0  # the CPUs Ray reserves for each actor (its torch ops run on one thread)
+
+
+@dataclass
 class RolloutConfig(EngineNumerics):
     """The rollout engine: what samples the completions and reports their log-probs μ_old (and routing). With every
     numerics setting (`EngineNumerics`: precision, weight_quant, router_noise) off the HF engine samples with the
@@ -142,6 +153,11 @@ class RolloutConfig(EngineNumerics):
     # worker holds a queue of max_staleness + 1 batches; a batch past the bound is dropped, counted, never trained) or
     # count (the same queue; a batch past the bound is trained and its rows counted).
     overflow: str = "wait"
+    # How the concurrent source's worker and the trainer exchange weights and batches: local (one worker process on
+    # this machine, through shared memory and a pipe) or ray (`ray.workers` Ray actors, on this machine or a
+    # cluster's, the weights published once per version into Ray's object store: docs/async.md).
+    transport: str = "local"
+    ray: RayConfig = field(default_factory=RayConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

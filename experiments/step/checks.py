@@ -31,6 +31,7 @@ from experiments.step.engines import ENGINES, EngineNumerics, Needs, RolloutEngi
 from experiments.step.memory import GIB, StepMemory, available_bytes, step_memory
 from experiments.step.plan import PiOld, Replay, StepPlan, plan_step
 from experiments.step.sources import ROLLOUT_SOURCES, RolloutSource
+from experiments.step.sources.base import as_written, off_default
 from experiments.tasks import Example, Task, build_task
 from models.policy import DTYPES, SIGMOID_FAMILIES, ModelConfig, is_moe, model_config
 from models.registry import ConfigError, node_settings
@@ -184,14 +185,13 @@ def check_rollout_source(rollout: Any, world: int, steps: int) -> type[RolloutSo
     if rollout.source not in ROLLOUT_SOURCES:
         raise ConfigError(f"rollout.source={rollout.source} is not one of {', '.join(ROLLOUT_SOURCES)}")
     source = ROLLOUT_SOURCES[rollout.source]
-    schema = OmegaConf.get_type(rollout) if isinstance(rollout, DictConfig) else None
-    defaults = {f.name: f.default for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
     for name, other in ROLLOUT_SOURCES.items():
         for key in other.settings if other is not source else ():
-            if key in defaults and rollout[key] != defaults[key]:
+            if (found := off_default(rollout, key)) is not None:
+                value, default = map(as_written, found)
                 raise ConfigError(
-                    f"rollout.{key}={rollout[key]} is a setting of rollout.source={name}, and this run's source is "
-                    f"{source.name}: use rollout.source={name}, or leave rollout.{key} at {defaults[key]}"
+                    f"rollout.{key}={value} is a setting of rollout.source={name}, and this run's source is "
+                    f"{source.name}: use rollout.source={name}, or leave rollout.{key} at {default}"
                 )
     source.check(rollout, world, steps)
     return source

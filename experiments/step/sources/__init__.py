@@ -3,8 +3,8 @@
 `sources.base` is the interface (`RolloutSource`, what a source is given: `SourceInputs`) and the registry
 `ROLLOUT_SOURCES`; each source is one module that registers itself when imported here: `synchronous` (the engine
 samples each step in the step, the default), `lagged` (the same engine exactly `rollout.lag` versions behind θ_old)
-and `concurrent` (a worker process samples while the trainer updates, at most `rollout.max_staleness` behind, past
-which `rollout.overflow` says what happens: `sources.overflow`).
+and `concurrent` (a worker process, or Ray actors: `rollout.transport`, samples while the trainer updates, at most
+`rollout.max_staleness` behind, past which `rollout.overflow` says what happens: `sources.overflow`).
 """
 
 from experiments.step.sources.base import ROLLOUT_SOURCES, RolloutSource, SamplingRun, SourceInputs

@@ -11,12 +11,14 @@ versions) and its random streams are its own to hand a checkpoint (`held`, `rest
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.step.batch import Rollout, Served
 from experiments.step.engines import EngineFactory, EngineNumerics, RolloutEngine, Sampling
@@ -60,8 +62,9 @@ class RolloutSource(ABC):
     class methods read at start-up and the checkpoint's have defaults it may extend."""
 
     name: ClassVar[str] = "source"  # the registry key, set by `ROLLOUT_SOURCES.register`
-    # The `rollout` settings that are this source's own: under another source one set off its schema default would
-    # change nothing, and is refused (`experiments.step.checks.check_rollout_source`).
+    # The `rollout` settings that are this source's own (dotted within `rollout`: `ray.workers`): under another
+    # source one set off its schema default would change nothing, and is refused
+    # (`experiments.step.checks.check_rollout_source`).
     settings: ClassVar[tuple[str, ...]] = ()
     # Its engine samples with the trainer's model as the trainer built it, with the route predictors PR2 adds to it
     # (`routing_variant=predictive`); a worker builds its model from the config, without them.
@@ -121,6 +124,27 @@ class RolloutSource(ABC):
     def generators(self) -> dict[str, torch.Generator]:
         """The random streams of what samples in this process, by name, saved with each rank's in checkpoints."""
         return {}
+
+
+def off_default(rollout: Any, key: str) -> tuple[Any, Any] | None:
+    """`rollout`'s setting `key` (dotted within it: `ray.workers`) and its schema default, where the two differ;
+    None where it is at its default, or `rollout` has no schema to say one (a plain mapping, a test's)."""
+    node_key, _, name = key.rpartition(".")
+    node = OmegaConf.select(rollout, node_key) if node_key else rollout
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if not dataclasses.is_dataclass(schema):
+        return None
+    for field in dataclasses.fields(schema):
+        if field.name == name:
+            default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+            value = node[name]
+            return None if value == default else (value, default)
+    return None
+
+
+def as_written(value: Any) -> str:
+    """A setting's value as an override writes it (null, not None)."""
+    return "null" if value is None else str(value)
 
 
 ROLLOUT_SOURCES: Registry[RolloutSource] = Registry("rollout source", RolloutSource, fields_are_parameters=False)

@@ -1,6 +1,9 @@
 """The concurrent source (`rollout.source=concurrent`, the throughput mode): a worker process samples the next steps'
 rollouts while the trainer updates, with weights `rollout.max_staleness` = B versions behind θ_old at most, past which
-`rollout.overflow` says what happens (`experiments.step.sources.overflow`: wait, drop or count).
+`rollout.overflow` says what happens (`experiments.step.sources.overflow`: wait, drop or count). This module is its
+local transport (`rollout.transport=local`, the default): one worker process and shared memory. What the transports
+share (the settings' checks, the trainer's side of a step, the worker's engine) is `experiments.step.sources.workers`;
+Ray actors as the workers are `experiments.step.sources.ray_transport`.
 
 Versions. A version is the weights after one RL step (`experiments.step.versions`): step t trains from θ_old =
 version t − 1. After each step the trainer publishes its weights as version t, into tensors in shared memory beside a
@@ -62,32 +65,18 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from experiments.ranks import Ranks
-from experiments.step import metrics as m
-from experiments.step.batch import Rollout, Served, collect_rollout, draw_examples, step_seed
-from experiments.step.engines import HFEngine, RolloutEngine
-from experiments.step.sources.base import ROLLOUT_SOURCES, RolloutSource, SamplingRun, SourceInputs
-from experiments.step.sources.overflow import OVERFLOW_POLICIES, OverflowPolicy, Verdict
+from experiments.step.sources.base import ROLLOUT_SOURCES, SamplingRun, SourceInputs
+from experiments.step.sources.overflow import OVERFLOW_POLICIES, OverflowPolicy
+from experiments.step.sources.workers import POLL_S, Batch, Concurrent, SamplerFailed, WorkerEngine, one_line
 from experiments.step.versions import Weights
-from experiments.tasks import build_task
-from models.policy import build_policy
-from models.registry import ConfigError, RunFailed
 
-POLL_S = 0.5  # how often a process blocked on the other checks that the other still lives
 CLOSE_S = 10.0  # how long a stopped worker may take to exit before it is killed
-
-
-class SamplerFailed(RunFailed):
-    """The concurrent sampler cannot serve the run: its worker raised or died, or a batch failed the trainer's checks.
-    The run ends in one line, with status failed (`experiments.run.life`)."""
 
 
 @dataclass(frozen=True)
@@ -139,17 +128,6 @@ class Shared:
         return True
 
 
-@dataclass(frozen=True)
-class Batch:
-    """One batch of rollouts as the worker sends them, every row stamped with the version that sampled it."""
-
-    index: int  # the worker's count: under wait and count the step it is for
-    rollout: Rollout
-    versions: torch.Tensor  # [N]
-    sample_s: float  # the seconds the worker spent sampling it
-    wait_s: float  # and waiting for its policy's gate before it
-
-
 def acquire(lock: Any, alive: Callable[[], bool]) -> bool:
     """Acquire `lock`, checking every `POLL_S` that the other process still lives (one killed while it held the lock
     never releases it); False when it does not."""
@@ -157,36 +135,6 @@ def acquire(lock: Any, alive: Callable[[], bool]) -> bool:
         if not alive():
             return False
     return True
-
-
-def check_batch(batch: Batch, expected: int, step: int, previous: int | None) -> None:
-    """Refuse, naming what is wrong, a batch that step `step` must not take: another than batch `expected`, the one
-    that comes next, or stamped with a version the trainer has not published or with one older than the batch before
-    it (`previous`: its version)."""
-    oldest, newest = int(batch.versions.min()), int(batch.versions.max())
-    if batch.index != expected:
-        raise SamplerFailed(f"the concurrent sampler sent batch {batch.index} when step {step} needed batch {expected}")
-    if newest > step - 1:
-        raise SamplerFailed(
-            f"step {step}'s rollouts are stamped with weight version {newest}, which the trainer has "
-            f"not published: θ_old is version {step - 1}"
-        )
-    if previous is not None and oldest < previous:
-        raise SamplerFailed(
-            f"the weight version went backwards: step {step}'s rollouts were sampled with version "
-            f"{oldest}, after the batch before's with version {previous}"
-        )
-
-
-def slipped_through(batch: Batch, step: int, bound: int) -> str:
-    """Why a batch past a bound that the worker's gate should have held ends the run."""
-    oldest = int(batch.versions.min())
-    stale = int((step - 1 - batch.versions > bound).sum())
-    return (
-        f"{stale} sample(s) older than rollout.max_staleness={bound} slipped through: step {step} "
-        f"trains from version {step - 1}, and they were sampled with version {oldest}, "
-        f"{step - 1 - oldest} versions behind"
-    )
 
 
 # -- the worker process --------------------------------------------------------------------------------------------
@@ -220,23 +168,13 @@ class Outbox:
                 return
 
 
-class Sampler:
-    """The worker's side: the engine on a model of its own, the task, and the gate its policy sets. `alive` says
-    whether the trainer still lives."""
+class Sampler(WorkerEngine):
+    """The local worker process's side: its engine (`WorkerEngine`), and the gate its policy sets on the versions and
+    takes in shared memory. `alive` says whether the trainer still lives."""
 
     def __init__(self, settings: WorkerSettings, shared: Shared, alive: Callable[[], bool]) -> None:
+        super().__init__(settings.run)
         self.settings, self.shared, self.alive = settings, shared, alive
-        run = settings.run
-        model, tokenizer = build_policy(run.model)
-        # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
-        model.to(run.device).eval()  # type: ignore[arg-type]
-        # Without numbers of its own the engine samples with the worker's module (its "trainer's weights"), into
-        # which each version loads; with them it keeps its own copy, cast and quantized again at each load.
-        self.engine: RolloutEngine = run.engines(model, tokenizer, Ranks(), on_model=run.engines.can_sample_on())
-        self.task = build_task(**run.dataset)
-        self.examples = self.task.examples("train")
-        self.generator = torch.Generator()
-        self.held: int | None = None  # the version the engine holds
 
     def take_weights(self, batch: int) -> float | None:
         """Wait until the policy lets batch `batch` start (`OverflowPolicy.may_start`), then hold the newest version
@@ -248,15 +186,10 @@ class Sampler:
                 return None
             try:
                 newest = shared.version.value
-                if self.held is not None and newest < self.held:
-                    raise SamplerFailed(
-                        f"weight version {newest} was published after version {self.held}: versions only grow"
-                    )
+                self.refuse_backwards(newest)
                 if settings.overflow.may_start(batch, settings.bound, newest, shared.taken.value):
                     waited = time.perf_counter() - start
-                    if newest != self.held:
-                        self.load(shared.weights)
-                        self.held = newest
+                    self.hold(newest, lambda: shared.weights)
                     return waited
             finally:
                 shared.lock.release()
@@ -270,43 +203,12 @@ class Sampler:
         self.shared.news.acquire(timeout=POLL_S)
         return self.alive()
 
-    def load(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """The engine takes `weights` (a full state dict of the run's model)."""
-        if self.engine.shares_trainer_weights:
-            assert isinstance(self.engine, HFEngine)  # the one engine the concurrent source runs (`check`)
-            self.engine.model.load_state_dict(weights)
-        else:
-            self.engine.sync_weights(weights)
-
-    def sample(self, batch: int, waited: float) -> Batch:
-        """Batch `batch`, with the version held: the prompts and the sampling seeded from (seed, batch) as the
-        synchronous loop seeds step `batch` (one rank)."""
-        run = self.settings.run
-        seed = step_seed(run.seed, batch, 0)
-        torch.manual_seed(seed)
-        self.generator.manual_seed(seed)
-        self.engine.reseed(seed)
-        examples = draw_examples(self.examples, run.prompts, self.generator)
-        start = time.perf_counter()
-        rollout = collect_rollout(self.engine, self.task, examples, run.sampling)
-        assert self.held is not None  # `take_weights` held a version before any batch is sampled
-        return Batch(batch, rollout, torch.full((rollout.size,), self.held), time.perf_counter() - start, waited)
-
 
 def parent_alive() -> bool:
     """Whether the trainer that started this worker process still lives."""
     parent = multiprocessing.parent_process()
     assert parent is not None  # asked in the worker, which the trainer started
     return parent.is_alive()
-
-
-def one_line(error: BaseException) -> str:
-    """An error of the worker in one line: a `SamplerFailed`'s message; else its type, message and where it was
-    raised."""
-    if isinstance(error, SamplerFailed):
-        return str(error)
-    where = traceback.extract_tb(error.__traceback__)[-1]
-    return f"{type(error).__name__}: {' '.join(str(error).split())} ({Path(where.filename).name}:{where.lineno})"
 
 
 def serve(settings: WorkerSettings, shared: Shared, connection: Any) -> None:
@@ -335,102 +237,40 @@ def serve(settings: WorkerSettings, shared: Shared, connection: Any) -> None:
 
 
 @ROLLOUT_SOURCES.register("concurrent")
-class ConcurrentSource(RolloutSource):
+class ConcurrentSource(Concurrent):
     """The worker process samples each step's rollouts (module docstring). It starts at the first `take`, holding
     the trainer's weights then (a resumed run's: its checkpoint's), and `close` stops it; a `take` after that starts
     another."""
 
-    settings = ("max_staleness", "overflow")
-    serves_predictors = False  # the worker builds the model from its config, without the predictors PR2 adds
-
     @classmethod
-    def check(cls, rollout: Any, world: int, steps: int) -> None:
-        bound = rollout.max_staleness
-        if bound < 0:
-            raise ConfigError(
-                f"rollout.max_staleness={bound} must be >= 0: the weight versions a sample of the concurrent "
-                "source may be behind θ_old when it is trained (0: its worker waits for every step's weights)"
-            )
-        if rollout.overflow not in OVERFLOW_POLICIES:
-            raise ConfigError(
-                f"rollout.overflow={rollout.overflow} is not one of {', '.join(OVERFLOW_POLICIES)}: what the "
-                "concurrent source does with a batch past rollout.max_staleness (docs/async.md)"
-            )
-        if rollout.engine != "hf":
-            raise ConfigError(
-                f"rollout.source=concurrent samples in a worker process with the hf engine; rollout.engine="
-                f"{rollout.engine} is not supported there: use rollout.engine=hf"
-            )
-        if world > 1:
-            raise ConfigError(
-                f"rollout.source=concurrent runs one worker beside one trainer process, and this run has "
-                f"{world} ranks: use one rank (launch.nproc_per_node=1)"
-            )
+    def build(cls, rollout: Any, given: SourceInputs) -> Concurrent:
+        if rollout.transport == "ray":
+            # local import: it imports Ray, which only a run on that transport needs installed (`check_ray`)
+            from experiments.step.sources.ray_transport import RaySource
 
-    @classmethod
-    def engine_is_trainer(cls, rollout: Any, engine: type[RolloutEngine]) -> bool:
-        return False  # the worker's engine samples with a model of its own
-
-    @classmethod
-    def behind(cls, rollout: Any) -> str | None:
-        return (
-            "the concurrent sampler's engine is a worker process's own copy of the weights, up to "
-            f"{rollout.max_staleness} version(s) behind θ_old"
-        )
-
-    @classmethod
-    def build(cls, rollout: Any, given: SourceInputs) -> ConcurrentSource:
+            return RaySource.build(rollout, given)
         return cls(given.run, rollout.max_staleness, OVERFLOW_POLICIES[rollout.overflow](), given.weights)
 
     def __init__(self, run: SamplingRun, bound: int, overflow: OverflowPolicy, weights: Callable[[], Weights]) -> None:
-        self.run, self.bound, self.overflow, self.weights = run, bound, overflow, weights
+        super().__init__(run, bound, overflow, weights)
         self.process: Any = None
         self.shared: Shared | None = None
         self.inbox: Any = None  # the trainer's end of the worker's pipe
-        self.next_batch = 0  # the index of the batch the worker sends next (its first: the step it starts at)
-        self.previous: int | None = None  # the version the last batch taken was sampled with
 
-    def take(self, step: int, seed: int) -> Served:
-        """Step `step`'s rollouts from the worker, once it has sent them: each batch checked (`check_batch`), counted
-        taken, and trained or dropped as the policy says (`verdict`); the one trained is measured."""
-        if self.process is None:
-            self._start(step)
+    def running(self) -> bool:
+        """Whether the worker runs: from the first `take` to `close`."""
+        return self.process is not None
+
+    def _took(self, batch: int, step: int) -> None:
+        """Count batch `batch` taken by step `step`: under drop and count a room in the worker's queue."""
         assert self.shared is not None  # made with the process, in `_start`
-        dropped, waited = 0, 0.0
-        while True:
-            batch = self._receive(step)
-            check_batch(batch, self.next_batch, step, self.previous)
-            self.next_batch, self.previous = batch.index + 1, int(batch.versions.max())
-            if not self.shared.took(batch.index, self.process.is_alive):
-                raise SamplerFailed(self._death(f"while step {step} took its rollouts"))
-            waited += batch.wait_s
-            past = int((step - 1 - batch.versions > self.bound).sum())
-            verdict = self.overflow.verdict(past)
-            if verdict == Verdict.refuse:
-                raise SamplerFailed(slipped_through(batch, step, self.bound))
-            if verdict == Verdict.train:
-                break
-            dropped += 1
-        staleness = (step - 1 - batch.versions).float()
-        return Served(
-            batch.rollout,
-            batch.versions,
-            batch.sample_s,
-            {
-                m.ENGINE_VERSION: int(batch.versions.min()),
-                m.STALENESS_MEAN: float(staleness.mean()),
-                m.STALENESS_MAX: int(staleness.max()),
-                m.SAMPLER_WAIT_TIME: waited,
-                m.SAMPLE_TIME: batch.sample_s,
-                m.DROPPED_BATCHES: dropped,
-                m.PAST_BOUND_ROWS: past,
-            },
-        )
+        if not self.shared.took(batch, self.process.is_alive):
+            raise SamplerFailed(self._death(f"while step {step} took its rollouts"))
 
     def publish(self, version: int) -> None:
         """Publish the trainer's weights after step `version` as version `version`, and wake the worker (nothing
         without one: the next `take` starts one with the weights then)."""
-        if self.process is None:
+        if not self.running():
             return
         assert self.shared is not None  # made with the process, in `_start`
         if not self.shared.announce(version, self.weights(), self.process.is_alive):
@@ -449,17 +289,9 @@ class ConcurrentSource(RolloutSource):
             self.inbox.close()
         self.shared = self.inbox = None
 
-    def describe(self) -> dict[str, Any]:
-        """What `summary.json` says of the rollouts and their engine."""
-        return {
-            "rollouts": "concurrent: a worker process samples while the trainer updates, with rollout.max_staleness="
-            f"{self.bound}: past the bound it {self.overflow.what} (rollout.overflow={self.overflow.name}); not "
-            "bit-reproducible (which version samples a batch depends on the two processes' timing): experiments "
-            "use rollout.source=lagged",
-            "engine": self.run.engines.engine.name,
-            "engine_numerics": f"the worker's own copy: {self.run.engines.numerics}",
-            "engine_details": {},
-        }
+    def sampler(self) -> str:
+        """What samples, as `describe`'s sentence says it."""
+        return "a worker process samples"
 
     def _start(self, step: int) -> None:
         """Start the worker for the batches of `step` on, holding the trainer's weights now (version step − 1)."""
