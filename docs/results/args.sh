@@ -79,6 +79,17 @@ destinations() {  # destinations NAME [--threads-pinned] OVERRIDES...
   done
 }
 
+# The regime the learnability map's rule chose (docs/results/learnability/map/regime.json; REGIME names another file,
+# a test's own), as run overrides in the array `regime`; refused in one line, naming what runs there, until the rule
+# has written it. Called from the repository's root.
+read_regime() {  # read_regime WHAT
+  local file=${REGIME:-docs/results/learnability/map/regime.json}
+  [[ -f $file ]] ||
+    refuse "$file does not exist: $1 runs in the regime the learnability map's rule chose, which" \
+      "docs/results/learnability/command.sh writes there once the map (and its extension, where run) is whole"
+  read -r -a regime <<<"$(python -c 'import json, sys; print(*json.load(open(sys.argv[1]))["overrides"])' "$file")"
+}
+
 # Run, not sourced: it makes nothing.
 [[ ${BASH_SOURCE[0]} != "$0" ]] ||
   refuse "$0 is sourced by the commands under docs/results, not run (--help: what it checks)"

@@ -18,12 +18,7 @@ shift || true
 check_run_overrides "$@"
 destinations collapse --threads-pinned "$@"
 cd "$(dirname "$0")/../../.."
-regime_file=${REGIME:-docs/results/learnability/map/regime.json}  # the rule's choice (a test's own elsewhere)
-[[ -f $regime_file ]] ||
-  refuse "$regime_file does not exist: the search runs in the regime the learnability map's rule chose, which" \
-    "docs/results/learnability/command.sh writes there once the map (and its extension, where run) is whole"
-regime=$(python -c 'import json, sys; print(*json.load(open(sys.argv[1]))["overrides"])' "$regime_file")
-read -r -a regime <<<"$regime"
+read_regime "the collapse search"
 starts=docs/results/router_starts.sh
 sigmoid=glm4_moe_l16-addition-balanced-target-t1000
 $starts --starts 3 $sigmoid
