@@ -18,10 +18,12 @@
 # object store.
 #
 # The run is one process, not torchrun: rollout.source=concurrent refuses several trainer ranks, Ray transport
-# included (one rank would publish the gathered weights: not built). The actors reserve no GPU, so Ray hides every
-# GPU from them: a run with device=cuda cannot sample under rollout.transport=ray, and the allocation's nodes serve a
-# CPU run. A cluster with token authentication (Ray 2.60's default where a token exists) needs RAY_AUTH_MODE=token
-# and the token (~/.ray/auth_token on a shared home, or RAY_AUTH_TOKEN) in the job's environment.
+# included (one rank would publish the gathered weights: not built). The actors reserve no GPU (rollout.ray has no GPU
+# setting), and Ray 2.60 leaves CUDA_VISIBLE_DEVICES as the node has it for an actor that reserves none: under
+# device=cuda every actor of a node would sample on that node's first GPU, unaccounted for by Ray and untested here
+# (no GPU); the script is rehearsed with a CPU run. A cluster with token authentication (Ray 2.60's default where a
+# token exists) needs RAY_AUTH_MODE=token and the token (~/.ray/auth_token on a shared home, or RAY_AUTH_TOKEN) in the
+# job's environment.
 #SBATCH --job-name=moe-rl-ray
 #SBATCH --nodes=3
 #SBATCH --ntasks-per-node=1
