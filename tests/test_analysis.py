@@ -1398,7 +1398,6 @@ def test_every_declared_family_names_arms_its_experiments_sweep_runs():
             checked.append(path.stem)
     assert checked == [
         "async_map",
-        "collapse_search",
         "deep_long_seeds",
         "deep_long_starts",
         "few_experts",
