@@ -38,14 +38,7 @@ k_star_file=${K_STAR:-$results_home/lagmap/k_star.json}  # the lag map's k* (a t
 if [[ $mode == staleness && ! -f $k_star_file ]]; then
   refuse "$k_star_file does not exist: the staleness cells run at the k* the lag map picks (command.sh lagmap)"
 fi
-if [[ $mode != starts ]]; then
-  regime_file=${REGIME:-docs/results/learnability/map/regime.json}  # the rule's choice (a test's own elsewhere)
-  [[ -f $regime_file ]] ||
-    refuse "$regime_file does not exist: the family runs in the regime the learnability map's rule chose, which" \
-      "docs/results/learnability/command.sh map writes there once the map is whole"
-  regime=$(python -c 'import json, sys; print(*json.load(open(sys.argv[1]))["overrides"])' "$regime_file")
-  read -r -a regime <<<"$regime"
-fi
+[[ $mode == starts ]] || read_regime "the learning study"
 starts=docs/results/router_starts.sh
 sigmoid=glm4_moe_l16-addition-balanced-target-t1000 softmax=qwen30b_l16-addition-balanced-t1000
 FIRST_START=3 FAMILY_STARTS=10 LAST_START=29  # a recipe that misses its target past start 29 is refused, not retried
