@@ -23,6 +23,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from algos.routing_variants import build_routing_variant
+from algos.routing_variants.predictive import topk_agreement
 from experiments.config import PROJECT_ROOT
 from experiments.step.batch import Rollout, split_minibatches, step_seed
 from experiments.step.checks import check_run
@@ -44,8 +46,11 @@ from experiments.step.trainer import RLTrainer
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
 from models.registry import ConfigError
+from models.routing.families import selection_scores
+from models.routing.trace import find_routers
 from tests.conftest import MICRO_RUN
 from tests.dying_worker import DIES_AT, WINDOWS, dying_worker
+from tests.test_predictive_routing import PR2
 from tests.test_reliability import one_line, wait_for_lines
 from tests.test_train import compose_train, read_metrics
 
@@ -221,6 +226,7 @@ def sampler():
         prompts=4,
         sampling=Sampling(4, 4, 1.0),
         engines=EngineFactory(HFEngine, cfg, EngineNumerics(), records_routing=False),
+        start_model=build_routing_variant("none").start,
     )
     alive = {"trainer": True}
 
@@ -360,6 +366,36 @@ def test_r3_replays_the_routes_the_worker_recorded(tmp_path, monkeypatch):
     assert max(row["mismatch/expert_frac"] for row in read_metrics(tmp_path / "run")) > 0, (
         "the stale worker's routes differ from θ_old's"
     )
+
+
+def routes_by_its_versions_predictors(tmp_path: Path, watched: Watched, *overrides: str) -> None:
+    """A PR2 run (`routing_variant=predictive`) of the concurrent source, its predictors trained fast: every row a
+    worker sampled was routed by the predictors of the version it is stamped with (the worker's model has them, and
+    every version carries them), and a trained prediction moved some tokens off the routers' own experts."""
+    settings = [*CONCURRENT, *PR2, "trainer.minibatches=2", "trainer.lr=3e-2", "trainer.steps=4", *overrides]
+    train(compose_train(*settings), tmp_path / "run")
+    moved = False
+    for step, served in watched.served.items():
+        (version,) = set(served.versions.tolist())
+        model = copy.deepcopy(watched.trainer.model)
+        model.load_state_dict(watched.versions[version])
+        routes, routed = served.rollout.routes, served.rollout.routes.recorded()
+        with torch.no_grad():
+            for layer, router in enumerate(find_routers(model).values()):
+                inputs, logits = routes.inputs[layer][routed[layer]], routes.logits[layer][routed[layer]]
+                predicted = selection_scores(router, logits + router.predictor(inputs)).topk(router.top_k, -1).indices
+                own = selection_scores(router, logits).topk(router.top_k, -1).indices
+                recorded = routes.experts[layer][routed[layer]]
+                assert (topk_agreement(recorded, predicted) == 1).all(), f"step {step}: version {version}'s route"
+                moved |= bool((topk_agreement(recorded, own) < 1).any())
+    assert moved, "a trained predictor moved some tokens' experts: the check above tells the predictors apart"
+
+
+@pytest.mark.slow
+def test_pr2_s_worker_routes_by_the_predictors_of_the_version_that_sampled(tmp_path, monkeypatch):
+    watched = Watched(monkeypatch)
+    routes_by_its_versions_predictors(tmp_path, watched, "rollout.max_staleness=1")
+    assert not watched.worker, "the run's end stopped the worker"
 
 
 # -- how a run with a worker ends ------------------------------------------------------------------------------------

@@ -272,6 +272,15 @@ def test_the_bound_and_each_policy_hold_across_the_actors(tmp_path, monkeypatch,
     assert no_actor_left(cluster), "the run's end stopped its actors"
 
 
+@pytest.mark.slow
+def test_pr2_s_actors_route_by_the_predictors_of_the_version_that_sampled(tmp_path, monkeypatch, cluster):
+    watched = Watched(monkeypatch)
+    overrides = ["rollout.transport=ray", f"rollout.ray.address={cluster.address}", "rollout.ray.workers=2"]
+    concurrent_tests.routes_by_its_versions_predictors(tmp_path, watched, *overrides, "rollout.max_staleness=1")
+    assert {actor for actor, _ in watched.handed} == {0, 1}, "both actors sampled"
+    assert no_actor_left(cluster)
+
+
 # -- how a run with actors ends --------------------------------------------------------------------------------------
 
 

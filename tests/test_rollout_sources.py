@@ -41,11 +41,6 @@ from tests.test_train import compose_train, read_metrics
             "rollout.overflow=drop is a setting of rollout.source=concurrent, and this run's source is lagged: use "
             "rollout.source=concurrent, or leave rollout.overflow at wait",
         ),
-        (
-            ["rollout.source=concurrent", "arm=minirl_pr2", "trainer.minibatches=2"],
-            "routing_variant=predictive routes the engine by predictors the trainer adds to its model, which "
-            "rollout.source=concurrent does not build: use rollout.source=lagged",
-        ),
     ],
 )
 def test_a_setting_no_source_of_the_run_reads_is_refused_in_one_line_before_any_work(tmp_path, overrides, message):

@@ -569,9 +569,7 @@ def test_a_new_variant_is_served_and_refused_by_the_needs_it_declares(needs, ove
         if setting == "trainer.pi_old=bypass":
             plan_step(compose_train(*overrides, setting), True, HFEngine, source, Watching())
         elif setting == "trainer.minibatches=1":
-            check_predictors(
-                plan_step(compose_train(*overrides, setting), True, HFEngine, source, Watching()), 1, source
-            )
+            check_predictors(plan_step(compose_train(*overrides, setting), True, HFEngine, source, Watching()), 1)
         else:
             monkeypatch.setattr(HFEngine, "returns_gate_weights", VLLMEngine.returns_gate_weights)
             monkeypatch.setattr(HFEngine, "name", VLLMEngine.name)

@@ -98,7 +98,7 @@ def check_run(cfg: DictConfig, world: int = 1, memory: bool = True) -> RunParts:
     engine.check(cfg, world, engine_needs(plan, objective, correction))
     check_agreement(objective, correction)
     variant.check(plan.replay, cfg.model.name, moe)
-    check_predictors(plan, cfg.trainer.minibatches, source)
+    check_predictors(plan, cfg.trainer.minibatches)
     t = cfg.trainer
     check_switches(
         switches,
@@ -247,22 +247,15 @@ def check_trainer(t: Any, moe: bool, world: int) -> None:
         )
 
 
-def check_predictors(plan: StepPlan, minibatches: int, source: type[RolloutSource]) -> None:
+def check_predictors(plan: StepPlan, minibatches: int) -> None:
     """Where the plan has the engine route by predictors, they are trained from the second minibatch of a step on
-    (PR2's Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them. A source
-    whose engine builds its model from the config (the concurrent worker's) has no predictors the trainer adds."""
+    (PR2's Algorithm 3 skips the first mini-step, where θ = θ_old): one minibatch would never train them."""
     if not plan.engine_predicts_routes:
         return
     if minibatches < 2:
         raise ConfigError(
             f"routing_variant={plan.routing_variant} trains its predictors from the second minibatch of a step "
             f"on, and trainer.minibatches={minibatches} has none: use trainer.minibatches >= 2"
-        )
-    if not source.serves_predictors:
-        raise ConfigError(
-            f"routing_variant={plan.routing_variant} routes the engine by predictors the trainer adds to its "
-            f"model, which rollout.source={source.name} does not build: use rollout.source=lagged (the exact "
-            "lag) or synchronous with it"
         )
 
 

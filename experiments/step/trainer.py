@@ -118,6 +118,7 @@ class RLTrainer:
                     prompts=cfg.trainer.prompts_per_step,
                     sampling=self.sampling(),
                     engines=engines,
+                    start_model=self.variant.start,
                 ),
             ),
         )

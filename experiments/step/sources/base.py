@@ -39,6 +39,10 @@ class SamplingRun:
     prompts: int  # per batch: trainer.prompts_per_step
     sampling: Sampling
     engines: EngineFactory
+    # What the routing variant adds to the policy before its engine copies it (PR2's route predictors:
+    # `RoutingVariant.start`), done to the worker's model as the trainer does it to its own, so that the two state
+    # dicts match and every published version carries what the engine routes by.
+    start_model: Callable[[torch.nn.Module], None]
 
 
 @dataclass(frozen=True)
@@ -66,9 +70,6 @@ class RolloutSource(ABC):
     # source one set off its schema default would change nothing, and is refused
     # (`experiments.step.checks.check_rollout_source`).
     settings: ClassVar[tuple[str, ...]] = ()
-    # Its engine samples with the trainer's model as the trainer built it, with the route predictors PR2 adds to it
-    # (`routing_variant=predictive`); a worker builds its model from the config, without them.
-    serves_predictors: ClassVar[bool] = True
 
     @classmethod
     def check(cls, rollout: Any, world: int, steps: int) -> None:

@@ -114,6 +114,7 @@ class WorkerEngine:
         model, tokenizer = build_policy(run.model)
         # functools.wraps hides from mypy that PreTrainedModel.to is a method (typeshed's _Wrapped binds no self).
         model.to(run.device).eval()  # type: ignore[arg-type]
+        run.start_model(model)  # what the routing variant adds (PR2's predictors), as the trainer's model has it
         # Without numbers of its own the engine samples with the worker's module (its "trainer's weights"), into
         # which each version loads; with them it keeps its own copy, cast and quantized again at each load.
         self.engine: RolloutEngine = run.engines(model, tokenizer, Ranks(), on_model=run.engines.can_sample_on())
@@ -173,7 +174,6 @@ class Concurrent(RolloutSource):
     hooks (`running`, `_start`, `_receive`, `_took`, with `publish`, `close` and `sampler`)."""
 
     settings = ("max_staleness", "overflow", "transport", *(f"ray.{key}" for key in RAY_SETTINGS))
-    serves_predictors = False  # the worker builds the model from its config, without the predictors PR2 adds
 
     @classmethod
     def check(cls, rollout: Any, world: int, steps: int) -> None:
