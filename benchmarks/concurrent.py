@@ -1,30 +1,33 @@
-"""`python -m benchmarks.concurrent`: the concurrent sampler's step throughput against the synchronous loop, side by
-side in one run, as a ratio.
+"""`python -m benchmarks.concurrent`: the concurrent source's step throughput against the synchronous loop, on each
+transport, side by side in one run, as ratios.
 
-    python -m benchmarks.concurrent --rounds 4 --steps 4 --json-out concurrent.json
+    python -m benchmarks.concurrent --rounds 4 --steps 4 --json-out concurrent.json [--loops local,ray1,ray2]
 
-On a benchmark workload (`benchmarks.workload`, grpo; eos banned, so every step does the same work), two loops, each
-in worker processes of its own (`benchmarks.lab_worker`): the synchronous loop as a run has it, its torch threads the
+On a benchmark workload (`benchmarks.workload`, grpo; eos banned, so every step does the same work), each loop in
+worker processes of its own (`benchmarks.lab_worker`): the synchronous loop as a run has it, its torch threads the
 cores other processes leave free, measured again after every step (`trainer.threads=null`, `experiments.run.threads`;
-`--threads N` fixes them), and the concurrent sampler (`rollout.source=concurrent`, `rollout.max_staleness=--bound`;
-`experiments.step.sources.concurrent`), its trainer on one thread and its sampler process on one. Two threads of one
-process on a machine that other jobs load wait for each other at every operator (a step of the synchronous loop took
-35 s on two threads at a load of 12, and 4.2 s on the one thread its budget chose), which is why the run's budget, not
-a fixed two, is the synchronous loop's. The loops take turns by blocks of `--steps` steps, the first loop alternating
-by round, so that the load of a shared machine hits both alike. The concurrent loop starts afresh every round, its
-first step untimed (it starts the sampler), and ends with its block: a sampler left running between blocks would
-sample ahead, and take a core from the other loop's block.
+`--threads N` fixes them), and the concurrent source (`rollout.source=concurrent`, `rollout.max_staleness=--bound`;
+`experiments.step.sources`), its trainer on one thread, on each transport `--loops` names: `local`, one worker
+process and shared memory; `ray1` and `ray2`, one and two Ray actors on a Ray instance the run starts on this machine
+(`rollout.transport=ray`), each sampler on one thread. Two threads of one process on a machine that other jobs load
+wait for each other at every operator (a step of the synchronous loop took 35 s on two threads at a load of 12, and
+4.2 s on the one thread its budget chose), which is why the run's budget, not a fixed two, is the synchronous loop's.
+The loops take turns by blocks of `--steps` steps, in an order that changes by round (`round_order`), so that the
+load of a shared machine hits them alike. A concurrent loop starts afresh every round, its first step untimed (it
+starts the sampler: a process, or Ray and its actors), and ends with its block: a sampler left running between blocks
+would sample ahead, and take a core from the other loops' blocks.
 
-A round's ratio is the synchronous loop's mean step time over the concurrent loop's: the concurrent mode's step
-throughput against the synchronous loop's (above 1: more steps per second). Beside it, from the synchronous loop's
-own breakdown, what the ratio would be with sampling and training on separate devices, each as fast as this whole
-machine: a step then takes max(rollout, the rest of the step) instead of their sum. On one machine the concurrent
-mode cannot reach that: the two processes split its cores and share its memory bandwidth.
+A round's ratio for a loop is the synchronous loop's mean step time over that loop's: its step throughput against the
+synchronous loop's (above 1: more steps per second). Beside them, from the synchronous loop's own breakdown, what the
+ratio would be with sampling and training on separate devices, each as fast as this whole machine: a step then takes
+max(rollout, the rest of the step) instead of their sum. On one machine no concurrent loop can reach that: its
+processes split the cores and share the memory bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -41,7 +44,15 @@ from benchmarks.worker import Worker
 from benchmarks.workload import VARIANTS, WORKLOADS, compose_workload
 from experiments.step import metrics as m
 
-SYNCHRONOUS, CONCURRENT = "synchronous", "concurrent"
+SYNCHRONOUS = "synchronous"
+# The concurrent loops, each the synchronous loop's work with the concurrent source on one transport: the overrides
+# that make it, on top of `rollout.source=concurrent` and the bound.
+CONCURRENT_LOOPS = {
+    "local": [],  # a worker process and shared memory (the default transport)
+    "ray1": ["rollout.transport=ray"],  # one Ray actor, on a Ray instance the run starts on this machine
+    "ray2": ["rollout.transport=ray", "rollout.ray.workers=2"],  # two Ray actors, batches handed out in turn
+}
+SAMPLERS = {"local": "1", "ray1": "1", "ray2": "2 × 1"}  # the sampling processes each loop runs, on a thread each
 
 
 def mean_step(steps: list[dict[str, Any]]) -> float:
@@ -58,22 +69,37 @@ def worker_args(overrides: list[str], threads: int, workload: str) -> list[str]:
     return ["--overrides", json.dumps(overrides), "--threads", str(threads), "--workload", workload]
 
 
-def concurrent_block(overrides: list[str], args: argparse.Namespace, log_dir: Path, index: int) -> list[dict[str, Any]]:
-    """`--steps` timed steps of the concurrent loop, in a worker of their own that takes one untimed step first (it
-    starts the sampler) and ends with the block, its sampler with it."""
+def concurrent_block(
+    label: str, overrides: list[str], args: argparse.Namespace, log_dir: Path, index: int
+) -> list[dict[str, Any]]:
+    """`--steps` timed steps of a concurrent loop, in a worker of its own that takes one untimed step first (it
+    starts the sampler: a process, or a Ray instance and its actors) and ends with the block, its samplers with it."""
     with Worker(
-        CONCURRENT,
-        "benchmarks.lab_worker",
-        worker_args(overrides, 1, args.workload),
-        log_dir / f"{CONCURRENT}_{index}.log",
+        label, "benchmarks.lab_worker", worker_args(overrides, 1, args.workload), log_dir / f"{label}_{index}.log"
     ) as worker:
         worker.step()
         return [worker.step() for _ in range(args.steps)]
 
 
+def round_order(loops: list[str], index: int) -> list[str]:
+    """The loops of round `index` in the order they run: the concurrent ones rotated by round, the synchronous loop
+    first in even rounds and last in odd ones, so that no loop always follows the same one."""
+    shift = index % len(loops)
+    rotated = loops[shift:] + loops[:shift]
+    return [SYNCHRONOUS, *rotated] if index % 2 == 0 else [*rotated, SYNCHRONOUS]
+
+
 def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     overrides = [*VARIANTS["grpo"], *args.override]
-    concurrent = [*overrides, "rollout.source=concurrent", f"rollout.max_staleness={args.bound}"]
+    concurrent = {
+        label: [
+            *overrides,
+            "rollout.source=concurrent",
+            f"rollout.max_staleness={args.bound}",
+            *CONCURRENT_LOOPS[label],
+        ]
+        for label in args.loops
+    }
     rounds = []
     with Worker(
         SYNCHRONOUS,
@@ -84,25 +110,27 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         for _ in range(args.warmup):
             synchronous.step()
         for index in range(args.rounds):
-            order = [SYNCHRONOUS, CONCURRENT] if index % 2 == 0 else [CONCURRENT, SYNCHRONOUS]
-            steps = {}
-            for label in order:
-                steps[label] = (
-                    concurrent_block(concurrent, args, log_dir, index)
-                    if label == CONCURRENT
-                    else [synchronous.step() for _ in range(args.steps)]
-                )
+            order = round_order(args.loops, index)
+            steps = {
+                label: [synchronous.step() for _ in range(args.steps)]
+                if label == SYNCHRONOUS
+                else concurrent_block(label, concurrent[label], args, log_dir, index)
+                for label in order
+            }
+            base = mean_step(steps[SYNCHRONOUS])
             rounds.append(
                 {
                     "order": order,
                     **steps,
-                    "ratio": mean_step(steps[SYNCHRONOUS]) / mean_step(steps[CONCURRENT]),
-                    "separate_devices": mean_step(steps[SYNCHRONOUS]) / separate_devices(steps[SYNCHRONOUS]),
+                    "ratio": {label: base / mean_step(steps[label]) for label in args.loops},
+                    "separate_devices": base / separate_devices(steps[SYNCHRONOUS]),
                 }
             )
             print(
-                f"round {index + 1}: synchronous {mean_step(steps[SYNCHRONOUS]):.3f} s/step, concurrent "
-                f"{mean_step(steps[CONCURRENT]):.3f} s/step, ratio {rounds[-1]['ratio']:.3f}",
+                f"round {index + 1}: "
+                + ", ".join(f"{label} {mean_step(steps[label]):.3f} s/step" for label in order)
+                + "; ratios "
+                + ", ".join(f"{label} {ratio:.3f}" for label, ratio in rounds[-1]["ratio"].items()),
                 file=sys.stderr,
                 flush=True,
             )
@@ -110,13 +138,14 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "overrides": overrides,
         "concurrent_overrides": concurrent,
         "rounds": rounds,
-        "ratios": [r["ratio"] for r in rounds],
+        "ratios": {label: [r["ratio"][label] for r in rounds] for label in args.loops},
         "separate_devices": [r["separate_devices"] for r in rounds],
     }
 
 
 def report(results: dict[str, Any]) -> None:
     rounds = results["rounds"]
+    loops = list(results["ratios"])
 
     def over_rounds(label: str, key: str) -> str:
         return spread([statistics.mean(step[key] for step in r[label]) for r in rounds])
@@ -134,16 +163,20 @@ def report(results: dict[str, Any]) -> None:
             over_rounds(SYNCHRONOUS, "rollout_s"),
             "",
             "",
-        ],
+            "",
+        ]
+    ] + [
         [
-            CONCURRENT,
-            f"{threads(CONCURRENT)} + 1",
-            over_rounds(CONCURRENT, "seconds"),
-            over_rounds(CONCURRENT, "rollout_s"),
-            over_rounds(CONCURRENT, m.SAMPLE_TIME),
-            over_rounds(CONCURRENT, m.SAMPLER_WAIT_TIME),
-            str(max(step[m.STALENESS_MAX] for r in rounds for step in r[CONCURRENT])),
-        ],
+            label,
+            f"{threads(label)} + {SAMPLERS[label]}",
+            over_rounds(label, "seconds"),
+            over_rounds(label, "rollout_s"),
+            over_rounds(label, m.SAMPLE_TIME),
+            over_rounds(label, m.SAMPLER_WAIT_TIME),
+            str(max(step[m.STALENESS_MAX] for r in rounds for step in r[label])),
+            spread(results["ratios"][label]),
+        ]
+        for label in loops
     ]
     print("\n## Step time, mean over each round's block: median over rounds (min-max), s\n")
     print(
@@ -153,20 +186,16 @@ def report(results: dict[str, Any]) -> None:
                 "threads",
                 "step",
                 "the step's wait for its rollout",
-                "sampling",
-                "sampler's wait at the bound",
+                "sampling (one batch)",
+                "samplers' wait at the bound",
                 "staleness max",
+                "step throughput / synchronous",
             ],
             rows,
         )
     )
-    print("\n## Step throughput, concurrent / synchronous: median over rounds (min-max)\n")
-    print(
-        markdown_table(
-            ["measured here", "with separate devices (from the synchronous loop's breakdown)"],
-            [[spread(results["ratios"]), spread(results["separate_devices"])]],
-        )
-    )
+    print("\n## With separate devices, from the synchronous loop's breakdown: median over rounds (min-max)\n")
+    print(markdown_table(["step throughput / synchronous"], [[spread(results["separate_devices"])]]))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -183,6 +212,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--bound", type=int, default=1, help="the concurrent sampler's rollout.max_staleness")
     parser.add_argument(
+        "--loops",
+        default=",".join(CONCURRENT_LOOPS),
+        help=f"the concurrent loops beside the synchronous one, comma-separated, of {', '.join(CONCURRENT_LOOPS)}",
+    )
+    parser.add_argument(
         "--override",
         action="append",
         default=[],
@@ -197,6 +231,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"--rounds={args.rounds} and --steps={args.steps} must be >= 1, --warmup={args.warmup}, "
             f"--threads={args.threads} and --bound={args.bound} >= 0"
         )
+    args.loops = [label for label in args.loops.split(",") if label]
+    unknown = [label for label in args.loops if label not in CONCURRENT_LOOPS]
+    if unknown or not args.loops or len(set(args.loops)) != len(args.loops):
+        parser.error(
+            f"--loops={','.join(args.loops)}: name each of {', '.join(CONCURRENT_LOOPS)} at most once, at least one"
+        )
+    if any(label.startswith("ray") for label in args.loops) and importlib.util.find_spec("ray") is None:
+        parser.error("--loops names a Ray loop, and Ray is not installed here: pip install -e '.[ray]'")
     try:  # a bad override fails here, before any worker starts
         compose_workload(args.override, args.workload)
     except (HydraException, OmegaConfBaseException) as error:
@@ -209,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"workload bench-{args.workload}, grpo: {' '.join(WORKLOADS[args.workload] + args.override)}; {args.rounds} "
         f"rounds of {args.steps} timed steps per loop; synchronous on {args.threads or 'the free cores as'} "
-        f"threads, concurrent on 1 + 1, rollout.max_staleness={args.bound}"
+        f"threads, {', '.join(args.loops)} with their trainer on 1 and each sampler on 1, "
+        f"rollout.max_staleness={args.bound}"
     )
     with tempfile.TemporaryDirectory(prefix="bench_concurrent_") as scratch:
         log_dir = args.log_dir or Path(scratch)

@@ -291,33 +291,54 @@ def test_experts_paths_agree_with_grouped_mm_under_uneven_routing_with_idle_expe
     assert load > 2 and set(seconds) == set(outputs)
 
 
-def test_concurrent_steps_both_loops_in_turn_on_the_same_work_and_reports_their_ratio(tmp_path, capsys):
+def test_concurrent_steps_every_loop_in_turn_on_the_same_work_and_reports_their_ratios(tmp_path, capsys):
     from benchmarks import concurrent
     from experiments.step.metrics import STALENESS_MAX
 
     out = tmp_path / "concurrent.json"
-    args = ["--rounds", "2", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
+    args = ["--rounds", "1", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
+    args += ["--loops", "local,ray2"]
     for override in MICRO_OVERRIDES:
         args += ["--override", override]
     concurrent.main(args)
-    assert "## Step throughput, concurrent / synchronous" in capsys.readouterr().out
+    assert "step throughput / synchronous" in capsys.readouterr().out
     result = json.loads(out.read_text())
     rounds = result["rounds"]
-    assert [r["order"] for r in rounds] == [["synchronous", "concurrent"], ["concurrent", "synchronous"]]
+    assert [r["order"] for r in rounds] == [["synchronous", "local", "ray2"]]
+    assert "rollout.ray.workers=2" in result["concurrent_overrides"]["ray2"]
+    mean = lambda steps: sum(step["seconds"] for step in steps) / len(steps)  # noqa: E731
     for r in rounds:
-        synchronous, sampled = r["synchronous"], r["concurrent"]
-        assert len(synchronous) == len(sampled) == 2
-        assert all(step["tokens"] == 4 * 4 * 4 for step in synchronous + sampled), "the same fixed-length work"
-        assert all(step[STALENESS_MAX] <= 1 for step in sampled) and all(STALENESS_MAX not in s for s in synchronous)
-        mean = lambda steps: sum(step["seconds"] for step in steps) / len(steps)  # noqa: E731
-        assert r["ratio"] == pytest.approx(mean(synchronous) / mean(sampled))
+        synchronous = r["synchronous"]
+        assert all(STALENESS_MAX not in step for step in synchronous)
+        for label in ("local", "ray2"):
+            sampled = r[label]
+            assert len(synchronous) == len(sampled) == 2
+            assert all(step["tokens"] == 4 * 4 * 4 for step in synchronous + sampled), "the same fixed-length work"
+            assert all(step[STALENESS_MAX] <= 1 for step in sampled)
+            assert r["ratio"][label] == pytest.approx(mean(synchronous) / mean(sampled))
         assert r["separate_devices"] >= 1, "a step is never longer than its rollout and the rest side by side"
-    assert result["ratios"] == [r["ratio"] for r in rounds]
+    assert result["ratios"] == {label: [r["ratio"][label] for r in rounds] for label in ("local", "ray2")}
+
+
+def test_concurrent_rounds_change_which_loop_follows_which():
+    from benchmarks.concurrent import SYNCHRONOUS, round_order
+
+    loops = ["local", "ray1", "ray2"]
+    orders = [round_order(loops, index) for index in range(6)]
+    assert all(sorted(order) == sorted([SYNCHRONOUS, *loops]) for order in orders), "every loop once a round"
+    assert {order[0] for order in orders} == {SYNCHRONOUS, *loops}, "each loop leads some round"
+    follows = {(order[i], order[i + 1]) for order in orders for i in range(len(order) - 1)}
+    assert all((a, b) in follows or (b, a) in follows for a in orders[0] for b in orders[0] if a != b)
 
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--rounds", "0"], "--rounds=0"), (["--override", "trainer.nokey=1"], "Could not override 'trainer.nokey'")],
+    [
+        (["--rounds", "0"], "--rounds=0"),
+        (["--override", "trainer.nokey=1"], "Could not override 'trainer.nokey'"),
+        (["--loops", "local,grpc"], "--loops=local,grpc: name each of local, ray1, ray2 at most once"),
+        (["--loops", "local,local"], "--loops=local,local: name each of local, ray1, ray2 at most once"),
+    ],
 )
 def test_concurrent_refuses_bad_arguments_before_starting_workers(args, message, capsys):
     from benchmarks import concurrent

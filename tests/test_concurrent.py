@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 from algos.routing_variants import build_routing_variant
 from algos.routing_variants.predictive import topk_agreement
 from experiments.config import PROJECT_ROOT
-from experiments.step.batch import Rollout, split_minibatches, step_seed
+from experiments.run.stops import StopRequested
+from experiments.step.batch import Rollout, draw_examples, split_minibatches, step_seed
 from experiments.step.checks import check_run
 from experiments.step.engines import EngineFactory, EngineNumerics, HFEngine, Sampling, full_weights
 from experiments.step.metrics import (
@@ -43,9 +44,10 @@ from experiments.step.sources.concurrent import Batch, ConcurrentSource, Sampler
 from experiments.step.sources.overflow import OVERFLOW_POLICIES, Verdict
 from experiments.step.sources.workers import check_batch
 from experiments.step.trainer import RLTrainer
+from experiments.tasks import build_task
 from experiments.train import train
 from models.policy import ModelConfig, build_policy
-from models.registry import ConfigError
+from models.registry import ConfigError, node_settings
 from models.routing.families import selection_scores
 from models.routing.trace import find_routers
 from tests.conftest import MICRO_RUN
@@ -396,6 +398,44 @@ def test_pr2_s_worker_routes_by_the_predictors_of_the_version_that_sampled(tmp_p
     watched = Watched(monkeypatch)
     routes_by_its_versions_predictors(tmp_path, watched, "rollout.max_staleness=1")
     assert not watched.worker, "the run's end stopped the worker"
+
+
+def resumes_with_its_worker_at_the_checkpoints_weights(tmp_path: Path, monkeypatch, source: type, *overrides: str):
+    """A concurrent run killed after step 3 and resumed (`resume=auto`) does what docs/async.md says: the steps before
+    the kill stay logged, its samplers start again from the checkpoint's weights (the first step after the resume
+    trains rows of version 3, at staleness 0), and the batch in flight at the kill is sampled again (batch 4's
+    prompts, the synchronous step 4's, with version 3: not the killed run's version)."""
+    settings = [*CONCURRENT, "rollout.max_staleness=1", "trainer.steps=5", "trainer.checkpoint_every=1", *overrides]
+    killed = Watched(monkeypatch, slow_update=False, source=source)
+    real_step = RLTrainer.step
+
+    def killed_after_three(trainer):
+        if trainer.step_index == 3:
+            raise StopRequested(signal.SIGTERM)
+        return real_step(trainer)
+
+    monkeypatch.setattr(RLTrainer, "step", killed_after_three)
+    with pytest.raises(SystemExit):
+        train(compose_train(*settings), tmp_path / "run")
+    monkeypatch.undo()
+    resumed = Watched(monkeypatch, slow_update=False, source=source)
+    cfg = compose_train(*settings, "resume=auto")
+    train(cfg, tmp_path / "run")
+    logged = read_metrics(tmp_path / "run")
+    assert [row[STEP] for row in logged] == [1, 2, 3, 4, 5]
+    assert min(resumed.served) == 4, "the resumed run's first step is step 4"
+    served = resumed.served[4]
+    assert set(served.versions.tolist()) == {3} and logged[3][STALENESS_MAX] == 0
+    assert float(mu_old_under(resumed.trainer, served.rollout, killed.versions[3]).max()) < 1e-4, "version 3's"
+    assert float(mu_old_under(resumed.trainer, served.rollout, killed.versions[2]).max()) > 1e-3
+    examples = build_task(**node_settings(cfg.dataset)).examples("train")
+    drawn = draw_examples(examples, 4, torch.Generator().manual_seed(step_seed(cfg.seed, 4, 0)))
+    assert [e.prompt for e in served.rollout.examples] == [e.prompt for e in drawn for _ in range(4)]
+
+
+@pytest.mark.slow
+def test_a_killed_concurrent_run_resumes_with_its_worker_at_the_checkpoints_weights(tmp_path, monkeypatch):
+    resumes_with_its_worker_at_the_checkpoints_weights(tmp_path, monkeypatch, ConcurrentSource)
 
 
 # -- how a run with a worker ends ------------------------------------------------------------------------------------

@@ -281,6 +281,15 @@ def test_pr2_s_actors_route_by_the_predictors_of_the_version_that_sampled(tmp_pa
     assert no_actor_left(cluster)
 
 
+@pytest.mark.slow
+def test_a_killed_ray_run_resumes_with_its_actors_at_the_checkpoints_weights(tmp_path, monkeypatch, cluster):
+    from experiments.step.sources.ray_transport import RaySource
+
+    overrides = ["rollout.transport=ray", f"rollout.ray.address={cluster.address}", "rollout.ray.workers=2"]
+    concurrent_tests.resumes_with_its_worker_at_the_checkpoints_weights(tmp_path, monkeypatch, RaySource, *overrides)
+    assert no_actor_left(cluster)
+
+
 # -- how a run with actors ends --------------------------------------------------------------------------------------
 
 
@@ -366,9 +375,12 @@ def session_processes(session: int) -> list[str]:
 
 @needs_ray
 @pytest.mark.slow
-def test_sigterm_to_the_trainer_stops_every_actor_and_the_ray_instance_it_started(tmp_path):
+@pytest.mark.parametrize("signum, code, group", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)])
+def test_a_stop_to_the_trainer_stops_every_actor_and_the_ray_instance_it_started(tmp_path, signum, code, group):
     """`rollout.ray.address` null: the run starts a Ray instance of its own (whose SIGTERM handler would exit without
-    the summary); SIGTERM ends the run as interrupted, and leaves no process of its session: no actor, no Ray."""
+    the summary). SIGTERM to the trainer, and Ctrl-C in a terminal (SIGINT to the whole process group: the Ray
+    instance's processes and its actors are in it too), end the run as interrupted and leave no process of its
+    session: no actor, no Ray."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -388,10 +400,13 @@ def test_sigterm_to_the_trainer_stops_every_actor_and_the_ray_instance_it_starte
     )
     wait_for_lines(tmp_path / "metrics.jsonl", 2, proc, timeout=300)
     assert len(actors_alive(Cluster("", proc.pid))) == 2
-    proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 143
-    assert "interrupted by SIGTERM after" in one_line(stderr)
+    assert proc.returncode == code, stderr[-2000:]
+    assert f"interrupted by {signal.Signals(signum).name} after" in one_line(stderr)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps"] == len(read_metrics(tmp_path)) >= 2
     deadline = time.time() + 30

@@ -267,7 +267,9 @@ def version_key(version: int) -> str:
 
 
 TRAINER_KEYS = ("step", "tokens_seen", "skipped_updates", "consecutive_skips", "scheduler", "experiment", "world")
-RANK_GENERATORS = ("torch", "sampler", "noise")
+# The trainer's own random streams, in every rank's generator file; beside them, those of what samples in the trainer's
+# process, by the source's names (`RolloutSource.generators`: the engine's router noise; none for a worker's source).
+RANK_GENERATORS = ("torch", "sampler")
 
 
 def find(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
@@ -430,7 +432,7 @@ def _rank_damage(path: Path, rank: int) -> str | None:
         loaded = torch.load(generators, weights_only=True)
     except Exception as error:  # a truncated file fails anywhere in torch's zip and unpickling readers, with any type
         return f"{generators} does not load ({_reason(error)})"
-    if not isinstance(loaded, dict) or set(loaded) != set(RANK_GENERATORS):
+    if not isinstance(loaded, dict) or not set(RANK_GENERATORS) <= set(loaded):
         return f"{generators} does not hold the generators {', '.join(RANK_GENERATORS)}"
     python_random = path / f"python_random_rank{rank}.json"
     try:
