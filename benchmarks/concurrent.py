@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         ]
         for label in args.loops
     }
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     with Worker(
         SYNCHRONOUS,
         "benchmarks.lab_worker",
@@ -118,11 +118,12 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                 for label in order
             }
             base = mean_step(steps[SYNCHRONOUS])
+            ratios = {label: base / mean_step(steps[label]) for label in args.loops}
             rounds.append(
                 {
                     "order": order,
                     **steps,
-                    "ratio": {label: base / mean_step(steps[label]) for label in args.loops},
+                    "ratio": ratios,
                     "separate_devices": base / separate_devices(steps[SYNCHRONOUS]),
                 }
             )
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                 f"round {index + 1}: "
                 + ", ".join(f"{label} {mean_step(steps[label]):.3f} s/step" for label in order)
                 + "; ratios "
-                + ", ".join(f"{label} {ratio:.3f}" for label, ratio in rounds[-1]["ratio"].items()),
+                + ", ".join(f"{label} {ratio:.3f}" for label, ratio in ratios.items()),
                 file=sys.stderr,
                 flush=True,
             )

@@ -133,7 +133,6 @@ def mu_old_under(trainer: RLTrainer, rollout: Rollout, weights: dict[str, torch.
             "rollout.source=lagged, or leave rollout.lag at 0",
         ),
         ([*CONCURRENT, "rollout.engine=vllm"], 1, "rollout.engine=vllm is not supported there: use rollout.engine=hf"),
-        (CONCURRENT, 2, "runs one worker beside one trainer process, and this run has 2 ranks: use one rank"),
     ],
 )
 def test_settings_the_concurrent_sampler_cannot_serve_are_refused_before_any_work(tmp_path, overrides, world, message):
@@ -438,6 +437,43 @@ def test_a_killed_concurrent_run_resumes_with_its_worker_at_the_checkpoints_weig
     resumes_with_its_worker_at_the_checkpoints_weights(tmp_path, monkeypatch, ConcurrentSource)
 
 
+def trains_a_share_of_each_batch_on_each_of_two_ranks(tmp_path: Path, *overrides: str) -> list[list[dict]]:
+    """A concurrent run on two FSDP2 ranks under torchrun (`tests/concurrent_ranks.py`), rank 0 driving the workers:
+    at every step both ranks train rows of one version, within the bound; rank 0 the first half of the batch the
+    workers sampled (the synchronous step's prompts, seeded from (seed, batch)) and rank 1 the second; each row's
+    μ_old is the log-probs of the full weights of its version, gathered from both ranks' shards when it was
+    published, and not of the next version's. Each rank's steps, for the caller's own checks."""
+    settings = [*CONCURRENT, "rollout.max_staleness=1", "trainer.steps=4", *overrides]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + ["tests/concurrent_ranks.py", str(tmp_path), *settings],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT_ROOT)},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    cfg = compose_train(*settings)
+    examples = build_task(**node_settings(cfg.dataset)).examples("train")
+    for mine, theirs in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
+        step = mine["step"]
+        assert theirs["step"] == step and len(set(mine["versions"] + theirs["versions"])) == 1, "one version a step"
+        assert 0 <= step - 1 - mine["versions"][0] <= 1, f"step {step}: within the bound"
+        drawn = draw_examples(examples, 4, torch.Generator().manual_seed(step_seed(cfg.seed, step, 0)))
+        assert mine["prompts"] + theirs["prompts"] == [e.prompt for e in drawn for _ in range(4)], f"step {step}"
+        for rank in (mine, theirs):
+            assert rank["gap_own"] < 1e-4 and rank["gap_next"] > 1e-3, f"step {step}: {rank}"
+    assert [row["step"] for row in ranks[0]["steps"]] == [1, 2, 3, 4]
+    return [rank["steps"] for rank in ranks]
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_each_train_their_share_of_the_workers_batches(tmp_path):
+    trains_a_share_of_each_batch_on_each_of_two_ranks(tmp_path)
+
+
 # -- how a run with a worker ends ------------------------------------------------------------------------------------
 
 
@@ -495,8 +531,8 @@ def test_a_worker_killed_in_any_window_ends_the_run_in_one_line_within_seconds(t
     started = {}
     real_start = ConcurrentSource._start
 
-    def start(source, step):
-        real_start(source, step)
+    def start(source, step, weights):
+        real_start(source, step, weights)
         started["pid"] = source.process.pid
 
     monkeypatch.setattr(ConcurrentSource, "_start", start)
@@ -551,8 +587,8 @@ def test_a_sample_older_than_the_bound_that_slipped_through_stops_the_run(tmp_pa
     Watched(monkeypatch)
     real_start = ConcurrentSource._start
 
-    def start_with_a_tighter_check(source, step):
-        real_start(source, step)
+    def start_with_a_tighter_check(source, step, weights):
+        real_start(source, step, weights)
         source.bound = 0
 
     monkeypatch.setattr(ConcurrentSource, "_start", start_with_a_tighter_check)

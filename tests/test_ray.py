@@ -138,9 +138,9 @@ class Watched(concurrent_tests.Watched):
         watched = self
         real_hand_out, real_start = RaySource._hand_out, RaySource._start
 
-        def start(source, step):
+        def start(source, step, weights):
             watched.sources.append(source)
-            real_start(source, step)
+            real_start(source, step, weights)
 
         def hand_out(source):
             before = dict(source.calls)
@@ -287,6 +287,13 @@ def test_a_killed_ray_run_resumes_with_its_actors_at_the_checkpoints_weights(tmp
 
     overrides = ["rollout.transport=ray", f"rollout.ray.address={cluster.address}", "rollout.ray.workers=2"]
     concurrent_tests.resumes_with_its_worker_at_the_checkpoints_weights(tmp_path, monkeypatch, RaySource, *overrides)
+    assert no_actor_left(cluster)
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_under_torchrun_each_train_their_share_of_one_actor_s_batches(tmp_path, cluster):
+    overrides = ["rollout.transport=ray", f"rollout.ray.address={cluster.address}"]
+    concurrent_tests.trains_a_share_of_each_batch_on_each_of_two_ranks(tmp_path, *overrides)
     assert no_actor_left(cluster)
 
 

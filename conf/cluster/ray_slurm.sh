@@ -17,8 +17,8 @@
 # (its raylet's), its peak resident memory, the run's wall time and the bytes each weight version put into the
 # object store.
 #
-# The run is one process, not torchrun: rollout.source=concurrent refuses several trainer ranks, Ray transport
-# included (one rank would publish the gathered weights: not built). The actors reserve no GPU (rollout.ray has no GPU
+# The trainer runs on the first node: launch.nproc_per_node=N among the OVERRIDES makes it N torchrun ranks there
+# (FSDP2; rank 0 drives the actors and publishes the weights gathered from every rank's shards). The actors reserve no GPU (rollout.ray has no GPU
 # setting), and Ray 2.60 leaves CUDA_VISIBLE_DEVICES as the node has it for an actor that reserves none: under
 # device=cuda every actor of a node would sample on that node's first GPU, unaccounted for by Ray and untested here
 # (no GPU); the script is rehearsed with a CPU run. A cluster with token authentication (Ray 2.60's default where a

@@ -3,6 +3,7 @@
     examples    = draw_examples(train, count, generator)              the step's prompts, from its seeded generator
     rollout     = collect_rollout(engine, task, examples, ...)        μ_old's samples and the task's rewards
     served      = Served(rollout, versions, ...)                      with the weight version that sampled each row
+    share       = rank_share(served, ranks)                           a rank's rows of a batch sampled whole
     order       = minibatch_order(layout, size, group_size, generator) whole groups, or rows shuffled (GSPO §5.1)
     minibatches = split_minibatches(rollout, advantages, order, count) pure: slices with μ_old's numbers for them
 
@@ -11,10 +12,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from experiments.ranks import Ranks
 from experiments.step import metrics as m
 from experiments.step.engines import RolloutEngine, Samples, Sampling
 from experiments.step.plan import Layout
@@ -60,6 +62,34 @@ class Served:
     versions: torch.Tensor  # [N] the weight version each row was sampled with (version t: the weights after step t)
     sample_s: float  # the seconds its engine spent sampling it
     metrics: dict[str, float]  # its `async/*` record: the versions and how far behind θ_old (none in the plain loop)
+
+
+def rollout_rows(rollout: Rollout, rows: slice) -> Rollout:
+    """The rollout of rows `rows`: every per-row field sliced (the routing trace's too), the positions kept."""
+    return replace(
+        rollout,
+        input_ids=rollout.input_ids[rows],
+        attention_mask=rollout.attention_mask[rows],
+        response_mask=rollout.response_mask[rows],
+        completions=rollout.completions[rows],
+        truncated=rollout.truncated[rows],
+        logp=None if rollout.logp is None else rollout.logp[rows],
+        routes=None if rollout.routes is None else rollout.routes.rows(rows),
+        examples=rollout.examples[rows],
+        rewards=rollout.rewards[rows],
+        correct=rollout.correct[rows],
+    )
+
+
+def rank_share(served: Served, ranks: Ranks) -> Served:
+    """Rank r's share of a step's batch sampled whole (by the concurrent source's workers): of its N rows, rows
+    [r·N/W, (r+1)·N/W), whole groups (`trainer.prompts_per_step` splits over the ranks: a start-up check), as each
+    rank of the synchronous loop samples its own share of the step's prompts."""
+    if not ranks.active:
+        return served
+    size = served.rollout.size // ranks.world
+    rows = slice(ranks.rank * size, (ranks.rank + 1) * size)
+    return replace(served, rollout=rollout_rows(served.rollout, rows), versions=served.versions[rows])
 
 
 def pass_at_k(correct: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -120,6 +120,7 @@ class RLTrainer:
                     engines=engines,
                     start_model=self.variant.start,
                 ),
+                ranks=ranks,
             ),
         )
         if ranks.active:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.ranks import Ranks
 from experiments.step.batch import Rollout, Served
 from experiments.step.engines import EngineFactory, EngineNumerics, RolloutEngine, Sampling
 from experiments.step.versions import Weights
@@ -59,6 +60,9 @@ class SourceInputs:
     # later: `restore`), after step t version t. Read only when a source needs them: under FSDP2 it gathers.
     weights: Callable[[], Weights]
     run: SamplingRun  # for a source that samples in a process of its own
+    # This process's place among the trainer's ranks: a source whose workers sample every rank's rows starts them on
+    # rank 0, and hands each rank its share of each batch.
+    ranks: Ranks
 
 
 class RolloutSource(ABC):

@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 
+from experiments.ranks import Ranks
 from experiments.step.sources.base import ROLLOUT_SOURCES, SamplingRun, SourceInputs
 from experiments.step.sources.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from experiments.step.sources.workers import POLL_S, Batch, Concurrent, SamplerFailed, WorkerEngine, one_line
@@ -249,17 +250,16 @@ class ConcurrentSource(Concurrent):
             from experiments.step.sources.ray_transport import RaySource
 
             return RaySource.build(rollout, given)
-        return cls(given.run, rollout.max_staleness, OVERFLOW_POLICIES[rollout.overflow](), given.weights)
+        overflow = OVERFLOW_POLICIES[rollout.overflow]()
+        return cls(given.run, rollout.max_staleness, overflow, given.weights, given.ranks)
 
-    def __init__(self, run: SamplingRun, bound: int, overflow: OverflowPolicy, weights: Callable[[], Weights]) -> None:
-        super().__init__(run, bound, overflow, weights)
+    def __init__(
+        self, run: SamplingRun, bound: int, overflow: OverflowPolicy, weights: Callable[[], Weights], ranks: Ranks
+    ) -> None:
+        super().__init__(run, bound, overflow, weights, ranks)
         self.process: Any = None
         self.shared: Shared | None = None
         self.inbox: Any = None  # the trainer's end of the worker's pipe
-
-    def running(self) -> bool:
-        """Whether the worker runs: from the first `take` to `close`."""
-        return self.process is not None
 
     def _took(self, batch: int, step: int) -> None:
         """Count batch `batch` taken by step `step`: under drop and count a room in the worker's queue."""
@@ -267,16 +267,13 @@ class ConcurrentSource(Concurrent):
         if not self.shared.took(batch, self.process.is_alive):
             raise SamplerFailed(self._death(f"while step {step} took its rollouts"))
 
-    def publish(self, version: int) -> None:
-        """Publish the trainer's weights after step `version` as version `version`, and wake the worker (nothing
-        without one: the next `take` starts one with the weights then)."""
-        if not self.running():
-            return
+    def _publish(self, version: int, weights: Weights) -> None:
+        """Write `weights` into shared memory as version `version`, and wake the worker."""
         assert self.shared is not None  # made with the process, in `_start`
-        if not self.shared.announce(version, self.weights(), self.process.is_alive):
+        if not self.shared.announce(version, weights, self.process.is_alive):
             raise SamplerFailed(self._death(f"while step {version} published its weights"))
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Stop the worker; the batches it sampled and no step took are dropped."""
         process, self.process = self.process, None
         if process is not None and process.pid is not None:
@@ -293,14 +290,11 @@ class ConcurrentSource(Concurrent):
         """What samples, as `describe`'s sentence says it."""
         return "a worker process samples"
 
-    def _start(self, step: int) -> None:
-        """Start the worker for the batches of `step` on, holding the trainer's weights now (version step − 1)."""
+    def _start(self, step: int, weights: Weights) -> None:
+        """Start the worker for the batches of `step` on, holding `weights` (version step − 1) in shared memory."""
         context = multiprocessing.get_context("spawn")
-        weights = {
-            name: tensor.detach().to("cpu", copy=True).share_memory_() for name, tensor in self.weights().items()
-        }
         self.shared = Shared(
-            weights,
+            {name: tensor.detach().to("cpu", copy=True).share_memory_() for name, tensor in weights.items()},
             context.Value("q", step - 1, lock=False),
             context.Value("q", step - 1, lock=False),  # the batches before the first count as taken
             context.Lock(),

@@ -39,6 +39,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
+from experiments.ranks import Ranks
 from experiments.step.sources.base import SamplingRun, SourceInputs
 from experiments.step.sources.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from experiments.step.sources.workers import POLL_S, Batch, Concurrent, SamplerFailed, WorkerEngine, one_line
@@ -118,7 +119,8 @@ class RaySource(Concurrent):
 
     @classmethod
     def build(cls, rollout: Any, given: SourceInputs) -> RaySource:
-        return cls(given.run, rollout.max_staleness, OVERFLOW_POLICIES[rollout.overflow](), given.weights, rollout.ray)
+        overflow = OVERFLOW_POLICIES[rollout.overflow]()
+        return cls(given.run, rollout.max_staleness, overflow, given.weights, given.ranks, rollout.ray)
 
     def __init__(
         self,
@@ -126,9 +128,10 @@ class RaySource(Concurrent):
         bound: int,
         overflow: OverflowPolicy,
         weights: Callable[[], Weights],
+        ranks: Ranks,
         settings: Any,  # rollout.ray
     ) -> None:
-        super().__init__(run, bound, overflow, weights)
+        super().__init__(run, bound, overflow, weights, ranks)
         self.address: str | None = settings.address
         self.workers, self.worker_cpus = int(settings.workers), float(settings.worker_cpus)
         self.actors: list[Any] = []
@@ -141,27 +144,24 @@ class RaySource(Concurrent):
         self.handed = 0  # the index of the next batch to hand out
         self.taken = 0  # the index of the last batch a step took
         self.version_bytes = 0  # what one version puts into the object store: the weights' bytes
-        self._connect()
+        self.on_main(self._connect)  # rank 0 alone drives the actors; every rank is refused with it
 
     def _connect(self) -> None:
         connect(self.address)
         cpus = ray.cluster_resources().get("CPU", 0.0)
         if self.workers * self.worker_cpus > cpus:
             where = f"at {self.address}" if self.address else "this run started on this machine"
-            self.close()
+            self._close()
             raise ConfigError(
                 f"rollout.ray.workers={self.workers} x rollout.ray.worker_cpus={self.worker_cpus} needs "
                 f"{self.workers * self.worker_cpus:g} CPUs, and the Ray cluster {where} has {cpus:g}"
             )
 
-    def running(self) -> bool:
-        return bool(self.actors)
-
-    def _start(self, step: int) -> None:
-        """Start the actors for the batches of `step` on, with the trainer's weights now (version step − 1)."""
+    def _start(self, step: int, weights: Weights) -> None:
+        """Start the actors for the batches of `step` on, with `weights`, the trainer's now (version step − 1)."""
         if not ray.is_initialized():  # a `take` after `close`
             self._connect()
-        self._put(step - 1)
+        self._put(step - 1, weights)
         actor = ray.remote(RolloutActor).options(num_cpus=self.worker_cpus, max_restarts=0)
         self.actors = [actor.remote(self.run) for _ in range(self.workers)]
         self.idle = list(range(self.workers))
@@ -169,11 +169,11 @@ class RaySource(Concurrent):
         self.next_batch = self.handed = step
         self.taken = step - 1  # the batches before the first count as taken
 
-    def _put(self, version: int) -> None:
-        """Put the trainer's weights into the object store once, as `version`, the newest."""
-        weights = {name: tensor.detach().to("cpu") for name, tensor in self.weights().items()}
-        self.version_bytes = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
-        self.newest = (version, [ray.put(weights)])
+    def _put(self, version: int, weights: Weights) -> None:
+        """Put `weights` into the object store once, as `version`, the newest."""
+        held = {name: tensor.detach().to("cpu") for name, tensor in weights.items()}
+        self.version_bytes = sum(tensor.numel() * tensor.element_size() for tensor in held.values())
+        self.newest = (version, [ray.put(held)])
 
     def _hand_out(self) -> None:
         """Hand the next batches, in order, to idle actors, each once the policy lets it start."""
@@ -211,20 +211,17 @@ class RaySource(Concurrent):
         self.taken = batch
         self._hand_out()  # under drop and count a take frees a room in the queue
 
-    def publish(self, version: int) -> None:
-        """Put the trainer's weights after step `version` into the object store as version `version`, and hand out
-        what the gate now lets start (nothing before the actors start: they start with the weights then)."""
-        if not self.running():
-            return
+    def _publish(self, version: int, weights: Weights) -> None:
+        """Put `weights` into the object store as version `version`, and hand out what the gate now lets start."""
         assert self.newest is not None  # put in `_start`
         if version <= self.newest[0]:
             raise SamplerFailed(
                 f"weight version {version} was published after version {self.newest[0]}: versions only grow"
             )
-        self._put(version)
+        self._put(version, weights)
         self._hand_out()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Kill every actor (the batches in flight are dropped) and disconnect; a Ray instance the run started
         itself stops."""
         actors, self.actors = self.actors, []

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from experiments.ranks import Ranks
+from experiments.ranks import Ranks, broadcast_object
 from experiments.step import metrics as m
-from experiments.step.batch import Rollout, Served, collect_rollout, draw_examples, step_seed
+from experiments.step.batch import Rollout, Served, collect_rollout, draw_examples, rank_share, step_seed
 from experiments.step.engines import HFEngine, RolloutEngine
 from experiments.step.sources.base import RolloutSource, SamplingRun, as_written, off_default
 from experiments.step.sources.overflow import OVERFLOW_POLICIES, OverflowPolicy, Verdict
@@ -208,11 +208,6 @@ class Concurrent(RolloutSource):
                 f"rollout.source=concurrent samples in a worker process with the hf engine; rollout.engine="
                 f"{rollout.engine} is not supported there: use rollout.engine=hf"
             )
-        if world > 1:
-            raise ConfigError(
-                f"rollout.source=concurrent runs one worker beside one trainer process, and this run has "
-                f"{world} ranks: use one rank (launch.nproc_per_node=1)"
-            )
 
     @classmethod
     def engine_is_trainer(cls, rollout: Any, engine: type[RolloutEngine]) -> bool:
@@ -225,16 +220,58 @@ class Concurrent(RolloutSource):
             f"{rollout.max_staleness} version(s) behind θ_old"
         )
 
-    def __init__(self, run: SamplingRun, bound: int, overflow: OverflowPolicy, weights: Callable[[], Weights]) -> None:
-        self.run, self.bound, self.overflow, self.weights = run, bound, overflow, weights
+    def __init__(
+        self, run: SamplingRun, bound: int, overflow: OverflowPolicy, weights: Callable[[], Weights], ranks: Ranks
+    ) -> None:
+        self.run, self.bound, self.overflow, self.weights, self.ranks = run, bound, overflow, weights, ranks
+        self.started = False  # on every rank: whether rank 0's workers run, from the first `take` to `close`
         self.next_batch = 0  # the index of the batch the worker sends next (its first: the step it starts at)
         self.previous: int | None = None  # the version the last batch taken was sampled with
 
+    def on_main(self, work: Callable[[], Any]) -> Any:
+        """`work`'s result, computed on rank 0 and handed to every rank; its refusal or failure raised on every rank
+        as one line, so that the ranks end together. On one rank, `work()`."""
+        outcome: tuple[type[Exception] | None, Any] | None = None
+        if self.ranks.main:
+            try:
+                outcome = (None, work())
+            except (SamplerFailed, ConfigError) as error:
+                if not self.ranks.active:
+                    raise
+                outcome = (type(error), str(error))
+        failed, payload = broadcast_object(outcome, self.ranks)
+        if failed is not None:
+            raise failed(payload)
+        return payload
+
     def take(self, step: int, seed: int) -> Served:
-        """Step `step`'s rollouts from the worker, once it has sent them: each batch checked (`check_batch`), counted
-        taken, and trained or dropped as the policy says (`verdict`); the one trained is measured."""
-        if not self.running():
-            self._start(step)
+        """Step `step`'s rollouts: rank 0 takes the next batch from its workers (`take_whole`), and each rank trains
+        its share of the batch's rows (`rank_share`), as each rank of the synchronous loop samples its share of the
+        step's prompts. The workers start at the first take, with the trainer's weights then (gathered on every rank:
+        under FSDP2 a collective)."""
+        if not self.started:
+            weights = self.weights()
+            self.on_main(lambda: self._start(step, weights))
+            self.started = True
+        return rank_share(self.on_main(lambda: self.take_whole(step)), self.ranks)
+
+    def publish(self, version: int) -> None:
+        """The trainer's weights after step `version`, gathered on every rank, published by rank 0 as version
+        `version` (nothing before the workers start: they start with the weights then)."""
+        if not self.started:
+            return
+        weights = self.weights()
+        self.on_main(lambda: self._publish(version, weights))
+
+    def close(self) -> None:
+        """Stop the workers (on rank 0, which started them), however the run ends."""
+        self.started = False
+        if self.ranks.main:
+            self._close()
+
+    def take_whole(self, step: int) -> Served:
+        """Step `step`'s whole batch from the workers, once they have sent it: each batch checked (`check_batch`),
+        counted taken, and trained or dropped as the policy says (`verdict`); the one trained is measured."""
         dropped, waited = 0, 0.0
         while True:
             batch = self._receive(step)
@@ -266,12 +303,16 @@ class Concurrent(RolloutSource):
         )
 
     @abstractmethod
-    def running(self) -> bool:
-        """Whether the workers run: from the first `take` to `close`."""
+    def _start(self, step: int, weights: Weights) -> None:
+        """Start the workers for the batches of `step` on, holding `weights`, the trainer's now (version step − 1)."""
 
     @abstractmethod
-    def _start(self, step: int) -> None:
-        """Start the workers for the batches of `step` on, holding the trainer's weights now (version step − 1)."""
+    def _publish(self, version: int, weights: Weights) -> None:
+        """Hand `weights` to the workers as version `version`; a worker's death raises `SamplerFailed`."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Stop the workers; the batches they sampled and no step took are dropped."""
 
     @abstractmethod
     def _receive(self, step: int) -> Batch:
