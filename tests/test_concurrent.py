@@ -132,7 +132,6 @@ def mu_old_under(trainer: RLTrainer, rollout: Rollout, weights: dict[str, torch.
             "rollout.lag=1 is a setting of rollout.source=lagged, and this run's source is concurrent: use "
             "rollout.source=lagged, or leave rollout.lag at 0",
         ),
-        ([*CONCURRENT, "rollout.engine=vllm"], 1, "rollout.engine=vllm is not supported there: use rollout.engine=hf"),
     ],
 )
 def test_settings_the_concurrent_sampler_cannot_serve_are_refused_before_any_work(tmp_path, overrides, world, message):

@@ -289,6 +289,31 @@ def test_under_a_lag_vllm_samples_with_the_lagged_version_and_r3_replays_its_exp
     assert lagged[0] < 1e-4 and min(lagged[1:]) > 100 * max(lagged[0], 1e-7)
 
 
+@pytest.mark.parametrize("transport", ["local", "ray"])
+def test_the_concurrent_source_samples_with_vllm_and_r3_replays_its_experts(tmp_path, monkeypatch, transport):
+    """`rollout.source=concurrent` with the vLLM engine, in the local worker process and in a Ray actor: every batch
+    is stamped with the version the worker's vLLM held, its μ_old is that version's log-probs (fp32's agreement) and
+    not the next version's, and the updates replay the experts vLLM recorded."""
+    from tests.test_concurrent import Watched, mu_old_under
+
+    if transport == "ray":
+        pytest.importorskip("ray", reason="Ray is not installed in this venv: pip install -e '.[ray]'")
+        from experiments.step.sources.ray_transport import RaySource as source
+    else:
+        from experiments.step.sources.concurrent import ConcurrentSource as source
+    watched = Watched(monkeypatch, slow_update=False, source=source)
+    checked = _replay_checked(monkeypatch)
+    settings = ["rollout.source=concurrent", f"rollout.transport={transport}", "rollout.max_staleness=1"]
+    summary = train(compose_train(*VLLM_RUN, *MOVING, *settings, "trainer.steps=4"), tmp_path / "run")
+    assert summary["status"] == "finished" and summary["engine"] == "vllm"
+    assert len(checked) == 4 * 2 and min(checked) > 0, "every update replayed the worker's vLLM experts"
+    for step, served in watched.served.items():
+        (version,) = set(served.versions.tolist())
+        assert float(mu_old_under(watched.trainer, served.rollout, watched.versions[version]).max()) < ATOL, step
+        later = mu_old_under(watched.trainer, served.rollout, watched.versions[version + 1])
+        assert float(later.max()) > 100 * ATOL, f"step {step}: the versions are told apart"
+
+
 def test_a_resumed_run_samples_exactly_what_the_uninterrupted_one_sampled(tmp_path, monkeypatch):
     """Checkpoints save the engine's generator and resume syncs the restored weights into vLLM: step 3 after a
     resume from step 2's checkpoint is step 3 of the run that never stopped."""

@@ -139,7 +139,7 @@ class WorkerEngine:
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
         """The engine takes `weights` (a full state dict of the run's model)."""
         if self.engine.shares_trainer_weights:
-            assert isinstance(self.engine, HFEngine)  # the one engine the concurrent source runs (`check`)
+            assert isinstance(self.engine, HFEngine)  # the one engine that samples on a module (vLLM holds a copy)
             self.engine.model.load_state_dict(weights)
         else:
             self.engine.sync_weights(weights)
@@ -203,11 +203,6 @@ class Concurrent(RolloutSource):
                         f"rollout.ray.{key}={value} is a setting of rollout.transport=ray, and this run's transport "
                         f"is {rollout.transport}: use rollout.transport=ray, or leave rollout.ray.{key} at {default}"
                     )
-        if rollout.engine != "hf":
-            raise ConfigError(
-                f"rollout.source=concurrent samples in a worker process with the hf engine; rollout.engine="
-                f"{rollout.engine} is not supported there: use rollout.engine=hf"
-            )
 
     @classmethod
     def engine_is_trainer(cls, rollout: Any, engine: type[RolloutEngine]) -> bool:
