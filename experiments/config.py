@@ -122,6 +122,10 @@ class RayConfig:
     address: str | None = None
     workers: int = 1  # rollout actors, each an engine of its own sampling batches of its own (disjoint rows)
     worker_cpus: float = 1.0  # the CPUs Ray reserves for each actor (its torch ops run on one thread)
+    # How each weight version reaches the actors: object_store (put once into Ray's object store; an actor's node
+    # pulls it when the actor first samples with it) or broadcast (a torch.distributed gloo group of the trainer and
+    # the actors: each version sent to every actor as it is published; experiments.step.sources.broadcast).
+    weights: str = "object_store"
 
 
 @dataclass

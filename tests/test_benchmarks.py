@@ -291,33 +291,43 @@ def test_experts_paths_agree_with_grouped_mm_under_uneven_routing_with_idle_expe
     assert load > 2 and set(seconds) == set(outputs)
 
 
-def test_concurrent_steps_every_loop_in_turn_on_the_same_work_and_reports_their_ratios(tmp_path, capsys):
+def test_concurrent_steps_the_loops_in_turn_on_the_same_work_and_reports_their_ratios(tmp_path, capsys):
+    """The local loop against the synchronous one (the Ray loops run the same worker with other overrides, which
+    `test_concurrent_loops_are_runs_the_checks_accept` composes)."""
     from benchmarks import concurrent
     from experiments.step.metrics import STALENESS_MAX
 
     out = tmp_path / "concurrent.json"
-    args = ["--rounds", "1", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
-    args += ["--loops", "local,ray2"]
+    args = ["--rounds", "2", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
+    args += ["--loops", "local"]
     for override in MICRO_OVERRIDES:
         args += ["--override", override]
     concurrent.main(args)
     assert "step throughput / synchronous" in capsys.readouterr().out
     result = json.loads(out.read_text())
     rounds = result["rounds"]
-    assert [r["order"] for r in rounds] == [["synchronous", "local", "ray2"]]
-    assert "rollout.ray.workers=2" in result["concurrent_overrides"]["ray2"]
+    assert [r["order"] for r in rounds] == [["synchronous", "local"], ["local", "synchronous"]]
     mean = lambda steps: sum(step["seconds"] for step in steps) / len(steps)  # noqa: E731
     for r in rounds:
-        synchronous = r["synchronous"]
-        assert all(STALENESS_MAX not in step for step in synchronous)
-        for label in ("local", "ray2"):
-            sampled = r[label]
-            assert len(synchronous) == len(sampled) == 2
-            assert all(step["tokens"] == 4 * 4 * 4 for step in synchronous + sampled), "the same fixed-length work"
-            assert all(step[STALENESS_MAX] <= 1 for step in sampled)
-            assert r["ratio"][label] == pytest.approx(mean(synchronous) / mean(sampled))
+        synchronous, sampled = r["synchronous"], r["local"]
+        assert len(synchronous) == len(sampled) == 2
+        assert all(step["tokens"] == 4 * 4 * 4 for step in synchronous + sampled), "the same fixed-length work"
+        assert all(step[STALENESS_MAX] <= 1 for step in sampled) and all(STALENESS_MAX not in s for s in synchronous)
+        assert r["ratio"]["local"] == pytest.approx(mean(synchronous) / mean(sampled))
         assert r["separate_devices"] >= 1, "a step is never longer than its rollout and the rest side by side"
-    assert result["ratios"] == {label: [r["ratio"][label] for r in rounds] for label in ("local", "ray2")}
+    assert result["ratios"] == {"local": [r["ratio"]["local"] for r in rounds]}
+
+
+def test_concurrent_loops_are_runs_the_checks_accept():
+    from benchmarks.concurrent import CONCURRENT_LOOPS
+    from benchmarks.workload import VARIANTS, compose_workload
+    from experiments.step.checks import check_run
+
+    for label, overrides in CONCURRENT_LOOPS.items():
+        cfg = compose_workload([*VARIANTS["grpo"], "rollout.source=concurrent", *overrides], "tiny")
+        assert check_run(cfg, memory=False).source.name == "concurrent", label
+        assert cfg.rollout.transport == ("ray" if label.startswith("ray") else "local")
+        assert cfg.rollout.ray.workers == (2 if label == "ray2" else 1)
 
 
 def test_concurrent_rounds_change_which_loop_follows_which():

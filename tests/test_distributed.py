@@ -159,9 +159,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 RESUMABLE = [
     *MICRO_RUN,
-    "trainer.steps=40",
-    "trainer.checkpoint_every=10",
-    "trainer.eval_every=15",
+    "trainer.steps=16",
+    "trainer.checkpoint_every=4",
+    "trainer.eval_every=6",  # an evaluation before the kill and one after the resume
     "trainer.save_checkpoint=true",
 ]
 
@@ -205,7 +205,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
         start_new_session=True,
     )
     deadline = time.time() + 300
-    while not (killed / "checkpoints" / "step_000020").exists():
+    while not (killed / "checkpoints" / "step_000008").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
         time.sleep(0.02)
     kill_tree(proc.pid)
@@ -221,7 +221,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
         timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stderr and "step_000020" in resumed.stderr
+    assert "resuming from" in resumed.stderr and "step_000008" in resumed.stderr
     assert _without_timings(_metrics(killed)) == _without_timings(_metrics(tmp_path / "whole"))
     a, b = (
         load_file(killed / "checkpoint" / "model.safetensors"),
@@ -229,7 +229,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
     )
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_000030", "step_000040"], "keep=2"
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step_000012", "step_000016"], "keep=2"
 
 
 def test_a_killed_sweep_relaunched_finishes_what_is_missing(tmp_path):
@@ -239,7 +239,7 @@ def test_a_killed_sweep_relaunched_finishes_what_is_missing(tmp_path):
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=PROJECT_ROOT, env=ENV, start_new_session=True
     )
     deadline = time.time() + 300
-    while not list(sweep.glob("1_*/checkpoints/step_000010")):
+    while not list(sweep.glob("1_*/checkpoints/step_000004")):
         assert proc.poll() is None and time.time() < deadline, "the sweep ended before job 1's first checkpoint"
         time.sleep(0.02)
     kill_tree(proc.pid)
@@ -248,10 +248,10 @@ def test_a_killed_sweep_relaunched_finishes_what_is_missing(tmp_path):
         [*command, "resume=auto"], capture_output=True, text=True, cwd=PROJECT_ROOT, env=ENV, timeout=600
     )
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
-    assert "already holds this run, finished after 40 steps" in relaunched.stderr
+    assert "already holds this run, finished after 16 steps" in relaunched.stderr
     for job in sorted(sweep.glob("[01]_*")):
         steps = [line[STEP] for line in _metrics(job)]
-        assert steps == list(range(1, 41)), f"{job.name}: lost or duplicated steps"
+        assert steps == list(range(1, 17)), f"{job.name}: lost or duplicated steps"
         assert json.loads((job / "summary.json").read_text())["status"] == "finished"
 
 

@@ -193,6 +193,7 @@ def test_ray_settings_another_source_or_transport_would_ignore_are_refused_befor
         (["rollout.ray.workers=0"], r"rollout.ray.workers=0 must be >= 1"),
         (["rollout.ray.worker_cpus=0"], r"rollout.ray.worker_cpus=0.0 must be > 0"),
         (["rollout.ray.address=ray://head"], r"rollout.ray.address=ray://head is not host:port"),
+        (["rollout.ray.weights=nccl"], r"rollout.ray.weights=nccl is not one of object_store, broadcast: how each"),
         (
             [f"rollout.ray.address=127.0.0.1:{free_port()}"],
             r"rollout.ray.address=127.0.0.1:\d+ does not answer \(.*refused.*\): start a Ray head there",
@@ -297,11 +298,39 @@ def test_two_trainer_ranks_under_torchrun_each_train_their_share_of_one_actor_s_
     assert no_actor_left(cluster)
 
 
+@pytest.mark.slow
+def test_by_broadcast_each_actor_samples_with_the_version_its_batch_was_handed(tmp_path, monkeypatch, cluster):
+    """`rollout.ray.weights=broadcast`, two actors ahead of a slow trainer: every version reaches both actors through
+    the group, each batch's μ_old is the log-probs of the version it is stamped with (an actor keeps the version its
+    call was handed, though newer ones arrive) and not of the next version's, and both actors sample."""
+    watched = Watched(monkeypatch)
+    settings = [
+        *RAY,
+        f"rollout.ray.address={cluster.address}",
+        "rollout.ray.workers=2",
+        "rollout.ray.weights=broadcast",
+    ]
+    summary = train(compose_train(*settings, "rollout.max_staleness=1", "trainer.steps=5"), tmp_path / "run")
+    for step, served in watched.served.items():
+        (version,) = set(served.versions.tolist())
+        own = concurrent_tests.mu_old_under(watched.trainer, served.rollout, watched.versions[version])
+        assert float(own.max()) < 1e-4, f"step {step}: version {version}'s"
+        later = concurrent_tests.mu_old_under(watched.trainer, served.rollout, watched.versions[version + 1])
+        assert float(later.max()) > 1e-3, f"step {step}: the versions are told apart"
+    assert max(step - 1 - int(served.versions[0]) for step, served in watched.served.items()) == 1
+    assert {actor for actor, _ in watched.handed} == {0, 1}, "both actors sampled"
+    assert "by a torch.distributed broadcast" in summary["rollouts"]
+    assert no_actor_left(cluster)
+
+
 # -- how a run with actors ends --------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_a_killed_actor_ends_the_run_in_one_line_with_its_log_whole_and_no_actor_left(tmp_path, monkeypatch, cluster):
+@pytest.mark.parametrize("weights", ["object_store", "broadcast"])
+def test_a_killed_actor_ends_the_run_in_one_line_with_its_log_whole_and_no_actor_left(
+    tmp_path, monkeypatch, cluster, weights
+):
     import ray
 
     from experiments.step.sources.ray_transport import RaySource
@@ -315,12 +344,19 @@ def test_a_killed_actor_ends_the_run_in_one_line_with_its_log_whole_and_no_actor
             ray.kill(source.actors[0])
 
     monkeypatch.setattr(RaySource, "publish", publish_then_kill)
+    settings = [*RAY, f"rollout.ray.address={cluster.address}", f"rollout.ray.weights={weights}", "trainer.steps=6"]
+    start = time.time()
     with pytest.raises(SystemExit) as ended:
-        train(compose_train(*RAY, f"rollout.ray.address={cluster.address}", "trainer.steps=6"), tmp_path / "run")
+        train(compose_train(*settings), tmp_path / "run")
+    # Under broadcast the next version's send to the dead actor may fail first.
     logged = ends_failed(
-        tmp_path, ended, r"the concurrent sampler's Ray worker 0 died while step \d waited for its rollouts"
+        tmp_path,
+        ended,
+        r"(the concurrent sampler's Ray worker 0 died while step \d waited for its rollouts|the broadcast of weight "
+        r"version \d to the Ray workers failed)",
     )
     assert len(logged) >= 2 and not watched.sources[0].actors
+    assert time.time() - start < 45, "the death was seen at once, not after the group's timeout"
     assert no_actor_left(cluster)
 
 
@@ -332,15 +368,8 @@ def test_an_actor_that_raises_ends_the_run_in_one_line_naming_its_error(tmp_path
     Watched(monkeypatch)
     real_put = RaySource._put
 
-    def put_a_broken_version(source, version):
-        if version != 2:
-            return real_put(source, version)
-        real_weights = source.weights
-        source.weights = lambda: {name: tensor[:1] for name, tensor in real_weights().items()}
-        try:
-            real_put(source, version)
-        finally:
-            source.weights = real_weights
+    def put_a_broken_version(source, version, weights):
+        real_put(source, version, weights if version != 2 else {name: tensor[:1] for name, tensor in weights.items()})
 
     monkeypatch.setattr(RaySource, "_put", put_a_broken_version)
     with pytest.raises(SystemExit) as ended:

@@ -33,6 +33,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -41,6 +42,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from experiments.ranks import Ranks
 from experiments.step.sources.base import SamplingRun, SourceInputs
+from experiments.step.sources.broadcast import Layout, WeightReceiver, WeightSender, layout_of
 from experiments.step.sources.overflow import OVERFLOW_POLICIES, OverflowPolicy
 from experiments.step.sources.workers import POLL_S, Batch, Concurrent, SamplerFailed, WorkerEngine, one_line
 from experiments.step.versions import Weights
@@ -49,20 +51,35 @@ from models.registry import ConfigError
 CONNECT_S = 10.0  # how long an address may take to answer before the run is refused
 
 
-class RolloutActor:
-    """One Ray worker: the run's engine on a model of its own (`WorkerEngine`), built when the actor starts."""
+@dataclass(frozen=True)
+class GroupSeat:
+    """An actor's seat in the weights' broadcast group (`rollout.ray.weights=broadcast`): where its store is, the
+    actor's rank and the group's size, and what each version holds."""
 
-    def __init__(self, run: SamplingRun) -> None:
+    address: tuple[str, int]
+    rank: int
+    size: int
+    layout: Layout
+
+
+class RolloutActor:
+    """One Ray worker: the run's engine on a model of its own (`WorkerEngine`), built when the actor starts, and under
+    `rollout.ray.weights=broadcast` its end of the weights' group (`seat`)."""
+
+    def __init__(self, run: SamplingRun, seat: GroupSeat | None) -> None:
         torch.set_num_threads(1)  # as the local worker: Ray reserves `rollout.ray.worker_cpus` for it, one by default
         self.worker = WorkerEngine(run)
+        self.receiver = None if seat is None else WeightReceiver(seat.address, seat.rank, seat.size, seat.layout)
         self.idle_since = time.perf_counter()
 
     def sample(self, batch: int, version: int, weights: list[ray.ObjectRef[Weights]]) -> Batch:
-        """Batch `batch` with version `version` (its object's reference in a list, so that Ray hands the reference,
-        not the weights: the actor reads them only when it holds another version). An error is raised as one line."""
+        """Batch `batch` with version `version`: from the object store (its object's reference in a list, so that
+        Ray hands the reference, not the weights: the actor reads them only when it holds another version), or as
+        its receiver got it by broadcast (`weights` empty). An error is raised as one line."""
         waited = time.perf_counter() - self.idle_since
+        receiver = self.receiver
         try:
-            self.worker.hold(version, lambda: ray.get(weights[0]))
+            self.worker.hold(version, lambda: ray.get(weights[0]) if receiver is None else receiver.weights(version))
             return self.worker.sample(batch, waited)
         except Exception as error:
             raise SamplerFailed(one_line(error)) from None
@@ -134,9 +151,12 @@ class RaySource(Concurrent):
         super().__init__(run, bound, overflow, weights, ranks)
         self.address: str | None = settings.address
         self.workers, self.worker_cpus = int(settings.workers), float(settings.worker_cpus)
+        self.by_broadcast = settings.weights == "broadcast"  # each version sent to every actor, not put in the store
+        self.sender: WeightSender | None = None  # under broadcast, the trainer's end of the group, from `_start`
         self.actors: list[Any] = []
         self.idle: list[int] = []  # the actors with no batch in flight
         self.calls: dict[ray.ObjectRef[Batch], tuple[int, int]] = {}  # a batch in flight: (its actor, its index)
+        self.call_versions: dict[ray.ObjectRef[Batch], int] = {}  # and the version it was handed
         self.done: dict[int, Batch] = {}  # batches sampled and not yet taken, by index
         self.newest: tuple[int, list[ray.ObjectRef[Weights]]] | None = (
             None  # the newest version published, and its object
@@ -161,19 +181,33 @@ class RaySource(Concurrent):
         """Start the actors for the batches of `step` on, with `weights`, the trainer's now (version step − 1)."""
         if not ray.is_initialized():  # a `take` after `close`
             self._connect()
-        self._put(step - 1, weights)
         actor = ray.remote(RolloutActor).options(num_cpus=self.worker_cpus, max_restarts=0)
-        self.actors = [actor.remote(self.run) for _ in range(self.workers)]
+        if self.by_broadcast:
+            self.sender = WeightSender(ray.util.get_node_ip_address(), self.workers)
+            seats = [
+                GroupSeat(self.sender.address, rank, self.workers + 1, layout_of(weights))
+                for rank in range(1, self.workers + 1)
+            ]
+            self.actors = [actor.remote(self.run, seat) for seat in seats]
+            self.sender.connect()
+        else:
+            self.actors = [actor.remote(self.run, None) for _ in range(self.workers)]
         self.idle = list(range(self.workers))
-        self.calls, self.done = {}, {}
+        self.calls, self.call_versions, self.done = {}, {}, {}
+        self._put(step - 1, weights)
         self.next_batch = self.handed = step
         self.taken = step - 1  # the batches before the first count as taken
 
     def _put(self, version: int, weights: Weights) -> None:
-        """Put `weights` into the object store once, as `version`, the newest."""
+        """Hand `weights` on as `version`, the newest: put once into the object store, or sent to every actor (which
+        keep the versions from the oldest a call in flight reads on: `experiments.step.sources.broadcast`)."""
         held = {name: tensor.detach().to("cpu") for name, tensor in weights.items()}
         self.version_bytes = sum(tensor.numel() * tensor.element_size() for tensor in held.values())
-        self.newest = (version, [ray.put(held)])
+        if self.sender is None:
+            self.newest = (version, [ray.put(held)])
+            return
+        self.sender.send(version, held, floor=min(self.call_versions.values(), default=version))
+        self.newest = (version, [])
 
     def _hand_out(self) -> None:
         """Hand the next batches, in order, to idle actors, each once the policy lets it start."""
@@ -181,7 +215,8 @@ class RaySource(Concurrent):
         version, reference = self.newest
         while self.idle and self.overflow.may_start(self.handed, self.bound, version, self.taken):
             actor = self.idle.pop(0)
-            self.calls[self.actors[actor].sample.remote(self.handed, version, reference)] = (actor, self.handed)
+            call = self.actors[actor].sample.remote(self.handed, version, reference)
+            self.calls[call], self.call_versions[call] = (actor, self.handed), version
             self.handed += 1
 
     def _receive(self, step: int) -> Batch:
@@ -191,6 +226,7 @@ class RaySource(Concurrent):
             ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=POLL_S)  # awake for the run's signals
             for reference in ready:
                 actor, index = self.calls.pop(reference)
+                self.call_versions.pop(reference)
                 try:
                     self.done[index] = ray.get(reference)
                 except RayTaskError as error:
@@ -212,7 +248,7 @@ class RaySource(Concurrent):
         self._hand_out()  # under drop and count a take frees a room in the queue
 
     def _publish(self, version: int, weights: Weights) -> None:
-        """Put `weights` into the object store as version `version`, and hand out what the gate now lets start."""
+        """Hand `weights` on as version `version` (`_put`), and hand out what the gate now lets start."""
         assert self.newest is not None  # put in `_start`
         if version <= self.newest[0]:
             raise SamplerFailed(
@@ -229,11 +265,17 @@ class RaySource(Concurrent):
             for actor in actors:
                 ray.kill(actor, no_restart=True)
             ray.shutdown()
-        self.idle, self.calls, self.done, self.newest = [], {}, {}, None
+        self.sender = None  # the group's end, once no actor is left in it
+        self.idle, self.calls, self.call_versions, self.done, self.newest = [], {}, {}, {}, None
 
     def sampler(self) -> str:
         where = f"the Ray cluster at {self.address}" if self.address else "a Ray instance on this machine"
+        how = (
+            "each version sent to every actor by a torch.distributed broadcast (rollout.ray.weights=broadcast)"
+            if self.by_broadcast
+            else "each version put once into Ray's object store"
+        )
         return (
-            f"{self.workers} Ray actor(s) on {where} sample (rollout.transport=ray; each version put once into Ray's "
-            f"object store: {self.version_bytes} bytes of weights)"
+            f"{self.workers} Ray actor(s) on {where} sample (rollout.transport=ray; {how}: {self.version_bytes} bytes "
+            "of weights)"
         )

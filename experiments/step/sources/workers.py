@@ -30,7 +30,8 @@ from models.policy import build_policy
 from models.registry import ConfigError, RunFailed
 
 TRANSPORTS = ("local", "ray")  # `rollout.transport`: a worker process and shared memory, or Ray actors
-RAY_SETTINGS = ("address", "workers", "worker_cpus")  # `rollout.ray`'s, read under the Ray transport alone
+RAY_SETTINGS = ("address", "workers", "worker_cpus", "weights")  # `rollout.ray`'s, read under the Ray transport alone
+RAY_WEIGHTS = ("object_store", "broadcast")  # `rollout.ray.weights`: how each version reaches the actors
 POLL_S = 0.5  # how often a process blocked on the other checks that the other still lives
 
 
@@ -47,6 +48,11 @@ def check_ray(settings: Any) -> None:
     if not settings.worker_cpus > 0:
         raise ConfigError(
             f"rollout.ray.worker_cpus={settings.worker_cpus} must be > 0: the CPUs Ray reserves per actor"
+        )
+    if settings.weights not in RAY_WEIGHTS:
+        raise ConfigError(
+            f"rollout.ray.weights={settings.weights} is not one of {', '.join(RAY_WEIGHTS)}: how each weight version "
+            "reaches the Ray actors (docs/async.md)"
         )
     address = settings.address
     if address is not None:
