@@ -26,7 +26,6 @@ from omegaconf import OmegaConf
 from algos.routing_variants import build_routing_variant
 from algos.routing_variants.predictive import topk_agreement
 from experiments.config import PROJECT_ROOT
-from experiments.run.stops import StopRequested
 from experiments.step.batch import Rollout, draw_examples, split_minibatches, step_seed
 from experiments.step.checks import check_run
 from experiments.step.engines import EngineFactory, EngineNumerics, HFEngine, Sampling, full_weights
@@ -54,7 +53,7 @@ from tests.conftest import MICRO_RUN
 from tests.dying_worker import DIES_AT, WINDOWS, dying_worker
 from tests.test_predictive_routing import PR2
 from tests.test_reliability import one_line, wait_for_lines
-from tests.test_train import compose_train, read_metrics
+from tests.test_train import compose_train, read_metrics, train_stopped_after
 
 CONCURRENT = ["rollout.source=concurrent"]
 SLOW_UPDATE_S = 0.25  # a trainer slower than the worker, so that the worker runs ahead to its bound
@@ -405,17 +404,7 @@ def resumes_with_its_worker_at_the_checkpoints_weights(tmp_path: Path, monkeypat
     prompts, the synchronous step 4's, with version 3: not the killed run's version)."""
     settings = [*CONCURRENT, "rollout.max_staleness=1", "trainer.steps=5", "trainer.checkpoint_every=1", *overrides]
     killed = Watched(monkeypatch, slow_update=False, source=source)
-    real_step = RLTrainer.step
-
-    def killed_after_three(trainer):
-        if trainer.step_index == 3:
-            raise StopRequested(signal.SIGTERM)
-        return real_step(trainer)
-
-    monkeypatch.setattr(RLTrainer, "step", killed_after_three)
-    with pytest.raises(SystemExit):
-        train(compose_train(*settings), tmp_path / "run")
-    monkeypatch.undo()
+    train_stopped_after(3, compose_train(*settings), tmp_path / "run", monkeypatch)
     resumed = Watched(monkeypatch, slow_update=False, source=source)
     cfg = compose_train(*settings, "resume=auto")
     train(cfg, tmp_path / "run")

@@ -7,7 +7,6 @@ what PR2 cannot serve is refused in one line before any work."""
 from __future__ import annotations
 
 import copy
-import signal
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from safetensors.torch import load_file
 
 from algos.routing_variants import build_routing_variant
 from algos.routing_variants.predictive import LOSS, PREDICTED_ACC, UNPREDICTED_ACC, topk_agreement
-from experiments.run.stops import StopRequested
 from experiments.step.engines import HFEngine, Sampling
 from experiments.step.metrics import MINIBATCHES
 from experiments.step.scoring import ScoreOptions
@@ -28,7 +26,7 @@ from models.routing.predictor import add_predictors, predicted_route, predictors
 from models.routing.trace import RoutingTrace, find_routers
 from tests.conftest import MICRO_MODEL
 from tests.test_sigmoid_family import SIGMOID, _move_biases
-from tests.test_train import compose_train, experts_used, first_step_inputs, read_metrics
+from tests.test_train import compose_train, experts_used, first_step_inputs, read_metrics, train_stopped_after
 
 PR2 = ("routing.replay=r3", "routing_variant=predictive")
 
@@ -241,17 +239,7 @@ def test_under_a_lag_the_engine_routes_with_its_versions_predictor_and_a_killed_
     exported = load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors")
     assert exported and not any("predictor" in name for name in exported), "save_pretrained: the policy alone"
 
-    real_step = RLTrainer.step
-
-    def killed_after_three(trainer):
-        if trainer.step_index == 3:
-            raise StopRequested(signal.SIGTERM)
-        return real_step(trainer)
-
-    monkeypatch.setattr(RLTrainer, "step", killed_after_three)
-    with pytest.raises(SystemExit):
-        train(compose_train(*settings), tmp_path / "killed")
-    monkeypatch.undo()
+    train_stopped_after(3, compose_train(*settings), tmp_path / "killed", monkeypatch)
     train(compose_train(*settings, "resume=auto"), tmp_path / "killed")
     timeless = lambda rows: [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]  # noqa: E731
     whole = timeless(read_metrics(tmp_path / "whole"))

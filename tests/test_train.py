@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -27,6 +28,7 @@ from algos.objective import (
     TOKEN_RATIO_VAR,
 )
 from experiments.config import PROJECT_ROOT
+from experiments.run.stops import StopRequested
 from experiments.step.batch import minibatch_order, split_minibatches
 from experiments.step.metrics import (
     AUX_LOSS,
@@ -124,6 +126,22 @@ def compose_train(*overrides: str):
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_stopped_after(steps: int, cfg, run_dir: Path, monkeypatch) -> None:
+    """Train `cfg` into `run_dir`, stopped as SIGTERM stops a run once `steps` steps are done (its checkpoints left
+    for `resume=auto`). Undoes `monkeypatch` after, the caller's patches with it."""
+    real_step = RLTrainer.step
+
+    def stopped(trainer):
+        if trainer.step_index == steps:
+            raise StopRequested(signal.SIGTERM)
+        return real_step(trainer)
+
+    monkeypatch.setattr(RLTrainer, "step", stopped)
+    with pytest.raises(SystemExit):
+        train(cfg, run_dir)
+    monkeypatch.undo()
 
 
 def experts_used(model) -> tuple[list[torch.Tensor], list]:

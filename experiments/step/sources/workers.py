@@ -176,8 +176,9 @@ def one_line(error: BaseException) -> str:
 
 
 class Concurrent(RolloutSource):
-    """The concurrent source, whichever its transport: the trainer's side of a step (`take`), over a transport's
-    hooks (`running`, `_start`, `_receive`, `_took`, with `publish`, `close` and `sampler`)."""
+    """The concurrent source, whichever its transport: the trainer's side of a step (`take`, `publish`, `close`), on
+    one rank or several (rank 0 drives the workers: `on_main`), over a transport's hooks (`_start`, `_publish`,
+    `_receive`, `_took`, `_close` and `sampler`)."""
 
     settings = ("max_staleness", "overflow", "transport", *(f"ray.{key}" for key in RAY_SETTINGS))
 
