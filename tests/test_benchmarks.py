@@ -292,13 +292,14 @@ def test_experts_paths_agree_with_grouped_mm_under_uneven_routing_with_idle_expe
 
 
 def test_concurrent_steps_the_loops_in_turn_on_the_same_work_and_reports_their_ratios(tmp_path, capsys):
-    """The local loop against the synchronous one (the Ray loops run the same worker with other overrides, which
-    `test_concurrent_loops_are_runs_the_checks_accept` composes)."""
+    """One round of the local loop against the synchronous one (the Ray loops run the same worker with other
+    overrides, which `test_concurrent_loops_are_runs_the_checks_accept` composes; the order of later rounds is
+    `test_concurrent_rounds_change_which_loop_follows_which`'s)."""
     from benchmarks import concurrent
     from experiments.step.metrics import STALENESS_MAX
 
     out = tmp_path / "concurrent.json"
-    args = ["--rounds", "2", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
+    args = ["--rounds", "1", "--steps", "2", "--warmup", "0", "--threads", "1", "--json-out", str(out)]
     args += ["--loops", "local"]
     for override in MICRO_OVERRIDES:
         args += ["--override", override]
@@ -306,7 +307,7 @@ def test_concurrent_steps_the_loops_in_turn_on_the_same_work_and_reports_their_r
     assert "step throughput / synchronous" in capsys.readouterr().out
     result = json.loads(out.read_text())
     rounds = result["rounds"]
-    assert [r["order"] for r in rounds] == [["synchronous", "local"], ["local", "synchronous"]]
+    assert [r["order"] for r in rounds] == [["synchronous", "local"]]
     mean = lambda steps: sum(step["seconds"] for step in steps) / len(steps)  # noqa: E731
     for r in rounds:
         synchronous, sampled = r["synchronous"], r["local"]
