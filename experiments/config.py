@@ -143,7 +143,7 @@ class RolloutConfig(EngineNumerics):
     # synchronous (the engine samples each step in the step, with the weights the step before made), lagged (the
     # same, exactly `lag` versions behind θ_old: the science mode, reproducible and resumable) or concurrent (a worker
     # process with its own copy of the weights samples the next steps' rollouts while the trainer updates, at most
-    # `max_staleness` behind: the throughput mode, not bit-reproducible; hf engine, one rank).
+    # `max_staleness` behind: the throughput mode, not bit-reproducible; on one rank or several, local or on Ray).
     source: str = "synchronous"
     # The lagged source's k (experiments.step.versions): step t's rollouts are sampled with the weights of this many
     # versions before θ_old (a version: the weights after one RL step; the first steps sample with the start), so
