@@ -1,7 +1,7 @@
 """Which rank this process is among the run's ranks (`Ranks`), and the object collectives every room above passes
-between them (`broadcast_object`, `gather_objects`, `barrier`). On one rank (no torchrun) each is the identity and no
-process group exists; `experiments.run.launch` starts the group. The tensor collectives and FSDP2 sharding the step
-uses are `experiments.step.data_parallel`'s.
+between them (`broadcast_object`, `scatter_objects`, `gather_objects`, `barrier`). On one rank (no torchrun) each is
+the identity and no process group exists; `experiments.run.launch` starts the group. The tensor collectives and
+FSDP2 sharding the step uses are `experiments.step.data_parallel`'s.
 """
 
 from __future__ import annotations
@@ -34,6 +34,16 @@ def broadcast_object(obj: Any, ranks: Ranks) -> Any:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def scatter_objects(objs: list[Any] | None, ranks: Ranks) -> Any:
+    """Rank 0's `objs[r]` on rank r (`objs`, one object per rank, is read on rank 0 alone)."""
+    if not ranks.active:
+        assert objs is not None  # rank 0's
+        return objs[0]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, objs if ranks.main else None, src=0)
     return box[0]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from experiments.ranks import Ranks, broadcast_object
+from experiments.ranks import Ranks, scatter_objects
 from experiments.step import metrics as m
 from experiments.step.batch import Rollout, Served, collect_rollout, draw_examples, rank_share, step_seed
 from experiments.step.engines import HFEngine, RolloutEngine
@@ -230,32 +230,36 @@ class Concurrent(RolloutSource):
         self.next_batch = 0  # the index of the batch the worker sends next (its first: the step it starts at)
         self.previous: int | None = None  # the version the last batch taken was sampled with
 
-    def on_main(self, work: Callable[[], Any]) -> Any:
-        """`work`'s result, computed on rank 0 and handed to every rank; its refusal or failure raised on every rank
-        as one line, so that the ranks end together. On one rank, `work()`."""
-        outcome: tuple[type[Exception] | None, Any] | None = None
+    def on_main(
+        self, work: Callable[[], Any], share: Callable[[Any, Ranks], Any] = lambda result, ranks: result
+    ) -> Any:
+        """`work`'s result, computed on rank 0, each rank handed its `share` of it; a refusal or failure raised on
+        every rank as one line, so that the ranks end together. On one rank, `work()`."""
+        world = self.ranks.world
+        outcomes: list[tuple[type[Exception] | None, Any]] | None = None
         if self.ranks.main:
             try:
-                outcome = (None, work())
+                result = work()
+                outcomes = [(None, share(result, Ranks(rank, world))) for rank in range(world)]
             except (SamplerFailed, ConfigError) as error:
                 if not self.ranks.active:
                     raise
-                outcome = (type(error), str(error))
-        failed, payload = broadcast_object(outcome, self.ranks)
+                outcomes = [(type(error), str(error))] * world
+        failed, payload = scatter_objects(outcomes, self.ranks)
         if failed is not None:
             raise failed(payload)
         return payload
 
     def take(self, step: int, seed: int) -> Served:
-        """Step `step`'s rollouts: rank 0 takes the next batch from its workers (`take_whole`), and each rank trains
-        its share of the batch's rows (`rank_share`), as each rank of the synchronous loop samples its share of the
-        step's prompts. The workers start at the first take, with the trainer's weights then (gathered on every rank:
-        under FSDP2 a collective)."""
+        """Step `step`'s rollouts: rank 0 takes the next batch from its workers (`take_whole`) and hands each rank
+        its share of the batch's rows alone (`rank_share`), as each rank of the synchronous loop samples its share of
+        the step's prompts. The workers start at the first take, with the trainer's weights then (gathered on every
+        rank: under FSDP2 a collective)."""
         if not self.started:
             weights = self.weights()
             self.on_main(lambda: self._start(step, weights))
             self.started = True
-        return rank_share(self.on_main(lambda: self.take_whole(step)), self.ranks)
+        return self.on_main(lambda: self.take_whole(step), rank_share)
 
     def publish(self, version: int) -> None:
         """The trainer's weights after step `version`, gathered on every rank, published by rank 0 as version
