@@ -31,6 +31,9 @@ def serve_and_die(window: str, signum: int, stamp: Path, settings: Any, shared: 
     sampler = concurrent.Sampler
     oldest = DIES_AT - 1 - settings.bound  # the version batch DIES_AT waits for under the wait policy
     asked = {"batch": -1}  # the batch the worker waits to start now
+    dying = threading.Event()  # the worker dies once: a second wait that starts before the first's signal lands
+    # (the trainer's news wakes the wait at once) would start a second timer, which could truncate the stamp as the
+    # first one's signal ends the process
 
     def die() -> None:
         stamp.write_text(repr(time.time()))
@@ -43,7 +46,9 @@ def serve_and_die(window: str, signum: int, stamp: Path, settings: Any, shared: 
         @functools.wraps(method)
         def wrapped(self, *args):
             if now(*args) and inside:
-                threading.Timer(INSIDE_S, die).start()
+                if not dying.is_set():
+                    dying.set()
+                    threading.Timer(INSIDE_S, die).start()
             elif now(*args):
                 die()
                 time.sleep(60)  # a worker that blocked or handled the signal stays here: the test fails on time
