@@ -145,7 +145,9 @@ class Watched(concurrent_tests.Watched):
         def hand_out(source):
             before = dict(source.calls)
             real_hand_out(source)
-            watched.handed += [call for reference, call in source.calls.items() if reference not in before]
+            watched.handed += [
+                (call.actor, call.batch) for reference, call in source.calls.items() if reference not in before
+            ]
 
         monkeypatch.setattr(RaySource, "_start", start)
         monkeypatch.setattr(RaySource, "_hand_out", hand_out)
@@ -357,6 +359,67 @@ def test_a_killed_actor_ends_the_run_in_one_line_with_its_log_whole_and_no_actor
     )
     assert len(logged) >= 2 and not watched.sources[0].actors
     assert time.time() - start < 45, "the death was seen at once, not after the group's timeout"
+    assert no_actor_left(cluster)
+
+
+def test_the_broadcast_rendezvous_ends_at_a_dead_actor_or_a_signal_not_at_the_groups_timeout():
+    """The trainer's rendezvous with actors that never join: an actor dead while starting ends it within a poll, and
+    so does a signal whose handler raises (the run's stop), where the wait in C++ held both for the group's 60 s."""
+    from experiments.step.sources.broadcast import WeightSender
+    from experiments.step.sources.workers import SamplerFailed
+
+    began = time.monotonic()
+    with pytest.raises(SamplerFailed, match=r"broadcast group at 127.0.0.1:\d+ never met: Ray worker 0 died"):
+        WeightSender("127.0.0.1", receivers=1).connect(
+            lambda: "Ray worker 0 died while starting" if time.monotonic() - began > 1 else None
+        )
+    assert time.monotonic() - began < 10
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stopped
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        began = time.monotonic()
+        with pytest.raises(Stopped):
+            WeightSender("127.0.0.1", receivers=1).connect(lambda: None)
+        assert time.monotonic() - began < 10
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.slow
+def test_an_actor_killed_while_it_joins_the_broadcast_group_ends_the_run_at_once(tmp_path, monkeypatch, cluster):
+    import ray
+
+    from experiments.step.sources.broadcast import WeightSender
+
+    watched = Watched(monkeypatch)
+    real_connect = WeightSender.connect
+
+    def kill_then_connect(sender, died):
+        ray.kill(watched.sources[0].actors[1])
+        real_connect(sender, died)
+
+    monkeypatch.setattr(WeightSender, "connect", kill_then_connect)
+    settings = [
+        *RAY,
+        f"rollout.ray.address={cluster.address}",
+        "rollout.ray.workers=2",
+        "rollout.ray.weights=broadcast",
+    ]
+    began = time.time()
+    with pytest.raises(SystemExit) as ended:
+        train(compose_train(*settings, "trainer.steps=3"), tmp_path / "run")
+    ends_failed(
+        tmp_path, ended, r"the weights' broadcast group at [\d.]+:\d+ never met: Ray worker 1 died while starting"
+    )
+    assert time.time() - began < 40, "the death was seen within a poll, not at the group's 60 s timeout"
     assert no_actor_left(cluster)
 
 

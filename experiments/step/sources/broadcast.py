@@ -16,19 +16,21 @@ from that floor on, about the bound's worth.
 How it fails. A receiver whose group fails (the trainer gone) records why, and a call waiting for a version raises it
 as one line; a call whose version has not arrived within `ARRIVAL_S` raises as well. The trainer's send to an actor
 that died fails in the group (gloo reports the closed connection), or after `GROUP_TIMEOUT_S`, and ends the run in one
-line (`SamplerFailed`).
+line (`SamplerFailed`). The trainer's rendezvous blocks in C++ until every actor has joined, so it waits in a thread of
+its own while the trainer polls, every `POLL_S`, whether an actor died while starting and the run's signals: a stop or
+a dead actor ends the wait at once, not at the group's timeout.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from experiments.step.sources.workers import SamplerFailed, one_line
+from experiments.step.sources.workers import POLL_S, SamplerFailed, one_line
 from experiments.step.versions import Weights
 
 GROUP_TIMEOUT_S = 60.0  # how long a rendezvous or a send may wait for a peer before the group fails
@@ -74,15 +76,32 @@ class WeightSender:
         """Where the actors find the group's store."""
         return self.host, self.store.port
 
-    def connect(self) -> None:
-        """Join the group, once every actor is joining it too; a rendezvous that fails raises `SamplerFailed`."""
-        try:
-            self.group = dist.ProcessGroupGloo(self.store, 0, self.size, timedelta(seconds=GROUP_TIMEOUT_S))
-        except RuntimeError as error:
+    def connect(self, died: Callable[[], str | None]) -> None:
+        """Join the group, once every actor is joining it too. The rendezvous blocks in C++, where no signal is
+        handled, so it runs in a thread while this one polls `died` (why an actor died while starting, or None) every
+        `POLL_S`: a dead actor, or a rendezvous that fails, raises `SamplerFailed` then, and the run's stop is raised
+        here as it arrives."""
+        joined: list[dist.ProcessGroupGloo | RuntimeError] = []  # the group, or why the rendezvous failed
+
+        def rendezvous() -> None:
+            try:
+                joined.append(dist.ProcessGroupGloo(self.store, 0, self.size, timedelta(seconds=GROUP_TIMEOUT_S)))
+            except RuntimeError as error:
+                joined.append(error)
+
+        waiting = threading.Thread(target=rendezvous, name="weights-rendezvous", daemon=True)
+        waiting.start()
+        while waiting.is_alive():
+            waiting.join(POLL_S)
+            why = None if joined else died()
+            if why is not None:
+                raise SamplerFailed(f"the weights' broadcast group at {self.host}:{self.store.port} never met: {why}")
+        if isinstance(joined[0], RuntimeError):
             raise SamplerFailed(
                 f"the Ray workers did not join the weights' broadcast group at {self.host}:{self.store.port} within "
-                f"{GROUP_TIMEOUT_S:g} s: {one_line(error)}"
-            ) from None
+                f"{GROUP_TIMEOUT_S:g} s: {one_line(joined[0])}"
+            )
+        self.group = joined[0]
 
     def send(self, version: int, weights: Weights, floor: int) -> None:
         """Send `weights` as `version` to every actor, telling them to keep no version below `floor`; a group that

@@ -34,7 +34,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import torch
@@ -49,6 +49,14 @@ from experiments.step.versions import Weights
 from models.registry import ConfigError
 
 CONNECT_S = 10.0  # how long an address may take to answer before the run is refused
+
+
+class Call(NamedTuple):
+    """A batch in flight: the actor sampling it, the batch's index and the version it was handed."""
+
+    actor: int
+    batch: int
+    version: int
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,19 @@ def answers(address: str) -> str | None:
         socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
     except OSError as error:
         return str(error) or type(error).__name__
+    return None
+
+
+def died_while_starting(started: list[ray.ObjectRef[None]]) -> str | None:
+    """Why an actor died before it was ready, from `started` (each actor's `__ray_ready__`, in the actors' order), or
+    None while every one lives."""
+    finished, _ = ray.wait(started, num_returns=len(started), timeout=0)
+    for reference in finished:
+        try:
+            ray.get(reference)
+        except RayActorError as error:
+            why = " ".join(str(error).split()).split(". ")[0]
+            return f"Ray worker {started.index(reference)} died while starting: {why}"
     return None
 
 
@@ -155,8 +176,7 @@ class RaySource(Concurrent):
         self.sender: WeightSender | None = None  # under broadcast, the trainer's end of the group, from `_start`
         self.actors: list[Any] = []
         self.idle: list[int] = []  # the actors with no batch in flight
-        self.calls: dict[ray.ObjectRef[Batch], tuple[int, int]] = {}  # a batch in flight: (its actor, its index)
-        self.call_versions: dict[ray.ObjectRef[Batch], int] = {}  # and the version it was handed
+        self.calls: dict[ray.ObjectRef[Batch], Call] = {}  # the batches in flight, by the reference to their rows
         self.done: dict[int, Batch] = {}  # batches sampled and not yet taken, by index
         self.newest: tuple[int, list[ray.ObjectRef[Weights]]] | None = (
             None  # the newest version published, and its object
@@ -189,11 +209,12 @@ class RaySource(Concurrent):
                 for rank in range(1, self.workers + 1)
             ]
             self.actors = [actor.remote(self.run, seat) for seat in seats]
-            self.sender.connect()
+            started = [each.__ray_ready__.remote() for each in self.actors]  # resolved once each has joined
+            self.sender.connect(lambda: died_while_starting(started))
         else:
             self.actors = [actor.remote(self.run, None) for _ in range(self.workers)]
         self.idle = list(range(self.workers))
-        self.calls, self.call_versions, self.done = {}, {}, {}
+        self.calls, self.done = {}, {}
         self._put(step - 1, weights)
         self.next_batch = self.handed = step
         self.taken = step - 1  # the batches before the first count as taken
@@ -206,7 +227,7 @@ class RaySource(Concurrent):
         if self.sender is None:
             self.newest = (version, [ray.put(held)])
             return
-        self.sender.send(version, held, floor=min(self.call_versions.values(), default=version))
+        self.sender.send(version, held, floor=min((call.version for call in self.calls.values()), default=version))
         self.newest = (version, [])
 
     def _hand_out(self) -> None:
@@ -216,7 +237,7 @@ class RaySource(Concurrent):
         while self.idle and self.overflow.may_start(self.handed, self.bound, version, self.taken):
             actor = self.idle.pop(0)
             call = self.actors[actor].sample.remote(self.handed, version, reference)
-            self.calls[call], self.call_versions[call] = (actor, self.handed), version
+            self.calls[call] = Call(actor, self.handed, version)
             self.handed += 1
 
     def _receive(self, step: int) -> Batch:
@@ -225,8 +246,7 @@ class RaySource(Concurrent):
             self._hand_out()
             ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=POLL_S)  # awake for the run's signals
             for reference in ready:
-                actor, index = self.calls.pop(reference)
-                self.call_versions.pop(reference)
+                actor, index, _ = self.calls.pop(reference)
                 try:
                     self.done[index] = ray.get(reference)
                 except RayTaskError as error:
@@ -266,7 +286,7 @@ class RaySource(Concurrent):
                 ray.kill(actor, no_restart=True)
             ray.shutdown()
         self.sender = None  # the group's end, once no actor is left in it
-        self.idle, self.calls, self.call_versions, self.done, self.newest = [], {}, {}, {}, None
+        self.idle, self.calls, self.done, self.newest = [], {}, {}, None
 
     def sampler(self) -> str:
         where = f"the Ray cluster at {self.address}" if self.address else "a Ray instance on this machine"
