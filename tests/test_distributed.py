@@ -166,9 +166,20 @@ RESUMABLE = [
 ]
 
 
-def _command(ranks: int, run_dir: Path, *extra: str) -> list[str]:
-    if ranks == 1:
-        return [sys.executable, "-m", "experiments.train", *RESUMABLE, f"hydra.run.dir={run_dir}", *extra]
+def _command(ranks: int, run_dir: Path, *extra: str, launched: bool = False) -> list[str]:
+    """The resumable run on `ranks` ranks: under torchrun, or (`launched`) by `launch.nproc_per_node`, whose job
+    checks the run directory and the checkpoint before torchrun starts the ranks."""
+    if ranks == 1 or launched:
+        ranks_setting = [f"launch.nproc_per_node={ranks}"] if ranks > 1 else []
+        return [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            *RESUMABLE,
+            *ranks_setting,
+            f"hydra.run.dir={run_dir}",
+            *extra,
+        ]
     return [
         *TORCHRUN,
         f"--nproc_per_node={ranks}",
@@ -183,7 +194,9 @@ def _command(ranks: int, run_dir: Path, *extra: str) -> list[str]:
 @pytest.mark.parametrize("ranks, lag", [(1, 0), (2, 3)])
 def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
     """One process, and two ranks under a lag (the engine's weight versions are in the checkpoint): the resumed run
-    samples what the whole one sampled, on each rank."""
+    samples what the whole one sampled, on each rank. The two ranks resume by `launch.nproc_per_node=2`: the job's
+    checks before torchrun starts (a directory that holds a run, a checkpoint of other ranks) pass a run of its own
+    ranks."""
     lagged = ("rollout.source=lagged", f"rollout.lag={lag}") if lag else ()
     whole = subprocess.run(
         _command(ranks, tmp_path / "whole", *lagged),
@@ -213,7 +226,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_exactly(tmp_path, ranks, lag):
     time.sleep(0.5)
     assert not (killed / "summary.json").exists(), "the kill came after the end: nothing was tested"
     resumed = subprocess.run(
-        _command(ranks, killed, *lagged, "resume=auto"),
+        _command(ranks, killed, *lagged, "resume=auto", launched=True),
         capture_output=True,
         text=True,
         cwd=PROJECT_ROOT,

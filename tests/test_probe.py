@@ -65,7 +65,6 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
     assert json.loads((tmp_path / "summary.json").read_text())["settings"][1]["lr"] == 3e-2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -76,14 +75,22 @@ def test_the_probe_measures_each_learning_rate_and_each_engine_precision(tmp_pat
     ],
 )
 def test_bad_probe_settings_are_refused_in_one_line(tmp_path, override, message):
+    with pytest.raises(SystemExit) as refused:
+        run_probe(compose_probe(override), tmp_path)
+    assert str(refused.value).startswith("moe-rl-lab: ") and message in str(refused.value)
+    assert "\n" not in str(refused.value) and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_the_probe_on_the_command_line_refuses_in_one_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.probe", *PROBE_RUN, override, f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "-m", "experiments.probe", *PROBE_RUN, "probe.measure_steps=0", f"hydra.run.dir={tmp_path}"],
         capture_output=True,
         text=True,
     )
-    assert result.returncode == 1
-    assert message in result.stderr.strip().splitlines()[-1]
-    assert result.stderr.strip().splitlines()[-1].startswith("moe-rl-lab: ")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("moe-rl-lab: ") and "probe.measure_steps=0 >= 1" in line
 
 
 def test_a_learning_rate_that_diverges_is_an_entry_that_says_so_and_the_next_is_probed(tmp_path, capsys):

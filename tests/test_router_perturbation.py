@@ -5,8 +5,6 @@ carries it: the next rollout samples with it, the next step starts on-policy fro
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,6 @@ from experiments.step.metrics import DRIFT_PER_UPDATE, ENTROPY, PERTURB_FRAC, RE
 from models.routing.hooks import record_routing
 from models.routing.perturbation import moved_share, perturb_routers, router_inputs
 from models.routing.trace import find_routers
-from tests.conftest import MICRO_RUN
 from tests.test_routing import _batch, _forward
 
 TEXTS = tuple(f"{a}+{b}={a + b}" for a in range(10, 90, 7) for b in range(3, 60, 11))  # 72 prompts, many tokens
@@ -108,12 +105,14 @@ def test_bad_perturbation_settings_are_refused_before_any_work(overrides, messag
         check_run(compose_train("routing.perturb_rate=0.1"), world=2)
 
 
-@pytest.mark.slow
-def test_a_perturbation_rate_of_one_is_refused_in_one_line_through_the_cli(tmp_path):
-    overrides = [*MICRO_RUN, "routing.perturb_rate=1.0", f"hydra.run.dir={tmp_path}"]
-    result = subprocess.run([sys.executable, "-m", "experiments.train", *overrides], capture_output=True, text=True)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
+def test_a_perturbation_rate_of_one_ends_the_run_in_one_line_before_any_step(tmp_path):
+    from experiments.train import train
+    from tests.test_train import compose_train
+
+    with pytest.raises(SystemExit) as refused:
+        train(compose_train("routing.perturb_rate=1.0"), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert str(refused.value) == (
         "moe-rl-lab: routing.perturb_rate=1.0 must be in [0, 1) (the share of activated experts the router noise "
         "moves after each update)"
     )
