@@ -1509,7 +1509,9 @@ def test_the_cold_start_refuses_bad_settings_in_one_line(tmp_path, override, mes
     from experiments.sft import cold_start
 
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
-        cfg = compose("sft", overrides=[override, f"sft.output_dir={tmp_path / 'ckpt'}", "logger.wandb.mode=disabled"])
+        # native kernels: this process has computed already, so it cannot pin the portable ones (models.cpu_kernels)
+        settings = [f"sft.output_dir={tmp_path / 'ckpt'}", "logger.wandb.mode=disabled", "cpu_kernels=native"]
+        cfg = compose("sft", overrides=[override, *settings])
     with pytest.raises(SystemExit) as refused:
         cold_start(cfg, tmp_path / "run")
     assert str(refused.value).startswith("moe-rl-lab: ") and message in str(refused.value)
