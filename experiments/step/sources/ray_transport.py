@@ -105,6 +105,11 @@ def answers(address: str) -> str | None:
     return None
 
 
+def death(error: RayActorError) -> str:
+    """Why Ray says an actor died: the first sentence of its report, on one line."""
+    return " ".join(str(error).split()).split(". ")[0]
+
+
 def died_while_starting(started: list[ray.ObjectRef[None]]) -> str | None:
     """Why an actor died before it was ready, from `started` (each actor's `__ray_ready__`, in the actors' order), or
     None while every one lives."""
@@ -113,8 +118,7 @@ def died_while_starting(started: list[ray.ObjectRef[None]]) -> str | None:
         try:
             ray.get(reference)
         except RayActorError as error:
-            why = " ".join(str(error).split()).split(". ")[0]
-            return f"Ray worker {started.index(reference)} died while starting: {why}"
+            return f"Ray worker {started.index(reference)} died while starting: {death(error)}"
     return None
 
 
@@ -255,10 +259,9 @@ class RaySource(Concurrent):
                         f"{error.cause}"
                     ) from None
                 except RayActorError as error:
-                    why = " ".join(str(error).split()).split(". ")[0]
                     raise SamplerFailed(
                         f"the concurrent sampler's Ray worker {actor} died while step {step} waited for its "
-                        f"rollouts (batch {index}): {why}"
+                        f"rollouts (batch {index}): {death(error)}"
                     ) from None
                 self.idle.append(actor)
         return self.done.pop(self.next_batch)
