@@ -65,6 +65,7 @@ class FigureSettings:
     alpha: float = EMA_ALPHA
     early_stopped: str = EarlyStopped.exclude
     primary: str = AccuracySummary.gain_area
+    only: tuple[str, ...] | None = None  # the numbers of the figures to draw (`--figures`); None: every figure
 
 
 Draw = Callable[[RunSet, FigureSettings, FigureOutput], "Figure | None"]
@@ -83,15 +84,24 @@ def in_style(draw: Callable[..., T]) -> Callable[..., T]:
     return styled
 
 
+# Every report figure's number, in the order the decorator met them: what `--figures` may name.
+FIGURE_NUMBERS: list[str] = []
+
+
 def figure(number: str, name: str, title: str) -> Callable[[Draw], Callable[[RunSet, FigureSettings], FigureOutput]]:
     """The report's figure `number` (file stem `name`) from the function that draws it (see the module's docstring):
-    called with the runs and the settings, it returns the figure's record with the files it wrote."""
+    called with the runs and the settings, it returns the figure's record with the files it wrote; a figure the
+    settings leave out (`FigureSettings.only`) is not drawn, and its record says so."""
+    FIGURE_NUMBERS.append(number)
 
     def made_by(draw: Draw) -> Callable[[RunSet, FigureSettings], FigureOutput]:
         @functools.wraps(draw)
         @in_style
         def made(runset: RunSet, settings: FigureSettings) -> FigureOutput:
             out = FigureOutput(number, name, title, "")
+            if settings.only is not None and number not in settings.only:
+                out.notes.append(left_out_by_choice(settings.only))
+                return out
             drawn = draw(runset, settings, out)
             if drawn is not None:
                 out.files = save(drawn, settings.out_dir, name, settings.dpi, settings.pdf)
@@ -100,6 +110,15 @@ def figure(number: str, name: str, title: str) -> Callable[[Draw], Callable[[Run
         return made
 
     return made_by
+
+
+def left_out_by_choice(only: Sequence[str]) -> str:
+    """The note of a figure the command line did not ask for (`--figures`)."""
+    asked = ", ".join(only)
+    return (
+        f"Not drawn: this report was asked for figure{'s' if len(only) > 1 else ''} {asked} alone (`--figures`, "
+        "which keeps a committed report small); the same command without `--figures` draws it from the runs."
+    )
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """`python -m analysis.report`: figures, a stability table and report.md from run directories or W&B.
 
-    python -m analysis.report RUN_OR_SWEEP_DIR... [--out DIR] [--pdf]
+    python -m analysis.report RUN_OR_SWEEP_DIR... [--out DIR] [--pdf] [--figures N ...]
     python -m analysis.report --wandb ENTITY/PROJECT [--group G ...] [--out DIR] [--refresh]
 
-Writes into the output folder one PNG per figure (analysis/figures.py; a PDF beside it with `--pdf`, for a paper),
+Writes into the output folder one PNG per figure (analysis/figures.py; a PDF beside it with `--pdf`, for a paper; only
+the figures `--figures` names, where it is given, each other named in the report with why it is not drawn),
 `summary.csv` (the stability table, one row per series), `per_seed.csv`, `comparisons.csv`, `left_out.csv` and
 `report.md`, which opens on what ran and what it shows (analysis/headline.py: the figure of what the sweep varied, the
 declared comparisons' verdicts, each beside the committed result the runs declare they are a miniature of,
@@ -41,7 +42,7 @@ from analysis.figures import all_figures
 from analysis.gains import EXCLUDED, accuracy_gain, left_out
 from analysis.headline import first_screen, headline_figure
 from analysis.load import load_runs
-from analysis.plotting import FigureSettings
+from analysis.plotting import FIGURE_NUMBERS, FigureSettings
 from analysis.records import RunSet, run_configs
 from analysis.references import Reference, beside, held_settings
 from analysis.sections import (
@@ -81,6 +82,7 @@ class ReportSettings:
     dpi: int = 150
     pdf: bool = False
     command: str = ""  # the command line that made the report ("Made with"), where one did
+    figures: tuple[str, ...] | None = None  # the figures to draw (`--figures`); None: every figure
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,13 @@ def assemble(runset: RunSet, out_dir: Path, decision: Decision, settings: Report
     figures = all_figures(
         runset,
         FigureSettings(
-            out_dir, settings.dpi, settings.pdf, settings.alpha, declaration.early_stopped, declaration.primary
+            out_dir,
+            settings.dpi,
+            settings.pdf,
+            settings.alpha,
+            declaration.early_stopped,
+            declaration.primary,
+            settings.figures,
         ),
     )
     table = stability_table(runset, last_n=settings.last_n, drop=settings.drop, alpha=settings.alpha)
@@ -247,6 +255,13 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dpi", type=int, default=150, help="PNG resolution (default: %(default)s)")
     parser.add_argument("--pdf", action="store_true", help="also a PDF of every figure (for a paper)")
+    parser.add_argument(
+        "--figures",
+        nargs="+",
+        metavar="N",
+        help="draw only these figures, by number (0, 1, ..., 4a, ...); the others are named, with why they are "
+        "not drawn (default: every figure)",
+    )
     declared.add_flags(
         parser,
         early_stopped=True,
@@ -271,7 +286,15 @@ def usage_error(args: argparse.Namespace) -> str | None:
         return f"--collapse-drop must be positive, got {args.collapse_drop}"
     if args.dpi < 10:
         return f"--dpi must be at least 10, got {args.dpi}"
+    unknown = [number for number in args.figures or [] if number not in FIGURE_NUMBERS]
+    if unknown:
+        return f"--figures: no figure {', '.join(unknown)}; the report's figures are {', '.join(report_order())}"
     return None
+
+
+def report_order() -> list[str]:
+    """The figures' numbers as the report orders them: 0, 1, ..., 4a, 4b, 4c, 5, ..."""
+    return sorted(FIGURE_NUMBERS, key=lambda number: (int(number.rstrip("abc")), number))
 
 
 def read(args: argparse.Namespace, wandb_api_factory: Callable[[], Any] = default_wandb_api) -> tuple[RunSet, Decision]:
@@ -294,7 +317,8 @@ def read(args: argparse.Namespace, wandb_api_factory: Callable[[], Any] = defaul
 def write(loaded: tuple[RunSet, Decision], args: argparse.Namespace, command: str) -> str:
     """The report of what `read` loaded and decided; the line saying where it is."""
     runset, decision = loaded
-    settings = ReportSettings(args.last_n, args.collapse_drop, args.ema_alpha, args.dpi, args.pdf, command)
+    figures = tuple(dict.fromkeys(args.figures)) if args.figures else None
+    settings = ReportSettings(args.last_n, args.collapse_drop, args.ema_alpha, args.dpi, args.pdf, command, figures)
     return f"report: {write_report(runset, output_folder(args), settings, decision=decision)}"
 
 

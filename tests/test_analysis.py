@@ -413,6 +413,30 @@ def test_report_references_each_figure_and_lists_problems(report_out, sweep):
     assert list(summary.columns) == STABILITY_COLUMNS
 
 
+def test_a_report_asked_for_some_figures_draws_those_alone_and_says_why_the_rest_are_not(sweep, tmp_path, capsys):
+    """`--figures` (a map's committed report keeps its response figure and a few others): the figures it names are
+    drawn as without it, every other is named with why it is not drawn, and a stale PNG of a figure no longer asked
+    for is removed with the report it belonged to."""
+    out = tmp_path / "out"
+    main([str(sweep), "--out", str(out), "--dpi", DPI, "--last-n", "5"])
+    full = {path.name: path.read_bytes() for path in out.glob("*.png")}
+    assert {"fig1_reward_vs_compute.png", "fig2_clip_fraction.png"} <= set(full)
+    main([str(sweep), "--out", str(out), "--dpi", DPI, "--last-n", "5", "--figures", "2", "5", "2"])
+    kept = {path.name: path.read_bytes() for path in out.glob("*.png")}
+    assert kept == {name: full[name] for name in ("fig2_clip_fraction.png", "fig5_ratio_variance.png")}
+    text = (out / "report.md").read_text(encoding="utf-8")
+    figure1 = text.split("### Figure 1:")[1].split("### Figure")[0]
+    assert "Not drawn." in figure1 and "asked for figures 2, 5 alone (`--figures`" in figure1
+    assert "](fig2_clip_fraction.png)" in text and "](fig1_reward_vs_compute.png)" not in text
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main([str(sweep), "--out", str(tmp_path / "other"), "--figures", "4d", "12"])
+    assert refused.value.code == 2 and not (tmp_path / "other").exists()
+    assert "--figures: no figure 4d, 12; the report's figures are 0, 1, 2, 3, 4a, 4b, 4c, 5, 6, 7, 8, 9, 10, 11" in (
+        capsys.readouterr().err
+    )
+
+
 def test_replay_figure_drawn_when_grpo_ran_with_and_without_replay(tmp_path):
     syn.curve_run(tmp_path / "runs" / "plain", "grpo", 0, syn.STEPS * [0.2])
     syn.curve_run(tmp_path / "runs" / "r2", "grpo", 0, lambda t: 0.02 * t, replay="r2")

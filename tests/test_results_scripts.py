@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from analysis.report import report_order
 from experiments.config import PROJECT_ROOT
 
 RESULTS = PROJECT_ROOT / "docs" / "results"
@@ -552,8 +553,10 @@ def test_the_learning_staleness_cells_run_at_the_k_star_their_lag_map_picked(tmp
     assert [call[:2] for call in calls] == [["-m", "experiments.train"], ["-m", "analysis.report"]] + [
         ["-m", "analysis.staleness_lag"]
     ]
-    lag_map = calls[0]
+    lag_map, report = calls[0], calls[1]
     assert {"experiment=learning_staleness", "rollout.lag=0,1,2,4", *regime} <= set(lag_map)
+    kept = report[report.index("--figures") + 1 :]  # numbers the report knows, or it would refuse after the sweep
+    assert kept == ["0", "9", "11"] and set(kept) <= set(report_order())
     paths = next(arg for arg in lag_map if arg.startswith("model.path=")).split("=", 1)[1].split(",")
     assert [Path(path).name for path in paths] == [sigmoid, f"{sigmoid}-start1", f"{sigmoid}-start2"]
     log.unlink()

@@ -4,7 +4,7 @@
 #   docs/results/async/command.sh map      the map on tuning seed 100: every arm at lags 0, 1, 2, 4, 8 from start 0 of
 #                                          the sigmoid + bias rung (glm4_moe_l16), then of the balanced softmax rung
 #                                          (qwen30b_l16), then the dense control's arms without routing
-#                                          (qwen30b_l16_dense); a report per rung
+#                                          (qwen30b_l16_dense); a report per rung, Figures 0, 9 and 11 alone
 #   docs/results/async/command.sh rule     the pre-registered rule applied to the committed maps' per_seed.csv: each
 #                                          arm's fall from lag 0 to each k, the rung and the lag k* the cells run at
 #   docs/results/async/command.sh cells RUNG K   the cells at the rung (glm4_moe_l16 or qwen30b_l16) and lag K (1, 2, 4
@@ -51,14 +51,18 @@ sweep() {  # sweep NAME MODEL RECIPE START OVERRIDES...: a sweep of MODEL from s
 }
 case $mode in
   map)
+    map_figures="--figures 0 9 11"  # a map is read through its tables: its response figure, drift and gain per lag
     $starts $sigmoid $softmax $dense
     sweep map_glm4_moe_l16 glm4_moe_l16 $sigmoid 0 "$@"
-    python -m analysis.report "$sweeps_home/map_glm4_moe_l16" --out "$results_home/map/glm4_moe_l16" --dpi 72
+    python -m analysis.report "$sweeps_home/map_glm4_moe_l16" --out "$results_home/map/glm4_moe_l16" \
+      --dpi 72 $map_figures
     sweep map_qwen30b_l16 qwen30b_l16 $softmax 0 "$@"
-    python -m analysis.report "$sweeps_home/map_qwen30b_l16" --out "$results_home/map/qwen30b_l16" --dpi 72
+    python -m analysis.report "$sweeps_home/map_qwen30b_l16" --out "$results_home/map/qwen30b_l16" \
+      --dpi 72 $map_figures
     sweep map_qwen30b_l16_dense qwen30b_l16_dense $dense 0 \
       arm=grpo_naive_async,grpo_decoupled,minirl,gspo "$@"
-    python -m analysis.report "$sweeps_home/map_qwen30b_l16_dense" --out "$results_home/map/qwen30b_l16_dense" --dpi 72
+    python -m analysis.report "$sweeps_home/map_qwen30b_l16_dense" --out "$results_home/map/qwen30b_l16_dense" \
+      --dpi 72 $map_figures
     ;;
   cells)
     if [[ $rung == glm4_moe_l16 ]]; then recipe=$sigmoid; else recipe=$softmax; fi

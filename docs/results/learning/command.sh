@@ -14,7 +14,8 @@
 #   docs/results/learning/command.sh lagmap   the lag map that picks k*: the naive asynchronous arm and MiniRL at
 #                                             k = 0, 1, 2, 4 on the sigmoid + bias rung from the learnability map's
 #                                             starts 0-2, seed 100, the fp32 engine; its report, then k* by the old rule
-#                                             (python -m analysis.staleness_lag: lagmap/k_star.json)
+#                                             (python -m analysis.staleness_lag: lagmap/k_star.json); the report
+#                                             draws Figures 0, 9 and 11 alone (docs/ is held under 10 MB)
 #   docs/results/learning/command.sh staleness   the staleness cells at k = 0 and k* (lagmap/k_star.json: refused in
 #                                             one line until it exists) from the sigmoid rung's family starts, seed 0
 #                                             on every start before seed 1: GRPO (π_old = μ_old), GRPO + TIS, MiniRL,
@@ -72,7 +73,8 @@ if [[ $mode == lagmap ]]; then
   $starts --starts 3 $sigmoid
   paths=$PWD/$($starts --path 0 $sigmoid),$PWD/$($starts --path 1 $sigmoid),$PWD/$($starts --path 2 $sigmoid)
   sweep learning_staleness lagmap_glm4_moe_l16 glm4_moe_l16 "$paths" rollout.lag=0,1,2,4 "$@"
-  python -m analysis.report "$sweeps_home/lagmap_glm4_moe_l16" --out "$results_home/lagmap/glm4_moe_l16"
+  python -m analysis.report "$sweeps_home/lagmap_glm4_moe_l16" --out "$results_home/lagmap/glm4_moe_l16" --dpi 72 \
+    --figures 0 9 11  # a map is read through its tables: its response figure, drift and gain per lag
   python -m analysis.staleness_lag "$results_home/lagmap/glm4_moe_l16" --out "$results_home/lagmap"
   exit 0
 fi
