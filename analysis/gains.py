@@ -30,12 +30,12 @@ DIVERGED, INTERRUPTED, FAILED = "diverged", "interrupted", "failed"  # how a run
 # The summaries of a run's held-out accuracy that the reports compare, each per run and from its own start (the
 # values `comparison.primary` may name: experiments.config.AccuracySummary):
 GAIN_MEASURES = {
-    AccuracySummary.gain.value: "final gain: greedy accuracy at the last evaluation − at the start (eval_prompts, 128 "
-    "by default)",
+    AccuracySummary.gain.value: "final gain: greedy accuracy at the last evaluation − at the start (on the first "
+    "`trainer.eval_prompts` test prompts)",
     AccuracySummary.gain_area.value: "mean gain over the run: the area under the greedy curve above its start, per "
     "step (every evaluation; `metrics.gain_area`)",
-    AccuracySummary.split_gain.value: "final gain on the whole test split: greedy accuracy on every test prompt (500) "
-    "at the last step − at the start",
+    AccuracySummary.split_gain.value: "final gain on the whole test split: greedy accuracy on every test prompt "
+    "(`dataset.test_size`) at the last step − at the start",
 }
 
 # How each run with a start and an end counts in the comparisons (the `counted` column of the per-seed table):

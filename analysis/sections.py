@@ -19,7 +19,7 @@ from analysis.diagnostics import WARNING_SIGNALS, WARNING_SUSTAIN, early_warning
 from analysis.gains import GAIN_MEASURES, how_it_ended
 from analysis.headline import TITLE
 from analysis.plotting import FigureOutput
-from analysis.records import UNKNOWN_START, RunSet, runs_of
+from analysis.records import UNKNOWN_START, RunSet, run_configs, runs_of
 from analysis.summaries import COLLAPSE_MIN_TAIL, COLLAPSE_TAIL_FRACTION
 from analysis.tables import PER_SEED_FILE, SUMMARY_FILE, axis_header, markdown_table, num
 from experiments.step.metrics import DRIFT, FRAGILE, MISMATCH_K3, REWARD, ROUTING_SHARE, SKIPPED, STEP_TIME
@@ -299,7 +299,24 @@ def sweep_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:
         "The measures:",
         "",
         *definitions,
+        "",
+        held_out_prompts(runset),
     ]
+
+
+def held_out_prompts(runset: RunSet) -> str:
+    """How many test prompts these runs' gains are measured on, as their recorded configs say: an evaluation's
+    standard error, and so what a gain can show, follows from it."""
+    configs = run_configs(runset.runs).values()
+
+    def counts(key: str) -> str:
+        values = sorted({int(config[key]) for config in configs if config.get(key) is not None})
+        return " or ".join(f"{value:,}" for value in values) or "not recorded"
+
+    return (
+        f"Prompts: each evaluation's greedy accuracy is on {counts('trainer.eval_prompts')} test prompts "
+        f"(`trainer.eval_prompts`), the whole test split {counts('dataset.test_size')} (`dataset.test_size`)."
+    )
 
 
 def one_arm_section(runset: RunSet, gains: pd.DataFrame) -> list[str]:

@@ -46,6 +46,7 @@ from analysis.routing_figures import (  # noqa: E402
     fig_staleness,
     heatmaps,
 )
+from analysis.sections import held_out_prompts  # noqa: E402
 from analysis.summaries import (  # noqa: E402
     STABILITY_COLUMNS,
     aggregate_curves,
@@ -411,6 +412,28 @@ def test_report_references_each_figure_and_lists_problems(report_out, sweep):
     summary = pd.read_csv(report_out / "summary.csv")
     assert summary["label"].tolist() == ["grpo", "gspo"]
     assert list(summary.columns) == STABILITY_COLUMNS
+
+
+def test_the_gains_section_says_how_many_prompts_the_runs_were_evaluated_on(tmp_path):
+    """The measures' definitions name the settings, and the runs' own counts follow them (a hard-coded count said 500
+    of a split of 1,000)."""
+    for seed, prompts in ((0, 1000), (1, 128)):
+        syn.evaluated_run(
+            tmp_path / "runs" / str(seed),
+            "grpo",
+            seed,
+            "none",
+            0.5,
+            0.6,
+            **{"trainer.eval_prompts": prompts, "dataset.test_size": 1000},
+        )
+    syn.evaluated_run(tmp_path / "runs" / "gspo", "gspo", 0, "none", 0.5, 0.6)  # records neither
+    runset = load_runs([tmp_path / "runs"])
+    assert held_out_prompts(runset) == (
+        "Prompts: each evaluation's greedy accuracy is on 128 or 1,000 test prompts (`trainer.eval_prompts`), the "
+        "whole test split 1,000 (`dataset.test_size`)."
+    )
+    assert "not recorded" in held_out_prompts(load_runs([tmp_path / "runs" / "gspo"]))
 
 
 def test_a_report_asked_for_some_figures_draws_those_alone_and_says_why_the_rest_are_not(sweep, tmp_path, capsys):
