@@ -430,6 +430,14 @@ def test_the_exploratory_n4_runs_minirl_at_two_lags_and_r3_at_2_from_eight_start
     assert contrast[-4:] == ["--lag", "2", "--out", "docs/results/async/exploratory_n4/contrasts"]
 
 
+def kept_figures(report: list[str]) -> list[str]:
+    """The figures a recorded `analysis.report` call draws (`--figures`, its last flag), each one the report knows:
+    an unknown number would be refused only after the sweeps it reports on."""
+    kept = report[report.index("--figures") + 1 :]
+    assert set(kept) <= set(report_order()), kept
+    return kept
+
+
 def test_the_learning_family_runs_in_the_maps_regime_from_ten_starts_that_meet_their_target(tmp_path):
     """`docs/results/learning/command.sh sync` (a `python` that records every call but `python -c`, which it runs):
     starts 3 on of each recipe, a start that missed its SFT's target (start 5) replaced by the next (13); the regime
@@ -475,10 +483,12 @@ def test_the_learning_family_runs_in_the_maps_regime_from_ten_starts_that_meet_t
     assert setting(trains[2], "model.path").split(",")[-1].endswith(f"{softmax}-start12")
     assert setting(trains[0], "hydra.sweeper.params.arm") == "grpo,gspo,grpo_r2,grpo_r3"
     assert setting(trains[1], "routing_variant.lr_scale") == "1,10000"
-    assert [call[call.index("--out") + 1] for call in calls if call[:2] == ["-m", "analysis.report"]] == [
+    reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
+    assert [call[call.index("--out") + 1] for call in reports] == [
         "docs/results/learning/sync/glm4_moe_l16",
         "docs/results/learning/sync/qwen30b_l16",
     ]
+    assert all(kept_figures(call) == ["0", "1", "2", "3", "4b", "5"] for call in reports)  # the part-5 figures
 
 
 def test_the_collapse_search_pushes_the_mini_batches_in_the_maps_regime_from_its_three_starts(tmp_path):
@@ -555,8 +565,7 @@ def test_the_learning_staleness_cells_run_at_the_k_star_their_lag_map_picked(tmp
     ]
     lag_map, report = calls[0], calls[1]
     assert {"experiment=learning_staleness", "rollout.lag=0,1,2,4", *regime} <= set(lag_map)
-    kept = report[report.index("--figures") + 1 :]  # numbers the report knows, or it would refuse after the sweep
-    assert kept == ["0", "9", "11"] and set(kept) <= set(report_order())
+    assert kept_figures(report) == ["0", "9", "11"]
     paths = next(arg for arg in lag_map if arg.startswith("model.path=")).split("=", 1)[1].split(",")
     assert [Path(path).name for path in paths] == [sigmoid, f"{sigmoid}-start1", f"{sigmoid}-start2"]
     log.unlink()
@@ -576,5 +585,7 @@ def test_the_learning_staleness_cells_run_at_the_k_star_their_lag_map_picked(tmp
     ]
     assert setting(trains[0], "hydra.sweeper.params.arm") == "grpo_naive_async,grpo_decoupled,minirl,minirl_r3,gspo"
     assert setting(trains[1], "hydra.sweeper.params.arm") == "grpo_decoupled,minirl,gspo"
+    (report,) = [call for call in calls_in(log) if call[:2] == ["-m", "analysis.report"]]
+    assert kept_figures(report) == ["0", "9", "10", "11"]
     used = [Path(path).name for path in setting(trains[0], "model.path").split(",")]
     assert used == [f"{sigmoid}-start{k}" for k in range(3, 13)]

@@ -41,6 +41,11 @@ if [[ $mode == staleness && ! -f $k_star_file ]]; then
 fi
 [[ $mode == starts ]] || read_regime "the learning study"
 starts=docs/results/router_starts.sh
+# The figures the reports keep (docs/ is held under 10 MB; the same report without --figures draws every one): the
+# pre-registration's part 5 from the synchronous family (reward and held-out accuracy against step and compute, the
+# clipped share, GRPO with and without replay, drift per layer against step, the ratio variances), and the staleness
+# cells' lag figures (drift against the engine, every arm per lag against step, the gain per lag)
+family_figures="--dpi 100 --figures 0 1 2 3 4b 5" staleness_figures="--dpi 100 --figures 0 9 10 11"
 sigmoid=glm4_moe_l16-addition-balanced-target-t1000 softmax=qwen30b_l16-addition-balanced-t1000
 FIRST_START=3 FAMILY_STARTS=10 LAST_START=29  # a recipe that misses its target past start 29 is refused, not retried
 
@@ -92,7 +97,8 @@ if [[ $mode == staleness ]]; then
       "hydra.sweeper.params.seed=$seed" rollout.lag=0 \
       "hydra.sweeper.params.arm=grpo_decoupled,minirl,gspo" "$@"
   done
-  python -m analysis.report "$sweeps_home"/staleness_glm4_moe_l16_* --out "$results_home/staleness/glm4_moe_l16"
+  python -m analysis.report "$sweeps_home"/staleness_glm4_moe_l16_* --out "$results_home/staleness/glm4_moe_l16" \
+    $staleness_figures
   [[ -d $results_home/sync/glm4_moe_l16 && -d $results_home/sync/qwen30b_l16 ]] || exit 0
   python -m analysis.family --family docs/results/learning/family.yaml \
     --table "sigmoid=$results_home/sync/glm4_moe_l16" --table "softmax=$results_home/sync/qwen30b_l16" \
@@ -107,5 +113,5 @@ for seed in 0 1; do
     hydra.sweeper.params.arm=grpo_pr2 routing_variant.lr_scale=1,10000 "$@"
   sweep learning_family sync_qwen30b_l16_s$seed qwen30b_l16 "$softmax_starts" "hydra.sweeper.params.seed=$seed" "$@"
 done
-python -m analysis.report "$sweeps_home"/sync_glm4_moe_l16_* --out "$results_home/sync/glm4_moe_l16"
-python -m analysis.report "$sweeps_home"/sync_qwen30b_l16_s* --out "$results_home/sync/qwen30b_l16"
+python -m analysis.report "$sweeps_home"/sync_glm4_moe_l16_* --out "$results_home/sync/glm4_moe_l16" $family_figures
+python -m analysis.report "$sweeps_home"/sync_qwen30b_l16_s* --out "$results_home/sync/qwen30b_l16" $family_figures
