@@ -430,6 +430,75 @@ def test_the_exploratory_n4_runs_minirl_at_two_lags_and_r3_at_2_from_eight_start
     assert contrast[-4:] == ["--lag", "2", "--out", "docs/results/async/exploratory_n4/contrasts"]
 
 
+def test_one_start_alone_is_made_without_those_below_it(tmp_path):
+    """`router_starts.sh --only K` makes start K of each named recipe and none below it (a family's starts 3-12 need
+    no starts 0-2); with `--starts` too it is refused, as is a K that is not a start's number."""
+    env, log = recording_python(tmp_path)
+    env["COLD_STARTS"] = str(tmp_path / "starts")
+    script = SCRIPT.parent / "router_starts.sh"
+    done = subprocess.run(["bash", str(script), "--only", "4", "tiny_moe-addition"], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert calls_in(log) == [
+        [
+            "-m",
+            "experiments.sft",
+            "model=tiny_moe",
+            "model.init_seed=4",
+            "seed=4",
+            f"sft.output_dir={tmp_path}/starts/tiny_moe-addition-start4",
+        ]
+    ]
+    for args, named in (
+        (["--starts", "3", "--only", "4"], "--starts 3 and --only 4: give one"),
+        (["--only", "x"], "'x'"),
+    ):
+        refused = subprocess.run(
+            ["bash", str(script), *args, "tiny_moe-addition"], env=env, capture_output=True, text=True
+        )
+        assert refused.returncode == 2 and named in refused.stderr and refused.stderr.count("\n") == 1
+    assert len(calls_in(log)) == 1
+
+
+def test_the_learning_family_s_starts_are_made_a_recipe_on_each_core_from_start_3_on(tmp_path):
+    """`docs/results/learning/command.sh starts hydra.launcher.n_jobs=2` (a `python` that records each call and makes
+    the start an SFT call names, start 5 of the sigmoid recipe missing its target, and whose sigmoid start 3 waits for
+    the softmax recipe's start 3): both recipes' starts at once, each
+    from start 3 (the map's starts 0-2 are not made), the missed one replaced by the next and named."""
+    log, fake = tmp_path / "calls", tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'[[ $1 == -c ]] && exec {sys.executable} "$@"\n'
+        f'line=$(printf "%s\\t" "$@"); echo "$line" >> {log}\n'  # one write: two recipes append side by side
+        "for arg; do [[ $arg == sft.output_dir=* ]] && dir=${arg#sft.output_dir=}; done\n"
+        # The sigmoid recipe's first start waits for the softmax recipe's: made one recipe after the other, it never is
+        f"other={tmp_path}/starts/qwen30b_l16-addition-balanced-t1000-start3\n"
+        "if [[ $dir == *target-t1000-start3 ]]; then\n"
+        "  for _ in $(seq 200); do [[ -d $other ]] && break; sleep 0.05; done\n"
+        "  [[ -d $other ]] || exit 1\n"
+        "fi\n"
+        'mkdir -p "$dir" && echo "{}" > "$dir/config.json"\n'
+        "reached=true; [[ $dir == *target-t1000-start5 ]] && reached=false\n"
+        'echo "{\\"reached_target\\": $reached}" > "$dir/cold_start.json"\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "COLD_STARTS": str(tmp_path / "starts")}
+    script = RESULTS / "learning" / "command.sh"
+    done = subprocess.run(
+        ["bash", str(script), "starts", "hydra.launcher.n_jobs=2"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "glm4_moe_l16-addition-balanced-target-t1000: start 5 missed its SFT's target" in done.stderr
+    made = [call[-1].rsplit("/", 1)[1] for call in calls_in(log)]
+    sigmoid, softmax = "glm4_moe_l16-addition-balanced-target-t1000", "qwen30b_l16-addition-balanced-t1000"
+    assert sorted(name for name in made if name.startswith(sigmoid)) == sorted(
+        f"{sigmoid}-start{k}" for k in range(3, 14)
+    )
+    assert sorted(name for name in made if name.startswith(softmax)) == sorted(
+        f"{softmax}-start{k}" for k in range(3, 13)
+    )
+
+
 def kept_figures(report: list[str]) -> list[str]:
     """The figures a recorded `analysis.report` call draws (`--figures`, its last flag), each one the report knows:
     an unknown number would be refused only after the sweeps it reports on."""

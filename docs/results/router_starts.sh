@@ -24,6 +24,7 @@
 #   docs/results/router_starts.sh                                            # the rung's six, start 0 each
 #   docs/results/router_starts.sh qwen30b_l16-addition-balanced              # only the named ones
 #   docs/results/router_starts.sh --starts 6 glm4_moe_l16-addition-balanced-target   # starts 0-5 of a recipe
+#   docs/results/router_starts.sh --only 7 qwen30b_l16-addition-balanced-t1000   # start 7 alone (none below it)
 #   docs/results/router_starts.sh --path 3 qwen30b_l16-scratchpad            # print where start 3 lives, make nothing
 set -euo pipefail -f  # -f: the recipes' overrides hold brackets, never globs
 source "$(dirname "$0")/args.sh"
@@ -59,21 +60,24 @@ recipe() {  # the SFT overrides of recipe $1
 start_dir() {  # where start $2 of recipe $1 lives
   if (($2 == 0)); then echo "$C/$1"; else echo "$C/$1-start$2"; fi
 }
-starts=1 path=
+starts= path= only=
 while (($#)); do
   case $1 in
-    --starts | --path)
-      (($# >= 2)) ||
-        refuse "$1 needs a value (--starts K: starts 0 .. K-1 of each recipe; --path K: where start K lives)"
-      if [[ $1 == --starts ]]; then starts=$2; else path=$2; fi
+    --starts | --path | --only)
+      (($# >= 2)) || refuse "$1 needs a value (--starts K: starts 0 .. K-1 of each recipe; --only K: start K alone;" \
+        "--path K: where start K lives)"
+      case $1 in --starts) starts=$2 ;; --path) path=$2 ;; --only) only=$2 ;; esac
       shift 2 ;;
-    -*) refuse "option '$1' is not one of: --starts K, --path K, --help" ;;
+    -*) refuse "option '$1' is not one of: --starts K, --only K, --path K, --help" ;;
     *) break ;;
   esac
 done
+[[ -z $starts || -z $only ]] || refuse "--starts $starts and --only $only: give one (starts 0 .. K-1, or start K alone)"
+starts=${starts:-1}
 [[ $starts =~ ^[1-9][0-9]*$ ]] ||
   refuse "--starts '$starts' must be a whole number >= 1 (the starts 0 .. K-1 of each recipe)"
 [[ -z $path || $path =~ ^[0-9]+$ ]] || refuse "--path '$path' must be a start's number (0, 1, ...)"
+[[ -z $only || $only =~ ^[0-9]+$ ]] || refuse "--only '$only' must be a start's number (0, 1, ...)"
 names=("$@")
 ((${#names[@]})) || names=(qwen30b_l16-addition qwen30b_l16-addition-balanced qwen30b_l16-addition-tied
                            glm4_moe_l16-addition glm4_moe_l16-addition-balanced glm4_moe_l16-addition-tied)
@@ -82,8 +86,10 @@ if [[ -n $path ]]; then
   for name in "${names[@]}"; do start_dir "$name" "$path"; done
   exit 0
 fi
+first=0
+[[ -z $only ]] || first=$((10#$only)) starts=$((10#$only + 1))
 for name in "${names[@]}"; do
-  for ((k = 0; k < starts; k++)); do
+  for ((k = first; k < starts; k++)); do
     dir=$(start_dir "$name" $k)
     seeds=()
     ((k == 0)) || seeds=("model.init_seed=$k" "seed=$k")

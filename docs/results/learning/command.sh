@@ -6,7 +6,8 @@
 #   docs/results/learning/command.sh starts   the family's ten starts of each recipe, start 3 on (starts 0-2 picked
 #                                             the regime): glm4_moe_l16-addition-balanced-target-t1000 (sigmoid + bias)
 #                                             and qwen30b_l16-addition-balanced-t1000 (balanced softmax); a start that
-#                                             misses its SFT's 45% target is replaced by the next number, and named
+#                                             misses its SFT's 45% target is replaced by the next number, and named;
+#                                             with hydra.launcher.n_jobs=2 the two recipes' starts side by side
 #   docs/results/learning/command.sh sync     the synchronous family against a bf16 engine, seed 0 on every start,
 #                                             then seed 1: on the sigmoid + bias rung GRPO, GSPO, GRPO + R2, GRPO + R3
 #                                             and GRPO + PR2 at predictor lr_scale 1 and 1e4; on the softmax rung GRPO
@@ -54,7 +55,7 @@ family_starts() {  # family_starts RECIPE: the family's starts of RECIPE, comma-
   while ((${#found[@]} < FAMILY_STARTS)); do
     ((k <= LAST_START)) || refuse "$recipe: fewer than $FAMILY_STARTS of starts $FIRST_START-$LAST_START meet the target"
     path=$($starts --path $k "$recipe")
-    [[ -f $path/cold_start.json ]] || $starts --starts $((k + 1)) "$recipe" >&2
+    [[ -f $path/cold_start.json ]] || $starts --only $k "$recipe" >&2
     [[ -f $path/cold_start.json ]] || refuse "start $k of $recipe was not made: $path holds no cold_start.json"
     if python -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["reached_target"])' \
       "$path/cold_start.json"; then
@@ -84,9 +85,23 @@ if [[ $mode == lagmap ]]; then
   exit 0
 fi
 
+if [[ $mode == starts ]]; then
+  if [[ " $* " =~ \ hydra\.launcher\.n_jobs=([2-9]|[1-9][0-9]+)\  ]]; then  # two or more side by side: a recipe each
+    family_starts $sigmoid >/dev/null &
+    sigmoid_made=$!
+    family_starts $softmax >/dev/null &
+    softmax_made=$!
+    failed=0  # each recipe's refusal is its own line; the command ends once both have ended
+    wait $sigmoid_made || failed=$?
+    wait $softmax_made || failed=$?
+    exit $failed
+  fi
+  family_starts $sigmoid >/dev/null
+  family_starts $softmax >/dev/null
+  exit 0
+fi
 sigmoid_starts=$(family_starts $sigmoid)
 softmax_starts=$(family_starts $softmax)
-[[ $mode == starts ]] && exit 0
 if [[ $mode == staleness ]]; then
   k=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["k_star"])' "$k_star_file")
   for seed in 0 1; do
