@@ -594,10 +594,12 @@ def test_the_collapse_search_pushes_the_mini_batches_in_the_maps_regime_from_its
     assert all(set(regime) <= set(call) and "experiment=collapse_search" in call for call in trains)
     paths = next(arg for arg in trains[0] if arg.startswith("model.path=")).split("=", 1)[1].split(",")
     assert [Path(path).name for path in paths] == [recipe, f"{recipe}-start1", f"{recipe}-start2"]
-    assert [call[call.index("--out") + 1] for call in calls if call[:2] == ["-m", "analysis.report"]] == [
+    reports = [call for call in calls if call[:2] == ["-m", "analysis.report"]]
+    assert [call[call.index("--out") + 1] for call in reports] == [
         "docs/results/collapse/minibatches/n8",
         "docs/results/collapse/minibatches/n16",
     ]
+    assert all(kept_figures(call) == ["1", "3", "4b", "7"] for call in reports)
 
 
 def test_the_learning_staleness_cells_run_at_the_k_star_their_lag_map_picked(tmp_path):
