@@ -4,7 +4,8 @@ each, bottom to top.
 - the runs: `configs` (a run's settings and its series label), `records` (the `RunSet` every source becomes), `load`
   (local run directories), `wandb_runs` (a W&B project);
 - what they show: `summaries` (curves, collapse, the stability table), `diagnostics` (drift per layer, mismatch, early
-  warning), `arms` (an arm, the sweep's axes and cells), `gains` (held-out accuracy gained per run), `statistics` and
+  warning), `arms` (an arm, the sweep's axes and cells), `recipe_starts` (which starts of each recipe the runs come
+  from, and why one between them is missing), `gains` (held-out accuracy gained per run), `statistics` and
   `verdicts` (paired comparisons and what they decide), `declaration` and `references` (what the runs declared and
   the committed results beside them);
 - how it is shown: `style` and `plotting` (the look and the prelude of every figure), `sweep_figure`,

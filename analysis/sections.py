@@ -19,6 +19,7 @@ from analysis.diagnostics import WARNING_SIGNALS, WARNING_SUSTAIN, early_warning
 from analysis.gains import GAIN_MEASURES, how_it_ended
 from analysis.headline import TITLE
 from analysis.plotting import FigureOutput
+from analysis.recipe_starts import recipe_starts_sentence
 from analysis.records import UNKNOWN_START, RunSet, run_configs, runs_of
 from analysis.summaries import COLLAPSE_MIN_TAIL, COLLAPSE_TAIL_FRACTION
 from analysis.tables import PER_SEED_FILE, SUMMARY_FILE, axis_header, markdown_table, num
@@ -88,8 +89,9 @@ def stability_markdown(table: pd.DataFrame, last_n: int) -> str:
 
 
 def runs_section(runset: RunSet) -> list[str]:
-    """What ran: per series its runs, seeds and model, the cold starts, the runs that did not finish and
-    every problem met while loading."""
+    """What ran: per series its runs, seeds and model, the cold starts (and each recipe's start numbers, with why
+    one between them is missing: `analysis.recipe_starts`), the runs that did not finish and every problem met while
+    loading."""
     runs = runset.runs
     rows = []
     for label in runset.labels:
@@ -107,6 +109,8 @@ def runs_section(runset: RunSet) -> list[str]:
         )
     lines = ["## Runs", "", markdown_table(["series", "runs", "seeds", "incomplete", "last step", "model"], rows)]
     lines += ["", _starts_sentence(runs)]
+    numbered = recipe_starts_sentence(run_configs(runs).values())
+    lines += ["", numbered] if numbered else []
     incomplete = runs[runs["incomplete"]]
     if len(incomplete):
         lines += [

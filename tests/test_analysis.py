@@ -36,6 +36,7 @@ from analysis.gains import EXCLUDED, SCORED_FAILED, accuracy_gain, left_out  # n
 from analysis.headline import skipped_updates  # noqa: E402
 from analysis.load import load_runs  # noqa: E402
 from analysis.plotting import FigureSettings, SeriesStyle, legend, legend_rows_in, new_figure, plot_band, series_styles  # noqa: E402
+from analysis.recipe_starts import numbers_text  # noqa: E402
 from analysis.records import INCOMPLETE, MINIBATCH_COLUMNS, RUN_COLUMNS, SCALAR_COLUMNS  # noqa: E402
 from analysis.report import main, write_report  # noqa: E402
 from analysis.routing_figures import (  # noqa: E402
@@ -46,7 +47,7 @@ from analysis.routing_figures import (  # noqa: E402
     fig_staleness,
     heatmaps,
 )
-from analysis.sections import held_out_prompts  # noqa: E402
+from analysis.sections import held_out_prompts, runs_section  # noqa: E402
 from analysis.summaries import (  # noqa: E402
     STABILITY_COLUMNS,
     aggregate_curves,
@@ -434,6 +435,31 @@ def test_the_gains_section_says_how_many_prompts_the_runs_were_evaluated_on(tmp_
         "whole test split 1,000 (`dataset.test_size`)."
     )
     assert "not recorded" in held_out_prompts(load_runs([tmp_path / "runs" / "gspo"]))
+
+
+def test_the_runs_section_names_each_recipe_s_starts_and_why_one_between_them_is_missing(tmp_path):
+    """A family's starts 3 on, start 5 replaced for missing its SFT's target (the issue's bad input: the report says
+    so); start 8's folder is not on this machine; start 10 reached its target yet no run starts from it; a second
+    recipe's start 0 alone. Each reason is read from the skipped start's own cold_start.json."""
+    starts = tmp_path / "starts"
+    recipe, other = "glm4_moe_l16-x-t1000", "qwen30b_l16-y"
+    records = {5: (False, 0.412), 10: (True, 0.5)}
+    for k, (reached, accuracy) in records.items():
+        (starts / f"{recipe}-start{k}").mkdir(parents=True)
+        (starts / f"{recipe}-start{k}" / "cold_start.json").write_text(
+            json.dumps({"reached_target": reached, "target_accuracy": 0.45, "eval_greedy_accuracy": accuracy})
+        )
+    paths = [starts / f"{recipe}-start{k}" for k in (3, 4, 6, 7, 9, 11)] + [starts / other]
+    for i, path in enumerate(paths):
+        syn.evaluated_run(tmp_path / "runs" / str(i), "grpo", 0, "none", 0.5, 0.6, **{"model.path": f"{path}/"})
+    (sentence,) = [line for line in runs_section(load_runs([tmp_path / "runs"])) if line.startswith("Starts by")]
+    assert sentence == (
+        f"Starts by recipe (docs/results/router_starts.sh's numbers): `{recipe}` starts 3, 4, 6, 7, 9, 11; start 5 "
+        "missed its SFT's target (41.2% held-out greedy against 45%), so the next number stands in for it; start 8 "
+        f"is not on this machine (no cold_start.json in {starts / f'{recipe}-start8'}); start 10 reached its SFT's "
+        f"target, yet no run here starts from it. `{other}` start 0."
+    )
+    assert numbers_text([13, 3, 4, 6, 7, 8, 9]) == "3, 4, 6-9, 13"
 
 
 def test_a_report_asked_for_some_figures_draws_those_alone_and_says_why_the_rest_are_not(sweep, tmp_path, capsys):
