@@ -22,7 +22,10 @@ says, with Holm's correction over the family. Every table a contrast reads must 
 contrast at k*. Each table is read, checked and refused in one line where the family cannot be computed from it as
 analysis/family_tables.py says: a `rollout.lag` column absent where a contrast reads the table at k*, or holding a lag
 other than 0 where every contrast reads it at lag 0; another axis varied; a lag or an arm the family needs absent;
-runs that name no start or lack the measure; fewer than 2 starts with a unit a comparison can use; starts of two
+runs that name no start or lack the measure; fewer than 2 starts with a unit a comparison can use; fewer starts
+than a comparison needs to separate under Holm over the family, whatever the data (its smallest Holm p, m · 2/2^K or
+the permutation test's, at or above 0.05), unless `--interim` asks for a reading while runs are missing, whose report
+says that no verdict in it is final; starts of two
 cold-start recipes in one table; a start on both models; or a dense table that holds an arm with routing (the dense
 control runs only the arms without). Writes `contrasts.csv` (every comparison's numbers), `units.csv` (every unit's
 value, its table in `model`), `left_out.csv` (every unit a comparison left out, with why) and `report.md`, through a
@@ -75,6 +78,7 @@ class Read(NamedTuple):
     values: list[dict[str, Values]]  # per comparison, {table: values}; a paired comparison reads one table
     left_out: pd.DataFrame
     paths: dict[str, Path]
+    short: tuple[str, ...] = ()  # the comparisons too few starts keep from separating (read only with --interim)
 
 
 def family_values(
@@ -95,6 +99,29 @@ def family_values(
                 )
         values.append(found)
     return values, pd.concat(left, ignore_index=True)[["comparison", "model", *WHY_COLUMNS]]
+
+
+def smallest_holm_p(sides: Sequence[Values], family: int) -> float:
+    """The smallest Holm p a comparison of these starts can reach in a family of `family`, whatever the data: the
+    exact sign-flip test's over the starts of one side (paired), the permutation test's between two (unpaired)."""
+    if len(sides) > 1:
+        return smallest_permutation_p(len(sides[0]), len(sides[1]), family)
+    return smallest_p(len(sides[0]), family)
+
+
+def too_few_starts(family: Sequence[Contrast], values: Sequence[dict[str, Values]]) -> list[str]:
+    """The comparisons whose starts cannot reach a Holm p below `ALPHA` in this family (whatever the data, they
+    cannot separate), as "names (their starts: the smallest p)", those alike together."""
+    short: dict[str, list[str]] = {}
+    for contrast, found in zip(family, values):
+        best = smallest_holm_p(list(found.values()), len(family))
+        if best >= ALPHA:
+            starts = " and ".join(f"{len(side)} starts" for side in found.values())
+            short.setdefault(f"{starts}: at best {best:.3g}", []).append(contrast.name)
+    return [
+        f"{'comparison' if len(names) == 1 else 'comparisons'} {', '.join(names)} ({why})"
+        for why, names in short.items()
+    ]
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,6 +163,12 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         "and only by, a family with a contrast at k*",
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument(
+        "--interim",
+        action="store_true",
+        help="judge a family some of whose comparisons have too few starts to separate (a reading while runs are "
+        "missing): refused without it; the report then says no verdict is final",
+    )
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -164,8 +197,15 @@ def read(args: argparse.Namespace) -> Read:
     given = tables_given(args)
     paths = {name: per_seed_file(given[name]) for name in declared.tables}
     values, left_out = family_values(family, read_tables(declared, family, paths), declared.measure)
+    short = too_few_starts(family, values)
+    if short and not args.interim:
+        raise ValueError(
+            f"the family's {len(family)} comparisons need the starts to separate under Holm (m · 2/2^K < {ALPHA:g}), "
+            f"and {'; '.join(short)} cannot, whatever the data: more starts, or --interim for a reading that is "
+            "no verdict"
+        )
     writable_out(args.out)
-    return Read(declared, family, values, left_out, paths)
+    return Read(declared, family, values, left_out, paths, tuple(short))
 
 
 def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str]:
@@ -203,10 +243,7 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
                 result.verdict,
             ]
         )
-        best = (
-            smallest_permutation_p(len(sides[0]), len(sides[1]), m) if len(sides) > 1 else smallest_p(len(sides[0]), m)
-        )
-        reach.append(f"{result.contrast.name} {best:.3g}")
+        reach.append(f"{result.contrast.name} {smallest_holm_p(sides, m):.3g}")
     kinds = {contrast.kind for contrast in read.family}
     at_zero = [contrast.name for contrast in read.family if contrast.lag == 0]
     paired = [
@@ -241,6 +278,12 @@ def report_lines(judged: Sequence[Judged], read: Read, command: str) -> list[str
     ]
     if command:
         lines += ["", f"Made with `{command}`."]
+    if read.short:
+        lines += [
+            "",
+            f"**Interim reading (`--interim`): no verdict here is final.** Too few starts for Holm over the {m} to "
+            f"separate: {'; '.join(read.short)}, whatever the data.",
+        ]
     how = []
     if kinds - {DIFFERENCE}:
         how.append(

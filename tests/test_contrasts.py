@@ -438,13 +438,14 @@ SIGMOID_ARMS = [GRPO_BF16, GSPO_BF16, "grpo + r2 (bf16 engine)", "grpo + r3 (bf1
 STALENESS_CELLS = [(arm, K) for arm in (NAIVE, TIS, MINIRL, R3, GSPO)] + [(arm, 0) for arm in (TIS, MINIRL, GSPO)]
 
 
-def learning_tables(tmp_path) -> dict[str, pd.DataFrame]:
-    """The learning family's three tables, planted at tmp_path/NAME.csv, split_gain a fixed noise per run: sigmoid and
-    softmax, synchronous sweeps without a lag column; staleness, the sigmoid rung's starts at 0 and K."""
+def learning_tables(tmp_path, starts: int = 10) -> dict[str, pd.DataFrame]:
+    """The learning family's three tables from `starts` starts (the declared K, 10, by default), planted at
+    tmp_path/NAME.csv, split_gain a fixed noise per run: sigmoid and softmax, synchronous sweeps without a lag column;
+    staleness, the sigmoid rung's starts at 0 and K."""
 
     def table(name: str, cells, starts_of: str) -> pd.DataFrame:
         gain = lambda arm, lag, start, seed: noise(f"{name}/{arm}", lag, start, seed)  # noqa: E731
-        return per_seed(gain, cells, model=starts_of, measure="split_gain")
+        return per_seed(gain, cells, starts=starts, model=starts_of, measure="split_gain")
 
     tables = {
         "sigmoid": table("sigmoid", [(arm, 0) for arm in SIGMOID_ARMS], "sigmoid").drop(columns="rollout.lag"),
@@ -500,11 +501,34 @@ def test_the_learning_family_is_judged_on_split_gain_each_comparison_on_the_tabl
     assert report.startswith("# The learning study's declared family")
     assert "at k* = 4 (comparisons 1, 2, 3, 4, 5, 6 at lag 0), on split_gain, from " in report
     assert f"`{tmp_path / 'softmax.csv'}` (the softmax table) and `{tmp_path / 'staleness.csv'}`" in report
-    assert "| 2: `gspo (bf16 engine)` − `grpo (bf16 engine)` at k = 0 | 8 × 2 softmax |" in report
+    assert "| 2: `gspo (bf16 engine)` − `grpo (bf16 engine)` at k = 0 | 10 × 2 softmax |" in report
+    assert "Interim" not in report
     assert "Each paired comparison reads one table: 1, 3, 4, 5, 6, the sigmoid table; 2, the softmax table; " in report
     assert "A fall is an arm's split_gain at lag 0 minus at k*" in report and "gain_area" not in report
     assert "the difference of two arms at k*; the difference of two arms at lag 0;" in report
     assert "Every unit of every table entered every comparison that reads it." in report
+
+
+def test_a_family_whose_starts_cannot_separate_is_refused_unless_read_as_an_interim(tmp_path, capsys):
+    """Eight starts in a family of nine reach at best 9 · 2/2^8 = 0.070: no comparison can separate, whatever the
+    data (the issue's "K below what the family needs"). One line before anything is written; `--interim` reads it,
+    and the report says that no verdict is final."""
+    learning_tables(tmp_path, starts=8)
+    with pytest.raises(SystemExit) as stop:
+        main(learning_argv(tmp_path))
+    assert stop.value.code == 2 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().err == (
+        "error: the family's 9 comparisons need the starts to separate under Holm (m · 2/2^K < 0.05), and comparisons "
+        "1, 2, 3, 4, 5, 6, 7, 8, 9 (8 starts: at best 0.0703) cannot, whatever the data: more starts, or --interim for "
+        "a reading that is no verdict\n"
+    )
+    main(learning_argv(tmp_path, "--interim"))
+    report = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert (
+        "**Interim reading (`--interim`): no verdict here is final.** Too few starts for Holm over the 9 to " in report
+    )
+    contrasts = pd.read_csv(tmp_path / "out" / "contrasts.csv")
+    assert not contrasts["separates"].any() and (contrasts["holm_p"] >= 0.0703 - 1e-4).all()
 
 
 def test_a_family_of_differences_at_lag_0_needs_no_lag_column_and_takes_no_lag(tmp_path, capsys):
