@@ -4,8 +4,8 @@ docs/results/router_starts.sh makes start k of recipe NAME at `NAME` (k = 0) or 
 takes the starts from some k on and replaces one that missed its SFT's target (`reached_target` false in its
 `cold_start.json`) by the next number. A report that pools the starts says which numbers it pools and, for each
 number skipped between the first and the last, what the skipped start's own record says: that its SFT missed the
-target, that it reached it (so something else left it out), or that its folder is not on this machine. Nothing is
-read but the runs' recorded `model.path` and the `cold_start.json` beside each start.
+target, that it reached it (so something else left it out), that it does not say, or that its folder is not on this
+machine. Nothing is read but the runs' recorded `model.path` and the `cold_start.json` beside each start.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def why_not_among(recipe: Path, k: int) -> str:
     if reached is False:
         said = f" ({accuracy:.1%} held-out greedy against {target:.0%})" if accuracy is not None and target else ""
         return f"start {k} missed its SFT's target{said}, so the next number stands in for it"
-    return f"start {k} reached its SFT's target, yet no run here starts from it"
+    if reached is True:
+        return f"start {k} reached its SFT's target, yet no run here starts from it"
+    return f"start {k}'s cold_start.json does not say whether it reached its target, and no run here starts from it"
 
 
 def recipe_starts_sentence(configs: Iterable[Mapping[str, Any]]) -> str:

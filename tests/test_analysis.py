@@ -443,21 +443,25 @@ def test_the_runs_section_names_each_recipe_s_starts_and_why_one_between_them_is
     recipe's start 0 alone. Each reason is read from the skipped start's own cold_start.json."""
     starts = tmp_path / "starts"
     recipe, other = "glm4_moe_l16-x-t1000", "qwen30b_l16-y"
-    records = {5: (False, 0.412), 10: (True, 0.5)}
+    records = {5: (False, 0.412), 10: (True, 0.5), 12: (None, 0.5)}
     for k, (reached, accuracy) in records.items():
         (starts / f"{recipe}-start{k}").mkdir(parents=True)
         (starts / f"{recipe}-start{k}" / "cold_start.json").write_text(
-            json.dumps({"reached_target": reached, "target_accuracy": 0.45, "eval_greedy_accuracy": accuracy})
+            json.dumps(
+                {"target_accuracy": 0.45, "eval_greedy_accuracy": accuracy}
+                | ({} if reached is None else {"reached_target": reached})
+            )
         )
-    paths = [starts / f"{recipe}-start{k}" for k in (3, 4, 6, 7, 9, 11)] + [starts / other]
+    paths = [starts / f"{recipe}-start{k}" for k in (3, 4, 6, 7, 9, 11, 13)] + [starts / other]
     for i, path in enumerate(paths):
         syn.evaluated_run(tmp_path / "runs" / str(i), "grpo", 0, "none", 0.5, 0.6, **{"model.path": f"{path}/"})
     (sentence,) = [line for line in runs_section(load_runs([tmp_path / "runs"])) if line.startswith("Starts by")]
     assert sentence == (
-        f"Starts by recipe (docs/results/router_starts.sh's numbers): `{recipe}` starts 3, 4, 6, 7, 9, 11; start 5 "
+        f"Starts by recipe (docs/results/router_starts.sh's numbers): `{recipe}` starts 3, 4, 6, 7, 9, 11, 13; start 5 "
         "missed its SFT's target (41.2% held-out greedy against 45%), so the next number stands in for it; start 8 "
         f"is not on this machine (no cold_start.json in {starts / f'{recipe}-start8'}); start 10 reached its SFT's "
-        f"target, yet no run here starts from it. `{other}` start 0."
+        "target, yet no run here starts from it; start 12's cold_start.json does not say whether it reached its "
+        f"target, and no run here starts from it. `{other}` start 0."
     )
     assert numbers_text([13, 3, 4, 6, 7, 8, 9]) == "3, 4, 6-9, 13"
 
